@@ -1,0 +1,25 @@
+"""UniCache core: framework-free KV-cache compression and a BAGEL engine.
+
+Importing this package has no side effects and never imports ComfyUI.
+"""
+
+from .errors import CancelledError, CheckpointError, UniCacheError
+from .kvcache import AttentionCall, CacheFactory, CacheRequest, FullKVCache, KVCache, full_cache_factory
+from .segments import CANDIDATE_TYPES, PROTECTED_TYPES, TokenType
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionCall",
+    "CANDIDATE_TYPES",
+    "CacheFactory",
+    "CacheRequest",
+    "CancelledError",
+    "CheckpointError",
+    "FullKVCache",
+    "KVCache",
+    "PROTECTED_TYPES",
+    "TokenType",
+    "UniCacheError",
+    "__version__",
+]

@@ -1,0 +1,157 @@
+"""Exact attention primitives over packed KV, with log-sum-exp so partial results can be merged.
+
+Layout everywhere is BAGEL's packed layout: queries ``[Tq, Hq, d]``, keys/values ``[Tk, Hkv, d]``
+with grouped-query attention (query head ``h`` reads KV head ``h // (Hq // Hkv)``).
+
+Attention over a context split into parts (cached segments, compacted or quantized stores, the new
+block) is computed part by part and merged exactly::
+
+    lse = logsumexp_s(lse_s);  out = sum_s exp(lse_s - lse) * out_s
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+_cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _check_gqa(q: Tensor, k: Tensor, v: Tensor) -> int:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"attention expects q [Tq, Hq, d], k/v [Tk, Hkv, d]; got shapes {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} must have the same shape")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head dim of queries ({q.shape[2]}) and keys ({k.shape[2]}) differ")
+    return hq // hkv
+
+
+def _head_major_attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, mask: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """q ``[B, Tq, d]``, k/v ``[B, Tk, d]`` (B = heads) → out ``[B, Tq, d]``, lse ``[B, Tq]`` fp32."""
+    if k.shape[1] == 0:
+        out = q.new_zeros(q.shape)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        return out, lse
+    if q.device.type == "cpu" and _cpu_flash is not None and mask is None and q.dtype in (
+        torch.float32, torch.bfloat16, torch.float16
+    ) and k.dtype == q.dtype and v.dtype == q.dtype:
+        out, lse = _cpu_flash(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, causal, scale=scale)
+        return out.squeeze(0), lse.squeeze(0).float()
+    # Reference path (any device / explicit mask): fp32 math.
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        tq, tk = q.shape[1], k.shape[1]
+        visible = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
+    probs = torch.nan_to_num(probs, nan=0.0)
+    out = torch.matmul(probs, v.float()).to(q.dtype)
+    return out, lse
+
+
+def attention_with_lse(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, causal: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Attention of packed queries over packed keys/values, returning the log-sum-exp too.
+
+    Args:
+        q: ``[Tq, Hq, d]`` queries.
+        k, v: ``[Tk, Hkv, d]`` keys and values; ``Hq`` must be a multiple of ``Hkv`` (GQA).
+        scale: softmax scale, default ``1/sqrt(d)``.
+        causal: bottom-right aligned causal mask (query ``i`` sees keys ``0 .. Tk-Tq+i``), as
+            flash-attn >= 2.1 applies it. ``False`` = every query sees every key.
+
+    Returns:
+        ``out [Tq, Hq, d]`` in ``q.dtype`` and ``lse [Tq, Hq]`` in fp32 (``-inf`` for rows that see no key).
+    """
+    group = _check_gqa(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    kh = k.permute(1, 0, 2)  # [Hkv, Tk, d]
+    vh = v.permute(1, 0, 2)
+    if not causal or (tq <= k.shape[0] and tq == 1):
+        # Fold the g query heads of a KV group into the query axis: [Hkv, g*Tq, d]; no KV copy.
+        qg = q.reshape(tq, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * tq, d)
+        out, lse = _head_major_attention(qg, kh, vh, scale, False, None)
+        out = out.reshape(hkv, group, tq, d).permute(2, 0, 1, 3).reshape(tq, hq, d)
+        lse = lse.reshape(hkv, group, tq).permute(2, 0, 1).reshape(tq, hq)
+        return out, lse
+    # Causal with several queries: expand KV heads so each query head has its own rows.
+    qh = q.permute(1, 0, 2)  # [Hq, Tq, d]
+    if group > 1:
+        kh = kh.repeat_interleave(group, dim=0)
+        vh = vh.repeat_interleave(group, dim=0)
+    if tq == k.shape[0]:
+        out, lse = _head_major_attention(qh, kh, vh, scale, True, None)
+    else:
+        tk = k.shape[0]
+        visible = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
+        out, lse = _head_major_attention(qh, kh, vh, scale, False, visible)
+    return out.permute(1, 0, 2), lse.permute(1, 0)
+
+
+def merge_attention(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Exactly merge partial attentions computed over disjoint key sets.
+
+    Args:
+        parts: ``(out [Tq, Hq, d], lse [Tq, Hq])`` pairs over the same queries.
+
+    Returns:
+        The merged ``(out [Tq, Hq, d], lse [Tq, Hq])``; ``out`` keeps the dtype of the first part.
+    """
+    if not parts:
+        raise ValueError("merge_attention needs at least one part")
+    if len(parts) == 1:
+        return parts[0]
+    lses = torch.stack([lse for _, lse in parts])  # [S, Tq, Hq]
+    total = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - total.clamp_min(torch.finfo(torch.float32).min).unsqueeze(0))
+    weights = torch.nan_to_num(weights, nan=0.0)
+    out = None
+    for (part_out, _), w in zip(parts, weights):
+        contrib = part_out.float() * w.unsqueeze(-1)
+        out = contrib if out is None else out.add_(contrib)
+    return out.to(parts[0][0].dtype), total
+
+
+def attention_probabilities(
+    q: Tensor, k: Tensor, *, scale: float | None = None, lse: Tensor | None = None
+) -> Tensor:
+    """Softmax probabilities of queries over keys, per query head (for scoring and statistics).
+
+    Args:
+        q: ``[Tq, Hq, d]`` queries; k: ``[Tk, Hkv, d]`` keys.
+        lse: optional ``[Tq, Hq]`` log-sum-exp over the *whole* resident context; when given, the
+            returned probabilities are shares of the full softmax (pre-eviction mass), otherwise
+            they are normalised over ``k`` alone.
+
+    Returns:
+        ``[Hq, Tq, Tk]`` fp32 probabilities.
+    """
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    qh = q.float().permute(1, 0, 2).reshape(hkv, group * tq, d)
+    scores = torch.matmul(qh, k.float().permute(1, 2, 0)) * scale  # [Hkv, g*Tq, Tk]
+    scores = scores.reshape(hq, tq, -1)
+    if lse is None:
+        return torch.softmax(scores, dim=-1)
+    return torch.exp(scores - lse.float().permute(1, 0).unsqueeze(-1))
