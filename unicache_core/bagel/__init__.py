@@ -1,0 +1,51 @@
+"""BAGEL-7B-MoT inference engine with pluggable KV caches (framework-free, CPU or GPU).
+
+Typical use::
+
+    from unicache_core.bagel import BagelPipeline, load_bagel
+
+    pipe = BagelPipeline(load_bagel("models/BAGEL-7B-MoT"))          # full caches
+    image = pipe.text_to_image("a red cube", width=512, height=512).image
+    edited = pipe.edit(image, "make it blue").image
+    answer = pipe.understand(image, "What colour is the cube?").text
+
+A compressing cache is plugged in with ``BagelPipeline(loaded, cache_factory=...)``. Command line:
+``python -m unicache_core.bagel {understand,t2i,edit} --checkpoint DIR --prompt TEXT``.
+
+Importing this package loads no weights and has no side effects.
+"""
+
+from .config import AEConfig, BagelConfig, LLMConfig, ViTConfig, load_bagel_config
+from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT, Context
+from .loader import LoadedBagel, load_bagel
+from .pipeline import BagelPipeline, FlowSettings, GenerationContexts, GenerationResult, UnderstandingResult
+from .sampling import RENORM_TYPES, combine_cfg, timestep_schedule
+from .tokenizer import BagelTokenizer
+from .transforms import VAE_TRANSFORM, VIT_TRANSFORM, ImageTransform, pil_img2rgb, prepare_input_image
+
+__all__ = [
+    "AEConfig",
+    "BagelConfig",
+    "BagelPipeline",
+    "BagelTokenizer",
+    "Context",
+    "FlowSettings",
+    "GEN_THINK_SYSTEM_PROMPT",
+    "GenerationContexts",
+    "GenerationResult",
+    "ImageTransform",
+    "LLMConfig",
+    "LoadedBagel",
+    "RENORM_TYPES",
+    "UnderstandingResult",
+    "VAE_TRANSFORM",
+    "VIT_TRANSFORM",
+    "VLM_THINK_SYSTEM_PROMPT",
+    "ViTConfig",
+    "combine_cfg",
+    "load_bagel",
+    "load_bagel_config",
+    "pil_img2rgb",
+    "prepare_input_image",
+    "timestep_schedule",
+]

@@ -1,0 +1,417 @@
+"""Physical KV-compression benchmark: one BAGEL-7B attention branch of an editing context (~19K KV tokens).
+
+Every method is matched to the same KV memory (80% reduction) and stored physically (compacted
+per-KV-head evicted rows, packed 2-bit codes); the timed step is the attention of the current-latent
+queries over the compressed cache plus their own (bidirectional) block, merged exactly by LSE.
+
+Usage::
+
+    python -m benchmarks.kv_attention [--quick] [--json PATH] [--repeats N]
+
+Memory matching (kv-compression.md §1): the byte budget of the candidate (compressible) KV is
+``min(keep * candidate_bytes, keep * full_kv_bytes - protected_bytes)`` so the *whole* branch, protected
+boundary rows and every index tensor included, is at most ``keep`` of the uncompressed K+V.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+from unicache_core.attention import attention_with_lse, attention_probabilities
+from unicache_core.policies import (
+    H2OPolicy,
+    PyramidKVPolicy,
+    ScoreInputs,
+    SnapKVPolicy,
+    StreamingLLMPolicy,
+    VLCachePolicy,
+)
+from unicache_core.policies.kivi import KIVIPolicy
+from unicache_core.quant import quantized_kv_nbytes
+from unicache_core.segmented import SegmentedLayer
+from unicache_core.segments import TokenType
+from unicache_core.stores import EvictedStore, FullStore, QuantizedStore
+from unicache_core.unicache import allocate_integer, allocate_types, type_masses
+
+logger = logging.getLogger("benchmarks.kv_attention")
+TT = TokenType
+
+
+@dataclass
+class BenchConfig:
+    """Context composition and geometry (BAGEL-7B: 28 query heads, 4 KV heads, head dim 128)."""
+
+    vae_tokens: int = 4096  # 1024 px source image -> 64x64 VAE latent tokens
+    vit_tokens: int = 4900  # 980 px SigLIP input -> 70x70 patches
+    num_images: int = 2
+    instruction_tokens: int = 800
+    latent_queries: int = 256  # current-latent block (queries and their own k/v)
+    num_heads: int = 28
+    num_kv_heads: int = 4
+    head_dim: int = 128
+    keep: float = 0.2  # 80% KV-memory reduction
+    pyramid_layers: int = 4
+    hot_fraction_instruction: float = 0.05
+    hot_fraction_vit: float = 0.03
+    repeats: int = 7
+    seed: int = 0
+    dtype: str = "auto"
+
+    def layout(self) -> list[tuple[TokenType, int]]:
+        """Runs of (type, count): per image ``[vs] VAE [ve] [vs] ViT [ve]``, then ``<im_start> text <im_end>``."""
+        runs: list[tuple[TokenType, int]] = []
+        for _ in range(self.num_images):
+            runs += [(TT.BOUNDARY, 1), (TT.SOURCE_VAE, self.vae_tokens), (TT.BOUNDARY, 1)]
+            runs += [(TT.BOUNDARY, 1), (TT.SOURCE_VIT, self.vit_tokens), (TT.BOUNDARY, 1)]
+        runs += [(TT.BOUNDARY, 1), (TT.INSTRUCTION, self.instruction_tokens), (TT.BOUNDARY, 1)]
+        return runs
+
+
+QUICK = dict(vae_tokens=1024, vit_tokens=1225, instruction_tokens=200, latent_queries=128, repeats=3)
+
+
+def _step_fn(ctx: "Context", layers: list[SegmentedLayer]):
+    def step() -> list[Tensor]:
+        return [lay.attend(ctx.queries, ctx.k_new, ctx.v_new, causal=False)[0] for lay in layers]
+
+    return step
+
+
+def _interleaved_times(steps: dict, repeats: int) -> dict[str, list[float]]:
+    """Run every step once per round (round-robin), so load changes on a shared machine hit all alike."""
+    for name, fn in steps.items():
+        logger.info("warm-up %s", name)
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(repeats):
+        logger.info("round %d/%d", i + 1, repeats)
+        for name, fn in steps.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def choose_dtype(cfg: BenchConfig) -> tuple[torch.dtype, dict]:
+    """bf16 when the CPU has a bf16 path and it is not slower than fp32 on this attention shape."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    info: dict = {"cpu_capability": cap}
+    if cfg.dtype != "auto":
+        info["dtype_reason"] = "forced"
+        return getattr(torch, cfg.dtype), info
+    if cap not in ("AVX512", "AMX", "AVX512_BF16"):
+        info["dtype_reason"] = "no AVX512 on this CPU"
+        return torch.float32, info
+    gen = torch.Generator().manual_seed(123)
+    t = min(8192, cfg.vae_tokens * 2)
+    q = torch.randn(cfg.latent_queries, cfg.num_heads, cfg.head_dim, generator=gen)
+    k = torch.randn(t, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    steps = {}
+    for name, dt in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        qd, kd = q.to(dt), k.to(dt)
+        steps[name] = (lambda qd=qd, kd=kd: attention_with_lse(qd, kd, kd))
+    timings = {name: statistics.median(ts) for name, ts in _interleaved_times(steps, 5).items()}
+    info["dtype_probe_seconds"] = timings
+    best = "bfloat16" if timings["bfloat16"] <= timings["float32"] else "float32"
+    info["dtype_reason"] = "measured: faster of bf16/fp32 on the CPU flash-attention path"
+    return getattr(torch, best), info
+
+
+@dataclass
+class Context:
+    keys: Tensor  # [T, Hkv, d]
+    values: Tensor
+    types: Tensor  # [T] int8
+    queries: Tensor  # [Tq, Hq, d]
+    k_new: Tensor  # [Tq, Hkv, d]
+    v_new: Tensor
+
+
+def make_context(cfg: BenchConfig, dtype: torch.dtype) -> Context:
+    """Synthetic but structured K/V.
+
+    Each KV head has a query direction ``u_h``; latent queries are ``4 u_h + noise``. A few "hot"
+    instruction / ViT keys (a different random set per KV head) are aligned with ``u_h`` (logit
+    +~5), so their attention is concentrated; VAE keys are mildly aligned (+~1) so VAE mass is large
+    but spread over all its tokens; everything else is isotropic noise.
+    """
+    gen = torch.Generator().manual_seed(cfg.seed)
+    h, d, hq = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
+    types = torch.cat([torch.full((n,), int(t), dtype=torch.int8) for t, n in cfg.layout()])
+    t = types.shape[0]
+    u = torch.nn.functional.normalize(torch.randn(h, d, generator=gen), dim=-1)  # [Hkv, d]
+    keys = torch.randn(t, h, d, generator=gen)
+    values = torch.randn(t, h, d, generator=gen)
+    align = torch.zeros(t, h)
+    vae = types == int(TT.SOURCE_VAE)
+    align[vae] = 2.8 + 0.5 * torch.randn(int(vae.sum()), h, generator=gen)
+    for typ, frac in ((TT.INSTRUCTION, cfg.hot_fraction_instruction), (TT.SOURCE_VIT, cfg.hot_fraction_vit)):
+        idx = (types == int(typ)).nonzero().squeeze(1)
+        n_hot = max(1, int(frac * idx.numel()))
+        for head in range(h):
+            hot = idx[torch.randperm(idx.numel(), generator=gen)[:n_hot]]
+            align[hot, head] = 14.0 + 3.0 * torch.randn(n_hot, generator=gen)
+    keys += align.unsqueeze(-1) * u.unsqueeze(0)
+    group = hq // h
+    queries = torch.randn(cfg.latent_queries, hq, d, generator=gen) + 4.0 * u.repeat_interleave(group, 0)
+    k_new = torch.randn(cfg.latent_queries, h, d, generator=gen)
+    v_new = torch.randn(cfg.latent_queries, h, d, generator=gen)
+    return Context(keys.to(dtype), values.to(dtype), types, queries.to(dtype), k_new.to(dtype), v_new.to(dtype))
+
+
+@dataclass
+class Scoring:
+    """Pre-eviction statistics from the latent queries over the whole resident context (§9.1)."""
+
+    lse: Tensor  # [Tq, Hq] over cached + new block
+    accumulated: Tensor  # [T, Hkv] attention summed over queries, mean over the group's query heads
+    masses: dict  # {TokenType: mass}
+
+
+def score_context(ctx: Context, chunk: int = 32) -> Scoring:
+    _, lse_cache = attention_with_lse(ctx.queries, ctx.keys, ctx.values)
+    _, lse_new = attention_with_lse(ctx.queries, ctx.k_new, ctx.v_new)
+    lse = torch.logaddexp(lse_cache, lse_new)
+    t, h = ctx.keys.shape[:2]
+    hq = ctx.queries.shape[1]
+    acc = torch.zeros(t, h)
+    per_token = torch.zeros(t)
+    for s in range(0, ctx.queries.shape[0], chunk):
+        probs = attention_probabilities(ctx.queries[s : s + chunk], ctx.keys, lse=lse[s : s + chunk])  # [Hq,c,T]
+        summed = probs.sum(dim=1)  # [Hq, T]
+        acc += summed.reshape(h, hq // h, t).mean(dim=1).t()
+        per_token += summed.mean(dim=0)
+    per_token /= ctx.queries.shape[0]
+    masses = {TT(int(v)): float(per_token[ctx.types == v].sum()) for v in torch.unique(ctx.types).tolist()}
+    return Scoring(lse, acc, masses)
+
+
+def _rows(ctx: Context, typ: TokenType | None, candidate: bool = False) -> Tensor:
+    if candidate:
+        mask = ctx.types != int(TT.BOUNDARY)
+    else:
+        mask = ctx.types == int(typ)
+    return mask.nonzero().squeeze(1)
+
+
+def _full(ctx: Context, rows: Tensor, typ: TokenType) -> FullStore:
+    return FullStore(ctx.keys[rows], ctx.values[rows], rows, typ)
+
+
+def evict_budget_tokens(byte_budget: int, cfg: BenchConfig, elem: int) -> int:
+    """Tokens per KV head an :class:`EvictedStore` can keep within ``byte_budget`` (K+V + int32 index)."""
+    return byte_budget // (cfg.num_kv_heads * (2 * cfg.head_dim * elem + 4))
+
+
+def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tuple[dict, dict]:
+    """Compress once per method. Returns ``({method: [SegmentedLayer, ...]}, budget info)``."""
+    cand = _rows(ctx, None, candidate=True)
+    bnd = _rows(ctx, TT.BOUNDARY)
+    protected = _full(ctx, bnd, TT.BOUNDARY)
+    per_token_full = cfg.num_kv_heads * 2 * cfg.head_dim * elem
+    full_bytes = ctx.keys.shape[0] * per_token_full
+    cand_bytes = cand.numel() * per_token_full
+    budget = int(min(cfg.keep * cand_bytes, cfg.keep * full_bytes - protected.nbytes()))
+    n_keep = evict_budget_tokens(budget, cfg, elem)
+    info = {"candidate_tokens": int(cand.numel()), "protected_tokens": int(bnd.numel()),
+            "candidate_byte_budget": budget, "evict_keep_tokens_per_head": n_keep}
+    ck, cv = ctx.keys[cand], ctx.values[cand]
+    acc_c = sc.accumulated[cand]
+    methods: dict[str, list[SegmentedLayer]] = {}
+
+    def layer(*stores) -> SegmentedLayer:
+        seg = SegmentedLayer()
+        seg.stores = [protected, *stores]
+        return seg
+
+    def evicted(keep: Tensor, typ: TokenType = TT.UNKNOWN, rows: Tensor = cand) -> EvictedStore:
+        return EvictedStore.from_selection(ctx.keys[rows], ctx.values[rows], rows, keep, typ)
+
+    full = SegmentedLayer()
+    full.stores = [FullStore(ctx.keys, ctx.values, torch.arange(ctx.keys.shape[0]), TT.UNKNOWN)]
+    methods["full"] = [full]
+
+    inputs = ScoreInputs(keys=ck, accumulated=acc_c)
+    methods["h2o"] = [layer(evicted(H2OPolicy(recent_fraction=0.25).select(inputs, n_keep)))]
+
+    lse_window = sc.lse[-64:]
+    snap_in = ScoreInputs(keys=ck, queries=ctx.queries[-64:], query_lse=lse_window)
+    methods["snapkv"] = [layer(evicted(SnapKVPolicy(queries_in_keys=False).select(snap_in, n_keep)))]
+
+    pyr = PyramidKVPolicy(keep_ratio=n_keep / cand.numel(), queries_in_keys=False)
+    budgets = [pyr.layer_budget(cand.numel(), li, cfg.pyramid_layers) for li in range(cfg.pyramid_layers)]
+    # same synthetic K/V in every layer: only the budgets differ; scores are computed once
+    scores = pyr.score(snap_in)
+    from unicache_core.policies.base import topk_per_head
+
+    methods["pyramidkv"] = [layer(evicted(topk_per_head(scores, b))) for b in budgets]
+    info["pyramidkv_layer_budgets"] = budgets
+
+    methods["streamingllm"] = [layer(evicted(StreamingLLMPolicy(n_sink=4).select(ScoreInputs(keys=ck), n_keep)))]
+
+    vl_in = ScoreInputs(keys=ck, queries=ctx.queries, query_lse=sc.lse)
+    methods["vlcache"] = [layer(evicted(VLCachePolicy(queries_in_keys=False).select(vl_in, n_keep)))]
+
+    # KIVI-2: the most accurate (small G, large R) 2-bit setting whose measured bytes fit the budget
+    kivi = None
+    for g, r in ((32, 128), (32, 32), (64, 32), (128, 32)):
+        need = quantized_kv_nbytes(cand.numel(), cfg.num_kv_heads, cfg.head_dim, 2, g, r, elem) + 4 * cand.numel()
+        if need <= budget:
+            kivi = KIVIPolicy(bits=2, group_size=g, residual=r)
+            break
+    if kivi is None:
+        raise RuntimeError("no 2-bit KIVI setting fits the budget")
+    methods["kivi"] = [layer(kivi.compress(ck, cv, cand, TT.UNKNOWN))]
+    info["kivi"] = asdict(kivi)
+
+    methods["unicache"] = [layer(*_unicache_stores(cfg, ctx, sc, budget, elem, info))]
+    methods["unicache_engine"] = [layer(*_unicache_engine_stores(cfg, ctx, sc))]
+    return methods, info
+
+
+def _unicache_stores(cfg: BenchConfig, ctx: Context, sc: Scoring, budget: int, elem: int, info: dict) -> list:
+    """Instruction + ViT evicted (H2O scores, 25% recent), source-VAE quantized via the §8.6 lookup.
+
+    1. Split the budget (in full-token equivalents) over the three types in proportion to their
+       pre-eviction attention mass (capped water-filling allocator, §8.6).
+    2. VAE ratio -> KIVI lookup row (R=32); its *measured* bytes are charged to the budget.
+    3. The bytes left become evicted rows, split over instruction/ViT by mass (integer allocator).
+    """
+    per_token_full = cfg.num_kv_heads * 2 * cfg.head_dim * elem
+    types = (TT.INSTRUCTION, TT.SOURCE_VIT, TT.SOURCE_VAE)
+    rows = {t: _rows(ctx, t) for t in types}
+    caps = {t: int(rows[t].numel()) for t in types}
+    alloc = allocate_types(caps, {t: sc.masses.get(t, 0.0) for t in types}, budget / per_token_full)
+    vae_target = alloc[TT.SOURCE_VAE] / caps[TT.SOURCE_VAE]
+    vae_policy = KIVIPolicy.for_ratio(vae_target)
+    r_vae = rows[TT.SOURCE_VAE]
+    if vae_policy is None:
+        vae_store = _full(ctx, r_vae, TT.SOURCE_VAE)
+    else:
+        vae_store = vae_policy.compress(ctx.keys[r_vae], ctx.values[r_vae], r_vae, TT.SOURCE_VAE)
+    left = budget - vae_store.nbytes()
+    n_evict = max(0, evict_budget_tokens(left, cfg, elem))
+    ev_types = (TT.INSTRUCTION, TT.SOURCE_VIT)
+    split = allocate_integer([caps[t] for t in ev_types], [sc.masses.get(t, 0.0) for t in ev_types], n_evict)
+    stores = [vae_store]
+    h2o = H2OPolicy(recent_fraction=0.25)
+    for t, n in zip(ev_types, split):
+        r = rows[t]
+        keep = h2o.select(ScoreInputs(keys=ctx.keys[r], accumulated=sc.accumulated[r]), n)
+        stores.append(EvictedStore.from_selection(ctx.keys[r], ctx.values[r], r, keep, t))
+    info["unicache"] = {
+        "type_masses": {t.name.lower(): round(sc.masses.get(t, 0.0), 4) for t in types},
+        "allocated_token_equivalents": {t.name.lower(): round(alloc[t], 1) for t in types},
+        "vae_target_ratio": round(vae_target, 4),
+        "vae_policy": None if vae_policy is None else asdict(vae_policy),
+        "vae_bytes": vae_store.nbytes(),
+        "evicted_tokens_per_head": {t.name.lower(): n for t, n in zip(ev_types, split)},
+    }
+    return stores
+
+
+def _unicache_engine_stores(cfg: BenchConfig, ctx: Context, sc: Scoring) -> list:
+    """UniCache's physical-engine preset (§8.7): every evicted type keeps ``keep`` of its tokens (H2O,
+    25% recent), source-VAE at fixed 2-bit/G128/R32. Uses less memory than the budget; reported as an
+    extra row, not matched."""
+    r_vae = _rows(ctx, TT.SOURCE_VAE)
+    stores = [KIVIPolicy(bits=2, group_size=128, residual=32).compress(ctx.keys[r_vae], ctx.values[r_vae], r_vae)]
+    h2o = H2OPolicy(recent_fraction=0.25)
+    for t in (TT.INSTRUCTION, TT.SOURCE_VIT):
+        r = _rows(ctx, t)
+        n = int(cfg.keep * r.numel())
+        keep = h2o.select(ScoreInputs(keys=ctx.keys[r], accumulated=sc.accumulated[r]), n)
+        stores.append(EvictedStore.from_selection(ctx.keys[r], ctx.values[r], r, keep, t))
+    return stores
+
+
+def run(cfg: BenchConfig) -> dict:
+    torch.manual_seed(cfg.seed)
+    dtype, dtype_info = choose_dtype(cfg)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    logger.info("dtype %s (%s)", dtype, dtype_info["dtype_reason"])
+    ctx = make_context(cfg, dtype)
+    logger.info("context: %d cached tokens, %d latent queries", ctx.keys.shape[0], ctx.queries.shape[0])
+    sc = score_context(ctx)
+    methods, info = build_methods(cfg, ctx, sc, elem)
+    full_kv_bytes = ctx.keys.nbytes + ctx.values.nbytes
+    steps = {name: _step_fn(ctx, layers) for name, layers in methods.items()}
+    times = _interleaved_times(steps, cfg.repeats)
+    results = []
+    ref = None
+    for name, layers in methods.items():
+        outs = steps[name]()
+        if ref is None:
+            ref = outs[0].float()
+        err = statistics.fmean(float((o.float() - ref).norm() / ref.norm()) for o in outs)
+        kv_bytes = round(statistics.fmean(lay.nbytes() for lay in layers))
+        results.append({"method": name, "kv_bytes": int(kv_bytes), "full_kv_bytes": int(full_kv_bytes),
+                        "step_seconds_median": statistics.median(times[name]) / len(layers),
+                        "rel_error_vs_full": err})
+    t_full = results[0]["step_seconds_median"]
+    for r in results:
+        r["speedup_vs_full"] = t_full / r["step_seconds_median"]
+    uni = next(r for r in results if r["method"] == "unicache")
+    for r in results:
+        if r["method"] not in ("unicache", "unicache_engine", "full"):
+            uni[f"speedup_vs_{r['method']}"] = r["step_seconds_median"] / uni["step_seconds_median"]
+            uni[f"error_ratio_vs_{r['method']}"] = uni["rel_error_vs_full"] / max(r["rel_error_vs_full"], 1e-12)
+    config = asdict(cfg)
+    config.update(dtype=str(dtype).replace("torch.", ""), threads=torch.get_num_threads(),
+                  composition=[(t.name.lower(), n) for t, n in cfg.layout()],
+                  total_cached_tokens=int(ctx.keys.shape[0]),
+                  scale_zero_dtype="float16 (4 B/group)", index_dtype="int32",
+                  timing="median over repeats of one attention step (queries vs compressed cache + new block); "
+                         "pyramidkv: mean over its layers",
+                  **dtype_info, **info)
+    keys = ("method", "kv_bytes", "full_kv_bytes", "step_seconds_median", "speedup_vs_full", "rel_error_vs_full")
+    ordered = [{k: r[k] for k in keys} | {k: v for k, v in r.items() if k not in keys} for r in results]
+    return {"config": config, "results": ordered}
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{'method':<13}{'kv_bytes':>12}{'ratio':>8}{'step_s':>9}{'speedup':>9}{'rel_err':>10}"]
+    for r in report["results"]:
+        lines.append(f"{r['method']:<13}{r['kv_bytes']:>12}{r['full_kv_bytes'] / r['kv_bytes']:>8.2f}"
+                     f"{r['step_seconds_median']:>9.4f}{r['speedup_vs_full']:>9.2f}{r['rel_error_vs_full']:>10.4f}")
+    uni = next(r for r in report["results"] if r["method"] == "unicache")
+    extra = [f"{k.removeprefix('speedup_vs_')}={v:.2f}x" for k, v in uni.items() if k.startswith("speedup_vs_")
+             and k != "speedup_vs_full"]
+    errs = [f"{k.removeprefix('error_ratio_vs_')}={v:.2f}" for k, v in uni.items() if k.startswith("error_ratio")]
+    lines.append("unicache speed vs baselines: " + ", ".join(extra))
+    lines.append("unicache error / baseline error: " + ", ".join(errs))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small context, few repeats (< ~30 s)")
+    parser.add_argument("--json", help="write the results JSON here")
+    parser.add_argument("--repeats", type=int, help="timing repeats (default 7, quick 3)")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    cfg = BenchConfig(**QUICK) if args.quick else BenchConfig()
+    cfg.dtype = args.dtype
+    if args.repeats is not None:
+        if args.repeats < 1:
+            parser.error(f"--repeats must be >= 1, got {args.repeats}")
+        cfg.repeats = args.repeats
+    report = run(cfg)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+    print(format_table(report))
+
+
+if __name__ == "__main__":
+    main()

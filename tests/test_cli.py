@@ -1,0 +1,80 @@
+"""``python -m unicache_core.bagel`` on the tiny checkpoint (subprocesses)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(
+        [sys.executable, "-m", "unicache_core.bagel", *args], capture_output=True, text=True, cwd=ROOT, env=env,
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def source_png(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "src.png"
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, size=(30, 40, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def test_t2i_writes_png(tiny_checkpoint, tmp_path):
+    out = tmp_path / "sub" / "t2i.png"
+    proc = _cli("t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "a red cube", "--width", "48",
+                "--height", "32", "--steps", "3", "--seed", "1", "--dtype", "fp32", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    with Image.open(out) as img:
+        assert img.format == "PNG" and img.size == (48, 32)
+    assert "denoising" in proc.stderr and "2/2" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_edit_writes_png(tiny_checkpoint, tmp_path, source_png):
+    out = tmp_path / "edit.png"
+    proc = _cli("edit", "--checkpoint", str(tiny_checkpoint), "--prompt", "make it blue", "--image",
+                str(source_png), "--steps", "2", "--dtype", "fp32", "--out", str(out), "--cfg-interval", "0", "1",
+                "--cfg-renorm-type", "text_channel")
+    assert proc.returncode == 0, proc.stderr
+    with Image.open(out) as img:
+        assert img.size == (688, 512)  # 40x30 -> VAE resize rule
+
+
+def test_understand_prints_answer(tiny_checkpoint, source_png):
+    proc = _cli("understand", "--checkpoint", str(tiny_checkpoint), "--prompt", "What is this?", "--image",
+                str(source_png), "--max-new-tokens", "4", "--dtype", "fp32", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith("\n") and proc.stdout.count("\n") >= 1
+    assert proc.stderr == ""
+
+
+def test_missing_checkpoint_exits_2_with_one_line(tmp_path):
+    missing = tmp_path / "nope"
+    proc = _cli("t2i", "--checkpoint", str(missing), "--prompt", "x", "--out", str(tmp_path / "o.png"))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error:") and str(missing) in lines[-1] and "checkpoint" in lines[-1]
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_bad_argument_and_bad_checkpoint_exit_2(tiny_checkpoint_copy, tmp_path):
+    proc = _cli("t2i", "--checkpoint", str(tiny_checkpoint_copy), "--prompt", "x", "--width", "30", "--height",
+                "32", "--dtype", "fp32", "--out", str(tmp_path / "o.png"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "width" in proc.stderr.strip().splitlines()[-1]
+    (tiny_checkpoint_copy / "ema.safetensors").unlink()
+    proc = _cli("understand", "--checkpoint", str(tiny_checkpoint_copy), "--prompt", "x", "--dtype", "fp32")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "ema.safetensors" in proc.stderr.strip().splitlines()[-1]

@@ -1,0 +1,37 @@
+"""unicache_core must import without ComfyUI and without side effects."""
+
+import subprocess
+import sys
+
+FORBIDDEN = ("comfy", "folder_paths", "server", "nodes", "execution")
+
+
+def _modules_after_import(module: str) -> set[str]:
+    code = (
+        "import sys, json\n"
+        f"import {module}\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    import json
+
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_core_imports_without_comfyui():
+    loaded = _modules_after_import("unicache_core")
+    leaked = [m for m in loaded if m.split(".")[0] in FORBIDDEN]
+    assert leaked == [], f"importing unicache_core pulled in {leaked}"
+
+
+def test_bagel_engine_imports_without_comfyui():
+    loaded = _modules_after_import("unicache_core.bagel")
+    leaked = [m for m in loaded if m.split(".")[0] in FORBIDDEN]
+    assert leaked == [], f"importing unicache_core.bagel pulled in {leaked}"
+
+
+def test_import_prints_nothing():
+    out = subprocess.run(
+        [sys.executable, "-c", "import unicache_core, unicache_core.bagel"], capture_output=True, text=True, check=True
+    )
+    assert out.stdout == "" and out.stderr == ""

@@ -1,0 +1,310 @@
+"""BAGEL procedures end to end on the tiny checkpoint (bagel.md §4.6, §5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from unicache_core.bagel import contexts as C
+from unicache_core.bagel.loader import load_bagel
+from unicache_core.bagel.pipeline import BagelPipeline, FlowSettings
+from unicache_core.errors import CancelledError
+from unicache_core.kvcache import AttentionCall, CacheRequest, FullKVCache, full_cache_factory
+from unicache_core.segments import TokenType
+
+FAST = dict(num_timesteps=4, timestep_shift=3.0)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    return load_bagel(tiny_checkpoint, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def pipe(loaded):
+    return BagelPipeline(loaded)
+
+
+@pytest.fixture(scope="module")
+def source_image():
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 256, size=(45, 60, 3), dtype=np.uint8))
+
+
+class CountingFactory:
+    """Cache factory whose caches count forward passes per (branch, phase)."""
+
+    def __init__(self):
+        self.counts: dict[tuple[str, str], int] = {}
+        factory = self
+
+        class Counting(FullKVCache):
+            def begin_call(self, call):
+                key = (self.branch, call.phase)
+                factory.counts[key] = factory.counts.get(key, 0) + 1
+
+        self._cls = Counting
+
+    def __call__(self, request: CacheRequest):
+        return self._cls(request.num_layers, task=request.task, branch=request.branch)
+
+    def denoise(self, branch: str) -> int:
+        return self.counts.get((branch, "denoise"), 0)
+
+
+def _pixels(img: Image.Image) -> np.ndarray:
+    return np.asarray(img)
+
+
+# ------------------------------------------------------------------------------------ end to end
+
+
+def test_text_to_image_end_to_end(pipe):
+    res = pipe.text_to_image("a red cube", width=64, height=48, seed=1, **FAST)
+    assert isinstance(res.image, Image.Image) and res.image.mode == "RGB" and res.image.size == (64, 48)
+    assert _pixels(res.image).std() > 0
+    assert res.latents.shape == (1, 16, 6, 8) and res.num_steps == 3 and res.seed == 1
+    # default cfg (text 4, img 1.5, interval (0.4, 1]); shift 3 puts t = 1, 0.857, 0.6 all inside
+    assert res.info["forwards"] == {"gen": 3, "cfg_text": 3, "cfg_img": 3}
+    assert res.info["context_tokens"]["cfg_text"] == 0
+    assert res.info["context_tokens"]["cfg_img"] == res.info["context_tokens"]["gen"]
+
+
+def test_edit_end_to_end_and_rng_order(pipe, loaded, source_image):
+    res = pipe.edit(source_image, "make it blue", seed=5, num_timesteps=2)
+    assert res.image.size == (688, 512)  # the VAE-resized source size
+    assert _pixels(res.image).std() > 0
+    # The official code draws the VAE-encode noise first, then the latent noise, from one RNG stream.
+    g = torch.Generator().manual_seed(5)
+    vae_noise = torch.randn(1, 16, 64, 86, generator=g)
+    initial = torch.randn(32 * 43, 64, generator=g)
+    again = pipe.edit(source_image, "make it blue", seed=123, vae_noise=vae_noise, initial_noise=initial,
+                      num_timesteps=2)
+    assert again.image.tobytes() == res.image.tobytes()
+    assert torch.equal(again.latents, res.latents)
+
+
+def test_understanding_end_to_end(pipe, loaded, source_image):
+    res = pipe.understand(source_image, "What is shown?", max_new_tokens=5)
+    assert isinstance(res.text, str)
+    assert len(res.token_ids) <= 5
+    assert all(isinstance(t, int) for t in res.token_ids)
+    assert loaded.tokenizer.eos_token_id not in res.token_ids
+    assert res.text == loaded.tokenizer.decode(res.token_ids).split("<|im_start|>")[0]
+
+
+def test_text_only_understanding_and_think(pipe):
+    plain = pipe.understand(None, "hello", max_new_tokens=3)
+    think = pipe.understand(None, "hello", max_new_tokens=3, think=True)
+    assert think.info["context_tokens"]["gen"] > plain.info["context_tokens"]["gen"]
+
+
+def test_t2i_think_mode_appends_plan_to_gen_only(pipe):
+    res = pipe.text_to_image("a cat", width=32, height=32, think=True, think_max_new_tokens=3, seed=0, **FAST)
+    assert isinstance(res.think_text, str)
+    tokens = res.info["context_tokens"]
+    # gen = system + prompt + plan; cfg_img = system + prompt; cfg_text = system only
+    assert tokens["gen"] > tokens["cfg_img"] > tokens["cfg_text"] > 0
+
+
+# ------------------------------------------------------------------------------------ determinism
+
+
+def test_t2i_deterministic_by_seed(pipe):
+    a = pipe.text_to_image("a tree", width=32, height=32, seed=7, **FAST)
+    b = pipe.text_to_image("a tree", width=32, height=32, seed=7, **FAST)
+    c = pipe.text_to_image("a tree", width=32, height=32, seed=8, **FAST)
+    assert a.image.tobytes() == b.image.tobytes() and torch.equal(a.latents, b.latents)
+    assert not torch.equal(a.latents, c.latents)
+
+
+def test_injected_initial_noise_reproduces_seed(pipe):
+    a = pipe.text_to_image("a tree", width=32, height=32, seed=3, **FAST)
+    noise = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    b = pipe.text_to_image("a tree", width=32, height=32, seed=999, initial_noise=noise, **FAST)
+    assert torch.equal(a.latents, b.latents)
+
+
+def test_sampled_understanding_deterministic_by_seed(pipe):
+    kw = dict(max_new_tokens=6, do_sample=True, temperature=1.0)
+    a = pipe.understand(None, "tell me", seed=11, **kw)
+    b = pipe.understand(None, "tell me", seed=11, **kw)
+    assert a.token_ids == b.token_ids
+
+
+# ------------------------------------------------------------------------------------ contexts
+
+
+def test_edit_contexts_layout(pipe, loaded, source_image):
+    ctxs = pipe.build_generation_contexts("edit", "make it blue", image=source_image,
+                                          generator=torch.Generator().manual_seed(0))
+    n_vae, n_vit = 32 * 43, 37 * 49
+    n_txt = len(loaded.tokenizer.encode("make it blue"))
+    keys, _, types, pos = ctxs.gen.cache.layer_kv(0)
+    B, VAE, VIT, INS = (int(TokenType.BOUNDARY), int(TokenType.SOURCE_VAE), int(TokenType.SOURCE_VIT),
+                        int(TokenType.INSTRUCTION))
+    expected_types = [B] + [VAE] * n_vae + [B, B] + [VIT] * n_vit + [B, B] + [INS] * n_txt + [B]
+    assert types.tolist() == expected_types
+    expected_pos = [0] * (n_vae + 2) + [1] * (n_vit + 2) + list(range(2, n_txt + 4))
+    assert pos.tolist() == expected_pos
+    assert ctxs.gen.rope == n_txt + 4 and ctxs.cfg_text.rope == 2 and ctxs.cfg_img.rope == n_txt + 2
+    # cfg_text = copy of gen taken after the image: bit-identical prefix
+    ck, cv, ctypes, _ = ctxs.cfg_text.cache.layer_kv(1)
+    gk, gv, _, _ = ctxs.gen.cache.layer_kv(1)
+    assert ck.shape[0] == n_vae + n_vit + 4
+    assert torch.equal(ck, gk[: ck.shape[0]]) and torch.equal(cv, gv[: ck.shape[0]])
+    _, _, itypes, ipos = ctxs.cfg_img.cache.layer_kv(0)
+    assert itypes.tolist() == [B] + [INS] * n_txt + [B] and ipos.tolist() == list(range(n_txt + 2))
+    assert (ctxs.height, ctxs.width) == (512, 688)
+    assert ctxs.cfg_text.cache.branch == "cfg_text" and ctxs.cfg_img.cache.branch == "cfg_img"
+
+
+def test_step0_velocity_hook_matches_direct_branch_call(pipe):
+    noise = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    res = pipe.text_to_image("a dog", width=32, height=32, initial_noise=noise, return_step0_velocity=True, **FAST)
+    v0 = res.step0_velocity
+    assert set(v0) == {"gen", "cfg_text", "cfg_img", "guided"}
+    ctxs = pipe.build_generation_contexts("t2i", "a dog", width=32, height=32)
+    direct = pipe.branch_velocities(ctxs, noise, 1.0, branches=("gen",))["gen"]
+    assert direct.shape == (4, 64)
+    assert torch.equal(direct, v0["gen"])
+    # t2i: cfg_img context == gen context, so those velocities agree
+    assert torch.allclose(v0["cfg_img"], v0["gen"], atol=1e-6)
+    assert not torch.allclose(v0["cfg_text"], v0["gen"], atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------ cache correctness
+
+
+@torch.inference_mode()
+def test_cached_greedy_decoding_equals_recomputation(pipe, loaded, source_image):
+    n_new = 6
+    ctx = pipe.build_understanding_context(source_image, "Describe.")
+    tok = loaded.tokenizer
+    fed, cached_logits = [tok.bos_token_id], []
+    for step in range(n_new):
+        logits = C.decode_step(loaded, ctx, fed[-1], step, TokenType.DECODED_TEXT)
+        cached_logits.append(logits)
+        fed.append(int(logits.argmax()))
+    for k in range(1, n_new + 1):
+        fresh = pipe.build_understanding_context(source_image, "Describe.")
+        assert isinstance(fresh.cache, FullKVCache)
+        ids = torch.tensor(fed[:k])
+        positions = torch.arange(fresh.rope, fresh.rope + k)
+        call = AttentionCall(token_types=C._types((TokenType.DECODED_TEXT, k), device=torch.device("cpu")),
+                             positions=positions, causal=True, update=False)
+        hidden = loaded.model.forward_llm(loaded.model.embed_text(ids), positions, fresh.cache, call)
+        logits = loaded.model.lm_logits(hidden)[-1]
+        assert torch.allclose(logits, cached_logits[k - 1], atol=1e-4, rtol=1e-4)
+        assert int(logits.argmax()) == fed[k]
+    # the pipeline's own decoding gives the same greedy tokens
+    res = pipe.understand(source_image, "Describe.", max_new_tokens=n_new)
+    eos = tok.eos_token_id
+    expected = fed[1:]
+    if eos in expected:
+        expected = expected[: expected.index(eos)]
+    assert res.token_ids == expected
+
+
+# ------------------------------------------------------------------------------------ CFG branches
+
+
+@pytest.mark.parametrize(
+    "text_scale, img_scale, interval, expected",
+    [
+        (1.0, 1.5, (0.0, 1.0), {"gen": 4, "cfg_text": 0, "cfg_img": 0}),
+        (4.0, 1.0, (0.0, 1.0), {"gen": 4, "cfg_text": 4, "cfg_img": 0}),
+        (4.0, 2.0, (0.0, 1.0), {"gen": 4, "cfg_text": 4, "cfg_img": 4}),
+        # shift 1, 5 timesteps: t = 1, .75, .5, .25 -> inside (0.4, 1] for 3 steps
+        (4.0, 2.0, (0.4, 1.0), {"gen": 4, "cfg_text": 3, "cfg_img": 3}),
+        (0.0, 0.0, (0.0, 1.0), {"gen": 4, "cfg_text": 0, "cfg_img": 0}),
+    ],
+)
+def test_cfg_branches_skipped_as_official(loaded, text_scale, img_scale, interval, expected):
+    factory = CountingFactory()
+    res = BagelPipeline(loaded, factory).text_to_image(
+        "x", width=32, height=32, num_timesteps=5, timestep_shift=1.0, cfg_text_scale=text_scale,
+        cfg_img_scale=img_scale, cfg_interval=interval,
+    )
+    assert {b: factory.denoise(b) for b in expected} == expected
+    assert res.info["forwards"] == expected
+
+
+def test_scale_one_ignores_image_scale(pipe):
+    a = pipe.text_to_image("x", width=32, height=32, cfg_text_scale=1.0, cfg_img_scale=1.5, seed=2, **FAST)
+    b = pipe.text_to_image("x", width=32, height=32, cfg_text_scale=1.0, cfg_img_scale=3.0, seed=2, **FAST)
+    c = pipe.text_to_image("x", width=32, height=32, cfg_text_scale=4.0, cfg_img_scale=3.0, seed=2, **FAST)
+    assert torch.equal(a.latents, b.latents) and not torch.equal(a.latents, c.latents)
+
+
+# ------------------------------------------------------------------------------------ progress / cancel
+
+
+def test_progress_once_per_step_and_cancel(pipe):
+    calls = []
+    pipe.text_to_image("x", width=32, height=32, num_timesteps=5, progress=lambda s, t: calls.append((s, t)))
+    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    seen = []
+    with pytest.raises(CancelledError, match="step 3"):
+        pipe.text_to_image("x", width=32, height=32, num_timesteps=5, progress=lambda s, t: seen.append(s),
+                           cancel=lambda: len(seen) >= 2)
+    assert seen == [1, 2]
+    tokens = []
+    with pytest.raises(CancelledError):
+        pipe.understand(None, "x", max_new_tokens=10, progress=lambda s, t: tokens.append((s, t)),
+                        cancel=lambda: len(tokens) >= 3)
+    assert tokens == [(1, 10), (2, 10), (3, 10)]
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(width=60), "width"),
+        (dict(height=0), "height"),
+        (dict(width=2048), "width"),
+        (dict(num_timesteps=1), "num_timesteps"),
+        (dict(cfg_text_scale=-1.0), "cfg_text_scale"),
+        (dict(cfg_img_scale=float("nan")), "cfg_img_scale"),
+        (dict(cfg_interval=(0.8, 0.2)), "cfg_interval"),
+        (dict(cfg_interval=0.4), "cfg_interval"),
+        (dict(cfg_renorm_type="local"), "cfg_renorm_type"),
+        (dict(cfg_renorm_min=2.0), "cfg_renorm_min"),
+        (dict(timestep_shift=0.0), "timestep_shift"),
+        (dict(seed=-1), "seed"),
+        (dict(initial_noise=torch.zeros(3, 64)), "initial_noise"),
+        (dict(prompt=123), "prompt"),
+    ],
+)
+def test_bad_generation_args(pipe, kwargs, name):
+    kwargs = {"prompt": "x", "width": 32, "height": 32, "num_timesteps": 3, **kwargs}
+    with pytest.raises(ValueError, match=f"`{name}"):
+        pipe.text_to_image(kwargs.pop("prompt"), **kwargs)
+
+
+def test_bad_understanding_and_edit_args(pipe, source_image):
+    with pytest.raises(ValueError, match="`max_new_tokens`"):
+        pipe.understand(None, "x", max_new_tokens=0)
+    with pytest.raises(ValueError, match="`temperature`"):
+        pipe.understand(None, "x", do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="`image`"):
+        pipe.understand("not an image", "x")
+    with pytest.raises(ValueError, match="`image`"):
+        pipe.edit(None, "x")
+    with pytest.raises(ValueError, match="`vae_noise`"):
+        pipe.edit(source_image, "x", vae_noise=torch.zeros(1, 16, 8, 8), num_timesteps=2)
+
+
+def test_flow_settings_accept_official_defaults():
+    s = FlowSettings.create(50, 3.0, 4.0, 2.0, [0.0, 1.0], 0.0, "text_channel")
+    assert s.cfg_interval == (0.0, 1.0) and s.num_timesteps == 50
+
+
+def test_default_factory_builds_full_caches(pipe):
+    ctx = pipe.new_context("t2i", "gen")
+    assert isinstance(ctx.cache, FullKVCache) and ctx.cache.task == "t2i" and ctx.rope == 0
+    assert pipe.cache_factory is full_cache_factory

@@ -1,0 +1,141 @@
+"""Bit packing and KIVI-style quantization (unicache_core.quant, unicache_core.policies.kivi)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from unicache_core.policies.kivi import KIVI_LOOKUP, KIVIPolicy
+from unicache_core.quant import pack_bits, quantize_keys, quantize_values, quantized_kv_nbytes, unpack_bits
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("n", [1, 3, 7, 8, 13, 128])
+def test_pack_unpack_roundtrip(bits: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(bits * 1000 + n)
+    codes = torch.randint(0, 2**bits, (2, 5, n), generator=gen).to(torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (2, 5, math.ceil(n * bits / 8))
+    assert torch.equal(unpack_bits(packed, bits, n), codes)
+
+
+def test_pack_is_dense() -> None:
+    # 4 two-bit codes 1,2,3,0 -> 0b00_11_10_01 (first code in the low bits)
+    packed = pack_bits(torch.tensor([1, 2, 3, 0], dtype=torch.uint8), 2)
+    assert packed.tolist() == [0b00111001]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_key_error_bounded_by_half_scale(bits: int) -> None:
+    gen = torch.Generator().manual_seed(bits)
+    g = 32
+    keys = torch.randn(3, 100, 64, generator=gen) * torch.linspace(0.1, 5.0, 64)  # ragged last group (100 % 32)
+    q = quantize_keys(keys, bits, g)
+    assert q.scale.shape == (3, 4, 64)
+    err = (q.dequantize(torch.float32) - keys).abs()
+    group_of_token = torch.arange(100) // g
+    bound = q.scale.float()[:, group_of_token, :] / 2  # [H, T, d]
+    assert bool((err <= bound * (1 + 1e-4) + 1e-6).all())
+    # the bound is tight-ish: codes use the whole range, so the error is not trivially zero
+    assert err.max() > bound.max() * 0.2
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [16, 48, 200])
+def test_value_error_bounded_by_half_scale(bits: int, group: int) -> None:
+    gen = torch.Generator().manual_seed(bits + group)
+    values = torch.randn(2, 37, 64, generator=gen) * 3
+    q = quantize_values(values, bits, group)
+    ng = math.ceil(64 / group)
+    assert q.scale.shape == (2, 37, ng)
+    err = (q.dequantize(torch.float32) - values).abs()
+    group_of_channel = torch.arange(64) // group
+    bound = q.scale.float()[:, :, group_of_channel] / 2
+    assert bool((err <= bound * (1 + 1e-4) + 1e-6).all())
+
+
+def test_more_bits_less_error() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, 32, generator=gen)
+    errs = [(quantize_keys(x, b, 32).dequantize() - x).abs().mean().item() for b in (2, 4, 8)]
+    assert errs[0] > errs[1] > errs[2]
+
+
+def test_constant_group_is_exact() -> None:
+    x = torch.full((1, 32, 8), 0.3)
+    assert torch.allclose(quantize_keys(x, 2, 32).dequantize(), x, atol=1e-3)
+    assert torch.allclose(quantize_values(x, 2, 8).dequantize(), x, atol=1e-3)
+
+
+def test_dequantize_chunk_matches_whole() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 70, 16, generator=gen)
+    q = quantize_keys(x, 4, 16)
+    whole = q.dequantize()
+    assert torch.equal(q.dequantize(torch.float32, 16, 70), whole[:, 16:])
+    with pytest.raises(ValueError, match="start"):
+        q.dequantize(torch.float32, 5, 20)
+
+
+def test_quantized_nbytes_formula() -> None:
+    # hand count: 2 heads, 100 tokens, R 10 -> 90 quantized, d 64, 2 bits, G 32
+    n = quantized_kv_nbytes(100, 2, 64, 2, 32, 10, 2)
+    payload = 2 * 90 * 64 * 2 // 8
+    key_meta = math.ceil(90 / 32) * 64 * 4
+    value_meta = 90 * 2 * 4
+    residual = 10 * 64 * 2 * 2
+    assert n == 2 * (payload + key_meta + value_meta + residual)
+
+
+@pytest.mark.parametrize("bad, match", [(pack_bits, "bits"), (unpack_bits, "bits")])
+def test_bad_bits(bad, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        if bad is pack_bits:
+            bad(torch.zeros(4, dtype=torch.uint8), 3)
+        else:
+            bad(torch.zeros(1, dtype=torch.uint8), 3, 4)
+
+
+def test_bad_arguments_name_the_field() -> None:
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_keys(torch.zeros(1, 4, 4), 2, 0)
+    with pytest.raises(ValueError, match="codes"):
+        pack_bits(torch.zeros(4, dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="bits"):
+        KIVIPolicy(bits=3)
+    with pytest.raises(ValueError, match="group_size"):
+        KIVIPolicy(group_size=0)
+    with pytest.raises(ValueError, match="residual"):
+        KIVIPolicy(residual=-1)
+    with pytest.raises(ValueError, match="target"):
+        KIVIPolicy.for_ratio(-0.1)
+
+
+def test_kivi_defaults_and_nominal_ratio() -> None:
+    p = KIVIPolicy()
+    assert (p.bits, p.group_size, p.residual) == (2, 32, 128)
+    # §1 rule of thumb: 4 bits, G=32 -> 0.25 + metadata (~0.31 with fp16 scale/zero), residual negligible
+    r = KIVIPolicy(bits=4, group_size=32, residual=0).nominal_ratio(4096, 128)
+    assert 0.30 < r < 0.32
+    r2 = KIVIPolicy(bits=2, group_size=128, residual=0).nominal_ratio(4096, 128)
+    assert 0.125 < r2 < 0.15
+
+
+@pytest.mark.parametrize(
+    "target, expected",
+    [(0.05, (2, 128)), (0.125, (2, 128)), (0.2, (2, 64)), (0.3, (2, 32)), (0.4, (4, 128)), (0.49, (4, 64)),
+     (0.5, (4, 32)), (0.99, (8, 32))],
+)
+def test_for_ratio_lookup(target: float, expected: tuple[int, int]) -> None:
+    p = KIVIPolicy.for_ratio(target)
+    assert (p.bits, p.group_size, p.residual) == (*expected, 32)
+    rows_below = [row for row in KIVI_LOOKUP if row[0] <= target]
+    if rows_below:
+        assert rows_below[-1][1:] == expected
+
+
+def test_for_ratio_bypass() -> None:
+    assert KIVIPolicy.for_ratio(1.0) is None

@@ -1,0 +1,150 @@
+"""SegmentedKVCache: equals FullKVCache when nothing is compressed; honours compressed segments exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unicache_core.kvcache import AttentionCall, FullKVCache, KVCache
+from unicache_core.policies.kivi import KIVIPolicy
+from unicache_core.segmented import SegmentedKVCache
+from unicache_core.segments import TokenType
+from unicache_core.stores import EvictedStore, FullStore, QuantizedStore
+
+HKV, HQ, D, LAYERS = 2, 4, 16, 2
+TT = TokenType
+
+
+def _call(types: list[TokenType], causal: bool, update: bool = True, phase: str = "prefill") -> AttentionCall:
+    t = torch.tensor([int(x) for x in types], dtype=torch.int8)
+    return AttentionCall(token_types=t, positions=torch.arange(len(types)), causal=causal, update=update,
+                         phase=phase)
+
+
+def _sequence() -> list[AttentionCall]:
+    """Prefill text (causal), an image block (bidirectional), a VAE block, then decode steps."""
+    text = [TT.BOUNDARY] + [TT.INSTRUCTION] * 11 + [TT.BOUNDARY]
+    vit = [TT.BOUNDARY] + [TT.SOURCE_VIT] * 20 + [TT.BOUNDARY]
+    vae = [TT.BOUNDARY] + [TT.SOURCE_VAE] * 16 + [TT.BOUNDARY]
+    return [
+        _call(text, causal=True),
+        _call(vit, causal=False),
+        _call(vae, causal=False),
+        _call([TT.INSTRUCTION] * 5, causal=True),
+        _call([TT.DECODED_TEXT], causal=True, phase="decode"),
+        _call([TT.DECODED_TEXT], causal=True, phase="decode"),
+        _call([TT.CURRENT_LATENT] * 6, causal=False, update=False, phase="denoise"),
+    ]
+
+
+def _qkv(n: int, gen: torch.Generator):
+    return (torch.randn(n, HQ, D, generator=gen), torch.randn(n, HKV, D, generator=gen),
+            torch.randn(n, HKV, D, generator=gen))
+
+
+def _run(caches: list[KVCache], calls: list[AttentionCall], seed: int = 0) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    outs: list[list[torch.Tensor]] = [[] for _ in caches]
+    for call in calls:
+        for layer in range(caches[0].num_layers):
+            q, k, v = _qkv(call.token_types.shape[0], gen)
+            for i, cache in enumerate(caches):
+                outs[i].append(cache.attend(layer, q, k, v, call))
+    return outs
+
+
+def test_uncompressed_equals_full_cache() -> None:
+    full, seg = FullKVCache(LAYERS), SegmentedKVCache(LAYERS)
+    ref, got = _run([full, seg], _sequence())
+    for a, b in zip(ref, got):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert seg.num_tokens == full.num_tokens == 13 + 22 + 18 + 5 + 2
+    assert seg.full_bytes() == full.nbytes()
+    # one uncompressed store per type: appends of a type are coalesced
+    kinds = seg.segments(0)
+    assert sorted(t for t, _, _ in kinds) == sorted({TT.BOUNDARY, TT.INSTRUCTION, TT.SOURCE_VIT, TT.SOURCE_VAE,
+                                                     TT.DECODED_TEXT})
+    assert dict((t, n) for t, _, n in kinds)[TT.INSTRUCTION] == 16
+    # stored positions are the original context indices of each type
+    keys, _, types, _ = full.layer_kv(0)
+    for store in seg.stores(0):
+        expected = (types == int(store.token_type)).nonzero().squeeze(1)
+        assert torch.equal(store.positions.long(), expected)
+
+
+def test_evicted_segment_equals_masked_attention() -> None:
+    full, seg = FullKVCache(LAYERS), SegmentedKVCache(LAYERS)
+    _run([full, seg], _sequence()[:4])
+    keys, values, types, _ = full.layer_kv(1)
+    vit = seg.segment_kv(1, TT.SOURCE_VIT)
+    keep = torch.stack([torch.arange(0, 20, 3), torch.arange(1, 20, 3)])  # different tokens per KV head
+    store = EvictedStore.from_selection(vit.keys, vit.values, vit.positions, keep, TT.SOURCE_VIT)
+    old = seg.replace_segment(1, "source_vit", store)
+    assert isinstance(old, FullStore)
+    # reference: full attention with the dropped ViT rows masked per KV head, plus the new block
+    mask = torch.ones(HKV, keys.shape[0], dtype=torch.bool)
+    mask[:, vit.positions.long()] = False
+    mask.scatter_(1, store.keep_idx.long(), True)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = _qkv(6, gen)
+    out = seg.attend(1, q, k, v, _call([TT.CURRENT_LATENT] * 6, causal=False, update=False))
+    allk, allv = torch.cat([keys, k]), torch.cat([values, v])
+    fullmask = torch.cat([mask, torch.ones(HKV, 6, dtype=torch.bool)], dim=1)
+    g = HQ // HKV
+    scores = torch.einsum("qhd,thd->hqt", q, allk.repeat_interleave(g, 1)) / D**0.5
+    scores = scores.masked_fill(~fullmask.repeat_interleave(g, 0).unsqueeze(1), float("-inf"))
+    ref = torch.einsum("hqt,thd->qhd", scores.softmax(-1), allv.repeat_interleave(g, 1))
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert seg.nbytes() < full.nbytes()
+    assert seg.full_bytes() == full.nbytes()
+
+
+def test_quantized_segment_equals_dequantized_attention() -> None:
+    full, seg = FullKVCache(LAYERS), SegmentedKVCache(LAYERS)
+    _run([full, seg], _sequence()[:3])
+    vae = seg.segment_kv(0, TT.SOURCE_VAE)
+    store = KIVIPolicy(bits=2, group_size=8, residual=4).compress(vae.keys, vae.values, vae.positions)
+    seg.replace_segment(0, TT.SOURCE_VAE, store)
+    assert [s for s in seg.segments(0) if s[0] == TT.SOURCE_VAE][0][1] == "QuantizedStore"
+    # reference: the full cache with the VAE rows replaced by their dequantized values
+    keys, values, _, _ = full.layer_kv(0)
+    dk, dv = store.dequantize(torch.float32)
+    keys, values = keys.clone(), values.clone()
+    keys[store.positions.long()], values[store.positions.long()] = dk, dv
+    ref_cache = FullKVCache(1)
+    ref_cache.append(0, keys, values, torch.zeros(keys.shape[0]), torch.arange(keys.shape[0]))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = _qkv(5, gen)
+    call = _call([TT.INSTRUCTION] * 5, causal=True)
+    out = seg.attend(0, q, k, v, call)
+    assert torch.allclose(out, ref_cache.attend(0, q, k, v, call), atol=1e-5)
+    # the new block was appended as a new INSTRUCTION rows of the existing uncompressed store
+    assert seg.layer(0).appended_tokens == keys.shape[0] + 5
+
+
+def test_appends_after_compression_open_a_new_store() -> None:
+    seg = SegmentedKVCache(1)
+    _run([seg], [_call([TT.INSTRUCTION] * 8, causal=True)])
+    s = seg.segment_kv(0, TT.INSTRUCTION)
+    seg.replace_segment(0, TT.INSTRUCTION,
+                        EvictedStore.from_selection(s.keys, s.values, s.positions, torch.tensor([[0, 3]] * HKV),
+                                                    TT.INSTRUCTION))
+    _run([seg], [_call([TT.INSTRUCTION] * 3, causal=True)])
+    kinds = seg.segments(0)
+    assert [k for _, k, _ in kinds] == ["EvictedStore", "FullStore"]
+    assert seg.segment_kv(0, TT.INSTRUCTION).positions.tolist() == [8, 9, 10]
+    assert seg.num_tokens == 5
+
+
+def test_replace_segment_errors() -> None:
+    seg = SegmentedKVCache(1)
+    _run([seg], [_call([TT.INSTRUCTION] * 4, causal=True)])
+    s = seg.segment_kv(0, TT.INSTRUCTION)
+    with pytest.raises(ValueError, match="SOURCE_VAE"):
+        seg.replace_segment(0, TT.SOURCE_VAE, s)
+    wrong = FullStore(s.keys, s.values, s.positions, TT.SOURCE_VIT)
+    with pytest.raises(ValueError, match="store"):
+        seg.replace_segment(0, TT.INSTRUCTION, wrong)
+    with pytest.raises(ValueError, match="layer"):
+        seg.replace_segment(3, TT.INSTRUCTION, s)
+    assert isinstance(seg.stores(0)[0], FullStore) and not isinstance(seg.stores(0)[0], QuantizedStore)

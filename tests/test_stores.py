@@ -1,0 +1,157 @@
+"""Physical stores: exact attention over what they hold, measured bytes == formula, bytes really fall."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unicache_core.attention import attention_with_lse
+from unicache_core.policies.kivi import KIVIPolicy
+from unicache_core.segments import TokenType
+from unicache_core.stores import EvictedStore, FullStore, QuantizedStore
+import unicache_core.stores as stores_module
+
+T, HKV, HQ, D = 200, 2, 6, 32
+
+
+def _kv(dtype: torch.dtype = torch.float32, t: int = T, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(t, HKV, D, generator=gen).to(dtype)
+    v = torch.randn(t, HKV, D, generator=gen).to(dtype)
+    q = torch.randn(9, HQ, D, generator=gen).to(dtype)
+    pos = torch.arange(100, 100 + t)
+    return q, k, v, pos
+
+
+def _masked_reference(q, k, v, keep_mask):
+    """fp32 attention where query head h sees key t iff keep_mask[h // g, t]; out [Tq, Hq, d]."""
+    g = q.shape[1] // k.shape[1]
+    scores = torch.einsum("qhd,thd->hqt", q.float(), k.float().repeat_interleave(g, 1)) / D**0.5
+    scores = scores.masked_fill(~keep_mask.repeat_interleave(g, 0).unsqueeze(1), float("-inf"))
+    probs = scores.softmax(-1)
+    return torch.einsum("hqt,thd->qhd", probs, v.float().repeat_interleave(g, 1))
+
+
+def test_full_store_attention_and_bytes() -> None:
+    q, k, v, pos = _kv()
+    store = FullStore(k, v, pos, TokenType.INSTRUCTION)
+    out, lse = store.attend(q)
+    ref, ref_lse = attention_with_lse(q, k, v)
+    assert torch.allclose(out, ref) and torch.allclose(lse, ref_lse)
+    assert store.nbytes() == store.nominal_bytes() == 2 * T * HKV * D * 4 + 4 * T
+    assert store.positions.dtype == torch.int32
+
+
+def test_evicted_store_per_head_selection_is_honoured() -> None:
+    q, k, v, pos = _kv()
+    gen = torch.Generator().manual_seed(5)
+    keep = torch.stack([torch.randperm(T, generator=gen)[:40] for _ in range(HKV)])  # different per head
+    store = EvictedStore.from_selection(k, v, pos, keep, TokenType.SOURCE_VIT)
+    assert store.keys.shape == (HKV, 40, D)
+    assert not torch.equal(store.keep_idx[0], store.keep_idx[1])
+    for h in range(HKV):
+        assert torch.equal(store.keep_idx[h].long(), torch.sort(pos[keep[h]]).values)
+    mask = torch.zeros(HKV, T, dtype=torch.bool)
+    mask.scatter_(1, keep, True)
+    out, _ = store.attend(q)
+    assert torch.allclose(out, _masked_reference(q, k, v, mask), atol=1e-5)
+    # a head's rows must differ from the other head's selection: using head 0's set for all heads is wrong
+    wrong = _masked_reference(q, k, v, mask[:1].expand(HKV, T))
+    assert not torch.allclose(out, wrong, atol=1e-3)
+
+
+def test_evicted_store_drops_rows_for_real_and_bytes_scale() -> None:
+    _, k, v, pos = _kv(torch.bfloat16)
+    sizes = []
+    for n in (10, 20, 40):
+        keep = torch.arange(n).repeat(HKV, 1)
+        store = EvictedStore.from_selection(k, v, pos, keep, TokenType.SOURCE_VIT)
+        assert store.keys.untyped_storage().nbytes() == HKV * n * D * 2  # not a view of the full tensor
+        assert store.nbytes() == store.nominal_bytes() == HKV * n * (2 * D * 2 + 4)
+        sizes.append(store.nbytes())
+    assert sizes[1] == 2 * sizes[0] and sizes[2] == 4 * sizes[0]
+
+
+def test_evicted_shrink_is_monotonic() -> None:
+    q, k, v, pos = _kv()
+    keep = torch.stack([torch.arange(0, 60, 2), torch.arange(1, 61, 2)])
+    store = EvictedStore.from_selection(k, v, pos, keep, TokenType.INSTRUCTION)
+    small = store.shrink(torch.tensor([[0, 5, 9], [1, 2, 29]]))
+    assert small.num_tokens == 3
+    assert small.keep_idx.tolist() == [[100, 110, 118], [103, 105, 159]]
+    mask = torch.zeros(HKV, T, dtype=torch.bool)
+    mask.scatter_(1, small.keep_idx.long() - 100, True)
+    assert torch.allclose(small.attend(q)[0], _masked_reference(q, k, v, mask), atol=1e-5)
+    with pytest.raises(ValueError, match="keep_sub"):
+        store.shrink(torch.arange(31).repeat(HKV, 1))
+    with pytest.raises(ValueError, match="keep_sub"):
+        store.shrink(torch.tensor([[0, 30], [1, 2]]))
+
+
+def test_evicted_bad_selection() -> None:
+    _, k, v, pos = _kv()
+    with pytest.raises(ValueError, match="keep"):
+        EvictedStore.from_selection(k, v, pos, torch.tensor([[0, T]] * HKV), TokenType.SOURCE_VIT)
+    with pytest.raises(ValueError, match="keep"):
+        EvictedStore.from_selection(k, v, pos, torch.tensor([[1, 1]] * HKV), TokenType.SOURCE_VIT)
+    with pytest.raises(ValueError, match="keep"):
+        EvictedStore.from_selection(k, v, pos, torch.tensor([[1, 2]]), TokenType.SOURCE_VIT)
+    with pytest.raises(ValueError, match="positions"):
+        EvictedStore.from_selection(k, v, pos[:5], torch.tensor([[1, 2]] * HKV), TokenType.SOURCE_VIT)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quantized_store_attention_equals_dequantized(bits: int) -> None:
+    q, k, v, pos = _kv()
+    store = QuantizedStore.from_kv(k, v, pos, bits=bits, group_size=32, residual=24)
+    dk, dv = store.dequantize()
+    assert dk.shape == k.shape
+    assert torch.equal(store.positions.long(), pos)
+    out, lse = store.attend(q)
+    ref, ref_lse = attention_with_lse(q, dk, dv)
+    assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
+
+
+def test_quantized_residual_rows_exact() -> None:
+    _, k, v, pos = _kv(torch.bfloat16)
+    store = QuantizedStore.from_kv(k, v, pos, bits=2, group_size=32, residual=24)
+    dk, dv = store.dequantize()
+    assert torch.equal(dk[-24:], k[-24:]) and torch.equal(dv[-24:], v[-24:])
+    assert not torch.equal(dk[:-24], k[:-24])
+    assert store.res_keys.dtype == torch.bfloat16
+
+
+def test_quantized_chunked_attention(monkeypatch) -> None:
+    q, k, v, pos = _kv()
+    store = QuantizedStore.from_kv(k, v, pos, bits=4, group_size=16, residual=8)
+    whole, whole_lse = store.attend(q)
+    monkeypatch.setattr(stores_module, "DEQUANT_CHUNK", 40)  # -> chunks of 32 tokens
+    chunked, chunked_lse = store.attend(q)
+    assert torch.allclose(whole, chunked, atol=1e-5) and torch.allclose(whole_lse, chunked_lse, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_bytes_match_formula_and_fall(dtype: torch.dtype) -> None:
+    _, k, v, pos = _kv(dtype, t=300)
+    full = FullStore(k, v, pos, TokenType.SOURCE_VAE)
+    sizes = {}
+    for bits in (2, 4, 8):
+        store = KIVIPolicy(bits=bits, group_size=32, residual=16).compress(k, v, pos)
+        assert store.nbytes() == store.nominal_bytes()
+        # the §1 ratio (fp16 residual, no positions) reproduces the measured bytes for a 2-byte cache dtype
+        if dtype == torch.bfloat16:
+            kv_bytes = store.nbytes() - store.positions.nbytes
+            ratio = KIVIPolicy(bits=bits, group_size=32, residual=16).nominal_ratio(300, D)
+            assert kv_bytes == pytest.approx(ratio * 300 * D * 2 * 2 * HKV)
+        sizes[bits] = store.nbytes()
+    assert sizes[2] < sizes[4] < sizes[8] < full.nbytes()
+
+
+def test_quantized_store_bad_args() -> None:
+    _, k, v, pos = _kv()
+    with pytest.raises(ValueError, match="residual"):
+        QuantizedStore.from_kv(k, v, pos, residual=-2)
+    with pytest.raises(ValueError, match="bits"):
+        QuantizedStore.from_kv(k, v, pos, bits=3)
+    with pytest.raises(ValueError, match="values"):
+        QuantizedStore.from_kv(k, v[:10], pos)

@@ -1,0 +1,164 @@
+"""Command line: ``python -m unicache_core.bagel {understand,t2i,edit} --checkpoint DIR --prompt TEXT ...``.
+
+``t2i``/``edit`` write a PNG (``--out``); ``understand`` prints the answer on stdout. Progress goes to
+stderr. Expected failures (bad arguments, missing or broken checkpoint, cancelled run) exit with
+status 2 and a one-line ``error: ...`` message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import UniCacheError
+
+logger = logging.getLogger("unicache_core.bagel.cli")
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m unicache_core.bagel", description="BAGEL inference (UniCache core)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--checkpoint", required=True, type=Path, help="BAGEL checkpoint folder")
+        p.add_argument("--prompt", required=True, help="text prompt")
+        p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="LLM/ViT dtype (VAE is fp32)")
+        p.add_argument("--device", default="auto", help="torch device, or 'auto' (cuda when available)")
+        p.add_argument("--seed", type=int, default=0, help="noise / sampling seed")
+        p.add_argument("--think", action="store_true", help="think mode (system prompt + planning text)")
+        p.add_argument("--do-sample", action="store_true", help="sample text instead of greedy decoding")
+        p.add_argument("--temperature", type=float, default=0.3, help="sampling temperature")
+        p.add_argument("--max-new-tokens", type=int, default=None,
+                       help="max generated tokens (answer: 512, think plan: 1024)")
+        p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+
+    def flow(p: argparse.ArgumentParser, text_scale, img_scale, interval, renorm) -> None:
+        p.add_argument("--out", type=Path, default=Path("out.png"), help="output PNG path")
+        p.add_argument("--steps", type=int, default=50, help="num_timesteps (steps-1 model evaluations)")
+        p.add_argument("--timestep-shift", type=float, default=3.0)
+        p.add_argument("--cfg-text-scale", type=float, default=text_scale)
+        p.add_argument("--cfg-img-scale", type=float, default=img_scale)
+        p.add_argument("--cfg-interval", type=float, nargs=2, default=interval, metavar=("LO", "HI"))
+        p.add_argument("--cfg-renorm-min", type=float, default=0.0)
+        p.add_argument("--cfg-renorm-type", default=renorm, help="global | channel | text_channel")
+
+    p_und = sub.add_parser("understand", help="answer a question about an image")
+    common(p_und)
+    p_und.add_argument("--image", type=Path, default=None, help="input image (optional)")
+
+    p_t2i = sub.add_parser("t2i", help="text to image")
+    common(p_t2i)
+    flow(p_t2i, 4.0, 1.5, [0.4, 1.0], "global")
+    p_t2i.add_argument("--width", type=int, default=1024)
+    p_t2i.add_argument("--height", type=int, default=1024)
+
+    p_edit = sub.add_parser("edit", help="edit an image")
+    common(p_edit)
+    flow(p_edit, 4.0, 2.0, [0.0, 1.0], "text_channel")
+    p_edit.add_argument("--image", type=Path, required=True, help="source image")
+    return parser
+
+
+class _Bar:
+    """A one-line text progress bar on stderr (``progress(step, total)`` callback)."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.open = False
+
+    def __call__(self, step: int, total: int) -> None:
+        width = 30
+        filled = int(width * step / max(total, 1))
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {step}/{total}")
+        self.open = step < total
+        if not self.open:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.open:
+            sys.stderr.write("\n")
+            self.open = False
+
+
+def _progress(label: str, quiet: bool) -> _Bar | None:
+    return None if quiet else _Bar(label)
+
+
+def _open_image(path: Path):
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        raise FileNotFoundError(f"--image: file not found: {path}")
+    try:
+        with Image.open(path) as img:
+            img.load()
+            return img.copy()
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ValueError(f"--image: cannot read {path} as an image ({exc})") from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .loader import load_bagel
+    from .pipeline import BagelPipeline
+
+    if not args.checkpoint.is_dir():
+        raise FileNotFoundError(f"--checkpoint: folder not found: {args.checkpoint}")
+    image = _open_image(args.image) if getattr(args, "image", None) is not None else None
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    logger.info("loading %s (%s on %s)", args.checkpoint, args.dtype, device)
+    pipe = BagelPipeline(load_bagel(args.checkpoint, dtype=_DTYPES[args.dtype], device=device))
+    if args.command == "understand":
+        bar = _progress("decoding", args.quiet)
+        result = pipe.understand(
+            image, args.prompt, max_new_tokens=args.max_new_tokens or 512, do_sample=args.do_sample,
+            temperature=args.temperature, think=args.think, seed=args.seed, progress=bar,
+        )
+        if bar is not None:
+            bar.close()
+        sys.stdout.write(result.text + "\n")
+        return 0
+    flow_kwargs = dict(
+        num_timesteps=args.steps, timestep_shift=args.timestep_shift, cfg_text_scale=args.cfg_text_scale,
+        cfg_img_scale=args.cfg_img_scale, cfg_interval=tuple(args.cfg_interval), cfg_renorm_min=args.cfg_renorm_min,
+        cfg_renorm_type=args.cfg_renorm_type, seed=args.seed, think=args.think,
+        think_max_new_tokens=args.max_new_tokens or 1024, think_do_sample=args.do_sample,
+        think_temperature=args.temperature, progress=_progress("denoising", args.quiet),
+    )
+    if args.command == "t2i":
+        result = pipe.text_to_image(args.prompt, width=args.width, height=args.height, **flow_kwargs)
+    else:
+        result = pipe.edit(image, args.prompt, **flow_kwargs)
+    if result.think_text is not None:
+        logger.info("plan: %s", result.think_text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result.image.save(args.out, format="PNG")
+    logger.info("wrote %s (%dx%d)", args.out, *result.image.size)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the process exit status."""
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args)
+    except (UniCacheError, ValueError, FileNotFoundError) as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        sys.stderr.write(f"error: {message}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""BAGEL contexts (one KV cache + its next RoPE position) and the blocks appended to them.
+
+A :class:`Context` is the official ``{'kv_lens', 'ropes', 'past_key_values'}`` dict: a
+:class:`~unicache_core.kvcache.KVCache` plus the next RoPE position. Blocks (bagel.md §4.2-§4.6):
+
+=========  =====================================  =======  ==========  =====================================
+block      tokens                                 mode     mask        positions / rope after
+=========  =====================================  =======  ==========  =====================================
+text       ``[im_start] text [im_end]``           und      causal      ``r .. r+n-1`` / ``r+n``
+ViT image  ``[vs] vit tokens [ve]``               und      bidirect.   all ``r`` / ``r+1``
+VAE image  ``[vs] clean latents (t=0) [ve]``      gen*     bidirect.   all ``r`` / ``r+1``
+latents    ``[vs] noisy latents (t) [ve]``        gen*     bidirect.   all ``r`` / not cached
+=========  =====================================  =======  ==========  =====================================
+
+(*) boundary tokens use the und expert, latent tokens the gen expert (``gen_mask``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..kvcache import AttentionCall, KVCache, Phase
+from ..segments import TokenType
+from .sampling import pack_latent
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from .loader import LoadedBagel
+
+#: System prompt prefilled before an understanding request in think mode (prompt text of inferencer.py).
+VLM_THINK_SYSTEM_PROMPT = (
+    "You should first think about the reasoning process in the mind and then provide the user with the answer. \n"
+    "The reasoning process is enclosed within <think> </think> tags, i.e. <think> reasoning process here </think> "
+    "answer here"
+)
+#: System prompt prefilled before a generation request in think mode (prompt text of inferencer.py).
+GEN_THINK_SYSTEM_PROMPT = (
+    "You should first think about the planning process in the mind and then generate the image. \n"
+    "The planning process is enclosed within <think> </think> tags, i.e. <think> planning process here </think> "
+    "image here"
+)
+
+
+@dataclass
+class Context:
+    """One BAGEL context: its cache and the RoPE position the next block starts at."""
+
+    cache: KVCache
+    rope: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cache.num_tokens
+
+    def clone(self, branch: str | None = None) -> "Context":
+        """Independent copy (the official ``deepcopy(gen_context)``)."""
+        return Context(self.cache.clone(branch=branch), self.rope)
+
+
+def _types(*parts: tuple[TokenType, int], device: torch.device) -> Tensor:
+    return torch.cat([torch.full((n,), int(t), dtype=torch.int8, device=device) for t, n in parts])
+
+
+def _boundary_embeds(loaded: "LoadedBagel") -> tuple[Tensor, Tensor]:
+    tok = loaded.tokenizer
+    ids = torch.tensor([tok.start_of_image, tok.end_of_image], dtype=torch.long, device=loaded.device)
+    emb = loaded.model.embed_text(ids)
+    return emb[:1], emb[1:]
+
+
+def text_ids(loaded: "LoadedBagel", text: str) -> list[int]:
+    """``[im_start] + encode(text) + [im_end]`` (no chat template)."""
+    tok = loaded.tokenizer
+    return [tok.bos_token_id, *tok.encode(text), tok.eos_token_id]
+
+
+def append_text(loaded: "LoadedBagel", ctx: Context, text: str) -> int:
+    """Prefill a text block into ``ctx`` (causal, und); returns the number of tokens appended."""
+    ids = text_ids(loaded, text)
+    n = len(ids)
+    device = loaded.device
+    embeds = loaded.model.embed_text(torch.tensor(ids, dtype=torch.long, device=device))
+    positions = torch.arange(ctx.rope, ctx.rope + n, dtype=torch.long, device=device)
+    types = _types((TokenType.BOUNDARY, 1), (TokenType.INSTRUCTION, n - 2), (TokenType.BOUNDARY, 1), device=device)
+    call = AttentionCall(token_types=types, positions=positions, causal=True, update=True, phase="prefill")
+    loaded.model.forward_llm(embeds, positions, ctx.cache, call)
+    ctx.rope += n
+    return n
+
+
+def append_vit(loaded: "LoadedBagel", ctx: Context, image: Tensor) -> int:
+    """Prefill a ViT image block; ``image`` is ``[3, H, W]`` in ``[-1, 1]`` (ViT transform applied)."""
+    device = loaded.device
+    vit = loaded.model.embed_vit(image.to(device))  # [N, H]
+    start, end = _boundary_embeds(loaded)
+    embeds = torch.cat([start, vit.to(start.dtype), end])
+    n = embeds.shape[0]
+    positions = torch.full((n,), ctx.rope, dtype=torch.long, device=device)
+    types = _types(
+        (TokenType.BOUNDARY, 1), (TokenType.SOURCE_VIT, n - 2), (TokenType.BOUNDARY, 1), device=device
+    )
+    call = AttentionCall(token_types=types, positions=positions, causal=False, update=True, phase="prefill")
+    loaded.model.forward_llm(embeds, positions, ctx.cache, call)
+    ctx.rope += 1
+    return n
+
+
+def encode_vae_latent(
+    loaded: "LoadedBagel",
+    image: Tensor,
+    *,
+    noise: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """VAE-encode ``[3, H, W]`` (in ``[-1, 1]``, sides multiples of 16) → packed ``[(H/16)*(W/16), 64]`` fp32.
+
+    The encoder samples ``mean + std * noise``; ``noise`` (``[1, 16, H/8, W/8]``) is drawn from
+    ``generator`` on the CPU when not given (the official code draws it from the global CPU RNG).
+    """
+    vae = loaded.vae
+    x = image.unsqueeze(0).float()
+    if noise is None:
+        ds = loaded.config.ae.downsample
+        shape = (1, loaded.config.ae.z_channels, x.shape[2] // ds, x.shape[3] // ds)
+        noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+    vae_device = next(vae.parameters()).device
+    z = vae.encode(x.to(vae_device), noise=noise.to(device=vae_device, dtype=torch.float32))
+    return pack_latent(z[0].float(), loaded.config.latent_patch_size)
+
+
+def latent_block_embeds(loaded: "LoadedBagel", x: Tensor, h: int, w: int, timestep: float) -> Tensor:
+    """Embeddings ``[h*w + 2, H]`` of ``[vs] latents [ve]`` for packed latents ``x`` ``[h*w, 64]`` at time t."""
+    device = loaded.device
+    pos_ids = loaded.model.latent_position_ids(h, w).to(device)
+    lat = loaded.model.embed_latents(x.to(device), pos_ids, timestep)
+    start, end = _boundary_embeds(loaded)
+    return torch.cat([start, lat.to(start.dtype), end])
+
+
+def latent_gen_mask(num_latents: int, device: torch.device) -> Tensor:
+    """``[num_latents + 2]`` bool mask: True for the latent tokens, False for the two boundaries."""
+    mask = torch.ones(num_latents + 2, dtype=torch.bool, device=device)
+    mask[0] = mask[-1] = False
+    return mask
+
+
+def append_vae(loaded: "LoadedBagel", ctx: Context, latent: Tensor, h: int, w: int) -> int:
+    """Prefill a clean VAE image block (t = 0, gen mode) from packed latents ``[h*w, 64]``."""
+    device = loaded.device
+    embeds = latent_block_embeds(loaded, latent, h, w, 0.0)
+    n = embeds.shape[0]
+    positions = torch.full((n,), ctx.rope, dtype=torch.long, device=device)
+    types = _types(
+        (TokenType.BOUNDARY, 1), (TokenType.SOURCE_VAE, n - 2), (TokenType.BOUNDARY, 1), device=device
+    )
+    call = AttentionCall(token_types=types, positions=positions, causal=False, update=True, phase="prefill")
+    loaded.model.forward_llm(embeds, positions, ctx.cache, call, gen_mask=latent_gen_mask(n - 2, device))
+    ctx.rope += 1
+    return n
+
+
+def latent_velocity(
+    loaded: "LoadedBagel",
+    ctx: Context,
+    embeds: Tensor,
+    *,
+    step: int,
+    timestep: float,
+    phase: Phase = "denoise",
+) -> Tensor:
+    """One denoising forward of the latent query block over ``ctx`` (not cached).
+
+    Args:
+        embeds: ``[N + 2, H]`` from :func:`latent_block_embeds` (shared by all CFG branches).
+
+    Returns:
+        ``[N, 64]`` velocity (``llm2vae`` of the latent positions).
+    """
+    device = loaded.device
+    n = embeds.shape[0]
+    positions = torch.full((n,), ctx.rope, dtype=torch.long, device=device)
+    types = _types(
+        (TokenType.BOUNDARY, 1), (TokenType.CURRENT_LATENT, n - 2), (TokenType.BOUNDARY, 1), device=device
+    )
+    call = AttentionCall(
+        token_types=types, positions=positions, causal=False, update=False, phase=phase, step=step,
+        timestep=timestep,
+    )
+    hidden = loaded.model.forward_llm(embeds, positions, ctx.cache, call, gen_mask=latent_gen_mask(n - 2, device))
+    return loaded.model.latent_velocity(hidden[1:-1])
+
+
+def decode_step(loaded: "LoadedBagel", ctx: Context, token_id: int, step: int, token_type: TokenType) -> Tensor:
+    """Feed one text token at position ``ctx.rope`` (causal, cached); returns its next-token logits ``[V]``."""
+    device = loaded.device
+    embeds = loaded.model.embed_text(torch.tensor([token_id], dtype=torch.long, device=device))
+    positions = torch.tensor([ctx.rope], dtype=torch.long, device=device)
+    types = torch.tensor([int(token_type)], dtype=torch.int8, device=device)
+    call = AttentionCall(token_types=types, positions=positions, causal=True, update=True, phase="decode", step=step)
+    hidden = loaded.model.forward_llm(embeds, positions, ctx.cache, call)
+    ctx.rope += 1
+    return loaded.model.lm_logits(hidden)[0]

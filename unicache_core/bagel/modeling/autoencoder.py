@@ -1,0 +1,238 @@
+"""FLUX autoencoder (BAGEL's VAE, bagel.md §2.8), inference only, always run in fp32.
+
+Names equal the keys of ``ae.safetensors`` (``encoder.*``, ``decoder.*``). GroupNorm uses 32 groups
+and eps 1e-6; downsampling pads asymmetrically (right/bottom by one) before a stride-2 conv;
+upsampling is nearest ×2 followed by a conv; the middle block has single-head self-attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from ..config import AEConfig
+
+
+def swish(x: Tensor) -> Tensor:
+    return x * torch.sigmoid(x)
+
+
+def _group_norm(channels: int) -> nn.GroupNorm:
+    return nn.GroupNorm(num_groups=32, num_channels=channels, eps=1e-6, affine=True)
+
+
+class AttnBlock(nn.Module):
+    """Single-head spatial self-attention with 1×1 conv projections and a residual."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.norm = _group_norm(channels)
+        self.q = nn.Conv2d(channels, channels, 1)
+        self.k = nn.Conv2d(channels, channels, 1)
+        self.v = nn.Conv2d(channels, channels, 1)
+        self.proj_out = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x [B, C, h, w]`` → same shape."""
+        b, c, h, w = x.shape
+        hn = self.norm(x)
+        q, k, v = (proj(hn).flatten(2).transpose(1, 2).unsqueeze(1) for proj in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v)  # [B, 1, h*w, C]
+        out = out.squeeze(1).transpose(1, 2).reshape(b, c, h, w)
+        return x + self.proj_out(out)
+
+
+class ResnetBlock(nn.Module):
+    """GroupNorm → swish → conv, twice, plus a (1×1-projected when channels change) shortcut."""
+
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__()
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.norm1 = _group_norm(in_channels)
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+        self.norm2 = _group_norm(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1)
+        if in_channels != out_channels:
+            self.nin_shortcut = nn.Conv2d(in_channels, out_channels, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv1(swish(self.norm1(x)))
+        h = self.conv2(swish(self.norm2(h)))
+        if self.in_channels != self.out_channels:
+            x = self.nin_shortcut(x)
+        return x + h
+
+
+class Downsample(nn.Module):
+    """Zero-pad right/bottom by one, then 3×3 stride-2 conv: ``[B,C,H,W]`` → ``[B,C,H/2,W/2]``."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, stride=2, padding=0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(F.pad(x, (0, 1, 0, 1), mode="constant", value=0.0))
+
+
+class Upsample(nn.Module):
+    """Nearest ×2 then 3×3 conv."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+class _Level(nn.Module):
+    """One resolution level: ``block`` (ResnetBlocks) and optionally ``downsample``/``upsample``."""
+
+    def __init__(self, blocks: list[nn.Module]):
+        super().__init__()
+        self.block = nn.ModuleList(blocks)
+
+
+class _Mid(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.block_1 = ResnetBlock(channels, channels)
+        self.attn_1 = AttnBlock(channels)
+        self.block_2 = ResnetBlock(channels, channels)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.block_2(self.attn_1(self.block_1(x)))
+
+
+class Encoder(nn.Module):
+    """Image ``[B, in_ch, H, W]`` → moments ``[B, 2*z, H/ds, W/ds]``."""
+
+    def __init__(self, cfg: AEConfig):
+        super().__init__()
+        self.conv_in = nn.Conv2d(cfg.in_channels, cfg.ch, 3, padding=1)
+        mults = (1,) + tuple(cfg.ch_mult)
+        self.down = nn.ModuleList()
+        block_in = cfg.ch
+        for level, mult in enumerate(cfg.ch_mult):
+            block_in = cfg.ch * mults[level]
+            block_out = cfg.ch * mult
+            blocks = []
+            for _ in range(cfg.num_res_blocks):
+                blocks.append(ResnetBlock(block_in, block_out))
+                block_in = block_out
+            stage = _Level(blocks)
+            if level != len(cfg.ch_mult) - 1:
+                stage.downsample = Downsample(block_in)
+            self.down.append(stage)
+        self.mid = _Mid(block_in)
+        self.norm_out = _group_norm(block_in)
+        self.conv_out = nn.Conv2d(block_in, 2 * cfg.z_channels, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv_in(x)
+        for level, stage in enumerate(self.down):
+            for block in stage.block:
+                h = block(h)
+            if level != len(self.down) - 1:
+                h = stage.downsample(h)
+        h = self.mid(h)
+        return self.conv_out(swish(self.norm_out(h)))
+
+
+class Decoder(nn.Module):
+    """Latent ``[B, z, h, w]`` → image ``[B, out_ch, h*ds, w*ds]``."""
+
+    def __init__(self, cfg: AEConfig):
+        super().__init__()
+        n = len(cfg.ch_mult)
+        block_in = cfg.ch * cfg.ch_mult[-1]
+        self.conv_in = nn.Conv2d(cfg.z_channels, block_in, 3, padding=1)
+        self.mid = _Mid(block_in)
+        stages: list[_Level] = []
+        for level in reversed(range(n)):
+            block_out = cfg.ch * cfg.ch_mult[level]
+            blocks = []
+            for _ in range(cfg.num_res_blocks + 1):
+                blocks.append(ResnetBlock(block_in, block_out))
+                block_in = block_out
+            stage = _Level(blocks)
+            if level != 0:
+                stage.upsample = Upsample(block_in)
+            stages.insert(0, stage)
+        self.up = nn.ModuleList(stages)
+        self.norm_out = _group_norm(block_in)
+        self.conv_out = nn.Conv2d(block_in, cfg.out_ch, 3, padding=1)
+
+    def forward(self, z: Tensor) -> Tensor:
+        h = self.mid(self.conv_in(z))
+        for level in reversed(range(len(self.up))):
+            stage = self.up[level]
+            for block in stage.block:
+                h = block(h)
+            if level != 0:
+                h = stage.upsample(h)
+        return self.conv_out(swish(self.norm_out(h)))
+
+
+class AutoEncoder(nn.Module):
+    """FLUX VAE with BAGEL's scale/shift (``z = scale * (sample - shift)``)."""
+
+    def __init__(self, config: AEConfig | None = None):
+        super().__init__()
+        self.config = config or AEConfig()
+        self.encoder = Encoder(self.config)
+        self.decoder = Decoder(self.config)
+        self.scale_factor = self.config.scale_factor
+        self.shift_factor = self.config.shift_factor
+
+    def encode_moments(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``x [B, 3, H, W]`` in [-1, 1] → ``(mean, logvar)`` each ``[B, z, H/ds, W/ds]``."""
+        return torch.chunk(self.encoder(x.to(self.encoder.conv_in.weight.dtype)), 2, dim=1)
+
+    def encode(
+        self,
+        x: Tensor,
+        *,
+        noise: Tensor | None = None,
+        generator: torch.Generator | None = None,
+        sample: bool = True,
+    ) -> Tensor:
+        """Encode and sample a scaled latent.
+
+        Args:
+            x: ``[B, 3, H, W]`` image in [-1, 1]; H and W multiples of ``downsample``.
+            noise: ``[B, z, H/ds, W/ds]`` standard-normal noise to use; drawn with
+                ``torch.randn(mean.shape, generator=generator, dtype=mean.dtype)`` when ``None``.
+            generator: RNG for the drawn noise (``None`` = global RNG, as the official code).
+            sample: ``False`` returns the scaled mean (no noise).
+
+        Returns:
+            ``z [B, z, H/ds, W/ds]`` = ``scale * (mean + exp(0.5*logvar) * noise - shift)``.
+        """
+        if x.dim() != 4 or x.shape[1] != self.config.in_channels:
+            raise ValueError(f"`x` must be [B, {self.config.in_channels}, H, W], got shape {tuple(x.shape)}")
+        ds = self.config.downsample
+        if x.shape[2] % ds or x.shape[3] % ds:
+            raise ValueError(f"image height/width {tuple(x.shape[2:])} must be multiples of {ds}")
+        mean, logvar = self.encode_moments(x)
+        if sample:
+            if noise is None:
+                device = generator.device if generator is not None else mean.device
+                noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device=device)
+            elif noise.shape != mean.shape:
+                raise ValueError(f"`noise` must have shape {tuple(mean.shape)}, got {tuple(noise.shape)}")
+            z = mean + torch.exp(0.5 * logvar) * noise.to(mean.device, mean.dtype)
+        else:
+            z = mean
+        return self.scale_factor * (z - self.shift_factor)
+
+    def decode(self, z: Tensor) -> Tensor:
+        """``z [B, z, h, w]`` → image ``[B, 3, h*ds, w*ds]`` in about [-1, 1]."""
+        if z.dim() != 4 or z.shape[1] != self.config.z_channels:
+            raise ValueError(f"`z` must be [B, {self.config.z_channels}, h, w], got shape {tuple(z.shape)}")
+        z = z.to(self.decoder.conv_in.weight.dtype)
+        return self.decoder(z / self.scale_factor + self.shift_factor)
+
+
+__all__ = ["AutoEncoder"]

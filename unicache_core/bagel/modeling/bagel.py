@@ -1,0 +1,174 @@
+"""The BAGEL model: MoT language model + SigLIP ViT + connector + latent heads (inference only).
+
+This module only embeds inputs and runs one packed block of new tokens through the LLM; building
+contexts, positions and token types is the pipeline's job (bagel.md §4–5). Submodule names equal the
+top-level prefixes of ``ema.safetensors``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ...kvcache import AttentionCall, KVCache
+from ..config import BagelConfig
+from .embeddings import MLPconnector, PositionEmbedding, TimestepEmbedder
+from .qwen2_mot import Qwen2ForCausalLM
+from .siglip import SiglipVisionModel
+
+
+def patchify(image: Tensor, patch_size: int) -> Tensor:
+    """``[C, H, W]`` → ``[(H/p)*(W/p), p*p*C]`` patches in raster order, features ``(row, col, channel)``."""
+    c, h, w = image.shape
+    p = patch_size
+    if h % p or w % p:
+        raise ValueError(f"image height/width ({h}, {w}) must be multiples of the patch size {p}")
+    return image.reshape(c, h // p, p, w // p, p).permute(1, 3, 2, 4, 0).reshape(-1, p * p * c)
+
+
+def grid_position_ids(rows: int, cols: int, max_per_side: int, device: torch.device | str | None = None) -> Tensor:
+    """``[rows*cols]`` int64 ids ``row * max_per_side + col`` in raster order ("extrapolate" ids)."""
+    if rows <= 0 or cols <= 0 or rows > max_per_side or cols > max_per_side:
+        raise ValueError(f"grid ({rows}, {cols}) must be within 1..{max_per_side} per side")
+    r = torch.arange(rows, device=device)
+    c = torch.arange(cols, device=device)
+    return (r[:, None] * max_per_side + c[None, :]).reshape(-1)
+
+
+class Bagel(nn.Module):
+    """BAGEL-7B-MoT (or a tiny model with the same structure).
+
+    Submodules: ``language_model``, ``vit_model``, ``connector``, ``vit_pos_embed``,
+    ``latent_pos_embed``, ``time_embedder``, ``vae2llm``, ``llm2vae``.
+    """
+
+    def __init__(self, config: BagelConfig):
+        super().__init__()
+        self.config = config
+        hidden = config.llm.hidden_size
+        self.language_model = Qwen2ForCausalLM(config.llm)
+        self.vit_model = SiglipVisionModel(config.vit)
+        self.connector = MLPconnector(config.vit.hidden_size, hidden, config.connector_act)
+        self.vit_pos_embed = PositionEmbedding(config.vit_max_num_patch_per_side, hidden)
+        self.time_embedder = TimestepEmbedder(hidden)
+        self.vae2llm = nn.Linear(config.patch_latent_dim, hidden)
+        self.llm2vae = nn.Linear(hidden, config.patch_latent_dim)
+        self.latent_pos_embed = PositionEmbedding(config.max_latent_size, hidden)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_layers(self) -> int:
+        """Number of LLM decoder layers (= KV-cache layers)."""
+        return self.config.llm.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.llm.hidden_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the LLM weights (the compute dtype of the hidden states)."""
+        return self.language_model.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.language_model.model.embed_tokens.weight.device
+
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """Materialise non-persistent buffers (RoPE ``inv_freq``) on ``device`` (after a meta build)."""
+        self.language_model.model.rotary_emb.reset_buffers(device if device is not None else self.device)
+
+    # ------------------------------------------------------------------ embeddings
+    def embed_text(self, ids: Tensor) -> Tensor:
+        """``ids [n]`` int → ``[n, H]`` token embeddings."""
+        if ids.dim() != 1:
+            raise ValueError(f"`ids` must be a 1-D tensor of token ids, got shape {tuple(ids.shape)}")
+        return self.language_model.model.embed_tokens(ids.to(self.device))
+
+    def vit_position_ids(self, rows: int, cols: int) -> Tensor:
+        """``[rows*cols]`` ids ``row * vit_max_num_patch_per_side + col``."""
+        return grid_position_ids(rows, cols, self.config.vit_max_num_patch_per_side, self.device)
+
+    def embed_vit(self, image: Tensor) -> Tensor:
+        """ViT tokens of one image, at LLM width.
+
+        Args:
+            image: ``[3, Hi, Wi]`` in [-1, 1]; ``Hi``, ``Wi`` multiples of the ViT patch size.
+
+        Returns:
+            ``[N_vit, H]`` = connector(ViT(patches)) + ``vit_pos_embed[row*70+col]``,
+            ``N_vit = (Hi/p)*(Wi/p)`` in raster order.
+        """
+        if image.dim() != 3 or image.shape[0] != self.config.vit.num_channels:
+            raise ValueError(f"`image` must be [3, H, W], got shape {tuple(image.shape)}")
+        p = self.config.vit.patch_size
+        rows, cols = image.shape[1] // p, image.shape[2] // p
+        patches = patchify(image.to(self.device, self.dtype), p)
+        pos = self.vit_position_ids(rows, cols)
+        feats = self.vit_model(patches, pos)
+        out = self.connector(feats) + self.vit_pos_embed(pos)
+        return out.to(self.dtype)
+
+    def latent_position_ids(self, h_tokens: int, w_tokens: int) -> Tensor:
+        """``[h*w]`` ids ``row * max_latent_size + col`` of a latent-token grid."""
+        return grid_position_ids(h_tokens, w_tokens, self.config.max_latent_size, self.device)
+
+    def embed_latents(self, x: Tensor, position_ids: Tensor, timestep: float) -> Tensor:
+        """Latent tokens as LLM inputs.
+
+        Args:
+            x: ``[N, 64]`` packed latent tokens (features ``(pr, pc, c)``).
+            position_ids: ``[N]`` latent position ids.
+            timestep: flow time ``t`` in [0, 1] (0 = clean image); not scaled by 1000.
+
+        Returns:
+            ``[N, H]`` = ``vae2llm(x) + time_embedder(t) + latent_pos_embed[pos]``.
+        """
+        if x.dim() != 2 or x.shape[1] != self.config.patch_latent_dim:
+            raise ValueError(
+                f"`x` must be [N, {self.config.patch_latent_dim}], got shape {tuple(x.shape)}"
+            )
+        if position_ids.shape != (x.shape[0],):
+            raise ValueError(
+                f"`position_ids` must have shape ({x.shape[0]},), got {tuple(position_ids.shape)}"
+            )
+        t = torch.tensor([float(timestep)], device=self.device)
+        emb = self.vae2llm(x.to(self.device, self.dtype))
+        emb = emb + self.time_embedder(t) + self.latent_pos_embed(position_ids.to(self.device))
+        return emb.to(self.dtype)
+
+    # ------------------------------------------------------------------ LLM
+    def forward_llm(
+        self,
+        embeds: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        call: AttentionCall,
+        gen_mask: Tensor | None = None,
+    ) -> Tensor:
+        """One packed block of NEW tokens through the MoT decoder.
+
+        Args:
+            embeds: ``[T, H]`` input embeddings.
+            positions: ``[T]`` int RoPE positions.
+            cache: the context's :class:`KVCache` (``begin_call`` / ``attend`` / ``end_call``).
+            call: causal flag, update flag and metadata of this pass.
+            gen_mask: ``[T]`` bool, True = the token uses the ``*_moe_gen`` expert; ``None`` = all und.
+
+        Returns:
+            ``[T, H]`` final-normed hidden states (``norm`` for und tokens, ``norm_moe_gen`` for gen).
+        """
+        return self.language_model.model(
+            embeds.to(self.device, self.dtype), positions.to(self.device), cache, call, gen_mask
+        )
+
+    def lm_logits(self, hidden: Tensor) -> Tensor:
+        """``[n, H]`` final-normed hidden → ``[n, V]`` logits."""
+        return self.language_model.lm_head(hidden)
+
+    def latent_velocity(self, hidden: Tensor) -> Tensor:
+        """``[N, H]`` final-normed hidden of latent tokens → ``[N, 64]`` velocity (``llm2vae``)."""
+        return self.llm2vae(hidden)
+
+
+__all__ = ["Bagel", "grid_position_ids", "patchify"]

@@ -1,0 +1,294 @@
+"""Qwen2 Mixture-of-Transformers decoder (BAGEL's language model), inference only.
+
+Every decoder layer holds two experts with identical shapes: the understanding ("und") weights, named
+as in Qwen2, and the generation ("gen") weights, named with a ``_moe_gen`` suffix. Each token of a
+packed block is routed to one expert by a boolean ``gen_mask`` (bagel.md §2.3); attention is joint over
+all tokens. Attention goes only through :meth:`unicache_core.kvcache.KVCache.attend`, so the cache
+implementation decides how new queries see the cached context.
+
+Module and parameter names equal the ``language_model.*`` keys of BAGEL's ``ema.safetensors``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from ...kvcache import AttentionCall, KVCache
+from ..config import LLMConfig
+
+
+class Qwen2RMSNorm(nn.Module):
+    """RMSNorm: statistics in fp32, normalised value cast back to the input dtype, then ``* weight``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x [..., hidden]`` → same shape; dtype follows ``weight * x``."""
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Qwen2RotaryEmbedding(nn.Module):
+    """Default (unscaled) RoPE, half-split layout; ``inv_freq`` is a non-persistent buffer."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+
+    def compute_inv_freq(self, device: torch.device | str | None = None) -> Tensor:
+        """``[d/2]`` fp32: ``1 / theta^(2i/d)``."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+        return 1.0 / (self.theta**exponents)
+
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute ``inv_freq`` (needed after building on the meta device)."""
+        self.inv_freq = self.compute_inv_freq(device)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``positions [T]`` int → ``(cos, sin)`` each ``[T, d]``, computed in fp32 then cast to ``dtype``."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device, torch.float32)[None]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """``[..., d]`` → ``cat(-x[..., d/2:], x[..., :d/2])``."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x [T, heads, d]`` with ``cos/sin [T, d]``."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+class Qwen2MLP(nn.Module):
+    """SiLU-gated MLP without biases: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Which tokens of a packed block use the und / gen expert.
+
+    ``kind`` is ``"und"`` (all und), ``"gen"`` (all gen) or ``"mixed"``; for ``"mixed"`` the index
+    tensors ``und_idx`` / ``gen_idx`` (int64 ``[n_und]`` / ``[n_gen]``) partition ``0..T-1``.
+    """
+
+    kind: str
+    und_idx: Tensor | None = None
+    gen_idx: Tensor | None = None
+
+    @classmethod
+    def from_mask(cls, gen_mask: Tensor | None, num_tokens: int) -> "Routing":
+        if gen_mask is None:
+            return cls("und")
+        if gen_mask.dim() != 1 or gen_mask.shape[0] != num_tokens:
+            raise ValueError(
+                f"`gen_mask` must be a 1-D bool tensor of length {num_tokens}, got shape {tuple(gen_mask.shape)}"
+            )
+        mask = gen_mask.to(torch.bool)
+        n_gen = int(mask.sum())
+        if n_gen == 0:
+            return cls("und")
+        if n_gen == num_tokens:
+            return cls("gen")
+        return cls("mixed", torch.nonzero(~mask).squeeze(1), torch.nonzero(mask).squeeze(1))
+
+    def apply(self, und_fn: Callable[[Tensor], Tensor], gen_fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        """Run ``und_fn`` on the und tokens and ``gen_fn`` on the gen tokens of ``x [T, ...]``."""
+        if self.kind == "und":
+            return und_fn(x)
+        if self.kind == "gen":
+            return gen_fn(x)
+        und_idx, gen_idx = self.und_idx.to(x.device), self.gen_idx.to(x.device)
+        out_und = und_fn(x[und_idx])
+        out_gen = gen_fn(x[gen_idx])
+        out = out_und.new_empty((x.shape[0],) + tuple(out_und.shape[1:]))
+        out[und_idx] = out_und
+        out[gen_idx] = out_gen.to(out.dtype)
+        return out
+
+
+class PackedAttentionMoT(nn.Module):
+    """Self-attention with und/gen projections and QK-norm; attention itself is done by the cache."""
+
+    def __init__(self, config: LLMConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        h, d = config.hidden_size, config.head_dim
+        q_out, kv_out = self.num_heads * d, self.num_kv_heads * d
+        self.q_proj = nn.Linear(h, q_out, bias=True)
+        self.k_proj = nn.Linear(h, kv_out, bias=True)
+        self.v_proj = nn.Linear(h, kv_out, bias=True)
+        self.o_proj = nn.Linear(q_out, h, bias=False)
+        self.q_proj_moe_gen = nn.Linear(h, q_out, bias=True)
+        self.k_proj_moe_gen = nn.Linear(h, kv_out, bias=True)
+        self.v_proj_moe_gen = nn.Linear(h, kv_out, bias=True)
+        self.o_proj_moe_gen = nn.Linear(q_out, h, bias=False)
+        if config.qk_norm:
+            self.q_norm = Qwen2RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = Qwen2RMSNorm(d, config.rms_norm_eps)
+            self.q_norm_moe_gen = Qwen2RMSNorm(d, config.rms_norm_eps)
+            self.k_norm_moe_gen = Qwen2RMSNorm(d, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
+            self.q_norm_moe_gen = self.k_norm_moe_gen = nn.Identity()
+
+    def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor, routing: Routing) -> tuple[Tensor, Tensor, Tensor]:
+        """``x [T, H]`` (already input-normed) → ``q [T, Hq, d]``, ``k, v [T, Hkv, d]``; q/k normed then rotated."""
+        d = self.head_dim
+
+        def und(z: Tensor) -> Tensor:
+            q = self.q_norm(self.q_proj(z).view(-1, self.num_heads, d))
+            k = self.k_norm(self.k_proj(z).view(-1, self.num_kv_heads, d))
+            v = self.v_proj(z).view(-1, self.num_kv_heads, d)
+            return torch.cat([q, k, v], dim=1)
+
+        def gen(z: Tensor) -> Tensor:
+            q = self.q_norm_moe_gen(self.q_proj_moe_gen(z).view(-1, self.num_heads, d))
+            k = self.k_norm_moe_gen(self.k_proj_moe_gen(z).view(-1, self.num_kv_heads, d))
+            v = self.v_proj_moe_gen(z).view(-1, self.num_kv_heads, d)
+            return torch.cat([q, k, v], dim=1)
+
+        qkv = routing.apply(und, gen, x)  # [T, Hq + 2*Hkv, d]
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
+        k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+        return q.contiguous(), k.contiguous(), v.contiguous()
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, routing: Routing, cache: KVCache, call: AttentionCall
+    ) -> Tensor:
+        """``x [T, H]`` → attention output after ``o_proj`` ``[T, H]``."""
+        q, k, v = self.project_qkv(x, cos, sin, routing)
+        out = cache.attend(self.layer_idx, q, k, v, call)
+        out = out.reshape(out.shape[0], self.num_heads * self.head_dim).to(x.dtype)
+        return routing.apply(self.o_proj, self.o_proj_moe_gen, out)
+
+
+class Qwen2MoTDecoderLayer(nn.Module):
+    """Pre-norm decoder layer with und/gen experts (norms, attention projections, MLP)."""
+
+    def __init__(self, config: LLMConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = PackedAttentionMoT(config, layer_idx)
+        self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size)
+        self.mlp_moe_gen = Qwen2MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = Qwen2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm_moe_gen = Qwen2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm_moe_gen = Qwen2RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, routing: Routing, cache: KVCache, call: AttentionCall
+    ) -> Tensor:
+        """``x [T, H]`` → ``[T, H]``."""
+        h = routing.apply(self.input_layernorm, self.input_layernorm_moe_gen, x)
+        x = x + self.self_attn(h, cos, sin, routing, cache, call)
+        h = routing.apply(
+            lambda z: self.mlp(self.post_attention_layernorm(z)),
+            lambda z: self.mlp_moe_gen(self.post_attention_layernorm_moe_gen(z)),
+            x,
+        )
+        return x + h
+
+
+class Qwen2Model(nn.Module):
+    """Token embedding, decoder layers and the final norms (``norm`` / ``norm_moe_gen``)."""
+
+    def __init__(self, config: LLMConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen2MoTDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm_moe_gen = Qwen2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = Qwen2RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def forward(
+        self,
+        embeds: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        call: AttentionCall,
+        gen_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Run one packed block of new tokens through every layer.
+
+        Args:
+            embeds: ``[T, H]`` input embeddings of the new tokens.
+            positions: ``[T]`` int RoPE positions.
+            cache: the context's cache; ``begin_call``/``attend``/``end_call`` are called on it.
+            call: what this pass does with the cache.
+            gen_mask: ``[T]`` bool, True = token uses the gen expert; ``None`` = all und.
+
+        Returns:
+            ``[T, H]`` final-normed hidden states.
+        """
+        if embeds.dim() != 2 or embeds.shape[1] != self.config.hidden_size:
+            raise ValueError(
+                f"`embeds` must be [T, {self.config.hidden_size}], got shape {tuple(embeds.shape)}"
+            )
+        if positions.dim() != 1 or positions.shape[0] != embeds.shape[0]:
+            raise ValueError(
+                f"`positions` must be 1-D of length {embeds.shape[0]}, got shape {tuple(positions.shape)}"
+            )
+        routing = Routing.from_mask(gen_mask, embeds.shape[0])
+        cos, sin = self.rotary_emb(positions.to(embeds.device), embeds.dtype)
+        x = embeds
+        cache.begin_call(call)
+        for layer in self.layers:
+            x = layer(x, cos, sin, routing, cache, call)
+        cache.end_call(call)
+        return routing.apply(self.norm, self.norm_moe_gen, x)
+
+
+class Qwen2ForCausalLM(nn.Module):
+    """``model`` + untied ``lm_head`` (names ``language_model.model.*`` / ``language_model.lm_head``)."""
+
+    def __init__(self, config: LLMConfig):
+        super().__init__()
+        self.config = config
+        self.model = Qwen2Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """Final-normed ``hidden [n, H]`` → logits ``[n, V]``."""
+        return self.lm_head(hidden)
+
+
+__all__ = [
+    "PackedAttentionMoT",
+    "Qwen2ForCausalLM",
+    "Qwen2MLP",
+    "Qwen2MoTDecoderLayer",
+    "Qwen2Model",
+    "Qwen2RMSNorm",
+    "Qwen2RotaryEmbedding",
+    "Routing",
+    "apply_rope",
+    "rotate_half",
+]

@@ -1,0 +1,547 @@
+"""The three BAGEL procedures (understanding, text-to-image, editing) over pluggable KV caches.
+
+Mirrors ``InterleaveInferencer.interleave_inference`` (bagel.md §5): contexts are built block by
+block (:mod:`.contexts`), every cache comes from a :data:`~unicache_core.kvcache.CacheFactory`
+(``cfg_text`` is a ``clone`` of ``gen`` taken at the official point), and the flow loop uses the pure
+math in :mod:`.sampling`.
+
+Randomness: one CPU ``torch.Generator`` seeded with ``seed`` gives, in order, the VAE-encode noise of
+an edit's source image and the initial latent noise (the official code draws both from the global CPU
+RNG in that order). Think-mode text sampling uses its own generator seeded with ``seed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from PIL import Image
+from torch import Tensor
+
+from ..errors import CancelledError
+from ..kvcache import CacheFactory, CacheRequest, Task, full_cache_factory
+from ..segments import TokenType
+from . import contexts as C
+from .contexts import Context
+from .loader import LoadedBagel
+from .sampling import RENORM_TYPES, cfg_active, combine_cfg, next_token, timestep_schedule, unpack_latent
+from .transforms import VAE_TRANSFORM, VIT_TRANSFORM, check_image, image_from_tensor, prepare_input_image
+
+logger = logging.getLogger(__name__)
+
+ProgressFn = Callable[[int, int], None]
+CancelFn = Callable[[], bool]
+
+
+@dataclass
+class GenerationResult:
+    """Output of :meth:`BagelPipeline.text_to_image` / :meth:`BagelPipeline.edit`.
+
+    Attributes:
+        image: RGB PIL image, ``width x height``.
+        latents: ``[1, 16, H/8, W/8]`` fp32 final latent (what the VAE decoded).
+        num_steps: denoising steps run (``num_timesteps - 1``).
+        seed: seed of the noise generator.
+        info: timings (``prefill_s``, ``think_s``, ``denoise_s``, ``decode_s``), context sizes
+            (``context_tokens``) and denoising forwards per branch (``forwards``).
+        think_text: the plan decoded in think mode, else ``None``.
+        step0_velocity: with ``return_step0_velocity=True``: ``{"gen", "cfg_text", "cfg_img"
+            (branches computed), "guided"}`` ``[h*w, 64]`` velocities of step 0.
+    """
+
+    image: Image.Image
+    latents: Tensor
+    num_steps: int
+    seed: int
+    info: dict = field(default_factory=dict)
+    think_text: str | None = None
+    step0_velocity: dict[str, Tensor] | None = None
+
+
+@dataclass
+class UnderstandingResult:
+    """Output of :meth:`BagelPipeline.understand`: answer text and generated ids (no ``<|im_start|>``)."""
+
+    text: str
+    token_ids: list[int]
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class GenerationContexts:
+    """The three contexts of one generation request and the output size in pixels."""
+
+    gen: Context
+    cfg_text: Context
+    cfg_img: Context
+    height: int
+    width: int
+
+    def branches(self) -> dict[str, Context]:
+        return {"gen": self.gen, "cfg_text": self.cfg_text, "cfg_img": self.cfg_img}
+
+
+# --------------------------------------------------------------------------------------- validation
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_float(name: str, value: object, minimum: float, *, strict: bool = False, maximum: float | None = None):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    if ok:
+        ok = value > minimum if strict else value >= minimum
+        ok = ok and (maximum is None or value <= maximum)
+    if not ok:
+        bound = f"> {minimum}" if strict else f">= {minimum}"
+        if maximum is not None:
+            bound += f" and <= {maximum}"
+        raise ValueError(f"`{name}` must be a number {bound}, got {value!r}")
+    return float(value)
+
+
+def _check_prompt(prompt: object) -> str:
+    if not isinstance(prompt, str):
+        raise ValueError(f"`prompt` must be a str, got {type(prompt).__name__}")
+    return prompt
+
+
+def _check_seed(seed: object) -> int:
+    if seed is None:
+        return random.SystemRandom().randrange(0, 2**63)
+    return _check_int("seed", seed, 0)
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    """Validated denoising settings (bagel.md §5.3)."""
+
+    num_timesteps: int
+    timestep_shift: float
+    cfg_text_scale: float
+    cfg_img_scale: float
+    cfg_interval: tuple[float, float]
+    cfg_renorm_min: float
+    cfg_renorm_type: str
+
+    @classmethod
+    def create(
+        cls, num_timesteps, timestep_shift, cfg_text_scale, cfg_img_scale, cfg_interval, cfg_renorm_min,
+        cfg_renorm_type,
+    ) -> "FlowSettings":
+        _check_int("num_timesteps", num_timesteps, 2)
+        shift = _check_float("timestep_shift", timestep_shift, 0.0, strict=True)
+        text_scale = _check_float("cfg_text_scale", cfg_text_scale, 0.0)
+        img_scale = _check_float("cfg_img_scale", cfg_img_scale, 0.0)
+        if not isinstance(cfg_interval, Sequence) or isinstance(cfg_interval, str) or len(cfg_interval) != 2:
+            raise ValueError(f"`cfg_interval` must be a pair (lo, hi) with 0 <= lo <= hi <= 1, got {cfg_interval!r}")
+        lo = _check_float("cfg_interval[0]", cfg_interval[0], 0.0, maximum=1.0)
+        hi = _check_float("cfg_interval[1]", cfg_interval[1], 0.0, maximum=1.0)
+        if lo > hi:
+            raise ValueError(f"`cfg_interval` must satisfy lo <= hi, got {tuple(cfg_interval)!r}")
+        renorm_min = _check_float("cfg_renorm_min", cfg_renorm_min, 0.0, maximum=1.0)
+        if cfg_renorm_type not in RENORM_TYPES:
+            raise ValueError(f"`cfg_renorm_type` must be one of {RENORM_TYPES}, got {cfg_renorm_type!r}")
+        return cls(num_timesteps, shift, text_scale, img_scale, (lo, hi), renorm_min, cfg_renorm_type)
+
+
+# ----------------------------------------------------------------------------------------- pipeline
+
+
+class BagelPipeline:
+    """Runs BAGEL requests on a loaded checkpoint with caches from ``cache_factory``.
+
+    Args:
+        loaded: the model, VAE, tokenizer and config (:func:`~unicache_core.bagel.loader.load_bagel`).
+        cache_factory: builds the cache of each context (``CacheRequest(task, branch, num_layers)``).
+    """
+
+    def __init__(self, loaded: LoadedBagel, cache_factory: CacheFactory = full_cache_factory):
+        self.loaded = loaded
+        self.cache_factory = cache_factory
+
+    # ---------------------------------------------------------------- building blocks
+
+    def new_context(self, task: Task, branch: str) -> Context:
+        """An empty context whose cache comes from the factory."""
+        cache = self.cache_factory(CacheRequest(task=task, branch=branch, num_layers=self.loaded.model.num_layers))
+        return Context(cache=cache, rope=0)
+
+    @torch.inference_mode()
+    def decode_text(
+        self,
+        ctx: Context,
+        *,
+        max_new_tokens: int,
+        do_sample: bool = False,
+        temperature: float = 0.3,
+        generator: torch.Generator | None = None,
+        progress: ProgressFn | None = None,
+        cancel: CancelFn | None = None,
+    ) -> tuple[str, list[int]]:
+        """Decode an answer from ``ctx`` (modified in place: the fed tokens are cached).
+
+        Starts with an ``<|im_start|>`` query at ``ctx.rope``; stops when ``<|im_end|>`` is predicted
+        (not kept) or after ``max_new_tokens`` generated tokens. (The official ``max_length`` counts
+        forwards including the start token: official ``max_length = M`` equals ``max_new_tokens = M-1``.)
+
+        Returns:
+            ``(text, generated ids)``; text is decoded and cut as the official ``gen_text`` does.
+        """
+        tok = self.loaded.tokenizer
+        ids: list[int] = []
+        current, current_type = tok.bos_token_id, TokenType.BOUNDARY
+        for step in range(max_new_tokens):
+            if cancel is not None and cancel():
+                raise CancelledError(f"text decoding cancelled after {step} of at most {max_new_tokens} tokens")
+            logits = C.decode_step(self.loaded, ctx, current, step, current_type)
+            current = next_token(logits, do_sample=do_sample, temperature=temperature, generator=generator)
+            current_type = TokenType.DECODED_TEXT
+            if progress is not None:
+                progress(step + 1, max_new_tokens)
+            if current == tok.eos_token_id:
+                break
+            ids.append(current)
+        return self._answer_text(ids), ids
+
+    def _answer_text(self, ids: list[int]) -> str:
+        tok = self.loaded.tokenizer
+        text = tok.decode([tok.bos_token_id, *ids])
+        text = text.split("<|im_end|>")[0]
+        if "<|im_start|>" in text:
+            text = text.split("<|im_start|>")[1]
+        return text
+
+    @torch.inference_mode()
+    def build_understanding_context(self, image: Image.Image | None, prompt: str, *, think: bool = False) -> Context:
+        """``[system (think)] [ViT image] [text]`` in one ``gen`` context (bagel.md §4.6)."""
+        ctx = self.new_context("understanding", "gen")
+        if think:
+            C.append_text(self.loaded, ctx, C.VLM_THINK_SYSTEM_PROMPT)
+        if image is not None:
+            resized = prepare_input_image(image, "image")
+            C.append_vit(self.loaded, ctx, VIT_TRANSFORM(resized))
+        C.append_text(self.loaded, ctx, prompt)
+        return ctx
+
+    @torch.inference_mode()
+    def build_generation_contexts(
+        self,
+        task: Task,
+        prompt: str,
+        *,
+        image: Image.Image | None = None,
+        width: int | None = None,
+        height: int | None = None,
+        think: bool = False,
+        generator: torch.Generator | None = None,
+        vae_noise: Tensor | None = None,
+    ) -> GenerationContexts:
+        """Build ``gen``, ``cfg_text`` and ``cfg_img`` as ``interleave_inference`` does (image, then text).
+
+        For an edit the output size is the VAE-resized source size; ``vae_noise`` ``[1, 16, H/8, W/8]``
+        (else drawn from ``generator``) is the VAE sampling noise.
+        """
+        if image is None and (width is None or height is None):
+            raise ValueError("`width` and `height` are required without a source image")
+        gen = self.new_context(task, "gen")
+        cfg_img = self.new_context(task, "cfg_img")
+        if think:
+            C.append_text(self.loaded, gen, C.GEN_THINK_SYSTEM_PROMPT)
+            C.append_text(self.loaded, cfg_img, C.GEN_THINK_SYSTEM_PROMPT)
+        if image is not None:
+            resized = prepare_input_image(image, "image")
+            width, height = resized.size
+            vae_input = VAE_TRANSFORM(resized)
+            lp = self.loaded.config.latent_downsample
+            h, w = vae_input.shape[1] // lp, vae_input.shape[2] // lp
+            if vae_noise is not None:
+                ds = self.loaded.config.ae.downsample
+                expected = (1, self.loaded.config.ae.z_channels, vae_input.shape[1] // ds, vae_input.shape[2] // ds)
+                if tuple(vae_noise.shape) != expected:
+                    raise ValueError(f"`vae_noise` must have shape {expected}, got {tuple(vae_noise.shape)}")
+            latent = C.encode_vae_latent(self.loaded, vae_input, noise=vae_noise, generator=generator)
+            C.append_vae(self.loaded, gen, latent, h, w)
+            C.append_vit(self.loaded, gen, VIT_TRANSFORM(resized))
+        cfg_text = gen.clone(branch="cfg_text")
+        C.append_text(self.loaded, gen, prompt)
+        C.append_text(self.loaded, cfg_img, prompt)
+        return GenerationContexts(gen=gen, cfg_text=cfg_text, cfg_img=cfg_img, height=height, width=width)
+
+    @torch.inference_mode()
+    def branch_velocities(
+        self,
+        contexts: GenerationContexts,
+        x: Tensor,
+        t: Tensor | float,
+        *,
+        step: int = 0,
+        branches: Sequence[str] = ("gen", "cfg_text", "cfg_img"),
+    ) -> dict[str, Tensor]:
+        """Raw velocities ``[h*w, 64]`` (model dtype) of the listed branches for latents ``x`` ``[h*w, 64]`` at ``t``.
+
+        The query embeddings are built once and shared by every branch; each branch's latent block
+        sits at its own context's rope. Caches are not modified.
+        """
+        lp = self.loaded.config.latent_downsample
+        h, w = contexts.height // lp, contexts.width // lp
+        timestep = float(t)
+        embeds = C.latent_block_embeds(self.loaded, x, h, w, timestep)
+        by_name = contexts.branches()
+        return {
+            name: C.latent_velocity(self.loaded, by_name[name], embeds, step=step, timestep=timestep)
+            for name in branches
+        }
+
+    @torch.inference_mode()
+    def velocity(
+        self,
+        contexts: GenerationContexts,
+        x: Tensor,
+        t: Tensor | float,
+        settings: FlowSettings,
+        *,
+        step: int = 0,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Guided velocity of one denoising step and the raw branch velocities it used.
+
+        Branches are computed as the official ``_forward_flow`` does: ``cfg_text`` only when the text
+        scale (after the interval test) is > 1, ``cfg_img`` only when the image scale is > 1 as well
+        (when the text scale is <= 1 the image term is never used, so it is not computed).
+        """
+        t_tensor = t if isinstance(t, Tensor) else torch.tensor(t, dtype=torch.float32)
+        active = cfg_active(t_tensor, settings.cfg_interval)
+        text_scale = settings.cfg_text_scale if active else 1.0
+        img_scale = settings.cfg_img_scale if active else 1.0
+        names = ["gen"]
+        if text_scale > 1.0:
+            names.append("cfg_text")
+            if img_scale > 1.0:
+                names.append("cfg_img")
+        raw = self.branch_velocities(contexts, x, t_tensor, step=step, branches=names)
+        guided = combine_cfg(
+            raw["gen"], raw.get("cfg_text"), raw.get("cfg_img"), text_scale=text_scale, img_scale=img_scale,
+            renorm_type=settings.cfg_renorm_type, renorm_min=settings.cfg_renorm_min,
+        )
+        return guided, raw
+
+    @torch.inference_mode()
+    def denoise(
+        self,
+        contexts: GenerationContexts,
+        x: Tensor,
+        settings: FlowSettings,
+        *,
+        progress: ProgressFn | None = None,
+        cancel: CancelFn | None = None,
+        return_step0_velocity: bool = False,
+    ) -> tuple[Tensor, dict[str, int], dict[str, Tensor] | None]:
+        """Euler flow from noise ``x`` ``[h*w, 64]`` (fp32): ``x -= v * dt`` for ``num_timesteps - 1`` steps.
+
+        Returns:
+            ``(x0 [h*w, 64] fp32, forwards per branch, step-0 velocities or None)``.
+        """
+        timesteps, dts = timestep_schedule(settings.num_timesteps, settings.timestep_shift)
+        total = len(timesteps)
+        forwards = {"gen": 0, "cfg_text": 0, "cfg_img": 0}
+        step0 = None
+        for i in range(total):
+            if cancel is not None and cancel():
+                raise CancelledError(f"denoising cancelled before step {i + 1} of {total}")
+            v, raw = self.velocity(contexts, x, timesteps[i], settings, step=i)
+            for name in raw:
+                forwards[name] += 1
+            if i == 0 and return_step0_velocity:
+                step0 = {**raw, "guided": v}
+            # Official order: the velocity (model dtype) times the fp32 0-dim dt stays in the velocity
+            # dtype, then it is subtracted from the fp32 latent.
+            x = x - v.to(x.device) * dts[i].to(x.device)
+            if progress is not None:
+                progress(i + 1, total)
+        return x, forwards, step0
+
+    @torch.inference_mode()
+    def decode_latents(self, x: Tensor, height: int, width: int) -> tuple[Tensor, Image.Image]:
+        """Packed ``[h*w, 64]`` → ``([1, 16, 2h, 2w] latent, PIL image)`` via the fp32 VAE decoder."""
+        cfg = self.loaded.config
+        h, w = height // cfg.latent_downsample, width // cfg.latent_downsample
+        latent = unpack_latent(x.float(), h, w, cfg.latent_channel, cfg.latent_patch_size)
+        vae = self.loaded.vae
+        vae_device = next(vae.parameters()).device
+        pixels = vae.decode(latent.to(vae_device))
+        return latent, image_from_tensor(pixels)
+
+    # ---------------------------------------------------------------- public procedures
+
+    def understand(
+        self,
+        image: Image.Image | None,
+        prompt: str,
+        *,
+        max_new_tokens: int = 512,
+        do_sample: bool = False,
+        temperature: float = 0.3,
+        think: bool = False,
+        seed: int | None = None,
+        progress: ProgressFn | None = None,
+        cancel: CancelFn | None = None,
+    ) -> UnderstandingResult:
+        """Answer ``prompt`` about ``image`` (or a text-only prompt when ``image`` is None), bagel.md §5.2."""
+        _check_prompt(prompt)
+        if image is not None:
+            check_image(image, "image")
+        _check_int("max_new_tokens", max_new_tokens, 1)
+        if do_sample:
+            _check_float("temperature", temperature, 0.0, strict=True)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator().manual_seed(_check_int("seed", seed, 0))
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            ctx = self.build_understanding_context(image, prompt, think=think)
+            t1 = time.perf_counter()
+            context_tokens = ctx.num_tokens
+            text, ids = self.decode_text(
+                ctx, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                generator=generator, progress=progress, cancel=cancel,
+            )
+            t2 = time.perf_counter()
+        info = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "context_tokens": {"gen": context_tokens},
+                "cache_bytes": ctx.cache.nbytes()}
+        logger.info("understanding: %d context tokens, %d new tokens, %.2fs", context_tokens, len(ids), t2 - t0)
+        return UnderstandingResult(text=text, token_ids=ids, info=info)
+
+    def text_to_image(
+        self,
+        prompt: str,
+        *,
+        width: int = 1024,
+        height: int = 1024,
+        num_timesteps: int = 50,
+        timestep_shift: float = 3.0,
+        cfg_text_scale: float = 4.0,
+        cfg_img_scale: float = 1.5,
+        cfg_interval: tuple[float, float] = (0.4, 1.0),
+        cfg_renorm_min: float = 0.0,
+        cfg_renorm_type: str = "global",
+        seed: int | None = 0,
+        think: bool = False,
+        think_max_new_tokens: int = 1024,
+        think_do_sample: bool = False,
+        think_temperature: float = 0.3,
+        initial_noise: Tensor | None = None,
+        progress: ProgressFn | None = None,
+        cancel: CancelFn | None = None,
+        return_step0_velocity: bool = False,
+    ) -> GenerationResult:
+        """Text-to-image (bagel.md §5.3); defaults are ``app.py``'s (cfg_img_scale 1.5 is the interleave default)."""
+        _check_prompt(prompt)
+        limit = self.loaded.config.latent_downsample * self.loaded.config.max_latent_size
+        for name, value in (("width", width), ("height", height)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 16 or value > limit:
+                raise ValueError(f"`{name}` must be a positive multiple of 16 and <= {limit}, got {value!r}")
+        return self._generate(
+            "t2i", prompt, None, width, height, num_timesteps, timestep_shift, cfg_text_scale, cfg_img_scale,
+            cfg_interval, cfg_renorm_min, cfg_renorm_type, seed, think, think_max_new_tokens, think_do_sample,
+            think_temperature, None, initial_noise, progress, cancel, return_step0_velocity,
+        )
+
+    def edit(
+        self,
+        image: Image.Image,
+        prompt: str,
+        *,
+        num_timesteps: int = 50,
+        timestep_shift: float = 3.0,
+        cfg_text_scale: float = 4.0,
+        cfg_img_scale: float = 2.0,
+        cfg_interval: tuple[float, float] = (0.0, 1.0),
+        cfg_renorm_min: float = 0.0,
+        cfg_renorm_type: str = "text_channel",
+        seed: int | None = 0,
+        think: bool = False,
+        think_max_new_tokens: int = 1024,
+        think_do_sample: bool = False,
+        think_temperature: float = 0.3,
+        vae_noise: Tensor | None = None,
+        initial_noise: Tensor | None = None,
+        progress: ProgressFn | None = None,
+        cancel: CancelFn | None = None,
+        return_step0_velocity: bool = False,
+    ) -> GenerationResult:
+        """Edit ``image`` following ``prompt`` (bagel.md §5.4); output size = the VAE-resized source size."""
+        _check_prompt(prompt)
+        check_image(image, "image")
+        return self._generate(
+            "edit", prompt, image, None, None, num_timesteps, timestep_shift, cfg_text_scale, cfg_img_scale,
+            cfg_interval, cfg_renorm_min, cfg_renorm_type, seed, think, think_max_new_tokens, think_do_sample,
+            think_temperature, vae_noise, initial_noise, progress, cancel, return_step0_velocity,
+        )
+
+    def _generate(
+        self, task, prompt, image, width, height, num_timesteps, timestep_shift, cfg_text_scale, cfg_img_scale,
+        cfg_interval, cfg_renorm_min, cfg_renorm_type, seed, think, think_max_new_tokens, think_do_sample,
+        think_temperature, vae_noise, initial_noise, progress, cancel, return_step0_velocity,
+    ) -> GenerationResult:
+        settings = FlowSettings.create(
+            num_timesteps, timestep_shift, cfg_text_scale, cfg_img_scale, cfg_interval, cfg_renorm_min,
+            cfg_renorm_type,
+        )
+        seed = _check_seed(seed)
+        if think:
+            _check_int("think_max_new_tokens", think_max_new_tokens, 1)
+            if think_do_sample:
+                _check_float("think_temperature", think_temperature, 0.0, strict=True)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            contexts = self.build_generation_contexts(
+                task, prompt, image=image, width=width, height=height, think=think, generator=generator,
+                vae_noise=vae_noise,
+            )
+            t1 = time.perf_counter()
+            think_text = None
+            if think:
+                plan_ctx = contexts.gen.clone(branch="gen")
+                think_text, _ = self.decode_text(
+                    plan_ctx, max_new_tokens=think_max_new_tokens, do_sample=think_do_sample,
+                    temperature=think_temperature, generator=torch.Generator().manual_seed(seed), cancel=cancel,
+                )
+                del plan_ctx
+                C.append_text(self.loaded, contexts.gen, think_text)
+            t2 = time.perf_counter()
+            lp = self.loaded.config.latent_downsample
+            shape = ((contexts.height // lp) * (contexts.width // lp), self.loaded.config.patch_latent_dim)
+            if initial_noise is None:
+                x = torch.randn(shape, generator=generator, dtype=torch.float32)
+            else:
+                if not isinstance(initial_noise, Tensor) or tuple(initial_noise.shape) != shape:
+                    got = tuple(initial_noise.shape) if isinstance(initial_noise, Tensor) else type(initial_noise)
+                    raise ValueError(f"`initial_noise` must be a tensor of shape {shape}, got {got}")
+                x = initial_noise.float().clone()
+            x = x.to(self.loaded.device)
+            x, forwards, step0 = self.denoise(
+                contexts, x, settings, progress=progress, cancel=cancel, return_step0_velocity=return_step0_velocity
+            )
+            t3 = time.perf_counter()
+            latent, picture = self.decode_latents(x, contexts.height, contexts.width)
+            t4 = time.perf_counter()
+        info = {
+            "prefill_s": t1 - t0, "think_s": t2 - t1, "denoise_s": t3 - t2, "decode_s": t4 - t3,
+            "context_tokens": {name: ctx.num_tokens for name, ctx in contexts.branches().items()},
+            "cache_bytes": {name: ctx.cache.nbytes() for name, ctx in contexts.branches().items()},
+            "forwards": forwards,
+        }
+        logger.info("%s %dx%d: %d steps in %.2fs", task, contexts.width, contexts.height, settings.num_timesteps - 1,
+                    t3 - t2)
+        return GenerationResult(
+            image=picture, latents=latent, num_steps=settings.num_timesteps - 1, seed=seed, info=info,
+            think_text=think_text, step0_velocity=step0,
+        )

@@ -1,0 +1,247 @@
+"""BAGEL's text tokenizer: Qwen2 byte-level BPE rebuilt with the HF ``tokenizers`` library.
+
+The official code uses the *slow* ``Qwen2Tokenizer``, which reads only ``vocab.json``,
+``merges.txt`` and ``tokenizer_config.json`` (its ``added_tokens_decoder``). We build the same
+tokenizer from exactly those files; ``tokenizer.json`` is ignored even when present, so the result
+cannot drift from what the official inference code runs. Behaviour reproduced (bagel.md §3.2):
+
+* NFC normalisation of the text (the slow tokenizer's ``prepare_for_tokenization``);
+* the Qwen2 pre-tokenizer regex, then byte-to-unicode mapping and BPE by merge rank;
+* added tokens (``<|endoftext|>``, ``<|im_start|>``, …) matched verbatim and mapped to their ids;
+* ``<|im_start|>``, ``<|im_end|>``, ``<|vision_start|>``, ``<|vision_end|>`` added only when missing
+  (BAGEL's ``add_special_tokens``), then resolved by id;
+* ``encode`` adds no special tokens; ``decode`` keeps special tokens and joins without spaces.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from ..errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+VOCAB_FILE = "vocab.json"
+MERGES_FILE = "merges.txt"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+#: The Qwen2 pre-tokenization pattern (the slow tokenizer's ``PRETOKENIZE_REGEX``).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+#: Tokens BAGEL's ``add_special_tokens`` guarantees, in the order it adds missing ones.
+BAGEL_SPECIAL_TOKENS = (IM_START, IM_END, VISION_START, VISION_END)
+
+
+@dataclass(frozen=True)
+class AddedTokenSpec:
+    """One entry of ``added_tokens_decoder``."""
+
+    id: int
+    content: str
+    special: bool = True
+    lstrip: bool = False
+    rstrip: bool = False
+    normalized: bool = False
+    single_word: bool = False
+
+
+def _require(path: Path) -> Path:
+    if not path.is_file():
+        raise CheckpointError(
+            f"missing tokenizer file {path}; the checkpoint folder needs {VOCAB_FILE}, {MERGES_FILE} and "
+            f"{TOKENIZER_CONFIG_FILE} (download them from the ByteDance-Seed/BAGEL-7B-MoT repository)"
+        )
+    return path
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(_require(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot parse tokenizer file {path}: {exc}; re-download it") from None
+
+
+def read_vocab(path: Path) -> dict[str, int]:
+    """``vocab.json`` → ``{token: id}`` (checks it is a JSON object of ints)."""
+    vocab = _load_json(path)
+    if not isinstance(vocab, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()
+    ):
+        raise CheckpointError(f"tokenizer file {path} must be a JSON object mapping tokens to integer ids")
+    return vocab
+
+
+def read_merges(path: Path) -> list[tuple[str, str]]:
+    """``merges.txt`` → merge pairs in rank order (skips a leading ``#version`` line and blank lines)."""
+    try:
+        lines = _require(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"cannot read tokenizer file {path}: {exc}; re-download it") from None
+    merges: list[tuple[str, str]] = []
+    for i, raw in enumerate(lines):
+        line = raw.strip()
+        if not line or (i == 0 and line.startswith("#version:")):
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise CheckpointError(f"tokenizer file {path}, line {i + 1}: expected two tokens, got {raw!r}")
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def read_added_tokens(path: Path) -> list[AddedTokenSpec]:
+    """``tokenizer_config.json`` → its ``added_tokens_decoder`` entries sorted by id."""
+    config = _load_json(path)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"tokenizer file {path} must hold a JSON object")
+    decoder = config.get("added_tokens_decoder", {}) or {}
+    if not isinstance(decoder, dict):
+        raise CheckpointError(f"tokenizer file {path}: 'added_tokens_decoder' must be an object")
+    specs = []
+    for key, entry in decoder.items():
+        try:
+            token_id = int(key)
+            content = entry["content"] if isinstance(entry, dict) else str(entry)
+        except (ValueError, KeyError, TypeError):
+            raise CheckpointError(
+                f"tokenizer file {path}: bad added_tokens_decoder entry {key!r}: {entry!r}"
+            ) from None
+        opts = entry if isinstance(entry, dict) else {}
+        specs.append(
+            AddedTokenSpec(
+                id=token_id,
+                content=content,
+                special=bool(opts.get("special", True)),
+                lstrip=bool(opts.get("lstrip", False)),
+                rstrip=bool(opts.get("rstrip", False)),
+                normalized=bool(opts.get("normalized", False)),
+                single_word=bool(opts.get("single_word", False)),
+            )
+        )
+    return sorted(specs, key=lambda s: s.id)
+
+
+class BagelTokenizer:
+    """Qwen2 BPE tokenizer with BAGEL's special-token ids.
+
+    Attributes:
+        bos_token_id: id of ``<|im_start|>``.
+        eos_token_id: id of ``<|im_end|>``.
+        start_of_image: id of ``<|vision_start|>``.
+        end_of_image: id of ``<|vision_end|>``.
+        vocab_size: number of ids the tokenizer can produce (BPE vocab + added tokens; the official
+            ``len(tokenizer)``). The LLM embedding table may be larger (151665 vs 152064 for Qwen2.5).
+    """
+
+    def __init__(
+        self,
+        vocab: dict[str, int],
+        merges: Sequence[tuple[str, str]],
+        added_tokens: Sequence[AddedTokenSpec] = (),
+    ):
+        vocab = dict(vocab)
+        specs = list(added_tokens)
+        # Put added tokens into the id table so that they keep the ids given in the config even when
+        # those are not contiguous with the BPE vocabulary.
+        for spec in specs:
+            vocab.setdefault(spec.content, spec.id)
+        next_id = max(vocab.values(), default=-1) + 1
+        # BAGEL's add_special_tokens: add each required token only when it is missing.
+        for name in BAGEL_SPECIAL_TOKENS:
+            if name not in vocab:
+                logger.info("adding missing special token %s with id %d", name, next_id)
+                specs.append(AddedTokenSpec(id=next_id, content=name, special=False))
+                vocab[name] = next_id
+                next_id += 1
+        self._specs = sorted(specs, key=lambda s: s.id)
+        model = models.BPE(vocab=vocab, merges=list(merges), fuse_unk=False, byte_fallback=False)
+        tok = Tokenizer(model)
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+            ]
+        )
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(
+            [
+                AddedToken(
+                    s.content,
+                    single_word=s.single_word,
+                    lstrip=s.lstrip,
+                    rstrip=s.rstrip,
+                    normalized=s.normalized,
+                    special=True,
+                )
+                for s in self._specs
+            ]
+        )
+        for s in self._specs:
+            got = tok.token_to_id(s.content)
+            if got != vocab[s.content]:
+                raise CheckpointError(
+                    f"added token {s.content!r} resolved to id {got}, expected {vocab[s.content]}; "
+                    f"the tokenizer files are inconsistent"
+                )
+        self._tok = tok
+        self._vocab = vocab
+        self.bos_token_id = vocab[IM_START]
+        self.eos_token_id = vocab[IM_END]
+        self.start_of_image = vocab[VISION_START]
+        self.end_of_image = vocab[VISION_END]
+        self.vocab_size = max(vocab.values()) + 1
+
+    @classmethod
+    def from_dir(cls, checkpoint_dir: str | Path) -> "BagelTokenizer":
+        """Build from ``vocab.json`` + ``merges.txt`` + ``tokenizer_config.json`` in ``checkpoint_dir``.
+
+        Raises:
+            CheckpointError: a file is missing or unreadable.
+        """
+        root = Path(checkpoint_dir)
+        vocab = read_vocab(root / VOCAB_FILE)
+        merges = read_merges(root / MERGES_FILE)
+        added = read_added_tokens(root / TOKENIZER_CONFIG_FILE)
+        return cls(vocab, merges, added)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special-token strings in the text map to their ids; none are added."""
+        if not isinstance(text, str):
+            raise ValueError(f"`text` must be a str, got {type(text).__name__}")
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (special tokens kept, invalid UTF-8 replaced by U+FFFD)."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of one token string (BPE or added), ``None`` if unknown."""
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(int(token_id))
+
+    @property
+    def special_token_ids(self) -> dict[str, int]:
+        """``{content: id}`` of all added tokens."""
+        return {s.content: self._vocab[s.content] for s in self._specs}
+
+
+__all__ = ["BagelTokenizer", "QWEN2_PRETOKENIZE_REGEX", "read_added_tokens", "read_merges", "read_vocab"]

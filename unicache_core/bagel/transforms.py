@@ -1,0 +1,153 @@
+"""Image pre- and post-processing of BAGEL (bagel.md §3.1, §2.8).
+
+Every input image is converted to RGB (transparent pixels composited on white), resized with the
+VAE rule ``MaxLongEdgeMinShortEdgeResize(1024, 512, 16)``, and only then passed to the ViT transform
+(980, 224, 14) and/or the VAE transform (1024, 512, 16). Tensors produced here are ``[3, H, W]``
+fp32 in ``[-1, 1]``.
+
+Resizing is PIL bicubic, exactly what ``torchvision.transforms.functional.resize`` does on a PIL image.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+#: Pixel budget of the official transforms (14*14*9*1024).
+MAX_PIXELS = 14 * 14 * 9 * 1024
+
+
+def check_image(image: object, name: str = "image") -> Image.Image:
+    """Return ``image`` if it is a non-empty PIL image, else raise ``ValueError`` naming ``name``."""
+    if not isinstance(image, Image.Image):
+        raise ValueError(f"`{name}` must be a PIL.Image.Image, got {type(image).__name__}")
+    width, height = image.size
+    if width <= 0 or height <= 0:
+        raise ValueError(f"`{name}` has zero size ({width}x{height}); a non-empty image is required")
+    return image
+
+
+def pil_img2rgb(image: Image.Image, name: str = "image") -> Image.Image:
+    """Convert to RGB; RGBA images and images with a ``transparency`` entry are composited on white.
+
+    This is the official rule: other modes (``L``, ``LA`` without a transparency entry, ``CMYK``, ...)
+    are converted with a plain ``convert("RGB")``, which drops an alpha channel.
+    """
+    image = check_image(image, name)
+    if image.mode == "RGBA" or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGB", rgba.size, (255, 255, 255))
+        white.paste(rgba, mask=rgba.split()[3])
+        return white
+    return image.convert("RGB")
+
+
+def _make_divisible(value: float, stride: int) -> int:
+    return max(stride, int(round(value / stride) * stride))
+
+
+def _apply_scale(width: int, height: int, scale: float, stride: int) -> tuple[int, int]:
+    return _make_divisible(round(width * scale), stride), _make_divisible(round(height * scale), stride)
+
+
+def resize_size(
+    width: int, height: int, max_size: int, min_size: int, stride: int, max_pixels: int = MAX_PIXELS
+) -> tuple[int, int]:
+    """Target ``(width, height)`` of ``MaxLongEdgeMinShortEdgeResize`` for a ``width x height`` image.
+
+    ``scale = max(min(max_size/long, 1), min_size/short)``; each side becomes ``round(side*scale)``
+    snapped to ``max(stride, round(v/stride)*stride)`` (Python rounding, half to even); then the
+    pixel budget and the long-edge limit are enforced by rescaling and snapping again.
+    """
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image size must be positive, got {width}x{height}")
+    scale = min(max_size / max(width, height), 1.0)
+    scale = max(scale, min_size / min(width, height))
+    new_w, new_h = _apply_scale(width, height, scale, stride)
+    if new_w * new_h > max_pixels:
+        new_w, new_h = _apply_scale(new_w, new_h, max_pixels / (new_w * new_h), stride)
+    if max(new_w, new_h) > max_size:
+        new_w, new_h = _apply_scale(new_w, new_h, max_size / max(new_w, new_h), stride)
+    return new_w, new_h
+
+
+@dataclass(frozen=True)
+class MaxLongEdgeMinShortEdgeResize:
+    """Resize a PIL image so both sides are multiples of ``stride`` within the size limits (bicubic)."""
+
+    max_size: int
+    min_size: int
+    stride: int
+    max_pixels: int = MAX_PIXELS
+
+    def size_for(self, width: int, height: int) -> tuple[int, int]:
+        """Target ``(width, height)`` for an input of that size."""
+        return resize_size(width, height, self.max_size, self.min_size, self.stride, self.max_pixels)
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        image = check_image(image)
+        size = self.size_for(*image.size)
+        if size == image.size:
+            # torchvision's PIL resize returns a resampled copy even at equal size; PIL bicubic at
+            # scale 1 is the identity, so returning a copy is the same result.
+            return image.copy()
+        return image.resize(size, Image.BICUBIC)
+
+
+def to_tensor(image: Image.Image) -> Tensor:
+    """RGB PIL image → ``[3, H, W]`` fp32 in ``[-1, 1]`` (ToTensor, then Normalize(0.5, 0.5))."""
+    if image.mode != "RGB":
+        raise ValueError(f"`image` must be RGB at this point, got mode {image.mode!r}")
+    array = np.asarray(image, dtype=np.uint8).copy()  # [H, W, 3]
+    tensor = torch.from_numpy(array).permute(2, 0, 1).contiguous().float().div(255)
+    return tensor.sub_(0.5).div_(0.5)
+
+
+@dataclass(frozen=True)
+class ImageTransform:
+    """``MaxLongEdgeMinShortEdgeResize`` → ToTensor → Normalize(0.5, 0.5); output ``[3, H, W]``."""
+
+    max_size: int
+    min_size: int
+    stride: int
+    max_pixels: int = MAX_PIXELS
+
+    @property
+    def resize(self) -> MaxLongEdgeMinShortEdgeResize:
+        return MaxLongEdgeMinShortEdgeResize(self.max_size, self.min_size, self.stride, self.max_pixels)
+
+    def __call__(self, image: Image.Image) -> Tensor:
+        return to_tensor(self.resize(image))
+
+
+#: The official VAE transform (sides multiples of 16, short side >= 512, long side <= 1024).
+VAE_TRANSFORM = ImageTransform(1024, 512, 16)
+#: The official ViT transform (sides multiples of 14, short side >= 224, long side <= 980).
+VIT_TRANSFORM = ImageTransform(980, 224, 14)
+
+
+def prepare_input_image(image: Image.Image, name: str = "image") -> Image.Image:
+    """What ``interleave_inference`` does to every input image: RGB + the VAE resize rule.
+
+    Returns the resized RGB PIL image; its size is the output size of an edit.
+    """
+    return VAE_TRANSFORM.resize(pil_img2rgb(image, name))
+
+
+def image_from_tensor(image: Tensor) -> Image.Image:
+    """``[3, H, W]`` or ``[1, 3, H, W]`` tensor in about ``[-1, 1]`` → RGB PIL image.
+
+    Uses the official conversion ``((x*0.5+0.5).clamp(0,1)*255).to(uint8)`` (truncation, no rounding).
+    """
+    if image.dim() == 4:
+        if image.shape[0] != 1:
+            raise ValueError(f"`image` batch must be 1, got shape {tuple(image.shape)}")
+        image = image[0]
+    if image.dim() != 3 or image.shape[0] != 3:
+        raise ValueError(f"`image` must have shape [3, H, W] or [1, 3, H, W], got {tuple(image.shape)}")
+    pixels = ((image.float() * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 0) * 255).to(torch.uint8)
+    return Image.fromarray(pixels.cpu().numpy())

@@ -1,0 +1,285 @@
+"""KIVI-style asymmetric quantization of KV tensors with real bit packing.
+
+KIVI (https://arxiv.org/abs/2402.02750) quantizes keys **per channel** (a group of ``G`` consecutive
+tokens shares one scale/zero per channel) and values **per token** (each token's ``d`` channels are
+split into groups of ``G`` channels). Both use asymmetric min-max quantization::
+
+    s = (max - min) / (2^b - 1),  z = min,  q = clamp(round((x - z) / s), 0, 2^b - 1),  x_hat = q * s + z
+
+Storage convention (used by every byte formula in this project):
+
+* codes are packed ``8 // b`` per byte along the channel axis (``b`` in {2, 4, 8});
+* scales and zero-points are **fp16** (2 + 2 bytes per group, kv-compression.md §1). They are rounded
+  *before* the codes are computed (zero rounded down, scale rounded up), so the error bound
+  ``|x - x_hat| <= s/2`` holds with the stored fp16 scale;
+* a ragged last key group (fewer than ``G`` tokens) is stored as is: no padding, no wasted bytes.
+
+Layout is head-major: codes ``[Hkv, T, ceil(d*b/8)]``; key scales ``[Hkv, ceil(T/G), d]``; value scales
+``[Hkv, T, ceil(d/G)]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SUPPORTED_BITS = (2, 4, 8)
+SCALE_DTYPE = torch.float16
+#: Bytes of metadata per quantization group (fp16 scale + fp16 zero-point).
+BYTES_PER_GROUP = 4
+
+
+def _check_bits(bits: int) -> int:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"`bits` must be one of {SUPPORTED_BITS}, got {bits!r}")
+    return int(bits)
+
+
+def _check_group(group_size: int) -> int:
+    if not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"`group_size` must be a positive int, got {group_size!r}")
+    return group_size
+
+
+def pack_bits(codes: Tensor, bits: int) -> Tensor:
+    """Pack ``b``-bit codes along the last axis, ``8 // b`` codes per byte (first code in the low bits).
+
+    Args:
+        codes: ``[..., n]`` uint8, every value ``< 2**bits``.
+        bits: 2, 4 or 8.
+
+    Returns:
+        ``[..., ceil(n * bits / 8)]`` uint8.
+    """
+    bits = _check_bits(bits)
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"`codes` must be uint8, got {codes.dtype}")
+    if bits == 8:
+        return codes.clone()
+    per = 8 // bits
+    n = codes.shape[-1]
+    pad = (-n) % per
+    if pad:
+        codes = torch.nn.functional.pad(codes, (0, pad))
+    grouped = codes.reshape(*codes.shape[:-1], -1, per)
+    packed = grouped[..., 0].clone()
+    for i in range(1, per):
+        packed |= grouped[..., i] << (bits * i)
+    return packed
+
+
+def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
+    """Exact inverse of :func:`pack_bits`.
+
+    Args:
+        packed: ``[..., ceil(n * bits / 8)]`` uint8.
+        bits: 2, 4 or 8.
+        n: number of codes per row before packing.
+
+    Returns:
+        ``[..., n]`` uint8 codes.
+    """
+    bits = _check_bits(bits)
+    per = 8 // bits
+    if packed.shape[-1] != -(-n // per):
+        raise ValueError(f"`packed` last dim {packed.shape[-1]} does not hold n={n} codes of {bits} bits")
+    if bits == 8:
+        return packed.clone()
+    shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], -1)[..., :n]
+
+
+def _unpack(packed: Tensor, bits: int, n: int) -> Tensor:
+    """:func:`unpack_bits` without validation or copies when ``n`` fills the bytes (hot path)."""
+    if bits == 8:
+        return packed
+    per = 8 // bits
+    shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
+    codes = ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(*packed.shape[:-1], -1)
+    return codes if codes.shape[-1] == n else codes[..., :n].contiguous()
+
+
+def _minmax_params(lo: Tensor, hi: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """fp16 ``(scale, zero)`` with zero rounded down and scale rounded up, so that codes stay in range."""
+    zero = lo.to(SCALE_DTYPE)
+    too_high = zero.float() > lo
+    zero = torch.where(too_high, torch.nextafter(zero, torch.full_like(zero, float("-inf"))), zero)
+    scale32 = (hi - zero.float()) / ((1 << bits) - 1)
+    scale = scale32.to(SCALE_DTYPE)
+    too_low = scale.float() < scale32
+    scale = torch.where(too_low, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # constant group: any scale works
+    return scale, zero
+
+
+def _quantize(x: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:
+    q = torch.round((x - zero.float()) / scale.float())
+    return q.clamp_(0, (1 << bits) - 1).to(torch.uint8)
+
+
+@dataclass
+class QuantizedTensor:
+    """Packed KIVI codes of one K or V tensor plus fp16 scales and zero-points.
+
+    Attributes:
+        packed: ``[Hkv, T, ceil(d*bits/8)]`` uint8.
+        scale, zero: fp16; keys (``axis="channel"``) ``[Hkv, ceil(T/G), d]``, values (``axis="token"``)
+            ``[Hkv, T, ceil(d/G)]``.
+        bits, group_size, head_dim, axis: how to read the codes.
+    """
+
+    packed: Tensor
+    scale: Tensor
+    zero: Tensor
+    bits: int
+    group_size: int
+    head_dim: int
+    axis: str  # "channel" (keys: groups of tokens) or "token" (values: groups of channels)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.packed.shape[1])
+
+    def nbytes(self) -> int:
+        """Bytes really held: packed codes + scales + zero-points."""
+        return self.packed.nbytes + self.scale.nbytes + self.zero.nbytes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, start: int = 0, stop: int | None = None) -> Tensor:
+        """Dequantized tokens ``[start, stop)`` as head-major ``[Hkv, stop - start, d]`` in ``dtype``.
+
+        For keys ``start`` must be a multiple of ``group_size`` (chunks never split a key group).
+        """
+        start, stop = self._span(start, stop)
+        out = torch.empty(self.packed.shape[0], stop - start, self.head_dim, dtype=dtype, device=self.packed.device)
+        self.dequantize_into(out, start, stop)
+        return out
+
+    def _span(self, start: int, stop: int | None) -> tuple[int, int]:
+        t = self.num_tokens
+        stop = t if stop is None else min(stop, t)
+        if not 0 <= start <= stop:
+            raise ValueError(f"`start`/`stop` must satisfy 0 <= start <= stop <= {t}, got {start}, {stop}")
+        if self.axis == "channel" and start % self.group_size:
+            raise ValueError(f"`start` must be a multiple of group_size={self.group_size} for keys, got {start}")
+        return start, stop
+
+    def dequantize_into(self, out: Tensor, start: int = 0, stop: int | None = None) -> Tensor:
+        """Write tokens ``[start, stop)`` into ``out [Hkv, stop - start, d]`` (any float dtype; last dim contiguous).
+
+        ``x_hat = q * s + z`` is one fused multiply-add per element reading the uint8 codes directly.
+        """
+        start, stop = self._span(start, stop)
+        g, d = self.group_size, self.head_dim
+        h, n = self.packed.shape[0], stop - start
+        if tuple(out.shape) != (h, n, d):
+            raise ValueError(f"`out` must be [{h}, {n}, {d}], got {tuple(out.shape)}")
+        codes = _unpack(self.packed[:, start:stop], self.bits, d)  # [H, n, d] uint8
+        work = out.dtype
+        if self.axis == "channel":
+            g0 = start // g
+            full = n // g
+            if full:
+                s = self.scale[:, g0 : g0 + full].to(work).unsqueeze(2)  # [H, full, 1, d]
+                z = self.zero[:, g0 : g0 + full].to(work).unsqueeze(2)
+                torch.addcmul(z, codes[:, : full * g].view(h, full, g, d), s,
+                              out=out[:, : full * g].view(h, full, g, d))
+            if n > full * g:
+                s = self.scale[:, g0 + full].to(work).unsqueeze(1)  # [H, 1, d]
+                z = self.zero[:, g0 + full].to(work).unsqueeze(1)
+                out[:, full * g :] = torch.addcmul(z, codes[:, full * g :].to(work), s)
+        else:
+            ng = self.scale.shape[-1]
+            s = self.scale[:, start:stop].to(work)  # [H, n, ng]
+            z = self.zero[:, start:stop].to(work)
+            if d % g == 0 or ng == 1:
+                gc = d // ng
+                torch.addcmul(z.unsqueeze(-1), codes.view(h, n, ng, gc), s.unsqueeze(-1), out=out.view(h, n, ng, gc))
+            else:  # ragged channel groups: expand the scales per channel
+                cmap = torch.arange(d, device=codes.device) // g
+                out.copy_(torch.addcmul(z[..., cmap], codes.to(work), s[..., cmap]))
+        return out
+
+
+def quantize_keys(keys: Tensor, bits: int, group_size: int) -> QuantizedTensor:
+    """Per-channel quantization of ``[Hkv, T, d]`` keys: groups of ``group_size`` tokens (last may be short)."""
+    bits, g = _check_bits(bits), _check_group(group_size)
+    if keys.dim() != 3:
+        raise ValueError(f"`keys` must be [Hkv, T, d], got shape {tuple(keys.shape)}")
+    h, t, d = keys.shape
+    x = keys.float()
+    full = t // g
+    scales, zeros, codes = [], [], []
+    if full:
+        body = x[:, : full * g].reshape(h, full, g, d)
+        s, z = _minmax_params(body.amin(dim=2), body.amax(dim=2), bits)  # [H, full, d]
+        codes.append(_quantize(body, s.unsqueeze(2), z.unsqueeze(2), bits).reshape(h, full * g, d))
+        scales.append(s)
+        zeros.append(z)
+    if t > full * g:
+        tail = x[:, full * g :]
+        s, z = _minmax_params(tail.amin(dim=1, keepdim=True), tail.amax(dim=1, keepdim=True), bits)  # [H,1,d]
+        codes.append(_quantize(tail, s, z, bits))
+        scales.append(s)
+        zeros.append(z)
+    if not codes:
+        empty = torch.empty(h, 0, d, dtype=SCALE_DTYPE, device=keys.device)
+        return QuantizedTensor(
+            pack_bits(torch.empty(h, 0, d, dtype=torch.uint8, device=keys.device), bits), empty, empty.clone(),
+            bits, g, d, "channel",
+        )
+    return QuantizedTensor(
+        pack_bits(torch.cat(codes, dim=1), bits), torch.cat(scales, dim=1), torch.cat(zeros, dim=1),
+        bits, g, d, "channel",
+    )
+
+
+def quantize_values(values: Tensor, bits: int, group_size: int) -> QuantizedTensor:
+    """Per-token quantization of ``[Hkv, T, d]`` values: each token's channels in groups of ``group_size``."""
+    bits, g = _check_bits(bits), _check_group(group_size)
+    if values.dim() != 3:
+        raise ValueError(f"`values` must be [Hkv, T, d], got shape {tuple(values.shape)}")
+    h, t, d = values.shape
+    x = values.float()
+    ng = -(-d // g)
+    pad = ng * g - d
+    if pad:  # pad with a copy of the last channel so min/max of the short group are unchanged
+        xp = torch.cat([x, x[..., -1:].expand(h, t, pad)], dim=-1)
+    else:
+        xp = x
+    grouped = xp.reshape(h, t, ng, g)
+    s, z = _minmax_params(grouped.amin(dim=-1), grouped.amax(dim=-1), bits)  # [H, T, ng]
+    codes = _quantize(grouped, s.unsqueeze(-1), z.unsqueeze(-1), bits).reshape(h, t, ng * g)[..., :d]
+    return QuantizedTensor(pack_bits(codes.contiguous(), bits), s, z, bits, g, d, "token")
+
+
+def quantized_kv_nbytes(
+    num_tokens: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int, residual: int, elem_bytes: int
+) -> int:
+    """Bytes of packed KIVI K+V for ``num_tokens`` tokens (kv-compression.md §1, fp16 scale/zero).
+
+    The last ``min(residual, num_tokens)`` tokens are counted at ``elem_bytes`` (the cache dtype).
+    Token positions are not included.
+    """
+    r = min(residual, num_tokens)
+    n = num_tokens - r
+    payload = 2 * n * (-(-head_dim * bits // 8))
+    key_meta = -(-n // group_size) * head_dim * BYTES_PER_GROUP
+    value_meta = n * (-(-head_dim // group_size)) * BYTES_PER_GROUP
+    res = r * head_dim * 2 * elem_bytes
+    return num_kv_heads * (payload + key_meta + value_meta + res)
+
+
+__all__ = [
+    "BYTES_PER_GROUP",
+    "QuantizedTensor",
+    "SCALE_DTYPE",
+    "SUPPORTED_BITS",
+    "pack_bits",
+    "quantize_keys",
+    "quantize_values",
+    "quantized_kv_nbytes",
+    "unpack_bits",
+]

@@ -1,0 +1,178 @@
+"""A KV cache made of typed segments, each held by its own physical store (kv-compression.md §8.8).
+
+Attention over a layer = exact LSE-merge of every store's attention plus the new block's
+(causal or bidirectional) self-attention. Compression replaces one segment's :class:`FullStore` by an
+:class:`EvictedStore` or :class:`QuantizedStore`; the full-precision tensors are then released.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from .attention import attention_with_lse, merge_attention
+from .kvcache import AttentionCall, Branch, KVCache, Task
+from .segments import TokenType
+from .stores import EvictedStore, FullStore, QuantizedStore, Store
+
+logger = logging.getLogger(__name__)
+
+
+class SegmentedLayer:
+    """Ordered list of stores for one layer.
+
+    Uncompressed rows of one token type live in one :class:`FullStore`: every append of that type is
+    coalesced into it, even when other types were appended in between (positions keep the true order).
+    Compressed stores are never appended to; new rows of a compressed type open a new FullStore.
+    """
+
+    def __init__(self) -> None:
+        self.stores: list[Store] = []
+        self.appended_tokens = 0  # tokens ever appended (uncompressed size of this layer)
+        self._kv_meta: tuple[int, int, int] | None = None  # (Hkv, d, element size)
+
+    def attend(
+        self, q: Tensor, k_new: Tensor | None = None, v_new: Tensor | None = None, causal: bool = False,
+        scale: float | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Attention of ``q [Tq, Hq, d]`` over every store plus the new block ``k_new/v_new [Tq, Hkv, d]``.
+
+        ``causal`` applies only to the new block (bottom-right aligned); cached rows are fully visible.
+        Returns ``(out [Tq, Hq, d], lse [Tq, Hq])``.
+        """
+        parts = [store.attend(q, scale) for store in self.stores if store.num_tokens > 0]
+        if k_new is not None:
+            parts.append(attention_with_lse(q, k_new, v_new, scale=scale, causal=causal))
+        if not parts:
+            raise ValueError("nothing to attend to: the layer is empty and no new block was given")
+        return merge_attention(parts)
+
+    def append(self, keys: Tensor, values: Tensor, token_types: Tensor) -> None:
+        """Append ``[Tn, Hkv, d]`` rows with ``[Tn]`` types; their positions are the next context indices."""
+        tn = keys.shape[0]
+        if token_types.shape != (tn,):
+            raise ValueError(f"`token_types` must be [{tn}], got shape {tuple(token_types.shape)}")
+        if self._kv_meta is None:
+            self._kv_meta = (keys.shape[1], keys.shape[2], keys.element_size())
+        positions = torch.arange(self.appended_tokens, self.appended_tokens + tn, dtype=torch.int32,
+                                 device=keys.device)
+        self.appended_tokens += tn
+        types = token_types.to(torch.int64)
+        for t in torch.unique(types).tolist():
+            sel = (types == t).nonzero().squeeze(1)
+            k, v, p = keys.index_select(0, sel).detach(), values.index_select(0, sel).detach(), positions[sel]
+            open_stores = self.find(TokenType(t), FullStore)
+            if open_stores:
+                self.stores[open_stores[-1]].append(k, v, p)
+                continue
+            self.stores.append(FullStore(k.clone(), v.clone(), p, TokenType(t)))
+
+    def segments(self) -> list[tuple[TokenType, str, int]]:
+        """``(token_type, store class name, num_tokens)`` per store, in order."""
+        return [(s.token_type, type(s).__name__, s.num_tokens) for s in self.stores]
+
+    def find(self, token_type: TokenType, kind: type | tuple[type, ...] = FullStore) -> list[int]:
+        """Indices of the stores of ``token_type`` that are instances of ``kind``."""
+        token_type = TokenType.parse(token_type)
+        return [i for i, s in enumerate(self.stores) if s.token_type == token_type and isinstance(s, kind)]
+
+    def replace(self, index: int, store: Store) -> Store:
+        """Swap store ``index`` for ``store`` (same token type); returns the old store."""
+        if not 0 <= index < len(self.stores):
+            raise ValueError(f"`index` must be in [0, {len(self.stores)}), got {index}")
+        old = self.stores[index]
+        if store.token_type != old.token_type:
+            raise ValueError(f"`store` has type {store.token_type.name}, segment {index} is {old.token_type.name}")
+        if store.num_tokens > old.num_tokens:
+            raise ValueError(f"`store` holds {store.num_tokens} rows, more than segment {index} ({old.num_tokens})")
+        self.stores[index] = store
+        return old
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.stores)
+
+    def full_bytes(self) -> int:
+        """Bytes of K+V if every appended token were held uncompressed (no index tensors)."""
+        if self._kv_meta is None:
+            return 0
+        h, d, e = self._kv_meta
+        return 2 * self.appended_tokens * h * d * e
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows held (per KV head for evicted stores)."""
+        return sum(s.num_tokens for s in self.stores)
+
+
+class SegmentedKVCache(KVCache):
+    """:class:`KVCache` whose layers are :class:`SegmentedLayer` s; compression swaps typed segments."""
+
+    def __init__(self, num_layers: int, *, task: Task | None = None, branch: Branch | None = None):
+        super().__init__(num_layers, task=task, branch=branch)
+        self.layers = [SegmentedLayer() for _ in range(num_layers)]
+
+    def layer(self, layer: int) -> SegmentedLayer:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"`layer` must be in [0, {self.num_layers}), got {layer}")
+        return self.layers[layer]
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:
+        state = self.layer(layer)
+        out, _ = state.attend(q, k, v, causal=call.causal)
+        if call.update:
+            state.append(k, v, call.token_types)
+        return out
+
+    def replace_segment(self, layer: int, token_type: TokenType | str | int, store: Store,
+                        index: int | None = None) -> Store:
+        """Replace the uncompressed segment of ``token_type`` in ``layer`` by ``store``; returns the old store.
+
+        With ``index`` (position in :meth:`segments`) any store of that type may be replaced, e.g. an
+        evicted store by a shrunk one.
+        """
+        state = self.layer(layer)
+        token_type = TokenType.parse(token_type)
+        if index is None:
+            found = state.find(token_type, FullStore)
+            if len(found) != 1:
+                raise ValueError(
+                    f"layer {layer} has {len(found)} uncompressed segments of type {token_type.name}; "
+                    "pass `index` to choose one"
+                )
+            index = found[0]
+        old = state.replace(index, store)
+        logger.debug("layer %d: %s segment %s -> %s", layer, token_type.name, type(old).__name__,
+                     type(store).__name__)
+        return old
+
+    def segments(self, layer: int) -> list[tuple[TokenType, str, int]]:
+        """``(token_type, store kind, num_tokens)`` of every store of ``layer``."""
+        return self.layer(layer).segments()
+
+    def stores(self, layer: int) -> list[Store]:
+        """The store objects of ``layer`` (read them; use :meth:`replace_segment` to change them)."""
+        return list(self.layer(layer).stores)
+
+    def segment_kv(self, layer: int, token_type: TokenType | str | int) -> FullStore:
+        """The single uncompressed :class:`FullStore` of ``token_type`` in ``layer``."""
+        state = self.layer(layer)
+        found = state.find(TokenType.parse(token_type), FullStore)
+        if len(found) != 1:
+            raise ValueError(f"layer {layer} has {len(found)} uncompressed segments of type {token_type!r}")
+        return state.stores[found[0]]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layers[0].num_tokens
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def full_bytes(self) -> int:
+        """Bytes the uncompressed cache would hold (K+V of every appended token, all layers)."""
+        return sum(layer.full_bytes() for layer in self.layers)
+
+
+__all__ = ["EvictedStore", "FullStore", "QuantizedStore", "SegmentedKVCache", "SegmentedLayer"]

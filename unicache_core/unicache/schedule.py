@@ -1,0 +1,85 @@
+"""Task-aware retention schedule ``rho`` over denoising step chunks (kv-compression.md §8.7)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+_PRESETS: dict[str, dict] = {
+    "understanding": {"rho0": 0.2, "floor": 0.2, "fixed": True},
+    "t2i": {"rho0": 0.5, "floor": 0.35},
+    "edit": {"rho0": 0.5, "floor": 0.1},
+}
+
+
+@dataclass
+class RetentionSchedule:
+    """Total retention ratio of the candidate KV, decaying with the conditional attention mass.
+
+    Keep one instance per (branch, layer chunk). Step chunk 0 (the full-KV step) supplies the
+    reference mass ``m0``. For every later observation of chunk ``j``:
+    ``rho_j = clip(rho0 * (m_j / m0) ** gamma, floor, rho0)`` and the scheduled ``rho`` is the minimum
+    over all observations so far: it never rises. ``m0 ~ 0`` (or not observed yet) keeps ``rho0``.
+
+    Attributes:
+        rho0: starting ratio (0.5 gen/edit; 0.2 understanding).
+        floor: lowest ratio (0.35 t2i, 0.1 edit).
+        gamma: exponent (1).
+        fixed: ``rho`` stays ``rho0`` whatever is observed (understanding).
+    """
+
+    rho0: float = 0.5
+    floor: float = 0.35
+    gamma: float = 1.0
+    fixed: bool = False
+    m0: float | None = field(default=None, init=False)
+    _rho: float = field(default=0.0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.rho0 <= 1.0:
+            raise ValueError(f"`rho0` must be in (0, 1], got {self.rho0!r}")
+        if not 0.0 <= self.floor <= self.rho0:
+            raise ValueError(f"`floor` must be in [0, rho0={self.rho0}], got {self.floor!r}")
+        if not (math.isfinite(self.gamma) and self.gamma > 0):
+            raise ValueError(f"`gamma` must be > 0, got {self.gamma!r}")
+        self._rho = self.rho0
+
+    @classmethod
+    def for_task(cls, task: str) -> "RetentionSchedule":
+        """Preset: understanding fixed 0.2; t2i 0.5 -> floor 0.35; edit 0.5 -> floor 0.1."""
+        if task not in _PRESETS:
+            raise ValueError(f"`task` must be one of {tuple(_PRESETS)}, got {task!r}")
+        return cls(**_PRESETS[task])
+
+    @property
+    def rho(self) -> float:
+        """The scheduled retention ratio now."""
+        return self._rho
+
+    def ratio_for(self, mass: float) -> float:
+        """``clip(rho0 * (mass / m0) ** gamma, floor, rho0)``; ``rho0`` when ``m0`` is unknown or ~0."""
+        if self.fixed or self.m0 is None or self.m0 <= 1e-12:
+            return self.rho0
+        rel = max(0.0, mass) / self.m0
+        return min(self.rho0, max(self.floor, self.rho0 * rel ** self.gamma))
+
+    def observe(self, step_chunk: int, mass: float) -> float:
+        """Record the summed candidate mass ``mass`` of ``step_chunk``; return the scheduled ``rho``."""
+        if not isinstance(step_chunk, int) or isinstance(step_chunk, bool) or step_chunk < 0:
+            raise ValueError(f"`step_chunk` must be an int >= 0, got {step_chunk!r}")
+        if not math.isfinite(mass) or mass < 0:
+            raise ValueError(f"`mass` must be finite and >= 0, got {mass!r}")
+        if self.fixed:
+            return self._rho
+        if step_chunk == 0:
+            self.m0 = float(mass)
+            return self._rho
+        if self.m0 is None:
+            logger.debug("retention schedule: chunk %d observed before the reference chunk 0; rho unchanged",
+                         step_chunk)
+            return self._rho
+        self._rho = min(self._rho, self.ratio_for(mass))
+        return self._rho
