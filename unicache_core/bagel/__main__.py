@@ -1,8 +1,8 @@
 """Command line: ``python -m unicache_core.bagel {understand,t2i,edit} --checkpoint DIR --prompt TEXT ...``.
 
 ``t2i``/``edit`` write a PNG (``--out``); ``understand`` prints the answer on stdout. Progress goes to
-stderr. Expected failures (bad arguments, missing or broken checkpoint, cancelled run) exit with
-status 2 and a one-line ``error: ...`` message.
+stderr. Expected failures (bad arguments, missing or broken checkpoint or image, unavailable device,
+file-system errors, cancelled run) exit with status 2 and a one-line ``error: ...`` message.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -94,15 +95,27 @@ def _progress(label: str, quiet: bool) -> _Bar | None:
 
 
 def _open_image(path: Path):
+    """Decode ``path`` as PIL does (no EXIF transpose, as officially); refuses decompression bombs.
+
+    Images above PIL's ``Image.MAX_IMAGE_PIXELS`` are refused before their pixels are decoded (PIL
+    only warns between 1x and 2x that limit; here both are errors).
+    """
     from PIL import Image, UnidentifiedImageError
 
     if not path.is_file():
         raise FileNotFoundError(f"--image: file not found: {path}")
     try:
-        with Image.open(path) as img:
-            img.load()
-            return img.copy()
-    except (UnidentifiedImageError, OSError) as exc:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                img.load()
+                return img.copy()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ValueError(
+            f"--image: {path} is too large to decode safely ({exc}); downscale it below "
+            f"{Image.MAX_IMAGE_PIXELS} pixels first (BAGEL resizes every input to at most 1024 px per side)"
+        ) from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise ValueError(f"--image: cannot read {path} as an image ({exc})") from None
 
 
@@ -112,6 +125,9 @@ def _run(args: argparse.Namespace) -> int:
 
     if not args.checkpoint.is_dir():
         raise FileNotFoundError(f"--checkpoint: folder not found: {args.checkpoint}")
+    out = getattr(args, "out", None)
+    if out is not None and out.is_dir():
+        raise ValueError(f"--out: {out} is a directory; give the path of the PNG file to write, e.g. {out / 'out.png'}")
     image = _open_image(args.image) if getattr(args, "image", None) is not None else None
     device = args.device
     if device == "auto":
@@ -154,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return _run(args)
-    except (UniCacheError, ValueError, FileNotFoundError) as exc:
+    except (UniCacheError, ValueError, OSError) as exc:  # OSError: unreadable input, unwritable --out
         message = " ".join(str(exc).split()) or type(exc).__name__
         sys.stderr.write(f"error: {message}\n")
         return 2

@@ -10,6 +10,7 @@ override it (used by the tiny test checkpoint, never present in the real one).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -159,14 +160,16 @@ def _get(data: dict[str, Any], key: str, kind: type, path: Path, default: Any = 
     value = data[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
         raise CheckpointError(
             f"config file {path}: field {key!r} = {value!r} must be of type {kind.__name__}"
         )
+    if kind is float and not math.isfinite(value):
+        raise CheckpointError(f"config file {path}: field {key!r} = {value!r} must be a finite number")
     return value
 
 
-def _positive(path: Path, **values: int) -> None:
+def _positive(path: Path, **values: int | float) -> None:
     for name, value in values.items():
         if value <= 0:
             raise CheckpointError(f"config file {path}: field {name!r} = {value} must be > 0")
@@ -195,6 +198,9 @@ def parse_llm_config(data: dict[str, Any], path: Path) -> LLMConfig:
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads,
         vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
     )
     if cfg.hidden_size % cfg.num_attention_heads or cfg.head_dim % 2:
         raise CheckpointError(
@@ -245,6 +251,8 @@ def parse_vit_config(data: dict[str, Any], path: Path) -> ViTConfig:
         num_attention_heads=cfg.num_attention_heads,
         image_size=cfg.image_size,
         patch_size=cfg.patch_size,
+        layer_norm_eps=cfg.layer_norm_eps,
+        num_channels=cfg.num_channels,
     )
     if cfg.hidden_size % cfg.num_attention_heads:
         raise CheckpointError(

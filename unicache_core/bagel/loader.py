@@ -48,14 +48,41 @@ def _listing(names: list[str]) -> str:
     return f"{len(names)}: {shown}{more}"
 
 
+#: Suffixes of pickle-based weight files (``torch.save``): never opened by this loader.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+#: First bytes of a ``torch.save`` zip archive and of a raw pickle stream (protocol 2+).
+_PICKLE_MAGICS = (b"PK\x03\x04", b"\x80")
+
+
+def _check_weights_file(path: Path) -> None:
+    """Raise a :class:`CheckpointError` if ``path`` is missing or is a pickle file (only 8 bytes are read)."""
+    if not path.is_file():
+        pickles = sorted(p.name for p in path.parent.glob("*") if p.suffix.lower() in PICKLE_SUFFIXES)
+        found = (
+            f"; the folder has pickle-based weights ({', '.join(pickles)}), which are not read because "
+            f"unpickling can run arbitrary code: this loader needs safetensors, so download {path.name} or "
+            f"convert those weights to safetensors"
+            if pickles
+            else ""
+        )
+        raise CheckpointError(
+            f"missing weights file {path}; download {path.name} of ByteDance-Seed/BAGEL-7B-MoT into "
+            f"{path.parent}{found}"
+        )
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+    if head.startswith(_PICKLE_MAGICS):
+        raise CheckpointError(
+            f"{path} is a pickle/torch.save file, not safetensors; it is not read because unpickling can run "
+            f"arbitrary code. Download the real {path.name} or convert the weights to safetensors"
+        )
+
+
 def _read_safetensors(
     path: Path, expected: Mapping[str, torch.Size], *, device: torch.device, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """Check names/shapes of ``path`` against ``expected``, then read every tensor as ``dtype`` on ``device``."""
-    if not path.is_file():
-        raise CheckpointError(
-            f"missing weights file {path}; download {path.name} of ByteDance-Seed/BAGEL-7B-MoT into {path.parent}"
-        )
+    _check_weights_file(path)
     load_device = "cpu" if device.type == "meta" else str(device)
     try:
         with safe_open(str(path), framework="pt", device=load_device) as fh:
@@ -86,8 +113,8 @@ def _read_safetensors(
                     raise CheckpointError(f"{path}: tensor {name!r} has non-float dtype {tensor.dtype}")
                 tensors[name] = tensor.to(dtype)
             return tensors
-    except CheckpointError:
-        raise
+    except (CheckpointError, MemoryError, torch.OutOfMemoryError):
+        raise  # out of memory is not file corruption: keep the real error
     except Exception as exc:  # safetensors raises several types for corrupt/truncated files
         raise CheckpointError(
             f"cannot read {path}: {type(exc).__name__}: {exc}. The file is corrupt or truncated; re-download it"
@@ -120,7 +147,42 @@ def _parse_dtype(dtype: Any) -> torch.dtype:
     return dtype
 
 
-def _dispatch(model: Bagel, device_map: Any, dtype: torch.dtype) -> Bagel:
+def _parse_device(device: Any) -> torch.device:
+    """``device`` → :class:`torch.device`, checking that the backend exists on this machine."""
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"`device` must be a str or torch.device such as 'cpu' or 'cuda:0', got {device!r}")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"`device` {device!r} is not a torch device; use e.g. 'cpu', 'cuda' or 'cuda:1'") from None
+    if parsed.type == "cpu":
+        return torch.device("cpu")  # 'cpu:0' is the same device; safetensors only accepts 'cpu'
+    if parsed.type == "meta":
+        raise ValueError("`device` 'meta' holds no data; load on 'cpu' or a GPU (or use `device_map` to offload)")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"`device` {str(parsed)!r}: CUDA is not available in this torch build/machine "
+                f"(torch.cuda.is_available() is False); use device='cpu'"
+            )
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"`device` {str(parsed)!r}: only {count} CUDA device(s) (indices 0..{count - 1})")
+        return parsed
+    backend = getattr(torch, parsed.type, None) if parsed.type != "mps" else getattr(torch.backends, "mps", None)
+    is_available = getattr(backend, "is_available", None)
+    if is_available is None or not is_available():
+        raise ValueError(f"`device` {str(parsed)!r}: the {parsed.type!r} backend is not available here; use 'cpu'")
+    return parsed
+
+
+def _dispatch(
+    model: Bagel,
+    device_map: Any,
+    dtype: torch.dtype,
+    offload_folder: Path | None,
+    max_memory: Mapping[Any, Any] | None,
+) -> Bagel:
     try:
         import accelerate
     except ImportError as exc:
@@ -131,12 +193,30 @@ def _dispatch(model: Bagel, device_map: Any, dtype: torch.dtype) -> Bagel:
     if device_map == "auto":
         device_map = accelerate.infer_auto_device_map(
             model,
+            max_memory=dict(max_memory) if max_memory is not None else None,
             no_split_module_classes=["Qwen2MoTDecoderLayer", "SiglipEncoderLayer"],
             dtype=dtype,
         )
     elif not isinstance(device_map, Mapping):
         raise ValueError(f"`device_map` must be None, 'auto' or a mapping module-name -> device, got {device_map!r}")
-    return accelerate.dispatch_model(model, device_map=dict(device_map))
+    device_map = dict(device_map)
+    on_disk = sorted(name for name, dev in device_map.items() if dev == "disk")
+    if on_disk and offload_folder is None:
+        raise ValueError(
+            f"`offload_folder` is required: the device map puts {_listing(on_disk)} on 'disk'; pass "
+            f"offload_folder=<a writable folder with room for those weights>"
+        )
+    if offload_folder is not None:
+        offload_folder.mkdir(parents=True, exist_ok=True)
+    # accelerate's rule: the first device that is neither 'cpu' nor 'disk' runs the offloaded modules.
+    first = next((dev for dev in device_map.values() if str(dev) not in ("cpu", "disk")), "cpu")
+    main_device = torch.device("cuda", first) if isinstance(first, int) else torch.device(first)
+    model = accelerate.dispatch_model(
+        model, device_map=device_map, main_device=str(main_device),
+        offload_dir=str(offload_folder) if offload_folder is not None else None,
+    )
+    model.execution_device = main_device
+    return model
 
 
 def load_bagel(
@@ -145,6 +225,8 @@ def load_bagel(
     dtype: torch.dtype | str = torch.bfloat16,
     device: torch.device | str = "cpu",
     device_map: Any = None,
+    offload_folder: str | Path | None = None,
+    max_memory: Mapping[Any, Any] | None = None,
 ) -> LoadedBagel:
     """Load model, VAE, tokenizer and config from a BAGEL checkpoint folder.
 
@@ -153,17 +235,26 @@ def load_bagel(
             ``ae.safetensors``, ``vocab.json``, ``merges.txt``, ``tokenizer_config.json``
             (``ae_config.json`` optional).
         dtype: dtype of the BAGEL weights (bf16, fp16 or fp32); the VAE is always fp32.
-        device: device of the model and the VAE.
+        device: device of the model and the VAE (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...); checked to
+            exist before anything is read.
         device_map: optional accelerate device map (``"auto"`` or ``{module_name: device}``) to spread
-            the BAGEL model over devices; needs ``accelerate``. The VAE still goes to ``device``.
+            the BAGEL model over devices, ``"cpu"`` and ``"disk"``; needs ``accelerate``. The VAE still
+            goes to ``device``. Outputs are identical to an unsplit model (same seed).
+        offload_folder: folder for the weights a device map puts on ``"disk"`` (required then).
+        max_memory: with ``device_map="auto"``: accelerate's ``{device: bytes or "10GiB"}`` budget.
 
     Raises:
-        CheckpointError: missing/corrupt/mismatching files.
-        ValueError: unsupported ``dtype``.
+        CheckpointError: missing/corrupt/mismatching files, pickle files instead of safetensors.
+        ValueError: unsupported ``dtype``, unavailable ``device``, bad ``device_map`` arguments.
     """
     root = Path(checkpoint_dir)
     dtype = _parse_dtype(dtype)
-    device = torch.device(device)
+    device = _parse_device(device)
+    if max_memory is not None and device_map != "auto":
+        raise ValueError(f"`max_memory` is only used with device_map='auto', got device_map={device_map!r}")
+    if max_memory is not None and not isinstance(max_memory, Mapping):
+        raise ValueError(f"`max_memory` must be a mapping device -> size such as {{'cpu': '8GiB'}}, got {max_memory!r}")
+    folder = Path(offload_folder) if offload_folder is not None else None
     config = load_bagel_config(root)
     tokenizer = BagelTokenizer.from_dir(root)
     if tokenizer.vocab_size > config.llm.vocab_size:
@@ -182,7 +273,7 @@ def load_bagel(
     model.eval()
     vae.eval()
     if device_map is not None:
-        model = _dispatch(model, device_map, dtype)
+        model = _dispatch(model, device_map, dtype, folder, max_memory)
     logger.info("loaded BAGEL from %s (%s on %s)", root, dtype, device)
     return LoadedBagel(
         model=model,

@@ -13,6 +13,7 @@ RNG in that order). Think-mode text sampling uses its own generator seeded with 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -95,7 +96,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 
 
 def _check_float(name: str, value: object, minimum: float, *, strict: bool = False, maximum: float | None = None):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = value > minimum if strict else value >= minimum
         ok = ok and (maximum is None or value <= maximum)
@@ -103,8 +104,14 @@ def _check_float(name: str, value: object, minimum: float, *, strict: bool = Fal
         bound = f"> {minimum}" if strict else f">= {minimum}"
         if maximum is not None:
             bound += f" and <= {maximum}"
-        raise ValueError(f"`{name}` must be a number {bound}, got {value!r}")
+        raise ValueError(f"`{name}` must be a finite number {bound}, got {value!r}")
     return float(value)
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}")
+    return value
 
 
 def _check_prompt(prompt: object) -> str:
@@ -113,10 +120,17 @@ def _check_prompt(prompt: object) -> str:
     return prompt
 
 
+#: Seeds must fit torch.Generator.manual_seed (an unsigned 64-bit integer).
+MAX_SEED = 2**64 - 1
+
+
 def _check_seed(seed: object) -> int:
+    """``None`` → a random seed; else an int in ``[0, 2**64 - 1]``."""
     if seed is None:
         return random.SystemRandom().randrange(0, 2**63)
-    return _check_int("seed", seed, 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"`seed` must be an integer in [0, 2**64 - 1] or None, got {seed!r}")
+    return seed
 
 
 @dataclass(frozen=True)
@@ -166,6 +180,27 @@ class BagelPipeline:
     def __init__(self, loaded: LoadedBagel, cache_factory: CacheFactory = full_cache_factory):
         self.loaded = loaded
         self.cache_factory = cache_factory
+
+    # ---------------------------------------------------------------- position budget
+
+    def _text_positions(self, text: str) -> int:
+        """RoPE positions of a ``[im_start] text [im_end]`` block."""
+        return len(self.loaded.tokenizer.encode(text)) + 2
+
+    def _check_positions(self, used: int, extra: int, name: str) -> None:
+        """Refuse (before any forward) a request needing more RoPE positions than the model was trained on.
+
+        The official code would run past ``max_position_embeddings`` with untrained positions; here it
+        is an error. Images take one position each, text one per token.
+        """
+        limit = self.loaded.config.llm.max_position_embeddings
+        if used + extra > limit:
+            detail = f"{used} for the context" + (f" + {extra} for decoding" if extra else "")
+            raise ValueError(
+                f"`{name}` is too long: the request needs {used + extra} RoPE positions ({detail}) but "
+                f"max_position_embeddings = {limit}; shorten the prompt"
+                + (f" or lower `{name}`" if extra else "")
+            )
 
     # ---------------------------------------------------------------- building blocks
 
@@ -398,11 +433,17 @@ class BagelPipeline:
         if image is not None:
             check_image(image, "image")
         _check_int("max_new_tokens", max_new_tokens, 1)
-        if do_sample:
+        if _check_bool("do_sample", do_sample):
             _check_float("temperature", temperature, 0.0, strict=True)
+        _check_bool("think", think)
         generator = None
         if seed is not None:
-            generator = torch.Generator().manual_seed(_check_int("seed", seed, 0))
+            generator = torch.Generator().manual_seed(_check_seed(seed))
+        used = self._text_positions(prompt) + (1 if image is not None else 0)
+        if think:
+            used += self._text_positions(C.VLM_THINK_SYSTEM_PROMPT)
+        self._check_positions(used, 0, "prompt")
+        self._check_positions(used, max_new_tokens, "max_new_tokens")
         with torch.inference_mode():
             t0 = time.perf_counter()
             ctx = self.build_understanding_context(image, prompt, think=think)
@@ -495,10 +536,17 @@ class BagelPipeline:
             cfg_renorm_type,
         )
         seed = _check_seed(seed)
-        if think:
+        # gen context: [system] [VAE image, ViT image] prompt [plan], then the latent block (1 position)
+        used = self._text_positions(prompt) + (2 if image is not None else 0) + 1
+        if _check_bool("think", think):
             _check_int("think_max_new_tokens", think_max_new_tokens, 1)
-            if think_do_sample:
+            if _check_bool("think_do_sample", think_do_sample):
                 _check_float("think_temperature", think_temperature, 0.0, strict=True)
+            used += self._text_positions(C.GEN_THINK_SYSTEM_PROMPT)
+        self._check_positions(used, 0, "prompt")
+        if think:
+            # the plan is decoded (<= think_max_new_tokens positions) and then re-fed as a text block
+            self._check_positions(used, think_max_new_tokens + 2, "think_max_new_tokens")
         generator = torch.Generator().manual_seed(seed)
         with torch.inference_mode():
             t0 = time.perf_counter()

@@ -77,10 +77,24 @@ def _load_json(path: Path) -> Any:
 def read_vocab(path: Path) -> dict[str, int]:
     """``vocab.json`` → ``{token: id}`` (checks it is a JSON object of ints)."""
     vocab = _load_json(path)
-    if not isinstance(vocab, dict) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()
-    ):
-        raise CheckpointError(f"tokenizer file {path} must be a JSON object mapping tokens to integer ids")
+    if not isinstance(vocab, dict):
+        raise CheckpointError(
+            f"tokenizer file {path} holds a JSON {type(vocab).__name__}; it must be a JSON object mapping "
+            f"tokens to integer ids (re-download it)"
+        )
+    owner: dict[int, str] = {}
+    for token, token_id in vocab.items():
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0 or token_id >= 2**32:
+            raise CheckpointError(
+                f"tokenizer file {path}: token {token!r} has id {token_id!r}; ids must be integers in "
+                f"[0, 2**32) (re-download the file)"
+            )
+        if token_id in owner:
+            raise CheckpointError(
+                f"tokenizer file {path}: tokens {owner[token_id]!r} and {token!r} share id {token_id}; every id "
+                f"must be unique (re-download the file)"
+            )
+        owner[token_id] = token
     return vocab
 
 
@@ -114,11 +128,14 @@ def read_added_tokens(path: Path) -> list[AddedTokenSpec]:
     for key, entry in decoder.items():
         try:
             token_id = int(key)
-            content = entry["content"] if isinstance(entry, dict) else str(entry)
+            content = entry["content"] if isinstance(entry, dict) else entry
         except (ValueError, KeyError, TypeError):
+            token_id, content = -1, None
+        if token_id < 0 or token_id >= 2**32 or not isinstance(content, str) or not content:
             raise CheckpointError(
-                f"tokenizer file {path}: bad added_tokens_decoder entry {key!r}: {entry!r}"
-            ) from None
+                f"tokenizer file {path}: bad added_tokens_decoder entry {key!r}: {entry!r}; keys must be ids "
+                f">= 0 and entries objects with a non-empty string 'content' (re-download the file)"
+            )
         opts = entry if isinstance(entry, dict) else {}
         specs.append(
             AddedTokenSpec(
@@ -167,6 +184,14 @@ class BagelTokenizer:
                 vocab[name] = next_id
                 next_id += 1
         self._specs = sorted(specs, key=lambda s: s.id)
+        known = set(vocab)
+        for rank, (a, b) in enumerate(merges):
+            for part in (a, b):
+                if part not in known:
+                    raise CheckpointError(
+                        f"{MERGES_FILE}: merge #{rank + 1} ({a!r}, {b!r}) uses the token {part!r}, which is not "
+                        f"in {VOCAB_FILE}; the two tokenizer files do not belong together (re-download both)"
+                    )
         model = models.BPE(vocab=vocab, merges=list(merges), fuse_unk=False, byte_fallback=False)
         tok = Tokenizer(model)
         tok.normalizer = normalizers.NFC()

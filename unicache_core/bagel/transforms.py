@@ -6,6 +6,12 @@ VAE rule ``MaxLongEdgeMinShortEdgeResize(1024, 512, 16)``, and only then passed 
 fp32 in ``[-1, 1]``.
 
 Resizing is PIL bicubic, exactly what ``torchvision.transforms.functional.resize`` does on a PIL image.
+
+Kept official behaviours (deliberately, for parity): EXIF orientation is NOT applied (the stored pixel
+grid is used, as the official code never calls ``ImageOps.exif_transpose``; transpose the image first
+if you want the displayed orientation); 16-bit and float images go through PIL's plain
+``convert("RGB")``, which clips values to 0..255 instead of rescaling; a 1x1 image is upscaled to
+512x512 by the resize rule.
 """
 
 from __future__ import annotations
@@ -38,12 +44,18 @@ def pil_img2rgb(image: Image.Image, name: str = "image") -> Image.Image:
     are converted with a plain ``convert("RGB")``, which drops an alpha channel.
     """
     image = check_image(image, name)
-    if image.mode == "RGBA" or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        white = Image.new("RGB", rgba.size, (255, 255, 255))
-        white.paste(rgba, mask=rgba.split()[3])
-        return white
-    return image.convert("RGB")
+    try:
+        if image.mode == "RGBA" or image.info.get("transparency") is not None:
+            rgba = image.convert("RGBA")
+            white = Image.new("RGB", rgba.size, (255, 255, 255))
+            white.paste(rgba, mask=rgba.split()[3])
+            return white
+        return image.convert("RGB")
+    except ValueError as exc:  # PIL cannot convert some rare modes ('La', 'I;16L' with alpha, ...)
+        raise ValueError(
+            f"`{name}` has mode {image.mode!r}, which PIL cannot convert to RGB ({exc}); convert it to RGB or "
+            f"RGBA first"
+        ) from None
 
 
 def _make_divisible(value: float, stride: int) -> int:

@@ -54,6 +54,8 @@ class Bagel(nn.Module):
         self.vae2llm = nn.Linear(config.patch_latent_dim, hidden)
         self.llm2vae = nn.Linear(hidden, config.patch_latent_dim)
         self.latent_pos_embed = PositionEmbedding(config.max_latent_size, hidden)
+        #: Set after an accelerate dispatch (weights may then sit on 'meta' until their forward).
+        self.execution_device: torch.device | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -72,6 +74,9 @@ class Bagel(nn.Module):
 
     @property
     def device(self) -> torch.device:
+        """Device inputs are sent to: the embeddings' device, or the dispatch's main device when offloaded."""
+        if self.execution_device is not None:
+            return self.execution_device
         return self.language_model.model.embed_tokens.weight.device
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
