@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from unicache_core.policies.kivi import KIVI_LOOKUP, KIVIPolicy
-from unicache_core.quant import pack_bits, quantize_keys, quantize_values, quantized_kv_nbytes, unpack_bits
+import unicache_core.quant as quant_module
+from unicache_core.quant import (
+    byte_lut, pack_bits, quantize_keys, quantize_values, quantized_kv_nbytes, unpack_bits, unpack_into,
+)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -139,3 +142,62 @@ def test_for_ratio_lookup(target: float, expected: tuple[int, int]) -> None:
 
 def test_for_ratio_bypass() -> None:
     assert KIVIPolicy.for_ratio(1.0) is None
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_lut_unpack_equals_shift_unpack(bits: int) -> None:
+    gen = torch.Generator().manual_seed(40 + bits)
+    codes = torch.randint(0, 2**bits, (3, 7, 64), generator=gen).to(torch.uint8)
+    packed = pack_bits(codes, bits)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = torch.full((3, 7, 64), -1.0, dtype=dtype)
+        unpack_into(packed, bits, out)
+        assert torch.equal(out, unpack_bits(packed, bits, 64).to(dtype))
+    lut = byte_lut(bits, torch.float32)
+    assert lut.shape == (256, 8 // bits)
+    assert torch.equal(lut[0b11100100], (torch.arange(8 // bits) * bits).to(torch.float32).new_tensor(
+        [(0b11100100 >> (i * bits)) & (2**bits - 1) for i in range(8 // bits)]))
+    with pytest.raises(ValueError, match="out"):
+        unpack_into(packed, bits, torch.empty(3, 7, 63))
+
+
+def _reference_dequant(q, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
+    """Independent formula: unpack, look up each element's group, one rounding of code*s+z into ``dtype``."""
+    codes = unpack_bits(q.packed[:, start:stop], q.bits, q.head_dim).float()
+    s, z = q.scale.to(dtype).float(), q.zero.to(dtype).float()  # scales rounded to the target dtype first
+    if q.axis == "channel":
+        grp = torch.arange(start, stop) // q.group_size
+        s, z = s[:, grp, :], z[:, grp, :]
+    else:
+        ch = torch.arange(q.head_dim) // q.group_size
+        s, z = s[:, start:stop][..., ch], z[:, start:stop][..., ch]
+    return (codes * s + z).to(dtype)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [16, 48, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fast_dequantize_equals_reference(bits: int, group: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(bits * 7 + group)
+    x = torch.randn(2, 150, 64, generator=gen) * 3 + 0.5
+    for q in (quantize_keys(x, bits, group), quantize_values(x, bits, group)):
+        start = group if q.axis == "channel" else 9
+        for lo, hi in ((0, 150), (start, 150), (0, 100)):
+            ref = _reference_dequant(q, dtype, lo, hi)
+            assert torch.equal(q.dequantize(dtype, lo, hi), ref)
+            # a workspace slice (each head contiguous) takes the fast path; a strided view the generic one
+            ws = torch.zeros(2, hi - lo + 5, 64, dtype=dtype)
+            q.dequantize_into(ws[:, 3 : 3 + hi - lo], lo, hi)
+            assert torch.equal(ws[:, 3 : 3 + hi - lo], ref)
+            assert bool((ws[:, :3] == 0).all()) and bool((ws[:, 3 + hi - lo :] == 0).all())
+            strided = torch.zeros(hi - lo, 2, 64, dtype=dtype).transpose(0, 1)
+            q.dequantize_into(strided, lo, hi)
+            assert torch.equal(strided, ref)
+
+
+def test_fast_value_dequantize_blocks(monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(5)
+    q = quantize_values(torch.randn(2, 37, 32, generator=gen), 2, 32)
+    whole = q.dequantize(torch.bfloat16)
+    monkeypatch.setattr(quant_module, "VALUE_BLOCK_ROWS", 5)  # ragged last block
+    assert torch.equal(q.dequantize(torch.bfloat16), whole)

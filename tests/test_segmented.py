@@ -148,3 +148,36 @@ def test_replace_segment_errors() -> None:
     with pytest.raises(ValueError, match="layer"):
         seg.replace_segment(3, TT.INSTRUCTION, s)
     assert isinstance(seg.stores(0)[0], FullStore) and not isinstance(seg.stores(0)[0], QuantizedStore)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_path_equals_per_store_merge(causal: bool, dtype: torch.dtype) -> None:
+    from unicache_core.segmented import SegmentedLayer
+
+    gen = torch.Generator().manual_seed(11)
+    t, tq = 90, 7
+    k = (torch.randn(t, HKV, D, generator=gen) * 2).to(dtype)
+    v = torch.randn(t, HKV, D, generator=gen).to(dtype)
+    q = torch.randn(tq, HQ, D, generator=gen).to(dtype)
+    kn, vn = torch.randn(tq, HKV, D, generator=gen).to(dtype), torch.randn(tq, HKV, D, generator=gen).to(dtype)
+    pos = torch.arange(t)
+    keep = torch.stack([torch.arange(0, 30, 2), torch.arange(1, 30, 2)])  # per-head rows of k[30:60]
+    layer = SegmentedLayer()
+    layer.stores = [
+        FullStore(k[:30], v[:30], pos[:30], TT.BOUNDARY),
+        EvictedStore.from_selection(k[30:60], v[30:60], pos[30:60], keep, TT.SOURCE_VIT),
+        QuantizedStore.from_kv(k[60:], v[60:], pos[60:], bits=2, group_size=8, residual=4, token_type=TT.SOURCE_VAE),
+        FullStore(k[:0], v[:0], pos[:0], TT.INSTRUCTION),  # empty stores are skipped by both paths
+    ]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for kw in ({"k_new": kn, "v_new": vn, "causal": causal}, {}):
+        ref_out, ref_lse = layer.attend(q, **kw)
+        out, lse = layer.attend(q, fused=True, **kw)
+        assert out.dtype == dtype and out.shape == (tq, HQ, D)
+        assert torch.allclose(out.float(), ref_out.float(), atol=tol, rtol=tol)
+        assert torch.allclose(lse, ref_lse, atol=1e-4)
+    # the fused path changes nothing in the stores (no dequantized copy is kept)
+    assert [type(s).__name__ for s in layer.stores] == ["FullStore", "EvictedStore", "QuantizedStore", "FullStore"]
+    with pytest.raises(ValueError, match="nothing to attend"):
+        SegmentedLayer().attend(q, fused=True)

@@ -155,3 +155,27 @@ def test_quantized_store_bad_args() -> None:
         QuantizedStore.from_kv(k, v, pos, bits=3)
     with pytest.raises(ValueError, match="values"):
         QuantizedStore.from_kv(k, v[:10], pos)
+
+
+def test_write_kv_matches_store_contents() -> None:
+    q, k, v, pos = _kv(torch.bfloat16)
+    full = FullStore(k, v, pos, TokenType.INSTRUCTION)
+    keep = torch.stack([torch.arange(0, T, 3), torch.arange(1, T, 3)])
+    ev = EvictedStore.from_selection(k, v, pos, keep, TokenType.SOURCE_VIT)
+    qs = QuantizedStore.from_kv(k, v, pos, bits=2, group_size=32, residual=24)
+    for store, (ek, ev_) in (
+        (full, (k.transpose(0, 1), v.transpose(0, 1))),
+        (ev, (ev.keys, ev.values)),
+        (qs, tuple(x.transpose(0, 1) for x in qs.dequantize())),
+    ):
+        n = store.num_tokens
+        kw = torch.zeros(HKV, n + 4, D, dtype=torch.bfloat16)
+        vw = torch.zeros_like(kw)
+        store.write_kv(kw[:, 2 : 2 + n], vw[:, 2 : 2 + n])
+        assert torch.equal(kw[:, 2 : 2 + n], ek) and torch.equal(vw[:, 2 : 2 + n], ev_)
+        assert bool((kw[:, :2] == 0).all()) and bool((kw[:, 2 + n :] == 0).all())
+        # attention over the written rows is the store's own attention
+        out, lse = store.attend(q)
+        ref_out, ref_lse = attention_with_lse(q, kw[:, 2 : 2 + n].transpose(0, 1), vw[:, 2 : 2 + n].transpose(0, 1))
+        assert torch.allclose(out.float(), ref_out.float(), atol=2e-2)
+        assert torch.allclose(lse, ref_lse, atol=1e-3)

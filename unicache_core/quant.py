@@ -102,6 +102,51 @@ def _unpack(packed: Tensor, bits: int, n: int) -> Tensor:
     return codes if codes.shape[-1] == n else codes[..., :n].contiguous()
 
 
+_LUT_CACHE: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+
+def byte_lut(bits: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+    """Lookup table ``[256, 8 // bits]`` in ``dtype``: row ``b`` holds the codes packed in byte ``b``.
+
+    One gather of whole bytes then unpacks ``8 // bits`` codes at once (codes < 16 are exact in every
+    float dtype). Tables are small (at most 256 x 4) and cached per ``(bits, dtype, device)``.
+    """
+    bits = _check_bits(bits)
+    device = torch.device(device)
+    key = (bits, dtype, device)
+    lut = _LUT_CACHE.get(key)
+    if lut is None:
+        per = 8 // bits
+        table = (torch.arange(256).unsqueeze(-1) >> (torch.arange(per) * bits)) & ((1 << bits) - 1)
+        lut = table.to(dtype=dtype, device=device)
+        _LUT_CACHE[key] = lut
+    return lut
+
+
+def unpack_into(packed: Tensor, bits: int, out: Tensor) -> Tensor:
+    """Unpack ``packed [..., n * bits / 8]`` uint8 straight into ``out [..., n]`` (a float dtype).
+
+    Requires ``n * bits`` to be a multiple of 8 (no padding codes) and ``out`` contiguous; equals
+    ``unpack_bits(packed, bits, n).to(out.dtype)`` with one table gather and no uint8/int64 temporaries.
+    """
+    bits = _check_bits(bits)
+    per = 8 // bits
+    if not out.is_contiguous() or out.shape[-1] != packed.shape[-1] * per or out.shape[:-1] != packed.shape[:-1]:
+        raise ValueError(
+            f"`out` must be contiguous with shape {(*packed.shape[:-1], packed.shape[-1] * per)}, got "
+            f"{tuple(out.shape)} (contiguous={out.is_contiguous()})"
+        )
+    if bits == 8:
+        return out.copy_(packed)
+    idx = packed.reshape(-1).to(torch.int32)
+    torch.index_select(byte_lut(bits, out.dtype, out.device), 0, idx, out=out.view(-1, per))
+    return out
+
+
+#: Rows (tokens x heads) per fp32 block in the per-token (value) dequantization.
+VALUE_BLOCK_ROWS = 8192
+
+
 def _minmax_params(lo: Tensor, hi: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     """fp16 ``(scale, zero)`` with zero rounded down and scale rounded up, so that codes stay in range."""
     zero = lo.to(SCALE_DTYPE)
@@ -176,7 +221,16 @@ class QuantizedTensor:
         h, n = self.packed.shape[0], stop - start
         if tuple(out.shape) != (h, n, d):
             raise ValueError(f"`out` must be [{h}, {n}, {d}], got {tuple(out.shape)}")
-        codes = _unpack(self.packed[:, start:stop], self.bits, d)  # [H, n, d] uint8
+        packed = self.packed[:, start:stop]
+        if n == 0:
+            return out
+        if d * self.bits % 8 == 0 and out[0].is_contiguous() and out.dtype.is_floating_point:
+            if self.axis == "channel":
+                self._keys_fast(out, packed, start)
+            else:
+                self._values_fast(out, packed, start, stop)
+            return out
+        codes = _unpack(packed, self.bits, d)  # [H, n, d] uint8 (ragged bytes / strided out)
         work = out.dtype
         if self.axis == "channel":
             g0 = start // g
@@ -201,6 +255,67 @@ class QuantizedTensor:
                 cmap = torch.arange(d, device=codes.device) // g
                 out.copy_(torch.addcmul(z[..., cmap], codes.to(work), s[..., cmap]))
         return out
+
+    def _keys_fast(self, out: Tensor, packed: Tensor, start: int) -> None:
+        """Per-channel groups: table-unpack each head into ``out`` then one in-place FMA per key group block.
+
+        Bitwise equal to the generic path (same scale rounding to ``out.dtype``, same ``addcmul``).
+        """
+        g, d = self.group_size, self.head_dim
+        h, n = packed.shape[0], packed.shape[1]
+        work = out.dtype
+        for i in range(h):
+            unpack_into(packed[i], self.bits, out[i])
+        g0 = start // g
+        full = n // g
+        if full:
+            s = self.scale[:, g0 : g0 + full].to(work).unsqueeze(2)  # [H, full, 1, d]
+            z = self.zero[:, g0 : g0 + full].to(work).unsqueeze(2)
+            body = out[:, : full * g].view(h, full, g, d)
+            torch.addcmul(z, body, s, out=body)
+        if n > full * g:
+            s = self.scale[:, g0 + full].to(work).unsqueeze(1)  # [H, 1, d]
+            z = self.zero[:, g0 + full].to(work).unsqueeze(1)
+            tail = out[:, full * g :]
+            torch.addcmul(z, tail, s, out=tail)
+
+    def _values_fast(self, out: Tensor, packed: Tensor, start: int, stop: int) -> None:
+        """Per-token groups: blocks of :data:`VALUE_BLOCK_ROWS` rows are unpacked to fp32, scaled and shifted
+        in place, then rounded once into ``out`` (an ``addcmul`` whose scale broadcasts over the last
+        axis is several times slower on CPU). Same values as the generic path: ``code * s`` is exact in
+        fp32 and the single rounding of ``code * s + z`` matches ``addcmul`` in ``out.dtype``.
+        """
+        g, d = self.group_size, self.head_dim
+        h, n = packed.shape[0], packed.shape[1]
+        work = out.dtype
+        ng = self.scale.shape[-1]
+        ragged = d % g != 0 and ng > 1
+        gc = d if ragged else d // ng
+        cmap = torch.arange(d, device=out.device) // g if ragged else None
+        block = max(1, VALUE_BLOCK_ROWS)
+        f32 = out.dtype == torch.float32
+        tmp = None
+        for i in range(h):
+            for r0 in range(0, n, block):
+                r1 = min(n, r0 + block)
+                rows = r1 - r0
+                s = self.scale[i, start + r0 : start + r1].to(work).float()  # [rows, ng]
+                z = self.zero[i, start + r0 : start + r1].to(work).float()
+                dst = out[i, r0:r1]
+                if f32:
+                    buf = dst
+                else:
+                    if tmp is None:
+                        tmp = torch.empty(min(block, n), d, dtype=torch.float32, device=out.device)
+                    buf = tmp[:rows]
+                unpack_into(packed[i, r0:r1], self.bits, buf)
+                if ragged:
+                    buf.mul_(s[:, cmap]).add_(z[:, cmap])
+                else:
+                    bv = buf.view(rows, ng, gc)
+                    bv.mul_(s.unsqueeze(-1)).add_(z.unsqueeze(-1))
+                if not f32:
+                    dst.copy_(buf)
 
 
 def quantize_keys(keys: Tensor, bits: int, group_size: int) -> QuantizedTensor:
@@ -277,9 +392,12 @@ __all__ = [
     "QuantizedTensor",
     "SCALE_DTYPE",
     "SUPPORTED_BITS",
+    "VALUE_BLOCK_ROWS",
+    "byte_lut",
     "pack_bits",
     "quantize_keys",
     "quantize_values",
     "quantized_kv_nbytes",
     "unpack_bits",
+    "unpack_into",
 ]

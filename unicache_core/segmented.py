@@ -20,6 +20,14 @@ from .stores import EvictedStore, FullStore, QuantizedStore, Store
 logger = logging.getLogger(__name__)
 
 
+def _kv_heads_dim(store: Store) -> tuple[int, int]:
+    if isinstance(store, FullStore):
+        return int(store.keys.shape[1]), int(store.keys.shape[2])
+    if isinstance(store, EvictedStore):
+        return int(store.keys.shape[0]), int(store.keys.shape[2])
+    return int(store.res_keys.shape[0]), int(store.res_keys.shape[2])
+
+
 class SegmentedLayer:
     """Ordered list of stores for one layer.
 
@@ -35,19 +43,55 @@ class SegmentedLayer:
 
     def attend(
         self, q: Tensor, k_new: Tensor | None = None, v_new: Tensor | None = None, causal: bool = False,
-        scale: float | None = None,
+        scale: float | None = None, fused: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """Attention of ``q [Tq, Hq, d]`` over every store plus the new block ``k_new/v_new [Tq, Hkv, d]``.
 
         ``causal`` applies only to the new block (bottom-right aligned); cached rows are fully visible.
+        ``fused``: ``True`` gathers every resident row (and a non-causal new block) into one temporary
+        head-major workspace and makes one attention call; ``False`` (default) attends store by store
+        and merges by LSE. Both are exact (same keys, same softmax; outputs differ only by rounding).
+        On the BAGEL-7B editing branch (benchmarks/kv_attention.py, bf16, 1 thread) the two measured
+        within noise (+-2%), so the default keeps the per-store path and its numerics.
         Returns ``(out [Tq, Hq, d], lse [Tq, Hq])``.
         """
-        parts = [store.attend(q, scale) for store in self.stores if store.num_tokens > 0]
+        stores = [store for store in self.stores if store.num_tokens > 0]
+        if not stores and k_new is None:
+            raise ValueError("nothing to attend to: the layer is empty and no new block was given")
+        if fused and stores:
+            return self._attend_fused(q, stores, k_new, v_new, causal, scale)
+        parts = [store.attend(q, scale) for store in stores]
         if k_new is not None:
             parts.append(attention_with_lse(q, k_new, v_new, scale=scale, causal=causal))
-        if not parts:
-            raise ValueError("nothing to attend to: the layer is empty and no new block was given")
         return merge_attention(parts)
+
+    @staticmethod
+    def _attend_fused(
+        q: Tensor, stores: list[Store], k_new: Tensor | None, v_new: Tensor | None, causal: bool,
+        scale: float | None,
+    ) -> tuple[Tensor, Tensor]:
+        """One attention call over a per-step workspace ``[Hkv, T_resident (+ Tq), d]`` in ``q.dtype``.
+
+        Row order inside a head does not matter (cached rows are all visible), so evicted stores with
+        per-head rows fit in. The workspace is a temporary: nothing dequantized outlives the call.
+        """
+        h, d = _kv_heads_dim(stores[0])
+        rows = [store.num_tokens for store in stores]
+        append_new = k_new is not None and not causal
+        total = sum(rows) + (k_new.shape[0] if append_new else 0)
+        k_ws = torch.empty(h, total, d, dtype=q.dtype, device=q.device)
+        v_ws = torch.empty_like(k_ws)
+        off = 0
+        for store, n in zip(stores, rows):
+            store.write_kv(k_ws[:, off : off + n], v_ws[:, off : off + n])
+            off += n
+        if append_new:
+            k_ws[:, off:] = k_new.transpose(0, 1)
+            v_ws[:, off:] = v_new.transpose(0, 1)
+        out = attention_with_lse(q, k_ws.transpose(0, 1), v_ws.transpose(0, 1), scale=scale)
+        if k_new is None or append_new:
+            return out
+        return merge_attention([out, attention_with_lse(q, k_new, v_new, scale=scale, causal=True)])
 
     def append(self, keys: Tensor, values: Tensor, token_types: Tensor) -> None:
         """Append ``[Tn, Hkv, d]`` rows with ``[Tn]`` types; their positions are the next context indices."""

@@ -62,6 +62,11 @@ class FullStore:
         """``q [Tq, Hq, d]`` → ``(out [Tq, Hq, d], lse [Tq, Hq])`` over all rows."""
         return attention_with_lse(q, self.keys.to(q.dtype), self.values.to(q.dtype), scale=scale)
 
+    def write_kv(self, k_out: Tensor, v_out: Tensor) -> None:
+        """Copy the rows head-major into ``k_out/v_out [Hkv, T, d]`` (any float dtype)."""
+        k_out.copy_(self.keys.transpose(0, 1))
+        v_out.copy_(self.values.transpose(0, 1))
+
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes + self.positions.nbytes
 
@@ -140,6 +145,11 @@ class EvictedStore:
         return attention_with_lse(
             q, self.keys.transpose(0, 1).to(q.dtype), self.values.transpose(0, 1).to(q.dtype), scale=scale
         )
+
+    def write_kv(self, k_out: Tensor, v_out: Tensor) -> None:
+        """Copy the kept rows into ``k_out/v_out [Hkv, n_keep, d]`` (row ``i`` of head ``h`` = ``keep_idx[h, i]``)."""
+        k_out.copy_(self.keys)
+        v_out.copy_(self.values)
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes + self.keep_idx.nbytes
@@ -254,6 +264,20 @@ class QuantizedStore:
         if not parts:
             return attention_with_lse(q, q.new_zeros(0, h, d), q.new_zeros(0, h, d), scale=scale)
         return merge_attention(parts)
+
+    def write_kv(self, k_out: Tensor, v_out: Tensor) -> None:
+        """Dequantize every row (quantized, then residual) into ``k_out/v_out [Hkv, T, d]`` (any float dtype).
+
+        For the fast path each head's slice ``k_out[h]`` should be contiguous (e.g. a token range of a
+        contiguous ``[Hkv, T_total, d]`` workspace).
+        """
+        n = self.num_quantized
+        if n:
+            self.qkeys.dequantize_into(k_out[:, :n])
+            self.qvalues.dequantize_into(v_out[:, :n])
+        if self.res_keys.shape[1]:
+            k_out[:, n:] = self.res_keys
+            v_out[:, n:] = self.res_values
 
     def nbytes(self) -> int:
         return (self.qkeys.nbytes() + self.qvalues.nbytes() + self.res_keys.nbytes + self.res_values.nbytes
