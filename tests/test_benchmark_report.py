@@ -1,0 +1,34 @@
+"""The KV-attention benchmark's report: schema, method names and memory matching (no timing assertions)."""
+
+import json
+
+from benchmarks import kv_attention
+
+METHODS = ["full", "h2o", "snapkv", "pyramidkv", "streamingllm", "kivi", "vlcache", "unicache"]
+KEYS = {"method", "kv_bytes", "full_kv_bytes", "step_seconds_median", "speedup_vs_full", "rel_error_vs_full"}
+
+
+def test_quick_benchmark_report(tmp_path):
+    out = tmp_path / "bench.json"
+    kv_attention.main(["--quick", "--repeats", "1", "--dtype", "float32", "--threads", "1", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert set(report) >= {"config", "results"}
+    rows = {r["method"]: r for r in report["results"]}
+    assert set(METHODS) <= set(rows)
+    for row in report["results"]:
+        assert KEYS <= set(row), row["method"]
+        assert row["step_seconds_median"] > 0
+    assert rows["full"]["rel_error_vs_full"] == 0.0
+    full_bytes = rows["full"]["full_kv_bytes"]
+    for name in METHODS[1:]:
+        row = rows[name]
+        assert row["full_kv_bytes"] == full_bytes
+        # every compressed method really holds at most 20% of the uncompressed K+V bytes
+        assert row["full_kv_bytes"] / row["kv_bytes"] >= 5.0 - 1e-9, (name, row["kv_bytes"])
+        assert 0.0 < row["rel_error_vs_full"]
+    # at equal memory, UniCache's typed plan is more accurate than every single-policy baseline
+    for name in ("h2o", "snapkv", "pyramidkv", "streamingllm", "kivi", "vlcache"):
+        assert rows["unicache"]["rel_error_vs_full"] < rows[name]["rel_error_vs_full"], name
+    attended = report["config"]["attended_tokens_per_kv_head"]
+    assert attended["unicache"] < attended["full"]
+    assert attended["kivi"] == attended["full"]  # quantization keeps every token visible
