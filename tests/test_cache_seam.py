@@ -1,0 +1,109 @@
+"""The KV-cache seam end to end: a compressing cache plugs into the BAGEL pipeline with no other change."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from unicache_core.bagel import BagelPipeline, load_bagel
+from unicache_core.kvcache import AttentionCall, CacheRequest, FullKVCache
+from unicache_core.policies import ScoreInputs, StreamingLLMPolicy
+from unicache_core.policies.kivi import KIVIPolicy
+from unicache_core.segmented import SegmentedKVCache
+from unicache_core.segments import TokenType
+from unicache_core.stores import EvictedStore, QuantizedStore
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    return load_bagel(tiny_checkpoint, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def source_image():
+    rng = np.random.default_rng(3)
+    return Image.fromarray(rng.integers(0, 255, (40, 56, 3), dtype=np.uint8))
+
+
+COMPRESSION_LOG: list[tuple[str, int, int]] = []  # module level: clones (deep copies) must share it
+
+
+class CompressOnFirstDenoise(SegmentedKVCache):
+    """Test cache: at the first denoising call, quantize source-VAE (KIVI 4-bit) and halve source-ViT."""
+
+    def __init__(self, request: CacheRequest):
+        super().__init__(request.num_layers, task=request.task, branch=request.branch)
+        self.compressed = False
+
+    def begin_call(self, call: AttentionCall) -> None:
+        if call.phase != "denoise" or self.compressed:
+            return
+        self.compressed = True
+        before = self.nbytes()
+        kivi = KIVIPolicy(bits=4, group_size=32, residual=8)
+        sink = StreamingLLMPolicy(n_sink=4)
+        for layer in range(self.num_layers):
+            types = {t for t, _, _ in self.segments(layer)}
+            if TokenType.SOURCE_VAE in types:
+                seg = self.segment_kv(layer, TokenType.SOURCE_VAE)
+                self.replace_segment(layer, TokenType.SOURCE_VAE, kivi.compress(seg.keys, seg.values, seg.positions))
+            if TokenType.SOURCE_VIT in types:
+                seg = self.segment_kv(layer, TokenType.SOURCE_VIT)
+                keep = sink.select(ScoreInputs(keys=seg.keys), seg.num_tokens // 2)
+                store = EvictedStore.from_selection(seg.keys, seg.values, seg.positions, keep, TokenType.SOURCE_VIT)
+                self.replace_segment(layer, TokenType.SOURCE_VIT, store)
+        COMPRESSION_LOG.append((self.branch, before, self.nbytes()))
+
+
+def _edit(pipe, image, **kw):
+    return pipe.edit(image, "make it blue", num_timesteps=3, seed=5, return_step0_velocity=True, **kw)
+
+
+def test_segmented_cache_reproduces_full_cache(loaded, source_image):
+    full = _edit(BagelPipeline(loaded), source_image)
+    seg = _edit(BagelPipeline(loaded, lambda r: SegmentedKVCache(r.num_layers, task=r.task, branch=r.branch)),
+                source_image)
+    # same keys, same softmax; only the summation order of the per-segment LSE merge differs
+    for ours, ref in ((seg.step0_velocity["guided"], full.step0_velocity["guided"]), (seg.latents, full.latents)):
+        assert ((ours - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_compressing_cache_plugs_in_without_other_changes(loaded, source_image):
+    requests, caches = [], []
+    COMPRESSION_LOG.clear()
+
+    def factory(request: CacheRequest):
+        requests.append(request)
+        caches.append(CompressOnFirstDenoise(request))
+        return caches[-1]
+
+    full = _edit(BagelPipeline(loaded), source_image)
+    out = _edit(BagelPipeline(loaded, factory), source_image)
+    # every context asked for its own cache with the task; cfg_text is a clone of gen (same class, own state)
+    assert {(r.task, r.branch) for r in requests} == {("edit", "gen"), ("edit", "cfg_img")}
+    branches = [b for b, _, _ in COMPRESSION_LOG]
+    assert sorted(branches) == ["cfg_img", "cfg_text", "gen"]
+    for branch, before, after in COMPRESSION_LOG:
+        if branch == "cfg_img":  # text only: nothing to compress
+            assert after == before
+        else:
+            assert after < 0.7 * before, (branch, before, after)
+    gen = next(c for c in caches if c.branch == "gen")
+    kinds = {store.token_type: type(store) for store in gen.stores(0)}
+    assert kinds[TokenType.SOURCE_VAE] is QuantizedStore and kinds[TokenType.SOURCE_VIT] is EvictedStore
+    diff = (out.latents - full.latents).abs().max().item()
+    assert 0 < diff and torch.isfinite(out.latents).all()
+    assert out.image.size == full.image.size
+
+
+def test_full_cache_rejects_bad_layer_and_mismatched_metadata():
+    cache = FullKVCache(2)
+    k = torch.randn(3, 1, 4)
+    call = AttentionCall(token_types=torch.zeros(2, dtype=torch.int8), positions=torch.arange(2), causal=True,
+                         update=True)
+    with pytest.raises(ValueError, match="layer"):
+        cache.attend(2, torch.randn(3, 2, 4), k, k, call)
+    with pytest.raises(ValueError, match="token_types"):
+        cache.attend(0, torch.randn(3, 2, 4), k, k, call)
