@@ -166,6 +166,25 @@ class FlowSettings:
         return cls(num_timesteps, shift, text_scale, img_scale, (lo, hi), renorm_min, cfg_renorm_type)
 
 
+@dataclass(frozen=True)
+class _ThinkSettings:
+    """Validated think-mode decoding settings of a generation request (bagel.md §5.5)."""
+
+    max_new_tokens: int
+    do_sample: bool
+    temperature: float
+
+    @classmethod
+    def create(cls, think, max_new_tokens, do_sample, temperature) -> "_ThinkSettings | None":
+        """``None`` when ``think`` is False; otherwise the checked settings."""
+        if not _check_bool("think", think):
+            return None
+        _check_int("think_max_new_tokens", max_new_tokens, 1)
+        if _check_bool("think_do_sample", do_sample):
+            _check_float("think_temperature", temperature, 0.0, strict=True)
+        return cls(max_new_tokens, do_sample, float(temperature))
+
+
 # ----------------------------------------------------------------------------------------- pipeline
 
 
@@ -488,10 +507,15 @@ class BagelPipeline:
         for name, value in (("width", width), ("height", height)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 16 or value > limit:
                 raise ValueError(f"`{name}` must be a positive multiple of 16 and <= {limit}, got {value!r}")
+        settings = FlowSettings.create(
+            num_timesteps, timestep_shift, cfg_text_scale, cfg_img_scale, cfg_interval, cfg_renorm_min,
+            cfg_renorm_type,
+        )
+        plan = _ThinkSettings.create(think, think_max_new_tokens, think_do_sample, think_temperature)
         return self._generate(
-            "t2i", prompt, None, width, height, num_timesteps, timestep_shift, cfg_text_scale, cfg_img_scale,
-            cfg_interval, cfg_renorm_min, cfg_renorm_type, seed, think, think_max_new_tokens, think_do_sample,
-            think_temperature, None, initial_noise, progress, cancel, return_step0_velocity,
+            "t2i", prompt, None, settings, seed=seed, think=plan, width=width, height=height,
+            initial_noise=initial_noise, progress=progress, cancel=cancel,
+            return_step0_velocity=return_step0_velocity,
         )
 
     def edit(
@@ -520,47 +544,58 @@ class BagelPipeline:
         """Edit ``image`` following ``prompt`` (bagel.md §5.4); output size = the VAE-resized source size."""
         _check_prompt(prompt)
         check_image(image, "image")
-        return self._generate(
-            "edit", prompt, image, None, None, num_timesteps, timestep_shift, cfg_text_scale, cfg_img_scale,
-            cfg_interval, cfg_renorm_min, cfg_renorm_type, seed, think, think_max_new_tokens, think_do_sample,
-            think_temperature, vae_noise, initial_noise, progress, cancel, return_step0_velocity,
-        )
-
-    def _generate(
-        self, task, prompt, image, width, height, num_timesteps, timestep_shift, cfg_text_scale, cfg_img_scale,
-        cfg_interval, cfg_renorm_min, cfg_renorm_type, seed, think, think_max_new_tokens, think_do_sample,
-        think_temperature, vae_noise, initial_noise, progress, cancel, return_step0_velocity,
-    ) -> GenerationResult:
         settings = FlowSettings.create(
             num_timesteps, timestep_shift, cfg_text_scale, cfg_img_scale, cfg_interval, cfg_renorm_min,
             cfg_renorm_type,
         )
+        plan = _ThinkSettings.create(think, think_max_new_tokens, think_do_sample, think_temperature)
+        return self._generate(
+            "edit", prompt, image, settings, seed=seed, think=plan, vae_noise=vae_noise,
+            initial_noise=initial_noise, progress=progress, cancel=cancel,
+            return_step0_velocity=return_step0_velocity,
+        )
+
+    def _generate(
+        self,
+        task: Task,
+        prompt: str,
+        image: Image.Image | None,
+        settings: FlowSettings,
+        *,
+        seed: int | None,
+        think: "_ThinkSettings | None",
+        width: int | None = None,
+        height: int | None = None,
+        vae_noise: Tensor | None = None,
+        initial_noise: Tensor | None = None,
+        progress: ProgressFn | None = None,
+        cancel: CancelFn | None = None,
+        return_step0_velocity: bool = False,
+    ) -> GenerationResult:
+        """Shared body of :meth:`text_to_image` (``image`` None, explicit size) and :meth:`edit`."""
         seed = _check_seed(seed)
         # gen context: [system] [VAE image, ViT image] prompt [plan], then the latent block (1 position)
         used = self._text_positions(prompt) + (2 if image is not None else 0) + 1
-        if _check_bool("think", think):
-            _check_int("think_max_new_tokens", think_max_new_tokens, 1)
-            if _check_bool("think_do_sample", think_do_sample):
-                _check_float("think_temperature", think_temperature, 0.0, strict=True)
+        if think is not None:
             used += self._text_positions(C.GEN_THINK_SYSTEM_PROMPT)
         self._check_positions(used, 0, "prompt")
-        if think:
-            # the plan is decoded (<= think_max_new_tokens positions) and then re-fed as a text block
-            self._check_positions(used, think_max_new_tokens + 2, "think_max_new_tokens")
+        if think is not None:
+            # the plan is decoded (<= think.max_new_tokens positions) and then re-fed as a text block
+            self._check_positions(used, think.max_new_tokens + 2, "think_max_new_tokens")
         generator = torch.Generator().manual_seed(seed)
         with torch.inference_mode():
             t0 = time.perf_counter()
             contexts = self.build_generation_contexts(
-                task, prompt, image=image, width=width, height=height, think=think, generator=generator,
-                vae_noise=vae_noise,
+                task, prompt, image=image, width=width, height=height, think=think is not None,
+                generator=generator, vae_noise=vae_noise,
             )
             t1 = time.perf_counter()
             think_text = None
-            if think:
+            if think is not None:
                 plan_ctx = contexts.gen.clone(branch="gen")
                 think_text, _ = self.decode_text(
-                    plan_ctx, max_new_tokens=think_max_new_tokens, do_sample=think_do_sample,
-                    temperature=think_temperature, generator=torch.Generator().manual_seed(seed), cancel=cancel,
+                    plan_ctx, max_new_tokens=think.max_new_tokens, do_sample=think.do_sample,
+                    temperature=think.temperature, generator=torch.Generator().manual_seed(seed), cancel=cancel,
                 )
                 del plan_ctx
                 C.append_text(self.loaded, contexts.gen, think_text)
