@@ -21,6 +21,7 @@ import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -440,8 +441,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg.repeats = args.repeats
     report = run(cfg)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+        logger.info("wrote %s", path)
     print(format_table(report))
 
 

@@ -9,7 +9,7 @@ KEYS = {"method", "kv_bytes", "full_kv_bytes", "step_seconds_median", "speedup_v
 
 
 def test_quick_benchmark_report(tmp_path):
-    out = tmp_path / "bench.json"
+    out = tmp_path / "new" / "dir" / "bench.json"  # missing folders are created
     kv_attention.main(["--quick", "--repeats", "1", "--dtype", "float32", "--threads", "1", "--json", str(out)])
     report = json.loads(out.read_text())
     assert set(report) >= {"config", "results"}
