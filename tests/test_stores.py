@@ -179,3 +179,33 @@ def test_write_kv_matches_store_contents() -> None:
         ref_out, ref_lse = attention_with_lse(q, kw[:, 2 : 2 + n].transpose(0, 1), vw[:, 2 : 2 + n].transpose(0, 1))
         assert torch.allclose(out.float(), ref_out.float(), atol=2e-2)
         assert torch.allclose(lse, ref_lse, atol=1e-3)
+
+
+@pytest.mark.parametrize("num_tokens,residual", [(0, 4), (1, 0), (3, 2), (10, 20), (10, 0)])
+def test_quantized_store_edge_lengths(num_tokens, residual):
+    """Empty segments, segments shorter than a group or than the residual all quantize and attend exactly."""
+    torch.manual_seed(0)
+    keys, values = torch.randn(num_tokens, 2, 8), torch.randn(num_tokens, 2, 8)
+    store = QuantizedStore.from_kv(keys, values, torch.arange(num_tokens), 2, 4, residual, TokenType.SOURCE_VAE)
+    assert store.num_tokens == num_tokens
+    assert store.nbytes() == store.nominal_bytes()
+    q = torch.randn(3, 4, 8)
+    out, lse = store.attend(q)
+    if num_tokens == 0:
+        assert torch.isneginf(lse).all()
+    else:
+        k_hat, v_hat = store.dequantize()
+        ref_out, ref_lse = attention_with_lse(q, k_hat, v_hat)
+        torch.testing.assert_close(out, ref_out)
+        torch.testing.assert_close(lse, ref_lse)
+    if num_tokens <= residual:  # everything is residual: exact
+        k_hat, v_hat = store.dequantize()
+        assert torch.equal(k_hat, keys) and torch.equal(v_hat, values)
+
+
+@pytest.mark.parametrize("which", ["keys", "values"])
+def test_quantized_store_rejects_non_finite(which):
+    keys, values = torch.randn(40, 2, 8), torch.randn(40, 2, 8)
+    (keys if which == "keys" else values)[5, 1, 3] = float("nan")
+    with pytest.raises(ValueError, match=f"`{which}` has 1 non-finite"):
+        QuantizedStore.from_kv(keys, values, torch.arange(40), 2, 8, 4, TokenType.SOURCE_VAE)

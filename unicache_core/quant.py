@@ -63,7 +63,7 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     pad = (-n) % per
     if pad:
         codes = torch.nn.functional.pad(codes, (0, pad))
-    grouped = codes.reshape(*codes.shape[:-1], -1, per)
+    grouped = codes.reshape(*codes.shape[:-1], (n + pad) // per, per)
     packed = grouped[..., 0].clone()
     for i in range(1, per):
         packed |= grouped[..., i] << (bits * i)
@@ -318,6 +318,14 @@ class QuantizedTensor:
                     dst.copy_(buf)
 
 
+def _check_finite(name: str, x: Tensor) -> None:
+    """Min-max quantization spreads one NaN/inf over its whole group: refuse such input up front."""
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"`{name}` has {bad} non-finite (NaN/inf) values; they cannot be quantized. "
+                         "Check the model's dtype/overflow before compressing this segment.")
+
+
 def quantize_keys(keys: Tensor, bits: int, group_size: int) -> QuantizedTensor:
     """Per-channel quantization of ``[Hkv, T, d]`` keys: groups of ``group_size`` tokens (last may be short)."""
     bits, g = _check_bits(bits), _check_group(group_size)
@@ -325,6 +333,7 @@ def quantize_keys(keys: Tensor, bits: int, group_size: int) -> QuantizedTensor:
         raise ValueError(f"`keys` must be [Hkv, T, d], got shape {tuple(keys.shape)}")
     h, t, d = keys.shape
     x = keys.float()
+    _check_finite("keys", x)
     full = t // g
     scales, zeros, codes = [], [], []
     if full:
@@ -358,13 +367,14 @@ def quantize_values(values: Tensor, bits: int, group_size: int) -> QuantizedTens
         raise ValueError(f"`values` must be [Hkv, T, d], got shape {tuple(values.shape)}")
     h, t, d = values.shape
     x = values.float()
+    _check_finite("values", x)
     ng = -(-d // g)
     pad = ng * g - d
     if pad:  # pad with a copy of the last channel so min/max of the short group are unchanged
         xp = torch.cat([x, x[..., -1:].expand(h, t, pad)], dim=-1)
     else:
         xp = x
-    grouped = xp.reshape(h, t, ng, g)
+    grouped = xp.reshape(h, t, ng, g) if t else xp.new_zeros(h, 0, ng, g)
     s, z = _minmax_params(grouped.amin(dim=-1), grouped.amax(dim=-1), bits)  # [H, T, ng]
     codes = _quantize(grouped, s.unsqueeze(-1), z.unsqueeze(-1), bits).reshape(h, t, ng * g)[..., :d]
     return QuantizedTensor(pack_bits(codes.contiguous(), bits), s, z, bits, g, d, "token")
