@@ -42,3 +42,32 @@ def test_split_and_merge_equals_whole() -> None:
     parts = [attention_with_lse(q, k[a:b], v[a:b]) for a, b in ((0, 7), (7, 31), (31, 50))]
     out, lse = merge_attention(parts)
     assert torch.allclose(out, whole[0], atol=1e-5) and torch.allclose(lse, whole[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("causal,tq,tk", [(False, 37, 90), (True, 37, 90), (True, 20, 20)])
+def test_reference_path_is_chunked_and_exact(monkeypatch, causal, tq, tk) -> None:
+    """The device-agnostic fp32 path processes queries in chunks (bounded score memory) with the same result."""
+    import unicache_core.attention as attention
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(tq, 6, 16, generator=gen)
+    k = torch.randn(tk, 2, 16, generator=gen)
+    v = torch.randn(tk, 2, 16, generator=gen)
+    fast_out, fast_lse = attention_with_lse(q, k, v, causal=causal)  # CPU flash kernel (or masked reference)
+    monkeypatch.setattr(attention, "_uses_cpu_flash", lambda *a: False)  # as on a non-CPU device
+    calls = []
+    real = attention._reference_attention
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(attention, "_reference_attention", spy)
+    monkeypatch.setattr(attention, "REFERENCE_SCORE_ELEMENTS", 3 * 6 * tk)  # a few query rows per chunk
+    out, lse = attention_with_lse(q, k, v, causal=causal)
+    assert calls, "reference path not used"
+    torch.testing.assert_close(out, fast_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, fast_lse, rtol=1e-5, atol=1e-5)
+    ref_out, ref_lse = _reference(q, k, v) if not causal else (None, None)
+    if ref_out is not None:
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)

@@ -107,3 +107,29 @@ def test_full_cache_rejects_bad_layer_and_mismatched_metadata():
         cache.attend(2, torch.randn(3, 2, 4), k, k, call)
     with pytest.raises(ValueError, match="token_types"):
         cache.attend(0, torch.randn(3, 2, 4), k, k, call)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_cache_fused_sdpa_path_matches_lse_path(monkeypatch, dtype):
+    """The off-CPU path (one SDPA call over cached+new keys) equals the CPU flash+LSE path, causal or not."""
+    import unicache_core.kvcache as kvcache
+
+    def run(prefer_sdpa: bool):
+        monkeypatch.setattr(kvcache, "_prefer_fused_sdpa", lambda q: prefer_sdpa)
+        cache, outs = FullKVCache(1), []
+        for n, causal, update in ((5, True, True), (7, False, True), (1, True, True), (6, False, False)):
+            g = torch.Generator().manual_seed(100 + n)
+            q = torch.randn(n, 4, 8, generator=g).to(dtype)
+            k = torch.randn(n, 2, 8, generator=g).to(dtype)
+            v = torch.randn(n, 2, 8, generator=g).to(dtype)
+            call = AttentionCall(token_types=torch.zeros(n, dtype=torch.int8), positions=torch.arange(n),
+                                 causal=causal, update=update)
+            outs.append(cache.attend(0, q, k, v, call))
+        return outs, cache.num_tokens
+
+    fused, n_fused = run(True)
+    lse_path, n_lse = run(False)
+    assert n_fused == n_lse == 13
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(fused, lse_path):
+        torch.testing.assert_close(a, b, **tol)

@@ -53,19 +53,40 @@ def _head_major_attention(
     if mask is None and _uses_cpu_flash(q, k, v):
         out, lse = _cpu_flash(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, causal, scale=scale)
         return out.squeeze(0), lse.squeeze(0).float()
-    # Reference path (any device / explicit mask): fp32 math.
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        tq, tk = q.shape[1], k.shape[1]
-        visible = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
-        scores = scores.masked_fill(~visible, float("-inf"))
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
-    probs = torch.nan_to_num(probs, nan=0.0)
-    out = torch.matmul(probs, v.float()).to(q.dtype)
-    return out, lse
+    return _reference_attention(q, k, v, scale, causal, mask)
+
+
+#: Score elements (fp32) the reference path materialises at once; queries are processed in chunks
+#: so that e.g. a 4098-query latent block over a 13K-token edit context never needs GBs of scores.
+REFERENCE_SCORE_ELEMENTS = 1 << 25
+
+
+def _reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, mask: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """fp32 math on any device, chunked over queries; ``mask`` is ``[Tq, Tk]`` bool (True = visible)."""
+    b, tq, _ = q.shape
+    tk = k.shape[1]
+    rows = max(1, REFERENCE_SCORE_ELEMENTS // max(1, b * tk))
+    kf, vf = k.float(), v.float()
+    outs, lses = [], []
+    for start in range(0, tq, rows):
+        stop = min(tq, start + rows)
+        scores = torch.matmul(q[:, start:stop].float(), kf.transpose(-1, -2)) * scale
+        if causal:
+            # bottom-right aligned: query i sees keys 0 .. tk - tq + i
+            visible = torch.arange(tk, device=q.device)[None, :] <= (
+                torch.arange(start, stop, device=q.device)[:, None] + (tk - tq)
+            )
+            scores = scores.masked_fill(~visible, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask[start:stop], float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
+        probs = torch.nan_to_num(probs, nan=0.0)
+        outs.append(torch.matmul(probs, vf).to(q.dtype))
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
 def attention_with_lse(

@@ -23,6 +23,7 @@ from typing import Callable, Literal
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from .attention import attention_with_lse, merge_attention
 from .segments import TokenType
@@ -136,6 +137,11 @@ class FullKVCache(KVCache):
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:
         state = self._check_layer(layer)
+        if _prefer_fused_sdpa(q):
+            out = self._attend_sdpa(state, q, k, v, call.causal)
+            if call.update:
+                self.append(layer, k, v, call.token_types, call.positions)
+            return out
         parts = []
         if state.keys is not None and state.keys.shape[0] > 0:
             parts.append(attention_with_lse(q, state.keys.to(q.dtype), state.values.to(q.dtype)))
@@ -144,6 +150,29 @@ class FullKVCache(KVCache):
         if call.update:
             self.append(layer, k, v, call.token_types, call.positions)
         return out
+
+    @staticmethod
+    def _attend_sdpa(state: "_FullLayer", q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+        """One fused SDPA call over ``[cached ; new]`` keys, as BAGEL's ``flash_attn_varlen_func`` does.
+
+        Used off-CPU, where torch dispatches to flash / memory-efficient kernels (no LSE needed since
+        nothing is merged). ``causal`` masks the new block bottom-right aligned. Returns ``[Tn, Hq, d]``.
+        """
+        if state.keys is not None and state.keys.shape[0] > 0:
+            keys = torch.cat([state.keys.to(q.dtype), k])
+            values = torch.cat([state.values.to(q.dtype), v])
+        else:
+            keys, values = k, v
+        tq, tk = q.shape[0], keys.shape[0]
+        mask = None
+        if causal and tq > 1:
+            rows = torch.arange(tq, device=q.device)[:, None] + (tk - tq)
+            mask = torch.arange(tk, device=q.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1],
+        )
+        return out.squeeze(0).transpose(0, 1)
 
     def append(self, layer: int, k: Tensor, v: Tensor, token_types: Tensor, positions: Tensor) -> None:
         """Append ``[Tn, Hkv, d]`` keys/values with their ``[Tn]`` types and positions."""
@@ -181,6 +210,11 @@ class FullKVCache(KVCache):
         if state.keys is None:
             raise ValueError(f"layer {layer} of this cache is empty")
         return state.keys, state.values, state.token_types, state.positions
+
+
+def _prefer_fused_sdpa(q: Tensor) -> bool:
+    """Off-CPU the full cache uses one fused SDPA call; on CPU the flash kernel + LSE merge (measured faster)."""
+    return q.device.type != "cpu"
 
 
 #: Builds the cache of one context; pipelines call it for every context they create.
