@@ -5,7 +5,7 @@ Importing this package has no side effects and never imports ComfyUI.
 
 from .errors import CancelledError, CheckpointError, UniCacheError
 from .kvcache import AttentionCall, CacheFactory, CacheRequest, FullKVCache, KVCache, full_cache_factory
-from .segments import CANDIDATE_TYPES, PROTECTED_TYPES, TokenType
+from .segments import CANDIDATE_TYPES, PROTECTED_TYPES, Span, TokenType, positions_of, spans_from_types
 
 __version__ = "0.1.0"
 
@@ -19,7 +19,10 @@ __all__ = [
     "FullKVCache",
     "KVCache",
     "PROTECTED_TYPES",
+    "Span",
     "TokenType",
     "UniCacheError",
     "__version__",
+    "positions_of",
+    "spans_from_types",
 ]
