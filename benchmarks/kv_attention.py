@@ -8,6 +8,13 @@ Usage::
 
     python -m benchmarks.kv_attention [--quick] [--json PATH] [--repeats N]
 
+The K/V are SYNTHETIC (no trained BAGEL weights exist here): random keys plus a few "hot" instruction
+and ViT keys aligned with the latent-query direction (concentrated attention) and mildly aligned VAE
+keys (large but spread mass), i.e. the attention shape the UniCache paper reports for BAGEL. Speed and
+bytes do not depend on the values; the error column only shows each method's behaviour on that shape.
+Every policy scores with an earlier step's latent queries (an independent draw), never with the
+queries that are timed and measured.
+
 Memory matching (kv-compression.md §1): the byte budget of the candidate (compressible) KV is
 ``min(keep * candidate_bytes, keep * full_kv_bytes - protected_bytes)`` so the *whole* branch, protected
 boundary rows and every index tensor included, is at most ``keep`` of the uncompressed K+V.
@@ -146,12 +153,17 @@ def choose_runtime(cfg: BenchConfig) -> tuple[torch.dtype, int, dict]:
 
 @dataclass
 class Context:
+    """Synthetic branch: cached K/V, the timed step's latent block, and the block the scores come from."""
+
     keys: Tensor  # [T, Hkv, d]
     values: Tensor
     types: Tensor  # [T] int8
-    queries: Tensor  # [Tq, Hq, d]
+    queries: Tensor  # [Tq, Hq, d] latent queries of the timed (later) step
     k_new: Tensor  # [Tq, Hkv, d]
     v_new: Tensor
+    score_queries: Tensor  # [Tq, Hq, d] an earlier step's latent queries: every policy scores with these
+    score_k_new: Tensor  # [Tq, Hkv, d]
+    score_v_new: Tensor
 
 
 def make_context(cfg: BenchConfig, dtype: torch.dtype) -> Context:
@@ -183,12 +195,20 @@ def make_context(cfg: BenchConfig, dtype: torch.dtype) -> Context:
     queries = torch.randn(cfg.latent_queries, hq, d, generator=gen) + 4.0 * u.repeat_interleave(group, 0)
     k_new = torch.randn(cfg.latent_queries, h, d, generator=gen)
     v_new = torch.randn(cfg.latent_queries, h, d, generator=gen)
-    return Context(keys.to(dtype), values.to(dtype), types, queries.to(dtype), k_new.to(dtype), v_new.to(dtype))
+    # Scores are never taken on the queries that are timed and measured: policies see an earlier
+    # denoising step (an independent draw of the same latent-query distribution), as in a real run.
+    score_queries = torch.randn(cfg.latent_queries, hq, d, generator=gen) + 4.0 * u.repeat_interleave(group, 0)
+    score_k_new = torch.randn(cfg.latent_queries, h, d, generator=gen)
+    score_v_new = torch.randn(cfg.latent_queries, h, d, generator=gen)
+    return Context(
+        keys.to(dtype), values.to(dtype), types, queries.to(dtype), k_new.to(dtype), v_new.to(dtype),
+        score_queries.to(dtype), score_k_new.to(dtype), score_v_new.to(dtype),
+    )
 
 
 @dataclass
 class Scoring:
-    """Pre-eviction statistics from the latent queries over the whole resident context (§9.1)."""
+    """Pre-eviction statistics of the scoring step's latent queries over the whole resident context (§9.1)."""
 
     lse: Tensor  # [Tq, Hq] over cached + new block
     accumulated: Tensor  # [T, Hkv] attention summed over queries, mean over the group's query heads
@@ -196,19 +216,19 @@ class Scoring:
 
 
 def score_context(ctx: Context, chunk: int = 32) -> Scoring:
-    _, lse_cache = attention_with_lse(ctx.queries, ctx.keys, ctx.values)
-    _, lse_new = attention_with_lse(ctx.queries, ctx.k_new, ctx.v_new)
+    _, lse_cache = attention_with_lse(ctx.score_queries, ctx.keys, ctx.values)
+    _, lse_new = attention_with_lse(ctx.score_queries, ctx.score_k_new, ctx.score_v_new)
     lse = torch.logaddexp(lse_cache, lse_new)
     t, h = ctx.keys.shape[:2]
-    hq = ctx.queries.shape[1]
+    hq = ctx.score_queries.shape[1]
     acc = torch.zeros(t, h)
     per_token = torch.zeros(t)
-    for s in range(0, ctx.queries.shape[0], chunk):
-        probs = attention_probabilities(ctx.queries[s : s + chunk], ctx.keys, lse=lse[s : s + chunk])  # [Hq,c,T]
+    for s in range(0, ctx.score_queries.shape[0], chunk):
+        probs = attention_probabilities(ctx.score_queries[s : s + chunk], ctx.keys, lse=lse[s : s + chunk])
         summed = probs.sum(dim=1)  # [Hq, T]
         acc += summed.reshape(h, hq // h, t).mean(dim=1).t()
         per_token += summed.mean(dim=0)
-    per_token /= ctx.queries.shape[0]
+    per_token /= ctx.score_queries.shape[0]
     masses = {TT(int(v)): float(per_token[ctx.types == v].sum()) for v in torch.unique(ctx.types).tolist()}
     return Scoring(lse, acc, masses)
 
@@ -262,7 +282,7 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
     methods["h2o"] = [layer(evicted(H2OPolicy(recent_fraction=0.25).select(inputs, n_keep)))]
 
     lse_window = sc.lse[-64:]
-    snap_in = ScoreInputs(keys=ck, queries=ctx.queries[-64:], query_lse=lse_window)
+    snap_in = ScoreInputs(keys=ck, queries=ctx.score_queries[-64:], query_lse=lse_window)
     methods["snapkv"] = [layer(evicted(SnapKVPolicy(queries_in_keys=False).select(snap_in, n_keep)))]
 
     pyr = PyramidKVPolicy(keep_ratio=n_keep / cand.numel(), queries_in_keys=False)
@@ -274,7 +294,7 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
 
     methods["streamingllm"] = [layer(evicted(StreamingLLMPolicy(n_sink=4).select(ScoreInputs(keys=ck), n_keep)))]
 
-    vl_in = ScoreInputs(keys=ck, queries=ctx.queries, query_lse=sc.lse)
+    vl_in = ScoreInputs(keys=ck, queries=ctx.score_queries, query_lse=sc.lse)
     methods["vlcache"] = [layer(evicted(VLCachePolicy(queries_in_keys=False).select(vl_in, n_keep)))]
 
     # KIVI-2: the most accurate (small G, large R) 2-bit setting whose measured bytes fit the budget

@@ -78,3 +78,42 @@ def test_bad_argument_and_bad_checkpoint_exit_2(tiny_checkpoint_copy, tmp_path):
     proc = _cli("understand", "--checkpoint", str(tiny_checkpoint_copy), "--prompt", "x", "--dtype", "fp32")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "ema.safetensors" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_out_suffix_picks_the_format_and_unknown_suffix_fails_before_loading(tiny_checkpoint, tmp_path):
+    out = tmp_path / "t2i.jpg"
+    proc = _cli("t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "a cube", "--width", "32", "--height",
+                "32", "--steps", "2", "--out", str(out), "-q")
+    assert proc.returncode == 0, proc.stderr
+    with Image.open(out) as img:
+        assert img.format == "JPEG" and img.size == (32, 32)
+    proc = _cli("t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "a cube", "--out", str(tmp_path / "x.gif"))
+    assert proc.returncode == 2
+    assert "unsupported image suffix '.gif'" in proc.stderr and "loading" not in proc.stderr
+
+
+def test_max_new_tokens_zero_is_an_error_not_the_default(tiny_checkpoint):
+    proc = _cli("understand", "--checkpoint", str(tiny_checkpoint), "--prompt", "hi", "--max-new-tokens", "0")
+    assert proc.returncode == 2
+    assert "max_new_tokens" in proc.stderr and "loading" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_tiny_writer_never_clobbers_a_foreign_folder(tmp_path):
+    from unicache_core.bagel.tiny import main as tiny_main, write_tiny_checkpoint
+
+    real = tmp_path / "BAGEL-7B-MoT"
+    real.mkdir()
+    (real / "ema.safetensors").write_bytes(b"precious")
+    (real / "README.md").write_text("real model")
+    with pytest.raises(ValueError, match="refusing to overwrite"):
+        write_tiny_checkpoint(real)
+    assert (real / "ema.safetensors").read_bytes() == b"precious"
+    assert tiny_main([str(real)]) == 2
+    assert tiny_main([str(real / "README.md")]) == 2  # a file, not a folder
+    tiny = write_tiny_checkpoint(tmp_path / "tiny")
+    first = (tiny / "ema.safetensors").read_bytes()
+    assert write_tiny_checkpoint(tiny, seed=1) == tiny  # an earlier tiny checkpoint may be rewritten
+    assert (tiny / "ema.safetensors").read_bytes() != first
+    write_tiny_checkpoint(real, force=True)
+    assert (real / "ema.safetensors").read_bytes() != b"precious"

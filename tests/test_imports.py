@@ -30,6 +30,31 @@ def test_bagel_engine_imports_without_comfyui():
     assert leaked == [], f"importing unicache_core.bagel pulled in {leaked}"
 
 
+def test_every_module_imports_without_comfyui():
+    """Walk the whole package (policies, unicache, stores, quant, segmented, bagel.*) and the benchmarks."""
+    code = (
+        "import importlib, json, pkgutil, sys\n"
+        "import unicache_core, benchmarks\n"
+        "names = []\n"
+        "for pkg in (unicache_core, benchmarks):\n"
+        "    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        if info.name.endswith('__main__'):\n"
+        "            continue\n"
+        "        importlib.import_module(info.name)\n"
+        "        names.append(info.name)\n"
+        "print(json.dumps([names, sorted(sys.modules)]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    import json
+
+    names, loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    for expected in ("unicache_core.policies.h2o", "unicache_core.unicache.schedule", "unicache_core.stores",
+                     "unicache_core.segmented", "unicache_core.bagel.pipeline", "benchmarks.kv_attention"):
+        assert expected in names
+    leaked = [m for m in loaded if m.split(".")[0] in FORBIDDEN]
+    assert leaked == [], f"importing the whole package pulled in {leaked}"
+
+
 def test_import_prints_nothing():
     out = subprocess.run(
         [sys.executable, "-c", "import unicache_core, unicache_core.bagel"], capture_output=True, text=True, check=True

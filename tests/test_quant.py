@@ -115,6 +115,12 @@ def test_bad_arguments_name_the_field() -> None:
         KIVIPolicy(residual=-1)
     with pytest.raises(ValueError, match="target"):
         KIVIPolicy.for_ratio(-0.1)
+    # bool is an int subclass in Python: True must not pass as group size 1 / residual 1
+    for field in ("bits", "group_size", "residual"):
+        with pytest.raises(ValueError, match=field):
+            KIVIPolicy(**{field: True})
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_values(torch.zeros(1, 4, 4), 2, True)
 
 
 def test_kivi_defaults_and_nominal_ratio() -> None:

@@ -209,3 +209,30 @@ def test_quantized_store_rejects_non_finite(which):
     (keys if which == "keys" else values)[5, 1, 3] = float("nan")
     with pytest.raises(ValueError, match=f"`{which}` has 1 non-finite"):
         QuantizedStore.from_kv(keys, values, torch.arange(40), 2, 8, 4, TokenType.SOURCE_VAE)
+
+
+def test_quantized_store_holds_no_reference_to_the_full_tensor():
+    """With one KV head a contiguous slice is a view; the store must still own only its own bytes."""
+    keys, values = torch.randn(4096, 1, 64), torch.randn(4096, 1, 64)
+    store = QuantizedStore.from_kv(keys, values, torch.arange(4096), 2, 32, 16, TokenType.SOURCE_VAE)
+    for t in (store.res_keys, store.res_values):
+        assert t.untyped_storage().nbytes() == t.nbytes  # not a view into the 1 MB input
+        assert t.untyped_storage().data_ptr() not in (keys.untyped_storage().data_ptr(),
+                                                        values.untyped_storage().data_ptr())
+
+
+def test_large_magnitudes_switch_scales_to_fp32_and_stay_exactly_accounted():
+    """|x| beyond fp16 range: fp32 scales/zeros (8 B/group), no inf/NaN, bytes still equal the formula."""
+    torch.manual_seed(1)
+    keys, values = torch.randn(96, 2, 16), torch.randn(96, 2, 16)
+    keys[10, 0, 3] = -7.0e4
+    values[20, 1, 5] = 1.0e5
+    store = QuantizedStore.from_kv(keys, values, torch.arange(96), 4, 32, 8, TokenType.SOURCE_VAE)
+    assert store.qkeys.scale.dtype == torch.float32 and store.qvalues.scale.dtype == torch.float32
+    k_hat, v_hat = store.dequantize()
+    assert torch.isfinite(k_hat).all() and torch.isfinite(v_hat).all()
+    assert store.nbytes() == store.nominal_bytes()
+    small = QuantizedStore.from_kv(keys.clamp(-10, 10), values.clamp(-10, 10), torch.arange(96), 4, 32, 8,
+                                   TokenType.SOURCE_VAE)
+    assert small.qkeys.scale.dtype == torch.float16  # the fp16 convention otherwise
+    assert small.nbytes() < store.nbytes()

@@ -11,7 +11,9 @@ Storage convention (used by every byte formula in this project):
 * codes are packed ``8 // b`` per byte along the channel axis (``b`` in {2, 4, 8});
 * scales and zero-points are **fp16** (2 + 2 bytes per group, kv-compression.md §1). They are rounded
   *before* the codes are computed (zero rounded down, scale rounded up), so the error bound
-  ``|x - x_hat| <= s/2`` holds with the stored fp16 scale;
+  ``|x - x_hat| <= s/2`` holds with the stored fp16 scale. A tensor whose values (or ranges) would not
+  fit fp16 (|x| beyond ~32K, possible in bf16/fp32 models) keeps fp32 scales instead (8 bytes per
+  group); every byte count reads the dtype actually stored, so this is never silent in the accounting;
 * a ragged last key group (fewer than ``G`` tokens) is stored as is: no padding, no wasted bytes.
 
 Layout is head-major: codes ``[Hkv, T, ceil(d*b/8)]``; key scales ``[Hkv, ceil(T/G), d]``; value scales
@@ -29,6 +31,16 @@ SUPPORTED_BITS = (2, 4, 8)
 SCALE_DTYPE = torch.float16
 #: Bytes of metadata per quantization group (fp16 scale + fp16 zero-point).
 BYTES_PER_GROUP = 4
+#: Values beyond this magnitude switch a tensor's scales/zeros to fp32 (half of fp16's max leaves room
+#: for the range ``max - min`` and the upward rounding of the scale).
+_FP16_SAFE = torch.finfo(torch.float16).max / 2
+
+
+def scale_dtype_for(x: Tensor) -> torch.dtype:
+    """fp16 (the convention) unless ``x`` holds magnitudes fp16 scales/zeros could not represent."""
+    if x.numel() and float(x.abs().max()) > _FP16_SAFE:
+        return torch.float32
+    return SCALE_DTYPE
 
 
 def _check_bits(bits: int) -> int:
@@ -38,7 +50,7 @@ def _check_bits(bits: int) -> int:
 
 
 def _check_group(group_size: int) -> int:
-    if not isinstance(group_size, int) or group_size <= 0:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
         raise ValueError(f"`group_size` must be a positive int, got {group_size!r}")
     return group_size
 
@@ -147,13 +159,13 @@ def unpack_into(packed: Tensor, bits: int, out: Tensor) -> Tensor:
 VALUE_BLOCK_ROWS = 8192
 
 
-def _minmax_params(lo: Tensor, hi: Tensor, bits: int) -> tuple[Tensor, Tensor]:
-    """fp16 ``(scale, zero)`` with zero rounded down and scale rounded up, so that codes stay in range."""
-    zero = lo.to(SCALE_DTYPE)
+def _minmax_params(lo: Tensor, hi: Tensor, bits: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(scale, zero)`` in ``dtype`` with zero rounded down and scale rounded up, so codes stay in range."""
+    zero = lo.to(dtype)
     too_high = zero.float() > lo
     zero = torch.where(too_high, torch.nextafter(zero, torch.full_like(zero, float("-inf"))), zero)
     scale32 = (hi - zero.float()) / ((1 << bits) - 1)
-    scale = scale32.to(SCALE_DTYPE)
+    scale = scale32.to(dtype)
     too_low = scale.float() < scale32
     scale = torch.where(too_low, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # constant group: any scale works
@@ -334,22 +346,23 @@ def quantize_keys(keys: Tensor, bits: int, group_size: int) -> QuantizedTensor:
     h, t, d = keys.shape
     x = keys.float()
     _check_finite("keys", x)
+    meta_dtype = scale_dtype_for(x)
     full = t // g
     scales, zeros, codes = [], [], []
     if full:
         body = x[:, : full * g].reshape(h, full, g, d)
-        s, z = _minmax_params(body.amin(dim=2), body.amax(dim=2), bits)  # [H, full, d]
+        s, z = _minmax_params(body.amin(dim=2), body.amax(dim=2), bits, meta_dtype)  # [H, full, d]
         codes.append(_quantize(body, s.unsqueeze(2), z.unsqueeze(2), bits).reshape(h, full * g, d))
         scales.append(s)
         zeros.append(z)
     if t > full * g:
         tail = x[:, full * g :]
-        s, z = _minmax_params(tail.amin(dim=1, keepdim=True), tail.amax(dim=1, keepdim=True), bits)  # [H,1,d]
+        s, z = _minmax_params(tail.amin(dim=1, keepdim=True), tail.amax(dim=1, keepdim=True), bits, meta_dtype)
         codes.append(_quantize(tail, s, z, bits))
         scales.append(s)
         zeros.append(z)
     if not codes:
-        empty = torch.empty(h, 0, d, dtype=SCALE_DTYPE, device=keys.device)
+        empty = torch.empty(h, 0, d, dtype=meta_dtype, device=keys.device)
         return QuantizedTensor(
             pack_bits(torch.empty(h, 0, d, dtype=torch.uint8, device=keys.device), bits), empty, empty.clone(),
             bits, g, d, "channel",
@@ -368,6 +381,7 @@ def quantize_values(values: Tensor, bits: int, group_size: int) -> QuantizedTens
     h, t, d = values.shape
     x = values.float()
     _check_finite("values", x)
+    meta_dtype = scale_dtype_for(x)
     ng = -(-d // g)
     pad = ng * g - d
     if pad:  # pad with a copy of the last channel so min/max of the short group are unchanged
@@ -375,24 +389,26 @@ def quantize_values(values: Tensor, bits: int, group_size: int) -> QuantizedTens
     else:
         xp = x
     grouped = xp.reshape(h, t, ng, g) if t else xp.new_zeros(h, 0, ng, g)
-    s, z = _minmax_params(grouped.amin(dim=-1), grouped.amax(dim=-1), bits)  # [H, T, ng]
+    s, z = _minmax_params(grouped.amin(dim=-1), grouped.amax(dim=-1), bits, meta_dtype)  # [H, T, ng]
     codes = _quantize(grouped, s.unsqueeze(-1), z.unsqueeze(-1), bits).reshape(h, t, ng * g)[..., :d]
     return QuantizedTensor(pack_bits(codes.contiguous(), bits), s, z, bits, g, d, "token")
 
 
 def quantized_kv_nbytes(
-    num_tokens: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int, residual: int, elem_bytes: int
+    num_tokens: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int, residual: int, elem_bytes: int,
+    key_group_bytes: int = BYTES_PER_GROUP, value_group_bytes: int = BYTES_PER_GROUP,
 ) -> int:
     """Bytes of packed KIVI K+V for ``num_tokens`` tokens (kv-compression.md §1, fp16 scale/zero).
 
     The last ``min(residual, num_tokens)`` tokens are counted at ``elem_bytes`` (the cache dtype).
-    Token positions are not included.
+    ``key_group_bytes`` / ``value_group_bytes``: scale + zero bytes per group (8 where fp32 scales were
+    needed, see :func:`scale_dtype_for`). Token positions are not included.
     """
     r = min(residual, num_tokens)
     n = num_tokens - r
     payload = 2 * n * (-(-head_dim * bits // 8))
-    key_meta = -(-n // group_size) * head_dim * BYTES_PER_GROUP
-    value_meta = n * (-(-head_dim // group_size)) * BYTES_PER_GROUP
+    key_meta = -(-n // group_size) * head_dim * key_group_bytes
+    value_meta = n * (-(-head_dim // group_size)) * value_group_bytes
     res = r * head_dim * 2 * elem_bytes
     return num_kv_heads * (payload + key_meta + value_meta + res)
 
@@ -408,6 +424,7 @@ __all__ = [
     "quantize_keys",
     "quantize_values",
     "quantized_kv_nbytes",
+    "scale_dtype_for",
     "unpack_bits",
     "unpack_into",
 ]

@@ -163,6 +163,10 @@ class SegmentedKVCache(KVCache):
         return self.layers[layer]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:
+        """``q [Tn, Hq, d]`` over every store of ``layer`` plus the new block ``k/v [Tn, Hkv, d]`` → ``[Tn, Hq, d]``.
+
+        The new rows are appended (coalesced per token type) when ``call.update``.
+        """
         state = self.layer(layer)
         out, _ = state.attend(q, k, v, causal=call.causal)
         if call.update:

@@ -211,14 +211,15 @@ class QuantizedStore:
     ) -> "QuantizedStore":
         """Quantize ``keys/values [T, Hkv, d]``; the last ``min(residual, T)`` rows stay exact."""
         _check_kv(keys, values, positions)
-        if not isinstance(residual, int) or residual < 0:
+        if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
             raise ValueError(f"`residual` must be an int >= 0, got {residual!r}")
         t = keys.shape[0]
         r = min(residual, t)
         kh, vh = keys.transpose(0, 1), values.transpose(0, 1)  # [Hkv, T, d]
         return cls(
             quantize_keys(kh[:, : t - r], bits, group_size), quantize_values(vh[:, : t - r], bits, group_size),
-            kh[:, t - r :].contiguous(), vh[:, t - r :].contiguous(), positions.to(torch.int32).clone(),
+            kh[:, t - r :].clone(memory_format=torch.contiguous_format),
+            vh[:, t - r :].clone(memory_format=torch.contiguous_format), positions.to(torch.int32).clone(),
             TokenType(token_type), bits, group_size, residual, keys.dtype,
         )
 
@@ -286,8 +287,11 @@ class QuantizedStore:
     def nominal_bytes(self) -> int:
         h, _, d = self.res_keys.shape
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return quantized_kv_nbytes(self.num_tokens, h, d, self.bits, self.group_size, self.residual, elem) + \
-            4 * self.num_tokens
+        return quantized_kv_nbytes(
+            self.num_tokens, h, d, self.bits, self.group_size, self.residual, elem,
+            key_group_bytes=2 * self.qkeys.scale.element_size(),
+            value_group_bytes=2 * self.qvalues.scale.element_size(),
+        ) + 4 * self.num_tokens
 
 
 Store = FullStore | EvictedStore | QuantizedStore

@@ -42,7 +42,7 @@ def _build_parser() -> argparse.ArgumentParser:
         p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
     def flow(p: argparse.ArgumentParser, text_scale, img_scale, interval, renorm) -> None:
-        p.add_argument("--out", type=Path, default=Path("out.png"), help="output PNG path")
+        p.add_argument("--out", type=Path, default=Path("out.png"), help="output image (.png, .jpg, .webp)")
         p.add_argument("--steps", type=int, default=50, help="num_timesteps (steps-1 model evaluations)")
         p.add_argument("--timestep-shift", type=float, default=3.0)
         p.add_argument("--cfg-text-scale", type=float, default=text_scale)
@@ -119,6 +119,19 @@ def _open_image(path: Path):
         raise ValueError(f"--image: cannot read {path} as an image ({exc})") from None
 
 
+#: Output formats by file suffix (checked before the model loads, so a typo costs nothing).
+_OUT_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
+
+
+def _image_format(path: Path) -> str:
+    """PIL format name for ``--out`` from its suffix; unknown suffixes are an error, not a silent PNG."""
+    fmt = _OUT_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"--out: unsupported image suffix {path.suffix!r} in {path}; use one of "
+                         f"{sorted(_OUT_FORMATS)}")
+    return fmt
+
+
 def _run(args: argparse.Namespace) -> int:
     from .loader import load_bagel
     from .pipeline import BagelPipeline
@@ -128,6 +141,9 @@ def _run(args: argparse.Namespace) -> int:
     out = getattr(args, "out", None)
     if out is not None and out.is_dir():
         raise ValueError(f"--out: {out} is a directory; give the path of the PNG file to write, e.g. {out / 'out.png'}")
+    out_format = _image_format(out) if out is not None else None
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:  # fail before the model loads
+        raise ValueError(f"--max-new-tokens: `max_new_tokens` must be an integer >= 1, got {args.max_new_tokens}")
     image = _open_image(args.image) if getattr(args, "image", None) is not None else None
     device = args.device
     if device == "auto":
@@ -137,7 +153,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "understand":
         bar = _progress("decoding", args.quiet)
         result = pipe.understand(
-            image, args.prompt, max_new_tokens=args.max_new_tokens or 512, do_sample=args.do_sample,
+            image, args.prompt, max_new_tokens=512 if args.max_new_tokens is None else args.max_new_tokens, do_sample=args.do_sample,
             temperature=args.temperature, think=args.think, seed=args.seed, progress=bar,
         )
         if bar is not None:
@@ -148,7 +164,7 @@ def _run(args: argparse.Namespace) -> int:
         num_timesteps=args.steps, timestep_shift=args.timestep_shift, cfg_text_scale=args.cfg_text_scale,
         cfg_img_scale=args.cfg_img_scale, cfg_interval=tuple(args.cfg_interval), cfg_renorm_min=args.cfg_renorm_min,
         cfg_renorm_type=args.cfg_renorm_type, seed=args.seed, think=args.think,
-        think_max_new_tokens=args.max_new_tokens or 1024, think_do_sample=args.do_sample,
+        think_max_new_tokens=1024 if args.max_new_tokens is None else args.max_new_tokens, think_do_sample=args.do_sample,
         think_temperature=args.temperature, progress=_progress("denoising", args.quiet),
     )
     if args.command == "t2i":
@@ -158,7 +174,7 @@ def _run(args: argparse.Namespace) -> int:
     if result.think_text is not None:
         logger.info("plan: %s", result.think_text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result.image.save(args.out, format="PNG")
+    result.image.save(args.out, format=out_format, **({"quality": 95} if out_format == "JPEG" else {}))
     logger.info("wrote %s (%dx%d)", args.out, *result.image.size)
     return 0
 

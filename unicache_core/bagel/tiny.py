@@ -200,9 +200,40 @@ def _write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0) -> Path:
-    """Write the tiny checkpoint folder and return its path (created if needed)."""
+#: Every file :func:`write_tiny_checkpoint` writes (``ae_config.json`` marks a small checkpoint: the real
+#: BAGEL folder has none, the official loader hard-codes the VAE size).
+TINY_FILES = frozenset({
+    "llm_config.json", "vit_config.json", "ae_config.json", "ema.safetensors", "ae.safetensors",
+    "vocab.json", "merges.txt", "tokenizer_config.json",
+})
+
+
+def _check_target(out: Path, force: bool) -> None:
+    """Refuse to overwrite anything but an earlier tiny checkpoint (e.g. a real BAGEL folder) unless forced."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"`out_dir` {out} exists and is not a folder; give a folder path")
+    if force or not out.is_dir():
+        return
+    present = {p.name for p in out.iterdir()}
+    if not present:
+        return
+    if "ae_config.json" in present and present <= TINY_FILES:
+        return  # an earlier tiny checkpoint: rewrite it
+    raise ValueError(
+        f"`out_dir` {out} is not empty and does not hold a tiny checkpoint ({len(present)} entries, e.g. "
+        f"{sorted(present)[:3]}); refusing to overwrite it. Choose an empty or new folder, or pass force=True "
+        "(--force) to overwrite"
+    )
+
+
+def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, force: bool = False) -> Path:
+    """Write the tiny checkpoint folder and return its path (created if needed).
+
+    An existing folder is only overwritten when it is empty or holds an earlier tiny checkpoint,
+    unless ``force`` is set; anything else raises ``ValueError`` (a real checkpoint is never clobbered).
+    """
     out = Path(out_dir)
+    _check_target(out, force)
     out.mkdir(parents=True, exist_ok=True)
     vocab, merges = train_tiny_bpe()
     n_bpe = len(vocab)
@@ -311,8 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write a tiny random BAGEL checkpoint (official layout).")
     parser.add_argument("out_dir", help="folder to write (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="RNG seed for the weights (default 0)")
+    parser.add_argument("--force", action="store_true", help="overwrite a non-empty folder that is not a tiny checkpoint")
     args = parser.parse_args(argv)
-    out = write_tiny_checkpoint(args.out_dir, seed=args.seed)
+    try:
+        out = write_tiny_checkpoint(args.out_dir, seed=args.seed, force=args.force)
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
     total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     sys.stdout.write(f"wrote {out} ({total / 1e6:.2f} MB)\n")
     return 0

@@ -45,11 +45,11 @@ class KIVIPolicy:
     residual: int = 128
 
     def __post_init__(self) -> None:
-        if self.bits not in SUPPORTED_BITS:
+        if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
             raise ValueError(f"`bits` must be one of {SUPPORTED_BITS}, got {self.bits!r}")
-        if not isinstance(self.group_size, int) or self.group_size <= 0:
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0:
             raise ValueError(f"`group_size` must be a positive int, got {self.group_size!r}")
-        if not isinstance(self.residual, int) or self.residual < 0:
+        if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
             raise ValueError(f"`residual` must be an int >= 0, got {self.residual!r}")
 
     def compress(
