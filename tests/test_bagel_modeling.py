@@ -380,3 +380,54 @@ def test_vae_rejects_bad_sizes(loaded):
         loaded.vae.encode(torch.zeros(1, 3, 60, 48))
     with pytest.raises(ValueError, match="noise"):
         loaded.vae.encode(torch.zeros(1, 3, 64, 48), noise=torch.zeros(1, 16, 4, 4))
+
+
+def test_real_size_model_on_meta_matches_the_official_layout(tmp_path):
+    """BAGEL-7B-MoT configs (Qwen2.5-7B LLM, SigLIP so400m with 27 layers in the file) → 1223 tensors whose
+    shapes follow bagel.md §1.2, built on the meta device (no memory)."""
+    import json
+
+    from unicache_core.bagel.config import load_bagel_config
+
+    (tmp_path / "llm_config.json").write_text(json.dumps({
+        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "vocab_size": 152064, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768, "hidden_act": "silu", "tie_word_embeddings": True,
+    }))
+    (tmp_path / "vit_config.json").write_text(json.dumps({
+        "hidden_size": 1152, "intermediate_size": 4304, "num_attention_heads": 16, "num_hidden_layers": 27,
+        "image_size": 980, "patch_size": 14,
+    }))
+    cfg = load_bagel_config(tmp_path)
+    assert cfg.vit.num_hidden_layers == 26  # the last SigLIP layer is dropped at load time
+    assert cfg.llm.qk_norm and not cfg.llm.tie_word_embeddings  # official overrides
+    with torch.device("meta"):
+        model = Bagel(cfg)
+    sd = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert len(sd) == 1223
+    H, d, V, I, Hv, Iv = 3584, 128, 152064, 18944, 1152, 4304
+    expect = {
+        "language_model.model.embed_tokens.weight": (V, H),
+        "language_model.lm_head.weight": (V, H),
+        "language_model.model.layers.27.self_attn.q_proj_moe_gen.weight": (28 * d, H),
+        "language_model.model.layers.27.self_attn.k_proj.bias": (4 * d,),
+        "language_model.model.layers.0.self_attn.o_proj_moe_gen.weight": (H, 28 * d),
+        "language_model.model.layers.0.self_attn.k_norm_moe_gen.weight": (d,),
+        "language_model.model.layers.13.mlp_moe_gen.down_proj.weight": (H, I),
+        "language_model.model.norm_moe_gen.weight": (H,),
+        "vit_model.vision_model.embeddings.patch_embedding.weight": (Hv, 3 * 14 * 14),
+        "vit_model.vision_model.embeddings.position_embedding.weight": (4900, Hv),
+        "vit_model.vision_model.encoder.layers.25.mlp.fc1.weight": (Iv, Hv),
+        "connector.fc1.weight": (H, Hv),
+        "connector.fc2.weight": (H, H),
+        "vit_pos_embed.pos_embed": (4900, H),
+        "latent_pos_embed.pos_embed": (4096, H),
+        "time_embedder.mlp.0.weight": (H, 256),
+        "vae2llm.weight": (H, 64),
+        "llm2vae.weight": (64, H),
+    }
+    for key, shape in expect.items():
+        assert sd[key] == shape, key
+    assert "vit_model.vision_model.encoder.layers.26.mlp.fc1.weight" not in sd
+    n_params = sum(math.prod(s) for s in sd.values())
+    assert 14.0e9 < n_params < 15.0e9  # 7B active, two experts stored
