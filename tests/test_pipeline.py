@@ -258,6 +258,16 @@ def test_progress_once_per_step_and_cancel(pipe):
     assert tokens == [(1, 10), (2, 10), (3, 10)]
 
 
+def test_think_mode_reports_plan_tokens_then_denoising_steps(pipe):
+    calls = []
+    result = pipe.text_to_image("x", width=32, height=32, num_timesteps=3, think=True, think_max_new_tokens=4,
+                                progress=lambda s, t: calls.append((s, t)))
+    plan_calls = [c for c in calls if c[1] == 4]
+    assert plan_calls == [(i + 1, 4) for i in range(len(plan_calls))] and 1 <= len(plan_calls) <= 4
+    assert calls[len(plan_calls):] == [(1, 2), (2, 2)]
+    assert result.think_text is not None
+
+
 # ------------------------------------------------------------------------------------ validation
 
 

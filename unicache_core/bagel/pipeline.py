@@ -34,6 +34,8 @@ from .transforms import VAE_TRANSFORM, VIT_TRANSFORM, check_image, image_from_te
 
 logger = logging.getLogger(__name__)
 
+#: ``progress(done, total)``: called after every decoded token (understanding; in think mode first for
+#: the plan tokens, ``total = think_max_new_tokens``) and after every denoising step (``total = steps``).
 ProgressFn = Callable[[int, int], None]
 CancelFn = Callable[[], bool]
 
@@ -595,7 +597,8 @@ class BagelPipeline:
                 plan_ctx = contexts.gen.clone(branch="gen")
                 think_text, _ = self.decode_text(
                     plan_ctx, max_new_tokens=think.max_new_tokens, do_sample=think.do_sample,
-                    temperature=think.temperature, generator=torch.Generator().manual_seed(seed), cancel=cancel,
+                    temperature=think.temperature, generator=torch.Generator().manual_seed(seed),
+                    progress=progress, cancel=cancel,
                 )
                 del plan_ctx
                 C.append_text(self.loaded, contexts.gen, think_text)
