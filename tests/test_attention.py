@@ -71,3 +71,40 @@ def test_reference_path_is_chunked_and_exact(monkeypatch, causal, tq, tk) -> Non
     ref_out, ref_lse = _reference(q, k, v) if not causal else (None, None)
     if ref_out is not None:
         torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+def test_block_causal_mask_layout() -> None:
+    from unicache_core.attention import block_causal_mask
+
+    mask = block_causal_mask([2, 3, 1], [True, False, True])
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 0],  # image block: sees the text before it and all of itself
+        [1, 1, 1, 1, 1, 0],
+        [1, 1, 1, 1, 1, 0],
+        [1, 1, 1, 1, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+    with pytest.raises(ValueError, match="lengths"):
+        block_causal_mask([2, -1], [True, False])
+    with pytest.raises(ValueError, match="one entry per block"):
+        block_causal_mask([2], [True, False])
+
+
+def test_masked_attention_equals_reference_and_rejects_bad_masks() -> None:
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = torch.randn(5, 4, 8, generator=gen), torch.randn(7, 2, 8, generator=gen), torch.randn(7, 2, 8, generator=gen)
+    mask = torch.rand(5, 7, generator=gen) > 0.4
+    mask[:, 0] = True
+    out, lse = attention_with_lse(q, k, v, mask=mask)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = torch.einsum("qhd,thd->hqt", q, kk) / 8 ** 0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    ref = torch.einsum("hqt,thd->qhd", scores.softmax(-1), vv)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1).t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="mask"):
+        attention_with_lse(q, k, v, mask=mask.float())
+    with pytest.raises(ValueError, match="mask"):
+        attention_with_lse(q, k, v, mask=mask[:, :3])

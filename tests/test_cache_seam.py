@@ -133,3 +133,35 @@ def test_full_cache_fused_sdpa_path_matches_lse_path(monkeypatch, dtype):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for a, b in zip(fused, lse_path):
         torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("cache_cls", ["full", "full_sdpa", "segmented"])
+def test_packed_block_causal_call_equals_sequential_calls(monkeypatch, cache_cls):
+    """[text (causal) + image (bidirectional)] in ONE call with a block-causal mask == two separate calls."""
+    import unicache_core.kvcache as kvcache
+    from unicache_core.attention import block_causal_mask
+
+    monkeypatch.setattr(kvcache, "_prefer_fused_sdpa", lambda q: cache_cls == "full_sdpa")
+
+    def make():
+        return SegmentedKVCache(1) if cache_cls == "segmented" else FullKVCache(1)
+
+    g = torch.Generator().manual_seed(21)
+    ctx_q, ctx_k, ctx_v = torch.randn(4, 4, 8, generator=g), torch.randn(4, 2, 8, generator=g), torch.randn(4, 2, 8, generator=g)
+    q, k, v = torch.randn(7, 4, 8, generator=g), torch.randn(7, 2, 8, generator=g), torch.randn(7, 2, 8, generator=g)
+    types = torch.tensor([5, 1, 1, 5, 5, 2, 5], dtype=torch.int8)
+
+    def call(n, causal, mask=None, t=None):
+        return AttentionCall(token_types=types[:n] if t is None else t, positions=torch.arange(n), causal=causal,
+                             update=True, new_block_mask=mask)
+
+    seq = make()
+    seq.attend(0, ctx_q, ctx_k, ctx_v, call(4, True))
+    out_text = seq.attend(0, q[:4], k[:4], v[:4], call(4, True, t=types[:4]))
+    out_image = seq.attend(0, q[4:], k[4:], v[4:], call(3, False, t=types[4:]))
+
+    packed = make()
+    packed.attend(0, ctx_q, ctx_k, ctx_v, call(4, True))
+    out = packed.attend(0, q, k, v, call(7, True, mask=block_causal_mask([4, 3], [True, False])))
+    torch.testing.assert_close(out, torch.cat([out_text, out_image]), rtol=1e-5, atol=1e-5)
+    assert packed.num_tokens == seq.num_tokens == 11

@@ -3,6 +3,7 @@
 Importing this package has no side effects and never imports ComfyUI.
 """
 
+from .attention import attention_with_lse, block_causal_mask, merge_attention
 from .errors import CancelledError, CheckpointError, UniCacheError
 from .kvcache import AttentionCall, CacheFactory, CacheRequest, FullKVCache, KVCache, full_cache_factory
 from .segments import CANDIDATE_TYPES, PROTECTED_TYPES, Span, TokenType, positions_of, spans_from_types
@@ -23,6 +24,9 @@ __all__ = [
     "TokenType",
     "UniCacheError",
     "__version__",
+    "attention_with_lse",
+    "block_causal_mask",
+    "merge_attention",
     "positions_of",
     "spans_from_types",
 ]

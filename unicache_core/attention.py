@@ -89,8 +89,32 @@ def _reference_attention(
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
+def block_causal_mask(lengths: list[int] | tuple[int, ...], causal: list[bool] | tuple[bool, ...],
+                      device: torch.device | str | None = None) -> Tensor:
+    """Visibility ``[T, T]`` bool (True = visible) of a packed sequence of blocks, as BAGEL packs them.
+
+    Block ``i`` sees every earlier block fully; inside itself it is causal (text) when ``causal[i]``,
+    else bidirectional (an image block). ``T = sum(lengths)``.
+    """
+    if len(lengths) != len(causal):
+        raise ValueError(f"`lengths` ({len(lengths)}) and `causal` ({len(causal)}) must have one entry per block")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lengths):
+        raise ValueError(f"`lengths` must be non-negative ints, got {list(lengths)!r}")
+    total = sum(lengths)
+    mask = torch.zeros(total, total, dtype=torch.bool, device=device)
+    start = 0
+    for n, is_causal in zip(lengths, causal):
+        stop = start + n
+        mask[start:stop, :start] = True
+        block = torch.ones(n, n, dtype=torch.bool, device=device)
+        mask[start:stop, start:stop] = block.tril() if is_causal else block
+        start = stop
+    return mask
+
+
 def attention_with_lse(
-    q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, causal: bool = False
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, causal: bool = False,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of packed queries over packed keys/values, returning the log-sum-exp too.
 
@@ -100,6 +124,8 @@ def attention_with_lse(
         scale: softmax scale, default ``1/sqrt(d)``.
         causal: bottom-right aligned causal mask (query ``i`` sees keys ``0 .. Tk-Tq+i``), as
             flash-attn >= 2.1 applies it. ``False`` = every query sees every key.
+        mask: optional ``[Tq, Tk]`` bool visibility (True = visible), e.g. :func:`block_causal_mask`
+            for a packed text+image block; combined with ``causal`` when both are given.
 
     Returns:
         ``out [Tq, Hq, d]`` in ``q.dtype`` and ``lse [Tq, Hq]`` in fp32 (``-inf`` for rows that see no key).
@@ -110,6 +136,18 @@ def attention_with_lse(
     hkv = k.shape[1]
     kh = k.permute(1, 0, 2)  # [Hkv, Tk, d]
     vh = v.permute(1, 0, 2)
+    if mask is not None:
+        if mask.dtype != torch.bool or tuple(mask.shape) != (tq, k.shape[0]):
+            raise ValueError(f"`mask` must be a bool tensor of shape ({tq}, {k.shape[0]}), got "
+                             f"{mask.dtype} {tuple(mask.shape)}")
+        visible = mask.to(q.device)
+        if causal:
+            visible = visible & torch.ones(tq, k.shape[0], dtype=torch.bool, device=q.device).tril(k.shape[0] - tq)
+        qh = q.permute(1, 0, 2)
+        if group > 1:
+            kh, vh = kh.repeat_interleave(group, dim=0), vh.repeat_interleave(group, dim=0)
+        out, lse = _head_major_attention(qh, kh, vh, scale, False, visible)
+        return out.permute(1, 0, 2), lse.permute(1, 0)
     if not causal or (tq <= k.shape[0] and tq == 1):
         # Fold the g query heads of a KV group into the query axis: [Hkv, g*Tq, d].
         qg = q.reshape(tq, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * tq, d)

@@ -45,6 +45,9 @@ class AttentionCall:
         phase: ``prefill`` (context building), ``decode`` (text generation), ``denoise``.
         step: decode-token index or denoising-step index (``None`` in prefill).
         timestep: flow time ``t`` of a denoising step.
+        new_block_mask: optional ``[Tn, Tn]`` bool visibility among the new tokens (True = visible), for a
+            call that packs several blocks (:func:`~unicache_core.attention.block_causal_mask`); it
+            replaces ``causal`` for the new block. Cached keys stay fully visible.
     """
 
     token_types: Tensor
@@ -54,6 +57,7 @@ class AttentionCall:
     phase: Phase = "prefill"
     step: int | None = None
     timestep: float | None = None
+    new_block_mask: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -138,21 +142,26 @@ class FullKVCache(KVCache):
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:
         state = self._check_layer(layer)
         if _prefer_fused_sdpa(q):
-            out = self._attend_sdpa(state, q, k, v, call.causal)
+            out = self._attend_sdpa(state, q, k, v, call.causal, call.new_block_mask)
             if call.update:
                 self.append(layer, k, v, call.token_types, call.positions)
             return out
         parts = []
         if state.keys is not None and state.keys.shape[0] > 0:
             parts.append(attention_with_lse(q, state.keys.to(q.dtype), state.values.to(q.dtype)))
-        parts.append(attention_with_lse(q, k, v, causal=call.causal))
+        if call.new_block_mask is not None:
+            parts.append(attention_with_lse(q, k, v, mask=call.new_block_mask))
+        else:
+            parts.append(attention_with_lse(q, k, v, causal=call.causal))
         out, _ = merge_attention(parts)
         if call.update:
             self.append(layer, k, v, call.token_types, call.positions)
         return out
 
     @staticmethod
-    def _attend_sdpa(state: "_FullLayer", q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    def _attend_sdpa(
+        state: "_FullLayer", q: Tensor, k: Tensor, v: Tensor, causal: bool, new_block_mask: Tensor | None = None
+    ) -> Tensor:
         """One fused SDPA call over ``[cached ; new]`` keys, as BAGEL's ``flash_attn_varlen_func`` does.
 
         Used off-CPU, where torch dispatches to flash / memory-efficient kernels (no LSE needed since
@@ -165,7 +174,10 @@ class FullKVCache(KVCache):
             keys, values = k, v
         tq, tk = q.shape[0], keys.shape[0]
         mask = None
-        if causal and tq > 1:
+        if new_block_mask is not None:
+            cached = torch.ones(tq, tk - tq, dtype=torch.bool, device=q.device)
+            mask = torch.cat([cached, new_block_mask.to(device=q.device, dtype=torch.bool)], dim=1)
+        elif causal and tq > 1:
             rows = torch.arange(tq, device=q.device)[:, None] + (tk - tq)
             mask = torch.arange(tk, device=q.device)[None, :] <= rows
         out = F.scaled_dot_product_attention(

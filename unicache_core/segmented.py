@@ -43,11 +43,13 @@ class SegmentedLayer:
 
     def attend(
         self, q: Tensor, k_new: Tensor | None = None, v_new: Tensor | None = None, causal: bool = False,
-        scale: float | None = None, fused: bool = False,
+        scale: float | None = None, fused: bool = False, new_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Attention of ``q [Tq, Hq, d]`` over every store plus the new block ``k_new/v_new [Tq, Hkv, d]``.
 
         ``causal`` applies only to the new block (bottom-right aligned); cached rows are fully visible.
+        ``new_mask`` ``[Tq, Tq]`` bool: explicit visibility inside the new block (block-causal packing);
+        it replaces ``causal``.
         ``fused``: ``True`` gathers every resident row (and a non-causal new block) into one temporary
         head-major workspace and makes one attention call; ``False`` (default) attends store by store
         and merges by LSE. Both are exact (same keys, same softmax; outputs differ only by rounding).
@@ -58,11 +60,14 @@ class SegmentedLayer:
         stores = [store for store in self.stores if store.num_tokens > 0]
         if not stores and k_new is None:
             raise ValueError("nothing to attend to: the layer is empty and no new block was given")
-        if fused and stores:
+        if fused and stores and new_mask is None:
             return self._attend_fused(q, stores, k_new, v_new, causal, scale)
         parts = [store.attend(q, scale) for store in stores]
         if k_new is not None:
-            parts.append(attention_with_lse(q, k_new, v_new, scale=scale, causal=causal))
+            if new_mask is not None:
+                parts.append(attention_with_lse(q, k_new, v_new, scale=scale, mask=new_mask))
+            else:
+                parts.append(attention_with_lse(q, k_new, v_new, scale=scale, causal=causal))
         return merge_attention(parts)
 
     @staticmethod
@@ -168,7 +173,7 @@ class SegmentedKVCache(KVCache):
         The new rows are appended (coalesced per token type) when ``call.update``.
         """
         state = self.layer(layer)
-        out, _ = state.attend(q, k, v, causal=call.causal)
+        out, _ = state.attend(q, k, v, causal=call.causal, new_mask=call.new_block_mask)
         if call.update:
             state.append(k, v, call.token_types)
         return out
