@@ -503,7 +503,24 @@ class BagelPipeline:
         cancel: CancelFn | None = None,
         return_step0_velocity: bool = False,
     ) -> GenerationResult:
-        """Text-to-image (bagel.md §5.3); defaults are ``app.py``'s (cfg_img_scale 1.5 is the interleave default)."""
+        """Text-to-image (bagel.md §5.3); defaults are ``app.py``'s (cfg_img_scale 1.5 is the interleave default).
+
+        Args:
+            prompt: the instruction text (wrapped as ``<|im_start|> prompt <|im_end|>``, no chat template).
+            width, height: output size in pixels, positive multiples of 16, at most 16 * max_latent_size.
+            num_timesteps: points of the shifted schedule; ``num_timesteps - 1`` Euler steps are run.
+            timestep_shift: ``s`` in ``t' = s t / (1 + (s - 1) t)``.
+            cfg_text_scale: text guidance (``cfg_text`` branch computed only when > 1).
+            cfg_img_scale: image guidance (``cfg_img`` branch; in T2I its context equals ``gen``).
+            cfg_interval: guidance is active for steps with ``lo < t <= hi``.
+            cfg_renorm_min, cfg_renorm_type: norm clamp after guidance: ``global`` | ``channel`` | ``text_channel``.
+            seed: seeds the CPU generator of the initial noise (``None`` = random, reported in the result).
+            think, think_max_new_tokens, think_do_sample, think_temperature: decode a plan first and append it.
+            initial_noise: ``[h*w, 64]`` latent noise to use instead of drawing it.
+            progress: ``progress(done, total)`` per plan token and per denoising step.
+            cancel: polled between steps; returning True raises :class:`~unicache_core.errors.CancelledError`.
+            return_step0_velocity: keep the step-0 branch and guided velocities in the result.
+        """
         _check_prompt(prompt)
         limit = self.loaded.config.latent_downsample * self.loaded.config.max_latent_size
         for name, value in (("width", width), ("height", height)):
@@ -543,7 +560,14 @@ class BagelPipeline:
         cancel: CancelFn | None = None,
         return_step0_velocity: bool = False,
     ) -> GenerationResult:
-        """Edit ``image`` following ``prompt`` (bagel.md §5.4); output size = the VAE-resized source size."""
+        """Edit ``image`` following ``prompt`` (bagel.md §5.4); output size = the VAE-resized source size.
+
+        The source goes through the VAE (clean latents, gen expert) and the ViT (und expert); the
+        ``cfg_text`` branch sees the image without the text, ``cfg_img`` the text without the image.
+        Arguments as in :meth:`text_to_image` (edit defaults: image scale 2.0, interval (0, 1],
+        ``text_channel`` renorm), plus ``vae_noise`` (``[1, 16, H/8, W/8]`` noise of the stochastic VAE
+        encode, drawn first from the seeded generator when not given).
+        """
         _check_prompt(prompt)
         check_image(image, "image")
         settings = FlowSettings.create(
