@@ -318,3 +318,27 @@ def test_default_factory_builds_full_caches(pipe):
     ctx = pipe.new_context("t2i", "gen")
     assert isinstance(ctx.cache, FullKVCache) and ctx.cache.task == "t2i" and ctx.rope == 0
     assert pipe.cache_factory is full_cache_factory
+
+
+def test_sampled_think_plan_draws_precede_the_latent_noise_as_official(pipe):
+    """Official RNG order (one global stream): plan samples (+ the loop's final discarded draw) → latent noise."""
+    kw = dict(width=32, height=32, num_timesteps=3, seed=11, think=True, think_max_new_tokens=3, think_do_sample=True,
+              think_temperature=5.0)  # high temperature: the 3-token plan hits the length limit
+    run = pipe.text_to_image("a dog", **kw)
+    assert run.think_text is not None
+
+    g = torch.Generator().manual_seed(11)
+    ctxs = pipe.build_generation_contexts("t2i", "a dog", width=32, height=32, think=True, generator=g)
+    text, ids = pipe.decode_text(ctxs.gen.clone(branch="gen"), max_new_tokens=3, do_sample=True, temperature=5.0,
+                                 generator=g, draw_discarded_sample=True)
+    assert text == run.think_text and len(ids) == 3
+    noise = torch.randn(2 * 2, 64, generator=g)
+    replay = pipe.text_to_image("a dog", initial_noise=noise, **kw)
+    assert replay.think_text == run.think_text
+    assert torch.equal(replay.latents, run.latents)
+    # without the discarded draw the noise (and so the image) would differ
+    g2 = torch.Generator().manual_seed(11)
+    ctxs2 = pipe.build_generation_contexts("t2i", "a dog", width=32, height=32, think=True, generator=g2)
+    pipe.decode_text(ctxs2.gen.clone(branch="gen"), max_new_tokens=3, do_sample=True, temperature=5.0, generator=g2)
+    shifted = pipe.text_to_image("a dog", initial_noise=torch.randn(4, 64, generator=g2), **kw)
+    assert not torch.equal(shifted.latents, run.latents)

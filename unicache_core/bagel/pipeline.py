@@ -6,8 +6,9 @@ block (:mod:`.contexts`), every cache comes from a :data:`~unicache_core.kvcache
 math in :mod:`.sampling`.
 
 Randomness: one CPU ``torch.Generator`` seeded with ``seed`` gives, in order, the VAE-encode noise of
-an edit's source image and the initial latent noise (the official code draws both from the global CPU
-RNG in that order). Think-mode text sampling uses its own generator seeded with ``seed``.
+an edit's source image, the think-mode plan samples (including the official loop's final discarded
+draw) and the initial latent noise: the official code draws all of them from the global CPU RNG in
+that order, so seeded runs reproduce it (checked against the official code, sampled think mode too).
 """
 
 from __future__ import annotations
@@ -241,12 +242,16 @@ class BagelPipeline:
         generator: torch.Generator | None = None,
         progress: ProgressFn | None = None,
         cancel: CancelFn | None = None,
+        draw_discarded_sample: bool = False,
     ) -> tuple[str, list[int]]:
         """Decode an answer from ``ctx`` (modified in place: the fed tokens are cached).
 
         Starts with an ``<|im_start|>`` query at ``ctx.rope``; stops when ``<|im_end|>`` is predicted
         (not kept) or after ``max_new_tokens`` generated tokens. (The official ``max_length`` counts
         forwards including the start token: official ``max_length = M`` equals ``max_new_tokens = M-1``.)
+        ``draw_discarded_sample``: when sampling stops at the length limit, consume the one extra
+        multinomial draw the official loop makes (and discards) from ``generator``, so that later draws
+        from the same generator (the latent noise after a think plan) match the official RNG stream.
 
         Returns:
             ``(text, generated ids)``; text is decoded and cut as the official ``gen_text`` does.
@@ -254,10 +259,12 @@ class BagelPipeline:
         tok = self.loaded.tokenizer
         ids: list[int] = []
         current, current_type = tok.bos_token_id, TokenType.BOUNDARY
+        vocab = 0
         for step in range(max_new_tokens):
             if cancel is not None and cancel():
                 raise CancelledError(f"text decoding cancelled after {step} of at most {max_new_tokens} tokens")
             logits = C.decode_step(self.loaded, ctx, current, step, current_type)
+            vocab = logits.shape[-1]
             current = next_token(logits, do_sample=do_sample, temperature=temperature, generator=generator)
             current_type = TokenType.DECODED_TEXT
             if progress is not None:
@@ -265,6 +272,11 @@ class BagelPipeline:
             if current == tok.eos_token_id:
                 break
             ids.append(current)
+        else:
+            if draw_discarded_sample and do_sample and vocab:
+                # the official loop samples once more after the last kept token; the token is dropped
+                # but its draw advances the generator (same size, so the same amount of randomness)
+                torch.multinomial(torch.ones(vocab), num_samples=1, generator=generator)
         return self._answer_text(ids), ids
 
     def _answer_text(self, ids: list[int]) -> str:
@@ -621,8 +633,8 @@ class BagelPipeline:
                 plan_ctx = contexts.gen.clone(branch="gen")
                 think_text, _ = self.decode_text(
                     plan_ctx, max_new_tokens=think.max_new_tokens, do_sample=think.do_sample,
-                    temperature=think.temperature, generator=torch.Generator().manual_seed(seed),
-                    progress=progress, cancel=cancel,
+                    temperature=think.temperature, generator=generator, progress=progress, cancel=cancel,
+                    draw_discarded_sample=True,
                 )
                 del plan_ctx
                 C.append_text(self.loaded, contexts.gen, think_text)
