@@ -397,7 +397,7 @@ def test_cli_non_image_and_directory(tmp_path):
     (tmp_path / "notes.png").write_text("not an image")
     with pytest.raises(ValueError, match="--image: cannot read .*notes.png as an image"):
         cli._open_image(tmp_path / "notes.png")
-    with pytest.raises(FileNotFoundError, match="--image"):
+    with pytest.raises(ValueError, match="--image: .* is a directory"):
         cli._open_image(tmp_path)
 
 

@@ -4,7 +4,7 @@ Importing this package has no side effects and never imports ComfyUI.
 """
 
 from .attention import attention_with_lse, block_causal_mask, merge_attention
-from .errors import CancelledError, CheckpointError, UniCacheError
+from .errors import CancelledError, CheckpointError, NumericalError, UniCacheError
 from .kvcache import AttentionCall, CacheFactory, CacheRequest, FullKVCache, KVCache, full_cache_factory
 from .segments import CANDIDATE_TYPES, PROTECTED_TYPES, Span, TokenType, positions_of, spans_from_types
 
@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointError",
     "FullKVCache",
     "KVCache",
+    "NumericalError",
     "PROTECTED_TYPES",
     "Span",
     "TokenType",

@@ -16,3 +16,11 @@ class CheckpointError(UniCacheError):
 
 class CancelledError(UniCacheError):
     """A long-running call (denoising, decoding) was cancelled between steps by the caller."""
+
+
+class NumericalError(UniCacheError):
+    """A tensor that must be finite holds NaN or infinite values (weights, noise, logits, velocities, pixels).
+
+    Raised where the non-finite values first appear, instead of letting them become an image or a text;
+    the message names the tensor (or the step and branch) and says what to change (dtype, scale, file).
+    """

@@ -1,36 +1,56 @@
 """Command line: ``python -m unicache_core.bagel {understand,t2i,edit} --checkpoint DIR --prompt TEXT ...``.
 
 ``t2i``/``edit`` write a PNG (``--out``); ``understand`` prints the answer on stdout. Progress goes to
-stderr. Expected failures (bad arguments, missing or broken checkpoint or image, unavailable device,
-file-system errors, cancelled run) exit with status 2 and a one-line ``error: ...`` message.
+stderr. Every argument is checked before the weights load (:mod:`.cli_checks`). Expected failures (bad
+arguments, missing or broken checkpoint or image, unavailable device, file-system errors, non-finite
+values, out of memory, cancelled run) exit with status 2 and a one-line ``error: ...`` message; Ctrl-C
+exits with status 130 and ``error: interrupted (Ctrl-C)``. A traceback means a bug.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 
 from ..errors import UniCacheError
+from .cli_checks import open_image as _open_image  # noqa: F401  (the tests' entry point for image decoding)
+from .cli_checks import preflight, save_image
 
 logger = logging.getLogger("unicache_core.bagel.cli")
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line error format (``error: ...``, exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+def _path(value: str) -> Path:
+    """A path argument; the empty string is refused (``Path('')`` would silently mean the current folder)."""
+    if not value:
+        raise argparse.ArgumentTypeError("empty path ''")
+    return Path(value)
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m unicache_core.bagel", description="BAGEL inference (UniCache core)"
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--checkpoint", required=True, type=Path, help="BAGEL checkpoint folder")
-        p.add_argument("--prompt", required=True, help="text prompt")
+        p.add_argument("--checkpoint", required=True, type=_path, help="BAGEL checkpoint folder")
+        text = p.add_mutually_exclusive_group(required=True)
+        text.add_argument("--prompt", help="text prompt")
+        text.add_argument("--prompt-file", type=_path, help="read the prompt from a UTF-8 text file")
         p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="LLM/ViT dtype (VAE is fp32)")
         p.add_argument("--device", default="auto", help="torch device, or 'auto' (cuda when available)")
         p.add_argument("--seed", type=int, default=0, help="noise / sampling seed")
@@ -42,7 +62,7 @@ def _build_parser() -> argparse.ArgumentParser:
         p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
     def flow(p: argparse.ArgumentParser, text_scale, img_scale, interval, renorm) -> None:
-        p.add_argument("--out", type=Path, default=Path("out.png"), help="output image (.png, .jpg, .webp)")
+        p.add_argument("--out", type=_path, default=Path("out.png"), help="output image (.png, .jpg, .webp)")
         p.add_argument("--steps", type=int, default=50, help="num_timesteps (steps-1 model evaluations)")
         p.add_argument("--timestep-shift", type=float, default=3.0)
         p.add_argument("--cfg-text-scale", type=float, default=text_scale)
@@ -53,7 +73,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     p_und = sub.add_parser("understand", help="answer a question about an image")
     common(p_und)
-    p_und.add_argument("--image", type=Path, default=None, help="input image (optional)")
+    p_und.add_argument("--image", type=_path, default=None, help="input image (optional)")
 
     p_t2i = sub.add_parser("t2i", help="text to image")
     common(p_t2i)
@@ -64,16 +84,20 @@ def _build_parser() -> argparse.ArgumentParser:
     p_edit = sub.add_parser("edit", help="edit an image")
     common(p_edit)
     flow(p_edit, 4.0, 2.0, [0.0, 1.0], "text_channel")
-    p_edit.add_argument("--image", type=Path, required=True, help="source image")
+    p_edit.add_argument("--image", type=_path, required=True, help="source image")
     return parser
 
 
 class _Bar:
     """A one-line text progress bar on stderr (``progress(step, total)`` callback)."""
 
+    #: Every bar made (so an error message never lands on the end of an unfinished bar line).
+    made: list["_Bar"] = []
+
     def __init__(self, label: str):
         self.label = label
         self.open = False
+        _Bar.made.append(self)
 
     def __call__(self, step: int, total: int) -> None:
         width = 30
@@ -94,101 +118,80 @@ def _progress(label: str, quiet: bool) -> _Bar | None:
     return None if quiet else _Bar(label)
 
 
-def _open_image(path: Path):
-    """Decode ``path`` as PIL does (no EXIF transpose, as officially); refuses decompression bombs.
-
-    Images above PIL's ``Image.MAX_IMAGE_PIXELS`` are refused before their pixels are decoded (PIL
-    only warns between 1x and 2x that limit; here both are errors).
-    """
-    from PIL import Image, UnidentifiedImageError
-
-    if not path.is_file():
-        raise FileNotFoundError(f"--image: file not found: {path}")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as img:
-                img.load()
-                return img.copy()
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ValueError(
-            f"--image: {path} is too large to decode safely ({exc}); downscale it below "
-            f"{Image.MAX_IMAGE_PIXELS} pixels first (BAGEL resizes every input to at most 1024 px per side)"
-        ) from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise ValueError(f"--image: cannot read {path} as an image ({exc})") from None
-
-
-#: Output formats by file suffix (checked before the model loads, so a typo costs nothing).
-_OUT_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
-
-
-def _image_format(path: Path) -> str:
-    """PIL format name for ``--out`` from its suffix; unknown suffixes are an error, not a silent PNG."""
-    fmt = _OUT_FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise ValueError(f"--out: unsupported image suffix {path.suffix!r} in {path}; use one of "
-                         f"{sorted(_OUT_FORMATS)}")
-    return fmt
+def _request_kwargs(args: argparse.Namespace) -> dict:
+    """The pipeline keyword arguments of the command (without callbacks); :func:`preflight` checks them."""
+    if args.command == "understand":
+        return dict(max_new_tokens=512 if args.max_new_tokens is None else args.max_new_tokens,
+                    do_sample=args.do_sample, temperature=args.temperature, think=args.think, seed=args.seed)
+    kwargs = dict(
+        num_timesteps=args.steps, timestep_shift=args.timestep_shift, cfg_text_scale=args.cfg_text_scale,
+        cfg_img_scale=args.cfg_img_scale, cfg_interval=tuple(args.cfg_interval), cfg_renorm_min=args.cfg_renorm_min,
+        cfg_renorm_type=args.cfg_renorm_type, seed=args.seed, think=args.think,
+        think_max_new_tokens=1024 if args.max_new_tokens is None else args.max_new_tokens,
+        think_do_sample=args.do_sample, think_temperature=args.temperature,
+    )
+    if args.command == "t2i":
+        kwargs.update(width=args.width, height=args.height)
+    return kwargs
 
 
 def _run(args: argparse.Namespace) -> int:
     from .loader import load_bagel
     from .pipeline import BagelPipeline
 
-    if not args.checkpoint.is_dir():
-        raise FileNotFoundError(f"--checkpoint: folder not found: {args.checkpoint}")
-    out = getattr(args, "out", None)
-    if out is not None and out.is_dir():
-        raise ValueError(f"--out: {out} is a directory; give the path of the PNG file to write, e.g. {out / 'out.png'}")
-    out_format = _image_format(out) if out is not None else None
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:  # fail before the model loads
-        raise ValueError(f"--max-new-tokens: `max_new_tokens` must be an integer >= 1, got {args.max_new_tokens}")
-    image = _open_image(args.image) if getattr(args, "image", None) is not None else None
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    logger.info("loading %s (%s on %s)", args.checkpoint, args.dtype, device)
-    pipe = BagelPipeline(load_bagel(args.checkpoint, dtype=_DTYPES[args.dtype], device=device))
+    kwargs = _request_kwargs(args)
+    checked = preflight(args, kwargs)  # every argument, the image and --out: before any weights load
+    logger.info("loading %s (%s on %s)", args.checkpoint, args.dtype, checked.device)
+    pipe = BagelPipeline(load_bagel(args.checkpoint, dtype=_DTYPES[args.dtype], device=checked.device))
     if args.command == "understand":
         bar = _progress("decoding", args.quiet)
-        result = pipe.understand(
-            image, args.prompt, max_new_tokens=512 if args.max_new_tokens is None else args.max_new_tokens, do_sample=args.do_sample,
-            temperature=args.temperature, think=args.think, seed=args.seed, progress=bar,
-        )
+        result = pipe.understand(checked.image, checked.prompt, progress=bar, **kwargs)
         if bar is not None:
             bar.close()
         sys.stdout.write(result.text + "\n")
+        sys.stdout.flush()
         return 0
-    flow_kwargs = dict(
-        num_timesteps=args.steps, timestep_shift=args.timestep_shift, cfg_text_scale=args.cfg_text_scale,
-        cfg_img_scale=args.cfg_img_scale, cfg_interval=tuple(args.cfg_interval), cfg_renorm_min=args.cfg_renorm_min,
-        cfg_renorm_type=args.cfg_renorm_type, seed=args.seed, think=args.think,
-        think_max_new_tokens=1024 if args.max_new_tokens is None else args.max_new_tokens, think_do_sample=args.do_sample,
-        think_temperature=args.temperature, progress=_progress("denoising", args.quiet),
-    )
+    progress = _progress("denoising", args.quiet)
     if args.command == "t2i":
-        result = pipe.text_to_image(args.prompt, width=args.width, height=args.height, **flow_kwargs)
+        result = pipe.text_to_image(checked.prompt, progress=progress, **kwargs)
     else:
-        result = pipe.edit(image, args.prompt, **flow_kwargs)
+        result = pipe.edit(checked.image, checked.prompt, progress=progress, **kwargs)
     if result.think_text is not None:
         logger.info("plan: %s", result.think_text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    result.image.save(args.out, format=out_format, **({"quality": 95} if out_format == "JPEG" else {}))
+    save_image(result.image, args.out, checked.out_format)
     logger.info("wrote %s (%dx%d)", args.out, *result.image.size)
     return 0
 
 
+def _fail(message: str) -> None:
+    """Finish any open progress-bar line, then write the one-line error."""
+    for bar in _Bar.made:
+        bar.close()
+    sys.stderr.write(f"error: {' '.join(message.split())}\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the process exit status."""
-    args = _build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
+    """CLI entry point; returns the process exit status (0 ok, 2 expected failure, 130 interrupted)."""
+    _Bar.made.clear()
     try:
+        args = _build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, stream=sys.stderr,
+                            format="%(levelname)s %(name)s: %(message)s")
         return _run(args)
+    except KeyboardInterrupt:
+        _fail("interrupted (Ctrl-C)")
+        return 130
+    except BrokenPipeError:  # stdout closed early (e.g. `| head`); keep Python's exit-time flush quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _fail("stdout was closed before the answer was written (broken pipe)")
+        return 2
+    except (MemoryError, torch.OutOfMemoryError) as exc:
+        _fail(f"out of memory ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
+              f"use a smaller --width/--height or --max-new-tokens, --dtype bf16, or another --device")
+        return 2
     except (UniCacheError, ValueError, OSError) as exc:  # OSError: unreadable input, unwritable --out
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        sys.stderr.write(f"error: {message}\n")
+        _fail(str(exc) or type(exc).__name__)
         return 2
 
 

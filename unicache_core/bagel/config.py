@@ -131,7 +131,16 @@ class BagelConfig:
 # Parsing
 
 
+#: Largest accepted config JSON file (the real ones are about 1 KB); larger files are refused unread.
+MAX_CONFIG_BYTES = 1 << 20
+#: Largest accepted ``max_position_embeddings`` (Qwen2.5 uses 32768 to 131072; 1M-context variants exist).
+MAX_POSITION_EMBEDDINGS = 1 << 24
+
+
 def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
+    if path.exists() and not path.is_file():  # a folder, FIFO or device: never opened (a FIFO would block)
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise CheckpointError(f"config file {path} is {kind}; it must be a JSON file (re-download it)")
     if not path.is_file():
         if not required:
             return None
@@ -140,10 +149,17 @@ def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
             f"(download the full ByteDance-Seed/BAGEL-7B-MoT repository into {path.parent})"
         )
     try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise CheckpointError(
+                f"config file {path} is {size} bytes, more than the {MAX_CONFIG_BYTES} a config can need; "
+                f"re-download it"
+            )
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8/JSON, a 5000-digit integer
         raise CheckpointError(
-            f"cannot parse config file {path}: {exc}; re-download it (it must be a JSON object)"
+            f"cannot parse config file {path}: {type(exc).__name__}: {exc}; re-download it (it must be a JSON "
+            f"object)"
         ) from None
     if not isinstance(data, dict):
         raise CheckpointError(
@@ -211,6 +227,11 @@ def parse_llm_config(data: dict[str, Any], path: Path) -> LLMConfig:
         raise CheckpointError(
             f"config file {path}: num_attention_heads {cfg.num_attention_heads} must be a multiple of "
             f"num_key_value_heads {cfg.num_key_value_heads}"
+        )
+    if cfg.max_position_embeddings > MAX_POSITION_EMBEDDINGS:
+        raise CheckpointError(
+            f"config file {path}: field 'max_position_embeddings' = {cfg.max_position_embeddings} must be <= "
+            f"{MAX_POSITION_EMBEDDINGS}"
         )
     act = data.get("hidden_act", "silu")
     if act != "silu":
@@ -285,6 +306,8 @@ def parse_ae_config(data: dict[str, Any] | None, path: Path) -> AEConfig:
             values[name] = tuple(value)
         elif name in ("scale_factor", "shift_factor"):
             values[name] = _get(data, name, float, path)
+            if name == "scale_factor":  # the decoder divides by it
+                _positive(path, scale_factor=values[name])
         else:
             values[name] = _get(data, name, int, path)
             _positive(path, **{name: values[name]})

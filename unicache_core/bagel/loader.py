@@ -1,14 +1,20 @@
 """Load a BAGEL checkpoint folder (official layout) into :class:`Bagel` + :class:`AutoEncoder`.
 
-Only JSON and safetensors files are read. The model is built on the meta device, every tensor name
-and shape in the files is checked against the model first (any mismatch is a
-:class:`~unicache_core.errors.CheckpointError` that lists the offending names), then the tensors are
-assigned in place (no second copy of the weights). The VAE is always kept in fp32, as officially.
+Only JSON and safetensors files are read. Before any module is built, the config is checked against
+the safetensors headers (names and shapes only; no tensor data): the layer and block counts and the
+main widths must match, so no config value can make the loader build or allocate without bound. The
+model is then built on the meta device, every tensor name and shape in the files is checked against
+it (any mismatch is a :class:`~unicache_core.errors.CheckpointError` that lists the offending names),
+and the tensors are assigned in place (no second copy of the weights). Every floating tensor is
+checked to be finite, both as stored and after the cast to the model dtype: a corrupt tensor or an
+fp16 overflow is a :class:`~unicache_core.errors.NumericalError` naming the tensor and the file. The
+VAE is always kept in fp32, as officially.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -16,9 +22,10 @@ from typing import Any, Mapping
 import torch
 from safetensors import safe_open
 
-from ..errors import CheckpointError
-from .config import BagelConfig, load_bagel_config
+from ..errors import CheckpointError, UniCacheError
+from .config import AE_CONFIG_FILE, LLM_CONFIG_FILE, VIT_CONFIG_FILE, BagelConfig, load_bagel_config
 from .modeling import AutoEncoder, Bagel
+from .numerics import check_weight
 from .tokenizer import BagelTokenizer
 
 logger = logging.getLogger(__name__)
@@ -56,6 +63,11 @@ _PICKLE_MAGICS = (b"PK\x03\x04", b"\x80")
 
 def _check_weights_file(path: Path) -> None:
     """Raise a :class:`CheckpointError` if ``path`` is missing or is a pickle file (only 8 bytes are read)."""
+    if path.exists() and not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise CheckpointError(
+            f"weights file {path} is {kind}; replace it with {path.name} of ByteDance-Seed/BAGEL-7B-MoT"
+        )
     if not path.is_file():
         pickles = sorted(p.name for p in path.parent.glob("*") if p.suffix.lower() in PICKLE_SUFFIXES)
         found = (
@@ -112,13 +124,111 @@ def _read_safetensors(
                 if not tensor.is_floating_point():
                     raise CheckpointError(f"{path}: tensor {name!r} has non-float dtype {tensor.dtype}")
                 tensors[name] = tensor.to(dtype)
+                check_weight(path, name, tensor, tensors[name])  # NaN/inf in the file, or overflow of `dtype`
             return tensors
-    except (CheckpointError, MemoryError, torch.OutOfMemoryError):
+    except (UniCacheError, MemoryError, torch.OutOfMemoryError):
         raise  # out of memory is not file corruption: keep the real error
     except Exception as exc:  # safetensors raises several types for corrupt/truncated files
         raise CheckpointError(
             f"cannot read {path}: {type(exc).__name__}: {exc}. The file is corrupt or truncated; re-download it"
         ) from None
+
+
+def read_header(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a safetensors file, from its header only (no tensor data is read)."""
+    _check_weights_file(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            return {name: tuple(fh.get_slice(name).get_shape()) for name in fh.keys()}
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:  # safetensors raises several types for corrupt/truncated files
+        raise CheckpointError(
+            f"cannot read {path}: {type(exc).__name__}: {exc}. The file is corrupt or truncated; re-download it"
+        ) from None
+
+
+def _indices(names: Mapping[str, object], prefix: str) -> set[int]:
+    """The ``N`` of every ``{prefix}N.`` name (module-list indices present in a header)."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    found = set()
+    for name in names:
+        match = pattern.match(name)
+        if match:
+            found.add(int(match.group(1)))
+    return found
+
+
+def check_config_against_headers(
+    config: BagelConfig, root: Path, ema: Mapping[str, tuple[int, ...]], ae: Mapping[str, tuple[int, ...]]
+) -> None:
+    """Refuse a config whose layer/block counts or main widths disagree with the weight files' headers.
+
+    Runs before any module is built: building follows the config, so a config saying
+    ``num_hidden_layers: 10000000`` or ``hidden_size: 2**40`` must fail here (cheaply) rather than make
+    the loader build millions of modules or overflow. Checked: LLM layers, vocabulary and width,
+    MLP width, attention widths; ViT layers, width, MLP width, patch and position table; VAE levels
+    and blocks per level, base width and latent channels. Everything else is then checked exactly
+    against the meta-built model (whose size is now bounded by the files).
+    """
+    llm, vit, aec = config.llm, config.vit, config.ae
+    ema_path, ae_path = root / EMA_FILE, root / AE_FILE
+    ae_source = f"{root / AE_CONFIG_FILE}" if (root / AE_CONFIG_FILE).is_file() else "the built-in FLUX VAE config"
+
+    def fail(source: str, detail: str) -> None:
+        raise CheckpointError(
+            f"{source} does not match the weights: {detail}; the config files do not belong to these weights "
+            f"(re-download the checkpoint folder)"
+        )
+
+    def count(header, path, source, prefix, what: str, expected: int) -> None:
+        found = _indices(header, prefix)
+        if found != set(range(expected)):
+            have = f"{len(found)} ({prefix}{min(found)} to {prefix}{max(found)})" if found else f"no {prefix}*"
+            fail(source, f"{what}, but {path.name} holds {have}")
+
+    def shape(header, path, source, name, expected, fields) -> None:
+        if name not in header:
+            fail(source, f"{path.name} lacks the tensor {name!r}")
+        if tuple(header[name]) != tuple(expected):
+            fail(source, f"{fields} give {name} the shape {tuple(expected)}, but {path.name} stores {tuple(header[name])}")
+
+    llm_src, vit_src = str(root / LLM_CONFIG_FILE), str(root / VIT_CONFIG_FILE)
+    lm = "language_model.model."
+    count(ema, ema_path, llm_src, f"{lm}layers.", f"num_hidden_layers = {llm.num_hidden_layers} layers",
+          llm.num_hidden_layers)
+    shape(ema, ema_path, llm_src, f"{lm}embed_tokens.weight", (llm.vocab_size, llm.hidden_size),
+          "vocab_size and hidden_size")
+    shape(ema, ema_path, llm_src, f"{lm}layers.0.mlp.gate_proj.weight", (llm.intermediate_size, llm.hidden_size),
+          "intermediate_size and hidden_size")
+    shape(ema, ema_path, llm_src, f"{lm}layers.0.self_attn.q_proj.weight",
+          (llm.num_attention_heads * llm.head_dim, llm.hidden_size), "num_attention_heads and hidden_size")
+    shape(ema, ema_path, llm_src, f"{lm}layers.0.self_attn.k_proj.weight",
+          (llm.num_key_value_heads * llm.head_dim, llm.hidden_size), "num_key_value_heads and hidden_size")
+    vm = "vit_model.vision_model."
+    # the file counts one more ViT layer than is built (BAGEL drops the last one)
+    count(ema, ema_path, vit_src, f"{vm}encoder.layers.",
+          f"num_hidden_layers = {vit.num_hidden_layers + 1} means {vit.num_hidden_layers} built layers (the last is "
+          f"dropped)", vit.num_hidden_layers)
+    shape(ema, ema_path, vit_src, f"{vm}embeddings.patch_embedding.weight",
+          (vit.hidden_size, vit.num_channels * vit.patch_size**2), "hidden_size, num_channels and patch_size")
+    shape(ema, ema_path, vit_src, f"{vm}embeddings.position_embedding.weight", (vit.num_positions, vit.hidden_size),
+          "image_size, patch_size and hidden_size")
+    shape(ema, ema_path, vit_src, f"{vm}encoder.layers.0.mlp.fc1.weight", (vit.intermediate_size, vit.hidden_size),
+          "intermediate_size and hidden_size")
+    levels = len(aec.ch_mult)
+    count(ae, ae_path, ae_source, "encoder.down.", f"ch_mult has {levels} levels", levels)
+    count(ae, ae_path, ae_source, "decoder.up.", f"ch_mult has {levels} levels", levels)
+    blocks = f"num_res_blocks = {aec.num_res_blocks} blocks per level"
+    for level in range(levels):
+        count(ae, ae_path, ae_source, f"encoder.down.{level}.block.", blocks, aec.num_res_blocks)
+        count(ae, ae_path, ae_source, f"decoder.up.{level}.block.", f"{blocks} (+1 in the decoder)",
+              aec.num_res_blocks + 1)
+    shape(ae, ae_path, ae_source, "encoder.conv_in.weight", (aec.ch, aec.in_channels, 3, 3), "ch and in_channels")
+    shape(ae, ae_path, ae_source, "encoder.conv_out.weight", (2 * aec.z_channels, aec.ch * aec.ch_mult[-1], 3, 3),
+          "z_channels, ch and ch_mult")
+    shape(ae, ae_path, ae_source, "decoder.conv_out.weight", (aec.out_ch, aec.ch * aec.ch_mult[0], 3, 3),
+          "out_ch, ch and ch_mult")
 
 
 def _expected_shapes(module: torch.nn.Module) -> dict[str, torch.Size]:
@@ -244,7 +354,9 @@ def load_bagel(
         max_memory: with ``device_map="auto"``: accelerate's ``{device: bytes or "10GiB"}`` budget.
 
     Raises:
-        CheckpointError: missing/corrupt/mismatching files, pickle files instead of safetensors.
+        CheckpointError: missing/corrupt/mismatching files, pickle files instead of safetensors, a config
+            that does not describe the weight files (checked on the headers before anything is built).
+        NumericalError: a weight holds NaN/inf in the file, or overflows ``dtype`` (e.g. fp16).
         ValueError: unsupported ``dtype``, unavailable ``device``, bad ``device_map`` arguments.
     """
     root = Path(checkpoint_dir)
@@ -262,10 +374,18 @@ def load_bagel(
             f"the tokenizer in {root} has {tokenizer.vocab_size} ids but llm_config.json says vocab_size="
             f"{config.llm.vocab_size}; the tokenizer files do not belong to this model"
         )
+    # headers only: the config must describe these files before anything is built from it
+    check_config_against_headers(config, root, read_header(root / EMA_FILE), read_header(root / AE_FILE))
 
-    with torch.device("meta"):
-        model = Bagel(config)
-        vae = AutoEncoder(config.ae)
+    try:
+        with torch.device("meta"):
+            model = Bagel(config)
+            vae = AutoEncoder(config.ae)
+    except (RuntimeError, ValueError, OverflowError) as exc:  # e.g. a width whose storage size overflows
+        raise CheckpointError(
+            f"cannot build the model described by the config files in {root}: {type(exc).__name__}: {exc}; "
+            f"check the config JSON files (re-download them)"
+        ) from None
     load_device = torch.device("cpu") if device_map is not None else device
     _assign(model, _read_safetensors(root / EMA_FILE, _expected_shapes(model), device=load_device, dtype=dtype))
     _assign(vae, _read_safetensors(root / AE_FILE, _expected_shapes(vae), device=device, dtype=torch.float32))

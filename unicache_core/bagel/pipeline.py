@@ -9,6 +9,16 @@ Randomness: one CPU ``torch.Generator`` seeded with ``seed`` gives, in order, th
 an edit's source image, the think-mode plan samples (including the official loop's final discarded
 draw) and the initial latent noise: the official code draws all of them from the global CPU RNG in
 that order, so seeded runs reproduce it (checked against the official code, sampled think mode too).
+Seeds below ``2**32`` seed it with ``manual_seed`` exactly as officially; every larger seed (up to
+``2**64 - 1``) gets its own stream too, although ``manual_seed`` keeps only 32 bits (mapping:
+:mod:`.seeding`).
+
+Non-finite values (NaN/inf) never become an image or a text: the logits of every decoding step, each
+branch velocity and the guided velocity of every denoising step, injected noise, the encoded and final
+latents and the decoded pixels are checked, and a :class:`~unicache_core.errors.NumericalError` names
+the step/branch and what to change (:mod:`.numerics`). Finite but absurd settings are refused up front
+(bounds: :data:`MAX_CFG_SCALE`, :data:`TIMESTEP_SHIFT_RANGE`, :data:`TEMPERATURE_RANGE`,
+:data:`MAX_NUM_TIMESTEPS`).
 """
 
 from __future__ import annotations
@@ -30,7 +40,9 @@ from ..segments import TokenType
 from . import contexts as C
 from .contexts import Context
 from .loader import LoadedBagel
+from .numerics import check_finite, check_logits, check_noise, check_velocities, model_advice
 from .sampling import RENORM_TYPES, cfg_active, combine_cfg, next_token, timestep_schedule, unpack_latent
+from .seeding import seeded_generator
 from .transforms import VAE_TRANSFORM, VIT_TRANSFORM, check_image, image_from_tensor, prepare_input_image
 
 logger = logging.getLogger(__name__)
@@ -92,9 +104,25 @@ class GenerationContexts:
 # --------------------------------------------------------------------------------------- validation
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
+#: Largest accepted ``cfg_text_scale`` / ``cfg_img_scale``. The official defaults are 4.0 and 1.5 (T2I) or
+#: 2.0 (edit), and the official demo's sliders stop at 8 and 4. Far larger scales only amplify the branch
+#: differences until they overflow.
+MAX_CFG_SCALE = 100.0
+#: Accepted ``timestep_shift`` range, inclusive (official default 3.0). Below about 1e-7 the fp32 schedule
+#: divides by zero. Far outside ``[0.01, 100]``, almost all steps land at one end of the schedule.
+TIMESTEP_SHIFT_RANGE = (0.01, 100.0)
+#: Accepted sampling ``temperature`` / ``think_temperature`` range when sampling (official default 0.3).
+#: Use greedy decoding (``do_sample=False``) rather than a temperature near 0.
+TEMPERATURE_RANGE = (1e-3, 100.0)
+#: Largest accepted ``num_timesteps`` (official default 50). Each step costs one forward per CFG branch.
+MAX_NUM_TIMESTEPS = 1000
+
+
+def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+            or (maximum is not None and value > maximum)):
+        bound = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+        raise ValueError(f"`{name}` must be an integer {bound}, got {value!r}")
     return value
 
 
@@ -120,10 +148,17 @@ def _check_bool(name: str, value: object) -> bool:
 def _check_prompt(prompt: object) -> str:
     if not isinstance(prompt, str):
         raise ValueError(f"`prompt` must be a str, got {type(prompt).__name__}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # lone surrogates, e.g. undecodable bytes of a command-line argument
+        raise ValueError(
+            f"`prompt` is not valid Unicode text: {prompt[exc.start:exc.end]!r} at index {exc.start} is a lone "
+            f"surrogate (an undecodable byte, e.g. from non-UTF-8 input); pass UTF-8 text"
+        ) from None
     return prompt
 
 
-#: Seeds must fit torch.Generator.manual_seed (an unsigned 64-bit integer).
+#: Largest seed (torch generators take unsigned 64-bit seeds; :func:`.seeding.seeded_generator` maps each one).
 MAX_SEED = 2**64 - 1
 
 
@@ -153,10 +188,11 @@ class FlowSettings:
         cls, num_timesteps, timestep_shift, cfg_text_scale, cfg_img_scale, cfg_interval, cfg_renorm_min,
         cfg_renorm_type,
     ) -> "FlowSettings":
-        _check_int("num_timesteps", num_timesteps, 2)
-        shift = _check_float("timestep_shift", timestep_shift, 0.0, strict=True)
-        text_scale = _check_float("cfg_text_scale", cfg_text_scale, 0.0)
-        img_scale = _check_float("cfg_img_scale", cfg_img_scale, 0.0)
+        _check_int("num_timesteps", num_timesteps, 2, MAX_NUM_TIMESTEPS)
+        lo_shift, hi_shift = TIMESTEP_SHIFT_RANGE
+        shift = _check_float("timestep_shift", timestep_shift, lo_shift, maximum=hi_shift)
+        text_scale = _check_float("cfg_text_scale", cfg_text_scale, 0.0, maximum=MAX_CFG_SCALE)
+        img_scale = _check_float("cfg_img_scale", cfg_img_scale, 0.0, maximum=MAX_CFG_SCALE)
         if not isinstance(cfg_interval, Sequence) or isinstance(cfg_interval, str) or len(cfg_interval) != 2:
             raise ValueError(f"`cfg_interval` must be a pair (lo, hi) with 0 <= lo <= hi <= 1, got {cfg_interval!r}")
         lo = _check_float("cfg_interval[0]", cfg_interval[0], 0.0, maximum=1.0)
@@ -166,6 +202,9 @@ class FlowSettings:
         renorm_min = _check_float("cfg_renorm_min", cfg_renorm_min, 0.0, maximum=1.0)
         if cfg_renorm_type not in RENORM_TYPES:
             raise ValueError(f"`cfg_renorm_type` must be one of {RENORM_TYPES}, got {cfg_renorm_type!r}")
+        timesteps, dts = timestep_schedule(num_timesteps, shift)
+        check_finite(torch.cat([timesteps, dts]), f"the flow schedule of timestep_shift={shift:g}",
+                     "choose a timestep_shift nearer 1 (official default 3.0)")
         return cls(num_timesteps, shift, text_scale, img_scale, (lo, hi), renorm_min, cfg_renorm_type)
 
 
@@ -184,8 +223,61 @@ class _ThinkSettings:
             return None
         _check_int("think_max_new_tokens", max_new_tokens, 1)
         if _check_bool("think_do_sample", do_sample):
-            _check_float("think_temperature", temperature, 0.0, strict=True)
+            _check_float("think_temperature", temperature, TEMPERATURE_RANGE[0], maximum=TEMPERATURE_RANGE[1])
         return cls(max_new_tokens, do_sample, float(temperature))
+
+
+def check_understanding_args(max_new_tokens, do_sample, temperature, think, seed) -> None:
+    """The argument checks of :meth:`BagelPipeline.understand` (no model needed; the CLI runs them first)."""
+    _check_int("max_new_tokens", max_new_tokens, 1)
+    if _check_bool("do_sample", do_sample):
+        _check_float("temperature", temperature, TEMPERATURE_RANGE[0], maximum=TEMPERATURE_RANGE[1])
+    _check_bool("think", think)
+    if seed is not None:
+        _check_seed(seed)
+
+
+def check_output_size(config, width: object, height: object) -> tuple[int, int]:
+    """``width``/``height`` of a T2I request: positive multiples of the latent patch (16 px for BAGEL), within
+    ``latent_downsample * max_latent_size`` (1024 px for BAGEL); ``config`` is a :class:`BagelConfig`."""
+    step = config.latent_downsample
+    limit = step * config.max_latent_size
+    for name, value in (("width", width), ("height", height)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % step or value > limit:
+            raise ValueError(f"`{name}` must be a positive multiple of {step} and <= {limit}, got {value!r}")
+    return width, height
+
+
+def understanding_positions(tokenizer, prompt: str, *, has_image: bool, think: bool) -> int:
+    """RoPE positions of an understanding context: ``[system (think)] [ViT image] [prompt]``."""
+    used = len(tokenizer.encode(prompt)) + 2 + (1 if has_image else 0)
+    if think:
+        used += len(tokenizer.encode(C.VLM_THINK_SYSTEM_PROMPT)) + 2
+    return used
+
+
+def generation_positions(tokenizer, prompt: str, *, has_image: bool, think: bool) -> int:
+    """RoPE positions of a ``gen`` context: ``[system] [VAE image, ViT image] prompt``, then the latent block."""
+    used = len(tokenizer.encode(prompt)) + 2 + (2 if has_image else 0) + 1
+    if think:
+        used += len(tokenizer.encode(C.GEN_THINK_SYSTEM_PROMPT)) + 2
+    return used
+
+
+def check_positions(config, used: int, extra: int, name: str) -> None:
+    """Refuse (before any forward) a request needing more RoPE positions than the model was trained on.
+
+    The official code would run past ``max_position_embeddings`` with untrained positions; here it
+    is an error. Images take one position each, text one per token.
+    """
+    limit = config.llm.max_position_embeddings
+    if used + extra > limit:
+        detail = f"{used} for the context" + (f" + {extra} for decoding" if extra else "")
+        raise ValueError(
+            f"`{name}` is too long: the request needs {used + extra} RoPE positions ({detail}) but "
+            f"max_position_embeddings = {limit}; shorten the prompt"
+            + (f" or lower `{name}`" if extra else "")
+        )
 
 
 # ----------------------------------------------------------------------------------------- pipeline
@@ -205,24 +297,9 @@ class BagelPipeline:
 
     # ---------------------------------------------------------------- position budget
 
-    def _text_positions(self, text: str) -> int:
-        """RoPE positions of a ``[im_start] text [im_end]`` block."""
-        return len(self.loaded.tokenizer.encode(text)) + 2
-
     def _check_positions(self, used: int, extra: int, name: str) -> None:
-        """Refuse (before any forward) a request needing more RoPE positions than the model was trained on.
-
-        The official code would run past ``max_position_embeddings`` with untrained positions; here it
-        is an error. Images take one position each, text one per token.
-        """
-        limit = self.loaded.config.llm.max_position_embeddings
-        if used + extra > limit:
-            detail = f"{used} for the context" + (f" + {extra} for decoding" if extra else "")
-            raise ValueError(
-                f"`{name}` is too long: the request needs {used + extra} RoPE positions ({detail}) but "
-                f"max_position_embeddings = {limit}; shorten the prompt"
-                + (f" or lower `{name}`" if extra else "")
-            )
+        """:func:`check_positions` with this checkpoint's config."""
+        check_positions(self.loaded.config, used, extra, name)
 
     # ---------------------------------------------------------------- building blocks
 
@@ -264,6 +341,7 @@ class BagelPipeline:
             if cancel is not None and cancel():
                 raise CancelledError(f"text decoding cancelled after {step} of at most {max_new_tokens} tokens")
             logits = C.decode_step(self.loaded, ctx, current, step, current_type)
+            check_logits(logits, step=step, max_new_tokens=max_new_tokens, dtype=self.loaded.dtype)
             vocab = logits.shape[-1]
             current = next_token(logits, do_sample=do_sample, temperature=temperature, generator=generator)
             current_type = TokenType.DECODED_TEXT
@@ -333,9 +411,10 @@ class BagelPipeline:
             if vae_noise is not None:
                 ds = self.loaded.config.ae.downsample
                 expected = (1, self.loaded.config.ae.z_channels, vae_input.shape[1] // ds, vae_input.shape[2] // ds)
-                if tuple(vae_noise.shape) != expected:
-                    raise ValueError(f"`vae_noise` must have shape {expected}, got {tuple(vae_noise.shape)}")
+                check_noise("vae_noise", vae_noise, expected)
             latent = C.encode_vae_latent(self.loaded, vae_input, noise=vae_noise, generator=generator)
+            check_finite(latent, "the VAE encoding of the source image",
+                         "check ae.safetensors (re-download it); the VAE always runs in fp32")
             C.append_vae(self.loaded, gen, latent, h, w)
             C.append_vit(self.loaded, gen, VIT_TRANSFORM(resized))
         cfg_text = gen.clone(branch="cfg_text")
@@ -424,6 +503,8 @@ class BagelPipeline:
             if cancel is not None and cancel():
                 raise CancelledError(f"denoising cancelled before step {i + 1} of {total}")
             v, raw = self.velocity(contexts, x, timesteps[i], settings, step=i)
+            check_velocities(raw, v, step=i, total=total, dtype=self.loaded.dtype,
+                             cfg_text_scale=settings.cfg_text_scale, cfg_img_scale=settings.cfg_img_scale)
             for name in raw:
                 forwards[name] += 1
             if i == 0 and return_step0_velocity:
@@ -441,9 +522,12 @@ class BagelPipeline:
         cfg = self.loaded.config
         h, w = height // cfg.latent_downsample, width // cfg.latent_downsample
         latent = unpack_latent(x.float(), h, w, cfg.latent_channel, cfg.latent_patch_size)
+        check_finite(latent, "the final latent", model_advice(self.loaded.dtype))
         vae = self.loaded.vae
         vae_device = next(vae.parameters()).device
         pixels = vae.decode(latent.to(vae_device))
+        check_finite(pixels, "the decoded image (VAE output, before the uint8 conversion)",
+                     "check ae.safetensors (re-download it); the VAE always runs in fp32")
         return latent, image_from_tensor(pixels)
 
     # ---------------------------------------------------------------- public procedures
@@ -465,16 +549,11 @@ class BagelPipeline:
         _check_prompt(prompt)
         if image is not None:
             check_image(image, "image")
-        _check_int("max_new_tokens", max_new_tokens, 1)
-        if _check_bool("do_sample", do_sample):
-            _check_float("temperature", temperature, 0.0, strict=True)
-        _check_bool("think", think)
+        check_understanding_args(max_new_tokens, do_sample, temperature, think, seed)
         generator = None
         if seed is not None:
-            generator = torch.Generator().manual_seed(_check_seed(seed))
-        used = self._text_positions(prompt) + (1 if image is not None else 0)
-        if think:
-            used += self._text_positions(C.VLM_THINK_SYSTEM_PROMPT)
+            generator = seeded_generator(_check_seed(seed))
+        used = understanding_positions(self.loaded.tokenizer, prompt, has_image=image is not None, think=think)
         self._check_positions(used, 0, "prompt")
         self._check_positions(used, max_new_tokens, "max_new_tokens")
         with torch.inference_mode():
@@ -534,10 +613,7 @@ class BagelPipeline:
             return_step0_velocity: keep the step-0 branch and guided velocities in the result.
         """
         _check_prompt(prompt)
-        limit = self.loaded.config.latent_downsample * self.loaded.config.max_latent_size
-        for name, value in (("width", width), ("height", height)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 16 or value > limit:
-                raise ValueError(f"`{name}` must be a positive multiple of 16 and <= {limit}, got {value!r}")
+        check_output_size(self.loaded.config, width, height)
         settings = FlowSettings.create(
             num_timesteps, timestep_shift, cfg_text_scale, cfg_img_scale, cfg_interval, cfg_renorm_min,
             cfg_renorm_type,
@@ -613,14 +689,13 @@ class BagelPipeline:
         """Shared body of :meth:`text_to_image` (``image`` None, explicit size) and :meth:`edit`."""
         seed = _check_seed(seed)
         # gen context: [system] [VAE image, ViT image] prompt [plan], then the latent block (1 position)
-        used = self._text_positions(prompt) + (2 if image is not None else 0) + 1
-        if think is not None:
-            used += self._text_positions(C.GEN_THINK_SYSTEM_PROMPT)
+        used = generation_positions(self.loaded.tokenizer, prompt, has_image=image is not None,
+                                    think=think is not None)
         self._check_positions(used, 0, "prompt")
         if think is not None:
             # the plan is decoded (<= think.max_new_tokens positions) and then re-fed as a text block
             self._check_positions(used, think.max_new_tokens + 2, "think_max_new_tokens")
-        generator = torch.Generator().manual_seed(seed)
+        generator = seeded_generator(seed)
         with torch.inference_mode():
             t0 = time.perf_counter()
             contexts = self.build_generation_contexts(
@@ -644,10 +719,7 @@ class BagelPipeline:
             if initial_noise is None:
                 x = torch.randn(shape, generator=generator, dtype=torch.float32)
             else:
-                if not isinstance(initial_noise, Tensor) or tuple(initial_noise.shape) != shape:
-                    got = tuple(initial_noise.shape) if isinstance(initial_noise, Tensor) else type(initial_noise)
-                    raise ValueError(f"`initial_noise` must be a tensor of shape {shape}, got {got}")
-                x = initial_noise.float().clone()
+                x = check_noise("initial_noise", initial_noise, shape).float().clone()
             x = x.to(self.loaded.device)
             x, forwards, step0 = self.denoise(
                 contexts, x, settings, progress=progress, cancel=cancel, return_step0_velocity=return_step0_velocity

@@ -58,11 +58,24 @@ class AddedTokenSpec:
     single_word: bool = False
 
 
+#: Largest accepted tokenizer file (Qwen2's vocab.json is about 3 MB); larger files are refused unread.
+MAX_TOKENIZER_FILE_BYTES = 64 << 20
+
+
 def _require(path: Path) -> Path:
+    if path.exists() and not path.is_file():  # a folder, FIFO or device: never opened (a FIFO would block)
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise CheckpointError(f"tokenizer file {path} is {kind}; re-download {path.name}")
     if not path.is_file():
         raise CheckpointError(
             f"missing tokenizer file {path}; the checkpoint folder needs {VOCAB_FILE}, {MERGES_FILE} and "
             f"{TOKENIZER_CONFIG_FILE} (download them from the ByteDance-Seed/BAGEL-7B-MoT repository)"
+        )
+    size = path.stat().st_size
+    if size > MAX_TOKENIZER_FILE_BYTES:
+        raise CheckpointError(
+            f"tokenizer file {path} is {size} bytes, far more than a tokenizer file needs "
+            f"(limit {MAX_TOKENIZER_FILE_BYTES}); re-download it"
         )
     return path
 
@@ -70,7 +83,7 @@ def _require(path: Path) -> Path:
 def _load_json(path: Path) -> Any:
     try:
         return json.loads(_require(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8/JSON, a 5000-digit integer
         raise CheckpointError(f"cannot parse tokenizer file {path}: {exc}; re-download it") from None
 
 
