@@ -194,7 +194,7 @@ def test_cached_greedy_decoding_equals_recomputation(pipe, loaded, source_image)
         ids = torch.tensor(fed[:k])
         positions = torch.arange(fresh.rope, fresh.rope + k)
         call = AttentionCall(token_types=C._types((TokenType.DECODED_TEXT, k), device=torch.device("cpu")),
-                             positions=positions, causal=True, update=False)
+                             rope_positions=positions, causal=True, update=False)
         hidden = loaded.model.forward_llm(loaded.model.embed_text(ids), positions, fresh.cache, call)
         logits = loaded.model.lm_logits(hidden)[-1]
         assert torch.allclose(logits, cached_logits[k - 1], atol=1e-4, rtol=1e-4)

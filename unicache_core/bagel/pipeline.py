@@ -25,7 +25,8 @@ from PIL import Image
 from torch import Tensor
 
 from ..errors import CancelledError
-from ..kvcache import CacheFactory, CacheRequest, Task, full_cache_factory
+from ..kvcache import CacheFactory, CacheSession, RequestInfo, StepInfo, Task, as_cache_factory, full_cache_factory
+from ..model_id import model_id_of
 from ..segments import TokenType
 from . import contexts as C
 from .contexts import Context
@@ -64,6 +65,7 @@ class GenerationResult:
     info: dict = field(default_factory=dict)
     think_text: str | None = None
     step0_velocity: dict[str, Tensor] | None = None
+    kv_report: dict | None = None
 
 
 @dataclass
@@ -73,6 +75,7 @@ class UnderstandingResult:
     text: str
     token_ids: list[int]
     info: dict = field(default_factory=dict)
+    kv_report: dict | None = None
 
 
 @dataclass
@@ -84,6 +87,7 @@ class GenerationContexts:
     cfg_img: Context
     height: int
     width: int
+    session: CacheSession | None = None
 
     def branches(self) -> dict[str, Context]:
         return {"gen": self.gen, "cfg_text": self.cfg_text, "cfg_img": self.cfg_img}
@@ -196,12 +200,22 @@ class BagelPipeline:
 
     Args:
         loaded: the model, VAE, tokenizer and config (:func:`~unicache_core.bagel.loader.load_bagel`).
-        cache_factory: builds the cache of each context (``CacheRequest(task, branch, num_layers)``).
+        cache_factory: starts the cache session of each request
+            (:func:`unicache_core.methods.make_cache_factory`), or a plain ``fn(CacheRequest) -> KVCache``.
     """
 
     def __init__(self, loaded: LoadedBagel, cache_factory: CacheFactory = full_cache_factory):
         self.loaded = loaded
-        self.cache_factory = cache_factory
+        self.cache_factory = as_cache_factory(cache_factory)
+        try:
+            self.model_id = model_id_of(loaded.checkpoint_dir)
+        except (ValueError, TypeError):
+            self.model_id = ""
+
+    def start_session(self, task: Task, num_steps: int | None = None) -> CacheSession:
+        """The cache session of one request (every context of the request gets its cache from it)."""
+        return self.cache_factory.start(RequestInfo(task=task, num_layers=self.loaded.model.num_layers,
+                                                    num_steps=num_steps, model_id=self.model_id))
 
     # ---------------------------------------------------------------- position budget
 
@@ -226,10 +240,10 @@ class BagelPipeline:
 
     # ---------------------------------------------------------------- building blocks
 
-    def new_context(self, task: Task, branch: str) -> Context:
-        """An empty context whose cache comes from the factory."""
-        cache = self.cache_factory(CacheRequest(task=task, branch=branch, num_layers=self.loaded.model.num_layers))
-        return Context(cache=cache, rope=0)
+    def new_context(self, task: Task, branch: str, session: CacheSession | None = None) -> Context:
+        """An empty context whose cache comes from ``session`` (a new session of the factory when None)."""
+        session = self.start_session(task) if session is None else session
+        return Context(cache=session.new_cache(branch), rope=0)
 
     @torch.inference_mode()
     def decode_text(
@@ -243,6 +257,8 @@ class BagelPipeline:
         progress: ProgressFn | None = None,
         cancel: CancelFn | None = None,
         draw_discarded_sample: bool = False,
+        session: CacheSession | None = None,
+        branch: str = "gen",
     ) -> tuple[str, list[int]]:
         """Decode an answer from ``ctx`` (modified in place: the fed tokens are cached).
 
@@ -252,6 +268,7 @@ class BagelPipeline:
         ``draw_discarded_sample``: when sampling stops at the length limit, consume the one extra
         multinomial draw the official loop makes (and discards) from ``generator``, so that later draws
         from the same generator (the latent noise after a think plan) match the official RNG stream.
+        ``session``/``branch``: the cache session is told where each decoded token begins and ends.
 
         Returns:
             ``(text, generated ids)``; text is decoded and cut as the official ``gen_text`` does.
@@ -263,7 +280,14 @@ class BagelPipeline:
         for step in range(max_new_tokens):
             if cancel is not None and cancel():
                 raise CancelledError(f"text decoding cancelled after {step} of at most {max_new_tokens} tokens")
-            logits = C.decode_step(self.loaded, ctx, current, step, current_type)
+            info = StepInfo(phase="decode", step=step, total=max_new_tokens, branches=(branch,))
+            if session is not None:
+                session.begin_step(info)
+            try:
+                logits = C.decode_step(self.loaded, ctx, current, step, current_type)
+            finally:
+                if session is not None:
+                    session.end_step(info)
             vocab = logits.shape[-1]
             current = next_token(logits, do_sample=do_sample, temperature=temperature, generator=generator)
             current_type = TokenType.DECODED_TEXT
@@ -288,9 +312,10 @@ class BagelPipeline:
         return text
 
     @torch.inference_mode()
-    def build_understanding_context(self, image: Image.Image | None, prompt: str, *, think: bool = False) -> Context:
+    def build_understanding_context(self, image: Image.Image | None, prompt: str, *, think: bool = False,
+                                    session: CacheSession | None = None) -> Context:
         """``[system (think)] [ViT image] [text]`` in one ``gen`` context (bagel.md §4.6)."""
-        ctx = self.new_context("understanding", "gen")
+        ctx = self.new_context("understanding", "gen", session)
         if think:
             C.append_text(self.loaded, ctx, C.VLM_THINK_SYSTEM_PROMPT)
         if image is not None:
@@ -311,6 +336,7 @@ class BagelPipeline:
         think: bool = False,
         generator: torch.Generator | None = None,
         vae_noise: Tensor | None = None,
+        session: CacheSession | None = None,
     ) -> GenerationContexts:
         """Build ``gen``, ``cfg_text`` and ``cfg_img`` as ``interleave_inference`` does (image, then text).
 
@@ -319,8 +345,9 @@ class BagelPipeline:
         """
         if image is None and (width is None or height is None):
             raise ValueError("`width` and `height` are required without a source image")
-        gen = self.new_context(task, "gen")
-        cfg_img = self.new_context(task, "cfg_img")
+        session = self.start_session(task) if session is None else session
+        gen = self.new_context(task, "gen", session)
+        cfg_img = self.new_context(task, "cfg_img", session)
         if think:
             C.append_text(self.loaded, gen, C.GEN_THINK_SYSTEM_PROMPT)
             C.append_text(self.loaded, cfg_img, C.GEN_THINK_SYSTEM_PROMPT)
@@ -338,10 +365,12 @@ class BagelPipeline:
             latent = C.encode_vae_latent(self.loaded, vae_input, noise=vae_noise, generator=generator)
             C.append_vae(self.loaded, gen, latent, h, w)
             C.append_vit(self.loaded, gen, VIT_TRANSFORM(resized))
-        cfg_text = gen.clone(branch="cfg_text")
+        # the official deepcopy(gen) point: after the image, before the text; the session builds it from gen
+        cfg_text = Context(session.fork(gen.cache, "cfg_text"), gen.rope)
         C.append_text(self.loaded, gen, prompt)
         C.append_text(self.loaded, cfg_img, prompt)
-        return GenerationContexts(gen=gen, cfg_text=cfg_text, cfg_img=cfg_img, height=height, width=width)
+        return GenerationContexts(gen=gen, cfg_text=cfg_text, cfg_img=cfg_img, height=height, width=width,
+                                  session=session)
 
     @torch.inference_mode()
     def branch_velocities(
@@ -368,6 +397,19 @@ class BagelPipeline:
             for name in branches
         }
 
+    @staticmethod
+    def step_branches(t: Tensor, settings: FlowSettings) -> tuple[list[str], float, float]:
+        """``(branches computed at time t, text scale, image scale)`` as the official ``_forward_flow`` decides."""
+        active = cfg_active(t, settings.cfg_interval)
+        text_scale = settings.cfg_text_scale if active else 1.0
+        img_scale = settings.cfg_img_scale if active else 1.0
+        names = ["gen"]
+        if text_scale > 1.0:
+            names.append("cfg_text")
+            if img_scale > 1.0:
+                names.append("cfg_img")
+        return names, text_scale, img_scale
+
     @torch.inference_mode()
     def velocity(
         self,
@@ -385,14 +427,7 @@ class BagelPipeline:
         (when the text scale is <= 1 the image term is never used, so it is not computed).
         """
         t_tensor = t if isinstance(t, Tensor) else torch.tensor(t, dtype=torch.float32)
-        active = cfg_active(t_tensor, settings.cfg_interval)
-        text_scale = settings.cfg_text_scale if active else 1.0
-        img_scale = settings.cfg_img_scale if active else 1.0
-        names = ["gen"]
-        if text_scale > 1.0:
-            names.append("cfg_text")
-            if img_scale > 1.0:
-                names.append("cfg_img")
+        names, text_scale, img_scale = self.step_branches(t_tensor, settings)
         raw = self.branch_velocities(contexts, x, t_tensor, step=step, branches=names)
         guided = combine_cfg(
             raw["gen"], raw.get("cfg_text"), raw.get("cfg_img"), text_scale=text_scale, img_scale=img_scale,
@@ -423,7 +458,15 @@ class BagelPipeline:
         for i in range(total):
             if cancel is not None and cancel():
                 raise CancelledError(f"denoising cancelled before step {i + 1} of {total}")
-            v, raw = self.velocity(contexts, x, timesteps[i], settings, step=i)
+            names, _, _ = self.step_branches(timesteps[i], settings)
+            info = StepInfo(phase="denoise", step=i, total=total, branches=tuple(names), timestep=float(timesteps[i]))
+            if contexts.session is not None:
+                contexts.session.begin_step(info)
+            try:
+                v, raw = self.velocity(contexts, x, timesteps[i], settings, step=i)
+            finally:
+                if contexts.session is not None:
+                    contexts.session.end_step(info)
             for name in raw:
                 forwards[name] += 1
             if i == 0 and return_step0_velocity:
@@ -477,20 +520,22 @@ class BagelPipeline:
             used += self._text_positions(C.VLM_THINK_SYSTEM_PROMPT)
         self._check_positions(used, 0, "prompt")
         self._check_positions(used, max_new_tokens, "max_new_tokens")
+        session = self.start_session("understanding", max_new_tokens)
         with torch.inference_mode():
             t0 = time.perf_counter()
-            ctx = self.build_understanding_context(image, prompt, think=think)
+            ctx = self.build_understanding_context(image, prompt, think=think, session=session)
             t1 = time.perf_counter()
             context_tokens = ctx.num_tokens
             text, ids = self.decode_text(
                 ctx, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                generator=generator, progress=progress, cancel=cancel,
+                generator=generator, progress=progress, cancel=cancel, session=session,
             )
             t2 = time.perf_counter()
         info = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "context_tokens": {"gen": context_tokens},
                 "cache_bytes": ctx.cache.nbytes()}
+        kv_report = session.finish()
         logger.info("understanding: %d context tokens, %d new tokens, %.2fs", context_tokens, len(ids), t2 - t0)
-        return UnderstandingResult(text=text, token_ids=ids, info=info)
+        return UnderstandingResult(text=text, token_ids=ids, info=info, kv_report=kv_report)
 
     def text_to_image(
         self,
@@ -621,21 +666,23 @@ class BagelPipeline:
             # the plan is decoded (<= think.max_new_tokens positions) and then re-fed as a text block
             self._check_positions(used, think.max_new_tokens + 2, "think_max_new_tokens")
         generator = torch.Generator().manual_seed(seed)
+        session = self.start_session(task, settings.num_timesteps - 1)
         with torch.inference_mode():
             t0 = time.perf_counter()
             contexts = self.build_generation_contexts(
                 task, prompt, image=image, width=width, height=height, think=think is not None,
-                generator=generator, vae_noise=vae_noise,
+                generator=generator, vae_noise=vae_noise, session=session,
             )
             t1 = time.perf_counter()
             think_text = None
             if think is not None:
-                plan_ctx = contexts.gen.clone(branch="gen")
+                plan_ctx = Context(session.fork(contexts.gen.cache, "plan"), contexts.gen.rope)
                 think_text, _ = self.decode_text(
                     plan_ctx, max_new_tokens=think.max_new_tokens, do_sample=think.do_sample,
                     temperature=think.temperature, generator=generator, progress=progress, cancel=cancel,
-                    draw_discarded_sample=True,
+                    draw_discarded_sample=True, session=session, branch="plan",
                 )
+                session.release("plan")
                 del plan_ctx
                 C.append_text(self.loaded, contexts.gen, think_text)
             t2 = time.perf_counter()
@@ -665,5 +712,5 @@ class BagelPipeline:
                     t3 - t2)
         return GenerationResult(
             image=picture, latents=latent, num_steps=settings.num_timesteps - 1, seed=seed, info=info,
-            think_text=think_text, step0_velocity=step0,
+            think_text=think_text, step0_velocity=step0, kv_report=session.finish(),
         )
