@@ -33,7 +33,7 @@ from .contexts import Context
 from .loader import LoadedBagel
 from .settings import EDIT_DEFAULTS as _E, T2I_DEFAULTS as _T, UNDERSTANDING_DEFAULTS as _U
 from .sampling import RENORM_TYPES, cfg_active, combine_cfg, next_token, timestep_schedule, unpack_latent
-from .transforms import VAE_TRANSFORM, VIT_TRANSFORM, check_image, image_from_tensor, prepare_input_image
+from .transforms import ImageTransforms, check_image, image_from_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -320,8 +320,9 @@ class BagelPipeline:
         if think:
             C.append_text(self.loaded, ctx, C.VLM_THINK_SYSTEM_PROMPT)
         if image is not None:
-            resized = prepare_input_image(image, "image")
-            C.append_vit(self.loaded, ctx, VIT_TRANSFORM(resized))
+            transforms = ImageTransforms.from_config(self.loaded.config)
+            resized = transforms.prepare(image, "image")
+            C.append_vit(self.loaded, ctx, transforms.vit(resized))
         C.append_text(self.loaded, ctx, prompt)
         return ctx
 
@@ -353,9 +354,10 @@ class BagelPipeline:
             C.append_text(self.loaded, gen, C.GEN_THINK_SYSTEM_PROMPT)
             C.append_text(self.loaded, cfg_img, C.GEN_THINK_SYSTEM_PROMPT)
         if image is not None:
-            resized = prepare_input_image(image, "image")
+            transforms = ImageTransforms.from_config(self.loaded.config)
+            resized = transforms.prepare(image, "image")
             width, height = resized.size
-            vae_input = VAE_TRANSFORM(resized)
+            vae_input = transforms.vae(resized)
             lp = self.loaded.config.latent_downsample
             h, w = vae_input.shape[1] // lp, vae_input.shape[2] // lp
             if vae_noise is not None:
@@ -365,7 +367,7 @@ class BagelPipeline:
                     raise ValueError(f"`vae_noise` must have shape {expected}, got {tuple(vae_noise.shape)}")
             latent = C.encode_vae_latent(self.loaded, vae_input, noise=vae_noise, generator=generator)
             C.append_vae(self.loaded, gen, latent, h, w)
-            C.append_vit(self.loaded, gen, VIT_TRANSFORM(resized))
+            C.append_vit(self.loaded, gen, transforms.vit(resized))
         # the official deepcopy(gen) point: after the image, before the text; the session builds it from gen
         cfg_text = Context(session.fork(gen.cache, "cfg_text"), gen.rope)
         C.append_text(self.loaded, gen, prompt)
