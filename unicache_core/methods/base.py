@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from ..kvcache import AttentionCall
 from ..segments import CANDIDATE_TYPES
 from .cache import CallPlan
-from .ops import evict, floor_bytes, rows_for_bytes
+from .ops import evict, evicted_row_bytes, floor_bytes, rows_for_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cache import CompressingKVCache, CompressionSession
@@ -130,6 +130,9 @@ class GlobalEvictionMethod(CompressionMethod):
     def compress_layers(self, session: "CompressionSession", cache: "CompressingKVCache") -> None:
         ratio = session.resolve_target()
         budget_rows, pool_rows = [], []
+        # Rows round down on the branch's running byte total, not per layer: the branch holds at most its
+        # budget, and misses it by less than one row overall instead of one row per layer.
+        spent = carried = 0
         for layer in range(cache.num_layers):
             st = cache.layer(layer)
             full = cache.managed_full_bytes(layer)
@@ -141,7 +144,10 @@ class GlobalEvictionMethod(CompressionMethod):
                 continue
             h, d, dtype, _ = meta
             elem = cache.row_bytes(layer) // (2 * h * d)
-            budget_rows.append(rows_for_bytes(budget, h, d, elem))
+            carried += budget
+            rows = rows_for_bytes(carried - spent, h, d, elem)
+            spent += rows * evicted_row_bytes(h, d, elem)
+            budget_rows.append(rows)
             pool_rows.append(sum(st.stores[i].num_tokens for i in candidate_indices(cache, layer)))
             cache.state[layer].budgets = {"candidate": budget}
         rows = self.layer_rows(cache, budget_rows, pool_rows)

@@ -16,6 +16,7 @@ step; for understanding before the first decoded token, then every chunk of deco
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING
 
 from ..kvcache import AttentionCall
@@ -143,16 +144,18 @@ class UniCacheMethod(CompressionMethod):
                 bits, group = setting
                 need = quantized_bytes(n, h, d, bits, group, residual, elem)
                 held = sum(st.stores[i].nbytes() for i in idx)
-                if current is None or current.kind == "full" or need < held:
-                    if current is None or current.kind != "quantized" or bits <= current.bits:
-                        quantize(st, idx, bits, group, residual)
+                lower_bits = current is None or current.kind != "quantized" or bits <= current.bits
+                if need < held and lower_bits:  # never a store that holds more than the current one
+                    quantize(st, idx, bits, group, residual)
             held = sum(s.nbytes() for s in st.stores if s.token_type == t)
             leftover += max(0, budgets[t] - held)
         evicted = [t for t in ratios if self.table.kind(task, t) == "evict"]
         share = sum(budgets[t] for t in evicted)
+        # What quantized segments leave unused goes to the evicted types. A quantized segment that cannot
+        # reach its budget (residual window, 2-bit floor) is flagged, not paid for by evicting other types.
         for t in evicted:
-            if share > 0 and leftover > 0:
-                budgets[t] += int(leftover * budgets[t] / share)
+            if share > 0 and leftover:
+                budgets[t] += math.floor(leftover * budgets[t] / share)
             idx = st.find(t)
             if not idx:
                 continue
