@@ -1,6 +1,6 @@
 """UniCache's task- and type-aware machinery: routing, statistics, allocation, schedule, keep sets.
 
-Paper: https://arxiv.org/abs/2609.32831; design: kv-compression.md §8. Pure helpers, no side effects.
+Paper: https://arxiv.org/abs/2609.32831; design: docs/compression.md §8. Pure helpers, no side effects.
 """
 
 from .allocator import allocate, allocate_integer, allocate_types, target_ratios

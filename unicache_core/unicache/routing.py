@@ -1,6 +1,6 @@
 """K90 routing: which policy family (evict / quantize / protect) each (task, token type) gets.
 
-kv-compression.md §8.1 and §8.4: a segment whose attention is concentrated (K90 <= 0.3) is evicted
+docs/compression.md §8.1 and §8.4: a segment whose attention is concentrated (K90 <= 0.3) is evicted
 with H2O; a diffuse one is quantized with KIVI. The plan is static per task.
 """
 
