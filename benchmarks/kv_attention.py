@@ -15,7 +15,7 @@ bytes do not depend on the values; the error column only shows each method's beh
 Every policy scores with an earlier step's latent queries (an independent draw), never with the
 queries that are timed and measured.
 
-Memory matching (kv-compression.md §1): the byte budget of the candidate (compressible) KV is
+Memory matching (docs/compression.md §1): the byte budget of the candidate (compressible) KV is
 ``min(keep * candidate_bytes, keep * full_kv_bytes - protected_bytes)`` so the *whole* branch, protected
 boundary rows and every index tensor included, is at most ``keep`` of the uncompressed K+V.
 """

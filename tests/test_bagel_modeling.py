@@ -29,7 +29,7 @@ def model(loaded) -> Bagel:
 
 def _call(n: int, positions: torch.Tensor, *, causal: bool, update: bool = True) -> AttentionCall:
     return AttentionCall(
-        token_types=type_tensor(TokenType.INSTRUCTION, n), positions=positions, causal=causal, update=update
+        token_types=type_tensor(TokenType.INSTRUCTION, n), rope_positions=positions, causal=causal, update=update
     )
 
 

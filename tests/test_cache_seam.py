@@ -48,11 +48,11 @@ class CompressOnFirstDenoise(SegmentedKVCache):
             types = {t for t, _, _ in self.segments(layer)}
             if TokenType.SOURCE_VAE in types:
                 seg = self.segment_kv(layer, TokenType.SOURCE_VAE)
-                self.replace_segment(layer, TokenType.SOURCE_VAE, kivi.compress(seg.keys, seg.values, seg.positions))
+                self.replace_segment(layer, TokenType.SOURCE_VAE, kivi.compress(seg.keys, seg.values, seg.token_index))
             if TokenType.SOURCE_VIT in types:
                 seg = self.segment_kv(layer, TokenType.SOURCE_VIT)
                 keep = sink.select(ScoreInputs(keys=seg.keys), seg.num_tokens // 2)
-                store = EvictedStore.from_selection(seg.keys, seg.values, seg.positions, keep, TokenType.SOURCE_VIT)
+                store = EvictedStore.from_selection(seg.keys, seg.values, seg.token_index, keep, TokenType.SOURCE_VIT)
                 self.replace_segment(layer, TokenType.SOURCE_VIT, store)
         COMPRESSION_LOG.append((self.branch, before, self.nbytes()))
 
@@ -101,7 +101,7 @@ def test_compressing_cache_plugs_in_without_other_changes(loaded, source_image):
 def test_full_cache_rejects_bad_layer_and_mismatched_metadata():
     cache = FullKVCache(2)
     k = torch.randn(3, 1, 4)
-    call = AttentionCall(token_types=torch.zeros(2, dtype=torch.int8), positions=torch.arange(2), causal=True,
+    call = AttentionCall(token_types=torch.zeros(2, dtype=torch.int8), rope_positions=torch.arange(2), causal=True,
                          update=True)
     with pytest.raises(ValueError, match="layer"):
         cache.attend(2, torch.randn(3, 2, 4), k, k, call)
@@ -122,7 +122,7 @@ def test_full_cache_fused_sdpa_path_matches_lse_path(monkeypatch, dtype):
             q = torch.randn(n, 4, 8, generator=g).to(dtype)
             k = torch.randn(n, 2, 8, generator=g).to(dtype)
             v = torch.randn(n, 2, 8, generator=g).to(dtype)
-            call = AttentionCall(token_types=torch.zeros(n, dtype=torch.int8), positions=torch.arange(n),
+            call = AttentionCall(token_types=torch.zeros(n, dtype=torch.int8), rope_positions=torch.arange(n),
                                  causal=causal, update=update)
             outs.append(cache.attend(0, q, k, v, call))
         return outs, cache.num_tokens
@@ -152,7 +152,7 @@ def test_packed_block_causal_call_equals_sequential_calls(monkeypatch, cache_cls
     types = torch.tensor([5, 1, 1, 5, 5, 2, 5], dtype=torch.int8)
 
     def call(n, causal, mask=None, t=None):
-        return AttentionCall(token_types=types[:n] if t is None else t, positions=torch.arange(n), causal=causal,
+        return AttentionCall(token_types=types[:n] if t is None else t, rope_positions=torch.arange(n), causal=causal,
                              update=True, new_block_mask=mask)
 
     seq = make()

@@ -48,7 +48,7 @@ def test_edit_writes_png(tiny_checkpoint, tmp_path, source_png):
                 "--cfg-renorm-type", "text_channel")
     assert proc.returncode == 0, proc.stderr
     with Image.open(out) as img:
-        assert img.size == (688, 512)  # 40x30 -> VAE resize rule
+        assert img.size == (80, 64)  # 40x30 -> the tiny checkpoint's VAE resize rule (128, 64, 16)
 
 
 def test_understand_prints_answer(tiny_checkpoint, source_png):

@@ -60,3 +60,24 @@ def test_import_prints_nothing():
         [sys.executable, "-c", "import unicache_core, unicache_core.bagel"], capture_output=True, text=True, check=True
     )
     assert out.stdout == "" and out.stderr == ""
+
+
+def test_compression_core_never_imports_the_bagel_engine():
+    """Everything outside unicache_core.bagel (stores, policies, methods, ...) is model-agnostic."""
+    code = (
+        "import importlib, json, pkgutil, sys\n"
+        "def walk(pkg):\n"
+        "    for info in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        if info.name.startswith('unicache_core.bagel'):\n"
+        "            continue  # walk_packages would import it to recurse\n"
+        "        mod = importlib.import_module(info.name)\n"
+        "        if info.ispkg:\n"
+        "            walk(mod)\n"
+        "import unicache_core\n"
+        "walk(unicache_core)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('unicache_core.bagel'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    import json
+
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -17,7 +17,7 @@ TT = TokenType
 
 def _call(types: list[TokenType], causal: bool, update: bool = True, phase: str = "prefill") -> AttentionCall:
     t = torch.tensor([int(x) for x in types], dtype=torch.int8)
-    return AttentionCall(token_types=t, positions=torch.arange(len(types)), causal=causal, update=update,
+    return AttentionCall(token_types=t, rope_positions=torch.arange(len(types)), causal=causal, update=update,
                          phase=phase)
 
 
@@ -69,7 +69,7 @@ def test_uncompressed_equals_full_cache() -> None:
     keys, _, types, _ = full.layer_kv(0)
     for store in seg.stores(0):
         expected = (types == int(store.token_type)).nonzero().squeeze(1)
-        assert torch.equal(store.positions.long(), expected)
+        assert torch.equal(store.token_index.long(), expected)
 
 
 def test_evicted_segment_equals_masked_attention() -> None:
@@ -78,12 +78,12 @@ def test_evicted_segment_equals_masked_attention() -> None:
     keys, values, types, _ = full.layer_kv(1)
     vit = seg.segment_kv(1, TT.SOURCE_VIT)
     keep = torch.stack([torch.arange(0, 20, 3), torch.arange(1, 20, 3)])  # different tokens per KV head
-    store = EvictedStore.from_selection(vit.keys, vit.values, vit.positions, keep, TT.SOURCE_VIT)
+    store = EvictedStore.from_selection(vit.keys, vit.values, vit.token_index, keep, TT.SOURCE_VIT)
     old = seg.replace_segment(1, "source_vit", store)
     assert isinstance(old, FullStore)
     # reference: full attention with the dropped ViT rows masked per KV head, plus the new block
     mask = torch.ones(HKV, keys.shape[0], dtype=torch.bool)
-    mask[:, vit.positions.long()] = False
+    mask[:, vit.token_index.long()] = False
     mask.scatter_(1, store.keep_idx.long(), True)
     gen = torch.Generator().manual_seed(7)
     q, k, v = _qkv(6, gen)
@@ -103,14 +103,14 @@ def test_quantized_segment_equals_dequantized_attention() -> None:
     full, seg = FullKVCache(LAYERS), SegmentedKVCache(LAYERS)
     _run([full, seg], _sequence()[:3])
     vae = seg.segment_kv(0, TT.SOURCE_VAE)
-    store = KIVIPolicy(bits=2, group_size=8, residual=4).compress(vae.keys, vae.values, vae.positions)
+    store = KIVIPolicy(bits=2, group_size=8, residual=4).compress(vae.keys, vae.values, vae.token_index)
     seg.replace_segment(0, TT.SOURCE_VAE, store)
-    assert [s for s in seg.segments(0) if s[0] == TT.SOURCE_VAE][0][1] == "QuantizedStore"
+    assert [s for s in seg.segments(0) if s[0] == TT.SOURCE_VAE][0][1] == "quantized"
     # reference: the full cache with the VAE rows replaced by their dequantized values
     keys, values, _, _ = full.layer_kv(0)
     dk, dv = store.dequantize(torch.float32)
     keys, values = keys.clone(), values.clone()
-    keys[store.positions.long()], values[store.positions.long()] = dk, dv
+    keys[store.token_index.long()], values[store.token_index.long()] = dk, dv
     ref_cache = FullKVCache(1)
     ref_cache.append(0, keys, values, torch.zeros(keys.shape[0]), torch.arange(keys.shape[0]))
     gen = torch.Generator().manual_seed(3)
@@ -127,12 +127,12 @@ def test_appends_after_compression_open_a_new_store() -> None:
     _run([seg], [_call([TT.INSTRUCTION] * 8, causal=True)])
     s = seg.segment_kv(0, TT.INSTRUCTION)
     seg.replace_segment(0, TT.INSTRUCTION,
-                        EvictedStore.from_selection(s.keys, s.values, s.positions, torch.tensor([[0, 3]] * HKV),
+                        EvictedStore.from_selection(s.keys, s.values, s.token_index, torch.tensor([[0, 3]] * HKV),
                                                     TT.INSTRUCTION))
     _run([seg], [_call([TT.INSTRUCTION] * 3, causal=True)])
     kinds = seg.segments(0)
-    assert [k for _, k, _ in kinds] == ["EvictedStore", "FullStore"]
-    assert seg.segment_kv(0, TT.INSTRUCTION).positions.tolist() == [8, 9, 10]
+    assert [k for _, k, _ in kinds] == ["evicted", "full"]
+    assert seg.segment_kv(0, TT.INSTRUCTION).token_index.tolist() == [8, 9, 10]
     assert seg.num_tokens == 5
 
 
@@ -142,7 +142,7 @@ def test_replace_segment_errors() -> None:
     s = seg.segment_kv(0, TT.INSTRUCTION)
     with pytest.raises(ValueError, match="SOURCE_VAE"):
         seg.replace_segment(0, TT.SOURCE_VAE, s)
-    wrong = FullStore(s.keys, s.values, s.positions, TT.SOURCE_VIT)
+    wrong = FullStore(s.keys, s.values, s.token_index, TT.SOURCE_VIT)
     with pytest.raises(ValueError, match="store"):
         seg.replace_segment(0, TT.INSTRUCTION, wrong)
     with pytest.raises(ValueError, match="layer"):

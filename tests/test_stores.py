@@ -39,7 +39,7 @@ def test_full_store_attention_and_bytes() -> None:
     ref, ref_lse = attention_with_lse(q, k, v)
     assert torch.allclose(out, ref) and torch.allclose(lse, ref_lse)
     assert store.nbytes() == store.nominal_bytes() == 2 * T * HKV * D * 4 + 4 * T
-    assert store.positions.dtype == torch.int32
+    assert store.token_index.dtype == torch.int32
 
 
 def test_evicted_store_per_head_selection_is_honoured() -> None:
@@ -96,7 +96,7 @@ def test_evicted_bad_selection() -> None:
         EvictedStore.from_selection(k, v, pos, torch.tensor([[1, 1]] * HKV), TokenType.SOURCE_VIT)
     with pytest.raises(ValueError, match="keep"):
         EvictedStore.from_selection(k, v, pos, torch.tensor([[1, 2]]), TokenType.SOURCE_VIT)
-    with pytest.raises(ValueError, match="positions"):
+    with pytest.raises(ValueError, match="token_index"):
         EvictedStore.from_selection(k, v, pos[:5], torch.tensor([[1, 2]] * HKV), TokenType.SOURCE_VIT)
 
 
@@ -106,7 +106,7 @@ def test_quantized_store_attention_equals_dequantized(bits: int) -> None:
     store = QuantizedStore.from_kv(k, v, pos, bits=bits, group_size=32, residual=24)
     dk, dv = store.dequantize()
     assert dk.shape == k.shape
-    assert torch.equal(store.positions.long(), pos)
+    assert torch.equal(store.token_index.long(), pos)
     out, lse = store.attend(q)
     ref, ref_lse = attention_with_lse(q, dk, dv)
     assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
@@ -140,7 +140,7 @@ def test_quantized_bytes_match_formula_and_fall(dtype: torch.dtype) -> None:
         assert store.nbytes() == store.nominal_bytes()
         # the §1 ratio (fp16 residual, no positions) reproduces the measured bytes for a 2-byte cache dtype
         if dtype == torch.bfloat16:
-            kv_bytes = store.nbytes() - store.positions.nbytes
+            kv_bytes = store.nbytes() - store.token_index.nbytes
             ratio = KIVIPolicy(bits=bits, group_size=32, residual=16).nominal_ratio(300, D)
             assert kv_bytes == pytest.approx(ratio * 300 * D * 2 * 2 * HKV)
         sizes[bits] = store.nbytes()

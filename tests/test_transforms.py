@@ -1,14 +1,32 @@
-"""Image pre/post-processing of BAGEL (bagel.md §3.1, §2.8)."""
+"""Image pre/post-processing of BAGEL (``data/transforms.py`` and ``inferencer.py`` of ByteDance-Seed/Bagel)
+and the optional ``transform_config.json`` that sets a checkpoint's transform sizes."""
+
+import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from unicache_core.bagel.config import (
+    TRANSFORM_CONFIG_FILE,
+    BagelConfig,
+    ResizeConfig,
+    TransformConfig,
+    load_bagel_config,
+)
+from unicache_core.bagel.loader import load_bagel
+from unicache_core.bagel.pipeline import BagelPipeline
+from unicache_core.bagel.tiny import TINY_TRANSFORMS, tiny_config
 from unicache_core.bagel.transforms import (
     MAX_PIXELS,
+    OFFICIAL_TRANSFORMS,
     VAE_TRANSFORM,
     VIT_TRANSFORM,
+    ImageTransform,
+    ImageTransforms,
     check_image,
     image_from_tensor,
     pil_img2rgb,
@@ -16,10 +34,11 @@ from unicache_core.bagel.transforms import (
     resize_size,
     to_tensor,
 )
+from unicache_core.errors import CheckpointError
 
 
 def test_small_image_goes_through_vae_rule_then_vit_rule():
-    # bagel.md §3.1: 60x45 -> 688x512 (VAE rule) -> ViT 686x518 -> 49x37 = 1813 tokens.
+    # official rules: 60x45 -> 688x512 (VAE rule) -> ViT 686x518 -> 49x37 = 1813 tokens.
     resized = prepare_input_image(Image.new("RGB", (60, 45), (10, 20, 30)))
     assert resized.size == (688, 512)
     vit = VIT_TRANSFORM(resized)
@@ -107,3 +126,119 @@ def test_output_conversion_truncates():
     assert [img.getpixel((i, 0))[0] for i in range(3)] == [127, 255, 0]
     with pytest.raises(ValueError, match="image"):
         image_from_tensor(torch.zeros(2, 3, 4, 4))
+
+
+# ------------------------------------------------------------------------------------ transform_config.json
+
+
+def _source(width: int = 60, height: int = 45) -> Image.Image:
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8))
+
+
+def test_official_transforms_are_the_config_defaults():
+    assert TransformConfig() == TransformConfig(ResizeConfig(1024, 512, 16, 14 * 14 * 9 * 1024),
+                                                ResizeConfig(980, 224, 14, 14 * 14 * 9 * 1024))
+    assert VAE_TRANSFORM == ImageTransform(1024, 512, 16) and VIT_TRANSFORM == ImageTransform(980, 224, 14)
+    assert OFFICIAL_TRANSFORMS == ImageTransforms(VAE_TRANSFORM, VIT_TRANSFORM)
+    assert ImageTransforms.from_config(TransformConfig()) == OFFICIAL_TRANSFORMS
+    cfg = tiny_config(10)
+    assert ImageTransforms.from_config(cfg) == ImageTransforms.from_config(TINY_TRANSFORMS)
+    image = _source()
+    official = prepare_input_image(image, transforms=OFFICIAL_TRANSFORMS)
+    assert official.tobytes() == prepare_input_image(image).tobytes()
+
+
+def test_absent_file_gives_the_official_transforms(tiny_checkpoint_copy: Path):
+    (tiny_checkpoint_copy / TRANSFORM_CONFIG_FILE).unlink()
+    cfg = load_bagel_config(tiny_checkpoint_copy)
+    assert cfg.transforms == TransformConfig() and ImageTransforms.from_config(cfg) == OFFICIAL_TRANSFORMS
+    # the pipeline uses them: a 60x45 image gives the official 49x37 = 1813 ViT tokens
+    pipe = BagelPipeline(load_bagel(tiny_checkpoint_copy, dtype=torch.float32))
+    plain = pipe.build_understanding_context(None, "Describe.")
+    with_image = pipe.build_understanding_context(_source(), "Describe.")
+    # + the <|vision_start|> / <|vision_end|> boundaries
+    assert with_image.cache.num_tokens - plain.cache.num_tokens == 1813 + 2
+
+
+def test_tiny_checkpoint_writes_its_small_transforms(tiny_checkpoint: Path):
+    data = json.loads((tiny_checkpoint / TRANSFORM_CONFIG_FILE).read_text())
+    assert data["vae"] == {"max_size": 128, "min_size": 64, "stride": 16, "max_pixels": MAX_PIXELS}
+    assert data["vit"] == {"max_size": 112, "min_size": 56, "stride": 14, "max_pixels": MAX_PIXELS}
+    assert load_bagel_config(tiny_checkpoint).transforms == TINY_TRANSFORMS
+
+
+def test_file_is_read_and_used_by_the_pipeline(tiny_checkpoint_copy: Path):
+    # only some fields given: the others keep their official values (max_pixels here)
+    rule = {"max_size": 96, "min_size": 48, "stride": 32}
+    (tiny_checkpoint_copy / TRANSFORM_CONFIG_FILE).write_text(
+        json.dumps({"vae": rule, "vit": {"max_size": 70, "min_size": 28}})
+    )
+    loaded = load_bagel(tiny_checkpoint_copy, dtype=torch.float32)
+    assert loaded.config.transforms == TransformConfig(ResizeConfig(96, 48, 32), ResizeConfig(70, 28, 14))
+    image = _source()
+    expected = resize_size(60, 45, 96, 48, 32)
+    assert expected == (64, 64)  # 60x45 -> 64x48 -> 48/32 = 1.5 rounds half to even -> 2 -> 64
+    pipe = BagelPipeline(loaded)
+    res = pipe.edit(image, "make it blue", seed=0, num_timesteps=2)
+    assert res.image.size == expected and res.latents.shape == (1, 16, 8, 8)
+    # the ViT rule too: 64x64 -> (70, 28, 14) -> 70x70 = 5x5 patches
+    plain = pipe.build_understanding_context(None, "Describe.")
+    with_image = pipe.build_understanding_context(image, "Describe.")
+    assert with_image.cache.num_tokens - plain.cache.num_tokens == 5 * 5 + 2
+
+
+def test_invalid_transform_json_names_the_file(tiny_checkpoint_copy: Path):
+    (tiny_checkpoint_copy / TRANSFORM_CONFIG_FILE).write_text("{ not json")
+    with pytest.raises(CheckpointError, match=re.escape(TRANSFORM_CONFIG_FILE)):
+        load_bagel_config(tiny_checkpoint_copy)
+
+
+@pytest.mark.parametrize(
+    "data, key, value, hint",
+    [
+        ({"vae": {"max_size": "128"}}, "vae.max_size", "'128'", "int > 0"),
+        ({"vae": {"min_size": True}}, "vae.min_size", "True", "int > 0"),
+        ({"vit": {"max_size": 112.0}}, "vit.max_size", "112.0", "int > 0"),
+        ({"vae": {"stride": 0}}, "vae.stride", "0", "int > 0"),
+        ({"vit": {"min_size": -56}}, "vit.min_size", "-56", "int > 0"),
+        ({"vae": {"max_pixels": 0}}, "vae.max_pixels", "0", "int > 0"),
+        ({"vae": {"max_size": 64, "min_size": 128}}, "vae.max_size", "64", ">= 'vae.min_size' = 128"),
+        ({"vit": {"max_size": 112}}, "vit.max_size", "112", ">= 'vit.min_size' = 224"),  # official min 224
+        ({"vae": {"stride": 24}}, "vae.stride", "24", "multiple of 16"),
+        ({"vit": {"stride": 16}}, "vit.stride", "16", "equal the ViT patch_size 14"),
+        ({"vae": {"max_size": 1040}}, "vae.max_size", "1040", "65 latent tokens, more than max_latent_size"),
+        ({"vit": {"max_size": 994}}, "vit.max_size", "994", "71 patches per side"),
+        ({"vae": [128, 64, 16]}, "vae", "[128, 64, 16]", "must be an object"),
+        ({"vae": {"max": 128}}, "vae.max", "", "unknown fields"),
+        ({"input": {"max_size": 128}}, "input", "", "unknown fields"),
+    ],
+)
+def test_bad_transform_value_is_one_clear_error(tiny_checkpoint_copy: Path, data, key, value, hint):
+    (tiny_checkpoint_copy / TRANSFORM_CONFIG_FILE).write_text(json.dumps(data))
+    with pytest.raises(CheckpointError) as info:
+        load_bagel_config(tiny_checkpoint_copy)
+    message = str(info.value)
+    assert "\n" not in message
+    assert str(tiny_checkpoint_copy / TRANSFORM_CONFIG_FILE) in message
+    assert f"'{key}'" in message and hint in message
+    if value:
+        assert f"'{key}' = {value}" in message
+        assert "remove the field" in message or "set both" in message  # says what to do
+
+
+def test_absent_file_checks_the_official_values_against_the_model(tiny_checkpoint_copy: Path):
+    (tiny_checkpoint_copy / TRANSFORM_CONFIG_FILE).unlink()
+    path = tiny_checkpoint_copy / "vit_config.json"
+    data = json.loads(path.read_text())
+    data.update(patch_size=16, image_size=1120)
+    path.write_text(json.dumps(data))
+    match = (r"transform_config\.json \(absent, so the official values are used\): "
+             r"field 'vit\.stride' = 14 must equal the ViT patch_size 16.*write transform_config\.json")
+    with pytest.raises(CheckpointError, match=match):
+        load_bagel_config(tiny_checkpoint_copy)
+
+
+def test_configs_built_in_code_default_to_the_official_transforms():
+    cfg = tiny_config(10)
+    assert BagelConfig(llm=cfg.llm, vit=cfg.vit, ae=cfg.ae).transforms == TransformConfig()

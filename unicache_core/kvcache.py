@@ -8,8 +8,16 @@ forward pass::
     out = cache.attend(layer, q, k, v, call)  # per layer; appends k/v when call.update
     cache.end_call(call)                   # once, after the last layer
 
-Keys are stored after QK-norm and RoPE, so a cache never needs positions to compute attention; the
-positions and token types in :class:`AttentionCall` are metadata for compression policies.
+Keys are stored after QK-norm and RoPE, so a cache never needs RoPE positions to compute attention;
+the RoPE positions and token types in :class:`AttentionCall` are metadata for compression policies.
+(Rows of a cache are identified by their APPEND INDEX, ``token_index`` in :mod:`unicache_core.stores`:
+0 for the first row ever cached in the context. "Position" always means a RoPE id.)
+
+Every cache of one pipeline request comes from one :class:`CacheSession`, started by a
+:class:`CacheFactory`; the session sees every branch (``gen``, ``cfg_text``, ``cfg_img``, ``plan``),
+builds ``cfg_text`` (and the think-mode ``plan`` context) from its parent with :meth:`CacheSession.fork`,
+is told when each denoising step / decoded token begins and ends and which branches run in it
+(:class:`StepInfo`), and returns a JSON-serialisable report when the request ends.
 Cached keys are always fully visible to new queries (BAGEL never masks earlier context); the new
 block sees itself causally (text) or bidirectionally (image blocks, denoising latents).
 """
@@ -19,7 +27,7 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable, Iterable, Literal
 
 import torch
 from torch import Tensor
@@ -30,7 +38,10 @@ from .segments import TokenType
 
 Phase = Literal["prefill", "decode", "denoise"]
 Task = Literal["understanding", "t2i", "edit"]
-Branch = Literal["gen", "cfg_text", "cfg_img"]
+#: ``gen``/``cfg_text``/``cfg_img``: BAGEL's CFG contexts; ``plan``: the think-mode plan decoding context.
+Branch = Literal["gen", "cfg_text", "cfg_img", "plan"]
+TASKS: tuple[str, ...] = ("understanding", "t2i", "edit")
+BRANCHES: tuple[str, ...] = ("gen", "cfg_text", "cfg_img", "plan")
 
 
 @dataclass
@@ -39,7 +50,7 @@ class AttentionCall:
 
     Attributes:
         token_types: ``[Tn]`` int8 :class:`TokenType` of each new (query) token.
-        positions: ``[Tn]`` int64 RoPE position ids of the new tokens.
+        rope_positions: ``[Tn]`` int64 RoPE position ids of the new tokens.
         causal: the new block attends to itself causally (text) rather than bidirectionally.
         update: append the new keys/values to the cache after attention.
         phase: ``prefill`` (context building), ``decode`` (text generation), ``denoise``.
@@ -51,7 +62,7 @@ class AttentionCall:
     """
 
     token_types: Tensor
-    positions: Tensor
+    rope_positions: Tensor
     causal: bool
     update: bool
     phase: Phase = "prefill"
@@ -62,11 +73,58 @@ class AttentionCall:
 
 @dataclass(frozen=True)
 class CacheRequest:
-    """Which cache a pipeline asks a :data:`CacheFactory` for."""
+    """Which cache a plain callable factory (see :func:`as_cache_factory`) is asked for."""
 
     task: Task
     branch: Branch
     num_layers: int
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """One pipeline request, as a :class:`CacheFactory` sees it when it starts a session.
+
+    Attributes:
+        task: ``understanding``, ``t2i`` or ``edit``.
+        num_layers: decoder layers of the model.
+        num_steps: denoising steps that will run (``num_timesteps - 1``), or the most tokens that will be
+            decoded (understanding); ``None`` when unknown.
+        model_id: the checkpoint's model id (:func:`unicache_core.policy_table.model_id` of its configs),
+            or ``""``.
+    """
+
+    task: Task
+    num_layers: int
+    num_steps: int | None = None
+    model_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"`task` must be one of {TASKS}, got {self.task!r}")
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers <= 0:
+            raise ValueError(f"`num_layers` must be an int > 0, got {self.num_layers!r}")
+        if self.num_steps is not None and (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
+                                           or self.num_steps < 0):
+            raise ValueError(f"`num_steps` must be an int >= 0 or None, got {self.num_steps!r}")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One denoising step (``phase="denoise"``) or one decoded token (``phase="decode"``) of a request.
+
+    Attributes:
+        phase: ``denoise`` or ``decode``.
+        step: 0-based index; total: steps (tokens: the most) of this phase.
+        branches: the contexts that run in this step (CFG branches skip steps outside ``cfg_interval``;
+            think-mode plan tokens run in ``plan``).
+        timestep: flow time ``t`` of a denoising step.
+    """
+
+    phase: Phase
+    step: int
+    total: int
+    branches: tuple[str, ...]
+    timestep: float | None = None
 
 
 class KVCache(ABC):
@@ -112,11 +170,19 @@ class KVCache(ABC):
         """Bytes of the tensors this cache actually holds, over all layers."""
 
     def clone(self, *, branch: Branch | None = None) -> "KVCache":
-        """Independent deep copy (BAGEL's ``deepcopy(gen)`` for the ``cfg_text`` context)."""
+        """Independent copy (BAGEL's ``deepcopy(gen)`` for the ``cfg_text`` context).
+
+        The default deep-copies; caches whose tensors are never modified in place override it to share
+        them (the rows ``gen`` and its clone hold identically are then stored once).
+        """
         other = copy.deepcopy(self)
         if branch is not None:
             other.branch = branch
         return other
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor the cache holds (shared-storage-aware accounting: :func:`unique_nbytes`)."""
+        return []
 
 
 @dataclass
@@ -124,7 +190,7 @@ class _FullLayer:
     keys: Tensor | None = None  # [T, Hkv, d]
     values: Tensor | None = None
     token_types: Tensor | None = None  # [T] int8
-    positions: Tensor | None = None  # [T] int64
+    rope_positions: Tensor | None = None  # [T] int64 RoPE ids
 
 
 class FullKVCache(KVCache):
@@ -144,7 +210,7 @@ class FullKVCache(KVCache):
         if _prefer_fused_sdpa(q):
             out = self._attend_sdpa(state, q, k, v, call.causal, call.new_block_mask)
             if call.update:
-                self.append(layer, k, v, call.token_types, call.positions)
+                self.append(layer, k, v, call.token_types, call.rope_positions)
             return out
         parts = []
         if state.keys is not None and state.keys.shape[0] > 0:
@@ -155,7 +221,7 @@ class FullKVCache(KVCache):
             parts.append(attention_with_lse(q, k, v, causal=call.causal))
         out, _ = merge_attention(parts)
         if call.update:
-            self.append(layer, k, v, call.token_types, call.positions)
+            self.append(layer, k, v, call.token_types, call.rope_positions)
         return out
 
     @staticmethod
@@ -186,23 +252,31 @@ class FullKVCache(KVCache):
         )
         return out.squeeze(0).transpose(0, 1)
 
-    def append(self, layer: int, k: Tensor, v: Tensor, token_types: Tensor, positions: Tensor) -> None:
-        """Append ``[Tn, Hkv, d]`` keys/values with their ``[Tn]`` types and positions."""
+    def append(self, layer: int, k: Tensor, v: Tensor, token_types: Tensor, rope_positions: Tensor) -> None:
+        """Append ``[Tn, Hkv, d]`` keys/values with their ``[Tn]`` types and RoPE positions.
+
+        New tensors are built (``torch.cat``); the old ones are never modified, so clones may share them.
+        """
         state = self._check_layer(layer)
-        if token_types.shape[0] != k.shape[0] or positions.shape[0] != k.shape[0]:
+        if token_types.shape[0] != k.shape[0] or rope_positions.shape[0] != k.shape[0]:
             raise ValueError(
-                f"token_types ({token_types.shape[0]}) and positions ({positions.shape[0]}) must "
+                f"token_types ({token_types.shape[0]}) and rope_positions ({rope_positions.shape[0]}) must "
                 f"match the number of new keys ({k.shape[0]})"
             )
+        if k.shape != v.shape:
+            raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} must have the same shape")
+        if state.keys is not None and (k.shape[1:] != state.keys.shape[1:] or k.device != state.keys.device):
+            raise ValueError(f"new keys [*, {k.shape[1]}, {k.shape[2]}] on {k.device} do not match layer {layer}'s "
+                             f"cache [*, {state.keys.shape[1]}, {state.keys.shape[2]}] on {state.keys.device}")
         types = token_types.to(torch.int8)
         if state.keys is None:
             state.keys, state.values = k.detach().clone(), v.detach().clone()
-            state.token_types, state.positions = types.clone(), positions.clone()
+            state.token_types, state.rope_positions = types.clone(), rope_positions.clone()
         else:
-            state.keys = torch.cat([state.keys, k.detach()])
-            state.values = torch.cat([state.values, v.detach()])
-            state.token_types = torch.cat([state.token_types, types])
-            state.positions = torch.cat([state.positions, positions])
+            state.keys = torch.cat([state.keys, k.detach().to(state.keys.dtype)])
+            state.values = torch.cat([state.values, v.detach().to(state.values.dtype)])
+            state.token_types = torch.cat([state.token_types, types.to(state.token_types.device)])
+            state.rope_positions = torch.cat([state.rope_positions, rope_positions.to(state.rope_positions.device)])
 
     @property
     def num_tokens(self) -> int:
@@ -217,11 +291,22 @@ class FullKVCache(KVCache):
         return total
 
     def layer_kv(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``(keys [T, Hkv, d], values, token_types [T], positions [T])`` of one layer."""
+        """``(keys [T, Hkv, d], values, token_types [T], rope_positions [T])`` of one layer."""
         state = self._check_layer(layer)
         if state.keys is None:
             raise ValueError(f"layer {layer} of this cache is empty")
-        return state.keys, state.values, state.token_types, state.positions
+        return state.keys, state.values, state.token_types, state.rope_positions
+
+    def clone(self, *, branch: Branch | None = None) -> "FullKVCache":
+        """A copy sharing the cached tensors (appends build new tensors, so the two stay independent)."""
+        other = copy.copy(self)  # same class (subclasses keep their behaviour), new layer list below
+        other.layers = [_FullLayer(s.keys, s.values, s.token_types, s.rope_positions) for s in self.layers]
+        if branch is not None:
+            other.branch = branch
+        return other
+
+    def tensors(self) -> list[Tensor]:
+        return [t for s in self.layers for t in (s.keys, s.values) if t is not None]
 
 
 def _prefer_fused_sdpa(q: Tensor) -> bool:
@@ -229,21 +314,116 @@ def _prefer_fused_sdpa(q: Tensor) -> bool:
     return q.device.type != "cpu"
 
 
-#: Builds the cache of one context; pipelines call it for every context they create.
-CacheFactory = Callable[[CacheRequest], KVCache]
+def unique_nbytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a tensor shared by two branch caches counts once)."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        seen[(str(t.device), storage.data_ptr())] = max(seen.get((str(t.device), storage.data_ptr()), 0),
+                                                       storage.nbytes())
+    return sum(seen.values())
 
 
-def full_cache_factory(request: CacheRequest) -> KVCache:
-    """The default :data:`CacheFactory`: uncompressed caches."""
-    return FullKVCache(request.num_layers, task=request.task, branch=request.branch)
+class CacheSession:
+    """The caches of ONE pipeline request, and whatever state they share (statistics, schedules, records).
+
+    The default session builds independent caches with ``build(branch)`` and reports nothing.
+    Compressing sessions (:mod:`unicache_core.methods`) override the hooks.
+    """
+
+    def __init__(self, request: RequestInfo, build: Callable[[str], KVCache] | None = None):
+        self.request = request
+        self._build = build
+        self.caches: dict[str, KVCache] = {}
+
+    def new_cache(self, branch: str) -> KVCache:
+        """An empty cache for context ``branch``."""
+        if branch not in BRANCHES:
+            raise ValueError(f"`branch` must be one of {BRANCHES}, got {branch!r}")
+        if self._build is None:
+            cache: KVCache = FullKVCache(self.request.num_layers, task=self.request.task, branch=branch)
+        else:
+            cache = self._build(branch)
+        self.caches[branch] = cache
+        return cache
+
+    def fork(self, parent: KVCache, branch: str) -> KVCache:
+        """The cache of ``branch`` as a copy of ``parent`` taken now (official ``deepcopy(gen)``).
+
+        The copy starts with the parent's state and then lives on its own.
+        """
+        if branch not in BRANCHES:
+            raise ValueError(f"`branch` must be one of {BRANCHES}, got {branch!r}")
+        cache = parent.clone(branch=branch)
+        self.caches[branch] = cache
+        return cache
+
+    def begin_step(self, step: StepInfo) -> None:
+        """Called before the forwards of one denoising step or decoded token."""
+
+    def end_step(self, step: StepInfo) -> None:
+        """Called after them (also when a later step is never reached)."""
+
+    def release(self, branch: str) -> None:
+        """The pipeline dropped the context of ``branch`` (e.g. the think plan after decoding)."""
+        self.caches.pop(branch, None)
+
+    def finish(self) -> dict | None:
+        """End of the request: a JSON-serialisable report, or ``None``."""
+        return None
+
+
+class CacheFactory:
+    """Starts one :class:`CacheSession` per pipeline request. The default builds full caches.
+
+    Attributes:
+        method: the compression method's name (``full`` here).
+    """
+
+    method: str = "full"
+
+    def start(self, request: RequestInfo) -> CacheSession:
+        return CacheSession(request)
+
+
+class _CallableFactory(CacheFactory):
+    def __init__(self, fn: Callable[[CacheRequest], KVCache]):
+        self.fn = fn
+        self.method = getattr(fn, "__name__", "custom")
+
+    def start(self, request: RequestInfo) -> CacheSession:
+        return CacheSession(request, lambda branch: self.fn(CacheRequest(request.task, branch, request.num_layers)))
+
+
+def as_cache_factory(factory: "CacheFactory | Callable[[CacheRequest], KVCache]") -> CacheFactory:
+    """A :class:`CacheFactory` as is, or a plain ``fn(CacheRequest) -> KVCache`` wrapped in one."""
+    if isinstance(factory, CacheFactory):
+        return factory
+    if callable(factory):
+        return _CallableFactory(factory)
+    raise ValueError(f"`cache_factory` must be a CacheFactory or a callable(CacheRequest) -> KVCache, "
+                     f"got {type(factory).__name__}")
+
+
+#: The default factory: uncompressed caches.
+full_cache_factory = CacheFactory()
 
 
 __all__ = [
     "AttentionCall",
+    "BRANCHES",
     "CacheFactory",
     "CacheRequest",
+    "CacheSession",
     "FullKVCache",
     "KVCache",
+    "RequestInfo",
+    "StepInfo",
+    "TASKS",
     "TokenType",
+    "as_cache_factory",
     "full_cache_factory",
+    "unique_nbytes",
 ]

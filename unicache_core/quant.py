@@ -9,7 +9,7 @@ split into groups of ``G`` channels). Both use asymmetric min-max quantization::
 Storage convention (used by every byte formula in this project):
 
 * codes are packed ``8 // b`` per byte along the channel axis (``b`` in {2, 4, 8});
-* scales and zero-points are **fp16** (2 + 2 bytes per group, kv-compression.md §1). They are rounded
+* scales and zero-points are **fp16** (2 + 2 bytes per group, docs/compression.md §1). They are rounded
   *before* the codes are computed (zero rounded down, scale rounded up), so the error bound
   ``|x - x_hat| <= s/2`` holds with the stored fp16 scale. A tensor whose values (or ranges) would not
   fit fp16 (|x| beyond ~32K, possible in bf16/fp32 models) keeps fp32 scales instead (8 bytes per
@@ -398,7 +398,7 @@ def quantized_kv_nbytes(
     num_tokens: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int, residual: int, elem_bytes: int,
     key_group_bytes: int = BYTES_PER_GROUP, value_group_bytes: int = BYTES_PER_GROUP,
 ) -> int:
-    """Bytes of packed KIVI K+V for ``num_tokens`` tokens (kv-compression.md §1, fp16 scale/zero).
+    """Bytes of packed KIVI K+V for ``num_tokens`` tokens (docs/compression.md §1, fp16 scale/zero).
 
     The last ``min(residual, num_tokens)`` tokens are counted at ``elem_bytes`` (the cache dtype).
     ``key_group_bytes`` / ``value_group_bytes``: scale + zero bytes per group (8 where fp32 scales were

@@ -41,7 +41,7 @@ class TokenType(IntEnum):
             raise ValueError(f"unknown token type id {value!r}; expected 0..{max(cls)}") from None
 
 
-#: Types that are never compressed, whatever the method (kv-compression.md §8.3).
+#: Types that are never compressed, whatever the method (docs/compression.md §8.3).
 PROTECTED_TYPES: frozenset[TokenType] = frozenset(
     {TokenType.BOUNDARY, TokenType.CURRENT_LATENT, TokenType.DECODED_TEXT}
 )

@@ -15,13 +15,21 @@ A compressing cache is plugged in with ``BagelPipeline(loaded, cache_factory=...
 Importing this package loads no weights and has no side effects.
 """
 
-from .config import AEConfig, BagelConfig, LLMConfig, ViTConfig, load_bagel_config
+from .config import AEConfig, BagelConfig, LLMConfig, ResizeConfig, TransformConfig, ViTConfig, load_bagel_config
 from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT, Context
 from .loader import LoadedBagel, load_bagel
 from .pipeline import BagelPipeline, FlowSettings, GenerationContexts, GenerationResult, UnderstandingResult
 from .sampling import RENORM_TYPES, combine_cfg, timestep_schedule
 from .tokenizer import BagelTokenizer
-from .transforms import VAE_TRANSFORM, VIT_TRANSFORM, ImageTransform, pil_img2rgb, prepare_input_image
+from .transforms import (
+    OFFICIAL_TRANSFORMS,
+    VAE_TRANSFORM,
+    VIT_TRANSFORM,
+    ImageTransform,
+    ImageTransforms,
+    pil_img2rgb,
+    prepare_input_image,
+)
 
 __all__ = [
     "AEConfig",
@@ -34,9 +42,13 @@ __all__ = [
     "GenerationContexts",
     "GenerationResult",
     "ImageTransform",
+    "ImageTransforms",
     "LLMConfig",
     "LoadedBagel",
+    "OFFICIAL_TRANSFORMS",
     "RENORM_TYPES",
+    "ResizeConfig",
+    "TransformConfig",
     "UnderstandingResult",
     "VAE_TRANSFORM",
     "VIT_TRANSFORM",

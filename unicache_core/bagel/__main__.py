@@ -20,6 +20,7 @@ import torch
 from ..errors import UniCacheError
 from .cli_checks import open_image as _open_image  # noqa: F401  (the tests' entry point for image decoding)
 from .cli_checks import preflight, save_image
+from .settings import EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
 
 logger = logging.getLogger("unicache_core.bagel.cli")
 
@@ -56,20 +57,34 @@ def _build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0, help="noise / sampling seed")
         p.add_argument("--think", action="store_true", help="think mode (system prompt + planning text)")
         p.add_argument("--do-sample", action="store_true", help="sample text instead of greedy decoding")
-        p.add_argument("--temperature", type=float, default=0.3, help="sampling temperature")
+        p.add_argument("--temperature", type=float, default=UNDERSTANDING_DEFAULTS.temperature,
+                       help="sampling temperature")
         p.add_argument("--max-new-tokens", type=int, default=None,
-                       help="max generated tokens (answer: 512, think plan: 1024)")
+                       help=f"max generated tokens (answer: {UNDERSTANDING_DEFAULTS.max_new_tokens}, think plan: "
+                            f"{T2I_DEFAULTS.think_max_new_tokens})")
         p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+        kv = p.add_argument_group("KV-cache compression")
+        kv.add_argument("--kv-method", default="full",
+                        help="full | unicache | h2o | snapkv | pyramidkv | streamingllm | kivi | vlcache")
+        kv.add_argument("--kv-target", default=None,
+                        help="memory of the compressible KV: a retained ratio (0.2, 20%%) or a size (150MB); "
+                             "default: the paper's reduction (80%% understanding/edit, 60%% t2i)")
+        kv.add_argument("--policy", type=Path, default=None,
+                        help="unicache policy table JSON (default: the checkpoint's unicache_policy.json, "
+                             "else the paper's table)")
+        kv.add_argument("--rho", type=float, default=None, help="unicache starting retention rho0 in (0, 1]")
+        kv.add_argument("--rho-floor", type=float, default=None, help="unicache lowest retention, <= rho")
+        kv.add_argument("--report", type=Path, default=None, help="write the per-step KV report (JSON) here")
 
-    def flow(p: argparse.ArgumentParser, text_scale, img_scale, interval, renorm) -> None:
+    def flow(p: argparse.ArgumentParser, d) -> None:
         p.add_argument("--out", type=_path, default=Path("out.png"), help="output image (.png, .jpg, .webp)")
-        p.add_argument("--steps", type=int, default=50, help="num_timesteps (steps-1 model evaluations)")
-        p.add_argument("--timestep-shift", type=float, default=3.0)
-        p.add_argument("--cfg-text-scale", type=float, default=text_scale)
-        p.add_argument("--cfg-img-scale", type=float, default=img_scale)
-        p.add_argument("--cfg-interval", type=float, nargs=2, default=interval, metavar=("LO", "HI"))
-        p.add_argument("--cfg-renorm-min", type=float, default=0.0)
-        p.add_argument("--cfg-renorm-type", default=renorm, help="global | channel | text_channel")
+        p.add_argument("--steps", type=int, default=d.num_timesteps, help="num_timesteps (steps-1 model evaluations)")
+        p.add_argument("--timestep-shift", type=float, default=d.timestep_shift)
+        p.add_argument("--cfg-text-scale", type=float, default=d.cfg_text_scale)
+        p.add_argument("--cfg-img-scale", type=float, default=d.cfg_img_scale)
+        p.add_argument("--cfg-interval", type=float, nargs=2, default=list(d.cfg_interval), metavar=("LO", "HI"))
+        p.add_argument("--cfg-renorm-min", type=float, default=d.cfg_renorm_min)
+        p.add_argument("--cfg-renorm-type", default=d.cfg_renorm_type, help="global | channel | text_channel")
 
     p_und = sub.add_parser("understand", help="answer a question about an image")
     common(p_und)
@@ -77,13 +92,13 @@ def _build_parser() -> argparse.ArgumentParser:
 
     p_t2i = sub.add_parser("t2i", help="text to image")
     common(p_t2i)
-    flow(p_t2i, 4.0, 1.5, [0.4, 1.0], "global")
-    p_t2i.add_argument("--width", type=int, default=1024)
-    p_t2i.add_argument("--height", type=int, default=1024)
+    flow(p_t2i, T2I_DEFAULTS)
+    p_t2i.add_argument("--width", type=int, default=T2I_DEFAULTS.width)
+    p_t2i.add_argument("--height", type=int, default=T2I_DEFAULTS.height)
 
     p_edit = sub.add_parser("edit", help="edit an image")
     common(p_edit)
-    flow(p_edit, 4.0, 2.0, [0.0, 1.0], "text_channel")
+    flow(p_edit, EDIT_DEFAULTS)
     p_edit.add_argument("--image", type=_path, required=True, help="source image")
     return parser
 
@@ -121,13 +136,14 @@ def _progress(label: str, quiet: bool) -> _Bar | None:
 def _request_kwargs(args: argparse.Namespace) -> dict:
     """The pipeline keyword arguments of the command (without callbacks); :func:`preflight` checks them."""
     if args.command == "understand":
-        return dict(max_new_tokens=512 if args.max_new_tokens is None else args.max_new_tokens,
+        return dict(max_new_tokens=UNDERSTANDING_DEFAULTS.max_new_tokens if args.max_new_tokens is None
+                    else args.max_new_tokens,
                     do_sample=args.do_sample, temperature=args.temperature, think=args.think, seed=args.seed)
     kwargs = dict(
         num_timesteps=args.steps, timestep_shift=args.timestep_shift, cfg_text_scale=args.cfg_text_scale,
         cfg_img_scale=args.cfg_img_scale, cfg_interval=tuple(args.cfg_interval), cfg_renorm_min=args.cfg_renorm_min,
         cfg_renorm_type=args.cfg_renorm_type, seed=args.seed, think=args.think,
-        think_max_new_tokens=1024 if args.max_new_tokens is None else args.max_new_tokens,
+        think_max_new_tokens=T2I_DEFAULTS.think_max_new_tokens if args.max_new_tokens is None else args.max_new_tokens,
         think_do_sample=args.do_sample, think_temperature=args.temperature,
     )
     if args.command == "t2i":
@@ -141,13 +157,18 @@ def _run(args: argparse.Namespace) -> int:
 
     kwargs = _request_kwargs(args)
     checked = preflight(args, kwargs)  # every argument, the image and --out: before any weights load
+    kv_config = _kv_config(args)  # every KV flag is checked before the model loads
     logger.info("loading %s (%s on %s)", args.checkpoint, args.dtype, checked.device)
-    pipe = BagelPipeline(load_bagel(args.checkpoint, dtype=_DTYPES[args.dtype], device=checked.device))
+    from ..methods import make_cache_factory
+
+    factory = make_cache_factory(kv_config, checkpoint_dir=str(args.checkpoint))
+    pipe = BagelPipeline(load_bagel(args.checkpoint, dtype=_DTYPES[args.dtype], device=checked.device), factory)
     if args.command == "understand":
         bar = _progress("decoding", args.quiet)
         result = pipe.understand(checked.image, checked.prompt, progress=bar, **kwargs)
         if bar is not None:
             bar.close()
+        _write_report(args, result.kv_report)
         sys.stdout.write(result.text + "\n")
         sys.stdout.flush()
         return 0
@@ -160,6 +181,7 @@ def _run(args: argparse.Namespace) -> int:
         logger.info("plan: %s", result.think_text)
     save_image(result.image, args.out, checked.out_format)
     logger.info("wrote %s (%dx%d)", args.out, *result.image.size)
+    _write_report(args, result.kv_report)
     return 0
 
 
@@ -169,6 +191,38 @@ def _fail(message: str) -> None:
         bar.close()
     sys.stderr.write(f"error: {' '.join(message.split())}\n")
     sys.stderr.flush()
+
+
+def _kv_config(args: argparse.Namespace):
+    """The KV settings of the flags (a ValueError naming the flag for a bad value)."""
+    from ..methods import KVConfig
+
+    report = getattr(args, "report", None)
+    if report is not None and report.is_dir():
+        raise ValueError(f"--report: {report} is a directory; give the path of the JSON file to write")
+    if args.policy is not None and not args.policy.is_file():
+        raise ValueError(f"--policy: {args.policy} is not a file; pass a policy-table JSON file")
+    try:
+        return KVConfig(method=args.kv_method, kv_target=args.kv_target, rho=args.rho, rho_floor=args.rho_floor,
+                        policy=args.policy)
+    except ValueError as exc:
+        raise ValueError(f"KV flags: {exc}") from None
+
+
+def _write_report(args: argparse.Namespace, report: dict | None) -> None:
+    if args.report is None:
+        return
+    import json
+
+    payload = report if report is not None else {"format": "unicache-kv-report", "version": 1, "method": "full",
+                                                 "summary": None, "steps": []}
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+    summary = payload.get("summary") or {}
+    if summary.get("steady_managed_bytes") is not None:
+        logger.info("KV %s: %d of %d managed bytes held (%.1fx less), peak %d bytes; report %s", payload["method"],
+                    summary["steady_managed_bytes"], summary["full_managed_bytes"], summary["compression"] or 0.0,
+                    summary["peak_bytes"], args.report)
 
 
 def main(argv: list[str] | None = None) -> int:

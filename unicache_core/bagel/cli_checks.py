@@ -172,12 +172,12 @@ def open_image(path: Path):
     """Decode ``--image`` as PIL does (no EXIF transpose, as officially); refuses decompression bombs.
 
     Images above PIL's ``Image.MAX_IMAGE_PIXELS`` are refused before their pixels are decoded (PIL
-    only warns between 1x and 2x that limit; here both are errors). The RGB conversion and the resize
-    rule are tried too, so an unconvertible mode fails here and not after loading.
+    only warns between 1x and 2x that limit; here both are errors). The RGB conversion
+    is tried too, so an unconvertible mode fails here and not after loading.
     """
     from PIL import Image, UnidentifiedImageError
 
-    from .transforms import prepare_input_image
+    from .transforms import pil_img2rgb
 
     if path.is_dir():
         raise ValueError(f"--image: {path} is a directory; pass an image file")
@@ -199,7 +199,7 @@ def open_image(path: Path):
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
         raise ValueError(f"--image: cannot read {path} as an image ({exc})") from None
     try:
-        prepare_input_image(image, "image")
+        pil_img2rgb(image, "image")
     except ValueError as exc:
         raise ValueError(f"--image: {path}: {exc}") from None
     return image

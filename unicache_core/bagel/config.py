@@ -1,10 +1,21 @@
-"""BAGEL configuration: the LLM, ViT and VAE hyper-parameters read from a checkpoint folder.
+"""BAGEL configuration: LLM, ViT and VAE hyper-parameters and image transform sizes of a checkpoint folder.
 
-The official loader reads ``llm_config.json`` (Qwen2) and ``vit_config.json`` (SigLIP) and then
-overrides a few fields at load time (bagel.md §1.1): the LLM always gets QK-norm, untied output
-embeddings and Mixture-of-Transformers layers; the ViT drops its last layer and uses learned absolute
-positions. The VAE config is hard-coded to the FLUX autoencoder; an optional ``ae_config.json`` may
-override it (used by the tiny test checkpoint, never present in the real one).
+The official loader (``app.py`` / ``inferencer.py`` of github ByteDance-Seed/Bagel) reads
+``llm_config.json`` (Qwen2) and ``vit_config.json`` (SigLIP) and then overrides a few fields at load
+time: the LLM always gets QK-norm, untied output embeddings and Mixture-of-Transformers layers; the ViT
+drops its last layer and uses learned absolute positions. The VAE config is hard-coded to the FLUX
+autoencoder; an optional ``ae_config.json`` may override it (used by the tiny test checkpoint, never
+present in the real one).
+
+The image transforms are hard-coded there too (``app.py``: ``ImageTransform(1024, 512, 16)`` for the
+VAE, ``ImageTransform(980, 224, 14)`` for the ViT, ``max_pixels=14*14*9*1024`` from
+``data/transforms.py``). An optional ``transform_config.json`` overrides them (again only written for
+small checkpoints, so a tiny model need not run at 512-1024 px)::
+
+    {"vae": {"max_size": 1024, "min_size": 512, "stride": 16, "max_pixels": 9031680},
+     "vit": {"max_size": 980, "min_size": 224, "stride": 14, "max_pixels": 9031680}}
+
+Every field is optional (official value when absent or ``null``).
 """
 
 from __future__ import annotations
@@ -20,6 +31,10 @@ from ..errors import CheckpointError
 LLM_CONFIG_FILE = "llm_config.json"
 VIT_CONFIG_FILE = "vit_config.json"
 AE_CONFIG_FILE = "ae_config.json"
+TRANSFORM_CONFIG_FILE = "transform_config.json"
+
+#: Pixel budget of the official transforms (``max_pixels=14*14*9*1024`` in ``data/transforms.py``).
+OFFICIAL_MAX_PIXELS = 14 * 14 * 9 * 1024
 
 
 @dataclass(frozen=True)
@@ -100,12 +115,46 @@ class AEConfig:
 
 
 @dataclass(frozen=True)
+class ResizeConfig:
+    """One ``MaxLongEdgeMinShortEdgeResize`` rule (``data/transforms.py`` of ByteDance-Seed/Bagel).
+
+    Both output sides are multiples of ``stride``; the long edge is at most about ``max_size`` (snapped
+    to the stride), the short edge at least ``min_size`` unless that breaks the long-edge limit, and the
+    area at most ``max_pixels``. See :func:`~unicache_core.bagel.transforms.resize_size`.
+    """
+
+    max_size: int
+    min_size: int
+    stride: int
+    max_pixels: int = OFFICIAL_MAX_PIXELS
+
+    @property
+    def max_side(self) -> int:
+        """Largest side in pixels the rule can output (``max_size`` snapped to the stride, >= ``stride``)."""
+        return max(self.stride, int(round(self.max_size / self.stride) * self.stride))
+
+
+@dataclass(frozen=True)
+class TransformConfig:
+    """Image transform sizes; the defaults are the official ones (``app.py`` of ByteDance-Seed/Bagel).
+
+    ``vae`` is also the rule every input image is resized with before the ViT and VAE transforms, so it
+    sets the output size of an edit.
+    """
+
+    vae: ResizeConfig = ResizeConfig(1024, 512, 16)
+    vit: ResizeConfig = ResizeConfig(980, 224, 14)
+
+
+@dataclass(frozen=True)
 class BagelConfig:
-    """The whole model: LLM + ViT + VAE and BAGEL's own constants (constructed in code officially)."""
+    """The whole model: LLM + ViT + VAE, image transform sizes and BAGEL's own constants (constructed in
+    code officially)."""
 
     llm: LLMConfig
     vit: ViTConfig
     ae: AEConfig = field(default_factory=AEConfig)
+    transforms: TransformConfig = field(default_factory=TransformConfig)
     vit_max_num_patch_per_side: int = 70
     latent_patch_size: int = 2
     max_latent_size: int = 64
@@ -325,12 +374,121 @@ def parse_ae_config(data: dict[str, Any] | None, path: Path) -> AEConfig:
     return cfg
 
 
+_FIX_TRANSFORM = "fix it in {path}, or remove the field to use the official value"
+
+
+def parse_transform_config(data: dict[str, Any] | None, path: Path) -> TransformConfig:
+    """Build a :class:`TransformConfig`: the official sizes, overridden by ``data`` when given.
+
+    Only the file's own rules are checked here (known keys, ints > 0, ``max_size >= min_size``); the
+    checks against the model (strides, position tables) are :func:`check_transform_config`'s.
+    """
+    default = TransformConfig()
+    if data is None:
+        return default
+    known = [f.name for f in fields(TransformConfig)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise CheckpointError(
+            f"config file {path}: unknown fields {unknown}; allowed: {known}. Remove or rename them"
+        )
+    rules: dict[str, ResizeConfig] = {}
+    for name in known:
+        base: ResizeConfig = getattr(default, name)
+        section = data.get(name)
+        if section is None:
+            rules[name] = base
+            continue
+        if not isinstance(section, dict):
+            raise CheckpointError(
+                f"config file {path}: field {name!r} = {section!r} must be an object such as "
+                f"{json.dumps(vars(base))}; " + _FIX_TRANSFORM.format(path=path.name)
+            )
+        allowed = [f.name for f in fields(ResizeConfig)]
+        unknown = sorted(f"{name}.{key}" for key in set(section) - set(allowed))
+        if unknown:
+            raise CheckpointError(
+                f"config file {path}: unknown fields {unknown}; allowed: {[f'{name}.{k}' for k in allowed]}. "
+                f"Remove or rename them"
+            )
+        values: dict[str, int] = {}
+        for key in allowed:
+            value = section.get(key)
+            if value is None:
+                values[key] = getattr(base, key)
+            elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise CheckpointError(
+                    f"config file {path}: field '{name}.{key}' = {value!r} must be an int > 0 (official "
+                    f"value {getattr(base, key)}); " + _FIX_TRANSFORM.format(path=path.name)
+                )
+            else:
+                values[key] = value
+        rule = ResizeConfig(**values)
+        if rule.max_size < rule.min_size:
+            raise CheckpointError(
+                f"config file {path}: field '{name}.max_size' = {rule.max_size} must be >= "
+                f"'{name}.min_size' = {rule.min_size} (an absent field takes the official value); set both "
+                f"in {path.name}"
+            )
+        rules[name] = rule
+    return TransformConfig(**rules)
+
+
+def check_transform_config(cfg: BagelConfig, path: Path) -> None:
+    """Check ``cfg.transforms`` against the model; errors name ``path`` (the ``transform_config.json``).
+
+    * ``vae.stride`` is a multiple of ``latent_downsample`` (one latent token per 16x16 pixels
+      officially) and the largest VAE image fits the latent position table (``max_latent_size`` tokens
+      per side);
+    * ``vit.stride`` equals the ViT ``patch_size`` and the largest ViT image fits the position tables
+      (ids ``row * vit_max_num_patch_per_side + col`` index both BAGEL's and SigLIP's tables).
+    """
+    tf = cfg.transforms
+    where = f"config file {path}" + ("" if path.is_file() else " (absent, so the official values are used)")
+    fix = (
+        _FIX_TRANSFORM.format(path=path.name)
+        if path.is_file()
+        else f"write {path.name} with sizes that suit this model (README: 'Image transform sizes')"
+    )
+    ld = cfg.latent_downsample
+    if tf.vae.stride % ld:
+        raise CheckpointError(
+            f"{where}: field 'vae.stride' = {tf.vae.stride} must be a multiple of {ld} (ae downsample "
+            f"{cfg.ae.downsample} x latent_patch_size {cfg.latent_patch_size}: one latent token per "
+            f"{ld}x{ld} pixels); {fix}"
+        )
+    vae_tokens = tf.vae.max_side // ld
+    if vae_tokens > cfg.max_latent_size:
+        raise CheckpointError(
+            f"{where}: field 'vae.max_size' = {tf.vae.max_size} allows {tf.vae.max_side}-pixel sides = "
+            f"{vae_tokens} latent tokens, more than max_latent_size {cfg.max_latent_size}; use "
+            f"vae.max_size <= {cfg.max_latent_size * ld}; {fix}"
+        )
+    p = cfg.vit.patch_size
+    if tf.vit.stride != p:
+        raise CheckpointError(
+            f"{where}: field 'vit.stride' = {tf.vit.stride} must equal the ViT patch_size {p} of "
+            f"{VIT_CONFIG_FILE}; {fix}"
+        )
+    per_side = cfg.vit_max_num_patch_per_side
+    # ids row * per_side + col (row, col < n) must index SigLIP's table of vit.num_positions rows too
+    allowed = min(per_side, (cfg.vit.num_positions - 1) // (per_side + 1) + 1)
+    vit_patches = tf.vit.max_side // p
+    if vit_patches > allowed:
+        raise CheckpointError(
+            f"{where}: field 'vit.max_size' = {tf.vit.max_size} allows {vit_patches} patches per side, more "
+            f"than the position tables hold ({allowed}: vit_max_num_patch_per_side {per_side}, "
+            f"{cfg.vit.num_positions} SigLIP positions from {VIT_CONFIG_FILE}); use vit.max_size <= "
+            f"{allowed * p}; {fix}"
+        )
+
+
 def load_bagel_config(checkpoint_dir: str | Path) -> BagelConfig:
     """Read a checkpoint folder's configs and apply BAGEL's load-time overrides.
 
     Args:
         checkpoint_dir: folder with ``llm_config.json``, ``vit_config.json`` (and optionally
-            ``ae_config.json``).
+            ``ae_config.json`` and ``transform_config.json``).
 
     Raises:
         CheckpointError: a file is missing, is not valid JSON, or holds unusable values.
@@ -345,12 +503,15 @@ def load_bagel_config(checkpoint_dir: str | Path) -> BagelConfig:
     llm = parse_llm_config(_read_json(llm_path), llm_path)
     vit = parse_vit_config(_read_json(vit_path), vit_path)
     ae = parse_ae_config(_read_json(ae_path, required=False), ae_path)
-    cfg = BagelConfig(llm=llm, vit=vit, ae=ae)
+    tf_path = root / TRANSFORM_CONFIG_FILE
+    transforms = parse_transform_config(_read_json(tf_path, required=False), tf_path)
+    cfg = BagelConfig(llm=llm, vit=vit, ae=ae, transforms=transforms)
     if cfg.llm.hidden_size % 4:
         raise CheckpointError(
             f"config file {llm_path}: hidden_size {cfg.llm.hidden_size} must be a multiple of 4 "
             f"(2-D sin-cos position tables)"
         )
+    check_transform_config(cfg, tf_path)
     return cfg
 
 
@@ -358,9 +519,13 @@ __all__ = [
     "AEConfig",
     "BagelConfig",
     "LLMConfig",
+    "ResizeConfig",
+    "TransformConfig",
     "ViTConfig",
+    "check_transform_config",
     "load_bagel_config",
     "parse_ae_config",
     "parse_llm_config",
+    "parse_transform_config",
     "parse_vit_config",
 ]

@@ -85,7 +85,7 @@ def append_text(loaded: "LoadedBagel", ctx: Context, text: str) -> int:
     embeds = loaded.model.embed_text(torch.tensor(ids, dtype=torch.long, device=device))
     positions = torch.arange(ctx.rope, ctx.rope + n, dtype=torch.long, device=device)
     types = _types((TokenType.BOUNDARY, 1), (TokenType.INSTRUCTION, n - 2), (TokenType.BOUNDARY, 1), device=device)
-    call = AttentionCall(token_types=types, positions=positions, causal=True, update=True, phase="prefill")
+    call = AttentionCall(token_types=types, rope_positions=positions, causal=True, update=True, phase="prefill")
     loaded.model.forward_llm(embeds, positions, ctx.cache, call)
     ctx.rope += n
     return n
@@ -102,7 +102,7 @@ def append_vit(loaded: "LoadedBagel", ctx: Context, image: Tensor) -> int:
     types = _types(
         (TokenType.BOUNDARY, 1), (TokenType.SOURCE_VIT, n - 2), (TokenType.BOUNDARY, 1), device=device
     )
-    call = AttentionCall(token_types=types, positions=positions, causal=False, update=True, phase="prefill")
+    call = AttentionCall(token_types=types, rope_positions=positions, causal=False, update=True, phase="prefill")
     loaded.model.forward_llm(embeds, positions, ctx.cache, call)
     ctx.rope += 1
     return n
@@ -156,7 +156,7 @@ def append_vae(loaded: "LoadedBagel", ctx: Context, latent: Tensor, h: int, w: i
     types = _types(
         (TokenType.BOUNDARY, 1), (TokenType.SOURCE_VAE, n - 2), (TokenType.BOUNDARY, 1), device=device
     )
-    call = AttentionCall(token_types=types, positions=positions, causal=False, update=True, phase="prefill")
+    call = AttentionCall(token_types=types, rope_positions=positions, causal=False, update=True, phase="prefill")
     loaded.model.forward_llm(embeds, positions, ctx.cache, call, gen_mask=latent_gen_mask(n - 2, device))
     ctx.rope += 1
     return n
@@ -186,7 +186,7 @@ def latent_velocity(
         (TokenType.BOUNDARY, 1), (TokenType.CURRENT_LATENT, n - 2), (TokenType.BOUNDARY, 1), device=device
     )
     call = AttentionCall(
-        token_types=types, positions=positions, causal=False, update=False, phase=phase, step=step,
+        token_types=types, rope_positions=positions, causal=False, update=False, phase=phase, step=step,
         timestep=timestep,
     )
     hidden = loaded.model.forward_llm(embeds, positions, ctx.cache, call, gen_mask=latent_gen_mask(n - 2, device))
@@ -199,7 +199,7 @@ def decode_step(loaded: "LoadedBagel", ctx: Context, token_id: int, step: int, t
     embeds = loaded.model.embed_text(torch.tensor([token_id], dtype=torch.long, device=device))
     positions = torch.tensor([ctx.rope], dtype=torch.long, device=device)
     types = torch.tensor([int(token_type)], dtype=torch.int8, device=device)
-    call = AttentionCall(token_types=types, positions=positions, causal=True, update=True, phase="decode", step=step)
+    call = AttentionCall(token_types=types, rope_positions=positions, causal=True, update=True, phase="decode", step=step)
     hidden = loaded.model.forward_llm(embeds, positions, ctx.cache, call)
     ctx.rope += 1
     return loaded.model.lm_logits(hidden)[0]

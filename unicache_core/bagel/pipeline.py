@@ -35,15 +35,17 @@ from PIL import Image
 from torch import Tensor
 
 from ..errors import CancelledError
-from ..kvcache import CacheFactory, CacheRequest, Task, full_cache_factory
+from ..kvcache import CacheFactory, CacheSession, RequestInfo, StepInfo, Task, as_cache_factory, full_cache_factory
+from ..model_id import model_id_of
 from ..segments import TokenType
 from . import contexts as C
 from .contexts import Context
 from .loader import LoadedBagel
 from .numerics import check_finite, check_logits, check_noise, check_velocities, model_advice
+from .settings import EDIT_DEFAULTS as _E, T2I_DEFAULTS as _T, UNDERSTANDING_DEFAULTS as _U
 from .sampling import RENORM_TYPES, cfg_active, combine_cfg, next_token, timestep_schedule, unpack_latent
 from .seeding import seeded_generator
-from .transforms import VAE_TRANSFORM, VIT_TRANSFORM, check_image, image_from_tensor, prepare_input_image
+from .transforms import ImageTransforms, check_image, image_from_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class GenerationResult:
     info: dict = field(default_factory=dict)
     think_text: str | None = None
     step0_velocity: dict[str, Tensor] | None = None
+    kv_report: dict | None = None
 
 
 @dataclass
@@ -85,6 +88,7 @@ class UnderstandingResult:
     text: str
     token_ids: list[int]
     info: dict = field(default_factory=dict)
+    kv_report: dict | None = None
 
 
 @dataclass
@@ -96,6 +100,7 @@ class GenerationContexts:
     cfg_img: Context
     height: int
     width: int
+    session: CacheSession | None = None
 
     def branches(self) -> dict[str, Context]:
         return {"gen": self.gen, "cfg_text": self.cfg_text, "cfg_img": self.cfg_img}
@@ -288,12 +293,22 @@ class BagelPipeline:
 
     Args:
         loaded: the model, VAE, tokenizer and config (:func:`~unicache_core.bagel.loader.load_bagel`).
-        cache_factory: builds the cache of each context (``CacheRequest(task, branch, num_layers)``).
+        cache_factory: starts the cache session of each request
+            (:func:`unicache_core.methods.make_cache_factory`), or a plain ``fn(CacheRequest) -> KVCache``.
     """
 
     def __init__(self, loaded: LoadedBagel, cache_factory: CacheFactory = full_cache_factory):
         self.loaded = loaded
-        self.cache_factory = cache_factory
+        self.cache_factory = as_cache_factory(cache_factory)
+        try:
+            self.model_id = model_id_of(loaded.checkpoint_dir)
+        except (ValueError, TypeError):
+            self.model_id = ""
+
+    def start_session(self, task: Task, num_steps: int | None = None) -> CacheSession:
+        """The cache session of one request (every context of the request gets its cache from it)."""
+        return self.cache_factory.start(RequestInfo(task=task, num_layers=self.loaded.model.num_layers,
+                                                    num_steps=num_steps, model_id=self.model_id))
 
     # ---------------------------------------------------------------- position budget
 
@@ -303,10 +318,10 @@ class BagelPipeline:
 
     # ---------------------------------------------------------------- building blocks
 
-    def new_context(self, task: Task, branch: str) -> Context:
-        """An empty context whose cache comes from the factory."""
-        cache = self.cache_factory(CacheRequest(task=task, branch=branch, num_layers=self.loaded.model.num_layers))
-        return Context(cache=cache, rope=0)
+    def new_context(self, task: Task, branch: str, session: CacheSession | None = None) -> Context:
+        """An empty context whose cache comes from ``session`` (a new session of the factory when None)."""
+        session = self.start_session(task) if session is None else session
+        return Context(cache=session.new_cache(branch), rope=0)
 
     @torch.inference_mode()
     def decode_text(
@@ -320,6 +335,8 @@ class BagelPipeline:
         progress: ProgressFn | None = None,
         cancel: CancelFn | None = None,
         draw_discarded_sample: bool = False,
+        session: CacheSession | None = None,
+        branch: str = "gen",
     ) -> tuple[str, list[int]]:
         """Decode an answer from ``ctx`` (modified in place: the fed tokens are cached).
 
@@ -329,6 +346,7 @@ class BagelPipeline:
         ``draw_discarded_sample``: when sampling stops at the length limit, consume the one extra
         multinomial draw the official loop makes (and discards) from ``generator``, so that later draws
         from the same generator (the latent noise after a think plan) match the official RNG stream.
+        ``session``/``branch``: the cache session is told where each decoded token begins and ends.
 
         Returns:
             ``(text, generated ids)``; text is decoded and cut as the official ``gen_text`` does.
@@ -340,7 +358,14 @@ class BagelPipeline:
         for step in range(max_new_tokens):
             if cancel is not None and cancel():
                 raise CancelledError(f"text decoding cancelled after {step} of at most {max_new_tokens} tokens")
-            logits = C.decode_step(self.loaded, ctx, current, step, current_type)
+            info = StepInfo(phase="decode", step=step, total=max_new_tokens, branches=(branch,))
+            if session is not None:
+                session.begin_step(info)
+            try:
+                logits = C.decode_step(self.loaded, ctx, current, step, current_type)
+            finally:
+                if session is not None:
+                    session.end_step(info)
             check_logits(logits, step=step, max_new_tokens=max_new_tokens, dtype=self.loaded.dtype)
             vocab = logits.shape[-1]
             current = next_token(logits, do_sample=do_sample, temperature=temperature, generator=generator)
@@ -366,14 +391,16 @@ class BagelPipeline:
         return text
 
     @torch.inference_mode()
-    def build_understanding_context(self, image: Image.Image | None, prompt: str, *, think: bool = False) -> Context:
+    def build_understanding_context(self, image: Image.Image | None, prompt: str, *, think: bool = False,
+                                    session: CacheSession | None = None) -> Context:
         """``[system (think)] [ViT image] [text]`` in one ``gen`` context (bagel.md §4.6)."""
-        ctx = self.new_context("understanding", "gen")
+        ctx = self.new_context("understanding", "gen", session)
         if think:
             C.append_text(self.loaded, ctx, C.VLM_THINK_SYSTEM_PROMPT)
         if image is not None:
-            resized = prepare_input_image(image, "image")
-            C.append_vit(self.loaded, ctx, VIT_TRANSFORM(resized))
+            transforms = ImageTransforms.from_config(self.loaded.config)
+            resized = transforms.prepare(image, "image")
+            C.append_vit(self.loaded, ctx, transforms.vit(resized))
         C.append_text(self.loaded, ctx, prompt)
         return ctx
 
@@ -389,6 +416,7 @@ class BagelPipeline:
         think: bool = False,
         generator: torch.Generator | None = None,
         vae_noise: Tensor | None = None,
+        session: CacheSession | None = None,
     ) -> GenerationContexts:
         """Build ``gen``, ``cfg_text`` and ``cfg_img`` as ``interleave_inference`` does (image, then text).
 
@@ -397,15 +425,17 @@ class BagelPipeline:
         """
         if image is None and (width is None or height is None):
             raise ValueError("`width` and `height` are required without a source image")
-        gen = self.new_context(task, "gen")
-        cfg_img = self.new_context(task, "cfg_img")
+        session = self.start_session(task) if session is None else session
+        gen = self.new_context(task, "gen", session)
+        cfg_img = self.new_context(task, "cfg_img", session)
         if think:
             C.append_text(self.loaded, gen, C.GEN_THINK_SYSTEM_PROMPT)
             C.append_text(self.loaded, cfg_img, C.GEN_THINK_SYSTEM_PROMPT)
         if image is not None:
-            resized = prepare_input_image(image, "image")
+            transforms = ImageTransforms.from_config(self.loaded.config)
+            resized = transforms.prepare(image, "image")
             width, height = resized.size
-            vae_input = VAE_TRANSFORM(resized)
+            vae_input = transforms.vae(resized)
             lp = self.loaded.config.latent_downsample
             h, w = vae_input.shape[1] // lp, vae_input.shape[2] // lp
             if vae_noise is not None:
@@ -416,11 +446,13 @@ class BagelPipeline:
             check_finite(latent, "the VAE encoding of the source image",
                          "check ae.safetensors (re-download it); the VAE always runs in fp32")
             C.append_vae(self.loaded, gen, latent, h, w)
-            C.append_vit(self.loaded, gen, VIT_TRANSFORM(resized))
-        cfg_text = gen.clone(branch="cfg_text")
+            C.append_vit(self.loaded, gen, transforms.vit(resized))
+        # the official deepcopy(gen) point: after the image, before the text; the session builds it from gen
+        cfg_text = Context(session.fork(gen.cache, "cfg_text"), gen.rope)
         C.append_text(self.loaded, gen, prompt)
         C.append_text(self.loaded, cfg_img, prompt)
-        return GenerationContexts(gen=gen, cfg_text=cfg_text, cfg_img=cfg_img, height=height, width=width)
+        return GenerationContexts(gen=gen, cfg_text=cfg_text, cfg_img=cfg_img, height=height, width=width,
+                                  session=session)
 
     @torch.inference_mode()
     def branch_velocities(
@@ -447,6 +479,19 @@ class BagelPipeline:
             for name in branches
         }
 
+    @staticmethod
+    def step_branches(t: Tensor, settings: FlowSettings) -> tuple[list[str], float, float]:
+        """``(branches computed at time t, text scale, image scale)`` as the official ``_forward_flow`` decides."""
+        active = cfg_active(t, settings.cfg_interval)
+        text_scale = settings.cfg_text_scale if active else 1.0
+        img_scale = settings.cfg_img_scale if active else 1.0
+        names = ["gen"]
+        if text_scale > 1.0:
+            names.append("cfg_text")
+            if img_scale > 1.0:
+                names.append("cfg_img")
+        return names, text_scale, img_scale
+
     @torch.inference_mode()
     def velocity(
         self,
@@ -464,14 +509,7 @@ class BagelPipeline:
         (when the text scale is <= 1 the image term is never used, so it is not computed).
         """
         t_tensor = t if isinstance(t, Tensor) else torch.tensor(t, dtype=torch.float32)
-        active = cfg_active(t_tensor, settings.cfg_interval)
-        text_scale = settings.cfg_text_scale if active else 1.0
-        img_scale = settings.cfg_img_scale if active else 1.0
-        names = ["gen"]
-        if text_scale > 1.0:
-            names.append("cfg_text")
-            if img_scale > 1.0:
-                names.append("cfg_img")
+        names, text_scale, img_scale = self.step_branches(t_tensor, settings)
         raw = self.branch_velocities(contexts, x, t_tensor, step=step, branches=names)
         guided = combine_cfg(
             raw["gen"], raw.get("cfg_text"), raw.get("cfg_img"), text_scale=text_scale, img_scale=img_scale,
@@ -502,7 +540,15 @@ class BagelPipeline:
         for i in range(total):
             if cancel is not None and cancel():
                 raise CancelledError(f"denoising cancelled before step {i + 1} of {total}")
-            v, raw = self.velocity(contexts, x, timesteps[i], settings, step=i)
+            names, _, _ = self.step_branches(timesteps[i], settings)
+            info = StepInfo(phase="denoise", step=i, total=total, branches=tuple(names), timestep=float(timesteps[i]))
+            if contexts.session is not None:
+                contexts.session.begin_step(info)
+            try:
+                v, raw = self.velocity(contexts, x, timesteps[i], settings, step=i)
+            finally:
+                if contexts.session is not None:
+                    contexts.session.end_step(info)
             check_velocities(raw, v, step=i, total=total, dtype=self.loaded.dtype,
                              cfg_text_scale=settings.cfg_text_scale, cfg_img_scale=settings.cfg_img_scale)
             for name in raw:
@@ -537,9 +583,9 @@ class BagelPipeline:
         image: Image.Image | None,
         prompt: str,
         *,
-        max_new_tokens: int = 512,
-        do_sample: bool = False,
-        temperature: float = 0.3,
+        max_new_tokens: int = _U.max_new_tokens,
+        do_sample: bool = _U.do_sample,
+        temperature: float = _U.temperature,
         think: bool = False,
         seed: int | None = None,
         progress: ProgressFn | None = None,
@@ -556,39 +602,41 @@ class BagelPipeline:
         used = understanding_positions(self.loaded.tokenizer, prompt, has_image=image is not None, think=think)
         self._check_positions(used, 0, "prompt")
         self._check_positions(used, max_new_tokens, "max_new_tokens")
+        session = self.start_session("understanding", max_new_tokens)
         with torch.inference_mode():
             t0 = time.perf_counter()
-            ctx = self.build_understanding_context(image, prompt, think=think)
+            ctx = self.build_understanding_context(image, prompt, think=think, session=session)
             t1 = time.perf_counter()
             context_tokens = ctx.num_tokens
             text, ids = self.decode_text(
                 ctx, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                generator=generator, progress=progress, cancel=cancel,
+                generator=generator, progress=progress, cancel=cancel, session=session,
             )
             t2 = time.perf_counter()
         info = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "context_tokens": {"gen": context_tokens},
                 "cache_bytes": ctx.cache.nbytes()}
+        kv_report = session.finish()
         logger.info("understanding: %d context tokens, %d new tokens, %.2fs", context_tokens, len(ids), t2 - t0)
-        return UnderstandingResult(text=text, token_ids=ids, info=info)
+        return UnderstandingResult(text=text, token_ids=ids, info=info, kv_report=kv_report)
 
     def text_to_image(
         self,
         prompt: str,
         *,
-        width: int = 1024,
-        height: int = 1024,
-        num_timesteps: int = 50,
-        timestep_shift: float = 3.0,
-        cfg_text_scale: float = 4.0,
-        cfg_img_scale: float = 1.5,
-        cfg_interval: tuple[float, float] = (0.4, 1.0),
-        cfg_renorm_min: float = 0.0,
-        cfg_renorm_type: str = "global",
+        width: int = _T.width,
+        height: int = _T.height,
+        num_timesteps: int = _T.num_timesteps,
+        timestep_shift: float = _T.timestep_shift,
+        cfg_text_scale: float = _T.cfg_text_scale,
+        cfg_img_scale: float = _T.cfg_img_scale,
+        cfg_interval: tuple[float, float] = _T.cfg_interval,
+        cfg_renorm_min: float = _T.cfg_renorm_min,
+        cfg_renorm_type: str = _T.cfg_renorm_type,
         seed: int | None = 0,
         think: bool = False,
-        think_max_new_tokens: int = 1024,
-        think_do_sample: bool = False,
-        think_temperature: float = 0.3,
+        think_max_new_tokens: int = _T.think_max_new_tokens,
+        think_do_sample: bool = _T.think_do_sample,
+        think_temperature: float = _T.think_temperature,
         initial_noise: Tensor | None = None,
         progress: ProgressFn | None = None,
         cancel: CancelFn | None = None,
@@ -630,18 +678,18 @@ class BagelPipeline:
         image: Image.Image,
         prompt: str,
         *,
-        num_timesteps: int = 50,
-        timestep_shift: float = 3.0,
-        cfg_text_scale: float = 4.0,
-        cfg_img_scale: float = 2.0,
-        cfg_interval: tuple[float, float] = (0.0, 1.0),
-        cfg_renorm_min: float = 0.0,
-        cfg_renorm_type: str = "text_channel",
+        num_timesteps: int = _E.num_timesteps,
+        timestep_shift: float = _E.timestep_shift,
+        cfg_text_scale: float = _E.cfg_text_scale,
+        cfg_img_scale: float = _E.cfg_img_scale,
+        cfg_interval: tuple[float, float] = _E.cfg_interval,
+        cfg_renorm_min: float = _E.cfg_renorm_min,
+        cfg_renorm_type: str = _E.cfg_renorm_type,
         seed: int | None = 0,
         think: bool = False,
-        think_max_new_tokens: int = 1024,
-        think_do_sample: bool = False,
-        think_temperature: float = 0.3,
+        think_max_new_tokens: int = _E.think_max_new_tokens,
+        think_do_sample: bool = _E.think_do_sample,
+        think_temperature: float = _E.think_temperature,
         vae_noise: Tensor | None = None,
         initial_noise: Tensor | None = None,
         progress: ProgressFn | None = None,
@@ -696,21 +744,23 @@ class BagelPipeline:
             # the plan is decoded (<= think.max_new_tokens positions) and then re-fed as a text block
             self._check_positions(used, think.max_new_tokens + 2, "think_max_new_tokens")
         generator = seeded_generator(seed)
+        session = self.start_session(task, settings.num_timesteps - 1)
         with torch.inference_mode():
             t0 = time.perf_counter()
             contexts = self.build_generation_contexts(
                 task, prompt, image=image, width=width, height=height, think=think is not None,
-                generator=generator, vae_noise=vae_noise,
+                generator=generator, vae_noise=vae_noise, session=session,
             )
             t1 = time.perf_counter()
             think_text = None
             if think is not None:
-                plan_ctx = contexts.gen.clone(branch="gen")
+                plan_ctx = Context(session.fork(contexts.gen.cache, "plan"), contexts.gen.rope)
                 think_text, _ = self.decode_text(
                     plan_ctx, max_new_tokens=think.max_new_tokens, do_sample=think.do_sample,
                     temperature=think.temperature, generator=generator, progress=progress, cancel=cancel,
-                    draw_discarded_sample=True,
+                    draw_discarded_sample=True, session=session, branch="plan",
                 )
+                session.release("plan")
                 del plan_ctx
                 C.append_text(self.loaded, contexts.gen, think_text)
             t2 = time.perf_counter()
@@ -737,5 +787,5 @@ class BagelPipeline:
                     t3 - t2)
         return GenerationResult(
             image=picture, latents=latent, num_steps=settings.num_timesteps - 1, seed=seed, info=info,
-            think_text=think_text, step0_velocity=step0,
+            think_text=think_text, step0_velocity=step0, kv_report=session.finish(),
         )

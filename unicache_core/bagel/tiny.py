@@ -2,20 +2,24 @@
 
 ``python -m unicache_core.bagel.tiny OUT_DIR [--seed N]`` writes::
 
-    llm_config.json  vit_config.json  ae_config.json
+    llm_config.json  vit_config.json  ae_config.json  transform_config.json
     ema.safetensors  ae.safetensors
     vocab.json  merges.txt  tokenizer_config.json
 
 Same tensor names as BAGEL-7B-MoT with tiny shapes (LLM width 64, 2 MoT layers; ViT width 32,
-2 layers built from a file that says 3; VAE width 32). The tokenizer is a byte-level BPE trained on a
-small built-in English text with the Qwen2 pre-tokenizer, followed by the Qwen special tokens at the
-same offsets as in Qwen2.5. Weights are random but scaled so that activations stay finite and outputs
-are not degenerate. The result depends only on ``seed``. Total size is a few MB.
+2 layers built from a file that says 3; VAE width 32). ``transform_config.json`` shrinks the image
+transforms to :data:`TINY_TRANSFORMS` (VAE long edge <= 128 px, short edge >= 64; ViT 112 / 56 with the
+official patch 14), so inputs are processed at about 1/8 of the official 512-1024 px. The tokenizer
+is a byte-level BPE trained on a small built-in English text with the Qwen2 pre-tokenizer, followed
+by the Qwen special tokens at the same offsets as in Qwen2.5. Weights are random but scaled so that
+activations stay finite and outputs are not degenerate. The result depends only on ``seed``. Total
+size is a few MB.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -25,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-from .config import AEConfig, BagelConfig, LLMConfig, ViTConfig
+from .config import AEConfig, BagelConfig, LLMConfig, ResizeConfig, TransformConfig, ViTConfig
 from .modeling import AutoEncoder, Bagel
 from .tokenizer import QWEN2_PRETOKENIZE_REGEX
 
@@ -50,6 +54,11 @@ QWEN_SPECIAL_TOKENS = (
 )
 
 TINY_NUM_MERGES = 300
+
+#: Image transform sizes of the tiny model. VAE sides are multiples of 16 (one latent token per 16 px,
+#: at most 8 of the 64 latent positions per side); ViT sides multiples of the patch 14, at most 8 of
+#: the 70 positions per side. A 60x45 input becomes 80x64 (5x4 latent tokens, 6x5 ViT patches).
+TINY_TRANSFORMS = TransformConfig(vae=ResizeConfig(128, 64, 16), vit=ResizeConfig(112, 56, 14))
 
 _CORPUS = """
 A small red cat sat on the warm mat near the window, watching the birds in the garden.
@@ -156,7 +165,7 @@ def tiny_config(vocab_size: int) -> BagelConfig:
         patch_size=14,
     )
     ae = AEConfig(ch=32, ch_mult=(1, 1, 1, 1), num_res_blocks=2)
-    return BagelConfig(llm=llm, vit=vit, ae=ae)
+    return BagelConfig(llm=llm, vit=vit, ae=ae, transforms=TINY_TRANSFORMS)
 
 
 def _init_weights(module: torch.nn.Module, gen: torch.Generator, *, conv_fan_in: bool) -> None:
@@ -201,10 +210,11 @@ def _write_json(path: Path, data: object) -> None:
 
 
 #: Every file :func:`write_tiny_checkpoint` writes (``ae_config.json`` marks a small checkpoint: the real
-#: BAGEL folder has none, the official loader hard-codes the VAE size).
+#: BAGEL folder has none, the official loader hard-codes the VAE size; the same holds for
+#: ``transform_config.json``, which older tiny checkpoints lack).
 TINY_FILES = frozenset({
-    "llm_config.json", "vit_config.json", "ae_config.json", "ema.safetensors", "ae.safetensors",
-    "vocab.json", "merges.txt", "tokenizer_config.json",
+    "llm_config.json", "vit_config.json", "ae_config.json", "transform_config.json", "ema.safetensors",
+    "ae.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json",
 })
 
 
@@ -329,6 +339,10 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, force: bool = F
             "scale_factor": ae.scale_factor,
             "shift_factor": ae.shift_factor,
         },
+    )
+    _write_json(
+        out / "transform_config.json",
+        {name: dataclasses.asdict(getattr(cfg.transforms, name)) for name in ("vae", "vit")},
     )
     ema = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(ema, str(out / "ema.safetensors"), metadata={"format": "pt"})

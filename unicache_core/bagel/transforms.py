@@ -1,9 +1,13 @@
-"""Image pre- and post-processing of BAGEL (bagel.md §3.1, §2.8).
+"""Image pre- and post-processing of BAGEL (``data/transforms.py`` and ``inferencer.py`` of github
+ByteDance-Seed/Bagel).
 
 Every input image is converted to RGB (transparent pixels composited on white), resized with the
-VAE rule ``MaxLongEdgeMinShortEdgeResize(1024, 512, 16)``, and only then passed to the ViT transform
-(980, 224, 14) and/or the VAE transform (1024, 512, 16). Tensors produced here are ``[3, H, W]``
-fp32 in ``[-1, 1]``.
+VAE rule, and only then passed to the ViT transform and/or the VAE transform (``interleave_inference``
+does ``vae_transform.resize_transform(pil_img2rgb(image))`` first). The sizes come from the model's
+:class:`~unicache_core.bagel.config.TransformConfig` (``transform_config.json``, see README
+"BAGEL engine"); the official ones, :data:`OFFICIAL_TRANSFORMS`, are VAE
+``MaxLongEdgeMinShortEdgeResize(1024, 512, 16)`` and ViT (980, 224, 14), with a pixel budget of
+``14*14*9*1024``. Tensors produced here are ``[3, H, W]`` fp32 in ``[-1, 1]``.
 
 Resizing is PIL bicubic, exactly what ``torchvision.transforms.functional.resize`` does on a PIL image.
 
@@ -11,7 +15,7 @@ Kept official behaviours (deliberately, for parity): EXIF orientation is NOT app
 grid is used, as the official code never calls ``ImageOps.exif_transpose``; transpose the image first
 if you want the displayed orientation); 16-bit and float images go through PIL's plain
 ``convert("RGB")``, which clips values to 0..255 instead of rescaling; a 1x1 image is upscaled to
-512x512 by the resize rule.
+512x512 by the official resize rule.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from .config import OFFICIAL_MAX_PIXELS, BagelConfig, ResizeConfig, TransformConfig
+
 #: Pixel budget of the official transforms (14*14*9*1024).
-MAX_PIXELS = 14 * 14 * 9 * 1024
+MAX_PIXELS = OFFICIAL_MAX_PIXELS
 
 
 def check_image(image: object, name: str = "image") -> Image.Image:
@@ -133,21 +139,57 @@ class ImageTransform:
         return MaxLongEdgeMinShortEdgeResize(self.max_size, self.min_size, self.stride, self.max_pixels)
 
     def __call__(self, image: Image.Image) -> Tensor:
+        """RGB PIL image → resized ``[3, H, W]`` fp32 in ``[-1, 1]`` (sides multiples of ``stride``)."""
         return to_tensor(self.resize(image))
 
+    @classmethod
+    def from_config(cls, rule: ResizeConfig) -> ImageTransform:
+        """The transform of one configured resize rule."""
+        return cls(rule.max_size, rule.min_size, rule.stride, rule.max_pixels)
 
+
+@dataclass(frozen=True)
+class ImageTransforms:
+    """A model's two image transforms; ``vae.resize`` is also the input resize rule (:meth:`prepare`)."""
+
+    vae: ImageTransform
+    vit: ImageTransform
+
+    @classmethod
+    def from_config(cls, config: BagelConfig | TransformConfig) -> ImageTransforms:
+        """The transforms of a loaded model's config (``loaded.config``) or of a :class:`TransformConfig`."""
+        tf = config.transforms if isinstance(config, BagelConfig) else config
+        return cls(vae=ImageTransform.from_config(tf.vae), vit=ImageTransform.from_config(tf.vit))
+
+    def prepare(self, image: Image.Image, name: str = "image") -> Image.Image:
+        """What ``interleave_inference`` does to every input image: RGB + the VAE resize rule.
+
+        Returns the resized RGB PIL image; its size is the output size of an edit.
+        """
+        return self.vae.resize(pil_img2rgb(image, name))
+
+
+#: The official transforms (the defaults of :class:`~unicache_core.bagel.config.TransformConfig`).
+OFFICIAL_TRANSFORMS = ImageTransforms.from_config(TransformConfig())
 #: The official VAE transform (sides multiples of 16, short side >= 512, long side <= 1024).
-VAE_TRANSFORM = ImageTransform(1024, 512, 16)
+VAE_TRANSFORM = OFFICIAL_TRANSFORMS.vae
 #: The official ViT transform (sides multiples of 14, short side >= 224, long side <= 980).
-VIT_TRANSFORM = ImageTransform(980, 224, 14)
+VIT_TRANSFORM = OFFICIAL_TRANSFORMS.vit
 
 
-def prepare_input_image(image: Image.Image, name: str = "image") -> Image.Image:
+def prepare_input_image(
+    image: Image.Image, name: str = "image", transforms: ImageTransforms | None = None
+) -> Image.Image:
     """What ``interleave_inference`` does to every input image: RGB + the VAE resize rule.
+
+    Args:
+        image: any PIL image (``name`` is used in error messages).
+        transforms: the model's transforms (:meth:`ImageTransforms.from_config` of ``loaded.config``);
+            ``None`` = the official ones.
 
     Returns the resized RGB PIL image; its size is the output size of an edit.
     """
-    return VAE_TRANSFORM.resize(pil_img2rgb(image, name))
+    return (transforms or OFFICIAL_TRANSFORMS).prepare(image, name)
 
 
 def image_from_tensor(image: Tensor) -> Image.Image:

@@ -8,7 +8,7 @@ applies the selection. Everything uses BAGEL's packed layout:
   reading KV head ``h // g``.
 
 The model returns no attention matrix, so policies compute their own observation attention with
-:func:`observation_attention` (kv-compression.md §4, §9.1).
+:func:`observation_attention` (docs/compression.md §4, §9.1).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def observation_attention(inputs: ScoreInputs, *, causal: bool = False, per_quer
 
     Returns:
         ``[Hkv, Tq, T]`` fp32 probabilities averaged over the ``g`` query heads of each KV group
-        (kv-compression.md §4), or ``[Hq, Tq, T]`` when ``per_query_head``. With ``query_lse`` they are
+        (docs/compression.md §4), or ``[Hq, Tq, T]`` when ``per_query_head``. With ``query_lse`` they are
         shares of the full resident softmax; otherwise they are normalised over these keys.
     """
     q = inputs.require_queries("observation attention")

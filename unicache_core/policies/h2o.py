@@ -14,7 +14,7 @@ from .base import EvictionPolicy, ScoreInputs, budget_from_ratio, observation_at
 class H2OPolicy(EvictionPolicy):
     """Keep the most recent tokens plus the "heavy hitters" with the largest accumulated attention.
 
-    Paper: https://arxiv.org/abs/2306.14048 (kv-compression.md §2). The score of a key is the attention
+    Paper: https://arxiv.org/abs/2306.14048 (docs/compression.md §2). The score of a key is the attention
     it received, summed over every observation query so far (``score_update_policy="cumulative"``),
     averaged over the query heads of its KV group. Selection is per KV head.
 

@@ -10,7 +10,7 @@ from ..quant import SUPPORTED_BITS, quantized_kv_nbytes
 from ..segments import TokenType
 from ..stores import QuantizedStore
 
-#: UniCache's bits/group lookup (kv-compression.md §8.6): (nominal retained ratio, bits, group size).
+#: UniCache's bits/group lookup (docs/compression.md §8.6): (nominal retained ratio, bits, group size).
 KIVI_LOOKUP: tuple[tuple[float, int, int], ...] = (
     (0.125, 2, 128),
     (0.200, 2, 64),

@@ -18,7 +18,7 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 def pyramid_layer_budgets(
     total_tokens: int, window: int, compression: float, num_layers: int, beta: float = 20.0
 ) -> list[int]:
-    """Per-layer token budgets of PyramidKV (kvpress 0.5.4 formula, kv-compression.md §5).
+    """Per-layer token budgets of PyramidKV (kvpress 0.5.4 formula, docs/compression.md §5).
 
     With ``cap = w + T(1-c)``: ``min = (cap-w)/beta``, ``max = 2(cap-w) - min``; if ``max >= T - w``
     then ``max = T - w`` and ``min = 2(cap-w) - max``. Layer ``l`` keeps
@@ -57,7 +57,7 @@ def pyramid_layer_budgets(
 class PyramidKVPolicy(SnapKVPolicy):
     """SnapKV scoring; the budget of layer ``inputs.layer`` comes from :func:`pyramid_layer_budgets`.
 
-    Paper: https://arxiv.org/abs/2406.02069 (kv-compression.md §5). Note §5's multimodal caveat: VLM
+    Paper: https://arxiv.org/abs/2406.02069 (docs/compression.md §5). Note §5's multimodal caveat: VLM
     sparsity is not monotone in depth.
 
     Parameters

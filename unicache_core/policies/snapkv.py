@@ -29,7 +29,7 @@ def pool_scores(scores: Tensor, kernel_size: int, pooling: str) -> Tensor:
 class SnapKVPolicy(EvictionPolicy):
     """Score keys by the attention of an observation window, pooled along the key axis.
 
-    Paper: https://arxiv.org/abs/2404.14469 (kv-compression.md §4; defaults of kvpress and UniCache's
+    Paper: https://arxiv.org/abs/2404.14469 (docs/compression.md §4; defaults of kvpress and UniCache's
     baseline operator). Scores are averaged over the window queries and over the query heads of each
     KV group; selection is per KV head with the same count per head.
 

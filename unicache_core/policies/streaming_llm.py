@@ -14,7 +14,7 @@ from .base import EvictionPolicy, ScoreInputs
 class StreamingLLMPolicy(EvictionPolicy):
     """Keep the first ``n_sink`` tokens and fill the rest of the budget with the most recent ones.
 
-    Paper: https://arxiv.org/abs/2309.17453 (kv-compression.md §3). No scoring; the same set for every
+    Paper: https://arxiv.org/abs/2309.17453 (docs/compression.md §3). No scoring; the same set for every
     head. Tokens keep their original positions: unlike the paper, nothing is re-rotated (BAGEL image
     tokens share position ids, §9.8). With a budget below ``n_sink`` the earliest sinks are kept.
 

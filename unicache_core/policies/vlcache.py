@@ -73,7 +73,7 @@ def vlcache_layer_budgets(sparsities: Sequence[float], total: int, num_tokens: i
 class VLCachePolicy(EvictionPolicy):
     """Keep the keys with the largest accumulated post-modality attention.
 
-    Paper: https://arxiv.org/abs/2410.23317 (kv-compression.md §7; details marked [verify] there). The
+    Paper: https://arxiv.org/abs/2410.23317 (docs/compression.md §7; details marked [verify] there). The
     observation queries are the tokens after the last modality boundary (the prompt text after the
     image, or BAGEL's queries after the conditioning); their attention is summed per key and averaged
     over the query heads of a KV group. Layer budgets come from :func:`vlcache_layer_budgets` over

@@ -1,11 +1,11 @@
 """UniCache's task- and type-aware machinery: routing, statistics, allocation, schedule, keep sets.
 
-Paper: https://arxiv.org/abs/2609.32831; design: kv-compression.md §8. Pure helpers, no side effects.
+Paper: https://arxiv.org/abs/2609.32831; design: docs/compression.md §8. Pure helpers, no side effects.
 """
 
 from .allocator import allocate, allocate_integer, allocate_types, target_ratios
 from .keepsets import MonotonicKeepSet, split_eviction_budget
-from .routing import DEFAULT_K90_THRESHOLD, PolicyKind, PolicyTable, k90, route, segment_k90
+from .routing import DEFAULT_K90_THRESHOLD, PolicyKind, PolicyTable, PolicyTableError, k90, route, segment_k90
 from .schedule import RetentionSchedule
 from .stats import (
     FALLBACK_BUDGET_RATIO,
@@ -23,6 +23,7 @@ __all__ = [
     "MonotonicKeepSet",
     "PolicyKind",
     "PolicyTable",
+    "PolicyTableError",
     "RetentionSchedule",
     "allocate",
     "allocate_integer",

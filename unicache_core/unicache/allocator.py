@@ -1,6 +1,6 @@
 """Split a token budget across types (or layers) in proportion to attention mass, with caps.
 
-Implements the pseudocode of kv-compression.md §8.6: water-filling with redistribution of what
+Implements the pseudocode of docs/compression.md §8.6: water-filling with redistribution of what
 saturated types cannot take. Pure functions over plain sequences.
 """
 

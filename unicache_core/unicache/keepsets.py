@@ -1,4 +1,4 @@
-"""Monotonic keep sets: an evicted token never comes back (kv-compression.md §8.6, §9.4)."""
+"""Monotonic keep sets: an evicted token never comes back (docs/compression.md §8.6, §9.4)."""
 
 from __future__ import annotations
 

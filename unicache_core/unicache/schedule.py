@@ -1,4 +1,4 @@
-"""Task-aware retention schedule ``rho`` over denoising step chunks (kv-compression.md §8.7)."""
+"""Task-aware retention schedule ``rho`` over denoising step chunks (docs/compression.md §8.7)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Chunked, EMA-smoothed attention statistics per (branch, layer chunk, step chunk, token type).
 
-kv-compression.md §8.5: layers are chunked by 4 (layer 0 alone), steps by 5 (step 0 alone). The
+docs/compression.md §8.5: layers are chunked by 4 (layer 0 alone), steps by 5 (step 0 alone). The
 mass of a type is the full-softmax share that falls on its currently retained keys, averaged over
 heads and queries. Budgets for cell ``(c, s)`` read cell ``(c, s-1)`` (§9.2).
 """

@@ -260,9 +260,11 @@ class Qwen2Model(nn.Module):
         cos, sin = self.rotary_emb(positions.to(embeds.device), embeds.dtype)
         x = embeds
         cache.begin_call(call)
-        for layer in self.layers:
-            x = layer(x, cos, sin, routing, cache, call)
-        cache.end_call(call)
+        try:
+            for layer in self.layers:
+                x = layer(x, cos, sin, routing, cache, call)
+        finally:
+            cache.end_call(call)
         return routing.apply(self.norm, self.norm_moe_gen, x)
 
 

@@ -1,0 +1,251 @@
+"""Every KV method through the one cache seam on the real BAGEL pipeline (tiny checkpoint)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from unicache_core.bagel import BagelPipeline, load_bagel
+from unicache_core.kvcache import unique_nbytes
+from unicache_core.methods import METHODS, KVConfig, make_cache_factory
+from unicache_core.methods import ops
+from unicache_core.methods.cache import CompressingKVCache
+from unicache_core.segments import TokenType as TT
+from unicache_core.unicache.routing import PolicyTable, PolicyTableError
+
+STEPS = 13  # 12 denoising steps: compressions after step 0, 5 and 10 (step chunks of 5)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    return load_bagel(tiny_checkpoint, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def source():
+    rng = np.random.default_rng(7)
+    return Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8))
+
+
+def _pipe(loaded, method, **kw):
+    return BagelPipeline(loaded, make_cache_factory(method, checkpoint_dir=str(loaded.checkpoint_dir), **kw))
+
+
+def _edit(pipe, source, steps=4, seed=3):
+    return pipe.edit(source, "make the square blue", num_timesteps=steps, seed=seed)
+
+
+def test_full_through_the_factory_is_bit_identical(loaded, source):
+    default = _edit(BagelPipeline(loaded), source)
+    named = _edit(BagelPipeline(loaded, make_cache_factory("full")), source)
+    assert torch.equal(default.latents, named.latents)
+    assert np.array_equal(np.asarray(default.image), np.asarray(named.image))
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "full"])
+def test_every_method_runs_every_task_deterministically(loaded, source, method):
+    pipe = _pipe(loaded, method)
+    a, b = _edit(pipe, source), _edit(pipe, source)
+    assert torch.equal(a.latents, b.latents)  # same seed, same compressed result
+    t2i = pipe.text_to_image("a red circle on the left", width=32, height=32, num_timesteps=4, seed=1)
+    und = pipe.understand(source, "What colour is the square?", max_new_tokens=4)
+    for result, task in ((a, "edit"), (t2i, "t2i"), (und, "understanding")):
+        report = result.kv_report
+        json.dumps(report)  # plain JSON
+        assert report["format"] == "unicache-kv-report" and report["method"] == method and report["task"] == task
+        summary = report["summary"]
+        assert summary["full_managed_bytes"] > 0 and summary["steady_managed_bytes"] is not None
+        assert summary["peak_bytes"] >= summary["protected_bytes"] > 0
+        if not summary["budget_unreachable"]:
+            assert summary["within_budget"], (task, summary)
+        step = report["steps"][0]
+        assert {"phase", "step", "branches", "attention_s", "stats_s", "alloc_s"} <= set(step)
+        for record in step["branches"].values():
+            assert {"types", "managed_bytes", "protected_bytes", "rho", "attended_rows"} <= set(record)
+
+
+@pytest.mark.parametrize("method", ["h2o", "snapkv", "pyramidkv", "streamingllm", "vlcache"])
+def test_eviction_baselines_match_the_target_memory(loaded, source, method):
+    prompt = "replace the small blue square in the upper left corner by a large red circle and keep the rest " * 3
+    report = _pipe(loaded, method, kv_target=0.2).edit(source, prompt, num_timesteps=4, seed=3).kv_report["summary"]
+    # matched = steady managed bytes within -3% .. 0% of the target
+    assert 0.97 * 0.2 <= report["achieved_ratio"] <= 0.2, report
+
+
+def test_kv_target_in_bytes_and_kivi_takes_the_setting_at_or_under_it(loaded, source):
+    full = _edit(_pipe(loaded, "h2o"), source).kv_report["summary"]["full_managed_bytes"]
+    summary = _edit(_pipe(loaded, "h2o", kv_target=int(full * 0.3)), source).kv_report["summary"]
+    assert summary["target_ratio"] == pytest.approx(0.3, abs=1e-3)
+    assert summary["steady_managed_bytes"] <= int(full * 0.3)
+    kivi = _edit(_pipe(loaded, "kivi", kv_target=0.3), source).kv_report
+    assert kivi["summary"]["achieved_ratio"] <= 0.3 or kivi["summary"]["budget_unreachable"]
+    quantized = [t for b in kivi["steps"][-1]["branches"].values() for t in b["types"].values() if "bits" in t]
+    assert quantized and all(t["bits"] in (2, 4, 8) for t in quantized)
+
+
+def test_tagging_per_task_and_branch(loaded, source):
+    pipe = _pipe(loaded, "unicache")
+    session = pipe.start_session("edit", 3)
+    ctxs = pipe.build_generation_contexts("edit", "make it blue", image=source, session=session)
+    types = {name: set(torch.unique(ctx.cache.types).tolist()) for name, ctx in ctxs.branches().items()}
+    assert types["gen"] == {TT.BOUNDARY, TT.SOURCE_VAE, TT.SOURCE_VIT, TT.INSTRUCTION}
+    assert types["cfg_text"] == {TT.BOUNDARY, TT.SOURCE_VAE, TT.SOURCE_VIT}  # image, no text
+    assert types["cfg_img"] == {TT.BOUNDARY, TT.INSTRUCTION}  # text, no image
+    t2i = pipe.build_generation_contexts("t2i", "a dog", width=32, height=32, session=pipe.start_session("t2i", 3))
+    assert t2i.cfg_text.cache.num_tokens == 0
+    assert set(torch.unique(t2i.gen.cache.types).tolist()) == {TT.BOUNDARY, TT.INSTRUCTION}
+    und = pipe.build_understanding_context(source, "What is it?", session=pipe.start_session("understanding", 4))
+    assert set(torch.unique(und.cache.types).tolist()) == {TT.BOUNDARY, TT.SOURCE_VIT, TT.INSTRUCTION}
+
+
+def test_cfg_text_forks_from_gen_shares_rows_and_then_lives_on_its_own(loaded, source):
+    pipe = _pipe(loaded, "h2o")
+    session = pipe.start_session("edit", 3)
+    ctxs = pipe.build_generation_contexts("edit", "make it blue", image=source, session=session)
+    gen, cfg = ctxs.gen.cache, ctxs.cfg_text.cache
+    assert isinstance(cfg, CompressingKVCache) and cfg.branch == "cfg_text" and cfg.session is session
+    # the rows both hold identically at the clone point are stored once
+    assert unique_nbytes(gen.tensors() + cfg.tensors()) < gen.nbytes() + cfg.nbytes()
+    cfg_before = [[s.token_index.clone() for s in cfg.layer(i).stores] for i in range(cfg.num_layers)]
+    session.resolve_target()
+    for layer in range(gen.num_layers):
+        gen.state[layer].scores = torch.rand(gen.layer(layer).appended_tokens, 2 if False else
+                                             gen.layer(layer)._kv_meta[0])
+    session.method.compress_layers(session, gen)
+    assert any(s.kind == "evicted" for s in gen.layer(0).stores)
+    assert all(s.kind == "full" for s in cfg.layer(0).stores)  # gen's eviction did not touch cfg_text
+    for layer in range(cfg.num_layers):
+        assert all(torch.equal(a, s.token_index) for a, s in zip(cfg_before[layer], cfg.layer(layer).stores))
+    assert gen.state is not cfg.state and gen.state[0] is not cfg.state[0]
+
+
+def test_unicache_keep_sets_only_shrink_rho_never_rises_and_step0_is_full(loaded, source, monkeypatch):
+    kept: dict[tuple, list[set]] = {}
+    real_evict = ops.evict
+
+    def spy(layer, indices, keep, scores, **kw):
+        store = real_evict(layer, indices, keep, scores, **kw)
+        rows = {(h, int(i)) for h in range(store.keep_idx.shape[0]) for i in store.keep_idx[h].tolist()}
+        kept.setdefault((id(layer), store.token_type), []).append(rows)
+        return store
+
+    monkeypatch.setattr("unicache_core.methods.unicache.evict", spy)
+    result = _edit(_pipe(loaded, "unicache", rho_floor=0.1), source, steps=STEPS)
+    report = result.kv_report
+    assert any(len(v) > 1 for v in kept.values()), "no segment was re-evicted"
+    for history in kept.values():
+        for before, after in zip(history, history[1:]):
+            assert after <= before  # an evicted row never comes back
+    rhos = [s["branches"]["gen"]["rho"] for s in report["steps"]]
+    assert rhos[0] == pytest.approx(0.5)
+    assert all(b <= a + 1e-12 for a, b in zip(rhos, rhos[1:])) and min(rhos) >= 0.1 - 1e-12
+    # step 0 ran at full KV: it attended every cached row of every layer (+ its own latent block)
+    first = report["steps"][0]["branches"]["gen"]
+    n_layers = loaded.model.num_layers
+    latent = (result.image.size[0] // 16) * (result.image.size[1] // 16) + 2
+    context = sum(t["full_rows"] for t in first["types"].values())  # rows appended to gen (before compression)
+    assert first["attended_rows"] == n_layers * (context + latent)
+    assert first["compressed_after"] and report["steps"][1]["branches"]["gen"]["attended_rows"] < first["attended_rows"]
+    # every evicted segment holds at most its byte budget; a quantized one that cannot (the tiny model's
+    # source-VAE is shorter than the 32-row residual) is flagged with its reason instead
+    for step in report["steps"][1:]:
+        for record in step["branches"].values():
+            for name, entry in record["types"].items():
+                if entry["policy"] == "evict":
+                    assert entry["bytes"] <= entry["budget_bytes"], (name, entry)
+    summary = report["summary"]
+    assert summary["achieved_ratio"] <= summary["rho_mean"] + 1e-9 or (
+        summary["budget_unreachable"] and all(k.endswith("source_vae") and "residual" in v
+                                              for k, v in summary["flags"].items()))
+
+
+def test_compression_releases_bytes_and_accounts_them_exactly(loaded, source):
+    pipe = _pipe(loaded, "unicache", kivi_residual=4)  # the tiny source-VAE segment is shorter than 32 rows
+    session = pipe.start_session("edit", 3)
+    ctxs = pipe.build_generation_contexts("edit", "make it blue", image=source, session=session)
+    gen = ctxs.gen.cache
+    full_store = gen.segment_kv(0, TT.SOURCE_VIT)
+    full_rows = full_store.num_tokens
+    before = gen.nbytes()
+    lp = loaded.config.latent_downsample
+    x = torch.randn((ctxs.height // lp) * (ctxs.width // lp), loaded.config.patch_latent_dim)
+    from unicache_core.kvcache import StepInfo
+
+    info = StepInfo("denoise", 0, 3, ("gen", "cfg_text", "cfg_img"), 1.0)
+    session.begin_step(info)
+    pipe.branch_velocities(ctxs, x, 1.0, step=0)
+    session.end_step(info)
+    after = gen.nbytes()
+    assert after < before
+    vit = [s for s in gen.layer(0).stores if s.token_type == TT.SOURCE_VIT]
+    vae = [s for s in gen.layer(0).stores if s.token_type == TT.SOURCE_VAE]
+    assert vit[0].kind == "evicted" and vit[0].keys.shape[1] < full_rows  # the tensor itself shrank
+    assert vae[0].kind == "quantized" and vae[0].qkeys.packed.dtype == torch.uint8
+    for layer in gen.layers:
+        for store in layer.stores:
+            assert store.nbytes() == store.nominal_bytes()
+    managed, protected = gen.split_bytes()
+    assert managed + protected == after
+
+
+def test_understanding_decodes_against_the_compressed_cache(loaded, source):
+    und = _pipe(loaded, "unicache").understand(source, "Describe the picture.", max_new_tokens=6)
+    report = und.kv_report
+    first = report["steps"][0]["branches"]["gen"]
+    context = sum(t["full_rows"] for t in first["types"].values() if t.get("full_rows"))
+    assert first["compressed"] and first["attended_rows"] < loaded.model.num_layers * (context + 1)
+    assert report["summary"]["rho_mean"] == pytest.approx(0.2)
+    assert report["summary"]["achieved_ratio"] <= 0.2
+
+
+def test_think_plan_has_its_own_context_name(loaded):
+    res = _pipe(loaded, "h2o").text_to_image("a dog", width=32, height=32, num_timesteps=3, think=True,
+                                             think_max_new_tokens=3)
+    phases = {(s["phase"], name) for s in res.kv_report["steps"] for name in s["branches"]}
+    assert ("decode", "plan") in phases and ("decode", "gen") not in phases
+    assert all(not s["branches"]["plan"]["compressed"] for s in res.kv_report["steps"] if "plan" in s["branches"])
+
+
+def test_bad_settings_each_give_one_clear_error(loaded, tmp_path):
+    with pytest.raises(ValueError, match="unknown KV method 'fastest'"):
+        make_cache_factory("fastest")
+    for rho in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="`rho` must be a number in"):
+            KVConfig(method="unicache", rho=rho)
+    with pytest.raises(ValueError, match="must not exceed `rho`"):
+        KVConfig(method="unicache", rho=0.3, rho_floor=0.4)
+    with pytest.raises(ValueError, match="kv_target"):
+        KVConfig(method="h2o", kv_target="lots")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "unicache-policy-table", "version": 1, "entries": [{"task": "edit", '
+                   '"type": "current_latent", "kind": "evict"}]}')
+    with pytest.raises(PolicyTableError, match="protected or unknown"):
+        PolicyTable.load(bad)
+    bad.write_text("{not json")
+    with pytest.raises(PolicyTableError, match="not valid JSON"):
+        PolicyTable.load(bad)
+    bad.write_text('{"format": "unicache-policy-table", "version": 2, "entries": []}')
+    with pytest.raises(PolicyTableError, match="version"):
+        PolicyTable.load(bad)
+    other = tmp_path / "other.json"
+    PolicyTable(model_id="some-other-model").save(other)
+    pipe = _pipe(loaded, "unicache", policy=str(other))
+    with pytest.raises(PolicyTableError, match="made for model 'some-other-model'"):
+        pipe.text_to_image("x", width=32, height=32, num_timesteps=3)
+
+
+def test_default_policy_is_the_checkpoints_table_else_the_paper_one(loaded, tiny_checkpoint_copy):
+    res = _pipe(loaded, "unicache").text_to_image("x", width=32, height=32, num_timesteps=3)
+    assert res.kv_report["policy"]["source"] == "paper" and "calibrate" in res.kv_report["policy"]["warning"]
+    from unicache_core.model_id import model_id_of
+
+    table = PolicyTable(model_id=model_id_of(tiny_checkpoint_copy), source="calibrated")
+    table.save(tiny_checkpoint_copy / "unicache_policy.json")
+    local = load_bagel(tiny_checkpoint_copy, dtype=torch.float32)
+    res = BagelPipeline(local, make_cache_factory("unicache", checkpoint_dir=str(tiny_checkpoint_copy))) \
+        .text_to_image("x", width=32, height=32, num_timesteps=3)
+    assert res.kv_report["policy"]["source"] == "calibrated" and res.kv_report["policy"]["warning"] is None

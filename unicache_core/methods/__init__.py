@@ -1,0 +1,25 @@
+"""Every KV-compression method behind one seam, selectable by name.
+
+``make_cache_factory(method, config)`` returns a :class:`~unicache_core.kvcache.CacheFactory` whose
+sessions build typed, compressing caches per branch (:mod:`.cache`), compress them with the method
+(:mod:`.unicache`, :mod:`.baselines`) through the physical operations of :mod:`.ops`, and report per
+step (:mod:`.report`). Methods: ``full``, ``unicache``, ``h2o``, ``snapkv``, ``pyramidkv``,
+``streamingllm``, ``kivi``, ``vlcache``.
+"""
+
+from .cache import CompressingKVCache, CompressionSession
+from .config import DEFAULT_REDUCTION, METHODS, KVConfig, parse_kv_target
+from .registry import CHECKPOINT_POLICY_FILE, make_cache_factory, paper_policy_table, resolve_policy_table
+
+__all__ = [
+    "CHECKPOINT_POLICY_FILE",
+    "CompressingKVCache",
+    "CompressionSession",
+    "DEFAULT_REDUCTION",
+    "KVConfig",
+    "METHODS",
+    "make_cache_factory",
+    "paper_policy_table",
+    "parse_kv_target",
+    "resolve_policy_table",
+]
