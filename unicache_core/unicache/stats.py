@@ -8,6 +8,7 @@ heads and queries. Budgets for cell ``(c, s)`` read cell ``(c, s-1)`` (§9.2).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -148,7 +149,16 @@ class ChunkedAttentionStats:
         k90s: Mapping[TokenType, float] | None = None,
         branch: str = "gen",
     ) -> None:
-        """Fold one attention call's per-type masses (and optional K90s) into its cell."""
+        """Fold one attention call's per-type masses (and optional K90s) into its cell.
+
+        A NaN/inf or negative value raises (it would otherwise poison the EMA and every later budget).
+        """
+        for name, values in (("mass", masses), ("k90", k90s or {})):
+            for ttype, value in values.items():
+                if not math.isfinite(float(value)) or float(value) < 0:
+                    raise ValueError(f"attention {name} of {TokenType(ttype).name.lower()} at layer {layer}, step "
+                                     f"{step} ({branch}) is {value!r}; the attention produced non-finite values "
+                                     "(check the model dtype for overflow)")
         c, s = self.cell(layer, step)
         for ttype, value in masses.items():
             self._ema(self._mass, self._last_mass, (branch, c, s, TokenType(ttype)), float(value))
