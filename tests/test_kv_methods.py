@@ -44,6 +44,9 @@ def test_full_through_the_factory_is_bit_identical(loaded, source):
     named = _edit(BagelPipeline(loaded, make_cache_factory("full")), source)
     assert torch.equal(default.latents, named.latents)
     assert np.array_equal(np.asarray(default.image), np.asarray(named.image))
+    summary = named.kv_report["summary"]  # full reports like every method: all it holds is managed bytes
+    assert summary["achieved_ratio"] == 1.0 and summary["steady_managed_bytes"] == summary["full_managed_bytes"] > 0
+    assert summary["attention_seconds"] > 0 and default.kv_report is None
 
 
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "full"])

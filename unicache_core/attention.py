@@ -11,10 +11,13 @@ block) is computed part by part and merged exactly::
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -53,7 +56,40 @@ def _head_major_attention(
     if mask is None and _uses_cpu_flash(q, k, v):
         out, lse = _cpu_flash(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, causal, scale=scale)
         return out.squeeze(0), lse.squeeze(0).float()
+    if mask is None and q.is_cuda and k.dtype == q.dtype and v.dtype == q.dtype:
+        fused = _cuda_fused_attention(q, k, v, scale, causal)
+        if fused is not None:
+            return fused
     return _reference_attention(q, k, v, scale, causal, mask)
+
+
+_CUDA_FUSED_FAILED: set[tuple] = set()
+
+
+def _cuda_fused_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor] | None:
+    """Fused CUDA attention that also returns the LSE (flash for fp16/bf16, memory-efficient otherwise).
+
+    q ``[B, Tq, d]``, k/v ``[B, Tk, d]`` → out ``[B, Tq, d]``, lse ``[B, Tq]`` fp32; ``None`` when the kernels
+    refuse this shape/dtype (the exact chunked reference then runs; logged once per shape class).
+    ``causal`` is only used with ``Tq == Tk`` (top-left and bottom-right alignment coincide).
+    """
+    key = (q.dtype, q.shape[-1], q.device)
+    if key in _CUDA_FUSED_FAILED:
+        return None
+    qq, kk, vv = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    try:
+        if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(qq, kk, vv, 0.0, causal, False, scale=scale)
+        else:
+            res = torch.ops.aten._scaled_dot_product_efficient_attention(qq, kk, vv, None, True, 0.0, causal,
+                                                                          scale=scale)
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        _CUDA_FUSED_FAILED.add(key)
+        logger.info("fused CUDA attention unavailable for %s head dim %d (%s); using the chunked reference",
+                    q.dtype, q.shape[-1], str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+    out, lse = res[0], res[1]
+    return out.squeeze(0), lse.squeeze(0)[..., : q.shape[1]].float()
 
 
 #: Score elements (fp32) the reference path materialises at once; queries are processed in chunks

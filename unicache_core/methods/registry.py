@@ -13,6 +13,7 @@ from .base import CompressionMethod
 from .baselines import H2OMethod, KIVIMethod, PyramidKVMethod, SnapKVMethod, StreamingLLMMethod, VLCacheMethod
 from .cache import CompressionSession
 from .config import METHODS, KVConfig
+from .full import FullMethod, FullSession
 from .unicache import UniCacheMethod
 
 logger = logging.getLogger(__name__)
@@ -81,13 +82,26 @@ class MethodCacheFactory(CacheFactory):
         return CompressionSession(request, method, self.config, policy_info)
 
 
+class FullCacheFactory(CacheFactory):
+    """``full`` with a report: uncompressed :class:`~unicache_core.kvcache.FullKVCache` caches (bit-identical to
+    no factory) that also measure attention time, attended rows and bytes."""
+
+    method = "full"
+
+    def __init__(self, config: KVConfig):
+        self.config = config
+
+    def start(self, request: RequestInfo) -> CacheSession:
+        return FullSession(request, FullMethod(), self.config)
+
+
 def make_cache_factory(method: str | KVConfig = "full", config: KVConfig | None = None, *,
                        checkpoint_dir: str = "", **settings) -> CacheFactory:
     """The :class:`CacheFactory` of a method selected by name.
 
     ``make_cache_factory("unicache")``, ``make_cache_factory("h2o", kv_target=0.2)`` or
-    ``make_cache_factory(KVConfig(method="kivi", kv_target="40%"))``. ``full`` gives the uncompressed
-    default (bit-identical to no factory). ``checkpoint_dir``: where unicache looks for the checkpoint's
+    ``make_cache_factory(KVConfig(method="kivi", kv_target="40%"))``. ``full`` gives uncompressed caches
+    (bit-identical to no factory) that report bytes and attention time like every method. ``checkpoint_dir``: where unicache looks for the checkpoint's
     own policy table.
     """
     if isinstance(method, KVConfig):
@@ -101,7 +115,7 @@ def make_cache_factory(method: str | KVConfig = "full", config: KVConfig | None 
     if config.method != method:
         raise ValueError(f"method {method!r} differs from config.method {config.method!r}")
     if method == "full":
-        return CacheFactory()
+        return FullCacheFactory(config)
     return MethodCacheFactory(method, config, str(checkpoint_dir) if checkpoint_dir else "")
 
 

@@ -26,6 +26,10 @@ def _type_name(t: TokenType) -> str:
 
 def branch_snapshot(cache: "CompressingKVCache") -> dict:
     """Bytes, rows and settings per type of one branch cache, summed over its layers."""
+    if hasattr(cache, "snapshot_types"):  # the full method's FullKVCache
+        managed, protected = cache.split_bytes()
+        return {"types": cache.snapshot_types(), "managed_bytes": managed, "protected_bytes": protected,
+                "full_managed_bytes": cache.managed_full_bytes(), "rho": None, "compressed": False}
     types: dict[str, dict] = {}
     for layer, st in enumerate(cache.layers):
         ls = cache.state[layer]
@@ -121,6 +125,8 @@ class ReportBuilder:
         first = next((i for i, s in enumerate(self.steps)
                       if any(b.get("compressed") for b in s["branches"].values())), None)
         after = self.steps[first:] if first is not None else []
+        if session.method.name == "full":
+            after = [s for s in self.steps if s["phase"] != "decode" or "plan" not in s["branches"]]
         steady = statistics.fmean(s["managed_bytes_all"] for s in after) if after else None
         target = session.target_ratio
         rho_weighted = None
