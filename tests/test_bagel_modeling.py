@@ -48,7 +48,7 @@ def _randomise_norms(model: Bagel, seed: int) -> Bagel:
 
 
 def test_key_names_follow_the_official_layout(model: Bagel, loaded):
-    """Names generated from the spec's key list (bagel.md §1.2) equal the module's state dict."""
+    """Names generated from the spec's key list (docs/bagel.md §1.2) equal the module's state dict."""
     cfg = loaded.config
     expected = {
         "language_model.model.embed_tokens.weight",
@@ -384,7 +384,7 @@ def test_vae_rejects_bad_sizes(loaded):
 
 def test_real_size_model_on_meta_matches_the_official_layout(tmp_path):
     """BAGEL-7B-MoT configs (Qwen2.5-7B LLM, SigLIP so400m with 27 layers in the file) → 1223 tensors whose
-    shapes follow bagel.md §1.2, built on the meta device (no memory)."""
+    shapes follow docs/bagel.md §1.2, built on the meta device (no memory)."""
     import json
 
     from unicache_core.bagel.config import load_bagel_config

@@ -1,4 +1,4 @@
-"""BAGEL procedures end to end on the tiny checkpoint (bagel.md §4.6, §5)."""
+"""BAGEL procedures end to end on the tiny checkpoint (docs/bagel.md §4.6, §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Flow schedule, CFG combination, latent packing and token sampling of BAGEL (bagel.md §5.3)."""
+"""Flow schedule, CFG combination, latent packing and token sampling of BAGEL (docs/bagel.md §5.3)."""
 
 import math
 

@@ -1,7 +1,7 @@
 """BAGEL contexts (one KV cache + its next RoPE position) and the blocks appended to them.
 
 A :class:`Context` is the official ``{'kv_lens', 'ropes', 'past_key_values'}`` dict: a
-:class:`~unicache_core.kvcache.KVCache` plus the next RoPE position. Blocks (bagel.md §4.2-§4.6):
+:class:`~unicache_core.kvcache.KVCache` plus the next RoPE position. Blocks (docs/bagel.md §4.2-§4.6):
 
 =========  =====================================  =======  ==========  =====================================
 block      tokens                                 mode     mask        positions / rope after

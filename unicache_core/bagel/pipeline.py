@@ -1,6 +1,6 @@
 """The three BAGEL procedures (understanding, text-to-image, editing) over pluggable KV caches.
 
-Mirrors ``InterleaveInferencer.interleave_inference`` (bagel.md §5): contexts are built block by
+Mirrors ``InterleaveInferencer.interleave_inference`` (docs/bagel.md §5): contexts are built block by
 block (:mod:`.contexts`), every cache comes from a :data:`~unicache_core.kvcache.CacheFactory`
 (``cfg_text`` is a ``clone`` of ``gen`` taken at the official point), and the flow loop uses the pure
 math in :mod:`.sampling`.
@@ -178,7 +178,7 @@ def _check_seed(seed: object) -> int:
 
 @dataclass(frozen=True)
 class FlowSettings:
-    """Validated denoising settings (bagel.md §5.3)."""
+    """Validated denoising settings (docs/bagel.md §5.3)."""
 
     num_timesteps: int
     timestep_shift: float
@@ -215,7 +215,7 @@ class FlowSettings:
 
 @dataclass(frozen=True)
 class _ThinkSettings:
-    """Validated think-mode decoding settings of a generation request (bagel.md §5.5)."""
+    """Validated think-mode decoding settings of a generation request (docs/bagel.md §5.5)."""
 
     max_new_tokens: int
     do_sample: bool
@@ -393,7 +393,7 @@ class BagelPipeline:
     @torch.inference_mode()
     def build_understanding_context(self, image: Image.Image | None, prompt: str, *, think: bool = False,
                                     session: CacheSession | None = None) -> Context:
-        """``[system (think)] [ViT image] [text]`` in one ``gen`` context (bagel.md §4.6)."""
+        """``[system (think)] [ViT image] [text]`` in one ``gen`` context (docs/bagel.md §4.6)."""
         ctx = self.new_context("understanding", "gen", session)
         if think:
             C.append_text(self.loaded, ctx, C.VLM_THINK_SYSTEM_PROMPT)
@@ -591,7 +591,7 @@ class BagelPipeline:
         progress: ProgressFn | None = None,
         cancel: CancelFn | None = None,
     ) -> UnderstandingResult:
-        """Answer ``prompt`` about ``image`` (or a text-only prompt when ``image`` is None), bagel.md §5.2."""
+        """Answer ``prompt`` about ``image`` (or a text-only prompt when ``image`` is None), docs/bagel.md §5.2."""
         _check_prompt(prompt)
         if image is not None:
             check_image(image, "image")
@@ -642,7 +642,7 @@ class BagelPipeline:
         cancel: CancelFn | None = None,
         return_step0_velocity: bool = False,
     ) -> GenerationResult:
-        """Text-to-image (bagel.md §5.3); defaults are ``app.py``'s (cfg_img_scale 1.5 is the interleave default).
+        """Text-to-image (docs/bagel.md §5.3); defaults are ``app.py``'s (cfg_img_scale 1.5 is the interleave default).
 
         Args:
             prompt: the instruction text (wrapped as ``<|im_start|> prompt <|im_end|>``, no chat template).
@@ -696,7 +696,7 @@ class BagelPipeline:
         cancel: CancelFn | None = None,
         return_step0_velocity: bool = False,
     ) -> GenerationResult:
-        """Edit ``image`` following ``prompt`` (bagel.md §5.4); output size = the VAE-resized source size.
+        """Edit ``image`` following ``prompt`` (docs/bagel.md §5.4); output size = the VAE-resized source size.
 
         The source goes through the VAE (clean latents, gen expert) and the ViT (und expert); the
         ``cfg_text`` branch sees the image without the text, ``cfg_img`` the text without the image.

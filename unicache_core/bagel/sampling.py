@@ -1,6 +1,6 @@
 """Pure sampling math of BAGEL: flow schedule, CFG combination, latent packing, token sampling.
 
-No model here; every function is deterministic given its inputs (bagel.md §5.2-§5.3, §2.7).
+No model here; every function is deterministic given its inputs (docs/bagel.md §5.2-§5.3, §2.7).
 The arithmetic follows the official operation order and dtypes so that results match bit for bit
 when the inputs do (e.g. the schedule is fp32, the CFG math runs in the velocity's dtype, and the
 interval test compares fp32 tensors, so ``t = fp32(0.4)`` is *not* inside ``(0.4, 1.0]``).
@@ -48,7 +48,7 @@ def combine_cfg(
     renorm_type: str = "global",
     renorm_min: float = 0.0,
 ) -> Tensor:
-    """Classifier-free guidance of the three branch velocities (bagel.md §5.3 step 4).
+    """Classifier-free guidance of the three branch velocities (docs/bagel.md §5.3 step 4).
 
     Args:
         v: ``[N, 64]`` velocity of the full (``gen``) context.

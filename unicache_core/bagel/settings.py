@@ -1,4 +1,4 @@
-"""The official generation defaults, in one place (bagel.md §5; ByteDance-Seed/Bagel ``app.py``, ``inferencer.py``).
+"""The official generation defaults, in one place (docs/bagel.md §5; ByteDance-Seed/Bagel ``app.py``, ``inferencer.py``).
 
 The pipeline's keyword defaults, the CLI's flag defaults and the ComfyUI nodes' widget defaults all
 read these presets; :func:`preset` returns the one of a task.

@@ -3,7 +3,7 @@
 The official code uses the *slow* ``Qwen2Tokenizer``, which reads only ``vocab.json``,
 ``merges.txt`` and ``tokenizer_config.json`` (its ``added_tokens_decoder``). We build the same
 tokenizer from exactly those files; ``tokenizer.json`` is ignored even when present, so the result
-cannot drift from what the official inference code runs. Behaviour reproduced (bagel.md §3.2):
+cannot drift from what the official inference code runs. Behaviour reproduced (docs/bagel.md §3.2):
 
 * NFC normalisation of the text (the slow tokenizer's ``prepare_for_tokenization``);
 * the Qwen2 pre-tokenizer regex, then byte-to-unicode mapping and BPE by merge rank;

@@ -1,4 +1,4 @@
-"""FLUX autoencoder (BAGEL's VAE, bagel.md §2.8), inference only, always run in fp32.
+"""FLUX autoencoder (BAGEL's VAE, docs/bagel.md §2.8), inference only, always run in fp32.
 
 Names equal the keys of ``ae.safetensors`` (``encoder.*``, ``decoder.*``). GroupNorm uses 32 groups
 and eps 1e-6; downsampling pads asymmetrically (right/bottom by one) before a stride-2 conv;

@@ -1,7 +1,7 @@
 """The BAGEL model: MoT language model + SigLIP ViT + connector + latent heads (inference only).
 
 This module only embeds inputs and runs one packed block of new tokens through the LLM; building
-contexts, positions and token types is the pipeline's job (bagel.md §4–5). Submodule names equal the
+contexts, positions and token types is the pipeline's job (docs/bagel.md §4–5). Submodule names equal the
 top-level prefixes of ``ema.safetensors``.
 """
 

@@ -1,7 +1,7 @@
 """BAGEL's small heads: 2-D sin-cos position tables, the timestep embedder and the ViT connector.
 
 Names equal the checkpoint keys: ``vit_pos_embed.pos_embed``, ``latent_pos_embed.pos_embed``,
-``time_embedder.mlp.{0,2}.*``, ``connector.fc{1,2}.*`` (bagel.md §1.2, §2.5–2.6).
+``time_embedder.mlp.{0,2}.*``, ``connector.fc{1,2}.*`` (docs/bagel.md §1.2, §2.5–2.6).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SigLIP NaViT vision encoder as BAGEL uses it (bagel.md §2.4), inference only.
+"""SigLIP NaViT vision encoder as BAGEL uses it (docs/bagel.md §2.4), inference only.
 
 Input is a packed sequence of flattened patches ``[N, p*p*3]`` (feature order ``(row, col, channel)``
 inside a patch) with one learned absolute position id per patch (``row * 70 + col``). Several images
