@@ -45,10 +45,11 @@ from unicache_core.policies import (
 )
 from unicache_core.policies.kivi import KIVIPolicy
 from unicache_core.quant import quantized_kv_nbytes
+from unicache_core.kvcache import AttentionCall, RequestInfo
+from unicache_core.methods import make_cache_factory, paper_policy_table
 from unicache_core.segmented import SegmentedLayer
-from unicache_core.segments import TokenType
-from unicache_core.stores import EvictedStore, FullStore, QuantizedStore
-from unicache_core.unicache import allocate_integer, allocate_types
+from unicache_core.segments import CANDIDATE_TYPES, TokenType
+from unicache_core.stores import EvictedStore, FullStore
 
 logger = logging.getLogger("benchmarks.kv_attention")
 TT = TokenType
@@ -309,50 +310,45 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
     methods["kivi"] = [layer(kivi.compress(ck, cv, cand, TT.UNKNOWN))]
     info["kivi"] = asdict(kivi)
 
-    methods["unicache"] = [layer(*_unicache_stores(cfg, ctx, sc, budget, elem, info))]
+    methods["unicache"] = [_unicache_layer(ctx, sc, budget, info)]
     methods["unicache_engine"] = [layer(*_unicache_engine_stores(cfg, ctx, sc))]
     return methods, info
 
 
-def _unicache_stores(cfg: BenchConfig, ctx: Context, sc: Scoring, budget: int, elem: int, info: dict) -> list:
-    """Instruction + ViT evicted (H2O scores, 25% recent), source-VAE quantized via the §8.6 lookup.
+def _unicache_layer(ctx: Context, sc: Scoring, budget: int, info: dict) -> SegmentedLayer:
+    """The library's UniCache (:class:`unicache_core.methods.unicache.UniCacheMethod`) on this branch.
 
-    1. Split the budget (in full-token equivalents) over the three types in proportion to their
-       pre-eviction attention mass (capped water-filling allocator, §8.6).
-    2. VAE ratio -> KIVI lookup row (R=32); its *measured* bytes are charged to the budget.
-    3. The bytes left become evicted rows, split over instruction/ViT by mass (integer allocator).
+    The synthetic context is appended to a real :class:`~unicache_core.methods.cache.CompressingKVCache`;
+    the scoring step's pre-eviction masses and accumulated per-key scores are its observation (what a
+    pipeline run measures at its first, full-KV step), and one compression runs with the candidate byte
+    budget as ``kv_target``: the mass-proportional capped allocation over the types, H2O eviction for
+    instruction and source-ViT (25% recent), the KIVI lookup row whose real bytes fit for source-VAE
+    (residual 32), bytes the quantized segment leaves unused going to the evicted types.
     """
-    per_token_full = cfg.num_kv_heads * 2 * cfg.head_dim * elem
-    types = (TT.INSTRUCTION, TT.SOURCE_VIT, TT.SOURCE_VAE)
-    rows = {t: _rows(ctx, t) for t in types}
-    caps = {t: int(rows[t].numel()) for t in types}
-    alloc = allocate_types(caps, {t: sc.masses.get(t, 0.0) for t in types}, budget / per_token_full)
-    vae_target = alloc[TT.SOURCE_VAE] / caps[TT.SOURCE_VAE]
-    vae_policy = KIVIPolicy.for_ratio(vae_target)
-    r_vae = rows[TT.SOURCE_VAE]
-    if vae_policy is None:
-        vae_store = _full(ctx, r_vae, TT.SOURCE_VAE)
-    else:
-        vae_store = vae_policy.compress(ctx.keys[r_vae], ctx.values[r_vae], r_vae, TT.SOURCE_VAE)
-    left = budget - vae_store.nbytes()
-    n_evict = max(0, evict_budget_tokens(left, cfg, elem))
-    ev_types = (TT.INSTRUCTION, TT.SOURCE_VIT)
-    split = allocate_integer([caps[t] for t in ev_types], [sc.masses.get(t, 0.0) for t in ev_types], n_evict)
-    stores = [vae_store]
-    h2o = H2OPolicy(recent_fraction=0.25)
-    for t, n in zip(ev_types, split):
-        r = rows[t]
-        keep = h2o.select(ScoreInputs(keys=ctx.keys[r], accumulated=sc.accumulated[r]), n)
-        stores.append(EvictedStore.from_selection(ctx.keys[r], ctx.values[r], r, keep, t))
+    session = make_cache_factory("unicache", kv_target=int(budget), policy=paper_policy_table()).start(
+        RequestInfo(task="edit", num_layers=1, num_steps=2))
+    cache = session.new_cache("gen")
+    rope = torch.zeros(ctx.types.shape[0], dtype=torch.long)
+    prefill = AttentionCall(token_types=ctx.types, rope_positions=rope, causal=False, update=True, phase="prefill")
+    cache.begin_call(prefill)
+    cache.layer(0).append(ctx.keys, ctx.values, ctx.types)
+    cache.end_call(prefill)
+    cache.state[0].scores = sc.accumulated.float()
+    session.stats.update(0, 0, {t: m for t, m in sc.masses.items() if t in CANDIDATE_TYPES}, branch="gen")
+    step0 = AttentionCall(token_types=ctx.types[:1], rope_positions=rope[:1], causal=False, update=False,
+                          phase="denoise", step=0)
+    session.compress(cache, step0)
+    layer = cache.layer(0)
     info["unicache"] = {
-        "type_masses": {t.name.lower(): round(sc.masses.get(t, 0.0), 4) for t in types},
-        "allocated_token_equivalents": {t.name.lower(): round(alloc[t], 1) for t in types},
-        "vae_target_ratio": round(vae_target, 4),
-        "vae_policy": None if vae_policy is None else asdict(vae_policy),
-        "vae_bytes": vae_store.nbytes(),
-        "evicted_tokens_per_head": {t.name.lower(): n for t, n in zip(ev_types, split)},
+        "type_masses": {t.name.lower(): round(sc.masses.get(t, 0.0), 4) for t in CANDIDATE_TYPES},
+        "budget_bytes": {k: int(v) for k, v in cache.state[0].budgets.items()},
+        "stores": [{"type": st.token_type.name.lower(), "kind": st.kind, "rows_per_head": st.num_tokens,
+                    "bytes": st.nbytes(), **({"bits": st.bits, "group_size": st.group_size, "residual": st.residual}
+                                             if st.kind == "quantized" else {})} for st in layer.stores],
+        "managed_bytes": cache.split_bytes()[0],
+        "flags": {str(k): v for k, v in cache.state[0].flags.items()},
     }
-    return stores
+    return layer
 
 
 def _unicache_engine_stores(cfg: BenchConfig, ctx: Context, sc: Scoring) -> list:

@@ -9,7 +9,6 @@ matched to the same byte target.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch

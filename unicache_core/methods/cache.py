@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..kvcache import AttentionCall, CacheSession, KVCache, RequestInfo, StepInfo, unique_nbytes
 from ..segmented import LayerAttention, SegmentedKVCache
-from ..segments import CANDIDATE_TYPES, PROTECTED_TYPES, TokenType
+from ..segments import CANDIDATE_TYPES, TokenType
 from ..unicache.stats import ChunkedAttentionStats, layer_chunk
 from .config import KVConfig
 from .report import ReportBuilder

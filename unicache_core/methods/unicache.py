@@ -113,10 +113,22 @@ class UniCacheMethod(CompressionMethod):
                 ratio = min(rho, fallback_budget_ratio(task))
                 ratios = {t: ratio for t in types}
             else:
-                alloc = allocate_types(caps, weights, rho * sum(caps.values()))
-                ratios = {t: min(1.0, alloc[t] / caps[t]) for t in types}
+                floors = {t: self._floor_ratio(session, cache, layers[0], t, rows[t]) for t in types
+                          if self.table.kind(task, t) == "quantize"}
+                ratios = _allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
             for layer in layers:
                 self._apply(session, cache, layer, ratios)
+
+    def _floor_ratio(self, session: "CompressionSession", cache: "CompressingKVCache", layer: int,
+                     token_type: TokenType, rows: int) -> float:
+        """The least retained ratio a quantized type can hold: its 2-bit/G128 bytes (or its uncompressed bytes,
+        when quantizing would not shrink it), over its full K+V bytes."""
+        st = cache.layer(layer)
+        h, d, _, _ = st._kv_meta
+        elem = cache.row_bytes(layer) // (2 * h * d)
+        full = rows * cache.row_bytes(layer)
+        least = min(quantized_bytes(rows, h, d, 2, 128, session.config.kivi_residual, elem), full + 4 * rows)
+        return least / full if full else 0.0
 
     def _apply(self, session: "CompressionSession", cache: "CompressingKVCache", layer: int,
                ratios: dict[TokenType, float]) -> None:
@@ -151,8 +163,8 @@ class UniCacheMethod(CompressionMethod):
             leftover += max(0, budgets[t] - held)
         evicted = [t for t in ratios if self.table.kind(task, t) == "evict"]
         share = sum(budgets[t] for t in evicted)
-        # What quantized segments leave unused goes to the evicted types. A quantized segment that cannot
-        # reach its budget (residual window, 2-bit floor) is flagged, not paid for by evicting other types.
+        # What quantized segments leave unused goes to the evicted types (their floors were already charged
+        # to the evicted types by the allocator; a segment still over budget here is flagged).
         for t in evicted:
             if share > 0 and leftover:
                 budgets[t] += math.floor(leftover * budgets[t] / share)
@@ -169,6 +181,27 @@ class UniCacheMethod(CompressionMethod):
             recent = min(keep, int(keep * session.config.recent_fraction + 0.5))
             evict(st, idx, keep, scores, recent=recent)
         ls.budgets = {t.name.lower(): b for t, b in budgets.items()}
+
+
+def _allocate_with_floors(caps: dict, weights: dict, total: float, floors: dict) -> dict:
+    """Mass-proportional, capped shares of ``total`` (docs/compression.md §8.6) in which no quantized type gets
+    less than its floor ratio (the 2-bit floor; below it the budget is unreachable and the segment would
+    overshoot). What the floors take is taken from the other types. When the floors alone exceed the
+    total, the plain shares are kept (the quantized segment is then flagged as unreachable)."""
+    fixed: dict = {}
+    while True:
+        free = {t: c for t, c in caps.items() if t not in fixed}
+        left = total - sum(floors[t] * caps[t] for t in fixed)
+        if left < 0:
+            alloc = allocate_types(caps, weights, total)
+            return {t: min(1.0, alloc[t] / caps[t]) for t in caps}
+        alloc = allocate_types(free, {t: weights.get(t, 0.0) for t in free}, left)
+        below = [t for t in free if t in floors and alloc[t] < floors[t] * caps[t] - 1e-9]
+        if not below:
+            ratios = {t: min(1.0, alloc[t] / caps[t]) for t in free}
+            ratios.update({t: min(1.0, floors[t]) for t in fixed})
+            return ratios
+        fixed.update({t: True for t in below})
 
 
 def _mean_masses(cache: "CompressingKVCache", layers: list[int], types: list[TokenType]) -> dict | None:
