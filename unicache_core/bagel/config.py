@@ -12,8 +12,8 @@ VAE, ``ImageTransform(980, 224, 14)`` for the ViT, ``max_pixels=14*14*9*1024`` f
 ``data/transforms.py``). An optional ``transform_config.json`` overrides them (again only written for
 small checkpoints, so a tiny model need not run at 512-1024 px)::
 
-    {"vae": {"max_size": 1024, "min_size": 512, "stride": 16, "max_pixels": 9031680},
-     "vit": {"max_size": 980, "min_size": 224, "stride": 14, "max_pixels": 9031680}}
+    {"vae": {"max_size": 1024, "min_size": 512, "stride": 16, "max_pixels": 1806336},
+     "vit": {"max_size": 980, "min_size": 224, "stride": 14, "max_pixels": 1806336}}
 
 Every field is optional (official value when absent or ``null``).
 """
