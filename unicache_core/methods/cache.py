@@ -310,9 +310,12 @@ class CompressionSession(CacheSession):
         self.step = step
         self.timers = {"attention": 0.0, "stats": 0.0, "alloc": 0.0}
         self.report.begin_step(step)
+        self._step_start = time.perf_counter()
 
     def end_step(self, step: StepInfo) -> None:
-        self.report.end_step(step, dict(self.timers))
+        timers = dict(self.timers)
+        timers["step"] = time.perf_counter() - getattr(self, "_step_start", time.perf_counter())
+        self.report.end_step(step, timers)
 
     def note_rows(self, branch: str, call: AttentionCall, rows: int) -> None:
         self.report.note_rows(branch, call, rows)

@@ -116,6 +116,7 @@ class ReportBuilder:
             "phase": step.phase, "step": step.step, "timestep": step.timestep, "branches": branches,
             "managed_bytes_all": managed, "protected_bytes_all": protected, "held_bytes": self.session.held_bytes(),
             "attention_s": timers["attention"], "stats_s": timers["stats"], "alloc_s": timers["alloc"],
+            "step_s": timers.get("step"),
         })
 
     def build(self) -> dict:
