@@ -1,0 +1,109 @@
+"""GPU check (<= 5 min on one GPU): every KV method on the medium checkpoint in bf16 on CUDA.
+
+``python -m benchmarks.gpu_check [--json PATH] [--device cuda] [--steps 8]``
+
+Per task and method: agreement of the CUDA bf16 result with CPU fp32 full KV (latent cosine / token
+agreement), the peak CUDA memory of the run (``torch.cuda.max_memory_allocated``), the KV report's steady
+and peak bytes, and the median step and attention time (clocks synchronised). On CUDA, attention over
+compressed caches uses the fused kernels that return the LSE (flash for bf16), so KIVI-style segments
+are dequantized chunk-wise and attended there. ``--device cpu --checkpoint tiny`` is a dry run of the
+script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from unicache_core.bagel import BagelPipeline, load_bagel
+from unicache_core.bagel.tiny import write_tiny_checkpoint
+from unicache_core.methods import METHODS, KVConfig, make_cache_factory
+
+from .bagel_e2e import _source_image
+from .medium import write_medium_checkpoint
+
+logger = logging.getLogger("benchmarks.gpu_check")
+
+
+def _task(pipe, task, image, steps):
+    if task == "und":
+        return pipe.understand(image, "Describe the objects in this picture.", max_new_tokens=16)
+    if task == "t2i":
+        return pipe.text_to_image("a red circle above a blue square", width=256, height=256, num_timesteps=steps + 1,
+                                  seed=42)
+    return pipe.edit(image, "make the red circle green", num_timesteps=steps + 1, seed=42)
+
+
+def _agreement(task, result, ref) -> float:
+    if task == "und":
+        a, b = result.token_ids, ref.token_ids
+        return sum(x == y for x, y in zip(a, b)) / max(len(a), len(b), 1)
+    x, y = result.latents.flatten().float().cpu(), ref.latents.flatten().float().cpu()
+    return float(torch.nn.functional.cosine_similarity(x, y, dim=0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--checkpoint", choices=("medium", "tiny"), default="medium")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("unicache_core.methods.registry").setLevel(logging.ERROR)
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        sys.stderr.write("error: --device cuda but no CUDA device is visible; run it on the GPU machine or pass "
+                         "--device cpu for a dry run\n")
+        return 2
+    work = Path(tempfile.gettempdir()) / "unicache_gpu_check"
+    path = write_medium_checkpoint(work / "medium") if args.checkpoint == "medium" else \
+        write_tiny_checkpoint(work / "tiny", force=True)
+    image = _source_image(384, 0)
+    cpu = load_bagel(path, dtype=torch.float32)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    dev = load_bagel(path, dtype=dtype, device=args.device)
+    rows = []
+    t_start = time.perf_counter()
+    for task in ("und", "t2i", "edit"):
+        ref = _task(BagelPipeline(cpu), task, image, args.steps)
+        for method in METHODS:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            config = KVConfig(method=method, sync_timing=cuda)
+            result = _task(BagelPipeline(dev, make_cache_factory(config)), task, image, args.steps)
+            report = result.kv_report
+            steps = report["steps"][1:] or report["steps"]
+            rows.append({
+                "task": task, "method": method, "device": args.device, "dtype": str(dtype).replace("torch.", ""),
+                "agreement_vs_cpu_fp32_full": _agreement(task, result, ref),
+                "cuda_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                "kv_bytes_steady": report["summary"]["steady_managed_bytes"],
+                "kv_bytes_peak": report["summary"]["peak_bytes"],
+                "full_kv_bytes": report["summary"]["full_managed_bytes"],
+                "step_seconds_median": statistics.median(s["step_s"] for s in steps),
+                "attention_seconds_median": statistics.median(s["attention_s"] for s in steps),
+            })
+            logger.info("%s %-12s agreement %.4f, steady %s / %s B, step %.3fs", task, method,
+                        rows[-1]["agreement_vs_cpu_fp32_full"], rows[-1]["kv_bytes_steady"], rows[-1]["full_kv_bytes"],
+                        rows[-1]["step_seconds_median"])
+    out = {"config": {"checkpoint": args.checkpoint, "steps": args.steps, "device": args.device,
+                      "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
+                      "seconds": time.perf_counter() - t_start},
+           "results": rows}
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
