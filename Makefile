@@ -2,14 +2,14 @@
 PY ?= .venv/bin/python
 PIP_TORCH = torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup test bench bench-quick demo tiny clean
+.PHONY: setup test bench bench-quick demo tiny clean host test-host test-all browser-deps bundled
 
 setup: .venv/.installed
 
 .venv/.installed: pyproject.toml
 	test -x $(PY) || python3.11 -m venv .venv || python3 -m venv .venv
 	$(PY) -m pip install -q $(PIP_TORCH)
-	$(PY) -m pip install -q -e '.[test,offload]'
+	$(PY) -m pip install -q -e '.[test,offload,batch]'
 	touch $@
 
 test: setup
@@ -21,11 +21,46 @@ bench: setup
 bench-quick: setup
 	$(PY) -m benchmarks.kv_attention --quick --json out/kv_attention_quick.json
 
-# Main job on the embedded default: the KV-attention benchmark (until the node pack lands).
-demo: bench
+# --- ComfyUI host (tools/install_comfyhost.sh, tools/comfyhost.py; README "Running in a ComfyUI host") ---
+HOST_DIR ?= .comfyhost
+export COMFYHOST_DIR = $(abspath $(HOST_DIR))
+BUNDLED = models/bagel/bagel-tiny
+DEMO_OUT ?= out/demo
+BROWSER_DIR = tests/host/browser
+
+host: setup
+	tools/install_comfyhost.sh $(HOST_DIR)
+
+# The bundled default checkpoint in the pack's own model folder (ignored by git).
+bundled: $(BUNDLED)/ema.safetensors
+$(BUNDLED)/ema.safetensors: | setup
+	$(PY) -m unicache_core.bagel.tiny $(BUNDLED)
+
+# Debian chromium and playwright-core (pinned in tests/host/browser/package-lock.json) for the browser test.
+browser-deps:
+	test -x /usr/bin/chromium || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
+	cd $(BROWSER_DIR) && npm ci --no-audit --no-fund --loglevel=error
+
+# Host and browser tests only (a real ComfyUI server per session).
+test-host: host bundled browser-deps
+	$(PY) -m pytest tests/host -m "host or browser"
+
+# Everything: the unit suite plus the host and browser tests (the README's test command; .ci/run).
+test-all: host bundled browser-deps
+	$(PY) -m pytest tests -m ""
+
+# Main job: every shipped API workflow in a headless host on the bundled default checkpoint;
+# outputs (images, texts, summary.json per workflow) land in $(DEMO_OUT)/.
+demo: host bundled
+	$(PY) tools/comfyhost.py start --name demo
+	rc=0; for wf in workflows/api/*.json; do \
+	  n=$$(basename $$wf .json); \
+	  $(PY) -m nodes.batch $$wf --host $$($(PY) tools/comfyhost.py status --name demo --url) --count 1 \
+	    --seed-start 0 --out $(DEMO_OUT)/$$n --summary $(DEMO_OUT)/$$n/summary.json || rc=1; \
+	done; $(PY) tools/comfyhost.py stop --name demo; exit $$rc
 
 tiny: setup
 	$(PY) -m unicache_core.bagel.tiny .tiny/bagel-tiny
 
 clean:
-	rm -rf .venv out .tiny .pytest_cache
+	rm -rf .venv out .tiny .pytest_cache $(HOST_DIR) $(BROWSER_DIR)/node_modules
