@@ -1,0 +1,26 @@
+"""UniCache for BAGEL: the ComfyUI node pack entry (V1 API).
+
+ComfyUI imports this package from ``custom_nodes/``. The library ``unicache_core`` lives next to it; when it
+is not installed into the environment, the pack folder is appended to ``sys.path`` so it imports.
+"""
+
+import logging
+import os
+import sys
+
+try:
+    import unicache_core  # noqa: F401  (installed with `pip install -e .`)
+except ImportError:
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+
+from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+from .nodes import host as _host
+
+try:
+    _host.register_folders()  # the `bagel` and `unicache_policies` model folders
+except ImportError:  # imported outside ComfyUI
+    logging.getLogger(__name__).debug("folder_paths not importable: model folders not registered")
+
+WEB_DIRECTORY = "./web"
+
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]

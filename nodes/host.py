@@ -1,0 +1,185 @@
+"""The one adapter of ComfyUI services: model folders, progress, interrupts, model management, devices.
+
+This is the ONLY module of the pack that imports ``comfy``, ``folder_paths`` or ``server``, and it does
+so lazily, inside functions, so that the node classes import (and are unit-tested) without a host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+#: ComfyUI model-folder names registered by the pack.
+BAGEL_FOLDER = "bagel"
+POLICY_FOLDER = "unicache_policies"
+#: The pack's own model folder (the bundled default checkpoint is written there by ``make bundled``).
+PACK_ROOT = Path(__file__).resolve().parent.parent
+PACK_BAGEL_DIR = PACK_ROOT / "models" / "bagel"
+#: The policy tables shipped with the library.
+SHIPPED_POLICY_DIR = PACK_ROOT / "unicache_core" / "policies"
+
+
+def _folder_paths():
+    import folder_paths  # ComfyUI host module
+
+    return folder_paths
+
+
+def register_folders() -> None:
+    """Register the ``bagel`` and ``unicache_policies`` model folders (idempotent; keeps user-added paths).
+
+    ``bagel``: ComfyUI's ``models/bagel`` first, then the pack's own ``models/bagel``. ``unicache_policies``:
+    ``models/unicache_policies``, then the shipped ``unicache_core/policies`` (``.json`` files only).
+    """
+    fp = _folder_paths()
+    fp.add_model_folder_path(BAGEL_FOLDER, os.path.join(fp.models_dir, BAGEL_FOLDER))
+    fp.add_model_folder_path(BAGEL_FOLDER, str(PACK_BAGEL_DIR))
+    fp.add_model_folder_path(POLICY_FOLDER, os.path.join(fp.models_dir, POLICY_FOLDER))
+    fp.add_model_folder_path(POLICY_FOLDER, str(SHIPPED_POLICY_DIR))
+    paths, exts = fp.folder_names_and_paths[POLICY_FOLDER]
+    if not exts:
+        fp.folder_names_and_paths[POLICY_FOLDER] = (paths, {".json"})
+
+
+def bagel_folders() -> list[Path]:
+    """The folders searched for BAGEL checkpoints, in priority order."""
+    register_folders()
+    return [Path(p) for p in _folder_paths().get_folder_paths(BAGEL_FOLDER)]
+
+
+def policy_files() -> list[str]:
+    """Names of the policy-table files in the ``unicache_policies`` folders."""
+    register_folders()
+    return sorted(_folder_paths().get_filename_list(POLICY_FOLDER))
+
+
+def policy_path(name: str) -> Path:
+    """Full path of a policy-table file listed by :func:`policy_files`."""
+    register_folders()
+    path = _folder_paths().get_full_path(POLICY_FOLDER, name)
+    if path is None:
+        folders = ", ".join(_folder_paths().get_folder_paths(POLICY_FOLDER))
+        raise FileNotFoundError(f"policy table {name!r} not found in the unicache_policies folders ({folders}); "
+                                "pick another policy or put the JSON file there")
+    return Path(path)
+
+
+def qwen_tokenizer_dir() -> Path:
+    """ComfyUI's bundled Qwen2.5 tokenizer (used by single-file checkpoints, which carry no tokenizer)."""
+    import comfy.utils
+
+    return Path(comfy.utils.__file__).parent / "text_encoders" / "qwen25_tokenizer"
+
+
+# ------------------------------------------------------------------------------------------- devices
+
+
+def resolve_devices(choice: str):
+    """``(load_device, offload_device)`` for the loader's ``device`` widget (``auto`` = ComfyUI's choice)."""
+    import torch
+    import comfy.model_management as mm
+
+    if choice == "cpu":
+        return torch.device("cpu"), torch.device("cpu")
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda': CUDA is not available in this ComfyUI (torch.cuda.is_available() is "
+                             "False); choose device 'auto' or 'cpu'")
+        load = mm.get_torch_device()
+        if getattr(load, "type", "") != "cuda":
+            load = torch.device("cuda", torch.cuda.current_device())
+        return load, mm.unet_offload_device()
+    if choice != "auto":
+        raise ValueError(f"`device` must be auto, cuda or cpu, got {choice!r}")
+    return mm.get_torch_device(), mm.unet_offload_device()
+
+
+def resolve_dtype(choice: str, device) -> str:
+    """The loader's ``dtype`` widget → ``bf16``/``fp16``/``fp32`` (``auto``: bf16 where ComfyUI uses it, else fp32)."""
+    if choice != "auto":
+        return choice
+    import comfy.model_management as mm
+
+    if getattr(device, "type", "cpu") != "cpu" and mm.should_use_bf16(device):
+        return "bf16"
+    return "fp32"
+
+
+# ------------------------------------------------------------------------------ model management
+
+
+@lru_cache(maxsize=1)
+def _patcher_class():
+    import comfy.model_patcher
+
+    class BagelModelPatcher(comfy.model_patcher.ModelPatcher):
+        """A ModelPatcher for BAGEL (model + VAE in one container); ComfyUI loads and offloads it whole."""
+
+        def model_dtype(self):
+            return getattr(self.model, "dtype", None)
+
+    return BagelModelPatcher
+
+
+def make_patcher(module, load_device, offload_device):
+    """Wrap ``module`` (a :class:`nodes.model.BagelModules`) for ComfyUI's memory manager."""
+    from .model import module_bytes
+
+    return _patcher_class()(module, load_device=load_device, offload_device=offload_device, size=module_bytes(module))
+
+
+def load_to_device(patcher, memory_required: int) -> None:
+    """Have ComfyUI load the model (all of it: BAGEL's modules cannot run split) and keep
+    ``memory_required`` bytes free for the request's activations and KV cache."""
+    import comfy.model_management as mm
+
+    mm.load_models_gpu([patcher], memory_required=int(memory_required), force_full_load=True)
+
+
+# ------------------------------------------------------------------------------ progress, interrupts
+
+
+def progress_callback(total: int, node_id=None) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` callback driving ComfyUI's progress bar (no latent preview: it would cost a
+    VAE decode per step)."""
+    import comfy.utils
+
+    bar = comfy.utils.ProgressBar(max(1, int(total)), node_id=node_id)
+
+    def progress(done: int, total_now: int) -> None:
+        bar.update_absolute(int(done), int(total_now))
+
+    return progress
+
+
+def interrupted() -> bool:
+    """True when the user pressed Cancel / ``POST /interrupt`` (non-raising: the engine then stops between steps)."""
+    import comfy.model_management as mm
+
+    return bool(mm.processing_interrupted())
+
+
+def raise_interrupt() -> None:
+    """Raise ComfyUI's interrupt exception (the prompt ends as ``execution_interrupted``, not as an error)."""
+    import comfy.model_management as mm
+
+    mm.throw_exception_if_processing_interrupted()
+    raise mm.InterruptProcessingException()
+
+
+def interrupt_exception_type():
+    import comfy.model_management as mm
+
+    return mm.InterruptProcessingException
+
+
+__all__ = [
+    "BAGEL_FOLDER", "PACK_BAGEL_DIR", "POLICY_FOLDER", "SHIPPED_POLICY_DIR", "bagel_folders", "interrupted",
+    "load_to_device", "make_patcher", "policy_files", "policy_path", "progress_callback", "qwen_tokenizer_dir",
+    "raise_interrupt", "register_folders", "resolve_devices", "resolve_dtype",
+]

@@ -1,0 +1,77 @@
+"""``UniCacheBagelLoader``: a checkpoint of the ``bagel`` model folder → ``BAGEL_MODEL``."""
+
+from __future__ import annotations
+
+import logging
+
+from . import host
+from .model import (
+    NO_CHECKPOINT, BagelModel, BagelModules, cached_model, file_identity, list_checkpoints, load_checkpoint,
+    remember_model, resolve_checkpoint, single_file_supported,
+)
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ["auto", "bf16", "fp16", "fp32"]
+DEVICES = ["auto", "cuda", "cpu"]
+
+
+def checkpoint_choices() -> list[str]:
+    try:
+        names = list_checkpoints(host.bagel_folders())
+    except ImportError:  # no host (unit tests without stubs): the pack's own folder only
+        names = list_checkpoints([host.PACK_BAGEL_DIR])
+    return names or [NO_CHECKPOINT]
+
+
+class UniCacheBagelLoader:
+    DESCRIPTION = ("Loads a BAGEL checkpoint from the `bagel` model folders (ComfyUI's models/bagel and the pack's "
+                   "models/bagel): an official BAGEL-7B-MoT folder"
+                   + (" or a single-file .safetensors checkpoint (tokenizer: ComfyUI's bundled Qwen2.5; VAE: "
+                      "connect a core VAELoader to the task nodes)" if single_file_supported() else "")
+                   + ". The model is loaded once and reused by later prompts; ComfyUI moves it between "
+                   "the GPU and the offload device.")
+    CATEGORY = "UniCache/BAGEL"
+    FUNCTION = "load"
+    RETURN_TYPES = ("BAGEL_MODEL",)
+    RETURN_NAMES = ("model",)
+    OUTPUT_TOOLTIPS = ("The loaded BAGEL model (connect it to the UniCache task nodes).",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        choices = checkpoint_choices()
+        return {"required": {
+            "checkpoint": (choices, {"default": choices[0], "tooltip":
+                           "A checkpoint in models/bagel: an official folder (holding llm_config.json) or a single "
+                           ".safetensors file. `make bundled` writes the tiny test checkpoint `bagel-tiny`."}),
+            "dtype": (DTYPES, {"default": "auto", "tooltip":
+                      "Weight dtype of BAGEL (the VAE always stays fp32). auto: bf16 on a GPU that supports it, "
+                      "else fp32. BAGEL-7B needs about 15 GB in bf16/fp16 and 29 GB in fp32."}),
+            "device": (DEVICES, {"default": "auto", "tooltip":
+                       "Where the model runs. auto: ComfyUI's device (GPU if any; honours --cpu); idle weights "
+                       "go to ComfyUI's offload device."}),
+        }}
+
+    @classmethod
+    def IS_CHANGED(cls, checkpoint, dtype, device):
+        try:
+            return repr(file_identity(resolve_checkpoint(checkpoint, host.bagel_folders())))
+        except (OSError, ValueError):
+            return checkpoint
+
+    def load(self, checkpoint, dtype, device):
+        path = resolve_checkpoint(checkpoint, host.bagel_folders())
+        load_device, offload_device = host.resolve_devices(device)
+        dtype_name = host.resolve_dtype(dtype, load_device)
+        identity = file_identity(path)
+        key = (*identity, dtype_name, str(load_device))
+        model = cached_model(key)
+        if model is None:
+            loaded = load_checkpoint(path, dtype=dtype_name, device=offload_device, tokenizer_dir=host.qwen_tokenizer_dir)
+            patcher = host.make_patcher(BagelModules(loaded), load_device, offload_device)
+            model = BagelModel(loaded=loaded, patcher=patcher, name=checkpoint, identity=identity, dtype=dtype_name,
+                               device=str(load_device))
+            remember_model(key, model)
+        else:
+            logger.info("reusing the loaded BAGEL checkpoint %s", checkpoint)
+        return (model,)

@@ -1,0 +1,237 @@
+"""The ``BAGEL_MODEL`` object, checkpoint discovery, the model cache and the memory estimate (no ComfyUI imports).
+
+A ``BAGEL_MODEL`` is a :class:`BagelModel`: the :class:`~unicache_core.bagel.loader.LoadedBagel`, the ComfyUI
+``ModelPatcher`` that carries its modules (built by :mod:`nodes.host`), the checkpoint name and the file
+identity ``(path, size, mtime)``. Loaded models are cached by ``(path, size, mtime, dtype, device)``, so
+queued prompts reuse them and never re-read the weights; one entry is kept (choosing another checkpoint
+frees the previous one once ComfyUI drops it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import math
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from unicache_core.bagel import ImageTransforms, LoadedBagel, load_bagel
+
+logger = logging.getLogger(__name__)
+
+#: Shown in the checkpoint combo when no checkpoint is found (an empty combo breaks ComfyUI's validation).
+NO_CHECKPOINT = "no BAGEL checkpoint found (see tooltip)"
+#: A folder holding this file is an official-layout checkpoint.
+CONFIG_MARKER = "llm_config.json"
+#: How deep below a ``bagel`` folder checkpoints are looked for (``bagel/<name>`` or ``bagel/<org>/<name>``).
+MAX_DEPTH = 2
+#: Loaded models kept for reuse.
+CACHE_SIZE = 1
+
+
+class BagelModules(torch.nn.Module):
+    """BAGEL and its VAE in one module, so ComfyUI's ModelPatcher moves both (``device`` is a plain attribute,
+    as ModelPatcher sets it)."""
+
+    def __init__(self, loaded: LoadedBagel):
+        super().__init__()
+        self.bagel = loaded.model
+        if loaded.vae is not None:
+            self.vae = loaded.vae
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer of ``module``."""
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+@dataclass(eq=False)
+class BagelModel:
+    """What the loader node outputs (``BAGEL_MODEL``); shared by reference, never mutated by task nodes."""
+
+    loaded: LoadedBagel
+    patcher: Any
+    name: str
+    identity: tuple  # (path, size, mtime_ns)
+    dtype: str
+    device: str
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return str(self.loaded.checkpoint_dir)
+
+    def runtime(self) -> LoadedBagel:
+        """The loaded model as placed now (after ComfyUI moved the modules): a view with the right ``device``."""
+        device = getattr(self.patcher.model, "device", None) if self.patcher is not None else None
+        if device is None:
+            device = next(self.loaded.model.parameters()).device
+        device = torch.device(device)
+        if device == self.loaded.device:
+            return self.loaded
+        return dataclasses.replace(self.loaded, device=device)
+
+
+# --------------------------------------------------------------------------------- checkpoint discovery
+
+
+def single_file_supported() -> bool:
+    """Whether this ``unicache_core`` loads single-file ``.safetensors`` checkpoints (``tokenizer_dir=``)."""
+    return "tokenizer_dir" in inspect.signature(load_bagel).parameters
+
+
+def list_checkpoints(folders: Sequence[Path], *, include_files: bool | None = None) -> list[str]:
+    """Checkpoint names in ``folders`` (relative paths with ``/``): official folders (holding
+    ``llm_config.json``) and, when supported, single ``.safetensors`` files. First folder wins a name clash."""
+    if include_files is None:
+        include_files = single_file_supported()
+    names: list[str] = []
+    seen: set[str] = set()
+
+    def visit(root: Path, sub: Path, depth: int) -> None:
+        here = root / sub
+        try:
+            entries = sorted(os.scandir(here), key=lambda e: e.name)
+        except OSError:
+            return
+        for entry in entries:
+            rel = (sub / entry.name).as_posix()
+            if entry.is_dir():
+                if (Path(entry.path) / CONFIG_MARKER).is_file():
+                    if rel not in seen:
+                        seen.add(rel)
+                        names.append(rel)
+                elif depth < MAX_DEPTH:
+                    visit(root, sub / entry.name, depth + 1)
+            elif include_files and entry.name.endswith(".safetensors") and entry.is_file():
+                if rel not in seen:
+                    seen.add(rel)
+                    names.append(rel)
+
+    for folder in folders:
+        visit(Path(folder), Path(), 1)
+    return names
+
+
+def resolve_checkpoint(name: str, folders: Sequence[Path]) -> Path:
+    """The path of checkpoint ``name`` in ``folders``, or a FileNotFoundError saying where to put one."""
+    where = ", ".join(str(f) for f in folders) or "(no bagel folder registered)"
+    if name == NO_CHECKPOINT or not name:
+        raise FileNotFoundError(
+            f"no BAGEL checkpoint was found in the bagel model folders ({where}); put an official BAGEL-7B-MoT "
+            "folder (llm_config.json, vit_config.json, ema.safetensors, ae.safetensors, tokenizer files) or a "
+            "single-file .safetensors checkpoint there, or run `make bundled` in the pack for the tiny test model, "
+            "then press R in ComfyUI to refresh the list")
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise ValueError(f"checkpoint {name!r} must be a name listed in the bagel folders, not a path")
+    for folder in folders:
+        candidate = Path(folder) / name
+        if candidate.exists():
+            return candidate
+    raise FileNotFoundError(f"checkpoint {name!r} is not in the bagel model folders ({where}); it may have been "
+                            "moved or deleted: press R in ComfyUI to refresh the list and choose again")
+
+
+def file_identity(path: Path) -> tuple:
+    """``(path, size, mtime_ns)`` of a checkpoint file, or of a folder's files (total size, newest mtime)."""
+    path = Path(path).resolve()
+    if path.is_file():
+        st = path.stat()
+        return (str(path), st.st_size, st.st_mtime_ns)
+    files = [p for p in path.iterdir() if p.is_file()]
+    stats = [p.stat() for p in files]
+    return (str(path), sum(s.st_size for s in stats), max((s.st_mtime_ns for s in stats), default=0))
+
+
+# ------------------------------------------------------------------------------------------ model cache
+
+_CACHE: "OrderedDict[tuple, BagelModel]" = OrderedDict()
+
+
+def cached_model(key: tuple) -> BagelModel | None:
+    model = _CACHE.get(key)
+    if model is not None:
+        _CACHE.move_to_end(key)
+    return model
+
+
+def remember_model(key: tuple, model: BagelModel) -> None:
+    _CACHE[key] = model
+    _CACHE.move_to_end(key)
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+
+
+def load_checkpoint(path: Path, *, dtype: str, device: torch.device, tokenizer_dir: Callable[[], Path]) -> LoadedBagel:
+    """:func:`~unicache_core.bagel.load_bagel` on a folder or (when supported) a single ``.safetensors`` file."""
+    if path.is_file():
+        if not single_file_supported():
+            raise ValueError(
+                f"{path.name} is a single-file checkpoint, which this version of unicache_core cannot load yet; "
+                "use an official BAGEL-7B-MoT folder (llm_config.json, ema.safetensors, ...) in models/bagel")
+        return load_bagel(path, dtype=dtype, device=device, tokenizer_dir=tokenizer_dir())
+    return load_bagel(path, dtype=dtype, device=device)
+
+
+# ------------------------------------------------------------------------------------- memory estimate
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def predict_request_bytes(loaded: LoadedBagel, task: str, *, prompt_tokens: int, width: int = 0, height: int = 0,
+                          source_size: tuple[int, int] | None = None, new_tokens: int = 0) -> int:
+    """Upper estimate of the device memory one request needs besides the weights: the uncompressed KV of every
+    branch (compression starts after the first step, so the peak is the full cache) plus attention, MLP and
+    VAE working memory. Passed to ComfyUI's ``load_models_gpu(memory_required=...)``.
+
+    ``source_size``: the input image (edit, understanding) as ``(width, height)``; ``new_tokens``: decoded tokens.
+    """
+    cfg = loaded.config
+    llm = cfg.llm
+    elem = _elem(loaded.dtype)
+    per_token = 2 * llm.num_hidden_layers * llm.num_key_value_heads * llm.head_dim * elem
+    text = prompt_tokens + new_tokens + 16
+    vae_tokens = vit_tokens = 0
+    pixels = width * height
+    if source_size is not None:
+        tf = ImageTransforms.from_config(cfg)
+        pw, ph = tf.vae.resize.size_for(*source_size)  # every input image is resized by the VAE rule first
+        vw, vh = tf.vit.resize.size_for(pw, ph)
+        vae_tokens = (pw // cfg.latent_downsample) * (ph // cfg.latent_downsample) + 2
+        vit_tokens = (vw // cfg.vit.patch_size) * (vh // cfg.vit.patch_size) + 2
+        if task == "edit":
+            pixels = pw * ph
+    latents = pixels // (cfg.latent_downsample ** 2)
+    if task == "understanding":
+        kv_tokens = text + vit_tokens
+        queries = max(text, vit_tokens)
+    elif task == "edit":
+        kv_tokens = (text + vae_tokens + vit_tokens) + (vae_tokens + vit_tokens) + text  # gen, cfg_text, cfg_img
+        queries = max(latents, vae_tokens, vit_tokens, text)
+    else:
+        kv_tokens = 3 * text
+        queries = max(latents, text)
+    kv = kv_tokens * per_token
+    ctx = text + vae_tokens + vit_tokens + queries
+    attention = queries * ctx * llm.num_attention_heads * 4  # fp32 scores of one layer
+    mlp = queries * (llm.intermediate_size * 3 + llm.hidden_size * 8) * max(elem, 4)
+    vae = pixels * cfg.ae.ch * max(cfg.ae.ch_mult) * 4 * 4 if pixels else 0
+    return int(kv + attention + mlp + vae)
+
+
+__all__ = ["BagelModel", "BagelModules", "CACHE_SIZE", "NO_CHECKPOINT", "cached_model", "clear_cache",
+           "file_identity", "list_checkpoints", "load_checkpoint", "module_bytes", "predict_request_bytes",
+           "remember_model", "resolve_checkpoint", "single_file_supported"]

@@ -1,0 +1,302 @@
+"""The task nodes: ``UniCacheTextToImage``, ``UniCacheImageEdit``, ``UniCacheUnderstand``.
+
+Each one checks its inputs, asks ComfyUI to place the model (with the request's predicted memory), runs one
+:class:`~unicache_core.bagel.BagelPipeline` procedure with the KV cache of the connected ``UNICACHE_KV``
+(full when none) and converts the outputs. Progress goes to ComfyUI's progress bar per denoising step or
+decoded token; Cancel stops the engine between steps (ComfyUI then reports ``execution_interrupted``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+from unicache_core.bagel import RENORM_TYPES, BagelPipeline
+from unicache_core.bagel.pipeline import MAX_CFG_SCALE, MAX_NUM_TIMESTEPS, MAX_SEED, TEMPERATURE_RANGE, TIMESTEP_SHIFT_RANGE
+from unicache_core.bagel.settings import EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
+from unicache_core.errors import CancelledError
+from unicache_core.methods import KVConfig, make_cache_factory
+from unicache_core.report_view import chart_data
+
+from . import host
+from .convert import image_to_pils, pils_to_image, to_comfy_latent
+from .model import BagelModel, predict_request_bytes
+
+logger = logging.getLogger(__name__)
+
+OUTPUTS = ("IMAGE", "LATENT", "STRING", "UNICACHE_KV_REPORT")
+OUTPUT_NAMES = ("image", "latent", "thinking", "kv_report")
+OUTPUT_TOOLTIPS = (
+    "The generated image(s), [batch, height, width, 3] in [0, 1].",
+    "The final latent in ComfyUI's FLUX convention (decode with core VAEDecode and the FLUX ae.safetensors).",
+    "The plan decoded in think mode (empty when think is off).",
+    "The KV-cache report of the run (connect to UniCache KV Report).",
+)
+
+
+# ------------------------------------------------------------------------------------------- inputs
+
+
+def _seed():
+    return ("INT", {"default": 0, "min": 0, "max": MAX_SEED, "step": 1, "control_after_generate": True,
+                    "tooltip": "Seed of all random draws (noise, sampled text); any value in [0, 2^64-1]. Seeds "
+                               "below 2^32 reproduce the official BAGEL stream."})
+
+
+def _generation_inputs(defaults) -> dict:
+    lo, hi = TIMESTEP_SHIFT_RANGE
+    return {
+        "steps": ("INT", {"default": defaults.num_timesteps, "min": 2, "max": MAX_NUM_TIMESTEPS, "step": 1,
+                          "tooltip": "Points of the timestep schedule (BAGEL's num_timesteps; steps-1 Euler updates "
+                                     "are run). Official: 50."}),
+        "seed": _seed(),
+        "cfg_text_scale": ("FLOAT", {"default": defaults.cfg_text_scale, "min": 0.0, "max": MAX_CFG_SCALE, "step": 0.1,
+                                     "round": 0.01, "tooltip": "Text guidance; <= 1 turns it (and image guidance) off."}),
+        "cfg_img_scale": ("FLOAT", {"default": defaults.cfg_img_scale, "min": 0.0, "max": MAX_CFG_SCALE, "step": 0.1,
+                                    "round": 0.01, "tooltip": "Image guidance; <= 1 turns it off."}),
+        "cfg_interval_lo": ("FLOAT", {"default": defaults.cfg_interval[0], "min": 0.0, "max": 1.0, "step": 0.01,
+                                      "tooltip": "Guidance runs for the steps with lo < t <= hi (t goes from 1 to 0)."}),
+        "cfg_interval_hi": ("FLOAT", {"default": defaults.cfg_interval[1], "min": 0.0, "max": 1.0, "step": 0.01,
+                                      "tooltip": "Upper end of the guidance interval (>= lo)."}),
+        "timestep_shift": ("FLOAT", {"default": defaults.timestep_shift, "min": lo, "max": hi, "step": 0.1,
+                                     "round": 0.01, "tooltip": "Shift s of the schedule t' = s t / (1 + (s-1) t). "
+                                                               "Official: 3.0."}),
+        "cfg_renorm_min": ("FLOAT", {"default": defaults.cfg_renorm_min, "min": 0.0, "max": 1.0, "step": 0.01,
+                                     "tooltip": "Lower clamp of the norm ratio after guidance (1 = no renorm)."}),
+        "cfg_renorm_type": (list(RENORM_TYPES), {"default": defaults.cfg_renorm_type,
+                                                 "tooltip": "How the guided velocity is renormalised."}),
+        "think": ("BOOLEAN", {"default": False, "label_on": "think", "label_off": "direct",
+                              "tooltip": "Decode a plan first (think mode) and generate from it; the plan is the "
+                                         "`thinking` output."}),
+    }
+
+
+def _prompt(default: str, tip: str):
+    return ("STRING", {"multiline": True, "default": default, "tooltip": tip})
+
+
+KV_INPUT = ("UNICACHE_KV", {"tooltip": "KV-cache compression (UniCache KV Config). None = full cache."})
+VAE_INPUT = ("VAE", {"tooltip": "Optional FLUX VAE (core VAELoader, ae.safetensors) instead of the checkpoint's own; "
+                                "needed for single-file checkpoints without a VAE."})
+
+
+# ------------------------------------------------------------------------------------------- running
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, BagelModel):
+        raise ValueError(f"`model` must come from the UniCache BAGEL Loader node, got {type(model).__name__}")
+
+
+def _pipeline(model, kv, memory: int) -> BagelPipeline:
+    _check_model(model)
+    if kv is not None and not isinstance(kv, KVConfig):
+        raise ValueError(f"`kv` must come from the UniCache KV Config node, got {type(kv).__name__}")
+    host.load_to_device(model.patcher, memory)
+    factory = make_cache_factory(kv if kv is not None else KVConfig(method="full"), checkpoint_dir=model.checkpoint_dir)
+    return BagelPipeline(model.runtime(), factory)
+
+
+class _Progress:
+    """ComfyUI progress over the items of a batch (each item reports ``done/total`` of its own run)."""
+
+    def __init__(self, items: int, per_item: int):
+        self.items, self.per_item, self.item = items, max(1, per_item), 0
+        self.bar = host.progress_callback(items * self.per_item)
+
+    def __call__(self, done: int, total: int) -> None:
+        if total != self.per_item:  # think mode: the plan tokens first, then the steps
+            self.bar(done, total)
+        else:
+            self.bar(self.item * self.per_item + done, self.items * self.per_item)
+
+
+def _run(fn, *args, **kwargs):
+    """Run one engine call with ComfyUI's interrupt check; an engine cancel becomes ComfyUI's interrupt."""
+    try:
+        return fn(*args, cancel=host.interrupted, **kwargs)
+    except CancelledError:
+        host.raise_interrupt()
+
+
+def _external_vae(pipe: BagelPipeline, method: str, vae, latent=None) -> dict:
+    """Keyword arguments for an external VAE / input LATENT, refused with a clear message when unsupported."""
+    params = inspect.signature(getattr(pipe, method)).parameters
+    extra = {}
+    if vae is not None:
+        if "vae" not in params:
+            raise ValueError("the `vae` input is not supported by this version of unicache_core yet; disconnect it "
+                             "(the checkpoint's own VAE is used)")
+        extra["vae"] = vae
+    if latent is not None:
+        if "latent" not in params:
+            raise ValueError("the `latent` input is not supported by this version of unicache_core yet; disconnect "
+                             "it (the source image is encoded by the checkpoint's VAE)")
+        extra["latent"] = latent
+    return extra
+
+
+def _merge_reports(reports: list[dict]) -> dict:
+    if len(reports) == 1:
+        return reports[0]
+    merged = dict(reports[0])
+    merged["batch"] = [r.get("summary") for r in reports]
+    return merged
+
+
+def _generation_outputs(results, pipe: BagelPipeline) -> tuple:
+    import torch
+
+    vae = pipe.loaded.vae
+    scale = getattr(vae, "scale_factor", None) or 0.3611
+    shift = getattr(vae, "shift_factor", None) or 0.1159
+    image = pils_to_image([r.image for r in results])
+    latent = {"samples": torch.cat([to_comfy_latent(r.latents.cpu(), scale, shift) for r in results], dim=0)}
+    thinking = "\n\n".join(r.think_text or "" for r in results).strip()
+    return image, latent, thinking, _merge_reports([r.kv_report for r in results])
+
+
+def _flow_kwargs(steps, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi, timestep_shift,
+                 cfg_renorm_min, cfg_renorm_type, think) -> dict:
+    if cfg_interval_lo > cfg_interval_hi:
+        raise ValueError(f"cfg_interval_lo ({cfg_interval_lo}) must not exceed cfg_interval_hi ({cfg_interval_hi})")
+    return dict(num_timesteps=steps, cfg_text_scale=cfg_text_scale, cfg_img_scale=cfg_img_scale,
+                cfg_interval=(cfg_interval_lo, cfg_interval_hi), timestep_shift=timestep_shift,
+                cfg_renorm_min=cfg_renorm_min, cfg_renorm_type=cfg_renorm_type, think=think)
+
+
+# ------------------------------------------------------------------------------------------- nodes
+
+
+class UniCacheTextToImage:
+    DESCRIPTION = ("Text-to-image with BAGEL; the KV cache is compressed by the connected UniCache KV Config (full "
+                   "when none). Outputs the image, its latent (FLUX convention), the think-mode plan and the KV report.")
+    CATEGORY = "UniCache/BAGEL"
+    FUNCTION = "generate"
+    RETURN_TYPES = OUTPUTS
+    RETURN_NAMES = OUTPUT_NAMES
+    OUTPUT_TOOLTIPS = OUTPUT_TOOLTIPS
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        d = T2I_DEFAULTS
+        size = {"min": 16, "max": 1024, "step": 16}
+        return {"required": {
+            "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
+            "prompt": _prompt("a red cube on a wooden table", "What to draw."),
+            "width": ("INT", {"default": d.width, **size, "tooltip": "Output width in pixels (multiple of 16)."}),
+            "height": ("INT", {"default": d.height, **size, "tooltip": "Output height in pixels (multiple of 16)."}),
+            **_generation_inputs(d),
+        }, "optional": {"kv": KV_INPUT, "vae": VAE_INPUT}}
+
+    def generate(self, model, prompt, width, height, steps, seed, cfg_text_scale, cfg_img_scale, cfg_interval_lo,
+                 cfg_interval_hi, timestep_shift, cfg_renorm_min, cfg_renorm_type, think, kv=None, vae=None):
+        flow = _flow_kwargs(steps, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi, timestep_shift,
+                            cfg_renorm_min, cfg_renorm_type, think)
+        _check_model(model)
+        memory = predict_request_bytes(model.loaded, "t2i", prompt_tokens=len(model.loaded.tokenizer.encode(prompt)),
+                                       width=width, height=height,
+                                       new_tokens=T2I_DEFAULTS.think_max_new_tokens if think else 0)
+        pipe = _pipeline(model, kv, memory)
+        extra = _external_vae(pipe, "text_to_image", vae)
+        progress = _Progress(1, steps - 1)
+        result = _run(pipe.text_to_image, prompt, width=width, height=height, seed=seed, progress=progress,
+                      **flow, **extra)
+        return _generation_outputs([result], pipe)
+
+
+class UniCacheImageEdit:
+    DESCRIPTION = ("Edits image(s) following the prompt with BAGEL (each image of a batch is edited on its own; "
+                   "item i uses seed + i). The output size is the source resized by the checkpoint's VAE rule. The KV "
+                   "cache is compressed by the connected UniCache KV Config (full when none).")
+    CATEGORY = "UniCache/BAGEL"
+    FUNCTION = "edit"
+    RETURN_TYPES = OUTPUTS
+    RETURN_NAMES = OUTPUT_NAMES
+    OUTPUT_TOOLTIPS = OUTPUT_TOOLTIPS
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
+            "image": ("IMAGE", {"tooltip": "The source image(s) to edit."}),
+            "prompt": _prompt("make it blue", "The edit instruction."),
+            **_generation_inputs(EDIT_DEFAULTS),
+        }, "optional": {
+            "kv": KV_INPUT, "vae": VAE_INPUT,
+            "latent": ("LATENT", {"tooltip": "Optional source latent from core VAEEncode (its posterior mean is used "
+                                             "instead of encoding the image with the checkpoint's VAE)."}),
+        }}
+
+    def edit(self, model, image, prompt, steps, seed, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi,
+             timestep_shift, cfg_renorm_min, cfg_renorm_type, think, kv=None, vae=None, latent=None):
+        flow = _flow_kwargs(steps, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi, timestep_shift,
+                            cfg_renorm_min, cfg_renorm_type, think)
+        sources = image_to_pils(image, "image")
+        _check_model(model)
+        memory = predict_request_bytes(model.loaded, "edit", prompt_tokens=len(model.loaded.tokenizer.encode(prompt)),
+                                       source_size=sources[0].size,
+                                       new_tokens=EDIT_DEFAULTS.think_max_new_tokens if think else 0)
+        pipe = _pipeline(model, kv, memory)
+        progress = _Progress(len(sources), steps - 1)
+        results = []
+        for i, source in enumerate(sources):
+            item_latent = None if latent is None else {**latent, "samples": latent["samples"][i:i + 1]}
+            extra = _external_vae(pipe, "edit", vae, item_latent)
+            progress.item = i
+            results.append(_run(pipe.edit, source, prompt, seed=(seed + i) % (MAX_SEED + 1), progress=progress,
+                                **flow, **extra))
+        return _generation_outputs(results, pipe)
+
+
+class UniCacheUnderstand:
+    DESCRIPTION = ("Answers a prompt about an image (or a text-only prompt) with BAGEL; the KV cache is compressed by "
+                   "the connected UniCache KV Config (full when none) before the first answer token. A batch of "
+                   "images is answered one by one.")
+    CATEGORY = "UniCache/BAGEL"
+    FUNCTION = "understand"
+    OUTPUT_NODE = True
+    RETURN_TYPES = ("STRING", "UNICACHE_KV_REPORT")
+    RETURN_NAMES = ("text", "kv_report")
+    OUTPUT_TOOLTIPS = ("The answer (one paragraph per image of a batch).",
+                       "The KV-cache report of the run (connect to UniCache KV Report).")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        d = UNDERSTANDING_DEFAULTS
+        lo, hi = TEMPERATURE_RANGE
+        return {"required": {
+            "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
+            "prompt": _prompt("Describe this image.", "The question or instruction."),
+            "max_new_tokens": ("INT", {"default": d.max_new_tokens, "min": 1, "max": 32768, "step": 1,
+                                       "tooltip": "Most answer tokens to decode."}),
+            "do_sample": ("BOOLEAN", {"default": d.do_sample, "tooltip": "Sample tokens (else greedy)."}),
+            "temperature": ("FLOAT", {"default": d.temperature, "min": lo, "max": hi, "step": 0.05, "round": 0.001,
+                                      "tooltip": "Sampling temperature (used when do_sample is on)."}),
+            "seed": _seed(),
+            "think": ("BOOLEAN", {"default": False, "label_on": "think", "label_off": "direct",
+                                  "tooltip": "Reason first (think mode system prompt); the answer includes the "
+                                             "reasoning."}),
+        }, "optional": {
+            "image": ("IMAGE", {"tooltip": "The image(s) to ask about; none = a text-only prompt."}),
+            "kv": KV_INPUT,
+        }}
+
+    def understand(self, model, prompt, max_new_tokens, do_sample, temperature, seed, think, image=None, kv=None):
+        sources = image_to_pils(image, "image") if image is not None else [None]
+        _check_model(model)
+        memory = predict_request_bytes(model.loaded, "understanding",
+                                       prompt_tokens=len(model.loaded.tokenizer.encode(prompt)),
+                                       source_size=None if sources[0] is None else sources[0].size,
+                                       new_tokens=max_new_tokens)
+        pipe = _pipeline(model, kv, memory)
+        progress = _Progress(len(sources), max_new_tokens)
+        results = []
+        for i, source in enumerate(sources):
+            progress.item = i
+            results.append(_run(pipe.understand, source, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                temperature=temperature, think=think, seed=(seed + i) % (MAX_SEED + 1),
+                                progress=progress))
+        text = "\n\n".join(r.text for r in results)
+        report = _merge_reports([r.kv_report for r in results])
+        return {"ui": {"text": [text], "unicache_kv": [chart_data(report)]}, "result": (text, report)}

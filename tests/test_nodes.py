@@ -1,0 +1,449 @@
+"""Node-level tests of the ComfyUI pack without a ComfyUI host (ComfyUI modules stubbed in ``sys.modules``).
+
+- every node: INPUT_TYPES matches the FUNCTION signature; tooltip on every input, bounds on every number;
+  DESCRIPTION and a ``UniCache/...`` CATEGORY;
+- every shipped workflow: node types registered (or known core nodes), widget values valid (combo values
+  offered, numbers within bounds), and the UI and API versions describe the same graph;
+- the loader lists folders, caches the model; a task node runs end to end on the tiny checkpoint; the report
+  node returns an IMAGE and the web chart's ``ui`` payload; interrupts become ComfyUI's exception.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKFLOWS = ROOT / "workflows"
+WORKFLOW_NAMES = ("text_to_image", "image_edit", "understanding", "ab_edit_full_vs_unicache")
+TINY_NAME = "bagel-tiny"
+
+# Core nodes the shipped workflows may use: widget inputs in order, as ComfyUI 0.3.75's /object_info has them.
+CORE_NODES = {
+    "LoadImage": {"widgets": [("image", "COMBO_FILES", {})], "outputs": ["IMAGE", "MASK"]},
+    "SaveImage": {"widgets": [("filename_prefix", "STRING", {})], "outputs": []},
+    "PreviewImage": {"widgets": [], "outputs": []},
+}
+WIDGET_KINDS = {"INT", "FLOAT", "STRING", "BOOLEAN"}
+SEED_CONTROL = {"fixed", "increment", "decrement", "randomize"}
+
+
+# --------------------------------------------------------------------------------------------- stubs
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def _make_stubs(base: Path) -> dict[str, types.ModuleType]:
+    models = base / "models"
+    fp = types.ModuleType("folder_paths")
+    fp.models_dir = str(models)
+    fp.folder_names_and_paths = {}
+
+    def add_model_folder_path(name, path, is_default=False):
+        paths, _ = fp.folder_names_and_paths.setdefault(name, ([], set()))
+        if path not in paths:
+            paths.insert(0, path) if is_default else paths.append(path)
+
+    def get_filename_list(name):
+        paths, exts = fp.folder_names_and_paths[name]
+        out = []
+        for p in paths:
+            for dirpath, _, files in os.walk(p):
+                for f in files:
+                    if not exts or os.path.splitext(f)[1] in exts:
+                        out.append(os.path.relpath(os.path.join(dirpath, f), p).replace(os.sep, "/"))
+        return sorted(set(out))
+
+    def get_full_path(name, filename):
+        for p in fp.folder_names_and_paths[name][0]:
+            full = os.path.join(p, filename)
+            if os.path.isfile(full):
+                return full
+        return None
+
+    fp.add_model_folder_path = add_model_folder_path
+    fp.get_folder_paths = lambda name: list(fp.folder_names_and_paths[name][0])
+    fp.get_filename_list = get_filename_list
+    fp.get_full_path = get_full_path
+
+    comfy = types.ModuleType("comfy")
+    comfy.__path__ = []
+    utils = types.ModuleType("comfy.utils")
+    utils.__file__ = str(base / "comfy" / "utils.py")
+    utils.progress = []
+
+    class ProgressBar:
+        def __init__(self, total, node_id=None):
+            self.total = total
+
+        def update_absolute(self, value, total=None, preview=None):
+            utils.progress.append((value, total if total is not None else self.total))
+
+    utils.ProgressBar = ProgressBar
+    mm = types.ModuleType("comfy.model_management")
+    mm.loads = []
+    mm.interrupt = False
+    mm.InterruptProcessingException = _Interrupt
+    mm.get_torch_device = lambda: torch.device("cpu")
+    mm.unet_offload_device = lambda: torch.device("cpu")
+    mm.should_use_bf16 = lambda device=None: False
+    mm.load_models_gpu = lambda models, memory_required=0, force_full_load=False, **kw: mm.loads.append(
+        (models, memory_required, force_full_load))
+    mm.processing_interrupted = lambda: mm.interrupt
+
+    def throw():
+        if mm.interrupt:
+            mm.interrupt = False
+            raise _Interrupt()
+
+    mm.throw_exception_if_processing_interrupted = throw
+    patcher = types.ModuleType("comfy.model_patcher")
+
+    class ModelPatcher:
+        def __init__(self, model, load_device, offload_device, size=0, weight_inplace_update=False):
+            self.model, self.load_device, self.offload_device, self.size = model, load_device, offload_device, size
+
+    patcher.ModelPatcher = ModelPatcher
+    comfy.utils, comfy.model_management, comfy.model_patcher = utils, mm, patcher
+    return {"folder_paths": fp, "comfy": comfy, "comfy.utils": utils, "comfy.model_management": mm,
+            "comfy.model_patcher": patcher}
+
+
+@pytest.fixture
+def host_stubs(tmp_path, monkeypatch, tiny_checkpoint):
+    stubs = _make_stubs(tmp_path)
+    for name, module in stubs.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    bagel = tmp_path / "models" / "bagel"
+    bagel.mkdir(parents=True)
+    (bagel / TINY_NAME).symlink_to(tiny_checkpoint, target_is_directory=True)
+    from nodes import host, model
+
+    host._patcher_class.cache_clear()
+    model.clear_cache()
+    yield stubs
+    host._patcher_class.cache_clear()
+    model.clear_cache()
+
+
+@pytest.fixture(scope="module")
+def pack():
+    """The pack imported the way ComfyUI does: the repo root as a package with relative imports."""
+    spec = importlib.util.spec_from_file_location("unicache_pack_under_test", ROOT / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        for name in [n for n in sys.modules if n == spec.name or n.startswith(spec.name + ".")]:
+            del sys.modules[name]
+
+
+def _mappings():
+    import nodes
+
+    return nodes.NODE_CLASS_MAPPINGS
+
+
+# ------------------------------------------------------------------------------------ node declarations
+
+
+def test_pack_entry_exports(pack):
+    assert set(pack.NODE_CLASS_MAPPINGS) == {"UniCacheBagelLoader", "UniCacheKVConfig", "UniCacheTextToImage",
+                                             "UniCacheImageEdit", "UniCacheUnderstand", "UniCacheKVReport"}
+    assert set(pack.NODE_DISPLAY_NAME_MAPPINGS) == set(pack.NODE_CLASS_MAPPINGS)
+    assert pack.WEB_DIRECTORY == "./web" and (ROOT / "web" / "unicache.js").is_file()
+
+
+@pytest.mark.parametrize("node_id", sorted(["UniCacheBagelLoader", "UniCacheKVConfig", "UniCacheTextToImage",
+                                            "UniCacheImageEdit", "UniCacheUnderstand", "UniCacheKVReport"]))
+def test_input_types_match_signature(node_id):
+    cls = _mappings()[node_id]
+    spec = cls.INPUT_TYPES()
+    params = inspect.signature(getattr(cls, cls.FUNCTION)).parameters
+    names = [n for n in params if n != "self"]
+    required, optional = list(spec.get("required", {})), list(spec.get("optional", {}))
+    assert names == required + optional, node_id
+    for name in required:
+        assert params[name].default is inspect.Parameter.empty, f"{node_id}.{name} is required but has a default"
+    for name in optional:
+        assert params[name].default is not inspect.Parameter.empty, f"{node_id}.{name} is optional without a default"
+    assert cls.CATEGORY.startswith("UniCache/") and len(cls.DESCRIPTION) > 40
+    assert len(cls.RETURN_TYPES) == len(cls.RETURN_NAMES) == len(cls.OUTPUT_TOOLTIPS)
+    for section in ("required", "optional"):
+        for name, (kind, *rest) in spec.get(section, {}).items():
+            opts = rest[0] if rest else {}
+            assert opts.get("tooltip"), f"{node_id}.{name} has no tooltip"
+            if kind in ("INT", "FLOAT"):
+                assert {"min", "max", "step"} <= set(opts), f"{node_id}.{name} lacks min/max/step"
+                assert opts["min"] <= opts["default"] <= opts["max"]
+            if isinstance(kind, list):
+                assert opts.get("default", kind[0]) in kind
+
+
+def test_kv_config_node_builds_configs():
+    from unicache_core.methods import KVConfig
+
+    node = _mappings()["UniCacheKVConfig"]()
+    (cfg,) = node.build("unicache", 0.0, 0.0, -1.0, "default", 128)
+    assert cfg == KVConfig(method="unicache", score_queries=128)
+    (cfg,) = node.build("unicache", 0.3, 0.4, 0.0, "default")
+    assert (cfg.kv_target, cfg.rho, cfg.rho_floor) == (0.3, 0.4, 0.0)
+    (cfg,) = node.build("h2o", 0.2, 0.5, 0.1, "default")  # unicache-only widgets are ignored by baselines
+    assert (cfg.method, cfg.kv_target, cfg.rho, cfg.rho_floor) == ("h2o", 0.2, None, None)
+    with pytest.raises(ValueError, match="rho_floor"):
+        node.build("unicache", 0.0, 0.2, 0.5, "default")
+
+
+# -------------------------------------------------------------------------------------------- workflows
+
+
+def _object_info():
+    """``{type: (widget specs in order, output types)}`` for our nodes and the core nodes we use."""
+    info = {}
+    for node_id, cls in _mappings().items():
+        spec = cls.INPUT_TYPES()
+        widgets = []
+        for section in ("required", "optional"):
+            for name, (kind, *rest) in spec.get(section, {}).items():
+                opts = rest[0] if rest else {}
+                if isinstance(kind, list) or kind in WIDGET_KINDS:
+                    widgets.append((name, kind, opts))
+        info[node_id] = {"widgets": widgets, "outputs": list(cls.RETURN_TYPES),
+                         "sockets": {n: k for s in ("required", "optional") for n, (k, *_) in spec.get(s, {}).items()
+                                     if not (isinstance(k, list) or k in WIDGET_KINDS)}}
+    for name, core in CORE_NODES.items():
+        info.setdefault(name, {**core, "sockets": {}})
+    return info
+
+
+def _convert(ui: dict, info: dict) -> tuple[dict, list[str]]:
+    """UI → API (docs/comfyui.md Appendix A) with the value checks."""
+    links = {link[0]: link for link in ui["links"]}
+    prompt, problems = {}, []
+    for node in ui["nodes"]:
+        if node["type"] in ("Note", "MarkdownNote") or node.get("mode", 0) in (2, 4):
+            continue
+        spec = info.get(node["type"])
+        if spec is None:
+            problems.append(f"node {node['id']}: unknown type {node['type']}")
+            continue
+        inputs, linked = {}, set()
+        for socket in node.get("inputs", []):
+            if socket.get("link") is not None:
+                src = links[socket["link"]]
+                inputs[socket["name"]] = [str(src[1]), src[2]]
+                linked.add(socket["name"])
+        values = list(node.get("widgets_values") or [])
+        pos = 0
+        for name, kind, opts in spec["widgets"]:
+            if pos >= len(values):
+                problems.append(f"node {node['id']} {node['type']}: no value for widget {name}")
+                break
+            value = values[pos]
+            pos += 1
+            if opts.get("control_after_generate"):
+                if pos >= len(values) or values[pos] not in SEED_CONTROL:
+                    problems.append(f"node {node['id']} {node['type']}.{name}: missing control_after_generate value")
+                else:
+                    pos += 1
+            if name in linked:
+                continue
+            inputs[name] = value
+            if isinstance(kind, list) and value not in kind:
+                problems.append(f"node {node['id']} {node['type']}.{name}: {value!r} not offered")
+            if kind in ("INT", "FLOAT"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind == "INT" and
+                                                                                     not isinstance(value, int)):
+                    problems.append(f"node {node['id']} {node['type']}.{name}: {value!r} is not a {kind}")
+                elif not opts.get("min", value) <= value <= opts.get("max", value):
+                    problems.append(f"node {node['id']} {node['type']}.{name}: {value} out of range")
+            if kind == "BOOLEAN" and not isinstance(value, bool):
+                problems.append(f"node {node['id']} {node['type']}.{name}: {value!r} is not a BOOLEAN")
+            if kind == "STRING" and not isinstance(value, str):
+                problems.append(f"node {node['id']} {node['type']}.{name}: {value!r} is not a STRING")
+        if node["type"] != "LoadImage" and pos != len(values):  # LoadImage has the frontend's upload widget
+            problems.append(f"node {node['id']} {node['type']}: {len(values) - pos} extra widget values")
+        prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return prompt, problems
+
+
+def _check_links(ui: dict, info: dict) -> list[str]:
+    problems = []
+    by_id = {n["id"]: n for n in ui["nodes"]}
+    for link_id, src, src_slot, dst, dst_slot, kind in ui["links"]:
+        out_type = info[by_id[src]["type"]]["outputs"][src_slot]
+        target = by_id[dst]["inputs"][dst_slot]
+        want = info[by_id[dst]["type"]]["sockets"].get(target["name"], target["type"])
+        if not (out_type == kind == target["type"] == want) or target["link"] != link_id:
+            problems.append(f"link {link_id}: {out_type} -> {by_id[dst]['type']}.{target['name']} ({want})")
+        if link_id not in by_id[src]["outputs"][src_slot]["links"]:
+            problems.append(f"link {link_id} missing from node {src}'s output {src_slot}")
+    return problems
+
+
+@pytest.mark.parametrize("name", WORKFLOW_NAMES)
+def test_workflow_valid_and_api_matches(name, host_stubs):
+    info = _object_info()
+    ui = json.loads((WORKFLOWS / f"{name}.json").read_text())
+    api = json.loads((WORKFLOWS / "api" / f"{name}.json").read_text())
+    for key in ("last_node_id", "last_link_id", "nodes", "links", "version"):
+        assert key in ui, key
+    assert max(n["id"] for n in ui["nodes"]) <= ui["last_node_id"]
+    converted, problems = _convert(ui, info)
+    problems += _check_links(ui, info)
+    # LoadImage's combo lists the input folder: the host test copies the shipped asset there
+    for node in api.values():
+        if node["class_type"] == "LoadImage":
+            assert (WORKFLOWS / "assets" / node["inputs"]["image"]).is_file()
+        if node["class_type"] == "UniCacheBagelLoader":
+            assert node["inputs"]["checkpoint"] == TINY_NAME
+    assert problems == []
+    assert converted == {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in api.items()}
+
+
+# --------------------------------------------------------------------------------- loader and run
+
+
+def _load(host_stubs):
+    import nodes
+
+    loader = nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]
+    choices = loader.INPUT_TYPES()["required"]["checkpoint"][0]
+    assert TINY_NAME in choices
+    (model,) = loader().load(TINY_NAME, "fp32", "auto")
+    return model
+
+
+def test_loader_lists_caches_and_explains(host_stubs, tmp_path):
+    import nodes
+    from nodes.model import NO_CHECKPOINT
+
+    fp = host_stubs["folder_paths"]
+    model = _load(host_stubs)
+    assert str(host_stubs["folder_paths"].models_dir) in fp.get_folder_paths("bagel")[0]
+    assert model.patcher.model.bagel is model.loaded.model and model.patcher.size > 0
+    (again,) = nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]().load(TINY_NAME, "fp32", "auto")
+    assert again is model  # reused, never re-read
+    with pytest.raises(FileNotFoundError, match="models/bagel|bagel model folders"):
+        nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]().load(NO_CHECKPOINT, "fp32", "auto")
+    with pytest.raises(FileNotFoundError, match="refresh"):
+        nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]().load("missing-model", "fp32", "auto")
+    policies = nodes.NODE_CLASS_MAPPINGS["UniCacheKVConfig"].INPUT_TYPES()["required"]["policy"][0]
+    assert policies[0] == "default" and "bagel-7b-mot.json" in policies
+
+
+def test_text_to_image_end_to_end(host_stubs):
+    import nodes
+    from unicache_core.methods import KVConfig
+
+    model = _load(host_stubs)
+    node = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
+    image, latent, thinking, report = node.generate(
+        model, "a red cube", 64, 48, 3, 7, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False, kv=KVConfig("unicache"))
+    assert image.shape == (1, 48, 64, 3) and image.dtype == torch.float32
+    assert 0.0 <= image.min() and image.max() <= 1.0
+    assert latent["samples"].shape == (1, 16, 6, 8)
+    assert thinking == "" and report["format"] == "unicache-kv-report" and report["method"] == "unicache"
+    mm = host_stubs["comfy.model_management"]
+    assert mm.loads and mm.loads[-1][0] == [model.patcher] and mm.loads[-1][1] > 0 and mm.loads[-1][2]
+    assert host_stubs["comfy.utils"].progress[-1] == (2, 2)
+
+    out = nodes.NODE_CLASS_MAPPINGS["UniCacheKVReport"]().show(report)
+    plot, summary = out["result"]
+    assert plot.ndim == 4 and plot.shape[0] == 1 and plot.shape[-1] == 3 and 0 <= plot.min() and plot.max() <= 1
+    assert "unicache" in summary
+    chart = out["ui"]["unicache_kv"][0]
+    json.dumps(out["ui"])
+    assert chart["full_bytes"] > 0 and set(chart["series"]) >= {"gen"} and chart["series"]["gen"]["rho"]
+
+
+def test_edit_batch_and_understand(host_stubs):
+    import nodes
+
+    model = _load(host_stubs)
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.rand(2, 40, 56, 3, generator=gen)
+    edit = nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"]()
+    image, latent, _, report = edit.edit(model, batch, "make it blue", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0,
+                                         "text_channel", False)
+    assert image.shape[0] == 2 and image.shape[-1] == 3 and latent["samples"].shape[:2] == (2, 16)
+    assert latent["samples"].shape[2:] == (image.shape[1] // 8, image.shape[2] // 8)
+    assert report["method"] == "full" and len(report["batch"]) == 2
+    und = nodes.NODE_CLASS_MAPPINGS["UniCacheUnderstand"]()
+    out = und.understand(model, "What is it?", 4, False, 0.3, 0, False, image=batch[:1])
+    text, rep = out["result"]
+    assert isinstance(text, str) and out["ui"]["text"] == [text] and rep["task"] == "understanding"
+
+
+def test_interrupt_becomes_host_exception(host_stubs):
+    import nodes
+
+    model = _load(host_stubs)
+    host_stubs["comfy.model_management"].interrupt = True
+    node = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
+    with pytest.raises(_Interrupt):
+        node.generate(model, "a cube", 32, 32, 3, 0, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False)
+    assert host_stubs["comfy.model_management"].interrupt is False
+
+
+def test_bad_inputs_raise_actionable_errors(host_stubs):
+    import nodes
+
+    model = _load(host_stubs)
+    t2i = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
+    with pytest.raises(ValueError, match="cfg_interval_lo"):
+        t2i.generate(model, "x", 32, 32, 3, 0, 4.0, 1.5, 0.9, 0.1, 3.0, 0.0, "global", False)
+    with pytest.raises(ValueError, match="width"):
+        t2i.generate(model, "x", 40, 32, 3, 0, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False)
+    with pytest.raises(ValueError, match="UniCache BAGEL Loader"):
+        t2i.generate("not a model", "x", 32, 32, 3, 0, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False)
+    with pytest.raises(ValueError, match="KV report"):
+        nodes.NODE_CLASS_MAPPINGS["UniCacheKVReport"]().show({"format": "other"})
+
+
+# ------------------------------------------------------------------------------------------ web extension
+
+_JS_DRAW = r"""
+const src = (await import("fs")).readFileSync(process.argv[2], "utf8")
+  .replace(/^import .*$/m, "const app = { registerExtension(e) { globalThis.ext = e; } };");
+const mod = await import("data:text/javascript," + encodeURIComponent(src));
+const calls = [];
+const ctx = new Proxy({}, { get: (t, k) => (k in t ? t[k] : (...a) => calls.push(k)),
+                            set: (t, k, v) => ((t[k] = v), true) });
+mod.drawChart(ctx, JSON.parse(process.argv[3]), 320, 190);
+if (!globalThis.ext || !globalThis.ext.beforeRegisterNodeDef || !calls.includes("lineTo")) process.exit(1);
+"""
+
+
+def test_web_extension_parses_and_draws(host_stubs, tmp_path):
+    import shutil
+    import subprocess
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    js = ROOT / "web" / "unicache.js"
+    subprocess.run([node, "--check", str(js)], check=True)
+    import nodes
+    from unicache_core.methods import KVConfig
+
+    model = _load(host_stubs)
+    *_, report = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]().generate(
+        model, "a cube", 32, 32, 3, 0, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False, kv=KVConfig("unicache"))
+    chart = nodes.NODE_CLASS_MAPPINGS["UniCacheKVReport"]().show(report)["ui"]["unicache_kv"][0]
+    script = tmp_path / "draw.mjs"
+    script.write_text(_JS_DRAW)
+    subprocess.run([node, str(script), str(js), json.dumps(chart)], check=True, timeout=30)
