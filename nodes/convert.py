@@ -35,15 +35,54 @@ def pils_to_image(images: list[Image.Image]) -> torch.Tensor:
     return torch.from_numpy(np.stack(arrays, axis=0))
 
 
-def to_comfy_latent(latents: torch.Tensor, scale: float = FLUX_SCALE, shift: float = FLUX_SHIFT) -> torch.Tensor:
-    """BAGEL latent ``[B, 16, H/8, W/8]`` (``scale * (z - shift)``) → ComfyUI FLUX ``samples`` (``z``)."""
+try:  # the engine's own conversion (unicache_core.bagel.latents), with the checkpoint's VAE constants
+    from unicache_core.bagel.latents import from_comfy_latent as _from_comfy, to_comfy_latent as _to_comfy
+except ImportError:  # an engine without the latents module: the same FLUX formula here
+    _to_comfy = _from_comfy = None
+
+
+def _factors(config) -> tuple[float, float]:
+    ae = getattr(getattr(config, "config", config), "ae", None)
+    return (getattr(ae, "scale_factor", FLUX_SCALE), getattr(ae, "shift_factor", FLUX_SHIFT))
+
+
+def to_comfy_latent(latents: torch.Tensor, config=None) -> torch.Tensor:
+    """BAGEL latent ``[B, 16, H/8, W/8]`` (``scale * (raw - shift)``) → ComfyUI FLUX ``samples`` (``raw``).
+    ``config``: the loaded checkpoint (its VAE constants); None = FLUX's 0.3611 / 0.1159."""
+    if _to_comfy is not None:
+        return _to_comfy(latents.float(), config)
+    scale, shift = _factors(config) if config is not None else (FLUX_SCALE, FLUX_SHIFT)
     return latents.float() / scale + shift
 
 
-def from_comfy_latent(samples: torch.Tensor, scale: float = FLUX_SCALE, shift: float = FLUX_SHIFT) -> torch.Tensor:
-    """ComfyUI FLUX ``samples`` → BAGEL's scaled latent (inverse of :func:`to_comfy_latent`)."""
+def from_comfy_latent(samples: torch.Tensor, config=None) -> torch.Tensor:
+    """ComfyUI FLUX ``samples`` → BAGEL's latent (inverse of :func:`to_comfy_latent`)."""
+    if _from_comfy is not None:
+        return _from_comfy(samples.float(), config)
+    scale, shift = _factors(config) if config is not None else (FLUX_SCALE, FLUX_SHIFT)
     return scale * (samples.float() - shift)
 
 
-__all__ = ["FLUX_SCALE", "FLUX_SHIFT", "check_image_batch", "from_comfy_latent", "image_to_pils", "pils_to_image",
+class ComfyVAEAdapter:
+    """ComfyUI's ``VAE`` (core VAELoader, FLUX ae.safetensors) as the engine's external VAE: ``encode``/``decode``
+    in BAGEL's latent convention on ``[1, 3, H, W]`` images in [-1, 1] (:class:`unicache_core.bagel.latents.VAEAdapter`).
+    ComfyUI loads and offloads the VAE itself inside its ``encode``/``decode``."""
+
+    def __init__(self, vae, config=None):
+        if not (callable(getattr(vae, "encode", None)) and callable(getattr(vae, "decode", None))):
+            raise ValueError(f"`vae` must be a ComfyUI VAE (from the core VAELoader node), got {type(vae).__name__}")
+        self.vae, self.config = vae, config
+
+    def encode(self, image: torch.Tensor) -> torch.Tensor:
+        pixels = ((image.float() + 1.0) / 2.0).clamp(0, 1).permute(0, 2, 3, 1).cpu()
+        return from_comfy_latent(self.vae.encode(pixels).float().cpu(), self.config)
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        pixels = self.vae.decode(to_comfy_latent(z, self.config)).float().cpu()  # [B, H, W, 3] in [0, 1]
+        if pixels.ndim == 5:  # some ComfyUI VAEs return [B, T, H, W, C]
+            pixels = pixels.reshape(-1, *pixels.shape[-3:])
+        return pixels[..., :3].permute(0, 3, 1, 2) * 2.0 - 1.0
+
+
+__all__ = ["ComfyVAEAdapter", "FLUX_SCALE", "FLUX_SHIFT", "check_image_batch", "from_comfy_latent", "image_to_pils", "pils_to_image",
            "to_comfy_latent"]

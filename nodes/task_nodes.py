@@ -19,7 +19,7 @@ from unicache_core.methods import KVConfig, make_cache_factory
 from unicache_core.report_view import chart_data
 
 from . import host
-from .convert import image_to_pils, pils_to_image, to_comfy_latent
+from .convert import ComfyVAEAdapter, from_comfy_latent, image_to_pils, pils_to_image, to_comfy_latent
 from .model import BagelModel, predict_request_bytes
 
 logger = logging.getLogger(__name__)
@@ -119,21 +119,38 @@ def _run(fn, *args, **kwargs):
         host.raise_interrupt()
 
 
-def _external_vae(pipe: BagelPipeline, method: str, vae, latent=None) -> dict:
-    """Keyword arguments for an external VAE / input LATENT, refused with a clear message when unsupported."""
+def _vae_kwargs(pipe: BagelPipeline, method: str, vae, source_latent=None) -> dict:
+    """Keyword arguments for an external VAE / a given source latent (BAGEL convention); a clear error when the
+    engine lacks them, or when the checkpoint has no VAE of its own and none is connected."""
     params = inspect.signature(getattr(pipe, method)).parameters
     extra = {}
     if vae is not None:
         if "vae" not in params:
-            raise ValueError("the `vae` input is not supported by this version of unicache_core yet; disconnect it "
+            raise ValueError("the `vae` input is not supported by this version of unicache_core; disconnect it "
                              "(the checkpoint's own VAE is used)")
-        extra["vae"] = vae
-    if latent is not None:
-        if "latent" not in params:
-            raise ValueError("the `latent` input is not supported by this version of unicache_core yet; disconnect "
-                             "it (the source image is encoded by the checkpoint's VAE)")
-        extra["latent"] = latent
+        extra["vae"] = ComfyVAEAdapter(vae, pipe.loaded)
+    elif getattr(pipe.loaded, "vae", None) is None:
+        raise ValueError("this checkpoint has no VAE of its own (a single-file checkpoint): connect a core VAELoader "
+                         "with the FLUX ae.safetensors (models/vae) to the `vae` input")
+    if source_latent is not None:
+        if "source_latent" not in params:
+            raise ValueError("the `latent` input is not supported by this version of unicache_core; disconnect it "
+                             "(the source image is encoded by the checkpoint's VAE)")
+        extra["source_latent"] = source_latent
     return extra
+
+
+def _source_latents(latent, count: int, loaded) -> list:
+    """The ``LATENT`` input (core VAEEncode, ComfyUI's FLUX convention) → one BAGEL latent per source image."""
+    if latent is None:
+        return [None] * count
+    samples = latent.get("samples") if isinstance(latent, dict) else None
+    if samples is None or samples.ndim != 4 or samples.shape[1] != 16:
+        shape = tuple(samples.shape) if samples is not None else type(latent).__name__
+        raise ValueError(f"`latent` must be a FLUX LATENT {{'samples': [batch, 16, H/8, W/8]}} from VAEEncode, got {shape}")
+    if samples.shape[0] not in (1, count):
+        raise ValueError(f"`latent` holds {samples.shape[0]} latents for {count} images; encode the same batch")
+    return [from_comfy_latent(samples[min(i, samples.shape[0] - 1):][:1], loaded) for i in range(count)]
 
 
 def _merge_reports(reports: list[dict]) -> dict:
@@ -147,11 +164,8 @@ def _merge_reports(reports: list[dict]) -> dict:
 def _generation_outputs(results, pipe: BagelPipeline) -> tuple:
     import torch
 
-    vae = pipe.loaded.vae
-    scale = getattr(vae, "scale_factor", None) or 0.3611
-    shift = getattr(vae, "shift_factor", None) or 0.1159
     image = pils_to_image([r.image for r in results])
-    latent = {"samples": torch.cat([to_comfy_latent(r.latents.cpu(), scale, shift) for r in results], dim=0)}
+    latent = {"samples": torch.cat([to_comfy_latent(r.latents.cpu(), pipe.loaded) for r in results], dim=0)}
     thinking = "\n\n".join(r.think_text or "" for r in results).strip()
     return image, latent, thinking, _merge_reports([r.kv_report for r in results])
 
@@ -198,7 +212,7 @@ class UniCacheTextToImage:
                                        width=width, height=height,
                                        new_tokens=T2I_DEFAULTS.think_max_new_tokens if think else 0)
         pipe = _pipeline(model, kv, memory)
-        extra = _external_vae(pipe, "text_to_image", vae)
+        extra = _vae_kwargs(pipe, "text_to_image", vae)
         progress = _Progress(1, steps - 1)
         result = _run(pipe.text_to_image, prompt, width=width, height=height, seed=seed, progress=progress,
                       **flow, **extra)
@@ -239,10 +253,10 @@ class UniCacheImageEdit:
                                        new_tokens=EDIT_DEFAULTS.think_max_new_tokens if think else 0)
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(len(sources), steps - 1)
+        latents = _source_latents(latent, len(sources), pipe.loaded)
         results = []
-        for i, source in enumerate(sources):
-            item_latent = None if latent is None else {**latent, "samples": latent["samples"][i:i + 1]}
-            extra = _external_vae(pipe, "edit", vae, item_latent)
+        for i, (source, source_latent) in enumerate(zip(sources, latents)):
+            extra = _vae_kwargs(pipe, "edit", vae, source_latent)
             progress.item = i
             results.append(_run(pipe.edit, source, prompt, seed=(seed + i) % (MAX_SEED + 1), progress=progress,
                                 **flow, **extra))

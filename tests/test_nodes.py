@@ -130,9 +130,16 @@ def host_stubs(tmp_path, monkeypatch, tiny_checkpoint):
     from nodes import host, model
 
     host._patcher_class.cache_clear()
-    model.clear_cache()
-    yield stubs
+    yield stubs  # the loaded tiny model stays cached across tests (the cache key is the resolved path)
     host._patcher_class.cache_clear()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_model_cache():
+    from nodes import model
+
+    model.clear_cache()
+    yield
     model.clear_cache()
 
 
@@ -383,7 +390,7 @@ def test_edit_batch_and_understand(host_stubs):
     assert latent["samples"].shape[2:] == (image.shape[1] // 8, image.shape[2] // 8)
     assert report["method"] == "full" and len(report["batch"]) == 2
     und = nodes.NODE_CLASS_MAPPINGS["UniCacheUnderstand"]()
-    out = und.understand(model, "What is it?", 4, False, 0.3, 0, False, image=batch[:1])
+    out = und.understand(model, "What is it?", 3, False, 0.3, 0, False, image=batch[:1])
     text, rep = out["result"]
     assert isinstance(text, str) and out["ui"]["text"] == [text] and rep["task"] == "understanding"
 
@@ -447,3 +454,51 @@ def test_web_extension_parses_and_draws(host_stubs, tmp_path):
     script = tmp_path / "draw.mjs"
     script.write_text(_JS_DRAW)
     subprocess.run([node, str(script), str(js), json.dumps(chart)], check=True, timeout=30)
+
+
+# ------------------------------------------------------------------------------- external VAE and LATENT
+
+
+class _FakeComfyVAE:
+    """ComfyUI's VAE API (encode [B,H,W,3] in [0,1] → raw FLUX latent; decode raw → [B,H,W,3]) over the tiny VAE."""
+
+    def __init__(self, ae):
+        self.ae, self.calls = ae, []
+
+    def encode(self, pixels):
+        self.calls.append("encode")
+        return self.ae.encode_moments(pixels.permute(0, 3, 1, 2) * 2 - 1)[0]
+
+    def decode(self, samples):
+        self.calls.append("decode")
+        return ((self.ae.decoder(samples) + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1)
+
+
+def _needs_vae_hooks():
+    from unicache_core.bagel import BagelPipeline
+
+    params = inspect.signature(BagelPipeline.edit).parameters
+    if "vae" not in params or "source_latent" not in params:
+        pytest.skip("this unicache_core has no external-VAE / source-latent hooks")
+
+
+def test_external_vae_and_latent_inputs(host_stubs):
+    _needs_vae_hooks()
+    import nodes
+
+    model = _load(host_stubs)
+    vae = _FakeComfyVAE(model.loaded.vae)
+    t2i = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
+    args = (model, "a red cube", 64, 64, 3, 3, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False)
+    own, own_latent, _, _ = t2i.generate(*args)
+    ext, ext_latent, _, _ = t2i.generate(*args, vae=vae)
+    assert vae.calls == ["decode"]
+    assert torch.equal(own_latent["samples"], ext_latent["samples"])
+    assert (own - ext).abs().max() <= 1.5 / 255  # LATENT convention: core VAEDecode of it gives the same image
+    edit = nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"]()
+    latent = {"samples": vae.encode(own)}  # what core VAEEncode gives for the same image
+    image, out_latent, _, _ = edit.edit(model, own, "make it blue", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0,
+                                        "text_channel", False, vae=vae, latent=latent)
+    assert image.shape == own.shape and out_latent["samples"].shape == own_latent["samples"].shape
+    with pytest.raises(ValueError, match="LATENT"):
+        edit.edit(model, own, "x", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False, latent={"samples": own})
