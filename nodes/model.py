@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import logging
 import math
 import os
@@ -87,6 +88,32 @@ def single_file_supported() -> bool:
     return "tokenizer_dir" in inspect.signature(load_bagel).parameters
 
 
+#: Largest safetensors header read when listing (a BAGEL-7B header is about 150 KB).
+MAX_HEADER_BYTES = 64 << 20
+_HEADER_CACHE: dict[tuple, bool] = {}
+
+
+def is_bagel_file(path: str | Path) -> bool:
+    """Whether a ``.safetensors`` file is a single-file BAGEL checkpoint (``comfyui_bagel`` metadata, or BAGEL's
+    ``language_model.`` tensors), read from its header only; a VAE or other model in the folder is not listed."""
+    path = Path(path)
+    try:
+        st = path.stat()
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        if key in _HEADER_CACHE:
+            return _HEADER_CACHE[key]
+        with open(path, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size)) if 0 < size <= min(MAX_HEADER_BYTES, st.st_size - 8) else {}
+    except (OSError, ValueError):
+        return False
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    found = (isinstance(meta, dict) and "comfyui_bagel" in meta) or any(
+        k.startswith("language_model.") for k in (header if isinstance(header, dict) else {}))
+    _HEADER_CACHE[key] = found
+    return found
+
+
 def list_checkpoints(folders: Sequence[Path], *, include_files: bool | None = None) -> list[str]:
     """Checkpoint names in ``folders`` (relative paths with ``/``): official folders (holding
     ``llm_config.json``) and, when supported, single ``.safetensors`` files. First folder wins a name clash."""
@@ -110,7 +137,7 @@ def list_checkpoints(folders: Sequence[Path], *, include_files: bool | None = No
                         names.append(rel)
                 elif depth < MAX_DEPTH:
                     visit(root, sub / entry.name, depth + 1)
-            elif include_files and entry.name.endswith(".safetensors") and entry.is_file():
+            elif include_files and entry.name.endswith(".safetensors") and entry.is_file() and is_bagel_file(entry.path):
                 if rel not in seen:
                     seen.add(rel)
                     names.append(rel)
@@ -233,5 +260,5 @@ def predict_request_bytes(loaded: LoadedBagel, task: str, *, prompt_tokens: int,
 
 
 __all__ = ["BagelModel", "BagelModules", "CACHE_SIZE", "NO_CHECKPOINT", "cached_model", "clear_cache",
-           "file_identity", "list_checkpoints", "load_checkpoint", "module_bytes", "predict_request_bytes",
+           "file_identity", "is_bagel_file", "list_checkpoints", "load_checkpoint", "module_bytes", "predict_request_bytes",
            "remember_model", "resolve_checkpoint", "single_file_supported"]

@@ -502,3 +502,49 @@ def test_external_vae_and_latent_inputs(host_stubs):
     assert image.shape == own.shape and out_latent["samples"].shape == own_latent["samples"].shape
     with pytest.raises(ValueError, match="LATENT"):
         edit.edit(model, own, "x", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False, latent={"samples": own})
+
+
+def test_listing_folders_and_single_files(tmp_path, tiny_checkpoint):
+    from safetensors.torch import save_file
+
+    from nodes.model import list_checkpoints
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    (a / "org").mkdir(parents=True)
+    b.mkdir()
+    (a / "tiny").symlink_to(tiny_checkpoint, target_is_directory=True)
+    (a / "org" / "nested").symlink_to(tiny_checkpoint, target_is_directory=True)
+    (a / "empty_dir").mkdir()
+    save_file({"language_model.lm_head.weight": torch.zeros(2, 2)}, str(b / "bagel-single.safetensors"))
+    save_file({"encoder.conv_in.weight": torch.zeros(2, 2)}, str(b / "ae.safetensors"))  # a VAE: not listed
+    (b / "tiny").mkdir()  # same name as in `a`, no config: not a checkpoint
+    assert list_checkpoints([a, b], include_files=False) == ["org/nested", "tiny"]
+    assert list_checkpoints([a, b], include_files=True) == ["org/nested", "tiny", "bagel-single.safetensors"]
+
+
+def test_single_file_checkpoint(host_stubs, tmp_path):
+    _needs_vae_hooks()
+    tiny = pytest.importorskip("unicache_core.bagel.tiny")
+    if not hasattr(tiny, "write_tiny_single_file"):
+        pytest.skip("this unicache_core cannot write single-file checkpoints")
+    import nodes
+
+    folder_model = _load(host_stubs)
+    out = tiny.write_tiny_single_file(tmp_path / "single", seed=0)
+    bagel = Path(host_stubs["folder_paths"].models_dir) / "bagel"
+    (bagel / "bagel-tiny.safetensors").symlink_to(out)
+    (bagel / "ae.safetensors").symlink_to(out.parent / "ae.safetensors")  # a VAE beside it is not listed
+    encoders = Path(host_stubs["comfy.utils"].__file__).parent / "text_encoders"
+    encoders.mkdir(parents=True)
+    (encoders / "qwen25_tokenizer").symlink_to(out.parent / "tokenizer", target_is_directory=True)
+    loader = nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]
+    choices = loader.INPUT_TYPES()["required"]["checkpoint"][0]
+    assert "bagel-tiny.safetensors" in choices and "ae.safetensors" not in choices
+    (model,) = loader().load("bagel-tiny.safetensors", "fp32", "cpu")
+    assert model.loaded.vae is None and model is not folder_model
+    t2i = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
+    args = (model, "a red cube", 32, 32, 3, 3, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False)
+    with pytest.raises(ValueError, match="VAELoader"):
+        t2i.generate(*args)
+    image, latent, _, report = t2i.generate(*args, vae=_FakeComfyVAE(folder_model.loaded.vae))
+    assert image.shape == (1, 32, 32, 3) and latent["samples"].shape == (1, 16, 4, 4) and report["steps"]
