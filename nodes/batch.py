@@ -62,6 +62,7 @@ class Run:
     hosts_tried: list[str] = field(default_factory=list)
     kv_bytes_saved: int | None = None
     kv_summary: dict | None = None
+    kv_by_node: dict | None = None
     outputs: list[str] = field(default_factory=list)
     error: str | None = None
     _t0: float = 0.0
@@ -388,9 +389,12 @@ class BatchRunner:
             if "unicache_kv" in out:
                 (run_dir / f"node{nid}_unicache_kv.json").write_text(json.dumps(out["unicache_kv"], indent=1))
                 r.outputs.append(str(run_dir / f"node{nid}_unicache_kv.json"))
-        report_ids = {nid for nid, n in self.workflow.items() if n.get("class_type") == REPORT_NODE}
+        report_ids = sorted((nid for nid, n in self.workflow.items() if n.get("class_type") == REPORT_NODE),
+                            key=lambda x: (len(x), x))
         r.kv_bytes_saved, r.kv_summary = kv_saved(
             [entry["outputs"].get(nid, {}) for nid in report_ids] or list(entry.get("outputs", {}).values()))
+        if len(report_ids) > 1:  # e.g. an A/B workflow: every report node's numbers, by node id
+            r.kv_by_node = {nid: kv_saved([entry["outputs"].get(nid, {})])[1] for nid in report_ids}
         (run_dir / "history.json").write_text(json.dumps(entry, indent=1))
 
 
@@ -414,17 +418,26 @@ _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1024**2, 
 
 
 def kv_saved(outputs: list[dict]) -> tuple[int | None, dict | None]:
-    """KV bytes saved by the run, from the report node's ``ui`` output (chart data, else its text)."""
+    """KV bytes saved by the run, from the report node's ``ui`` output (chart data, else its text).
+
+    ``outputs``: the ui dicts of the report nodes; returns (bytes saved by the first one that has a
+    number, ``{"saved_bytes", "full_bytes", "steady_bytes", "reduction"}`` of that node or None)."""
     for out in outputs:
-        for key in ("unicache_kv", "summary", "report"):
-            if key not in out:
-                continue
-            saved = _find_key(out[key], "bytes_saved") or _find_key(out[key], "saved_bytes")
-            full, steady = _find_key(out[key], "full_managed_bytes"), _find_key(out[key], "steady_managed_bytes")
-            if saved is None and full is not None and steady is not None:
-                saved = full - steady
-            if saved is not None:
-                return int(saved), {"full_managed_bytes": full, "steady_managed_bytes": steady}
+        data = out.get("unicache_kv")
+        if data is None:
+            continue
+        saved = _find_key(data, "saved_bytes")
+        full = _find_key(data, "full_bytes")
+        if full is None:
+            full = _find_key(data, "full_managed_bytes")
+        steady = _find_key(data, "steady_bytes")
+        if steady is None:
+            steady = _find_key(data, "steady_managed_bytes")
+        if saved is None and full is not None and steady is not None:
+            saved = max(0, full - steady)
+        if saved is not None:
+            return int(saved), {"saved_bytes": int(saved), "full_bytes": full, "steady_bytes": steady,
+                                "reduction": _find_key(data, "reduction")}
     for out in outputs:
         for text in out.get("text", []):
             m = re.search(r"saved\D{0,20}?([\d.,]+)\s*(GiB|MiB|KiB|GB|MB|KB|B)\b", str(text), re.I)
@@ -492,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     except TimeoutError as e:
         logger.error("%s", e)
     ok = sum(r.status == "success" for r in runs)
+    for r in runs:
+        if r.status != "success":
+            print(f"nodes.batch: run {r.index} (seed {r.seed}) {r.status}: {r.error}", file=sys.stderr)
     summary = {
         "format": "unicache-batch-summary", "version": 1, "workflow": str(a.workflow), "hosts": a.host,
         "count": a.count, "succeeded": ok, "seconds": round(time.monotonic() - t0, 3),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -65,10 +66,15 @@ def free_port() -> int:
 
 
 def prepare_base(base: Path) -> Path:
-    """Create BASE/custom_nodes (0.3.75 crashes without it) with the pack linked in, and BASE/models/bagel."""
+    """Create BASE/custom_nodes (0.3.75 crashes without it) with the pack linked in, BASE/models/bagel, and
+    BASE/input with the shipped workflows' input images (``workflows/assets/*``, where not already there)."""
     base = Path(base).resolve()
     (base / "custom_nodes").mkdir(parents=True, exist_ok=True)
     (base / "models" / "bagel").mkdir(parents=True, exist_ok=True)
+    (base / "input").mkdir(parents=True, exist_ok=True)
+    for asset in sorted((REPO / "workflows" / "assets").glob("*")):
+        if asset.is_file() and not (base / "input" / asset.name).exists():
+            shutil.copyfile(asset, base / "input" / asset.name)
     link = base / "custom_nodes" / PACK_NAME
     if not link.exists():
         if link.is_symlink():
@@ -212,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", type=Path, default=None, help="--base-directory (default .comfyhost/base)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
     ap.add_argument("--url", action="store_true", help="status: print only the URL")
-    ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more ComfyUI arguments")
-    a = ap.parse_args(argv)
-    extra = a.extra[1:] if a.extra[:1] == ["--"] else a.extra
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []  # after --: more ComfyUI arguments
+    a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     current = read_pid_file(a.name)
     if a.action == "status":
         if current and current.alive():

@@ -56,7 +56,7 @@ def bundled_checkpoint() -> Path:
 def _input_images(base: Path) -> None:
     """Put the images that the shipped workflows' LoadImage nodes name into BASE/input.
 
-    A file of that name shipped in the repo (workflows/, workflows/input/, tests/) is copied; else a small
+    A file of that name shipped in the repo (workflows/assets/, workflows/, tests/) is copied; else a small
     deterministic RGB test image is drawn so the graph validates.
     """
     from PIL import Image
@@ -74,7 +74,7 @@ def _input_images(base: Path) -> None:
     for name in sorted(n for n in names if n):
         dst = base / "input" / name
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shipped = [p for d in (WORKFLOWS_UI, WORKFLOWS_UI / "input", REPO / "tests") if (p := d / name).is_file()]
+        shipped = [p for d in (WORKFLOWS_UI / "assets", WORKFLOWS_UI, REPO / "tests") if (p := d / name).is_file()]
         if shipped:
             shutil.copyfile(shipped[0], dst)
         else:

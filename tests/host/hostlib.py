@@ -19,8 +19,8 @@ import comfyhost  # noqa: E402  (tools/comfyhost.py)
 
 WORKFLOWS_API = REPO / "workflows" / "api"
 WORKFLOWS_UI = REPO / "workflows"
-#: The shipped workflows named by docs/nodepack-contract.md (both formats).
-CONTRACT_WORKFLOWS = ("t2i", "edit", "understand", "ab_edit")
+#: docs/nodepack-contract.md: shipped workflows (both formats) for t2i, edit, understand and an A/B edit.
+CONTRACT_TASK_NODES = ("UniCacheTextToImage", "UniCacheImageEdit", "UniCacheUnderstand")
 PROMPT_TIMEOUT = float(os.environ.get("COMFYHOST_PROMPT_TIMEOUT", "900"))
 
 

@@ -8,8 +8,9 @@ import time
 
 import pytest
 from hostlib import (
-    CONTRACT_WORKFLOWS,
+    CONTRACT_TASK_NODES,
     WORKFLOWS_API,
+    WORKFLOWS_UI,
     describe,
     load_api_workflow,
     messages,
@@ -111,8 +112,19 @@ def test_web_extension_served(comfy):
 
 
 def _shipped_names() -> list[str]:
-    found = {p.stem for p in WORKFLOWS_API.glob("*.json")}
-    return sorted(found | set(CONTRACT_WORKFLOWS))
+    return sorted(p.stem for p in WORKFLOWS_API.glob("*.json")) or ["(no workflows/api/*.json shipped)"]
+
+
+def test_shipped_workflows_cover_the_contract():
+    """API workflows for t2i, edit, understand and an A/B edit (two edit nodes), each with a UI twin."""
+    graphs = {p.stem: json.loads(p.read_text()) for p in WORKFLOWS_API.glob("*.json")}
+    types = [[n["class_type"] for n in g.values()] for g in graphs.values()]
+    for task in CONTRACT_TASK_NODES:
+        assert any(task in t for t in types), f"no shipped API workflow uses {task}"
+    assert any(t.count("UniCacheImageEdit") >= 2 for t in types), "no A/B edit workflow (two edit nodes)"
+    ui = {p.stem for p in WORKFLOWS_UI.glob("*.json")}
+    assert set(graphs) <= ui, f"API workflows without a UI twin: {sorted(set(graphs) - ui)}"
+    assert all("UniCacheKVReport" in t for t in types), "every shipped workflow shows its KV report"
 
 
 @pytest.mark.parametrize("name", _shipped_names())

@@ -1,0 +1,80 @@
+// Load a UI-format workflow into the real ComfyUI frontend in headless Debian chromium, queue it, wait for
+// the prompt to finish and for the pack's KV chart (web/unicache.js), take a screenshot, print a JSON result.
+//
+//   node run_workflow.mjs URL WORKFLOW_UI.json SCREENSHOT.png [TIMEOUT_S]
+//
+// The result (stdout, last line) says which node types the frontend lacks, which dialogs were open, the
+// prompt's history status, and what the report node shows. The Python test asserts on it.
+import { chromium } from "playwright-core";
+import { readFileSync, mkdirSync } from "node:fs";
+import { dirname } from "node:path";
+
+const [url, workflowPath, screenshot, timeoutArg] = process.argv.slice(2);
+const timeoutMs = 1000 * Number(timeoutArg || 600);
+const workflow = JSON.parse(readFileSync(workflowPath, "utf8"));
+const result = { url, workflow: workflowPath, console_errors: [] };
+
+async function history() {
+  const r = await fetch(`${url}/history?max_items=64`);
+  return r.json();
+}
+
+const browser = await chromium.launch({
+  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
+  args: ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run"],
+});
+try {
+  const page = await browser.newPage({ viewport: { width: 1280, height: 800 } });
+  page.on("console", (m) => { if (m.type() === "error") result.console_errors.push(m.text().slice(0, 300)); });
+  await page.goto(url, { waitUntil: "domcontentloaded", timeout: 120000 });
+  await page.waitForFunction(() => window.app && window.app.graph, null, { timeout: 120000 });
+  // every node type of the workflow must be registered in the frontend (else: the missing-nodes dialog)
+  result.types = [...new Set(workflow.nodes.map((n) => n.type))];
+  result.missing = await page.evaluate((types) => {
+    const reg = window.LiteGraph?.registered_node_types || {};
+    return types.filter((t) => !(t in reg) && !["Note", "MarkdownNote"].includes(t));
+  }, result.types);
+  const before = new Set(Object.keys(await history()));
+  await page.evaluate((wf) => window.app.loadGraphData(wf), workflow);
+  await page.waitForTimeout(1500);
+  result.dialogs = await page.evaluate(() =>
+    [...document.querySelectorAll(".p-dialog, [role=dialog]")].map((d) => d.innerText.slice(0, 300)));
+  result.graph_nodes = await page.evaluate(() => window.app.graph._nodes.map((n) => n.type));
+  await page.evaluate(() => window.app.queuePrompt(0, 1));
+  // the prompt shows up in /history when done
+  const t0 = Date.now();
+  let entry = null;
+  while (Date.now() - t0 < timeoutMs) {
+    const h = await history();
+    const id = Object.keys(h).find((k) => !before.has(k));
+    if (id && h[id].status && ["success", "error"].includes(h[id].status.status_str)) {
+      entry = h[id];
+      result.prompt_id = id;
+      break;
+    }
+    await page.waitForTimeout(500);
+  }
+  result.seconds = (Date.now() - t0) / 1000;
+  result.status = entry ? entry.status.status_str : "timeout";
+  result.outputs = entry ? Object.keys(entry.outputs) : [];
+  result.errors = entry ? entry.status.messages.filter((m) => m[0] === "execution_error").map((m) => m[1].exception_message) : [];
+  // the report node's state in the frontend: what web/unicache.js attached once it executed
+  await page.waitForTimeout(1500);
+  result.report_nodes = await page.evaluate(() =>
+    window.app.graph._nodes.filter((n) => n.type === "UniCacheKVReport").map((n) => ({
+      id: n.id,
+      widgets: (n.widgets || []).map((w) => ({ name: w.name, type: w.type })),
+      has_chart_data: !!(n.unicacheKV || n.unicache_kv || n.properties?.unicache_kv || n._unicacheChart),
+      chart_canvases: document.querySelectorAll(`[data-unicache-node="${n.id}"] canvas, .unicache-kv-chart`).length,
+      imgs: (n.imgs || []).length,
+    })));
+  result.chart_elements = await page.evaluate(() => document.querySelectorAll(".unicache-kv-chart, [data-unicache-kv]").length);
+  await page.waitForTimeout(500);
+  mkdirSync(dirname(screenshot), { recursive: true });
+  await page.screenshot({ path: screenshot });
+  result.screenshot = screenshot;
+} finally {
+  await browser.close();
+}
+console.log(JSON.stringify(result));
