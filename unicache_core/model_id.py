@@ -1,12 +1,16 @@
 """Model ids: which checkpoint a policy table (or a report) belongs to.
 
-- A single-file checkpoint names its model in its metadata (``variant``): that string is the id.
+- A single-file checkpoint names its model in its metadata (``variant``): that string, lower-cased,
+  is the id (:func:`model_id_from_variant`; ``BAGEL-7B-MoT`` gives ``bagel-7b-mot``, the same id as the
+  official folder, so both forms share policy tables). A file without metadata or sidecar is only ever
+  accepted as BAGEL-7B-MoT (the loader checks its whole layout), so its id is ``bagel-7b-mot``.
 - A checkpoint folder is identified by its two architecture configs, ``llm_config.json`` and
   ``vit_config.json``: ``bagel-7b-mot`` when their geometry is BAGEL-7B-MoT's (the official
   ByteDance-Seed/BAGEL-7B-MoT release), else ``sha256:`` + the first 16 hex digits of a digest of
   both files' parsed JSON (keys sorted, so formatting does not change the id).
 
-Only JSON is read; nothing here imports the BAGEL engine.
+Only JSON is read (for a single file: its safetensors header and sidecar); nothing here imports the
+BAGEL engine.
 """
 
 from __future__ import annotations
@@ -44,10 +48,58 @@ def model_id_from_configs(llm: Mapping[str, Any], vit: Mapping[str, Any]) -> str
     return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
-def model_id_of(checkpoint_dir: str | Path) -> str:
-    """The id of a checkpoint folder (see the module docstring)."""
-    folder = Path(checkpoint_dir)
-    return model_id_from_configs(_read(folder / "llm_config.json"), _read(folder / "vit_config.json"))
+def model_id_from_variant(variant: object) -> str:
+    """The id of a single-file checkpoint whose metadata names ``variant`` (lower-cased, stripped)."""
+    if not isinstance(variant, str) or not variant.strip():
+        raise ValueError(f"a checkpoint variant must be a non-empty string, got {variant!r}")
+    return variant.strip().lower()
 
 
-__all__ = ["BAGEL_7B_MOT", "model_id_from_configs", "model_id_of"]
+#: Largest safetensors header read for an id (the safetensors library's own limit).
+_MAX_HEADER_BYTES = 100_000_000
+SIDECAR_SUFFIX = ".comfyui-bagel.json"
+
+
+def _metadata_variant(raw: object) -> str | None:
+    data = json.loads(raw) if isinstance(raw, str) else raw
+    if isinstance(data, dict) and isinstance(data.get("variant"), str) and data["variant"].strip():
+        return data["variant"]
+    return None
+
+
+def _single_file_variant(path: Path) -> str | None:
+    """The ``variant`` of a single-file checkpoint's metadata or sidecar (``None`` when it has neither)."""
+    try:
+        with open(path, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            if not 0 < size <= _MAX_HEADER_BYTES:
+                raise ValueError(f"{path} is not a safetensors file (header size {size})")
+            header = json.loads(fh.read(size))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not a readable safetensors file ({exc})") from None
+    raw = (header.get("__metadata__") or {}).get("comfyui_bagel") if isinstance(header, dict) else None
+    try:
+        if raw is not None:
+            return _metadata_variant(raw)
+        sidecar = Path(str(path) + SIDECAR_SUFFIX)
+        if sidecar.is_file():
+            return _metadata_variant(_read(sidecar).get("metadata"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the comfyui_bagel metadata of {path} is not JSON ({exc})") from None
+    return None
+
+
+def model_id_of(checkpoint: str | Path) -> str:
+    """The id of a checkpoint folder or single ``.safetensors`` file (see the module docstring).
+
+    A single file without metadata or sidecar gets ``bagel-7b-mot`` (the only layout the loader accepts
+    for it; this function does not check the layout).
+    """
+    path = Path(checkpoint)
+    if path.is_file():
+        variant = _single_file_variant(path)
+        return BAGEL_7B_MOT if variant is None else model_id_from_variant(variant)
+    return model_id_from_configs(_read(path / "llm_config.json"), _read(path / "vit_config.json"))
+
+
+__all__ = ["BAGEL_7B_MOT", "model_id_from_configs", "model_id_from_variant", "model_id_of"]

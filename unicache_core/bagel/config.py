@@ -434,8 +434,11 @@ def parse_transform_config(data: dict[str, Any] | None, path: Path) -> Transform
     return TransformConfig(**rules)
 
 
-def check_transform_config(cfg: BagelConfig, path: Path) -> None:
+def check_transform_config(cfg: BagelConfig, path: Path, *, present: bool | None = None) -> None:
     """Check ``cfg.transforms`` against the model; errors name ``path`` (the ``transform_config.json``).
+
+    ``present``: whether the transform config was given (default: whether ``path`` is a file; a
+    single-file checkpoint passes it, its configs live in the safetensors metadata).
 
     * ``vae.stride`` is a multiple of ``latent_downsample`` (one latent token per 16x16 pixels
       officially) and the largest VAE image fits the latent position table (``max_latent_size`` tokens
@@ -444,10 +447,11 @@ def check_transform_config(cfg: BagelConfig, path: Path) -> None:
       (ids ``row * vit_max_num_patch_per_side + col`` index both BAGEL's and SigLIP's tables).
     """
     tf = cfg.transforms
-    where = f"config file {path}" + ("" if path.is_file() else " (absent, so the official values are used)")
+    present = path.is_file() if present is None else present
+    where = f"config file {path}" + ("" if present else " (absent, so the official values are used)")
     fix = (
         _FIX_TRANSFORM.format(path=path.name)
-        if path.is_file()
+        if present
         else f"write {path.name} with sizes that suit this model (README: 'Image transform sizes')"
     )
     ld = cfg.latent_downsample
@@ -515,6 +519,52 @@ def load_bagel_config(checkpoint_dir: str | Path) -> BagelConfig:
     return cfg
 
 
+def bagel_config_from_dicts(
+    llm: dict[str, Any],
+    vit: dict[str, Any],
+    ae: dict[str, Any] | None = None,
+    transforms: dict[str, Any] | None = None,
+    *,
+    source: str | Path,
+) -> BagelConfig:
+    """:func:`load_bagel_config` for configs that are not files (a single-file checkpoint's metadata).
+
+    ``llm``/``vit``/``ae``/``transforms`` are the parsed ``llm_config.json``, ``vit_config.json`` and the
+    optional ``ae_config.json`` / ``transform_config.json``; errors name ``{source}:{file name}``.
+
+    Raises:
+        CheckpointError: a config is not a JSON object or holds unusable values.
+    """
+    def where(name: str) -> Path:
+        return Path(f"{source}:{name}")
+
+    parsed: dict[str, dict[str, Any] | None] = {}
+    for name, data, required in ((LLM_CONFIG_FILE, llm, True), (VIT_CONFIG_FILE, vit, True),
+                                 (AE_CONFIG_FILE, ae, False), (TRANSFORM_CONFIG_FILE, transforms, False)):
+        if data is None and not required:
+            parsed[name] = None
+            continue
+        if not isinstance(data, dict):
+            raise CheckpointError(
+                f"config {where(name)} is {'missing' if data is None else 'a JSON ' + type(data).__name__}; it "
+                f"must be a JSON object (the checkpoint's {name})"
+            )
+        parsed[name] = data
+    cfg = BagelConfig(
+        llm=parse_llm_config(parsed[LLM_CONFIG_FILE], where(LLM_CONFIG_FILE)),
+        vit=parse_vit_config(parsed[VIT_CONFIG_FILE], where(VIT_CONFIG_FILE)),
+        ae=parse_ae_config(parsed[AE_CONFIG_FILE], where(AE_CONFIG_FILE)),
+        transforms=parse_transform_config(parsed[TRANSFORM_CONFIG_FILE], where(TRANSFORM_CONFIG_FILE)),
+    )
+    if cfg.llm.hidden_size % 4:
+        raise CheckpointError(
+            f"config {where(LLM_CONFIG_FILE)}: hidden_size {cfg.llm.hidden_size} must be a multiple of 4 "
+            f"(2-D sin-cos position tables)"
+        )
+    check_transform_config(cfg, where(TRANSFORM_CONFIG_FILE), present=transforms is not None)
+    return cfg
+
+
 __all__ = [
     "AEConfig",
     "BagelConfig",
@@ -522,6 +572,7 @@ __all__ = [
     "ResizeConfig",
     "TransformConfig",
     "ViTConfig",
+    "bagel_config_from_dicts",
     "check_transform_config",
     "load_bagel_config",
     "parse_ae_config",

@@ -114,13 +114,15 @@ def encode_vae_latent(
     *,
     noise: Tensor | None = None,
     generator: torch.Generator | None = None,
+    vae=None,
 ) -> Tensor:
     """VAE-encode ``[3, H, W]`` (in ``[-1, 1]``, sides multiples of 16) → packed ``[(H/16)*(W/16), 64]`` fp32.
 
     The encoder samples ``mean + std * noise``; ``noise`` (``[1, 16, H/8, W/8]``) is drawn from
     ``generator`` on the CPU when not given (the official code draws it from the global CPU RNG).
+    ``vae``: the :class:`~.modeling.AutoEncoder` to use (default ``loaded.vae``).
     """
-    vae = loaded.vae
+    vae = loaded.vae if vae is None else vae
     x = image.unsqueeze(0).float()
     if noise is None:
         ds = loaded.config.ae.downsample

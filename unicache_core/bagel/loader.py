@@ -1,4 +1,8 @@
-"""Load a BAGEL checkpoint folder (official layout) into :class:`Bagel` + :class:`AutoEncoder`.
+"""Load a BAGEL checkpoint (official folder, or one converted ``.safetensors`` file) into :class:`Bagel` +
+:class:`AutoEncoder`.
+
+The single-file form (:mod:`.single_file`) holds no VAE and no tokenizer: the tokenizer comes from a
+folder (``tokenizer_dir``) and the VAE is optional (``vae``). Everything below applies to both forms.
 
 Only JSON and safetensors files are read. Before any module is built, the config is checked against
 the safetensors headers (names and shapes only; no tensor data): the layer and block counts and the
@@ -23,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError, UniCacheError
+from ..model_id import model_id_of
 from .config import AE_CONFIG_FILE, LLM_CONFIG_FILE, VIT_CONFIG_FILE, BagelConfig, load_bagel_config
 from .modeling import AutoEncoder, Bagel
 from .numerics import check_weight
@@ -38,15 +43,31 @@ _MAX_LISTED = 20
 
 @dataclass
 class LoadedBagel:
-    """Everything a pipeline needs from one checkpoint folder."""
+    """Everything a pipeline needs from one checkpoint (folder or single file).
+
+    Attributes:
+        vae: the checkpoint's FLUX VAE, or ``None`` for a single file loaded without one (then every
+            pipeline call that encodes or decodes needs an external VAE, see :class:`BagelPipeline`).
+        checkpoint_dir: the checkpoint folder, or the ``.safetensors`` file of a single-file checkpoint.
+        form: ``"folder"`` or ``"single_file"``.
+        model_id: the id policy tables and reports use (:mod:`unicache_core.model_id`); ``""`` = unknown.
+        variant: the single file's metadata ``variant`` (``None`` for a folder).
+        metadata: the single file's ``comfyui_bagel`` metadata (``None`` for a folder).
+        tokenizer_dir: where the tokenizer files were read (the folder itself for the folder form).
+    """
 
     model: Bagel
-    vae: AutoEncoder
+    vae: AutoEncoder | None
     tokenizer: BagelTokenizer
     config: BagelConfig
     checkpoint_dir: Path
     dtype: torch.dtype
     device: torch.device
+    form: str = "folder"
+    model_id: str = ""
+    variant: str | None = None
+    metadata: dict | None = None
+    tokenizer_dir: Path | None = None
 
 
 def _listing(names: list[str]) -> str:
@@ -160,7 +181,16 @@ def _indices(names: Mapping[str, object], prefix: str) -> set[int]:
 
 
 def check_config_against_headers(
-    config: BagelConfig, root: Path, ema: Mapping[str, tuple[int, ...]], ae: Mapping[str, tuple[int, ...]]
+    config: BagelConfig,
+    root: Path,
+    ema: Mapping[str, tuple[int, ...]],
+    ae: Mapping[str, tuple[int, ...]] | None,
+    *,
+    ema_path: Path | None = None,
+    ae_path: Path | None = None,
+    llm_source: str | None = None,
+    vit_source: str | None = None,
+    ae_source: str | None = None,
 ) -> None:
     """Refuse a config whose layer/block counts or main widths disagree with the weight files' headers.
 
@@ -170,10 +200,16 @@ def check_config_against_headers(
     MLP width, attention widths; ViT layers, width, MLP width, patch and position table; VAE levels
     and blocks per level, base width and latent channels. Everything else is then checked exactly
     against the meta-built model (whose size is now bounded by the files).
+
+    The defaults describe a checkpoint folder ``root``; a single-file checkpoint passes its file as
+    ``ema_path``, the VAE file as ``ae_path`` (``ae`` None: no VAE, its checks are skipped) and names
+    where its configs came from (``*_source``, used in the messages).
     """
     llm, vit, aec = config.llm, config.vit, config.ae
-    ema_path, ae_path = root / EMA_FILE, root / AE_FILE
-    ae_source = f"{root / AE_CONFIG_FILE}" if (root / AE_CONFIG_FILE).is_file() else "the built-in FLUX VAE config"
+    ema_path = root / EMA_FILE if ema_path is None else ema_path
+    ae_path = root / AE_FILE if ae_path is None else ae_path
+    if ae_source is None:
+        ae_source = f"{root / AE_CONFIG_FILE}" if (root / AE_CONFIG_FILE).is_file() else "the built-in FLUX VAE config"
 
     def fail(source: str, detail: str) -> None:
         raise CheckpointError(
@@ -193,7 +229,8 @@ def check_config_against_headers(
         if tuple(header[name]) != tuple(expected):
             fail(source, f"{fields} give {name} the shape {tuple(expected)}, but {path.name} stores {tuple(header[name])}")
 
-    llm_src, vit_src = str(root / LLM_CONFIG_FILE), str(root / VIT_CONFIG_FILE)
+    llm_src = str(root / LLM_CONFIG_FILE) if llm_source is None else llm_source
+    vit_src = str(root / VIT_CONFIG_FILE) if vit_source is None else vit_source
     lm = "language_model.model."
     count(ema, ema_path, llm_src, f"{lm}layers.", f"num_hidden_layers = {llm.num_hidden_layers} layers",
           llm.num_hidden_layers)
@@ -216,6 +253,8 @@ def check_config_against_headers(
           "image_size, patch_size and hidden_size")
     shape(ema, ema_path, vit_src, f"{vm}encoder.layers.0.mlp.fc1.weight", (vit.intermediate_size, vit.hidden_size),
           "intermediate_size and hidden_size")
+    if ae is None:
+        return
     levels = len(aec.ch_mult)
     count(ae, ae_path, ae_source, "encoder.down.", f"ch_mult has {levels} levels", levels)
     count(ae, ae_path, ae_source, "decoder.up.", f"ch_mult has {levels} levels", levels)
@@ -329,21 +368,59 @@ def _dispatch(
     return model
 
 
+def _build_and_read(
+    config: BagelConfig,
+    ema_path: Path,
+    ae_path: Path | None,
+    *,
+    where: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    device_map: Any,
+    folder: Path | None,
+    max_memory: Mapping[Any, Any] | None,
+) -> tuple[Bagel, AutoEncoder | None]:
+    """Build on the meta device, check every name/shape, read each file once and assign in place."""
+    try:
+        with torch.device("meta"):
+            model = Bagel(config)
+            vae = AutoEncoder(config.ae) if ae_path is not None else None
+    except (RuntimeError, ValueError, OverflowError) as exc:  # e.g. a width whose storage size overflows
+        raise CheckpointError(
+            f"cannot build the model described by the config files of {where}: {type(exc).__name__}: {exc}; "
+            f"check the config JSON (re-download or re-convert the checkpoint)"
+        ) from None
+    load_device = torch.device("cpu") if device_map is not None else device
+    _assign(model, _read_safetensors(ema_path, _expected_shapes(model), device=load_device, dtype=dtype))
+    if vae is not None:
+        _assign(vae, _read_safetensors(ae_path, _expected_shapes(vae), device=device, dtype=torch.float32))
+        vae.eval()
+    model.reset_buffers(load_device)
+    model.eval()
+    if device_map is not None:
+        model = _dispatch(model, device_map, dtype, folder, max_memory)
+    return model, vae
+
+
 def load_bagel(
-    checkpoint_dir: str | Path,
+    checkpoint: str | Path,
     *,
     dtype: torch.dtype | str = torch.bfloat16,
     device: torch.device | str = "cpu",
     device_map: Any = None,
     offload_folder: str | Path | None = None,
     max_memory: Mapping[Any, Any] | None = None,
+    tokenizer_dir: str | Path | None = None,
+    vae: str | Path | None = None,
 ) -> LoadedBagel:
-    """Load model, VAE, tokenizer and config from a BAGEL checkpoint folder.
+    """Load model, VAE, tokenizer and config from a BAGEL checkpoint folder or single ``.safetensors`` file.
 
     Args:
-        checkpoint_dir: folder with ``llm_config.json``, ``vit_config.json``, ``ema.safetensors``,
-            ``ae.safetensors``, ``vocab.json``, ``merges.txt``, ``tokenizer_config.json``
-            (``ae_config.json`` optional).
+        checkpoint: either the official folder (``llm_config.json``, ``vit_config.json``,
+            ``ema.safetensors``, ``ae.safetensors``, ``vocab.json``, ``merges.txt``,
+            ``tokenizer_config.json``; ``ae_config.json`` optional), or one converted ``.safetensors``
+            file (ComfyUI-BAGEL's single-file form, :mod:`.single_file`: the ``ema`` tensors with configs in
+            its metadata or a sidecar; no VAE and no tokenizer inside).
         dtype: dtype of the BAGEL weights (bf16, fp16 or fp32); the VAE is always fp32.
         device: device of the model and the VAE (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...); checked to
             exist before anything is read.
@@ -352,14 +429,26 @@ def load_bagel(
             goes to ``device``. Outputs are identical to an unsplit model (same seed).
         offload_folder: folder for the weights a device map puts on ``"disk"`` (required then).
         max_memory: with ``device_map="auto"``: accelerate's ``{device: bytes or "10GiB"}`` budget.
+        tokenizer_dir: single file only (required there): folder with ``vocab.json``, ``merges.txt``
+            and ``tokenizer_config.json`` (e.g. ComfyUI's ``comfy/text_encoders/qwen25_tokenizer``);
+            BAGEL's special tokens must sit at the ids the checkpoint expects (checked).
+        vae: single file only: a FLUX ``ae.safetensors`` to load as the VAE, or ``None`` (the result's
+            ``vae`` is then ``None`` and the pipeline needs an external VAE to encode/decode).
+
+    Only headers are read before the configs are validated against them; each weight file's data is
+    read once.
 
     Raises:
         CheckpointError: missing/corrupt/mismatching files, pickle files instead of safetensors, a config
-            that does not describe the weight files (checked on the headers before anything is built).
+            that does not describe the weight files (checked on the headers before anything is built);
+            for a single file also refused metadata (format version, variant, quantization, dtype), a
+            sidecar of another file, no metadata and not BAGEL-7B-MoT's layout, a tokenizer whose
+            special-token ids differ from the checkpoint's.
         NumericalError: a weight holds NaN/inf in the file, or overflows ``dtype`` (e.g. fp16).
-        ValueError: unsupported ``dtype``, unavailable ``device``, bad ``device_map`` arguments.
+        ValueError: unsupported ``dtype``, unavailable ``device``, bad ``device_map`` arguments; a single
+            file without ``tokenizer_dir``, or ``tokenizer_dir``/``vae`` given with a folder.
     """
-    root = Path(checkpoint_dir)
+    root = Path(checkpoint)
     dtype = _parse_dtype(dtype)
     device = _parse_device(device)
     if max_memory is not None and device_map != "auto":
@@ -367,6 +456,20 @@ def load_bagel(
     if max_memory is not None and not isinstance(max_memory, Mapping):
         raise ValueError(f"`max_memory` must be a mapping device -> size such as {{'cpu': '8GiB'}}, got {max_memory!r}")
     folder = Path(offload_folder) if offload_folder is not None else None
+    common = dict(dtype=dtype, device=device, device_map=device_map, folder=folder, max_memory=max_memory)
+    if root.is_file():
+        return _load_single_file(root, tokenizer_dir=tokenizer_dir, vae=vae, **common)
+    if not root.exists():
+        raise CheckpointError(
+            f"checkpoint {root} does not exist; pass a BAGEL checkpoint folder (llm_config.json, vit_config.json, "
+            f"ema.safetensors, ae.safetensors, tokenizer files) or a single converted .safetensors file"
+        )
+    if tokenizer_dir is not None or vae is not None:
+        given = " and ".join(n for n, v in (("`tokenizer_dir`", tokenizer_dir), ("`vae`", vae)) if v is not None)
+        raise ValueError(
+            f"{given}: only for a single-file checkpoint; the folder {root} brings its own tokenizer and "
+            f"ae.safetensors (pass an external VAE to BagelPipeline(..., vae=...) instead)"
+        )
     config = load_bagel_config(root)
     tokenizer = BagelTokenizer.from_dir(root)
     if tokenizer.vocab_size > config.llm.vocab_size:
@@ -376,33 +479,61 @@ def load_bagel(
         )
     # headers only: the config must describe these files before anything is built from it
     check_config_against_headers(config, root, read_header(root / EMA_FILE), read_header(root / AE_FILE))
-
-    try:
-        with torch.device("meta"):
-            model = Bagel(config)
-            vae = AutoEncoder(config.ae)
-    except (RuntimeError, ValueError, OverflowError) as exc:  # e.g. a width whose storage size overflows
-        raise CheckpointError(
-            f"cannot build the model described by the config files in {root}: {type(exc).__name__}: {exc}; "
-            f"check the config JSON files (re-download them)"
-        ) from None
-    load_device = torch.device("cpu") if device_map is not None else device
-    _assign(model, _read_safetensors(root / EMA_FILE, _expected_shapes(model), device=load_device, dtype=dtype))
-    _assign(vae, _read_safetensors(root / AE_FILE, _expected_shapes(vae), device=device, dtype=torch.float32))
-    model.reset_buffers(load_device)
-    model.eval()
-    vae.eval()
-    if device_map is not None:
-        model = _dispatch(model, device_map, dtype, folder, max_memory)
+    model, ae = _build_and_read(config, root / EMA_FILE, root / AE_FILE, where=str(root), **common)
     logger.info("loaded BAGEL from %s (%s on %s)", root, dtype, device)
+    try:
+        model_id = model_id_of(root)
+    except (ValueError, TypeError):
+        model_id = ""
     return LoadedBagel(
-        model=model,
-        vae=vae,
-        tokenizer=tokenizer,
-        config=config,
-        checkpoint_dir=root,
-        dtype=dtype,
-        device=device,
+        model=model, vae=ae, tokenizer=tokenizer, config=config, checkpoint_dir=root, dtype=dtype, device=device,
+        form="folder", model_id=model_id, tokenizer_dir=root,
+    )
+
+
+def _load_single_file(
+    path: Path, *, tokenizer_dir: str | Path | None, vae: str | Path | None, **common: Any
+) -> LoadedBagel:
+    """:func:`load_bagel` of a single ``.safetensors`` file (see :mod:`.single_file`)."""
+    from .single_file import check_single_file_name, check_tokenizer, inspect_single_file
+
+    check_single_file_name(path)
+    if tokenizer_dir is None:
+        raise ValueError(
+            f"`tokenizer_dir` is required for the single-file checkpoint {path} (it holds no tokenizer): pass the "
+            f"folder with vocab.json, merges.txt and tokenizer_config.json, e.g. ComfyUI's "
+            f"comfy/text_encoders/qwen25_tokenizer for BAGEL-7B-MoT"
+        )
+    if vae is not None and not isinstance(vae, (str, Path)):
+        raise ValueError(
+            f"`vae` must be the path of a FLUX ae.safetensors or None, got {type(vae).__name__}; pass a VAE adapter "
+            f"object to BagelPipeline(..., vae=...) instead"
+        )
+    info = inspect_single_file(path)  # header (and sidecar) only; configs checked against it
+    tok_dir = Path(tokenizer_dir)
+    if not tok_dir.is_dir():
+        raise CheckpointError(
+            f"`tokenizer_dir` {tok_dir} is not a folder; pass the folder holding vocab.json, merges.txt and "
+            f"tokenizer_config.json"
+        )
+    tokenizer = BagelTokenizer.from_dir(tok_dir)
+    check_tokenizer(tokenizer, info, tok_dir)
+    config = info.config
+    ae_path = None
+    if vae is not None:
+        ae_path = Path(vae)
+        has_ae = AE_CONFIG_FILE in (info.metadata.get("model_configs") or {})
+        check_config_against_headers(
+            config, path.parent, info.shapes, read_header(ae_path), ema_path=path, ae_path=ae_path,
+            ae_source=f"{path.name}[{info.source}]:{AE_CONFIG_FILE}" if has_ae else "the built-in FLUX VAE config",
+        )
+    model, ae = _build_and_read(config, path, ae_path, where=str(path), **common)
+    logger.info("loaded BAGEL %s from the single file %s (%s on %s, VAE: %s)", info.variant, path, common["dtype"],
+                common["device"], ae_path or "none")
+    return LoadedBagel(
+        model=model, vae=ae, tokenizer=tokenizer, config=config, checkpoint_dir=path, dtype=common["dtype"],
+        device=common["device"], form="single_file", model_id=info.model_id, variant=info.variant,
+        metadata=info.metadata, tokenizer_dir=tok_dir,
     )
 
 

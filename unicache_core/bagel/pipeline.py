@@ -13,6 +13,14 @@ Seeds below ``2**32`` seed it with ``manual_seed`` exactly as officially; every 
 ``2**64 - 1``) gets its own stream too, although ``manual_seed`` keeps only 32 bits (mapping:
 :mod:`.seeding`).
 
+VAE: the checkpoint's own (``loaded.vae``) or an external one (:class:`~.latents.VAEAdapter`, e.g. the
+node pack's wrapper of ComfyUI's VAE) given to the pipeline or to one call; a single-file checkpoint
+loaded without a VAE needs one for every encode/decode. An edit can also start from a given source
+latent (``source_latent``, BAGEL's convention, e.g. ``from_comfy_latent`` of ComfyUI's ``VAEEncode``)
+and skip the encode; a generation can skip the decode (``decode=False``) and return only latents.
+When the built-in VAE does not encode (external VAE or given latent), the seeded generator still
+draws the encode noise it would have used, so a seed gives the same initial noise in every case.
+
 Non-finite values (NaN/inf) never become an image or a text: the logits of every decoding step, each
 branch velocity and the guided velocity of every denoising step, injected noise, the encoded and final
 latents and the decoded pixels are checked, and a :class:`~unicache_core.errors.NumericalError` names
@@ -40,10 +48,12 @@ from ..model_id import model_id_of
 from ..segments import TokenType
 from . import contexts as C
 from .contexts import Context
+from .latents import latent_factors
 from .loader import LoadedBagel
+from .modeling import AutoEncoder
 from .numerics import check_finite, check_logits, check_noise, check_velocities, model_advice
 from .settings import EDIT_DEFAULTS as _E, T2I_DEFAULTS as _T, UNDERSTANDING_DEFAULTS as _U
-from .sampling import RENORM_TYPES, cfg_active, combine_cfg, next_token, timestep_schedule, unpack_latent
+from .sampling import RENORM_TYPES, cfg_active, combine_cfg, next_token, pack_latent, timestep_schedule, unpack_latent
 from .seeding import seeded_generator
 from .transforms import ImageTransforms, check_image, image_from_tensor
 
@@ -60,18 +70,22 @@ class GenerationResult:
     """Output of :meth:`BagelPipeline.text_to_image` / :meth:`BagelPipeline.edit`.
 
     Attributes:
-        image: RGB PIL image, ``width x height``.
-        latents: ``[1, 16, H/8, W/8]`` fp32 final latent (what the VAE decoded).
+        image: RGB PIL image, ``width x height`` (``None`` when called with ``decode=False``).
+        latents: ``[1, 16, H/8, W/8]`` fp32 final latent in BAGEL's convention (what the VAE decoded;
+            ComfyUI's ``LATENT["samples"]`` is :func:`~.latents.to_comfy_latent` of it).
         num_steps: denoising steps run (``num_timesteps - 1``).
         seed: seed of the noise generator.
         info: timings (``prefill_s``, ``think_s``, ``denoise_s``, ``decode_s``), context sizes
-            (``context_tokens``) and denoising forwards per branch (``forwards``).
+            (``context_tokens``), denoising forwards per branch (``forwards``), which VAE decoded (``vae``:
+            ``"checkpoint"``, ``"external"`` or ``None``), how an edit's source latent was made
+            (``source_latent``: ``"checkpoint_vae"``, ``"external_vae"``, ``"given"``) and the latent
+            constants (``latent_format``: ``{"convention": "bagel", "scale_factor", "shift_factor"}``).
         think_text: the plan decoded in think mode, else ``None``.
         step0_velocity: with ``return_step0_velocity=True``: ``{"gen", "cfg_text", "cfg_img"
             (branches computed), "guided"}`` ``[h*w, 64]`` velocities of step 0.
     """
 
-    image: Image.Image
+    image: Image.Image | None
     latents: Tensor
     num_steps: int
     seed: int
@@ -101,6 +115,8 @@ class GenerationContexts:
     height: int
     width: int
     session: CacheSession | None = None
+    #: how the source latent of an edit was made (``"checkpoint_vae"``, ``"external_vae"``, ``"given"``).
+    source_latent: str | None = None
 
     def branches(self) -> dict[str, Context]:
         return {"gen": self.gen, "cfg_text": self.cfg_text, "cfg_img": self.cfg_img}
@@ -161,6 +177,30 @@ def _check_prompt(prompt: object) -> str:
             f"surrogate (an undecodable byte, e.g. from non-UTF-8 input); pass UTF-8 text"
         ) from None
     return prompt
+
+
+def _check_vae(vae):
+    """``vae`` unchanged when it is None or has callable ``encode`` and ``decode``; else a ValueError."""
+    if vae is None or (callable(getattr(vae, "encode", None)) and callable(getattr(vae, "decode", None))):
+        return vae
+    raise ValueError(
+        f"`vae` must be an object with encode(image [1,3,H,W] in [-1,1]) -> latent [1,16,H/8,W/8] and decode(latent) "
+        f"-> image (unicache_core.bagel.latents.VAEAdapter), got {type(vae).__name__}"
+    )
+
+
+def _check_latent_tensor(name: str, z: object, shape: tuple[int, ...], width: int, height: int) -> Tensor:
+    """A caller's or external VAE's source latent: a float tensor of ``shape`` (finiteness checked after)."""
+    if not isinstance(z, Tensor) or not z.is_floating_point():
+        raise ValueError(f"`{name}` must be a floating-point torch.Tensor of shape {shape}, got "
+                         f"{type(z).__name__ if not isinstance(z, Tensor) else z.dtype}")
+    if tuple(z.shape) != shape:
+        raise ValueError(
+            f"`{name}` has shape {tuple(z.shape)}, but the source image is resized to {width}x{height} (BAGEL's VAE "
+            f"transform), whose latent is {shape}; encode the image at {width}x{height} (e.g. resize it before "
+            f"VAEEncode) or leave it None to encode here"
+        )
+    return z.detach().to("cpu", torch.float32)
 
 
 #: Largest seed (torch generators take unsigned 64-bit seeds; :func:`.seeding.seeded_generator` maps each one).
@@ -295,15 +335,38 @@ class BagelPipeline:
         loaded: the model, VAE, tokenizer and config (:func:`~unicache_core.bagel.loader.load_bagel`).
         cache_factory: starts the cache session of each request
             (:func:`unicache_core.methods.make_cache_factory`), or a plain ``fn(CacheRequest) -> KVCache``.
+        vae: an external VAE (:class:`~.latents.VAEAdapter`: ``encode``/``decode`` in BAGEL's latent
+            convention) used instead of ``loaded.vae``; a call's own ``vae=`` overrides it.
     """
 
-    def __init__(self, loaded: LoadedBagel, cache_factory: CacheFactory = full_cache_factory):
+    def __init__(self, loaded: LoadedBagel, cache_factory: CacheFactory = full_cache_factory, *, vae=None):
         self.loaded = loaded
         self.cache_factory = as_cache_factory(cache_factory)
-        try:
-            self.model_id = model_id_of(loaded.checkpoint_dir)
-        except (ValueError, TypeError):
-            self.model_id = ""
+        self.vae = _check_vae(vae)
+        self.model_id = getattr(loaded, "model_id", "") or ""
+        if not self.model_id:
+            try:
+                self.model_id = model_id_of(loaded.checkpoint_dir)
+            except (ValueError, TypeError, OSError):
+                self.model_id = ""
+
+    def resolve_vae(self, vae=None, purpose: str | None = None):
+        """The VAE a call uses: its own ``vae``, else the pipeline's, else the checkpoint's.
+
+        With ``purpose`` (e.g. ``"decode the latents"``) a missing VAE raises a ``ValueError`` that says
+        how to give one; without it, ``None`` is returned.
+        """
+        chosen = next((v for v in (_check_vae(vae), self.vae, getattr(self.loaded, "vae", None)) if v is not None), None)
+        if chosen is None and purpose is not None:
+            where = getattr(self.loaded, "checkpoint_dir", "the checkpoint")
+            raise ValueError(
+                f"no VAE to {purpose}: {where} was loaded without one (a single-file checkpoint holds none) and "
+                f"no external VAE was given. Pass one (an object with encode/decode, see "
+                f"unicache_core.bagel.latents.VAEAdapter) as BagelPipeline(loaded, vae=...) or as vae=... to this "
+                f"call, or load the FLUX ae.safetensors with load_bagel(..., vae='ae.safetensors')"
+                + ("; or pass decode=False to get only the latents" if purpose.startswith("decode") else "")
+            )
+        return chosen
 
     def start_session(self, task: Task, num_steps: int | None = None) -> CacheSession:
         """The cache session of one request (every context of the request gets its cache from it)."""
@@ -417,11 +480,15 @@ class BagelPipeline:
         generator: torch.Generator | None = None,
         vae_noise: Tensor | None = None,
         session: CacheSession | None = None,
+        source_latent: Tensor | None = None,
+        vae=None,
     ) -> GenerationContexts:
         """Build ``gen``, ``cfg_text`` and ``cfg_img`` as ``interleave_inference`` does (image, then text).
 
         For an edit the output size is the VAE-resized source size; ``vae_noise`` ``[1, 16, H/8, W/8]``
-        (else drawn from ``generator``) is the VAE sampling noise.
+        (else drawn from ``generator``) is the VAE sampling noise of the built-in VAE. ``source_latent``
+        ``[1, 16, H/8, W/8]`` (BAGEL's convention, of the VAE-resized source) replaces the encode;
+        ``vae`` is an external VAE for the encode (see :meth:`resolve_vae`).
         """
         if image is None and (width is None or height is None):
             raise ValueError("`width` and `height` are required without a source image")
@@ -438,13 +505,8 @@ class BagelPipeline:
             vae_input = transforms.vae(resized)
             lp = self.loaded.config.latent_downsample
             h, w = vae_input.shape[1] // lp, vae_input.shape[2] // lp
-            if vae_noise is not None:
-                ds = self.loaded.config.ae.downsample
-                expected = (1, self.loaded.config.ae.z_channels, vae_input.shape[1] // ds, vae_input.shape[2] // ds)
-                check_noise("vae_noise", vae_noise, expected)
-            latent = C.encode_vae_latent(self.loaded, vae_input, noise=vae_noise, generator=generator)
-            check_finite(latent, "the VAE encoding of the source image",
-                         "check ae.safetensors (re-download it); the VAE always runs in fp32")
+            latent, how = self._source_latent(vae_input, vae=vae, source_latent=source_latent, vae_noise=vae_noise,
+                                              generator=generator)
             C.append_vae(self.loaded, gen, latent, h, w)
             C.append_vit(self.loaded, gen, transforms.vit(resized))
         # the official deepcopy(gen) point: after the image, before the text; the session builds it from gen
@@ -452,7 +514,40 @@ class BagelPipeline:
         C.append_text(self.loaded, gen, prompt)
         C.append_text(self.loaded, cfg_img, prompt)
         return GenerationContexts(gen=gen, cfg_text=cfg_text, cfg_img=cfg_img, height=height, width=width,
-                                  session=session)
+                                  session=session, source_latent=how if image is not None else None)
+
+    def _source_latent(self, vae_input: Tensor, *, vae, source_latent: Tensor | None, vae_noise: Tensor | None,
+                       generator: torch.Generator | None) -> tuple[Tensor, str]:
+        """Packed ``[(H/16)*(W/16), 64]`` clean latent of an edit's source and how it was made."""
+        cfg = self.loaded.config
+        ds = cfg.ae.downsample
+        height, width = vae_input.shape[1], vae_input.shape[2]
+        shape = (1, cfg.ae.z_channels, height // ds, width // ds)
+        chosen = None if source_latent is not None else self.resolve_vae(vae, "encode the source image")
+        if isinstance(chosen, AutoEncoder):
+            if vae_noise is not None:
+                check_noise("vae_noise", vae_noise, shape)
+            latent = C.encode_vae_latent(self.loaded, vae_input, noise=vae_noise, generator=generator, vae=chosen)
+            how = "checkpoint_vae" if chosen is self.loaded.vae else "external_vae"
+            check_finite(latent, "the VAE encoding of the source image",
+                         "check ae.safetensors (re-download it); the VAE always runs in fp32")
+            return latent, how
+        if vae_noise is not None:
+            raise ValueError("`vae_noise` is the sampling noise of the built-in VAE encode; it is not used with "
+                             "`source_latent` or an external VAE: leave it None")
+        if generator is not None:  # the draw the built-in encode makes, so the seed gives the same later noise
+            torch.randn(shape, generator=generator, dtype=torch.float32)
+        if source_latent is not None:
+            z, how = _check_latent_tensor("source_latent", source_latent, shape, width, height), "given"
+            advice = "pass a finite latent (e.g. from_comfy_latent of VAEEncode's samples)"
+        else:
+            with torch.inference_mode():
+                z = chosen.encode(vae_input.unsqueeze(0).float().cpu())
+            z, how = _check_latent_tensor("the external VAE's encode", z, shape, width, height), "external_vae"
+            advice = "check the external VAE (its encode must return a finite [1, 16, H/8, W/8] latent)"
+        check_finite(z, "the source latent" if how == "given" else "the external VAE encoding of the source image",
+                     advice)
+        return pack_latent(z[0].float(), cfg.latent_patch_size), how
 
     @torch.inference_mode()
     def branch_velocities(
@@ -563,17 +658,33 @@ class BagelPipeline:
         return x, forwards, step0
 
     @torch.inference_mode()
-    def decode_latents(self, x: Tensor, height: int, width: int) -> tuple[Tensor, Image.Image]:
-        """Packed ``[h*w, 64]`` → ``([1, 16, 2h, 2w] latent, PIL image)`` via the fp32 VAE decoder."""
+    def decode_latents(self, x: Tensor, height: int, width: int, *, vae=None,
+                       decode: bool = True) -> tuple[Tensor, Image.Image | None]:
+        """Packed ``[h*w, 64]`` → ``([1, 16, 2h, 2w] latent, PIL image)`` via the VAE (:meth:`resolve_vae`).
+
+        The checkpoint's VAE runs in fp32; an external one gets the latent as CPU fp32. ``decode=False``
+        returns ``(latent, None)`` without any VAE.
+        """
         cfg = self.loaded.config
         h, w = height // cfg.latent_downsample, width // cfg.latent_downsample
         latent = unpack_latent(x.float(), h, w, cfg.latent_channel, cfg.latent_patch_size)
         check_finite(latent, "the final latent", model_advice(self.loaded.dtype))
-        vae = self.loaded.vae
-        vae_device = next(vae.parameters()).device
-        pixels = vae.decode(latent.to(vae_device))
-        check_finite(pixels, "the decoded image (VAE output, before the uint8 conversion)",
-                     "check ae.safetensors (re-download it); the VAE always runs in fp32")
+        if not decode:
+            return latent, None
+        chosen = self.resolve_vae(vae, "decode the latents")
+        if isinstance(chosen, AutoEncoder):
+            vae_device = next(chosen.parameters()).device
+            pixels = chosen.decode(latent.to(vae_device))
+            advice = "check ae.safetensors (re-download it); the VAE always runs in fp32"
+        else:
+            pixels = chosen.decode(latent.detach().cpu().clone())
+            if not isinstance(pixels, Tensor) or not pixels.is_floating_point() or tuple(pixels.shape) != (
+                    1, 3, height, width):
+                got = tuple(pixels.shape) if isinstance(pixels, Tensor) else type(pixels).__name__
+                raise ValueError(f"the external VAE's decode must return a float tensor of shape "
+                                 f"{(1, 3, height, width)} in [-1, 1], got {got}")
+            advice = "check the external VAE (its decode returned non-finite pixels)"
+        check_finite(pixels, "the decoded image (VAE output, before the uint8 conversion)", advice)
         return latent, image_from_tensor(pixels)
 
     # ---------------------------------------------------------------- public procedures
@@ -641,6 +752,8 @@ class BagelPipeline:
         progress: ProgressFn | None = None,
         cancel: CancelFn | None = None,
         return_step0_velocity: bool = False,
+        vae=None,
+        decode: bool = True,
     ) -> GenerationResult:
         """Text-to-image (docs/bagel.md §5.3); defaults are ``app.py``'s (cfg_img_scale 1.5 is the interleave default).
 
@@ -659,6 +772,9 @@ class BagelPipeline:
             progress: ``progress(done, total)`` per plan token and per denoising step.
             cancel: polled between steps; returning True raises :class:`~unicache_core.errors.CancelledError`.
             return_step0_velocity: keep the step-0 branch and guided velocities in the result.
+            vae: an external VAE for this call (:class:`~.latents.VAEAdapter`), else the pipeline's, else
+                the checkpoint's.
+            decode: ``False`` skips the VAE decode (``result.image`` is None; ``result.latents`` is set).
         """
         _check_prompt(prompt)
         check_output_size(self.loaded.config, width, height)
@@ -670,7 +786,7 @@ class BagelPipeline:
         return self._generate(
             "t2i", prompt, None, settings, seed=seed, think=plan, width=width, height=height,
             initial_noise=initial_noise, progress=progress, cancel=cancel,
-            return_step0_velocity=return_step0_velocity,
+            return_step0_velocity=return_step0_velocity, vae=vae, decode=decode,
         )
 
     def edit(
@@ -695,6 +811,9 @@ class BagelPipeline:
         progress: ProgressFn | None = None,
         cancel: CancelFn | None = None,
         return_step0_velocity: bool = False,
+        source_latent: Tensor | None = None,
+        vae=None,
+        decode: bool = True,
     ) -> GenerationResult:
         """Edit ``image`` following ``prompt`` (docs/bagel.md §5.4); output size = the VAE-resized source size.
 
@@ -703,6 +822,11 @@ class BagelPipeline:
         Arguments as in :meth:`text_to_image` (edit defaults: image scale 2.0, interval (0, 1],
         ``text_channel`` renorm), plus ``vae_noise`` (``[1, 16, H/8, W/8]`` noise of the stochastic VAE
         encode, drawn first from the seeded generator when not given).
+
+        ``source_latent``: the source's ``[1, 16, H/8, W/8]`` latent in BAGEL's convention (e.g.
+        :func:`~.latents.from_comfy_latent` of ComfyUI's ``VAEEncode``, a posterior mean where the official
+        encode samples); the encode is skipped. ``H, W`` are the VAE-resized source size (the output
+        size, multiples of 16); ``image`` still feeds the ViT. ``vae``/``decode`` as in :meth:`text_to_image`.
         """
         _check_prompt(prompt)
         check_image(image, "image")
@@ -714,7 +838,7 @@ class BagelPipeline:
         return self._generate(
             "edit", prompt, image, settings, seed=seed, think=plan, vae_noise=vae_noise,
             initial_noise=initial_noise, progress=progress, cancel=cancel,
-            return_step0_velocity=return_step0_velocity,
+            return_step0_velocity=return_step0_velocity, source_latent=source_latent, vae=vae, decode=decode,
         )
 
     def _generate(
@@ -733,9 +857,20 @@ class BagelPipeline:
         progress: ProgressFn | None = None,
         cancel: CancelFn | None = None,
         return_step0_velocity: bool = False,
+        source_latent: Tensor | None = None,
+        vae=None,
+        decode: bool = True,
     ) -> GenerationResult:
         """Shared body of :meth:`text_to_image` (``image`` None, explicit size) and :meth:`edit`."""
         seed = _check_seed(seed)
+        _check_bool("decode", decode)
+        if source_latent is not None and image is None:
+            raise ValueError("`source_latent` is the latent of an edit's source image; text-to-image takes none")
+        # a missing VAE is refused before any forward
+        if image is not None and source_latent is None:
+            self.resolve_vae(vae, "encode the source image")
+        if decode:
+            self.resolve_vae(vae, "decode the latents")
         # gen context: [system] [VAE image, ViT image] prompt [plan], then the latent block (1 position)
         used = generation_positions(self.loaded.tokenizer, prompt, has_image=image is not None,
                                     think=think is not None)
@@ -749,7 +884,7 @@ class BagelPipeline:
             t0 = time.perf_counter()
             contexts = self.build_generation_contexts(
                 task, prompt, image=image, width=width, height=height, think=think is not None,
-                generator=generator, vae_noise=vae_noise, session=session,
+                generator=generator, vae_noise=vae_noise, session=session, source_latent=source_latent, vae=vae,
             )
             t1 = time.perf_counter()
             think_text = None
@@ -775,13 +910,18 @@ class BagelPipeline:
                 contexts, x, settings, progress=progress, cancel=cancel, return_step0_velocity=return_step0_velocity
             )
             t3 = time.perf_counter()
-            latent, picture = self.decode_latents(x, contexts.height, contexts.width)
+            latent, picture = self.decode_latents(x, contexts.height, contexts.width, vae=vae, decode=decode)
             t4 = time.perf_counter()
+        scale, shift = latent_factors(self.loaded.config)
+        used_vae = self.resolve_vae(vae) if decode else None
         info = {
             "prefill_s": t1 - t0, "think_s": t2 - t1, "denoise_s": t3 - t2, "decode_s": t4 - t3,
             "context_tokens": {name: ctx.num_tokens for name, ctx in contexts.branches().items()},
             "cache_bytes": {name: ctx.cache.nbytes() for name, ctx in contexts.branches().items()},
             "forwards": forwards,
+            "vae": None if used_vae is None else ("checkpoint" if used_vae is self.loaded.vae else "external"),
+            "source_latent": contexts.source_latent,
+            "latent_format": {"convention": "bagel", "scale_factor": scale, "shift_factor": shift},
         }
         logger.info("%s %dx%d: %d steps in %.2fs", task, contexts.width, contexts.height, settings.num_timesteps - 1,
                     t3 - t2)

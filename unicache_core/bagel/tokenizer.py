@@ -168,6 +168,7 @@ class BagelTokenizer:
     """Qwen2 BPE tokenizer with BAGEL's special-token ids.
 
     Attributes:
+        added_special_tokens: the tokens of BAGEL's four that the files lacked (added at fresh ids).
         bos_token_id: id of ``<|im_start|>``.
         eos_token_id: id of ``<|im_end|>``.
         start_of_image: id of ``<|vision_start|>``.
@@ -190,8 +191,10 @@ class BagelTokenizer:
             vocab.setdefault(spec.content, spec.id)
         next_id = max(vocab.values(), default=-1) + 1
         # BAGEL's add_special_tokens: add each required token only when it is missing.
+        added_here = []
         for name in BAGEL_SPECIAL_TOKENS:
             if name not in vocab:
+                added_here.append(name)
                 logger.info("adding missing special token %s with id %d", name, next_id)
                 specs.append(AddedTokenSpec(id=next_id, content=name, special=False))
                 vocab[name] = next_id
@@ -242,6 +245,8 @@ class BagelTokenizer:
         self.start_of_image = vocab[VISION_START]
         self.end_of_image = vocab[VISION_END]
         self.vocab_size = max(vocab.values()) + 1
+        #: BAGEL special tokens the files lacked and that were added at new ids (empty for Qwen2.5's files).
+        self.added_special_tokens: tuple[str, ...] = tuple(added_here)
 
     @classmethod
     def from_dir(cls, checkpoint_dir: str | Path) -> "BagelTokenizer":
