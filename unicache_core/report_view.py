@@ -47,6 +47,8 @@ def chart_data(report: dict) -> dict:
             s["rho"].append(branch.get("rho"))
             s["bytes"].append(branch.get("managed_bytes", 0))
             s["full_bytes"].append(branch.get("full_managed_bytes", 0))
+    # a branch without compressible KV (e.g. T2I's cfg_text: only protected tokens) has no budget to draw
+    series = {k: v for k, v in series.items() if any(v["full_bytes"]) or any(r is not None for r in v["rho"])}
     types = {}
     for name, branch in (last.get("branches") or {}).items():
         types[name] = {t: int(v.get("bytes", 0)) for t, v in (branch.get("types") or {}).items()}

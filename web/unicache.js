@@ -131,6 +131,21 @@ function ensureCanvas(node) {
   node.setSize([Math.max(node.size[0], size[0], 360), Math.max(node.size[1], size[1])]);
 }
 
+// The answer of UniCacheUnderstand, shown read-only on the node.
+function showText(node, text) {
+  if (!node.unicacheText) {
+    const area = document.createElement("textarea");
+    area.className = "unicache-answer";
+    area.readOnly = true;
+    area.style.cssText = "width:100%;min-height:60px;font-size:12px;background:#222;color:#ddd;border:none;resize:none";
+    node.unicacheText = area;
+    if (typeof node.addDOMWidget === "function") {
+      node.addDOMWidget("unicache_answer", "unicache_answer", area, { serialize: false, getMinHeight: () => 70 });
+    }
+  }
+  node.unicacheText.value = text;
+}
+
 app.registerExtension({
   name: "unicache.bagel.kvchart",
   async beforeRegisterNodeDef(nodeType, nodeData) {
@@ -138,6 +153,7 @@ app.registerExtension({
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (output) {
       onExecuted?.apply(this, arguments);
+      if (nodeData.name === "UniCacheUnderstand" && output?.text?.length) showText(this, output.text.join("\n"));
       const data = output?.unicache_kv?.[0];
       if (!data) return;
       this.unicacheKV = data;
