@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors import safe_open
 
 from ..errors import CheckpointError, UniCacheError
 from ..model_id import SIDECAR_SUFFIX, model_id_from_variant
@@ -137,26 +136,69 @@ def _listing(names: list[str]) -> str:
     return f"{shown}{more}"
 
 
+#: Bytes per element of the safetensors dtypes a header may name.
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+#: Largest header accepted (the safetensors library's own limit).
+MAX_HEADER_BYTES = 100_000_000
+
+
 def read_single_file_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str], dict[str, str]]:
-    """``(shapes, dtypes, __metadata__)`` of a safetensors file from its header only."""
+    """``(shapes, dtypes, __metadata__)`` of a safetensors file, parsed from its header bytes only.
+
+    The file is not mapped (a 29 GB checkpoint is only opened for its first bytes); the header is
+    validated as the safetensors library does (dtypes, shapes, contiguous in-bounds data offsets).
+    """
     from .loader import _check_weights_file
 
     _check_weights_file(path)
+
+    def bad(detail: str) -> CheckpointError:
+        return CheckpointError(f"cannot read {path}: {detail}. The file is corrupt or truncated (or not a safetensors "
+                               f"file); re-download or re-convert it")
+
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise bad(f"only {len(head)} bytes")
+        n = int.from_bytes(head, "little")
+        if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
+            raise bad(f"header length {n} does not fit a file of {size} bytes")
+        raw = fh.read(n)
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            shapes, dtypes = {}, {}
-            for name in fh.keys():
-                view = fh.get_slice(name)
-                shapes[name] = tuple(view.get_shape())
-                dtypes[name] = str(view.get_dtype())
-            return shapes, dtypes, dict(fh.metadata() or {})
-    except (MemoryError, torch.OutOfMemoryError):
-        raise
-    except Exception as exc:  # safetensors raises several types for corrupt/truncated files
-        raise CheckpointError(
-            f"cannot read {path}: {type(exc).__name__}: {exc}. The file is corrupt or truncated (or not a "
-            f"safetensors file); re-download or re-convert it"
-        ) from None
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise bad(f"the header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise bad("__metadata__ must map strings to strings")
+    shapes, dtypes, spans = {}, {}, []
+    for name, entry in header.items():
+        ok = isinstance(entry, dict) and entry.get("dtype") in _DTYPE_BYTES and isinstance(entry.get("shape"), list)
+        ok = ok and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry["shape"])
+        offsets = entry.get("data_offsets") if ok else None
+        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(
+            isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        if not ok:
+            raise bad(f"tensor {name!r} has a malformed header entry")
+        count = 1
+        for d in entry["shape"]:
+            count *= d
+        if offsets[1] - offsets[0] != count * _DTYPE_BYTES[entry["dtype"]] or offsets[0] < 0:
+            raise bad(f"tensor {name!r}: data_offsets {offsets} do not hold a {entry['dtype']} {entry['shape']} tensor")
+        shapes[name], dtypes[name] = tuple(entry["shape"]), entry["dtype"]
+        spans.append((offsets[0], offsets[1]))
+    end = 0
+    for lo, hi in sorted(spans):
+        if lo != end:
+            raise bad(f"tensor data is not contiguous at byte {lo} (expected {end})")
+        end = hi
+    if 8 + n + end != size:
+        raise bad(f"the header describes {8 + n + end} bytes but the file has {size}")
+    return shapes, dtypes, meta
 
 
 def _parse_json_text(text: str, where: str) -> Any:
