@@ -255,7 +255,7 @@ def predict_request_bytes(loaded: LoadedBagel, task: str, *, prompt_tokens: int,
     ctx = text + vae_tokens + vit_tokens + queries
     attention = queries * ctx * llm.num_attention_heads * 4  # fp32 scores of one layer
     mlp = queries * (llm.intermediate_size * 3 + llm.hidden_size * 8) * max(elem, 4)
-    vae = pixels * cfg.ae.ch * max(cfg.ae.ch_mult) * 4 * 4 if pixels else 0
+    vae = pixels * cfg.ae.ch * cfg.ae.ch_mult[0] * 4 * 6  # fp32 VAE: ~6 full-resolution feature maps alive
     return int(kv + attention + mlp + vae)
 
 

@@ -12,7 +12,9 @@ import inspect
 import logging
 
 from unicache_core.bagel import RENORM_TYPES, BagelPipeline
-from unicache_core.bagel.pipeline import MAX_CFG_SCALE, MAX_NUM_TIMESTEPS, MAX_SEED, TEMPERATURE_RANGE, TIMESTEP_SHIFT_RANGE
+from unicache_core.bagel.pipeline import (
+    MAX_CFG_SCALE, MAX_NUM_TIMESTEPS, MAX_SEED, TEMPERATURE_RANGE, TIMESTEP_SHIFT_RANGE, check_output_size,
+)
 from unicache_core.bagel.settings import EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
 from unicache_core.errors import CancelledError
 from unicache_core.methods import KVConfig, make_cache_factory
@@ -119,17 +121,17 @@ def _run(fn, *args, **kwargs):
         host.raise_interrupt()
 
 
-def _vae_kwargs(pipe: BagelPipeline, method: str, vae, source_latent=None) -> dict:
-    """Keyword arguments for an external VAE / a given source latent (BAGEL convention); a clear error when the
-    engine lacks them, or when the checkpoint has no VAE of its own and none is connected."""
-    params = inspect.signature(getattr(pipe, method)).parameters
+def _vae_kwargs(loaded, method: str, vae, source_latent=None) -> dict:
+    """Keyword arguments for an external VAE / a given source latent (BAGEL convention); a clear error (before
+    anything loads) when the engine lacks them, or when the checkpoint has no VAE and none is connected."""
+    params = inspect.signature(getattr(BagelPipeline, method)).parameters
     extra = {}
     if vae is not None:
         if "vae" not in params:
             raise ValueError("the `vae` input is not supported by this version of unicache_core; disconnect it "
                              "(the checkpoint's own VAE is used)")
-        extra["vae"] = ComfyVAEAdapter(vae, pipe.loaded)
-    elif getattr(pipe.loaded, "vae", None) is None:
+        extra["vae"] = ComfyVAEAdapter(vae, loaded)
+    elif getattr(loaded, "vae", None) is None:
         raise ValueError("this checkpoint has no VAE of its own (a single-file checkpoint): connect a core VAELoader "
                          "with the FLUX ae.safetensors (models/vae) to the `vae` input")
     if source_latent is not None:
@@ -208,11 +210,12 @@ class UniCacheTextToImage:
         flow = _flow_kwargs(steps, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi, timestep_shift,
                             cfg_renorm_min, cfg_renorm_type, think)
         _check_model(model)
+        check_output_size(model.loaded.config, width, height)  # before anything is loaded onto the device
         memory = predict_request_bytes(model.loaded, "t2i", prompt_tokens=len(model.loaded.tokenizer.encode(prompt)),
                                        width=width, height=height,
                                        new_tokens=T2I_DEFAULTS.think_max_new_tokens if think else 0)
+        extra = _vae_kwargs(model.loaded, "text_to_image", vae)
         pipe = _pipeline(model, kv, memory)
-        extra = _vae_kwargs(pipe, "text_to_image", vae)
         progress = _Progress(1, steps - 1)
         result = _run(pipe.text_to_image, prompt, width=width, height=height, seed=seed, progress=progress,
                       **flow, **extra)
@@ -251,12 +254,12 @@ class UniCacheImageEdit:
         memory = predict_request_bytes(model.loaded, "edit", prompt_tokens=len(model.loaded.tokenizer.encode(prompt)),
                                        source_size=sources[0].size,
                                        new_tokens=EDIT_DEFAULTS.think_max_new_tokens if think else 0)
+        latents = _source_latents(latent, len(sources), model.loaded)
+        extras = [_vae_kwargs(model.loaded, "edit", vae, z) for z in latents]
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(len(sources), steps - 1)
-        latents = _source_latents(latent, len(sources), pipe.loaded)
         results = []
-        for i, (source, source_latent) in enumerate(zip(sources, latents)):
-            extra = _vae_kwargs(pipe, "edit", vae, source_latent)
+        for i, (source, extra) in enumerate(zip(sources, extras)):
             progress.item = i
             results.append(_run(pipe.edit, source, prompt, seed=(seed + i) % (MAX_SEED + 1), progress=progress,
                                 **flow, **extra))

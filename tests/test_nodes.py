@@ -413,8 +413,10 @@ def test_bad_inputs_raise_actionable_errors(host_stubs):
     t2i = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
     with pytest.raises(ValueError, match="cfg_interval_lo"):
         t2i.generate(model, "x", 32, 32, 3, 0, 4.0, 1.5, 0.9, 0.1, 3.0, 0.0, "global", False)
+    loads = len(host_stubs["comfy.model_management"].loads)
     with pytest.raises(ValueError, match="width"):
         t2i.generate(model, "x", 40, 32, 3, 0, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False)
+    assert len(host_stubs["comfy.model_management"].loads) == loads
     with pytest.raises(ValueError, match="UniCache BAGEL Loader"):
         t2i.generate("not a model", "x", 32, 32, 3, 0, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False)
     with pytest.raises(ValueError, match="KV report"):
@@ -544,7 +546,10 @@ def test_single_file_checkpoint(host_stubs, tmp_path):
     assert model.loaded.vae is None and model is not folder_model
     t2i = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
     args = (model, "a red cube", 32, 32, 3, 3, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False)
+    mm = host_stubs["comfy.model_management"]
+    loads = len(mm.loads)
     with pytest.raises(ValueError, match="VAELoader"):
         t2i.generate(*args)
+    assert len(mm.loads) == loads  # refused before the model is placed on the device
     image, latent, _, report = t2i.generate(*args, vae=_FakeComfyVAE(folder_model.loaded.vae))
     assert image.shape == (1, 32, 32, 3) and latent["samples"].shape == (1, 16, 4, 4) and report["steps"]
