@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 
-from unicache_core.bagel import RENORM_TYPES, BagelPipeline
+from unicache_core.bagel import RENORM_TYPES, BagelPipeline, ImageTransforms
 from unicache_core.bagel.pipeline import (
     MAX_CFG_SCALE, MAX_NUM_TIMESTEPS, MAX_SEED, TEMPERATURE_RANGE, TIMESTEP_SHIFT_RANGE, check_output_size,
 )
@@ -142,6 +142,14 @@ def _vae_kwargs(loaded, method: str, vae, source_latent=None) -> dict:
     return extra
 
 
+def _encode_sources(vae, loaded, sources) -> list:
+    """Encode the sources with ComfyUI's VAE *before* BAGEL is placed on the device: ComfyUI may offload other
+    models to load its VAE, which must not happen to BAGEL in the middle of an edit. Same as the engine's own
+    external-VAE encode (the VAE resize rule, then the adapter)."""
+    adapter, transforms = ComfyVAEAdapter(vae, loaded), ImageTransforms.from_config(loaded.config)
+    return [adapter.encode(transforms.vae(transforms.prepare(s, "image")).unsqueeze(0)) for s in sources]
+
+
 def _source_latents(latent, count: int, loaded) -> list:
     """The ``LATENT`` input (core VAEEncode, ComfyUI's FLUX convention) → one BAGEL latent per source image."""
     if latent is None:
@@ -254,7 +262,12 @@ class UniCacheImageEdit:
         memory = predict_request_bytes(model.loaded, "edit", prompt_tokens=len(model.loaded.tokenizer.encode(prompt)),
                                        source_size=sources[0].size,
                                        new_tokens=EDIT_DEFAULTS.think_max_new_tokens if think else 0)
-        latents = _source_latents(latent, len(sources), model.loaded)
+        if latent is not None:
+            latents = _source_latents(latent, len(sources), model.loaded)
+        elif vae is not None and "source_latent" in inspect.signature(BagelPipeline.edit).parameters:
+            latents = _encode_sources(vae, model.loaded, sources)
+        else:
+            latents = [None] * len(sources)
         extras = [_vae_kwargs(model.loaded, "edit", vae, z) for z in latents]
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(len(sources), steps - 1)

@@ -502,6 +502,14 @@ def test_external_vae_and_latent_inputs(host_stubs):
     image, out_latent, _, _ = edit.edit(model, own, "make it blue", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0,
                                         "text_channel", False, vae=vae, latent=latent)
     assert image.shape == own.shape and out_latent["samples"].shape == own_latent["samples"].shape
+    mm = host_stubs["comfy.model_management"]
+    vae.calls, loads = [], len(mm.loads)
+    vae.encode = lambda pixels, enc=vae.encode: (vae.calls.append(("encode", len(mm.loads))), enc(pixels))[1]
+    image2, *_ = edit.edit(model, own, "make it blue", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False,
+                           vae=vae)
+    # the source is encoded with ComfyUI's VAE before BAGEL is placed (ComfyUI may offload models to load a VAE)
+    assert vae.calls[0] == ("encode", loads) and vae.calls[-1] == "decode" and len(mm.loads) == loads + 1
+    assert image2.shape == own.shape
     with pytest.raises(ValueError, match="LATENT"):
         edit.edit(model, own, "x", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False, latent={"samples": own})
 
