@@ -131,7 +131,8 @@ def _read_safetensors(
                     parts.append(f"unexpected keys {_listing(unexpected)}")
                 raise CheckpointError(
                     f"{path} does not match the model built from the config files: {'; '.join(parts)}. "
-                    f"Check that the folder's config JSON files belong to these weights"
+                    f"Check that the config JSON (the folder's files, or a single file's metadata) belongs to "
+                    f"these weights"
                 )
             for name in names:
                 if shapes[name] != expected[name]:
