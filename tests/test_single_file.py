@@ -119,8 +119,15 @@ def test_full_vocab_single_file_matches_its_folder(tmp_path):
     assert np.array_equal(_pixels(ra.image), _pixels(rb.image))
     assert inspect_single_file(single).source == "sidecar"
     if COMFY_TOKENIZER.is_dir():  # ComfyUI's Qwen2.5 tokenizer fits a full-vocabulary model
-        c = load_bagel(single, dtype="fp32", tokenizer_dir=COMFY_TOKENIZER)
-        assert c.tokenizer.bos_token_id == 151644 and c.vae is None
+        c = load_bagel(single, dtype="fp32", tokenizer_dir=COMFY_TOKENIZER, vae=single.parent / "ae.safetensors")
+        assert c.tokenizer.bos_token_id == 151644
+        # a folder carrying that tokenizer (--tokenizer-dir) gives the single file's image with it
+        d = load_bagel(write_tiny_checkpoint(tmp_path / "g", seed=1, full_vocab=True, tokenizer_dir=COMFY_TOKENIZER),
+                       dtype="fp32")
+        assert (tmp_path / "g" / "vocab.json").read_bytes() == (COMFY_TOKENIZER / "vocab.json").read_bytes()
+        rc = BagelPipeline(c).text_to_image("a blue car", **FAST)
+        rd = BagelPipeline(d).text_to_image("a blue car", **FAST)
+        assert np.array_equal(_pixels(rc.image), _pixels(rd.image))
 
 
 def test_full_width_vae_is_flux_sized_and_finite():

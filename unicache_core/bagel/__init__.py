@@ -9,7 +9,9 @@ Typical use::
     edited = pipe.edit(image, "make it blue").image
     answer = pipe.understand(image, "What colour is the cube?").text
 
-A compressing cache is plugged in with ``BagelPipeline(loaded, cache_factory=...)``. Command line:
+A compressing cache is plugged in with ``BagelPipeline(loaded, cache_factory=...)``. A single converted
+``.safetensors`` (ComfyUI-BAGEL's form) loads with ``load_bagel(file, tokenizer_dir=..., vae=None or
+"ae.safetensors")``; an external VAE goes in ``BagelPipeline(loaded, vae=adapter)``. Command line:
 ``python -m unicache_core.bagel {understand,t2i,edit} --checkpoint DIR --prompt TEXT``.
 
 Importing this package loads no weights and has no side effects.
@@ -17,6 +19,7 @@ Importing this package loads no weights and has no side effects.
 
 from .config import AEConfig, BagelConfig, LLMConfig, ResizeConfig, TransformConfig, ViTConfig, load_bagel_config
 from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT, Context
+from .latents import VAEAdapter, from_comfy_latent, to_comfy_latent
 from .loader import LoadedBagel, load_bagel
 from .pipeline import BagelPipeline, FlowSettings, GenerationContexts, GenerationResult, UnderstandingResult
 from .sampling import RENORM_TYPES, combine_cfg, timestep_schedule
@@ -50,14 +53,17 @@ __all__ = [
     "ResizeConfig",
     "TransformConfig",
     "UnderstandingResult",
+    "VAEAdapter",
     "VAE_TRANSFORM",
     "VIT_TRANSFORM",
     "VLM_THINK_SYSTEM_PROMPT",
     "ViTConfig",
     "combine_cfg",
+    "from_comfy_latent",
     "load_bagel",
     "load_bagel_config",
     "pil_img2rgb",
     "prepare_input_image",
     "timestep_schedule",
+    "to_comfy_latent",
 ]
