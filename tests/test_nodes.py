@@ -561,3 +561,16 @@ def test_single_file_checkpoint(host_stubs, tmp_path):
     assert len(mm.loads) == loads  # refused before the model is placed on the device
     image, latent, _, report = t2i.generate(*args, vae=_FakeComfyVAE(folder_model.loaded.vae))
     assert image.shape == (1, 32, 32, 3) and latent["samples"].shape == (1, 16, 4, 4) and report["steps"]
+
+
+def test_shipped_workflows_are_the_generated_ones():
+    """workflows/ is what tools/make_workflows.py writes from the nodes' current INPUT_TYPES (rerun it after a change)."""
+    spec = importlib.util.spec_from_file_location("make_workflows", ROOT / "tools" / "make_workflows.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    graphs = gen.workflows()
+    assert sorted(graphs) == sorted(WORKFLOW_NAMES)
+    for name, graph in graphs.items():
+        ui, api = gen.build(graph)
+        assert json.loads((WORKFLOWS / f"{name}.json").read_text()) == ui, name
+        assert json.loads((WORKFLOWS / "api" / f"{name}.json").read_text()) == api, name
