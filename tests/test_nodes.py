@@ -574,3 +574,18 @@ def test_shipped_workflows_are_the_generated_ones():
         ui, api = gen.build(graph)
         assert json.loads((WORKFLOWS / f"{name}.json").read_text()) == ui, name
         assert json.loads((WORKFLOWS / "api" / f"{name}.json").read_text()) == api, name
+
+
+def test_only_host_module_imports_comfyui():
+    import ast
+
+    host_modules = {"comfy", "folder_paths", "server", "comfy_api", "node_helpers", "latent_preview"}
+    offenders = []
+    for path in [ROOT / "__init__.py", *sorted((ROOT / "nodes").glob("*.py")), *sorted((ROOT / "unicache_core").rglob("*.py"))]:
+        if path == ROOT / "nodes" / "host.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in host_modules]
+    assert offenders == []
