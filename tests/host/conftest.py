@@ -4,7 +4,7 @@ Every test here carries the ``host`` marker (the browser test also ``browser``);
 them, ``make test-host`` / ``.ci/run`` run them. Nothing is skipped silently: if the host cannot be
 installed or started, or the bundled checkpoint cannot be written, the tests fail with the log tail.
 
-One server per session, started with ``--base-directory`` in a throw-away folder that holds, before the
+One server per test module, started with ``--base-directory`` in a throw-away folder that holds, before the
 start (ComfyUI lists model combos from what is on disk): the pack link, a corrupt copy of the tiny
 checkpoint (``models/bagel/corrupt-tiny``, for the run-time error test) and the input images that the
 shipped workflows name. The bundled default checkpoint is the pack's ``models/bagel/bagel-tiny``
@@ -94,13 +94,14 @@ def _corrupt_checkpoint(base: Path, bundled: Path) -> None:
         ema.write_bytes(data[: len(data) // 2])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def comfy(host_install, bundled_checkpoint, tmp_path_factory) -> Comfy:
+    """One server per test module (stopped when the module ends, so no host idles beside the unit suite)."""
     base = comfyhost.prepare_base(tmp_path_factory.mktemp("comfybase"))
     _corrupt_checkpoint(base, bundled_checkpoint)
     _input_images(base)
     try:
-        host = comfyhost.start(base, timeout=240, ready_node=None)
+        host = comfyhost.start(base, timeout=240)  # also waits for the pack's loader in /object_info
     except RuntimeError as e:
         pytest.fail(str(e), pytrace=False)
     print(f"\nhost start: {host.started_s} s to ready ({host.url})")
