@@ -663,6 +663,9 @@ def test_subprocess_ctrl_c_during_denoising_exits_130(tiny_checkpoint, tmp_path)
         [sys.executable, "-m", "unicache_core.bagel", "t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "x",
          "--width", "32", "--height", "32", "--steps", "1000", "--dtype", "fp32", "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env,
+        # A job started in the background of a non-interactive shell (as CI may run us) inherits SIGINT as
+        # ignored, and Python then keeps it ignored: give the child the default disposition, as a terminal would.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     err = bytearray()
 
@@ -675,6 +678,7 @@ def test_subprocess_ctrl_c_during_denoising_exits_130(tiny_checkpoint, tmp_path)
     deadline = time.monotonic() + 60
     while b"denoising [" not in err and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended before it could be interrupted: {bytes(err)[-300:]!r}"
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 130
     reader.join(timeout=5)
