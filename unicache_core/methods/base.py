@@ -87,8 +87,9 @@ class CompressionMethod(ABC):
         return CallPlan(observe=True)
 
     def plan_decode(self, cache: "CompressingKVCache", call: AttentionCall) -> CallPlan:
-        """Understanding decode calls after the first compression (default: masses only)."""
-        return CallPlan(observe=True)
+        """Understanding decode calls after the first compression (default: the fast path, nothing measured:
+        a decoded token is one query row, so per-call statistics would be a visible share of its cost)."""
+        return CallPlan()
 
     # ------------------------------------------------------------------ how
 

@@ -77,11 +77,14 @@ class UniCacheMethod(CompressionMethod):
         return step_chunk(step + 1) != step_chunk(step)  # the last step of a chunk
 
     def plan_decode(self, cache: "CompressingKVCache", call: AttentionCall) -> CallPlan:
+        # Only the token that ends a step chunk is measured (type masses from the LSE) and re-allocates; the
+        # EMA carries across chunks (window 16), every other token takes the fast path. Eviction keeps using the
+        # H2O scores of the prompt rows: one decoded query adds little to them and would cost a scoring pass
+        # over every resident key (the decoded tokens themselves are protected).
         step = int(call.step or 0)
         if step_chunk(step + 1) != step_chunk(step):
-            return CallPlan(observe=True, score=True, last_queries=True, num_queries=cache.session.config.score_queries,
-                            compress_after=True)
-        return CallPlan(observe=True)
+            return CallPlan(observe=True, compress_after=True)
+        return CallPlan()
 
     # ------------------------------------------------------------------ how
 
