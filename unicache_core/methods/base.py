@@ -84,7 +84,7 @@ class CompressionMethod(ABC):
         if self.is_compression_step(cache, int(call.step or 0)):
             return CallPlan(observe=True, score=self.needs_scores, last_queries=self.window_queries,
                             num_queries=self._queries(session), sparsity=self.needs_sparsity, compress_after=True)
-        return CallPlan(observe=True)
+        return CallPlan()  # the fast path: nothing is measured on the steps that do not compress
 
     def plan_decode(self, cache: "CompressingKVCache", call: AttentionCall) -> CallPlan:
         """Understanding decode calls after the first compression (default: the fast path, nothing measured:

@@ -88,7 +88,10 @@ class KVConfig:
         window: observation window of SnapKV / PyramidKV (64).
         recent_fraction: recent share of an eviction budget (H2O-style; 0.25).
         kivi_residual: full-precision residual rows of quantized segments (32).
-        fused: attend through one fused workspace per layer on calls that gather no statistics.
+        fused: on calls that gather no statistics (the fast path), attend through one temporary head-major
+            workspace per layer (resident rows, dequantized ones included, plus the new block) in a single
+            exact attention call, instead of one call per store and an LSE merge (default on: measured
+            about 15% faster per edit step on the medium benchmark checkpoint).
         sync_timing: synchronise CUDA around timed attention calls (exact per-call clocks, slower).
     """
 
@@ -101,7 +104,7 @@ class KVConfig:
     window: int = 64
     recent_fraction: float = 0.25
     kivi_residual: int = 32
-    fused: bool = False
+    fused: bool = True
     sync_timing: bool = False
     extra: dict = field(default_factory=dict)
 
