@@ -75,6 +75,7 @@ class BenchConfig:
     seed: int = 0
     dtype: str = "auto"
     threads: int = 0  # 0 = auto (see choose_runtime)
+    fused: bool = True  # every method attends through one workspace per layer (the library's fast path)
 
     def layout(self) -> list[tuple[TokenType, int]]:
         """Runs of (type, count): per image ``[vs] VAE [ve] [vs] ViT [ve]``, then ``<im_start> text <im_end>``."""
@@ -89,9 +90,9 @@ class BenchConfig:
 QUICK = dict(vae_tokens=1024, vit_tokens=1225, instruction_tokens=200, latent_queries=128, repeats=3)
 
 
-def _step_fn(ctx: "Context", layers: list[SegmentedLayer]):
+def _step_fn(ctx: "Context", layers: list[SegmentedLayer], fused: bool):
     def step() -> list[Tensor]:
-        return [lay.attend(ctx.queries, ctx.k_new, ctx.v_new, causal=False)[0] for lay in layers]
+        return [lay.attend(ctx.queries, ctx.k_new, ctx.v_new, causal=False, fused=fused)[0] for lay in layers]
 
     return step
 
@@ -385,7 +386,7 @@ def _run(cfg: BenchConfig) -> dict:
     sc = score_context(ctx)
     methods, info = build_methods(cfg, ctx, sc, elem)
     full_kv_bytes = ctx.keys.nbytes + ctx.values.nbytes
-    steps = {name: _step_fn(ctx, layers) for name, layers in methods.items()}
+    steps = {name: _step_fn(ctx, layers, cfg.fused) for name, layers in methods.items()}
     times = _interleaved_times(steps, cfg.repeats)
     results = []
     ref = None
@@ -419,8 +420,10 @@ def _run(cfg: BenchConfig) -> dict:
                   scale_zero_dtype="float16 (4 B/group)", index_dtype="int32",
                   timing="median over repeats of one attention step (queries vs compressed cache + new block); "
                          "pyramidkv: mean over its layers",
-                  attention_path="per-store attention_with_lse (CPU flash kernel with LSE; token-major KV copied "
-                                 "head-major inside the primitive for every method) + exact LSE merge",
+                  attention_path=("one fused head-major workspace per layer (resident rows, dequantized ones "
+                                  "included, + the new block) and one CPU flash call, for every method"
+                                  if cfg.fused else
+                                  "per-store attention_with_lse (CPU flash kernel with LSE) + exact LSE merge"),
                   attended_tokens_per_kv_head=attended,
                   **dtype_info, **info)
     keys = ("method", "kv_bytes", "full_kv_bytes", "step_seconds_median", "speedup_vs_full", "rel_error_vs_full")
@@ -451,6 +454,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, help="timing repeats (default 7, quick 3)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = pick by probe (default)")
+    parser.add_argument("--per-store", action="store_true",
+                        help="attend store by store with an LSE merge instead of one fused workspace")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     cfg = BenchConfig(**QUICK) if args.quick else BenchConfig()
@@ -458,6 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads < 0:
         parser.error(f"--threads must be >= 0, got {args.threads}")
     cfg.threads = args.threads
+    cfg.fused = not args.per_store
     if args.repeats is not None:
         if args.repeats < 1:
             parser.error(f"--repeats must be >= 1, got {args.repeats}")
