@@ -60,6 +60,7 @@ from .kvcache import CacheFactory
 from .segments import CANDIDATE_TYPES, TokenType
 from .unicache.routing import DEFAULT_K90_THRESHOLD, PolicyTable, PolicyTableError
 from .unicache.stats import layer_chunk, step_chunk
+from .cli import OneLineParser as _Parser, path_arg as _path
 
 logger = logging.getLogger("unicache_core.calibrate")
 
@@ -447,17 +448,6 @@ def finish_table(table: PolicyTable, task: str, base: PolicyTable | None = None)
 # ------------------------------------------------------------------------------------------- CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with the one-line error format (``error: ...``, exit status 2)."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
-
-
-def _path(value: str) -> Path:
-    if not value:
-        raise argparse.ArgumentTypeError("empty path ''")
-    return Path(value)
 
 
 def build_parser() -> argparse.ArgumentParser:

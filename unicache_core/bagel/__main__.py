@@ -21,24 +21,13 @@ from ..errors import UniCacheError
 from .cli_checks import open_image as _open_image  # noqa: F401  (the tests' entry point for image decoding)
 from .cli_checks import preflight, save_image
 from .settings import EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
+from ..cli import OneLineParser as _Parser, path_arg as _path
 
 logger = logging.getLogger("unicache_core.bagel.cli")
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with the CLI's one-line error format (``error: ...``, exit status 2)."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
-
-
-def _path(value: str) -> Path:
-    """A path argument; the empty string is refused (``Path('')`` would silently mean the current folder)."""
-    if not value:
-        raise argparse.ArgumentTypeError("empty path ''")
-    return Path(value)
 
 
 def _build_parser() -> argparse.ArgumentParser:
