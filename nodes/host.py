@@ -144,17 +144,35 @@ def load_to_device(patcher, memory_required: int) -> None:
 # ------------------------------------------------------------------------------ progress, interrupts
 
 
-def progress_callback(total: int, node_id=None) -> Callable[[int, int], None]:
-    """A ``progress(done, total)`` callback driving ComfyUI's progress bar (no latent preview: it would cost a
-    VAE decode per step)."""
+def progress_callback(total: int, node_id=None) -> Callable[..., None]:
+    """A ``progress(done, total, latent=None)`` callback driving ComfyUI's progress bar.
+
+    With ``latent`` (ComfyUI's FLUX convention ``[1, 16, H/8, W/8]``) it also sends a live preview, made by
+    the previewer the user chose with ComfyUI's ``--preview-method`` (none by default; ``latent2rgb`` is a
+    cheap linear projection, ``taesd`` needs ``models/vae_approx/taef1_decoder``).
+    """
     import comfy.utils
 
     bar = comfy.utils.ProgressBar(max(1, int(total)), node_id=node_id)
+    previewer = _previewer()
 
-    def progress(done: int, total_now: int) -> None:
-        bar.update_absolute(int(done), int(total_now))
+    def progress(done: int, total_now: int, latent=None) -> None:
+        image = None
+        if latent is not None and previewer is not None:
+            image = previewer.decode_latent_to_preview_image("JPEG", latent.float().cpu())
+        bar.update_absolute(int(done), int(total_now), image)
 
     return progress
+
+
+def _previewer():
+    """ComfyUI's latent previewer for FLUX latents, or None when previews are off (or unavailable)."""
+    try:
+        import comfy.latent_formats
+        import latent_preview
+    except ImportError:  # an older or stripped host: progress without previews
+        return None
+    return latent_preview.get_previewer("cpu", comfy.latent_formats.Flux())
 
 
 def interrupted() -> bool:

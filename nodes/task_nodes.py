@@ -3,7 +3,9 @@
 Each one checks its inputs, asks ComfyUI to place the model (with the request's predicted memory), runs one
 :class:`~unicache_core.bagel.BagelPipeline` procedure with the KV cache of the connected ``UNICACHE_KV``
 (full when none) and converts the outputs. Progress goes to ComfyUI's progress bar per denoising step or
-decoded token; Cancel stops the engine between steps (ComfyUI then reports ``execution_interrupted``).
+decoded token, with a live preview of the clean-latent estimate per step when the host runs with
+``--preview-method`` (latent2rgb: a linear projection, no VAE decode); Cancel stops the engine between steps
+(ComfyUI then reports ``execution_interrupted``).
 """
 
 from __future__ import annotations
@@ -102,15 +104,20 @@ def _pipeline(model, kv, memory: int) -> BagelPipeline:
 class _Progress:
     """ComfyUI progress over the items of a batch (each item reports ``done/total`` of its own run)."""
 
-    def __init__(self, items: int, per_item: int):
+    def __init__(self, items: int, per_item: int, loaded=None):
         self.items, self.per_item, self.item = items, max(1, per_item), 0
         self.bar = host.progress_callback(items * self.per_item)
+        self.loaded = loaded
 
-    def __call__(self, done: int, total: int) -> None:
+    def __call__(self, done: int, total: int, latent=None) -> None:
         if total != self.per_item:  # think mode: the plan tokens first, then the steps
-            self.bar(done, total)
+            self.bar(done, total, latent)
         else:
-            self.bar(self.item * self.per_item + done, self.items * self.per_item)
+            self.bar(self.item * self.per_item + done, self.items * self.per_item, latent)
+
+    def preview(self, done: int, total: int, x0) -> None:
+        """The engine's per-step clean-latent estimate (BAGEL convention) as a live preview in ComfyUI's convention."""
+        self(done, total, to_comfy_latent(x0.cpu(), self.loaded))
 
 
 def _run(fn, *args, **kwargs):
@@ -224,9 +231,9 @@ class UniCacheTextToImage:
                                        new_tokens=T2I_DEFAULTS.think_max_new_tokens if think else 0)
         extra = _vae_kwargs(model.loaded, "text_to_image", vae)
         pipe = _pipeline(model, kv, memory)
-        progress = _Progress(1, steps - 1)
+        progress = _Progress(1, steps - 1, model.loaded)
         result = _run(pipe.text_to_image, prompt, width=width, height=height, seed=seed, progress=progress,
-                      **flow, **extra)
+                      preview=progress.preview, **flow, **extra)
         return _generation_outputs([result], pipe)
 
 
@@ -270,12 +277,12 @@ class UniCacheImageEdit:
             latents = [None] * len(sources)
         extras = [_vae_kwargs(model.loaded, "edit", vae, z) for z in latents]
         pipe = _pipeline(model, kv, memory)
-        progress = _Progress(len(sources), steps - 1)
+        progress = _Progress(len(sources), steps - 1, model.loaded)
         results = []
         for i, (source, extra) in enumerate(zip(sources, extras)):
             progress.item = i
             results.append(_run(pipe.edit, source, prompt, seed=(seed + i) % (MAX_SEED + 1), progress=progress,
-                                **flow, **extra))
+                                preview=progress.preview, **flow, **extra))
         return _generation_outputs(results, pipe)
 
 

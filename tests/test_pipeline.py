@@ -344,3 +344,15 @@ def test_sampled_think_plan_draws_precede_the_latent_noise_as_official(pipe):
     pipe.decode_text(ctxs2.gen.clone(branch="gen"), max_new_tokens=3, do_sample=True, temperature=5.0, generator=g2)
     shifted = pipe.text_to_image("a dog", initial_noise=torch.randn(4, 64, generator=g2), **kw)
     assert not torch.equal(shifted.latents, run.latents)
+
+
+def test_preview_gives_the_clean_latent_estimate_every_step(loaded):
+    """``preview(done, total, x0)``: x0 = x_t - t v after each step; after the last Euler step (dt = t) it IS the
+    final latent, so the last preview equals ``result.latents`` exactly."""
+    seen = []
+    res = BagelPipeline(loaded).text_to_image("a dog", width=32, height=32, num_timesteps=4, seed=3,
+                                              preview=lambda d, t, x0: seen.append((d, t, x0.clone())))
+    assert [(d, t) for d, t, _ in seen] == [(1, 3), (2, 3), (3, 3)]
+    assert all(x0.shape == res.latents.shape for _, _, x0 in seen)
+    assert torch.allclose(seen[-1][2], res.latents, atol=1e-6)
+    assert not torch.allclose(seen[0][2], res.latents, atol=1e-3)  # the first estimate is still rough

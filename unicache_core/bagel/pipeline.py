@@ -63,6 +63,8 @@ logger = logging.getLogger(__name__)
 #: the plan tokens, ``total = think_max_new_tokens``) and after every denoising step (``total = steps``).
 ProgressFn = Callable[[int, int], None]
 CancelFn = Callable[[], bool]
+#: ``preview(done, total, x0)``: the current clean-latent estimate ``[1, 16, H/8, W/8]`` after each denoising step.
+PreviewFn = Callable[[int, int, Tensor], None]
 
 
 @dataclass
@@ -622,8 +624,12 @@ class BagelPipeline:
         progress: ProgressFn | None = None,
         cancel: CancelFn | None = None,
         return_step0_velocity: bool = False,
+        preview: PreviewFn | None = None,
     ) -> tuple[Tensor, dict[str, int], dict[str, Tensor] | None]:
         """Euler flow from noise ``x`` ``[h*w, 64]`` (fp32): ``x -= v * dt`` for ``num_timesteps - 1`` steps.
+
+        ``preview(done, total, x0)``: after each step, the flow's current estimate of the clean latent,
+        ``x0 = x_t - t * v`` unpacked to ``[1, 16, H/8, W/8]`` (BAGEL's convention), for a live preview.
 
         Returns:
             ``(x0 [h*w, 64] fp32, forwards per branch, step-0 velocities or None)``.
@@ -652,6 +658,12 @@ class BagelPipeline:
                 step0 = {**raw, "guided": v}
             # Official order: the velocity (model dtype) times the fp32 0-dim dt stays in the velocity
             # dtype, then it is subtracted from the fp32 latent.
+            if preview is not None:
+                lp = self.loaded.config.latent_downsample
+                h, w = contexts.height // lp, contexts.width // lp
+                estimate = x.float() - float(timesteps[i]) * v.to(x.device).float()
+                preview(i + 1, total, unpack_latent(estimate, h, w, self.loaded.config.latent_channel,
+                                                    self.loaded.config.latent_patch_size))
             x = x - v.to(x.device) * dts[i].to(x.device)
             if progress is not None:
                 progress(i + 1, total)
@@ -754,6 +766,7 @@ class BagelPipeline:
         return_step0_velocity: bool = False,
         vae=None,
         decode: bool = True,
+        preview: PreviewFn | None = None,
     ) -> GenerationResult:
         """Text-to-image (docs/bagel.md §5.3); defaults are ``app.py``'s (cfg_img_scale 1.5 is the interleave default).
 
@@ -775,6 +788,8 @@ class BagelPipeline:
             vae: an external VAE for this call (:class:`~.latents.VAEAdapter`), else the pipeline's, else
                 the checkpoint's.
             decode: ``False`` skips the VAE decode (``result.image`` is None; ``result.latents`` is set).
+            preview: ``preview(done, total, x0)`` after each denoising step with the current clean-latent
+                estimate ``[1, 16, H/8, W/8]`` (BAGEL's convention; see :meth:`denoise`).
         """
         _check_prompt(prompt)
         check_output_size(self.loaded.config, width, height)
@@ -786,7 +801,7 @@ class BagelPipeline:
         return self._generate(
             "t2i", prompt, None, settings, seed=seed, think=plan, width=width, height=height,
             initial_noise=initial_noise, progress=progress, cancel=cancel,
-            return_step0_velocity=return_step0_velocity, vae=vae, decode=decode,
+            return_step0_velocity=return_step0_velocity, vae=vae, decode=decode, preview=preview,
         )
 
     def edit(
@@ -814,6 +829,7 @@ class BagelPipeline:
         source_latent: Tensor | None = None,
         vae=None,
         decode: bool = True,
+        preview: PreviewFn | None = None,
     ) -> GenerationResult:
         """Edit ``image`` following ``prompt`` (docs/bagel.md §5.4); output size = the VAE-resized source size.
 
@@ -839,6 +855,7 @@ class BagelPipeline:
             "edit", prompt, image, settings, seed=seed, think=plan, vae_noise=vae_noise,
             initial_noise=initial_noise, progress=progress, cancel=cancel,
             return_step0_velocity=return_step0_velocity, source_latent=source_latent, vae=vae, decode=decode,
+            preview=preview,
         )
 
     def _generate(
@@ -860,6 +877,7 @@ class BagelPipeline:
         source_latent: Tensor | None = None,
         vae=None,
         decode: bool = True,
+        preview: "PreviewFn | None" = None,
     ) -> GenerationResult:
         """Shared body of :meth:`text_to_image` (``image`` None, explicit size) and :meth:`edit`."""
         seed = _check_seed(seed)
@@ -907,7 +925,8 @@ class BagelPipeline:
                 x = check_noise("initial_noise", initial_noise, shape).float().clone()
             x = x.to(self.loaded.device)
             x, forwards, step0 = self.denoise(
-                contexts, x, settings, progress=progress, cancel=cancel, return_step0_velocity=return_step0_velocity
+                contexts, x, settings, progress=progress, cancel=cancel, return_step0_velocity=return_step0_velocity,
+                preview=preview,
             )
             t3 = time.perf_counter()
             latent, picture = self.decode_latents(x, contexts.height, contexts.width, vae=vae, decode=decode)
