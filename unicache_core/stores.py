@@ -107,8 +107,26 @@ class KVStore(ABC):
         """A new store object over the SAME tensors (a branch clone; tensors are never modified in place)."""
 
 
+class _RowStore(KVStore):
+    """A store holding its rows as plain ``keys``/``values`` tensors (head dim last): dtype and device are theirs."""
+
+    keys: Tensor
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.keys.shape[2])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+
 @dataclass(eq=False)
-class FullStore(KVStore):
+class FullStore(_RowStore):
     """Uncompressed (protected or not yet compressed) rows.
 
     Attributes:
@@ -135,18 +153,6 @@ class FullStore(KVStore):
     @property
     def num_kv_heads(self) -> int:
         return int(self.keys.shape[1])
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.keys.shape[2])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.keys.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.keys.device
 
     def attend(self, q: Tensor, scale: float | None = None) -> tuple[Tensor, Tensor]:
         return attention_with_lse(q, self.keys.to(q.dtype), self.values.to(q.dtype), scale=scale)
@@ -183,7 +189,7 @@ class FullStore(KVStore):
 
 
 @dataclass(eq=False)
-class EvictedStore(KVStore):
+class EvictedStore(_RowStore):
     """Rows kept by an eviction policy, compacted per KV head (heads may keep different tokens).
 
     Attributes:
@@ -240,18 +246,6 @@ class EvictedStore(KVStore):
     @property
     def num_kv_heads(self) -> int:
         return int(self.keys.shape[0])
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.keys.shape[2])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.keys.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.keys.device
 
     @property
     def token_index(self) -> Tensor:
