@@ -101,8 +101,10 @@ def _corpus_lines() -> list[str]:
     return [line.strip() for line in _CORPUS.strip().splitlines() if line.strip()]
 
 
-def train_tiny_bpe(num_merges: int = TINY_NUM_MERGES) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Train a byte-level BPE with the Qwen2 pre-tokenizer on the built-in text.
+def train_tiny_bpe(
+    num_merges: int = TINY_NUM_MERGES, lines: list[str] | None = None
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Train a byte-level BPE with the Qwen2 pre-tokenizer on ``lines`` (default: the built-in text).
 
     Returns:
         ``(vocab {token: id}, merges [(a, b)] in rank order)``; the vocab holds the 256 byte symbols
@@ -124,7 +126,7 @@ def train_tiny_bpe(num_merges: int = TINY_NUM_MERGES) -> tuple[dict[str, int], l
         initial_alphabet=alphabet,
         special_tokens=[],
     )
-    tok.train_from_iterator(_corpus_lines() * 4, trainer=trainer)
+    tok.train_from_iterator(_corpus_lines() * 4 if lines is None else lines, trainer=trainer)
     state = json.loads(tok.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
     # Byte symbols in GPT-2/Qwen order (printable bytes first), then merged tokens by rank.
@@ -340,24 +342,47 @@ def _tiny_parts(
             raise ValueError(f"the tokenizer in {src} has {tokenizer.vocab_size} ids, more than {vocab_size} rows")
         bos, eos = ids["<|im_start|>"] - 1, ids["<|im_end|>"]
     else:
-        vocab, merges = train_tiny_bpe()
-        n_bpe = len(vocab)
-        if full_vocab:
-            # Qwen2.5's layout: BAGEL's special tokens at their real ids (the BPE ids below stay small; the
-            # rows in between exist in the model but no text encodes to them)
-            added = {QWEN25_ADDED_TOKENS_START + i: tok for i, tok in enumerate(QWEN25_ADDED_TOKENS)}
-            vocab_size = FULL_VOCAB_SIZE
-        else:
-            added = {n_bpe + i: tok for i, tok in enumerate(QWEN_SPECIAL_TOKENS)}
-            vocab_size = n_bpe + len(QWEN_SPECIAL_TOKENS)
-        merges_text = "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges)
-        files = {"vocab.json": _json_text(vocab), "merges.txt": merges_text,
-                 "tokenizer_config.json": _json_text(_tokenizer_config(added))}
-        ids = {tok: i for i, tok in added.items() if tok in BAGEL_SPECIAL_TOKENS}
+        files, ids, added, vocab_size = bpe_tokenizer_files(*train_tiny_bpe(), full_vocab=full_vocab)
         if full_vocab:
             assert ids == BAGEL_SPECIAL_TOKEN_IDS
         bos, eos = min(added), min(added) + 2
     model, vae, cfg = build_tiny_models(vocab_size, seed, full_vae=full_vae)
+    return model_parts(model, vae, cfg, files, ids, bos=bos, eos=eos, dtype=dtype)
+
+
+def bpe_tokenizer_files(
+    vocab: dict[str, int], merges: list[tuple[str, str]], *, full_vocab: bool = False
+) -> tuple[dict[str, str], dict[str, int], dict[int, str], int]:
+    """The three tokenizer files of a byte-level BPE with Qwen's special tokens appended.
+
+    Returns:
+        ``(files {name: text}, BAGEL special ids {token: id}, added tokens {id: token}, vocab_size)``;
+        with ``full_vocab`` the special tokens sit at Qwen2.5's ids and ``vocab_size`` is 152,064.
+    """
+    from .tokenizer import BAGEL_SPECIAL_TOKENS
+
+    n_bpe = len(vocab)
+    if full_vocab:
+        # Qwen2.5's layout: BAGEL's special tokens at their real ids (the BPE ids below stay small; the
+        # rows in between exist in the model but no text encodes to them)
+        added = {QWEN25_ADDED_TOKENS_START + i: tok for i, tok in enumerate(QWEN25_ADDED_TOKENS)}
+        vocab_size = FULL_VOCAB_SIZE
+    else:
+        added = {n_bpe + i: tok for i, tok in enumerate(QWEN_SPECIAL_TOKENS)}
+        vocab_size = n_bpe + len(QWEN_SPECIAL_TOKENS)
+    merges_text = "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges)
+    files = {"vocab.json": _json_text(vocab), "merges.txt": merges_text,
+             "tokenizer_config.json": _json_text(_tokenizer_config(added))}
+    ids = {tok: i for i, tok in added.items() if tok in BAGEL_SPECIAL_TOKENS}
+    return files, ids, added, vocab_size
+
+
+def model_parts(
+    model: Bagel, vae: AutoEncoder, cfg: BagelConfig, tokenizer_files: dict[str, str], special_token_ids: dict[str, int],
+    *, bos: int, eos: int, dtype: str = "fp32",
+) -> "_TinyParts":
+    """Configs (official field names) and state dicts of ``model`` and ``vae``, ready to write."""
+    files, ids = tokenizer_files, special_token_ids
     llm = cfg.llm
     llm_json = {
         "architectures": ["Qwen2ForCausalLM"],
@@ -419,6 +444,17 @@ def _tiny_parts(
     )
 
 
+def write_parts(parts: "_TinyParts", out: Path) -> None:
+    """Write a checkpoint folder in the official layout (tokenizer files, configs, ``ema``/``ae`` safetensors)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in parts.tokenizer_files.items():
+        (out / name).write_text(text, encoding="utf-8")
+    for name, data in parts.configs.items():
+        _write_json(out / name, data)
+    save_file(parts.ema, str(out / "ema.safetensors"), metadata={"format": "pt"})
+    save_file(parts.ae, str(out / "ae.safetensors"), metadata={"format": "pt"})
+
+
 def write_tiny_checkpoint(
     out_dir: str | Path,
     *,
@@ -447,13 +483,7 @@ def write_tiny_checkpoint(
     out = Path(out_dir)
     _check_target(out, force)
     parts = _tiny_parts(seed, full_vocab=full_vocab, full_vae=full_vae, dtype=dtype, tokenizer_dir=tokenizer_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in parts.tokenizer_files.items():
-        (out / name).write_text(text, encoding="utf-8")
-    for name, data in parts.configs.items():
-        _write_json(out / name, data)
-    save_file(parts.ema, str(out / "ema.safetensors"), metadata={"format": "pt"})
-    save_file(parts.ae, str(out / "ae.safetensors"), metadata={"format": "pt"})
+    write_parts(parts, out)
     logger.info("wrote tiny BAGEL checkpoint to %s", out)
     return out
 

@@ -1,0 +1,291 @@
+"""Quality benchmark on the bundled shapes model: every KV method at the paper's reductions, one table.
+
+``python -m benchmarks.quality [--quick] [--json PATH] [--checkpoint DIR] [--methods ...]``
+
+Held-out samples of the shapes world (seeds disjoint from training, ``unicache_core.shapes``) go
+through the real pipeline once per (task, method, target reduction), and a deterministic analyser
+scores the outputs against the exact answers:
+
+- understanding: greedy answer == the exact answer (accuracy; per question kind in ``metrics``);
+- text-to-image: the analysed image shows every prompted object in its cell with its colour and shape,
+  nothing extra, and the right background (accuracy; per attribute in ``metrics``);
+- edit: PSNR to the exact target image (the score), PSNR of the region the edit must leave unchanged,
+  and instruction success (the analysed output equals the target scene).
+
+Targets: 80% reduction for und and edit and 60% for t2i (the paper's table), then 90% / 75% for
+robustness. Every method gets ``kv_target = 1 - reduction``; ``full`` runs once per task.
+``achieved_reduction`` is ``1 - mean(steady managed bytes / full managed bytes)`` over the samples.
+The report also says whether the checkpoint's calibrated policy table routes the types as the paper
+does (instruction and ViT evicted, VAE quantized).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from unicache_core.bagel import BagelPipeline, load_bagel
+from unicache_core.cli import OneLineParser, path_arg
+from unicache_core.methods import METHODS, make_cache_factory
+from unicache_core.shapes import analyse, edit_sample, judge_t2i, psnr, scenes_match, t2i_sample, unchanged_mask
+from unicache_core.shapes.world import EVAL_SEEDS, image_array, understanding_sample
+
+logger = logging.getLogger("benchmarks.quality")
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CHECKPOINT = REPO / "models" / "bagel" / "unicache-shapes"
+TASKS = ("und", "t2i", "edit")
+_PIPE_TASK = {"und": "understanding", "t2i": "t2i", "edit": "edit"}
+#: (name, {task: target reduction}): the paper's operating point, then a harder one.
+TARGETS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("paper", {"und": 0.8, "t2i": 0.6, "edit": 0.8}),
+    ("robust", {"und": 0.9, "t2i": 0.75, "edit": 0.9}),
+)
+#: Disjoint held-out seed blocks per task (all inside EVAL_SEEDS).
+_SEED_OFFSET = {"und": 0, "t2i": 1 << 20, "edit": 2 << 20}
+
+
+@dataclass
+class QualityConfig:
+    checkpoint: str = str(DEFAULT_CHECKPOINT)
+    methods: tuple[str, ...] = METHODS
+    tasks: tuple[str, ...] = TASKS
+    samples: dict = field(default_factory=lambda: {"und": 120, "t2i": 48, "edit": 48})
+    num_timesteps: int = 25
+    targets: tuple[str, ...] = ("paper", "robust")
+    threads: int = 0
+
+
+QUICK = dict(samples={"und": 36, "t2i": 8, "edit": 8}, num_timesteps=12, targets=("paper",))
+
+
+def _seeds(task: str, n: int) -> list[int]:
+    start = EVAL_SEEDS.start + _SEED_OFFSET[task]
+    return list(range(start, start + n))
+
+
+def _reduction(reports: list[dict]) -> float:
+    ratios = [r["summary"]["achieved_ratio"] for r in reports if r["summary"].get("achieved_ratio") is not None]
+    return 0.0 if not ratios else round(1.0 - statistics.fmean(ratios), 4)
+
+
+def run_task(pipe: BagelPipeline, task: str, cfg: QualityConfig, full_outputs: dict | None) -> tuple[dict, dict, list]:
+    """Score one method on one task; returns ``(metrics, outputs by seed, kv reports)``."""
+    n = cfg.samples[task]
+    outputs, reports = {}, []
+    if task == "und":
+        by_kind = defaultdict(list)
+        for seed in _seeds(task, n):
+            scene, q = understanding_sample(seed)
+            res = pipe.understand(scene.render(), q.question, max_new_tokens=4)
+            ok = res.text.strip().lower() == q.answer
+            by_kind[q.kind].append(ok)
+            outputs[seed] = res.text.strip()
+            reports.append(res.kv_report)
+        flat = [v for vs in by_kind.values() for v in vs]
+        metrics = {"accuracy": sum(flat) / len(flat),
+                   "by_kind": {k: round(sum(v) / len(v), 4) for k, v in sorted(by_kind.items())}}
+        if full_outputs is not None:
+            metrics["agreement_with_full"] = sum(outputs[s] == full_outputs[s] for s in outputs) / len(outputs)
+        return metrics, outputs, reports
+    judged = defaultdict(list)
+    for seed in _seeds(task, n):
+        if task == "t2i":
+            scene = t2i_sample(seed)
+            res = pipe.text_to_image(scene.caption(), width=128, height=128, num_timesteps=cfg.num_timesteps,
+                                     seed=seed % (1 << 32))
+            j = judge_t2i(res.image, scene)
+            for name in ("correct", "color", "shape", "position", "background", "count"):
+                judged[name].append(float(getattr(j, name)))
+        else:
+            edit = edit_sample(seed)
+            src, tgt = edit.source.render(), image_array(edit.target.render())
+            res = pipe.edit(src, edit.instruction, num_timesteps=cfg.num_timesteps, seed=seed % (1 << 32))
+            out = image_array(res.image)
+            judged["psnr_target"].append(psnr(out, tgt))
+            judged["psnr_unchanged"].append(psnr(out, tgt, unchanged_mask(image_array(src), tgt)))
+            judged["success"].append(float(scenes_match(analyse(out), edit.target)))
+            judged[f"success_{edit.kind}"].append(float(scenes_match(analyse(out), edit.target)))
+        outputs[seed] = image_array(res.image)
+        reports.append(res.kv_report)
+    metrics = {k: round(statistics.fmean(v), 4) for k, v in sorted(judged.items())}
+    if task == "t2i":
+        metrics["accuracy"] = metrics.pop("correct")
+    if full_outputs is not None:
+        metrics["psnr_to_full"] = round(statistics.fmean(psnr(outputs[s], full_outputs[s]) for s in outputs), 3)
+    return metrics, outputs, reports
+
+
+def _score(task: str, metrics: dict) -> float:
+    return metrics["psnr_target"] if task == "edit" else metrics["accuracy"]
+
+
+def calibration_check(checkpoint: Path) -> dict:
+    """Does the checkpoint's calibrated table route the types as the paper does?"""
+    from unicache_core.methods.registry import CHECKPOINT_POLICY_FILE
+
+    path = checkpoint / CHECKPOINT_POLICY_FILE
+    paper = {"instruction": "evict", "source_vit": "evict", "source_vae": "quantize"}
+    if not path.is_file():
+        return {"table": None, "agrees_with_paper": None, "note": f"no {CHECKPOINT_POLICY_FILE} next to the checkpoint"}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    routes: dict[str, dict[str, str]] = {}
+    occurring = {"understanding": ("instruction", "source_vit"), "t2i": ("instruction",),
+                 "edit": ("instruction", "source_vit", "source_vae")}
+    for entry in data.get("entries", []):
+        if entry["type"] in occurring.get(entry["task"], ()):
+            routes.setdefault(entry["task"], {})[entry["type"]] = entry["kind"]
+    mismatches = [f"{task}/{t}: {p} (paper: {paper[t]})" for task, types in routes.items()
+                  for t, p in types.items() if t in paper and p != paper[t]]
+    return {"table": str(path), "routing": routes, "agrees_with_paper": not mismatches, "mismatches": mismatches}
+
+
+def run(cfg: QualityConfig) -> dict:
+    saved = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    checkpoint = Path(cfg.checkpoint)
+    loaded = load_bagel(checkpoint, dtype=torch.float32)
+    results = []
+    t_start = time.perf_counter()
+    try:
+        for task in cfg.tasks:
+            t0 = time.perf_counter()
+            full_metrics, full_out, full_reports = run_task(BagelPipeline(loaded, make_cache_factory("full")), task,
+                                                            cfg, None)
+            results.append({"task": task, "method": "full", "target_reduction": 0.0,
+                            "achieved_reduction": _reduction(full_reports), "score": _score(task, full_metrics),
+                            "metrics": full_metrics, "seconds": round(time.perf_counter() - t0, 1)})
+            logger.info("%s full: score %.4f (%.0fs)", task, results[-1]["score"], results[-1]["seconds"])
+            for target_name in cfg.targets:
+                reduction = dict(TARGETS)[target_name][task]
+                for method in cfg.methods:
+                    if method == "full":
+                        continue
+                    t0 = time.perf_counter()
+                    factory = make_cache_factory(method, checkpoint_dir=str(checkpoint),
+                                                 kv_target=round(1.0 - reduction, 6))
+                    metrics, _, reports = run_task(BagelPipeline(loaded, factory), task, cfg, full_out)
+                    row = {"task": task, "method": method, "target_reduction": reduction,
+                           "achieved_reduction": _reduction(reports), "score": _score(task, metrics),
+                           "metrics": metrics, "seconds": round(time.perf_counter() - t0, 1)}
+                    results.append(row)
+                    logger.info("%s %s @%.0f%%: score %.4f, achieved %.1f%% (%.0fs)", task, method, 100 * reduction,
+                                row["score"], 100 * row["achieved_reduction"], row["seconds"])
+    finally:
+        torch.set_num_threads(saved)
+    config = asdict(cfg)
+    config.update(threads=torch.get_num_threads() if not cfg.threads else cfg.threads, dtype="float32", device="cpu",
+                  targets={name: dict(TARGETS)[name] for name in cfg.targets},
+                  seeds={task: [_seeds(task, 1)[0], cfg.samples[task]] for task in cfg.tasks},
+                  calibration=calibration_check(checkpoint), seconds=round(time.perf_counter() - t_start, 1))
+    model_card = checkpoint / "training.json"
+    if model_card.is_file():
+        config["model"] = json.loads(model_card.read_text(encoding="utf-8")).get("variant")
+    return {"config": config, "results": results}
+
+
+def format_table(report: dict) -> str:
+    """Paper-style table per target: one row per method, the headline score per task and edit details."""
+    rows = report["results"]
+    lines = []
+    full = {r["task"]: r for r in rows if r["method"] == "full"}
+    targets = report["config"]["targets"]
+    for name, reductions in targets.items():
+        head = (f"[{name}: und {reductions['und']:.0%}, t2i {reductions['t2i']:.0%}, edit {reductions['edit']:.0%} "
+                "reduction; achieved in brackets]")
+        lines.append(head)
+        lines.append(f"{'method':13s} {'und acc':>15s} {'t2i acc':>15s} {'edit PSNR':>16s} {'unchanged':>9s} "
+                     f"{'success':>7s} {'to full':>7s}")
+        methods = ["full"] + [m for m in report["config"]["methods"] if m != "full"]
+        for method in methods:
+            cells = []
+            detail = ("", "", "")
+            for task in ("und", "t2i", "edit"):
+                if method == "full":
+                    r = full.get(task)
+                else:
+                    r = next((x for x in rows if x["task"] == task and x["method"] == method
+                              and math.isclose(x["target_reduction"], reductions[task])), None)
+                if r is None:
+                    cells.append(f"{'-':>15s}" if task != "edit" else f"{'-':>16s}")
+                    continue
+                ach = f"[{r['achieved_reduction']:.0%}]"
+                if task == "edit":
+                    cells.append(f"{r['score']:8.2f} dB {ach:>6s}")
+                    m = r["metrics"]
+                    detail = (f"{m['psnr_unchanged']:9.2f}", f"{m['success']:7.2f}",
+                              f"{m.get('psnr_to_full', float('nan')):7.2f}" if method != "full" else f"{'':7s}")
+                else:
+                    cells.append(f"{r['score']:8.3f} {ach:>6s}")
+            lines.append(f"{method:13s} " + " ".join(cells) + " " + " ".join(detail))
+        lines.append("")
+    cal = report["config"].get("calibration", {})
+    if cal.get("agrees_with_paper") is not None:
+        verdict = "agrees with the paper" if cal["agrees_with_paper"] else "differs from the paper: " + "; ".join(
+            cal["mismatches"])
+        lines.append(f"calibrated policy table ({cal['table']}): {verdict}")
+    else:
+        lines.append(f"calibration: {cal.get('note', 'not checked')}")
+    return "\n".join(lines)
+
+
+def _items(parser, name: str, value: str, allowed) -> tuple[str, ...]:
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [v for v in items if v not in allowed]
+    if bad or not items:
+        parser.error(f"--{name}: unknown {bad or value!r}; choose from {', '.join(allowed)}")
+    return items
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="python -m benchmarks.quality", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples and steps, paper targets only (<= 4 min)")
+    parser.add_argument("--json", type=path_arg, default=None, help="write the JSON report here")
+    parser.add_argument("--checkpoint", type=path_arg, default=DEFAULT_CHECKPOINT,
+                        help=f"checkpoint folder (default {DEFAULT_CHECKPOINT.relative_to(REPO)})")
+    parser.add_argument("--tasks", default=None, help="comma list: und,t2i,edit")
+    parser.add_argument("--methods", default=None, help="comma list of methods (full always runs)")
+    parser.add_argument("--samples", type=int, default=None, help="held-out samples per task (und gets 3x)")
+    parser.add_argument("--timesteps", type=int, default=None, help="num_timesteps of t2i and edit")
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not (Path(args.checkpoint) / "llm_config.json").is_file():
+        parser.error(f"--checkpoint {args.checkpoint} is not a BAGEL checkpoint folder (no llm_config.json)")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("unicache_core.methods.registry").setLevel(logging.ERROR)
+    kw: dict = dict(QUICK) if args.quick else {}
+    if args.tasks:
+        kw["tasks"] = _items(parser, "tasks", args.tasks, TASKS)
+    if args.methods:
+        kw["methods"] = _items(parser, "methods", args.methods, METHODS)
+    if args.samples is not None:
+        if args.samples < 1:
+            parser.error(f"--samples must be >= 1, got {args.samples}")
+        kw["samples"] = {"und": 3 * args.samples, "t2i": args.samples, "edit": args.samples}
+    if args.timesteps is not None:
+        if args.timesteps < 2:
+            parser.error(f"--timesteps must be >= 2, got {args.timesteps}")
+        kw["num_timesteps"] = args.timesteps
+    cfg = QualityConfig(checkpoint=str(args.checkpoint), threads=args.threads, **kw)
+    report = run(cfg)
+    table = format_table(report)
+    sys.stdout.write(table + "\n")
+    if args.json is not None:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

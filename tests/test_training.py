@@ -1,0 +1,79 @@
+"""The training code stays alive: a few steps of both stages, resume, export, and the pipeline loads it."""
+
+import json
+
+import torch
+from safetensors import safe_open
+
+from unicache_core.bagel import BagelPipeline, load_bagel
+from unicache_core.bagel.training import TrainConfig, run
+from unicache_core.bagel.training.trainer import SampleMaker, build_pool, pack
+from unicache_core.bagel.training.model import build_models, shapes_config, shapes_tokenizer, shapes_tokenizer_files
+from unicache_core.shapes import t2i_sample
+
+SMALL = dict(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64, vit_hidden=32, vit_layers=1, vit_heads=1,
+             ae_ch=32, ae_mult=(1, 1, 1, 1), ae_res_blocks=1)
+
+
+def _cfg(**kw):
+    base = dict(model=SMALL, vae_steps=4, vae_batch=2, pool_size=8, steps=4, batch={"t2i": 2, "edit": 2, "und": 2},
+                save_every=2, warmup=2)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _state_step(path):
+    with safe_open(str(path), "pt") as f:
+        return json.loads(f.metadata()["state"])["step"]
+
+
+def test_train_resume_export_and_load(tmp_path):
+    out, work = tmp_path / "ckpt", tmp_path / "work"
+    info = run(out, work, _cfg())
+    assert _state_step(work / "bagel_state.safetensors") == 4
+    assert [row[0] for row in info["bagel_log"]] == [4]
+    # resuming continues from the saved step instead of starting over
+    info = run(out, work, _cfg(steps=6, vae_steps=4))
+    assert _state_step(work / "bagel_state.safetensors") == 6
+    assert [row[0] for row in info["bagel_log"]] == [4, 6]
+    assert info["latent_scale"] > 0
+    loaded = load_bagel(out, dtype=torch.float32)
+    assert loaded.config.ae.scale_factor == info["latent_scale"]
+    assert loaded.config.transforms.vae.max_size == 128
+    pipe = BagelPipeline(loaded)
+    scene = t2i_sample(0)
+    res = pipe.text_to_image(scene.caption(), width=128, height=128, num_timesteps=3, seed=0)
+    assert res.image.size == (128, 128)
+    ans = pipe.understand(scene.render(), "what color is the background?", max_new_tokens=2)
+    assert isinstance(ans.text, str)
+
+
+def test_packed_batch_masks_follow_bagel_blocks():
+    files, _, vocab, _, _ = shapes_tokenizer_files()
+    cfg = shapes_config(vocab, **SMALL)
+    model, vae = build_models(cfg, 0)
+    tok = shapes_tokenizer()
+    pool = build_pool(vae, 4)
+    maker = SampleMaker(_cfg(drop_text=0.0, drop_image=0.0), cfg, pool, tok, vae)
+    samples = maker.draw(0)
+    batch = pack(samples, start_id=tok.start_of_image, end_id=tok.end_of_image, vit_patch=14, max_latent_size=64)
+    edit_group = batch.groups[1]
+    mask = edit_group.mask[0]
+    n = len(samples["edit"][0].blocks[2].ids)  # [vs vae(64) ve] [vs vit(64) ve] [im_start text im_end] [vs noisy ve]
+    end = 132 + n + 66
+    assert mask[:66, :66].all() and not mask[:66, 66:].any()  # source VAE block: bidirectional, sees nothing later
+    assert mask[66:132, :132].all() and not mask[66:132, 132:].any()
+    text = mask[132:132 + n, 132:132 + n]
+    assert torch.equal(text, torch.tril(torch.ones_like(text)))  # text is causal, sees both images
+    assert mask[132:132 + n, :132].all() and not mask[132:132 + n, 132 + n:].any()
+    assert mask[132 + n:end, :end].all()  # the noisy latents see everything before and each other
+    # positions: one RoPE position per image block, one per text token, the latents at the next one
+    pos = batch.positions[edit_group.offset: edit_group.offset + edit_group.length]
+    assert (pos[:66] == 0).all() and (pos[66:132] == 1).all()
+    assert pos[132:132 + n].tolist() == list(range(2, 2 + n)) and (pos[132 + n:end] == 2 + n).all()
+    assert batch.gen_mask[edit_group.offset + 1: edit_group.offset + 65].all()
+    assert not batch.gen_mask[edit_group.offset + 66: edit_group.offset + 132 + n].any()
+    # one MSE target per noisy latent token (t2i and edit samples), CE targets are answer ids shifted by one
+    assert batch.mse_slots.numel() == batch.mse_targets.shape[0] == 64 * 4
+    answer = samples["und"][0].blocks[2].ids
+    assert batch.ce_targets[: len(answer) - 1].tolist() == answer[1:]

@@ -1,0 +1,76 @@
+"""``python -m unicache_core.bagel.training OUT_DIR``: train the shapes model and write its checkpoint.
+
+The state is saved under ``--work`` (default ``OUT_DIR.work``) every ``--save-every`` steps; running
+the same command again resumes. ``--steps``/``--vae-steps``/``--pool`` shrink a run (a smoke run:
+``--vae-steps 20 --steps 20 --pool 64``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from ...cli import OneLineParser, path_arg
+
+logger = logging.getLogger("unicache_core.bagel.training")
+
+
+class _Progress:
+    """Progress of the stages on stderr: one line per 5% with the rate and the time left."""
+
+    def __init__(self):
+        self.stage, self.t0, self.last = None, 0.0, -1
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage != self.stage:
+            self.stage, self.t0, self.last = stage, time.perf_counter(), -1
+        pct = int(100 * done / total) // 5 * 5
+        if pct != self.last:
+            self.last = pct
+            el = time.perf_counter() - self.t0
+            eta = el / max(done, 1) * (total - done)
+            sys.stderr.write(f"[{stage}] {done}/{total} ({pct}%) {el:.0f}s elapsed, ~{eta:.0f}s left\n")
+            sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .trainer import TrainConfig
+
+    defaults = TrainConfig()
+    parser = OneLineParser(description="Train the bundled shapes BAGEL (VAE, then LLM+ViT) and export it.")
+    parser.add_argument("out_dir", type=path_arg, help="checkpoint folder to write (official layout)")
+    parser.add_argument("--work", type=path_arg, default=None, help="resumable state folder (default OUT_DIR.work)")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--vae-steps", type=int, default=defaults.vae_steps)
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="BAGEL optimiser steps")
+    parser.add_argument("--pool", type=int, default=defaults.pool_size, help="edit pairs encoded for training")
+    parser.add_argument("--save-every", type=int, default=defaults.save_every)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    args = parser.parse_args(argv)
+    for name in ("vae_steps", "steps", "pool", "save_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = TrainConfig(seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, pool_size=args.pool,
+                      save_every=args.save_every, threads=args.threads)
+    out = Path(args.out_dir)
+    work = Path(args.work) if args.work else out.with_name(out.name + ".work")
+    from .trainer import run
+
+    t = time.perf_counter()
+    try:
+        info = run(out, work, cfg, _Progress())
+    except KeyboardInterrupt:
+        sys.stderr.write(f"interrupted; the last saved state is in {work}: run the same command to resume\n")
+        return 130
+    total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    sys.stdout.write(f"wrote {out} ({total / 1e6:.1f} MB) in {time.perf_counter() - t:.0f}s; "
+                     f"final loss {info['bagel_log'][-1][1:]}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

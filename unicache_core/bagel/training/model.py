@@ -1,0 +1,64 @@
+"""The bundled model's architecture (BAGEL's, at a small width) and its tokenizer for the shapes world."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ...shapes.world import vocabulary_text
+from ..config import AEConfig, BagelConfig, LLMConfig, ResizeConfig, TransformConfig, ViTConfig
+from ..modeling import AutoEncoder, Bagel
+from ..tiny import _init_weights, bpe_tokenizer_files, train_tiny_bpe
+from ..tokenizer import BagelTokenizer
+
+#: 128 px images: 8x8 = 64 latent tokens (16 px each) and 8x8 = 64 ViT patches (112 px, patch 14).
+SHAPES_TRANSFORMS = TransformConfig(vae=ResizeConfig(128, 128, 16), vit=ResizeConfig(112, 112, 14))
+#: BPE merges of the shapes tokenizer: enough for every word of the world to be one token.
+SHAPES_NUM_MERGES = 160
+VARIANT = "UniCache-shapes"
+
+
+def shapes_config(vocab_size: int, *, hidden: int = 128, layers: int = 6, heads: int = 4, kv_heads: int = 2,
+                  intermediate: int = 384, vit_hidden: int = 64, vit_layers: int = 2, vit_heads: int = 2,
+                  ae_ch: int = 32, ae_mult: tuple[int, ...] = (1, 1, 2, 2), ae_res_blocks: int = 1) -> BagelConfig:
+    """A small BAGEL: MoT Qwen2 LLM, SigLIP NaViT (as built, the file says one layer more), FLUX-style VAE."""
+    llm = LLMConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                    num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab_size,
+                    rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=4096)
+    vit = ViTConfig(hidden_size=vit_hidden, intermediate_size=2 * vit_hidden, num_attention_heads=vit_heads,
+                    num_hidden_layers=vit_layers, image_size=980, patch_size=14)
+    ae = AEConfig(ch=ae_ch, ch_mult=tuple(ae_mult), num_res_blocks=ae_res_blocks, scale_factor=1.0, shift_factor=0.0)
+    return BagelConfig(llm=llm, vit=vit, ae=ae, transforms=SHAPES_TRANSFORMS)
+
+
+@functools.lru_cache(maxsize=1)
+def shapes_tokenizer_files() -> tuple[dict[str, str], dict[str, int], int, int, int]:
+    """``(files, BAGEL special ids, vocab_size, bos, eos)`` of the BPE trained on the world's text."""
+    vocab, merges = train_tiny_bpe(SHAPES_NUM_MERGES, vocabulary_text())
+    files, ids, added, vocab_size = bpe_tokenizer_files(vocab, merges)
+    return files, ids, vocab_size, min(added), min(added) + 2
+
+
+def shapes_tokenizer() -> BagelTokenizer:
+    files = shapes_tokenizer_files()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in files.items():
+            (Path(tmp) / name).write_text(text, encoding="utf-8")
+        return BagelTokenizer.from_dir(tmp)
+
+
+def build_models(cfg: BagelConfig, seed: int) -> tuple[Bagel, AutoEncoder]:
+    """Freshly initialised fp32 models (N(0, 0.02) linears, fan-in convs, sin-cos position tables)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = Bagel(cfg)
+    _init_weights(model, gen, conv_fan_in=False)
+    model.vit_pos_embed.reset_table()
+    model.latent_pos_embed.reset_table()
+    vae = AutoEncoder(cfg.ae)
+    _init_weights(vae, gen, conv_fan_in=True)
+    with torch.no_grad():
+        vae.encoder.conv_out.bias[cfg.ae.z_channels:].fill_(-4.0)  # start with a small posterior std
+    return model, vae

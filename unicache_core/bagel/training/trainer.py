@@ -1,0 +1,424 @@
+"""Train the bundled shapes model: the VAE first, then the MoT LLM, ViT and connector on all three tasks.
+
+Stage 1 (VAE): reconstruction (L1 + MSE) of 64 px crops, then of whole 128 px world images, with a
+small KL term; the
+latent's shift and scale are then measured on the data so that the LLM sees unit-variance latents
+(``ae_config.json``'s ``shift_factor``/``scale_factor``, as BAGEL's FLUX VAE uses them).
+
+Stage 2 (BAGEL): a pool of edit pairs from the training seeds is encoded once with the frozen VAE;
+every step draws text-to-image, edit and understanding samples from it (docs: batches.py) and
+minimises ``mse(velocity) + ce_weight * ce(answer tokens)``. Flow matching as the pipeline samples:
+``x_t = (1 - t) x0 + t eps`` and the velocity target ``eps - x0``, ``t`` logit-normal, shifted towards noise.
+
+Every ``save_every`` steps the stage state (weights, AdamW moments, step) goes to ``work_dir`` in
+safetensors + JSON, so an interrupted run resumes where it stopped; the sample stream depends only on
+``(seed, step)``, so a resumed run draws the same batches. The result is written in the official
+layout by :func:`export_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from torch.nn import functional as F
+
+from ...kvcache import AttentionCall
+from ...shapes import world
+from ..config import BagelConfig
+from ..modeling import AutoEncoder, Bagel
+from ..modeling.bagel import patchify
+from ..sampling import pack_latent
+from ..tiny import model_parts, write_parts
+from ..transforms import ImageTransforms
+from .attention import MaskedAttention
+from .batches import Block, Sample, pack
+from .model import VARIANT, build_models, shapes_config, shapes_tokenizer, shapes_tokenizer_files
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a training run (the defaults are the shipped run)."""
+
+    seed: int = 0
+    model: dict = field(default_factory=dict)  # keyword overrides of shapes_config
+    vae_steps: int = 1100
+    vae_batch: int = 16  # crops per step of the first ``vae_crop_steps`` steps
+    vae_crop: int = 64
+    vae_crop_steps: int = 400  # then whole 128 px images (the mid-block attention must see the full grid)
+    vae_full_batch: int = 8
+    vae_lr: float = 2e-3
+    vae_kl: float = 1e-6
+    pool_size: int = 6000
+    timestep_shift: float = 2.0  # t = s u / (1 + (s - 1) u), u = sigmoid(N(0, 1)): more weight on noisy steps
+    steps: int = 4000
+    batch: dict = field(default_factory=lambda: {"t2i": 16, "edit": 12, "und": 16})
+    lr: float = 1.5e-3
+    warmup: int = 100
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.01
+    ce_weight: float = 0.5
+    drop_text: float = 0.1
+    drop_image: float = 0.1
+    grad_clip: float = 1.0
+    save_every: int = 500
+    threads: int = 0  # 0: torch's default
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _lr(step: int, total: int, base: float, warmup: int, min_ratio: float) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    frac = (step - warmup) / max(1, total - warmup)
+    return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+# ------------------------------------------------------------------------------------ state files
+
+
+def _atomic_save(tensors: dict[str, Tensor], path: Path, meta: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
+              metadata={"state": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def save_state(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, step: int, log: list) -> None:
+    """Weights and AdamW moments (keyed by parameter name) plus the step and loss log."""
+    tensors = {f"param.{k}": v for k, v in module.state_dict().items()}
+    names = {id(p): n for n, p in module.named_parameters()}
+    steps = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if not st:
+                continue
+            name = names[id(p)]
+            tensors[f"exp_avg.{name}"] = st["exp_avg"]
+            tensors[f"exp_avg_sq.{name}"] = st["exp_avg_sq"]
+            steps[name] = float(st["step"])
+    _atomic_save(tensors, path, {"step": step, "adam_steps": steps, "log": log})
+
+
+def load_state(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[int, list]:
+    from safetensors import safe_open
+
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["state"])
+    module.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("param.")})
+    params = dict(module.named_parameters())
+    for name, step in meta["adam_steps"].items():
+        opt.state[params[name]] = {"step": torch.tensor(step), "exp_avg": tensors[f"exp_avg.{name}"],
+                                   "exp_avg_sq": tensors[f"exp_avg_sq.{name}"]}
+    return int(meta["step"]), list(meta["log"])
+
+
+# ------------------------------------------------------------------------------------------ VAE
+
+
+def _to_unit(image) -> Tensor:
+    return torch.from_numpy(world.image_array(image).copy()).permute(2, 0, 1).float() / 127.5 - 1.0
+
+
+def train_vae(vae: AutoEncoder, cfg: TrainConfig, work: Path, progress: Callable | None = None) -> list:
+    """Stage 1; returns the loss log ``[[step, loss, l1], ...]``."""
+    path = work / "vae_state.safetensors"
+    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
+    step, log = (load_state(path, vae, opt) if path.exists() else (0, []))
+    vae.train()
+    t0 = time.perf_counter()
+    while step < cfg.vae_steps:
+        rng = random.Random(cfg.seed * 7919 + step)
+        crop = cfg.vae_crop if step < cfg.vae_crop_steps else world.CANVAS
+        crops = []
+        for _ in range(cfg.vae_batch if step < cfg.vae_crop_steps else cfg.vae_full_batch):
+            x = _to_unit(world.random_scene(rng, min_objects=0).render())
+            top, left = rng.randrange(0, world.CANVAS - crop + 1, 8), rng.randrange(0, world.CANVAS - crop + 1, 8)
+            crops.append(x[:, top:top + crop, left:left + crop])
+        x = torch.stack(crops)
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, cfg.vae_steps, cfg.vae_lr, 50, cfg.min_lr_ratio)
+        mean, logvar = vae.encode_moments(x)
+        logvar = logvar.clamp(-30, 20)
+        z = mean + torch.exp(0.5 * logvar) * torch.randn_like(mean)
+        rec = vae.decoder(z)
+        l1 = (rec - x).abs().mean()
+        kl = 0.5 * (mean.pow(2) + logvar.exp() - 1 - logvar).mean()
+        loss = l1 + (rec - x).pow(2).mean() + cfg.vae_kl * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        if step % 25 == 0 or step == cfg.vae_steps:
+            log.append([step, round(float(loss.detach()), 5), round(float(l1.detach()), 5)])
+            logger.info("vae step %d/%d loss %.4f l1 %.4f (%.1fs)", step, cfg.vae_steps, *log[-1][1:],
+                        time.perf_counter() - t0)
+        if progress is not None:
+            progress("vae", step, cfg.vae_steps)
+        if step % cfg.save_every == 0 or step == cfg.vae_steps:
+            save_state(path, vae, opt, step, log)
+    vae.eval()
+    return log
+
+
+@torch.no_grad()
+def latent_statistics(vae: AutoEncoder, pairs: list[world.Edit]) -> tuple[float, float]:
+    """``(shift, scale)``: the mean of the posterior means and one over their std, over the pool."""
+    means = []
+    for i in range(0, min(len(pairs), 512), 64):
+        x = torch.stack([_to_unit(s.render()) for e in pairs[i:i + 64] for s in (e.source, e.target)])
+        means.append(vae.encode_moments(x)[0])
+    m = torch.cat(means)
+    return float(m.mean()), float(1.0 / m.std())
+
+
+# ------------------------------------------------------------------------------------------ pool
+
+
+@dataclass
+class Pool:
+    """Edit pairs from the training seeds with their VAE posteriors (``[P, 2, 16, 16, 16]`` mean/std)."""
+
+    pairs: list[world.Edit]
+    mean: Tensor
+    std: Tensor
+
+
+@torch.no_grad()
+def build_pool(vae: AutoEncoder, size: int, progress: Callable | None = None) -> Pool:
+    pairs = [world.edit_sample(seed) for seed in range(size)]
+    means, stds = [], []
+    for i in range(0, size, 64):
+        x = torch.stack([_to_unit(s.render()) for e in pairs[i:i + 64] for s in (e.source, e.target)])
+        mean, logvar = vae.encode_moments(x)
+        means.append(mean.view(-1, 2, *mean.shape[1:]))
+        stds.append(torch.exp(0.5 * logvar.clamp(-30, 20)).view(-1, 2, *mean.shape[1:]))
+        if progress is not None:
+            progress("pool", min(size, i + 64), size)
+    return Pool(pairs, torch.cat(means), torch.cat(stds))
+
+
+# ------------------------------------------------------------------------------------------ BAGEL
+
+
+class SampleMaker:
+    """Draws the training samples of one step from the pool."""
+
+    def __init__(self, cfg: TrainConfig, bagel_cfg: BagelConfig, pool: Pool, tokenizer, vae: AutoEncoder):
+        self.cfg, self.bagel_cfg, self.pool, self.tok = cfg, bagel_cfg, pool, tokenizer
+        self.transforms = ImageTransforms.from_config(bagel_cfg)
+        self.scale, self.shift = vae.scale_factor, vae.shift_factor
+        self.patch = bagel_cfg.latent_patch_size
+        self.grid = (world.CANVAS // bagel_cfg.latent_downsample,) * 2
+
+    def text(self, text: str, loss: bool = False) -> Block:
+        return Block("text", ids=[self.tok.bos_token_id, *self.tok.encode(text), self.tok.eos_token_id], loss=loss)
+
+    def vit(self, scene: world.Scene) -> Block:
+        return Block("vit", pixels=self.transforms.vit(self.transforms.prepare(scene.render())))
+
+    def latent(self, p: int, side: int, gen: torch.Generator) -> Tensor:
+        z = self.pool.mean[p, side] + self.pool.std[p, side] * torch.randn(self.pool.mean.shape[2:], generator=gen)
+        return pack_latent(self.scale * (z - self.shift), self.patch)
+
+    def noisy(self, x0: Tensor, gen: torch.Generator) -> Block:
+        u = float(torch.sigmoid(torch.randn((), generator=gen)))
+        s = self.cfg.timestep_shift
+        t = s * u / (1 + (s - 1) * u)
+        eps = torch.randn(x0.shape, generator=gen)
+        return Block("noisy", latent=(1 - t) * x0 + t * eps, grid=self.grid, timestep=t, target=eps - x0)
+
+    def draw(self, step: int) -> dict[str, list[Sample]]:
+        rng = random.Random(self.cfg.seed * 1_000_003 + step)
+        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
+        size = len(self.pool.pairs)
+        out: dict[str, list[Sample]] = {"t2i": [], "edit": [], "und": []}
+        for _ in range(self.cfg.batch.get("t2i", 0)):
+            p, side = rng.randrange(size), rng.randrange(2)
+            edit = self.pool.pairs[p]
+            scene = edit.source if side == 0 else edit.target
+            blocks = [] if rng.random() < self.cfg.drop_text else [self.text(scene.caption())]
+            out["t2i"].append(Sample("t2i", blocks + [self.noisy(self.latent(p, side, gen), gen)]))
+        for _ in range(self.cfg.batch.get("edit", 0)):
+            p = rng.randrange(size)
+            edit = self.pool.pairs[p]
+            r = rng.random()
+            image_blocks = [Block("vae", latent=self.latent(p, 0, gen), grid=self.grid), self.vit(edit.source)]
+            text_blocks = [self.text(edit.instruction)]
+            if r < self.cfg.drop_text:
+                blocks = image_blocks  # the cfg_text context
+            elif r < self.cfg.drop_text + self.cfg.drop_image:
+                blocks = text_blocks  # the cfg_img context
+            else:
+                blocks = image_blocks + text_blocks
+            out["edit"].append(Sample("edit", blocks + [self.noisy(self.latent(p, 1, gen), gen)]))
+        for _ in range(self.cfg.batch.get("und", 0)):
+            p, side = rng.randrange(size), rng.randrange(2)
+            edit = self.pool.pairs[p]
+            scene = edit.source if side == 0 else edit.target
+            q = None
+            while q is None:
+                q = world.ask(scene, rng.choice(world.QUESTION_KINDS), rng)
+            out["und"].append(Sample("und", [self.vit(scene), self.text(q.question), self.text(q.answer, loss=True)]))
+        return out
+
+
+def bagel_loss(model: Bagel, batch, cfg: TrainConfig) -> tuple[Tensor, float, float]:
+    """``(loss, mse, ce)`` of one packed batch (one forward through the whole MoT stack)."""
+    device = model.device
+    hidden = model.hidden_size
+    embeds = torch.zeros(batch.positions.shape[0], hidden, device=device)
+    text_slots = torch.nonzero(batch.text_slots).squeeze(1)
+    embeds = embeds.index_copy(0, text_slots, model.language_model.model.embed_tokens(batch.text_ids[text_slots]))
+    if batch.vit_pixels:
+        p = model.config.vit.patch_size
+        patches, pos, seqlens = [], [], []
+        for img in batch.vit_pixels:
+            rows, cols = img.shape[1] // p, img.shape[2] // p
+            patches.append(patchify(img, p))
+            pos.append(model.vit_position_ids(rows, cols))
+            seqlens.append(rows * cols)
+        pos_ids = torch.cat(pos)
+        feats = model.vit_model(torch.cat(patches), pos_ids, seqlens)
+        embeds = embeds.index_copy(0, batch.vit_slots, model.connector(feats) + model.vit_pos_embed(pos_ids))
+    if batch.latent_slots.numel():
+        lat = (model.vae2llm(batch.latents) + model.time_embedder(batch.latent_t)
+               + model.latent_pos_embed(batch.latent_pos))
+        embeds = embeds.index_copy(0, batch.latent_slots, lat)
+    attention = MaskedAttention(model.num_layers, batch.groups)
+    call = AttentionCall(token_types=batch.token_types, rope_positions=batch.positions, causal=False, update=False,
+                         phase="prefill")
+    out = model.language_model.model(embeds, batch.positions, attention, call, batch.gen_mask)
+    mse = ce = torch.zeros((), device=device)
+    if batch.mse_slots.numel():
+        mse = F.mse_loss(model.llm2vae(out[batch.mse_slots]), batch.mse_targets)
+    if batch.ce_slots.numel():
+        ce = F.cross_entropy(model.lm_logits(out[batch.ce_slots]), batch.ce_targets)
+    return mse + cfg.ce_weight * ce, float(mse.detach()), float(ce.detach())
+
+
+def train_bagel(model: Bagel, maker: SampleMaker, cfg: TrainConfig, work: Path,
+                progress: Callable | None = None, snapshot: Callable[[int, list], None] | None = None) -> list:
+    """Stage 2; returns the loss log ``[[step, loss, mse, ce], ...]`` (means over logging windows).
+
+    ``snapshot(step, log)`` runs after each saved state (the run exports a usable checkpoint there).
+    """
+    path = work / "bagel_state.safetensors"
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+    step, log = (load_state(path, model, opt) if path.exists() else (0, []))
+    tok = maker.tok
+    model.train()
+    window: list[tuple[float, float, float]] = []
+    t0 = time.perf_counter()
+    while step < cfg.steps:
+        batch = pack(maker.draw(step), start_id=tok.start_of_image, end_id=tok.end_of_image,
+                     vit_patch=model.config.vit.patch_size, max_latent_size=model.config.max_latent_size)
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
+        loss, mse, ce = bagel_loss(model, batch, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        window.append((float(loss.detach()), mse, ce))
+        if step % 25 == 0 or step == cfg.steps:
+            m = [round(sum(w[i] for w in window) / len(window), 5) for i in range(3)]
+            log.append([step, *m])
+            window.clear()
+            logger.info("bagel step %d/%d loss %.4f mse %.4f ce %.4f (%.1fs)", step, cfg.steps, *m,
+                        time.perf_counter() - t0)
+        if progress is not None:
+            progress("bagel", step, cfg.steps)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            save_state(path, model, opt, step, log)
+            if snapshot is not None and step < cfg.steps:
+                model.eval()
+                snapshot(step, log)
+                model.train()
+    model.eval()
+    return log
+
+
+# ------------------------------------------------------------------------------------------ run
+
+
+def export_checkpoint(model: Bagel, vae: AutoEncoder, bagel_cfg: BagelConfig, out: Path, info: dict) -> Path:
+    """Write the official folder layout (+ ``training.json``, the run's record) to ``out``."""
+    files, ids, _, bos, eos = shapes_tokenizer_files()
+    parts = model_parts(model, vae, bagel_cfg, files, ids, bos=bos, eos=eos, dtype="fp32")
+    write_parts(parts, out)
+    (out / "training.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = None) -> dict:
+    """Both stages (resuming from ``work``), then export; returns the run record."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n", encoding="utf-8")
+    files, _, vocab_size, _, _ = shapes_tokenizer_files()
+    bagel_cfg = shapes_config(vocab_size, **cfg.model)
+    torch.manual_seed(cfg.seed)
+    model, vae = build_models(bagel_cfg, cfg.seed)
+    times = {}
+    t = time.perf_counter()
+    vae_log = train_vae(vae, cfg, work, progress)
+    times["vae_s"] = round(time.perf_counter() - t, 1)
+    for p in vae.parameters():
+        p.requires_grad_(False)
+    pairs_for_stats = [world.edit_sample(seed) for seed in range(256)]
+    shift, scale = latent_statistics(vae, pairs_for_stats)
+    bagel_cfg = dataclasses.replace(bagel_cfg, ae=dataclasses.replace(bagel_cfg.ae, shift_factor=shift, scale_factor=scale))
+    vae.config = bagel_cfg.ae
+    vae.shift_factor, vae.scale_factor = shift, scale
+    model.config = bagel_cfg
+    t = time.perf_counter()
+    pool = build_pool(vae, cfg.pool_size, progress)
+    times["pool_s"] = round(time.perf_counter() - t, 1)
+    maker = SampleMaker(cfg, bagel_cfg, pool, shapes_tokenizer(), vae)
+    t = time.perf_counter()
+
+    def record(bagel_log: list, final: bool) -> dict:
+        return {
+            "variant": VARIANT,
+            "final": final,
+            "config": cfg.to_dict(),
+            "latent_shift": shift, "latent_scale": scale,
+            "seconds_this_session": dict(times, bagel_s=round(time.perf_counter() - t, 1)),
+            "threads": torch.get_num_threads(),
+            "vae_log": vae_log,
+            "bagel_log": bagel_log,
+            "parameters": {"bagel": sum(p.numel() for p in model.parameters()),
+                           "vae": sum(p.numel() for p in vae.parameters())},
+        }
+
+    def snapshot(step: int, log: list) -> None:
+        export_checkpoint(model, vae, bagel_cfg, out, record(log, final=False))
+
+    bagel_log = train_bagel(model, maker, cfg, work, progress, snapshot)
+    info = record(bagel_log, final=True)
+    export_checkpoint(model, vae, bagel_cfg, out, info)
+    return info
