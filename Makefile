@@ -2,7 +2,8 @@
 PY ?= .venv/bin/python
 PIP_TORCH = torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup test bench bench-quick demo tiny clean host test-host test-all browser-deps bundled
+.PHONY: setup test bench bench-quick demo tiny clean host test-host test-all browser-deps bundled train calibrate \
+	quality quality-quick
 
 setup: .venv/.installed
 
@@ -25,14 +26,17 @@ bench-quick: setup
 HOST_DIR ?= .comfyhost
 export COMFYHOST_DIR = $(abspath $(HOST_DIR))
 BUNDLED = models/bagel/bagel-tiny
+SHAPES = models/bagel/unicache-shapes
 DEMO_OUT ?= out/demo
 BROWSER_DIR = tests/host/browser
 
 host: setup
 	tools/install_comfyhost.sh $(HOST_DIR)
 
-# The bundled default checkpoint in the pack's own model folder (ignored by git).
+# The pack's model folder: the trained default $(SHAPES) ships in git (checked here); the tiny random test
+# checkpoint $(BUNDLED) is written (ignored by git).
 bundled: $(BUNDLED)/ema.safetensors
+	@test -f $(SHAPES)/ema.safetensors || { echo "missing $(SHAPES) (shipped in git; or run make train)" >&2; exit 1; }
 $(BUNDLED)/ema.safetensors: | setup
 	$(PY) -m unicache_core.bagel.tiny $(BUNDLED)
 
@@ -58,6 +62,21 @@ demo: host bundled
 	  $(PY) -m nodes.batch $$wf --host $$($(PY) tools/comfyhost.py status --name demo --url) --count 1 \
 	    --seed-start 0 --out $(DEMO_OUT)/$$n --summary $(DEMO_OUT)/$$n/summary.json || rc=1; \
 	done; $(PY) tools/comfyhost.py stop --name demo; exit $$rc
+
+# The bundled model: the full training run (about 55 min on 2 cores; resumable: run it again after a stop),
+# its UniCache calibration, and the quality benchmark (docs/shapes.md).
+TRAIN_WORK ?= .train/unicache-shapes
+train: setup
+	$(PY) -m unicache_core.bagel.training $(SHAPES) --work $(TRAIN_WORK) --threads 2
+
+calibrate: setup
+	$(PY) -m unicache_core.bagel.training.calibration $(SHAPES)
+
+quality: setup
+	$(PY) -m benchmarks.quality --json out/quality.json
+
+quality-quick: setup
+	$(PY) -m benchmarks.quality --quick --json out/quality_quick.json
 
 tiny: setup
 	$(PY) -m unicache_core.bagel.tiny .tiny/bagel-tiny

@@ -113,6 +113,7 @@ def run_task(pipe: BagelPipeline, task: str, cfg: QualityConfig, full_outputs: d
             res = pipe.edit(src, edit.instruction, num_timesteps=cfg.num_timesteps, seed=seed % (1 << 32))
             out = image_array(res.image)
             judged["psnr_target"].append(psnr(out, tgt))
+            judged["psnr_source_as_output"].append(psnr(image_array(src), tgt))  # the do-nothing reference
             judged["psnr_unchanged"].append(psnr(out, tgt, unchanged_mask(image_array(src), tgt)))
             judged["success"].append(float(scenes_match(analyse(out), edit.target)))
             judged[f"success_{edit.kind}"].append(float(scenes_match(analyse(out), edit.target)))
@@ -230,6 +231,9 @@ def format_table(report: dict) -> str:
                     cells.append(f"{r['score']:8.3f} {ach:>6s}")
             lines.append(f"{method:13s} " + " ".join(cells) + " " + " ".join(detail))
         lines.append("")
+    if "edit" in full:
+        lines.append(f"edit reference: the unedited source scores {full['edit']['metrics']['psnr_source_as_output']:.2f} dB "
+                     "against the target (success 0)")
     cal = report["config"].get("calibration", {})
     if cal.get("agrees_with_paper") is not None:
         verdict = "agrees with the paper" if cal["agrees_with_paper"] else "differs from the paper: " + "; ".join(

@@ -41,9 +41,11 @@ class UniCacheBagelLoader:
     def INPUT_TYPES(cls):
         choices = checkpoint_choices()
         return {"required": {
-            "checkpoint": (choices, {"default": choices[0], "tooltip":
+            "checkpoint": (choices, {"default": host.BUNDLED_CHECKPOINT if host.BUNDLED_CHECKPOINT in choices
+                                     else choices[0], "tooltip":
                            "A checkpoint in models/bagel: an official folder (holding llm_config.json) or a single "
-                           ".safetensors file. `make bundled` writes the tiny test checkpoint `bagel-tiny`."}),
+                           ".safetensors file. The pack ships `unicache-shapes`, a small BAGEL trained on coloured "
+                           "shapes (prompts like 'a large red circle at the top left on a white background')."}),
             "dtype": (DTYPES, {"default": "auto", "tooltip":
                       "Weight dtype of BAGEL (the VAE always stays fp32). auto: bf16 on a GPU that supports it, "
                       "else fp32. BAGEL-7B needs about 15 GB in bf16/fp16 and 29 GB in fp32."}),

@@ -214,7 +214,10 @@ class UniCacheTextToImage:
         size = {"min": 16, "max": 1024, "step": 16}
         return {"required": {
             "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
-            "prompt": _prompt("a red cube on a wooden table", "What to draw."),
+            "prompt": _prompt("a large red circle at the top left on a white background",
+                              "What to draw. The bundled unicache-shapes model knows the shapes world: "
+                              "'a small blue square at the center and a large yellow triangle at the bottom right "
+                              "on a gray background' (docs/shapes.md)."),
             "width": ("INT", {"default": d.width, **size, "tooltip": "Output width in pixels (multiple of 16)."}),
             "height": ("INT", {"default": d.height, **size, "tooltip": "Output height in pixels (multiple of 16)."}),
             **_generation_inputs(d),
@@ -252,7 +255,10 @@ class UniCacheImageEdit:
         return {"required": {
             "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
             "image": ("IMAGE", {"tooltip": "The source image(s) to edit."}),
-            "prompt": _prompt("make it blue", "The edit instruction."),
+            "prompt": _prompt("make the red circle green",
+                              "The edit instruction. unicache-shapes knows: make the <colour> <shape> <colour>, move "
+                              "the <colour> <shape> to the <position>, add a <size> <colour> <shape> at the "
+                              "<position>, remove the <colour> <shape>, change the background to <colour>."),
             **_generation_inputs(EDIT_DEFAULTS),
         }, "optional": {
             "kv": KV_INPUT, "vae": VAE_INPUT,
@@ -304,7 +310,10 @@ class UniCacheUnderstand:
         lo, hi = TEMPERATURE_RANGE
         return {"required": {
             "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
-            "prompt": _prompt("Describe this image.", "The question or instruction."),
+            "prompt": _prompt("what color is the circle?",
+                              "The question or instruction. unicache-shapes answers: what color is the <shape>?, "
+                              "what shape is the <colour> object?, how many shapes are there?, where is the "
+                              "<colour> <shape>?, is there a <colour> <shape>?, what color is the background?"),
             "max_new_tokens": ("INT", {"default": d.max_new_tokens, "min": 1, "max": 32768, "step": 1,
                                        "tooltip": "Most answer tokens to decode."}),
             "do_sample": ("BOOLEAN", {"default": d.do_sample, "tooltip": "Sample tokens (else greedy)."}),

@@ -117,3 +117,15 @@ def test_tiny_writer_never_clobbers_a_foreign_folder(tmp_path):
     assert (tiny / "ema.safetensors").read_bytes() != first
     write_tiny_checkpoint(real, force=True)
     assert (real / "ema.safetensors").read_bytes() != b"precious"
+
+
+def test_bundled_model_is_the_default_checkpoint_and_answers(tmp_path):
+    """Without --checkpoint the CLI runs the bundled unicache-shapes model, which answers world questions."""
+    from unicache_core.shapes import Scene, Shape
+
+    image = tmp_path / "scene.png"
+    Scene("gray", (Shape("triangle", "yellow", "large", 4),)).render().save(image)
+    proc = _cli("understand", "--prompt", "what color is the triangle?", "--image", str(image), "--max-new-tokens",
+                "4", "--dtype", "fp32", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "yellow"

@@ -589,3 +589,13 @@ def test_only_host_module_imports_comfyui():
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
             offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in host_modules]
     assert offenders == []
+
+
+def test_bundled_checkpoint_name_is_the_libraries():
+    """The loader's default choice is the checkpoint the CLI defaults to (the names are kept in two places)."""
+    from nodes import host
+    from unicache_core.bagel.settings import BUNDLED_CHECKPOINT, BUNDLED_CHECKPOINT_DIR
+
+    assert host.BUNDLED_CHECKPOINT == BUNDLED_CHECKPOINT
+    assert BUNDLED_CHECKPOINT_DIR == host.PACK_BAGEL_DIR / BUNDLED_CHECKPOINT
+    assert (BUNDLED_CHECKPOINT_DIR / "llm_config.json").is_file(), "the bundled model must ship in git"

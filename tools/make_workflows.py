@@ -18,8 +18,12 @@ sys.path.insert(0, str(ROOT))
 from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
 
 WIDGET_KINDS = {"INT", "FLOAT", "STRING", "BOOLEAN"}
-CHECKPOINT = "bagel-tiny"
+CHECKPOINT = "unicache-shapes"  # the bundled model trained on the shapes world (docs/shapes.md)
 EXAMPLE_IMAGE = "unicache_example.png"
+#: Prompts in the bundled model's language; the example image is ``example_scene()``.
+T2I_PROMPT = "a large red circle at the top left and a small blue square at the center on a white background"
+EDIT_PROMPT = "make the red circle green"
+QUESTION = "what color is the triangle?"
 # core nodes: (socket inputs [(name, type)], widget names, outputs [(name, type)])
 CORE = {
     "LoadImage": ([], ["image", "upload"], [("IMAGE", "IMAGE"), ("MASK", "MASK")]),
@@ -131,7 +135,7 @@ def workflows() -> dict[str, list[dict]]:
         _loader(), _kv(2),
         {"id": 3, "type": "UniCacheTextToImage", "pos": (420, 80), "size": (360, 520),
          "links": {"model": (1, 0), "kv": (2, 0)},
-         "widgets": {"prompt": "a red cube on a wooden table", "width": 128, "height": 128, **_flow(8, 42, False)}},
+         "widgets": {"prompt": T2I_PROMPT, "width": 128, "height": 128, **_flow(25, 42, False)}},
         {"id": 4, "type": "SaveImage", "pos": (820, 80), "size": (320, 320), "links": {"images": (3, 0)},
          "widgets": {"filename_prefix": "unicache/t2i"}},
         _report(5, 3, (820, 440)),
@@ -142,7 +146,7 @@ def workflows() -> dict[str, list[dict]]:
         _loader(), _kv(2), _load_image(3),
         {"id": 4, "type": "UniCacheImageEdit", "pos": (420, 80), "size": (360, 520),
          "links": {"model": (1, 0), "image": (3, 0), "kv": (2, 0)},
-         "widgets": {"prompt": "make the sky purple", **_flow(5, 42, True)}},
+         "widgets": {"prompt": EDIT_PROMPT, **_flow(25, 42, True)}},
         {"id": 5, "type": "SaveImage", "pos": (820, 80), "size": (320, 320), "links": {"images": (4, 0)},
          "widgets": {"filename_prefix": "unicache/edit"}},
         _report(6, 4, (820, 440)),
@@ -153,7 +157,7 @@ def workflows() -> dict[str, list[dict]]:
         _loader(), _kv(2), _load_image(3),
         {"id": 4, "type": "UniCacheUnderstand", "pos": (420, 80), "size": (360, 360),
          "links": {"model": (1, 0), "image": (3, 0), "kv": (2, 0)},
-         "widgets": {"prompt": "Describe this image.", "max_new_tokens": 32, "do_sample": False, "temperature": 0.3,
+         "widgets": {"prompt": QUESTION, "max_new_tokens": 8, "do_sample": False, "temperature": 0.3,
                      "seed": 0, "think": False}},
         _report(5, None, (820, 80)),
         {"id": 6, "type": "PreviewImage", "pos": (1280, 80), "size": (420, 320), "links": {"images": (5, 0)},
@@ -165,10 +169,10 @@ def workflows() -> dict[str, list[dict]]:
         _load_image(4, (40, 700)),
         {"id": 5, "type": "UniCacheImageEdit", "pos": (420, 80), "size": (360, 520), "title": "Edit A (full KV)",
          "links": {"model": (1, 0), "image": (4, 0), "kv": (2, 0)},
-         "widgets": {"prompt": "make the sky purple", **_flow(5, 42, True)}},
+         "widgets": {"prompt": EDIT_PROMPT, **_flow(25, 42, True)}},
         {"id": 6, "type": "UniCacheImageEdit", "pos": (420, 640), "size": (360, 520), "title": "Edit B (UniCache KV)",
          "links": {"model": (1, 0), "image": (4, 0), "kv": (3, 0)},
-         "widgets": {"prompt": "make the sky purple", **_flow(5, 42, True)}},
+         "widgets": {"prompt": EDIT_PROMPT, **_flow(25, 42, True)}},
         {"id": 7, "type": "SaveImage", "pos": (820, 80), "size": (320, 320), "title": "A: full",
          "links": {"images": (5, 0)}, "widgets": {"filename_prefix": "unicache/ab_full"}},
         {"id": 8, "type": "SaveImage", "pos": (820, 640), "size": (320, 320), "title": "B: unicache",
@@ -179,21 +183,17 @@ def workflows() -> dict[str, list[dict]]:
     return {"text_to_image": t2i, "image_edit": edit, "understanding": und, "ab_edit_full_vs_unicache": ab}
 
 
-def example_image(path: Path) -> None:
-    """A 128x96 scene (sky, sun, hill, house) whose parts an edit prompt can name."""
-    from PIL import Image, ImageDraw
+def example_scene():
+    """The example input: three shapes of the world the bundled model knows (docs/shapes.md)."""
+    from unicache_core.shapes import Scene, Shape
 
-    img = Image.new("RGB", (128, 96))
-    draw = ImageDraw.Draw(img)
-    for y in range(96):
-        draw.line([(0, y), (127, y)], fill=(90 + y, 150 + y // 2, 235))
-    draw.ellipse([92, 8, 116, 32], fill=(255, 214, 64))
-    draw.ellipse([-40, 58, 170, 150], fill=(70, 160, 70))
-    draw.rectangle([30, 50, 62, 76], fill=(200, 60, 50))
-    draw.polygon([(26, 50), (46, 34), (66, 50)], fill=(120, 60, 40))
-    draw.rectangle([42, 62, 50, 76], fill=(80, 50, 30))
+    return Scene("white", (Shape("circle", "red", "large", 0), Shape("square", "blue", "small", 4),
+                           Shape("triangle", "yellow", "large", 8)))
+
+
+def example_image(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path, optimize=True)
+    example_scene().render().save(path, optimize=True)
 
 
 def main() -> int:

@@ -21,7 +21,8 @@ from hostlib import (
 
 pytestmark = pytest.mark.host
 
-BUNDLED_NAME = "bagel-tiny"
+BUNDLED_NAME = "bagel-tiny"  # the tiny random test checkpoint (fast graphs)
+SHAPES_NAME = "unicache-shapes"  # the trained default the shipped workflows use
 CORRUPT_NAME = "corrupt-tiny"
 
 #: docs/nodepack-contract.md: node id -> (inputs, output types, output node?).
@@ -86,11 +87,14 @@ def test_object_info_lists_contract_node(info, node_id):
         assert opts.get("tooltip"), f"{node_id}.{name} has no tooltip"
 
 
-def test_loader_offers_bundled_checkpoint(info):
-    choices = info["UniCacheBagelLoader"]["input"]["required"]["checkpoint"][0]
+def test_loader_offers_bundled_checkpoints(info):
+    """The trained unicache-shapes model is offered and is the default; the tiny test checkpoint is offered too."""
+    spec = info["UniCacheBagelLoader"]["input"]["required"]["checkpoint"]
+    choices, opts = spec[0], spec[1] if len(spec) > 1 else {}
     if choices == "COMBO":
-        choices = info["UniCacheBagelLoader"]["input"]["required"]["checkpoint"][1]["options"]
-    assert any(c.rsplit("/", 1)[-1].startswith(BUNDLED_NAME) for c in choices), choices
+        choices = opts["options"]
+    assert SHAPES_NAME in choices and any(c.rsplit("/", 1)[-1].startswith(BUNDLED_NAME) for c in choices), choices
+    assert opts.get("default") == SHAPES_NAME, opts
 
 
 def test_seed_inputs_are_64_bit(info):
@@ -135,6 +139,42 @@ def test_shipped_api_workflow_runs(comfy, name):
     assert entry["status"]["status_str"] == "success", describe(entry)
     counts = _outputs_check(comfy, entry)
     print(f"{name}: {time.monotonic() - t0:.1f} s, {counts}")
+
+
+def _image(comfy, entry: dict, node: str):
+    from PIL import Image
+
+    with Image.open(io.BytesIO(comfy.view(entry["outputs"][node]["images"][0]))) as im:
+        return im.convert("RGB")
+
+
+def test_shipped_workflows_draw_and_answer_right(comfy):
+    """On the bundled unicache-shapes model (UniCache KV), the shipped workflows do what they say: the t2i image
+    shows the prompted shapes where the prompt puts them, the edit gives the target scene, the answer is right."""
+    from unicache_core.shapes import Scene, Shape, analyse, judge_t2i, scenes_match
+
+    t2i = load_api_workflow("text_to_image")
+    scene = Scene("white", (Shape("circle", "red", "large", 0), Shape("square", "blue", "small", 4)))
+    assert t2i["3"]["inputs"]["prompt"] == scene.caption() and t2i["1"]["inputs"]["checkpoint"] == "unicache-shapes"
+    entry = comfy.run(t2i)
+    assert entry["status"]["status_str"] == "success", describe(entry)
+    judged = judge_t2i(_image(comfy, entry, "4"), scene)
+    assert judged.correct, (judged, analyse(_image(comfy, entry, "4")))
+
+    edit = load_api_workflow("image_edit")
+    assert edit["4"]["inputs"]["prompt"] == "make the red circle green"
+    entry = comfy.run(edit)
+    assert entry["status"]["status_str"] == "success", describe(entry)
+    target = Scene("white", (Shape("circle", "green", "large", 0), Shape("square", "blue", "small", 4),
+                             Shape("triangle", "yellow", "large", 8)))
+    got = analyse(_image(comfy, entry, "5"))
+    assert scenes_match(got, target), got
+
+    und = load_api_workflow("understanding")
+    assert und["4"]["inputs"]["prompt"] == "what color is the triangle?"
+    entry = comfy.run(und)
+    assert entry["status"]["status_str"] == "success", describe(entry)
+    assert entry["outputs"]["4"]["text"][0].strip() == "yellow", entry["outputs"]["4"]
 
 
 # ----------------------------------------------------------------------------------------- queueing

@@ -20,7 +20,7 @@ import torch
 from ..errors import UniCacheError
 from .cli_checks import open_image as _open_image  # noqa: F401  (the tests' entry point for image decoding)
 from .cli_checks import preflight, save_image
-from .settings import EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
+from .settings import BUNDLED_CHECKPOINT, BUNDLED_CHECKPOINT_DIR, EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
 from ..cli import OneLineParser as _Parser, path_arg as _path
 
 logger = logging.getLogger("unicache_core.bagel.cli")
@@ -37,7 +37,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--checkpoint", required=True, type=_path, help="BAGEL checkpoint folder")
+        p.add_argument("--checkpoint", type=_path, default=None,
+                       help=f"BAGEL checkpoint folder (default: the bundled {BUNDLED_CHECKPOINT})")
         text = p.add_mutually_exclusive_group(required=True)
         text.add_argument("--prompt", help="text prompt")
         text.add_argument("--prompt-file", type=_path, help="read the prompt from a UTF-8 text file")
@@ -144,6 +145,8 @@ def _run(args: argparse.Namespace) -> int:
     from .loader import load_bagel
     from .pipeline import BagelPipeline
 
+    if args.checkpoint is None:
+        args.checkpoint = BUNDLED_CHECKPOINT_DIR
     kwargs = _request_kwargs(args)
     checked = preflight(args, kwargs)  # every argument, the image and --out: before any weights load
     kv_config = _kv_config(args)  # every KV flag is checked before the model loads

@@ -7,6 +7,12 @@ read these presets; :func:`preset` returns the one of a task.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+#: The bundled default checkpoint (a small BAGEL trained on the shapes world, docs/shapes.md), shipped in the
+#: repository's ``models/bagel/``; the CLI's default ``--checkpoint`` and the loader node's default choice.
+BUNDLED_CHECKPOINT = "unicache-shapes"
+BUNDLED_CHECKPOINT_DIR = Path(__file__).resolve().parents[2] / "models" / "bagel" / BUNDLED_CHECKPOINT
 
 
 @dataclass(frozen=True)
@@ -58,5 +64,5 @@ def preset(task: str) -> GenerationSettings | UnderstandingSettings:
     return _PRESETS[task]
 
 
-__all__ = ["EDIT_DEFAULTS", "GenerationSettings", "T2I_DEFAULTS", "UNDERSTANDING_DEFAULTS", "UnderstandingSettings",
+__all__ = ["BUNDLED_CHECKPOINT", "BUNDLED_CHECKPOINT_DIR", "EDIT_DEFAULTS", "GenerationSettings", "T2I_DEFAULTS", "UNDERSTANDING_DEFAULTS", "UnderstandingSettings",
            "preset"]
