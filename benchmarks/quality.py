@@ -53,6 +53,18 @@ TARGETS: tuple[tuple[str, dict[str, float]], ...] = (
 )
 #: Disjoint held-out seed blocks per task (all inside EVAL_SEEDS).
 _SEED_OFFSET = {"und": 0, "t2i": 1 << 20, "edit": 2 << 20}
+#: The row of unicache run with the shipped paper table instead of the checkpoint's calibrated one.
+PAPER_ROW = "unicache_paper_table"
+
+
+def paper_table_for(checkpoint: Path):
+    """The paper's assignment (instruction and ViT evicted, VAE quantized) as a table for this checkpoint."""
+    import dataclasses
+
+    from unicache_core.methods.registry import paper_policy_table
+    from unicache_core.model_id import model_id_of
+
+    return dataclasses.replace(paper_policy_table(), model_id=model_id_of(checkpoint))
 
 
 @dataclass
@@ -60,10 +72,14 @@ class QualityConfig:
     checkpoint: str = str(DEFAULT_CHECKPOINT)
     methods: tuple[str, ...] = METHODS
     tasks: tuple[str, ...] = TASKS
-    samples: dict = field(default_factory=lambda: {"und": 120, "t2i": 48, "edit": 48})
+    samples: dict = field(default_factory=lambda: {"und": 120, "t2i": 32, "edit": 32})
     num_timesteps: int = 25
     targets: tuple[str, ...] = ("paper", "robust")
     threads: int = 0
+    paper_table_row: bool = True  # also run unicache with the paper's policy table (next to the calibrated one)
+    #: full-precision residual rows of quantized segments. The library default (32) suits BAGEL-7B's long
+    #: contexts; a 64-token image would keep half its rows in full precision and never reach the target.
+    kivi_residual: int = 4
 
 
 QUICK = dict(samples={"und": 36, "t2i": 8, "edit": 8}, num_timesteps=12, targets=("paper",))
@@ -170,12 +186,15 @@ def run(cfg: QualityConfig) -> dict:
             logger.info("%s full: score %.4f (%.0fs)", task, results[-1]["score"], results[-1]["seconds"])
             for target_name in cfg.targets:
                 reduction = dict(TARGETS)[target_name][task]
-                for method in cfg.methods:
-                    if method == "full":
-                        continue
+                runs = [m for m in cfg.methods if m != "full"]
+                if "unicache" in runs and cfg.paper_table_row:
+                    runs.insert(runs.index("unicache") + 1, PAPER_ROW)
+                for method in runs:
                     t0 = time.perf_counter()
-                    factory = make_cache_factory(method, checkpoint_dir=str(checkpoint),
-                                                 kv_target=round(1.0 - reduction, 6))
+                    kw = {"policy": paper_table_for(checkpoint)} if method == PAPER_ROW else {}
+                    factory = make_cache_factory("unicache" if method == PAPER_ROW else method,
+                                                 checkpoint_dir=str(checkpoint), kv_target=round(1.0 - reduction, 6),
+                                                 kivi_residual=cfg.kivi_residual, **kw)
                     metrics, _, reports = run_task(BagelPipeline(loaded, factory), task, cfg, full_out)
                     row = {"task": task, "method": method, "target_reduction": reduction,
                            "achieved_reduction": _reduction(reports), "score": _score(task, metrics),
@@ -206,9 +225,11 @@ def format_table(report: dict) -> str:
         head = (f"[{name}: und {reductions['und']:.0%}, t2i {reductions['t2i']:.0%}, edit {reductions['edit']:.0%} "
                 "reduction; achieved in brackets]")
         lines.append(head)
-        lines.append(f"{'method':13s} {'und acc':>15s} {'t2i acc':>15s} {'edit PSNR':>16s} {'unchanged':>9s} "
+        lines.append(f"{'method':21s} {'und acc':>15s} {'t2i acc':>15s} {'edit PSNR':>16s} {'unchanged':>9s} "
                      f"{'success':>7s} {'to full':>7s}")
-        methods = ["full"] + [m for m in report["config"]["methods"] if m != "full"]
+        methods = ["full"] + sorted({r["method"] for r in rows if r["method"] != "full"},
+                                    key=lambda m: ([*report["config"]["methods"], PAPER_ROW].index(m)
+                                                   if m != PAPER_ROW else report["config"]["methods"].index("unicache") + 0.5))
         for method in methods:
             cells = []
             detail = ("", "", "")
@@ -229,7 +250,7 @@ def format_table(report: dict) -> str:
                               f"{m.get('psnr_to_full', float('nan')):7.2f}" if method != "full" else f"{'':7s}")
                 else:
                     cells.append(f"{r['score']:8.3f} {ach:>6s}")
-            lines.append(f"{method:13s} " + " ".join(cells) + " " + " ".join(detail))
+            lines.append(f"{method:21s} " + " ".join(cells) + " " + " ".join(detail))
         lines.append("")
     if "edit" in full:
         lines.append(f"edit reference: the unedited source scores {full['edit']['metrics']['psnr_source_as_output']:.2f} dB "

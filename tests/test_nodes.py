@@ -316,7 +316,7 @@ def test_workflow_valid_and_api_matches(name, host_stubs):
         if node["class_type"] == "LoadImage":
             assert (WORKFLOWS / "assets" / node["inputs"]["image"]).is_file()
         if node["class_type"] == "UniCacheBagelLoader":
-            assert node["inputs"]["checkpoint"] == TINY_NAME
+            assert node["inputs"]["checkpoint"] == "unicache-shapes"  # the bundled trained model
     assert problems == []
     assert converted == {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in api.items()}
 

@@ -37,6 +37,10 @@ def test_train_resume_export_and_load(tmp_path):
     assert _state_step(work / "bagel_state.safetensors") == 6
     assert [row[0] for row in info["bagel_log"]] == [4, 6]
     assert info["latent_scale"] > 0
+    # a finished run only re-exports (no pool is encoded again); seconds add up over the sessions
+    again = run(out, work, _cfg(steps=6, vae_steps=4))
+    assert again["bagel_log"] == info["bagel_log"] and again["seconds"]["pool_s"] <= info["seconds"]["pool_s"] + 0.5
+    assert again["seconds"]["sessions"] == 3 and again["seconds"]["vae_s"] >= info["seconds"]["vae_s"]
     loaded = load_bagel(out, dtype=torch.float32)
     assert loaded.config.ae.scale_factor == info["latent_scale"]
     assert loaded.config.transforms.vae.max_size == 128

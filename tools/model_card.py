@@ -23,8 +23,8 @@ def _loss_rows(log: list, names: list[str], every: int) -> list[str]:
 
 def card(training: dict, quality: dict | None) -> str:
     cfg = training["config"]
-    sec = training["seconds_this_session"]
-    total_min = sum(sec.values()) / 60
+    sec = training["seconds"]
+    total_min = (sec["vae_s"] + sec["pool_s"] + sec["bagel_s"]) / 60
     params = training["parameters"]
     rec = training.get("vae_reconstruction", {})
     lines = [

@@ -116,6 +116,16 @@ def save_state(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, 
     _atomic_save(tensors, path, {"step": step, "adam_steps": steps, "log": log})
 
 
+def _saved_step(path: Path) -> int:
+    """The step of a saved state (0 when there is none)."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return 0
+    with safe_open(str(path), "pt") as f:
+        return int(json.loads(f.metadata()["state"])["step"])
+
+
 def load_state(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[int, list]:
     from safetensors import safe_open
 
@@ -407,10 +417,20 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
     bagel_cfg = shapes_config(vocab_size, **cfg.model)
     torch.manual_seed(cfg.seed)
     model, vae = build_models(bagel_cfg, cfg.seed)
-    times = {}
+    # seconds per stage over every session of this run (a resumed run adds to them)
+    times_path = work / "times.json"
+    times = {"vae_s": 0.0, "pool_s": 0.0, "bagel_s": 0.0, "sessions": 0}
+    if times_path.is_file():
+        times.update(json.loads(times_path.read_text(encoding="utf-8")))
+    times["sessions"] += 1
+
+    def add_time(stage: str, start: float) -> None:
+        times[stage] = round(times[stage] + time.perf_counter() - start, 1)
+        times_path.write_text(json.dumps(times, indent=2) + "\n", encoding="utf-8")
+
     t = time.perf_counter()
     vae_log = train_vae(vae, cfg, work, progress)
-    times["vae_s"] = round(time.perf_counter() - t, 1)
+    add_time("vae_s", t)
     for p in vae.parameters():
         p.requires_grad_(False)
     vae_quality = reconstruction_quality(vae)
@@ -422,8 +442,10 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
     vae.shift_factor, vae.scale_factor = shift, scale
     model.config = bagel_cfg
     t = time.perf_counter()
-    pool = build_pool(vae, cfg.pool_size, progress)
-    times["pool_s"] = round(time.perf_counter() - t, 1)
+    done = _saved_step(work / "bagel_state.safetensors") >= cfg.steps
+    # a finished (or stopped-early) stage 2 only re-exports: its pool is not encoded again
+    pool = Pool([], torch.zeros(0), torch.zeros(0)) if done else build_pool(vae, cfg.pool_size, progress)
+    add_time("pool_s", t)
     maker = SampleMaker(cfg, bagel_cfg, pool, shapes_tokenizer(), vae)
     t = time.perf_counter()
 
@@ -434,7 +456,7 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
             "config": cfg.to_dict(),
             "latent_shift": shift, "latent_scale": scale,
             "vae_reconstruction": vae_quality,
-            "seconds_this_session": dict(times, bagel_s=round(time.perf_counter() - t, 1)),
+            "seconds": dict(times, bagel_s=round(times["bagel_s"] + time.perf_counter() - t, 1)),
             "threads": torch.get_num_threads(),
             "vae_log": vae_log,
             "bagel_log": bagel_log,
@@ -447,5 +469,6 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
 
     bagel_log = train_bagel(model, maker, cfg, work, progress, snapshot)
     info = record(bagel_log, final=True)
+    add_time("bagel_s", t)
     export_checkpoint(model, vae, bagel_cfg, out, info)
     return info
