@@ -1,0 +1,36 @@
+"""benchmarks.quality runs end to end on the bundled model and writes the documented JSON schema."""
+
+import json
+
+from benchmarks.quality import DEFAULT_CHECKPOINT, PAPER_ROW, QualityConfig, format_table, main, run
+
+
+def test_quality_report_schema_and_scores(tmp_path):
+    cfg = QualityConfig(checkpoint=str(DEFAULT_CHECKPOINT), methods=("full", "unicache", "h2o"),
+                        samples={"und": 3, "t2i": 1, "edit": 1}, num_timesteps=3, targets=("paper",))
+    report = run(cfg)
+    rows = report["results"]
+    assert {(r["task"], r["method"]) for r in rows} == {(t, m) for t in ("und", "t2i", "edit")
+                                                        for m in ("full", "unicache", PAPER_ROW, "h2o")}
+    for r in rows:
+        assert set(r) >= {"task", "method", "target_reduction", "achieved_reduction", "score", "metrics"}
+        headline = r["metrics"]["psnr_target"] if r["task"] == "edit" else r["metrics"]["accuracy"]
+        assert r["score"] == headline
+        if r["method"] == "full":
+            assert r["target_reduction"] == 0.0 and r["achieved_reduction"] == 0.0
+        else:
+            assert r["target_reduction"] == {"und": 0.8, "t2i": 0.6, "edit": 0.8}[r["task"]]
+    h2o_edit = next(r for r in rows if r["task"] == "edit" and r["method"] == "h2o")
+    assert 0.75 <= h2o_edit["achieved_reduction"] <= 0.85  # the baseline meets its memory target
+    assert report["config"]["calibration"]["agrees_with_paper"] is not None  # the shipped table is checked
+    assert "full" in format_table(report) and "h2o" in format_table(report)
+
+
+def test_cli_rejects_bad_arguments(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--checkpoint", str(tmp_path), "--quick"])
+    assert exc.value.code == 2 and "not a BAGEL checkpoint folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--methods", "nope"])
