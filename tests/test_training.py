@@ -16,7 +16,7 @@ SMALL = dict(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64, vit_hidd
 
 
 def _cfg(**kw):
-    base = dict(model=SMALL, vae_steps=4, vae_batch=2, pool_size=8, steps=4, batch={"t2i": 2, "edit": 2, "und": 2},
+    base = dict(model=SMALL, vae_steps=4, vae_batch=2, pool_size=8, steps=4, stop_at=0, batch={"t2i": 2, "edit": 2, "und": 2},
                 save_every=2, warmup=2)
     base.update(kw)
     return TrainConfig(**base)
@@ -41,6 +41,9 @@ def test_train_resume_export_and_load(tmp_path):
     again = run(out, work, _cfg(steps=6, vae_steps=4))
     assert again["bagel_log"] == info["bagel_log"] and again["seconds"]["pool_s"] <= info["seconds"]["pool_s"] + 0.5
     assert again["seconds"]["sessions"] == 3 and again["seconds"]["vae_s"] >= info["seconds"]["vae_s"]
+    # a longer schedule stopped where the saved state is: nothing more is trained, the config records both
+    stopped = run(out, work, _cfg(steps=10, stop_at=6, vae_steps=4))
+    assert stopped["bagel_log"] == info["bagel_log"] and stopped["config"]["stop_at"] == 6
     loaded = load_bagel(out, dtype=torch.float32)
     assert loaded.config.ae.scale_factor == info["latent_scale"]
     assert loaded.config.transforms.vae.max_size == 128

@@ -27,6 +27,15 @@ def card(training: dict, quality: dict | None) -> str:
     total_min = (sec["vae_s"] + sec["pool_s"] + sec["bagel_s"]) / 60
     params = training["parameters"]
     rec = training.get("vae_reconstruction", {})
+    stop = min(cfg["steps"], cfg.get("stop_at") or cfg["steps"])
+    stopped = [] if stop == cfg["steps"] else [
+        f"The learning-rate schedule is laid out for {cfg['steps']} BAGEL steps; the run stops at step {stop}",
+        "(`stop_at`) to stay under 60 minutes, because the VAE and the pool encoding took longer than",
+        "estimated. The first attempt, with a 32-channel VAE, was abandoned after its VAE stage: with one",
+        "channel per group, the 32-group norms lose flat colours, and the analyser could read only 2 of 40",
+        "reconstructions.",
+        "",
+    ]
     lines = [
         "# unicache-shapes: a small BAGEL trained on the shapes world",
         "",
@@ -64,10 +73,11 @@ def card(training: dict, quality: dict | None) -> str:
         "",
         "## Training",
         "",
+        *stopped,
         f"- Command: `make train` (= `python -m unicache_core.bagel.training models/bagel/unicache-shapes`),",
         f"  with {training['threads']} torch threads on the project's 2-core CPU machine.",
         f"- VAE: {cfg['vae_steps']} steps in {sec['vae_s'] / 60:.1f} min. Pool encoding: {sec['pool_s'] / 60:.1f} min.",
-        f"  BAGEL: {cfg['steps']} steps in {sec['bagel_s'] / 60:.1f} min. Total: {total_min:.1f} min.",
+        f"  BAGEL: {stop} steps in {sec['bagel_s'] / 60:.1f} min. Total: {total_min:.1f} min.",
         f"- AdamW with lr {cfg['lr']}, {cfg['warmup']} warmup steps, cosine decay to {cfg['min_lr_ratio']} of lr,",
         f"  weight decay {cfg['weight_decay']}, gradient clip {cfg['grad_clip']}.",
         f"- Loss: MSE of the flow velocity + {cfg['ce_weight']} x CE on the answer tokens. The timestep is",

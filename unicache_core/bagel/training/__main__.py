@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=path_arg, default=None, help="resumable state folder (default OUT_DIR.work)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--vae-steps", type=int, default=defaults.vae_steps)
-    parser.add_argument("--steps", type=int, default=defaults.steps, help="BAGEL optimiser steps")
+    parser.add_argument("--steps", type=int, default=defaults.steps,
+                        help="BAGEL optimiser steps the learning-rate schedule is laid out for")
+    parser.add_argument("--stop-at", type=int, default=defaults.stop_at,
+                        help=f"stop and export at this BAGEL step (default {defaults.stop_at}, as the shipped run; "
+                             "0 = --steps)")
     parser.add_argument("--pool", type=int, default=defaults.pool_size, help="edit pairs encoded for training")
     parser.add_argument("--save-every", type=int, default=defaults.save_every)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
@@ -53,8 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("vae_steps", "steps", "pool", "save_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.stop_at < 0:
+        parser.error(f"--stop-at must be >= 0 (0 = --steps), got {args.stop_at}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = TrainConfig(seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, pool_size=args.pool,
+    cfg = TrainConfig(seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, stop_at=args.stop_at, pool_size=args.pool,
                       save_every=args.save_every, threads=args.threads)
     out = Path(args.out_dir)
     work = Path(args.work) if args.work else out.with_name(out.name + ".work")

@@ -65,7 +65,9 @@ class TrainConfig:
     vae_kl: float = 1e-6
     pool_size: int = 6000
     timestep_shift: float = 2.0  # t = s u / (1 + (s - 1) u), u = sigmoid(N(0, 1)): more weight on noisy steps
-    steps: int = 3600
+    steps: int = 3600  # the length the learning-rate schedule is laid out for
+    stop_at: int = 3000  # stop (and export) at this step; 0 = ``steps``. The shipped run stopped at 3000 to stay
+    # within 60 minutes on the 2-core machine (the VAE and the pool took longer than planned)
     batch: dict = field(default_factory=lambda: {"t2i": 16, "edit": 12, "und": 16})
     lr: float = 1.5e-3
     warmup: int = 100
@@ -77,6 +79,11 @@ class TrainConfig:
     grad_clip: float = 1.0
     save_every: int = 500
     threads: int = 0  # 0: torch's default
+
+    @property
+    def last_step(self) -> int:
+        """The step stage 2 ends at (``stop_at`` when set, else ``steps``)."""
+        return min(self.steps, self.stop_at) if self.stop_at else self.steps
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -365,7 +372,8 @@ def train_bagel(model: Bagel, maker: SampleMaker, cfg: TrainConfig, work: Path,
     model.train()
     window: list[tuple[float, float, float]] = []
     t0 = time.perf_counter()
-    while step < cfg.steps:
+    last = cfg.last_step
+    while step < last:
         batch = pack(maker.draw(step), start_id=tok.start_of_image, end_id=tok.end_of_image,
                      vit_patch=model.config.vit.patch_size, max_latent_size=model.config.max_latent_size)
         for g in opt.param_groups:
@@ -377,17 +385,17 @@ def train_bagel(model: Bagel, maker: SampleMaker, cfg: TrainConfig, work: Path,
         opt.step()
         step += 1
         window.append((float(loss.detach()), mse, ce))
-        if step % 25 == 0 or step == cfg.steps:
+        if step % 25 == 0 or step == last:
             m = [round(sum(w[i] for w in window) / len(window), 5) for i in range(3)]
             log.append([step, *m])
             window.clear()
-            logger.info("bagel step %d/%d loss %.4f mse %.4f ce %.4f (%.1fs)", step, cfg.steps, *m,
+            logger.info("bagel step %d/%d loss %.4f mse %.4f ce %.4f (%.1fs)", step, last, *m,
                         time.perf_counter() - t0)
         if progress is not None:
-            progress("bagel", step, cfg.steps)
-        if step % cfg.save_every == 0 or step == cfg.steps:
+            progress("bagel", step, last)
+        if step % cfg.save_every == 0 or step == last:
             save_state(path, model, opt, step, log)
-            if snapshot is not None and step < cfg.steps:
+            if snapshot is not None and step < last:
                 model.eval()
                 snapshot(step, log)
                 model.train()
@@ -442,7 +450,7 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
     vae.shift_factor, vae.scale_factor = shift, scale
     model.config = bagel_cfg
     t = time.perf_counter()
-    done = _saved_step(work / "bagel_state.safetensors") >= cfg.steps
+    done = _saved_step(work / "bagel_state.safetensors") >= cfg.last_step
     # a finished (or stopped-early) stage 2 only re-exports: its pool is not encoded again
     pool = Pool([], torch.zeros(0), torch.zeros(0)) if done else build_pool(vae, cfg.pool_size, progress)
     add_time("pool_s", t)
