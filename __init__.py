@@ -13,8 +13,17 @@ try:
 except ImportError:
     sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
-from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
-from .nodes import host as _host
+if __package__:  # ComfyUI (and any import by package name)
+    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+    from .nodes import host as _host
+else:
+    # Imported as a plain top-level module: pytest sets the checkout folder up as a package and, when the
+    # folder's name is not an identifier (e.g. "comfyui-unicache-bagel"), imports this file as "__init__".
+    _here = os.path.dirname(os.path.abspath(__file__))
+    if _here not in sys.path:
+        sys.path.append(_here)
+    from nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+    from nodes import host as _host
 
 try:
     _host.register_folders()  # the `bagel` and `unicache_policies` model folders

@@ -81,3 +81,16 @@ def test_compression_core_never_imports_the_bagel_engine():
     import json
 
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_pack_entry_imports_as_a_plain_module():
+    """pytest imports the checkout's ``__init__.py`` as a top-level "__init__" when the folder name is not an
+    identifier (a clone into "comfyui-unicache-bagel"); the entry must still import there."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "__init__.py"
+    spec = importlib.util.spec_from_file_location("__init__", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert "UniCacheBagelLoader" in module.NODE_CLASS_MAPPINGS and module.WEB_DIRECTORY == "./web"
