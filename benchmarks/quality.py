@@ -131,8 +131,9 @@ def run_task(pipe: BagelPipeline, task: str, cfg: QualityConfig, full_outputs: d
             judged["psnr_target"].append(psnr(out, tgt))
             judged["psnr_source_as_output"].append(psnr(image_array(src), tgt))  # the do-nothing reference
             judged["psnr_unchanged"].append(psnr(out, tgt, unchanged_mask(image_array(src), tgt)))
-            judged["success"].append(float(scenes_match(analyse(out), edit.target)))
-            judged[f"success_{edit.kind}"].append(float(scenes_match(analyse(out), edit.target)))
+            success = float(scenes_match(analyse(out), edit.target))
+            judged["success"].append(success)
+            judged[f"success_{edit.kind}"].append(success)
         outputs[seed] = image_array(res.image)
         reports.append(res.kv_report)
     metrics = {k: round(statistics.fmean(v), 4) for k, v in sorted(judged.items())}
@@ -227,9 +228,7 @@ def format_table(report: dict) -> str:
         lines.append(head)
         lines.append(f"{'method':21s} {'und acc':>15s} {'t2i acc':>15s} {'edit PSNR':>16s} {'unchanged':>9s} "
                      f"{'success':>7s} {'to full':>7s}")
-        methods = ["full"] + sorted({r["method"] for r in rows if r["method"] != "full"},
-                                    key=lambda m: ([*report["config"]["methods"], PAPER_ROW].index(m)
-                                                   if m != PAPER_ROW else report["config"]["methods"].index("unicache") + 0.5))
+        methods = list(dict.fromkeys(r["method"] for r in rows))  # run order: full, unicache, its paper row, ...
         for method in methods:
             cells = []
             detail = ("", "", "")
