@@ -84,3 +84,36 @@ def test_packed_batch_masks_follow_bagel_blocks():
     assert batch.mse_slots.numel() == batch.mse_targets.shape[0] == 64 * 4
     answer = samples["und"][0].blocks[2].ids
     assert batch.ce_targets[: len(answer) - 1].tolist() == answer[1:]
+
+
+def test_unit_input_init_scales_the_image_input_path_only():
+    files, _, vocab, _, _ = shapes_tokenizer_files()
+    cfg = shapes_config(vocab)
+    plain_model, plain_vae = build_models(cfg, 0)
+    model, vae = build_models(cfg, 0, unit_input_init=True)
+    for weight in (model.connector.fc1.weight, model.vae2llm.weight):
+        assert abs(float(weight.std()) * weight.shape[1] ** 0.5 - 1.0) < 0.1
+    assert abs(float(plain_model.vae2llm.weight.std()) - 0.02) < 0.003  # the default: N(0, 0.02)
+    # the LLM and the VAE are unchanged: the input path draws from its own stream
+    q, plain_q = (m.language_model.model.layers[0].self_attn.q_proj.weight for m in (model, plain_model))
+    assert torch.equal(q, plain_q) and abs(float(q.std()) - 0.02) < 0.002
+    assert all(torch.equal(a, b) for a, b in zip(vae.state_dict().values(), plain_vae.state_dict().values()))
+
+
+def test_vae_from_a_finished_run_replaces_stage_one(tmp_path):
+    import pytest
+    from safetensors.torch import load_file
+
+    first = run(tmp_path / "a", tmp_path / "a.work", _cfg())
+    second = run(tmp_path / "b", tmp_path / "b.work", _cfg(vae_from=str(tmp_path / "a")))
+    assert not (tmp_path / "b.work" / "vae_state.safetensors").exists()  # no VAE step was trained
+    a, b = load_file(str(tmp_path / "a" / "ae.safetensors")), load_file(str(tmp_path / "b" / "ae.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert second["vae_log"] == first["vae_log"] and second["latent_scale"] == first["latent_scale"]
+    assert second["seconds"]["vae_s"] == first["seconds"]["vae_s"]  # its VAE time is counted once, not zero
+    again = run(tmp_path / "b", tmp_path / "b.work", _cfg(vae_from=str(tmp_path / "a")))
+    assert again["seconds"]["vae_s"] == first["seconds"]["vae_s"]  # a resumed session does not count it twice
+    with pytest.raises(ValueError, match="vae_lr"):
+        run(tmp_path / "c", tmp_path / "c.work", _cfg(vae_from=str(tmp_path / "a"), vae_lr=1e-3))
+    with pytest.raises(ValueError, match="needs ae.safetensors"):
+        run(tmp_path / "d", tmp_path / "d.work", _cfg(vae_from=str(tmp_path / "missing")))

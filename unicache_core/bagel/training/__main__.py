@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"stop and export at this BAGEL step (default {defaults.stop_at}, as the shipped run; "
                              "0 = --steps)")
     parser.add_argument("--pool", type=int, default=defaults.pool_size, help="edit pairs encoded for training")
+    parser.add_argument("--vae-from", type=path_arg, default="",
+                        help="a finished run's checkpoint folder whose VAE is stage 1 (same VAE settings; its VAE "
+                             "time is counted)")
+    parser.add_argument("--unit-input-init", action="store_true",
+                        help="start the image input path (ViT, connector, timestep embedder, vae2llm) at N(0, 1/fan_in)")
     parser.add_argument("--save-every", type=int, default=defaults.save_every)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = parser.parse_args(argv)
@@ -61,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--stop-at must be >= 0 (0 = --steps), got {args.stop_at}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = TrainConfig(seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, stop_at=args.stop_at, pool_size=args.pool,
-                      save_every=args.save_every, threads=args.threads)
+                      save_every=args.save_every, threads=args.threads,
+                      vae_from=str(args.vae_from or ""), unit_input_init=args.unit_input_init)
     out = Path(args.out_dir)
     work = Path(args.work) if args.work else out.with_name(out.name + ".work")
     from .trainer import run

@@ -55,11 +55,29 @@ def shapes_tokenizer() -> BagelTokenizer:
         return BagelTokenizer.from_dir(tmp)
 
 
-def build_models(cfg: BagelConfig, seed: int) -> tuple[Bagel, AutoEncoder]:
-    """Freshly initialised fp32 models (N(0, 0.02) linears, fan-in convs, sin-cos position tables)."""
+#: Modules that turn image content into LLM inputs: initialised at unit gain (see :func:`build_models`).
+INPUT_MODULES: tuple[str, ...] = ("vit_model", "connector", "time_embedder", "vae2llm")
+
+
+def build_models(cfg: BagelConfig, seed: int, *, unit_input_init: bool = False) -> tuple[Bagel, AutoEncoder]:
+    """Freshly initialised fp32 models (N(0, 0.02) linears, fan-in VAE convs, sin-cos position tables).
+
+    ``unit_input_init`` starts the image input path (:data:`INPUT_MODULES`: ViT, connector, timestep
+    embedder, ``vae2llm``) at N(0, 1/fan_in) instead, so an image token's content is about as large as the
+    frozen sin-cos position table added to it; at N(0, 0.02) it is ~8x smaller. Measured on one-object
+    scenes ("what color is the circle?" only, batch 32): answer CE 0.474 after 200 steps at N(0, 0.02),
+    0.018 at unit gain. In the full three-task run it did not help (docs/shapes.md), so the shipped run
+    keeps N(0, 0.02).
+    """
     gen = torch.Generator().manual_seed(seed)
     model = Bagel(cfg)
     _init_weights(model, gen, conv_fan_in=False)
+    input_gen = torch.Generator().manual_seed(seed + 1)  # its own stream: the VAE's init below is unchanged
+    with torch.no_grad():
+        for module in INPUT_MODULES if unit_input_init else ():
+            for param in getattr(model, module).parameters():
+                if param.dim() >= 2 and param.requires_grad:
+                    param.copy_(torch.randn(param.shape, generator=input_gen) / param[0].numel() ** 0.5)
     model.vit_pos_embed.reset_table()
     model.latent_pos_embed.reset_table()
     vae = AutoEncoder(cfg.ae)

@@ -64,6 +64,10 @@ class TrainConfig:
     vae_lr: float = 2e-3
     vae_kl: float = 1e-6
     pool_size: int = 6000
+    # a finished run's checkpoint folder whose VAE stands in for stage 1 (its config must match this one's VAE
+    # stage; its recorded VAE seconds and log carry over); "" = train the VAE
+    vae_from: str = ""
+    unit_input_init: bool = False  # start the image input path at N(0, 1/fan_in) (model.build_models)
     timestep_shift: float = 2.0  # t = s u / (1 + (s - 1) u), u = sigmoid(N(0, 1)): more weight on noisy steps
     steps: int = 3600  # the length the learning-rate schedule is laid out for
     stop_at: int = 3000  # stop (and export) at this step; 0 = ``steps``. The shipped run stopped at 3000 to stay
@@ -415,6 +419,33 @@ def export_checkpoint(model: Bagel, vae: AutoEncoder, bagel_cfg: BagelConfig, ou
     return out
 
 
+#: TrainConfig fields that decide stage 1 (a VAE taken from another run must have been trained with these).
+VAE_STAGE_FIELDS = ("seed", "vae_steps", "vae_batch", "vae_crop", "vae_crop_steps", "vae_full_batch", "vae_fg_weight",
+                    "vae_lr", "vae_kl", "grad_clip")
+
+
+def _vae_from(vae: AutoEncoder, cfg: TrainConfig, folder: Path, times: dict) -> list:
+    """Stage 1 taken from a finished run's checkpoint ``folder``: loads its ``ae.safetensors`` after checking
+    that its ``training.json`` has the same VAE stage; its VAE seconds go into ``times``. Returns its VAE log."""
+    record_path = folder / "training.json"
+    if not record_path.is_file() or not (folder / "ae.safetensors").is_file():
+        raise ValueError(f"--vae-from {folder}: needs ae.safetensors and training.json of a finished training run")
+    record = json.loads(record_path.read_text(encoding="utf-8"))
+    theirs = record.get("config", {})
+    diffs = [f"{k}: {theirs.get(k)!r} there, {getattr(cfg, k)!r} here" for k in VAE_STAGE_FIELDS
+             if theirs.get(k) != getattr(cfg, k)]
+    ae_keys = json.loads(json.dumps({k: v for k, v in cfg.model.items() if k.startswith("ae_")}))  # tuples → lists
+    if {k: v for k, v in theirs.get("model", {}).items() if k.startswith("ae_")} != ae_keys:
+        diffs.append("VAE geometry (model ae_* overrides)")
+    if diffs:
+        raise ValueError(f"--vae-from {folder}: its VAE stage differs from this run's: {'; '.join(diffs)}")
+    vae.load_state_dict(load_file(str(folder / "ae.safetensors")))
+    if not times.get("vae_from"):
+        times["vae_s"] = round(times["vae_s"] + float(record["seconds"]["vae_s"]), 1)
+        times["vae_from"] = str(folder)
+    return list(record.get("vae_log", []))
+
+
 def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = None) -> dict:
     """Both stages (resuming from ``work``), then export; returns the run record."""
     if cfg.threads:
@@ -424,7 +455,7 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
     files, _, vocab_size, _, _ = shapes_tokenizer_files()
     bagel_cfg = shapes_config(vocab_size, **cfg.model)
     torch.manual_seed(cfg.seed)
-    model, vae = build_models(bagel_cfg, cfg.seed)
+    model, vae = build_models(bagel_cfg, cfg.seed, unit_input_init=cfg.unit_input_init)
     # seconds per stage over every session of this run (a resumed run adds to them)
     times_path = work / "times.json"
     times = {"vae_s": 0.0, "pool_s": 0.0, "bagel_s": 0.0, "sessions": 0}
@@ -436,9 +467,12 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
         times[stage] = round(times[stage] + time.perf_counter() - start, 1)
         times_path.write_text(json.dumps(times, indent=2) + "\n", encoding="utf-8")
 
-    t = time.perf_counter()
-    vae_log = train_vae(vae, cfg, work, progress)
-    add_time("vae_s", t)
+    if cfg.vae_from:
+        vae_log = _vae_from(vae, cfg, Path(cfg.vae_from), times)
+    else:
+        t = time.perf_counter()
+        vae_log = train_vae(vae, cfg, work, progress)
+        add_time("vae_s", t)
     for p in vae.parameters():
         p.requires_grad_(False)
     vae_quality = reconstruction_quality(vae)
