@@ -36,12 +36,12 @@ def card(training: dict, quality: dict | None) -> str:
         "reconstructions.",
         "",
     ]
-    vae_note = [] if not sec.get("vae_from") else [
+    run_notes = [] if not sec.get("vae_from") else [
         "- Stage 1 (the VAE) was taken from an earlier run (`--vae-from`, the same seed and VAE settings,",
         "  checked); its measured VAE time is counted in the total.",
     ]
     if cfg.get("unit_input_init"):
-        vae_note.append("- The image input path (ViT, connector, timestep embedder, `vae2llm`) started at N(0, 1/fan_in).")
+        run_notes.append("- The image input path (ViT, connector, timestep embedder, `vae2llm`) started at N(0, 1/fan_in).")
     lines = [
         "# unicache-shapes: a small BAGEL trained on the shapes world",
         "",
@@ -81,7 +81,7 @@ def card(training: dict, quality: dict | None) -> str:
         "",
         *stopped,
         "- Command: `make train` (= `python -m unicache_core.bagel.training models/bagel/unicache-shapes`).",
-        *vae_note,
+        *run_notes,
         f"- {training['threads']} torch threads on the project's 2-core CPU machine, over {sec['sessions']} session(s).",
         f"- VAE: {cfg['vae_steps']} steps in {sec['vae_s'] / 60:.1f} min. Pool encoding: {sec['pool_s'] / 60:.1f} min.",
         f"  BAGEL: {stop} steps in {sec['bagel_s'] / 60:.1f} min. Total: {total_min:.1f} min.",

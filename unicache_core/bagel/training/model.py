@@ -55,7 +55,7 @@ def shapes_tokenizer() -> BagelTokenizer:
         return BagelTokenizer.from_dir(tmp)
 
 
-#: Modules that turn image content into LLM inputs: initialised at unit gain (see :func:`build_models`).
+#: Modules that turn image content into LLM inputs (``unit_input_init`` of :func:`build_models` scales them).
 INPUT_MODULES: tuple[str, ...] = ("vit_model", "connector", "time_embedder", "vae2llm")
 
 
