@@ -117,3 +117,40 @@ def test_vae_from_a_finished_run_replaces_stage_one(tmp_path):
         run(tmp_path / "c", tmp_path / "c.work", _cfg(vae_from=str(tmp_path / "a"), vae_lr=1e-3))
     with pytest.raises(ValueError, match="needs ae.safetensors"):
         run(tmp_path / "d", tmp_path / "d.work", _cfg(vae_from=str(tmp_path / "missing")))
+
+
+def test_understanding_samples_ask_several_kinds_and_hold_some_back():
+    files, _, vocab, _, _ = shapes_tokenizer_files()
+    cfg = shapes_config(vocab, **SMALL)
+    model, vae = build_models(cfg, 0)
+    tok = shapes_tokenizer()
+    pool = build_pool(vae, 4)
+    base = dict(batch={"t2i": 0, "edit": 0, "und": 6}, und_questions=3, und_late_kinds=["background", "exists"],
+                und_late_from=5)
+    maker = SampleMaker(_cfg(**base), cfg, pool, tok, vae)
+    kinds_by_question = {q: kind for kind, q in (("background", "what color is the background?"),
+                                                 ("count", "how many shapes are there?"))}
+
+    def asked(step):
+        out = []
+        for sample in maker.draw(step)["und"]:
+            vit, *turns = sample.blocks
+            assert vit.kind == "vit" and len(turns) % 2 == 0
+            questions = [tok.decode(b.ids[1:-1]) for b in turns[0::2]]
+            assert [b.loss for b in turns] == [False, True] * (len(turns) // 2)  # only the answers carry the loss
+            out.append(questions)
+        return out
+
+    early = asked(0)
+    # count is always askable and never held back, so each image gets 1..3 questions, none repeated
+    assert all(1 <= len(qs) <= 3 and len(set(qs)) == len(qs) for qs in early)
+    assert max(len(qs) for qs in early) == 3
+    flat = [q for qs in early for q in qs]
+    assert not any(q.startswith("is there") or kinds_by_question.get(q) == "background" for q in flat)
+    late = [q for step in range(5, 12) for qs in asked(step) for q in qs]
+    assert any(kinds_by_question.get(q) == "background" for q in late) and any(q.startswith("is there") for q in late)
+    # the packed batch predicts every answer: one CE target per answer token + its end token
+    samples = maker.draw(0)
+    batch = pack(samples, start_id=tok.start_of_image, end_id=tok.end_of_image, vit_patch=14, max_latent_size=64)
+    answers = [b.ids for s in samples["und"] for b in s.blocks[2::2]]
+    assert batch.ce_targets.tolist() == [i for ids in answers for i in ids[1:]]

@@ -21,6 +21,18 @@ def _loss_rows(log: list, names: list[str], every: int) -> list[str]:
         "| " + " | ".join([str(r[0])] + [f"{v:.4f}" for v in r[1:]]) + " |" for r in rows]
 
 
+def _und_questions(cfg: dict) -> str:
+    """How the understanding questions were drawn (one per image, or several turns and a kind curriculum)."""
+    n = cfg.get("und_questions", 1)
+    text = ("The question for each image is drawn fresh." if n == 1 else
+            f"Each image gets up to {n} questions of different kinds, drawn fresh, as turns of one sequence.")
+    late = cfg.get("und_late_kinds") or []
+    if late and cfg.get("und_late_from", 0) > 0:
+        text += (f" The {' and '.join(late)} questions join at step {cfg['und_late_from']}: asked from the start,"
+                 " background (read off the mean colour) kept the object questions at their answer prior.")
+    return text
+
+
 def card(training: dict, quality: dict | None) -> str:
     cfg = training["config"]
     sec = training["seconds"]
@@ -70,8 +82,7 @@ def card(training: dict, quality: dict | None) -> str:
         f"  Object pixels get {1 + cfg['vae_fg_weight']:.0f}x loss weight.",
         f"- BAGEL: {cfg['pool_size']} edit pairs from training seeds 0..{cfg['pool_size'] - 1}, encoded once.",
         f"  Each step draws {cfg['batch']['t2i']} text-to-image, {cfg['batch']['edit']} edit and",
-        f"  {cfg['batch']['und']} understanding samples from the pool. The question for each understanding",
-        "  sample is drawn fresh.",
+        f"  {cfg['batch']['und']} understanding images from the pool. {_und_questions(cfg)}",
         f"- Text is dropped with probability {cfg['drop_text']}, and in edits the images with",
         f"  {cfg['drop_image']}, for classifier-free guidance.",
         "- Evaluation seeds (2^40 and up) are disjoint from the training seeds. Single-object scenes can still",

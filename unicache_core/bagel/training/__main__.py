@@ -37,6 +37,7 @@ class _Progress:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ...shapes.world import QUESTION_KINDS
     from .trainer import TrainConfig
 
     defaults = TrainConfig()
@@ -56,18 +57,32 @@ def main(argv: list[str] | None = None) -> int:
                              "time is counted)")
     parser.add_argument("--unit-input-init", action="store_true",
                         help="start the image input path (ViT, connector, timestep embedder, vae2llm) at N(0, 1/fan_in)")
+    parser.add_argument("--und-batch", type=int, default=defaults.batch["und"], help="understanding images per step")
+    parser.add_argument("--und-questions", type=int, default=defaults.und_questions,
+                        help="questions per understanding image, as turns of one sequence (each of another kind)")
+    parser.add_argument("--und-late", default="", metavar="KINDS",
+                        help="comma-separated question kinds held back until --und-late-from")
+    parser.add_argument("--und-late-from", type=int, default=defaults.und_late_from, metavar="STEP")
     parser.add_argument("--save-every", type=int, default=defaults.save_every)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = parser.parse_args(argv)
-    for name in ("vae_steps", "steps", "pool", "save_every"):
+    for name in ("vae_steps", "steps", "pool", "save_every", "und_questions"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.stop_at < 0:
         parser.error(f"--stop-at must be >= 0 (0 = --steps), got {args.stop_at}")
+    if args.und_batch < 0 or args.und_late_from < 0:
+        parser.error(f"--und-batch and --und-late-from must be >= 0, got {args.und_batch} and {args.und_late_from}")
+    late = [k for k in args.und_late.split(",") if k]
+    unknown = [k for k in late if k not in QUESTION_KINDS]
+    if unknown:
+        parser.error(f"--und-late: unknown question kind(s) {unknown}; use some of {list(QUESTION_KINDS)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = TrainConfig(seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, stop_at=args.stop_at, pool_size=args.pool,
                       save_every=args.save_every, threads=args.threads,
-                      vae_from=str(args.vae_from or ""), unit_input_init=args.unit_input_init)
+                      vae_from=str(args.vae_from or ""), unit_input_init=args.unit_input_init,
+                      batch=dict(defaults.batch, und=args.und_batch), und_questions=args.und_questions,
+                      und_late_kinds=late, und_late_from=args.und_late_from)
     out = Path(args.out_dir)
     work = Path(args.work) if args.work else out.with_name(out.name + ".work")
     from .trainer import run
