@@ -431,3 +431,16 @@ def test_real_size_model_on_meta_matches_the_official_layout(tmp_path):
     assert "vit_model.vision_model.encoder.layers.26.mlp.fc1.weight" not in sd
     n_params = sum(math.prod(s) for s in sd.values())
     assert 14.0e9 < n_params < 15.0e9  # 7B active, two experts stored
+
+
+def test_mixed_routing_puts_each_expert_output_back_at_its_token():
+    gen_mask = torch.tensor([False, True, True, False, True, False, False])
+    routing = Routing.from_mask(gen_mask, 7)
+    x = torch.randn(7, 3)
+    out = routing.apply(lambda t: t * 2, lambda t: t + 100, x)
+    assert routing.kind == "mixed"
+    assert torch.equal(out[gen_mask], x[gen_mask] + 100) and torch.equal(out[~gen_mask], x[~gen_mask] * 2)
+    # gradients reach the right tokens through the gather
+    x.requires_grad_(True)
+    routing.apply(lambda t: t * 2, lambda t: t * 3, x).sum().backward()
+    assert torch.equal(x.grad[:, 0], torch.where(gen_mask, 3.0, 2.0))
