@@ -55,13 +55,17 @@ def test_train_resume_export_and_load(tmp_path):
     assert isinstance(ans.text, str)
 
 
-def test_packed_batch_masks_follow_bagel_blocks():
-    files, _, vocab, _, _ = shapes_tokenizer_files()
+def _small_maker(**cfg_kw) -> tuple[SampleMaker, object]:
+    """A sample maker over a 4-pair pool of the SMALL model (random weights); ``(maker, tokenizer)``."""
+    vocab = shapes_tokenizer_files()[2]
     cfg = shapes_config(vocab, **SMALL)
-    model, vae = build_models(cfg, 0)
+    _, vae = build_models(cfg, 0)
     tok = shapes_tokenizer()
-    pool = build_pool(vae, 4)
-    maker = SampleMaker(_cfg(drop_text=0.0, drop_image=0.0), cfg, pool, tok, vae)
+    return SampleMaker(_cfg(**cfg_kw), cfg, build_pool(vae, 4), tok, vae), tok
+
+
+def test_packed_batch_masks_follow_bagel_blocks():
+    maker, tok = _small_maker(drop_text=0.0, drop_image=0.0)
     samples = maker.draw(0)
     batch = pack(samples, start_id=tok.start_of_image, end_id=tok.end_of_image, vit_patch=14, max_latent_size=64)
     edit_group = batch.groups[1]
@@ -120,14 +124,8 @@ def test_vae_from_a_finished_run_replaces_stage_one(tmp_path):
 
 
 def test_understanding_samples_ask_several_kinds_and_hold_some_back():
-    files, _, vocab, _, _ = shapes_tokenizer_files()
-    cfg = shapes_config(vocab, **SMALL)
-    model, vae = build_models(cfg, 0)
-    tok = shapes_tokenizer()
-    pool = build_pool(vae, 4)
-    base = dict(batch={"t2i": 0, "edit": 0, "und": 6}, und_questions=3, und_late_kinds=["background", "exists"],
-                und_late_from=5)
-    maker = SampleMaker(_cfg(**base), cfg, pool, tok, vae)
+    maker, tok = _small_maker(batch={"t2i": 0, "edit": 0, "und": 6}, und_questions=3,
+                              und_late_kinds=["background", "exists"], und_late_from=5)
     kinds_by_question = {q: kind for kind, q in (("background", "what color is the background?"),
                                                  ("count", "how many shapes are there?"))}
 
@@ -154,3 +152,19 @@ def test_understanding_samples_ask_several_kinds_and_hold_some_back():
     batch = pack(samples, start_id=tok.start_of_image, end_id=tok.end_of_image, vit_patch=14, max_latent_size=64)
     answers = [b.ids for s in samples["und"] for b in s.blocks[2::2]]
     assert batch.ce_targets.tolist() == [i for ids in answers for i in ids[1:]]
+
+
+def test_training_cli_checks_its_options_before_any_work(tmp_path, capsys):
+    """Bad --und-* values stop with one line naming them (the parse itself, --vae-from unset, must succeed)."""
+    import pytest
+
+    from unicache_core.bagel.training.__main__ import main
+
+    cases = [(["--und-late", "colour"], "unknown question kind(s) ['colour']"),
+             (["--und-late", "count,exists,background"], "leaves no kind every scene can answer"),
+             (["--und-questions", "0"], "--und-questions must be >= 1, got 0")]
+    for extra, message in cases:
+        with pytest.raises(SystemExit) as exc:
+            main([str(tmp_path / "out"), *extra])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.work").exists()

@@ -28,8 +28,10 @@ def _und_questions(cfg: dict) -> str:
             f"Each image gets up to {n} questions of different kinds, drawn fresh, as turns of one sequence.")
     late = cfg.get("und_late_kinds") or []
     if late and cfg.get("und_late_from", 0) > 0:
-        text += (f" The {' and '.join(late)} questions join at step {cfg['und_late_from']}: asked from the start,"
-                 " background (read off the mean colour) kept the object questions at their answer prior.")
+        text += f" The {' and '.join(late)} questions join at step {cfg['und_late_from']}."
+        if "background" in late:
+            text += (" Asked from the start, background (read off the mean colour) kept the object questions at"
+                     " their answer prior.")
     return text
 
 

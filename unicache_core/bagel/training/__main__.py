@@ -37,8 +37,7 @@ class _Progress:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ...shapes.world import QUESTION_KINDS
-    from .trainer import TrainConfig
+    from .trainer import TrainConfig, check_und_late_kinds
 
     defaults = TrainConfig()
     parser = OneLineParser(description="Train the bundled shapes BAGEL (VAE, then LLM+ViT) and export it.")
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"stop and export at this BAGEL step (default {defaults.stop_at}, as the shipped run; "
                              "0 = --steps)")
     parser.add_argument("--pool", type=int, default=defaults.pool_size, help="edit pairs encoded for training")
-    parser.add_argument("--vae-from", type=path_arg, default="",
+    parser.add_argument("--vae-from", type=path_arg, default=None,
                         help="a finished run's checkpoint folder whose VAE is stage 1 (same VAE settings; its VAE "
                              "time is counted)")
     parser.add_argument("--unit-input-init", action="store_true",
@@ -74,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.und_batch < 0 or args.und_late_from < 0:
         parser.error(f"--und-batch and --und-late-from must be >= 0, got {args.und_batch} and {args.und_late_from}")
     late = [k for k in args.und_late.split(",") if k]
-    unknown = [k for k in late if k not in QUESTION_KINDS]
-    if unknown:
-        parser.error(f"--und-late: unknown question kind(s) {unknown}; use some of {list(QUESTION_KINDS)}")
+    try:
+        check_und_late_kinds(late)
+    except ValueError as exc:
+        parser.error(f"--und-late: {exc}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = TrainConfig(seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, stop_at=args.stop_at, pool_size=args.pool,
                       save_every=args.save_every, threads=args.threads,

@@ -271,10 +271,25 @@ def build_pool(vae: AutoEncoder, size: int, progress: Callable | None = None) ->
 # ------------------------------------------------------------------------------------------ BAGEL
 
 
+#: Question kinds that every scene can answer (so an understanding sample always gets a question).
+ALWAYS_ASKABLE: tuple[str, ...] = ("count", "exists", "background")
+
+
+def check_und_late_kinds(kinds: list[str]) -> None:
+    """Raise ``ValueError`` unless ``kinds`` are question kinds and leave an always-askable kind in play."""
+    unknown = [k for k in kinds if k not in world.QUESTION_KINDS]
+    if unknown:
+        raise ValueError(f"unknown question kind(s) {unknown} to hold back; use some of {list(world.QUESTION_KINDS)}")
+    if all(k in kinds for k in ALWAYS_ASKABLE):
+        raise ValueError(f"holding back {kinds} leaves no kind every scene can answer; keep one of "
+                         f"{list(ALWAYS_ASKABLE)} from the start")
+
+
 class SampleMaker:
     """Draws the training samples of one step from the pool."""
 
     def __init__(self, cfg: TrainConfig, bagel_cfg: BagelConfig, pool: Pool, tokenizer, vae: AutoEncoder):
+        check_und_late_kinds(list(cfg.und_late_kinds))
         self.cfg, self.bagel_cfg, self.pool, self.tok = cfg, bagel_cfg, pool, tokenizer
         self.transforms = ImageTransforms.from_config(bagel_cfg)
         self.scale, self.shift = vae.scale_factor, vae.shift_factor
