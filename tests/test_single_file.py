@@ -95,7 +95,10 @@ def test_folder_and_single_file_give_the_same_image(folder_loaded, single_loaded
     a = BagelPipeline(folder_loaded).text_to_image("a red cube on a table", **FAST)
     b = BagelPipeline(single_loaded).text_to_image("a red cube on a table", **FAST)
     assert np.array_equal(_pixels(a.image), _pixels(b.image))
-    assert torch.equal(a.latents, b.latents) and a.latents.shape == (1, 16, 8, 8)
+    # the same weights, loaded from two files: fp32 kernels may take other vector paths for other memory
+    # alignments (an AMD EPYC machine gave a 2e-6 difference), so the latents agree to rounding, not bit for bit
+    assert a.latents.shape == (1, 16, 8, 8)
+    torch.testing.assert_close(a.latents, b.latents, rtol=0, atol=2e-5)
     # the converter of a folder writes the same tensors as the tiny single-file writer
     converted = convert_folder(tiny_checkpoint, tmp_path / "c.safetensors", variant=TINY_VARIANT)
     left, right = load_file(str(converted)), load_file(str(single))

@@ -55,6 +55,27 @@ def test_train_resume_export_and_load(tmp_path):
     assert isinstance(ans.text, str)
 
 
+
+def test_a_stopped_session_keeps_the_training_time_of_its_last_saved_state(tmp_path):
+    """A run interrupted after a save still counts its stage-2 time up to that state in ``times.json`` (the next
+    session resumes there and adds its own), so a split run's record does not undercount."""
+    import pytest
+
+    out, work = tmp_path / "ckpt", tmp_path / "work"
+
+    def stop_after_step_3(stage, done, total):
+        if stage == "bagel" and done == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(out, work, _cfg(steps=6, save_every=2), stop_after_step_3)
+    assert _state_step(work / "bagel_state.safetensors") == 2
+    first = json.loads((work / "times.json").read_text())["bagel_s"]
+    assert first > 0
+    info = run(out, work, _cfg(steps=6, save_every=2))
+    assert info["seconds"]["sessions"] == 2 and info["seconds"]["bagel_s"] > first
+    assert json.loads((out / "training.json").read_text())["seconds"] == info["seconds"]
+
 def _small_maker(**cfg_kw) -> tuple[SampleMaker, object]:
     """A sample maker over a 4-pair pool of the SMALL model (random weights); ``(maker, tokenizer)``."""
     vocab = shapes_tokenizer_files()[2]
@@ -102,6 +123,16 @@ def test_unit_input_init_scales_the_image_input_path_only():
     q, plain_q = (m.language_model.model.layers[0].self_attn.q_proj.weight for m in (model, plain_model))
     assert torch.equal(q, plain_q) and abs(float(q.std()) - 0.02) < 0.002
     assert all(torch.equal(a, b) for a, b in zip(vae.state_dict().values(), plain_vae.state_dict().values()))
+    # the understanding side only: the ViT and connector as above, the generation inputs stay at N(0, 0.02)
+    und_model, _ = build_models(cfg, 0, unit_input_init="und")
+    assert torch.equal(und_model.connector.fc1.weight, model.connector.fc1.weight)
+    assert torch.equal(und_model.vae2llm.weight, plain_model.vae2llm.weight)
+    assert torch.equal(und_model.time_embedder.mlp[0].weight, plain_model.time_embedder.mlp[0].weight)
+    assert build_models(cfg, 0, unit_input_init=["vae2llm"])[0].vae2llm.weight.equal(model.vae2llm.weight)
+    import pytest
+
+    with pytest.raises(ValueError, match="vit_modle"):
+        build_models(cfg, 0, unit_input_init="vit_modle,connector")
 
 
 def test_vae_from_a_finished_run_replaces_stage_one(tmp_path):
@@ -155,16 +186,39 @@ def test_understanding_samples_ask_several_kinds_and_hold_some_back():
 
 
 def test_training_cli_checks_its_options_before_any_work(tmp_path, capsys):
-    """Bad --und-* values stop with one line naming them (the parse itself, --vae-from unset, must succeed)."""
+    """Bad --und-* and --unit-input-init values stop with one line naming them (the parse itself, --vae-from unset, must succeed)."""
     import pytest
 
     from unicache_core.bagel.training.__main__ import main
 
     cases = [(["--und-late", "colour"], "unknown question kind(s) ['colour']"),
              (["--und-late", "count,exists,background"], "leaves no kind every scene can answer"),
-             (["--und-questions", "0"], "--und-questions must be >= 1, got 0")]
+             (["--und-questions", "0"], "--und-questions must be >= 1, got 0"),
+             (["--unit-input-init", "vit"], "unknown input module(s) ['vit']")]
     for extra, message in cases:
         with pytest.raises(SystemExit) as exc:
             main([str(tmp_path / "out"), *extra])
         assert exc.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.work").exists()
+
+
+def test_caption_use_probe_compares_right_wrong_and_no_caption(tmp_path):
+    """The probe scores the same noisy latents with the scene's caption, another's and none; the text changes the
+    prediction (so the three differ), the noise is fixed (so a second call repeats), and the CLI writes JSON."""
+    import pytest
+
+    from unicache_core.bagel.training.probes import caption_use, main as probe_main
+
+    out = tmp_path / "ckpt"
+    run(out, tmp_path / "work", _cfg())
+    loaded = load_bagel(out, dtype=torch.float32)
+    first = caption_use(loaded.model, loaded.vae, loaded.tokenizer, scenes=3, times=(0.9,))
+    assert list(first) == ["0.9"] and set(first["0.9"]) == {"right", "wrong", "none"}
+    assert all(v > 0 for v in first["0.9"].values())
+    assert first["0.9"]["right"] != first["0.9"]["none"] and first["0.9"]["right"] != first["0.9"]["wrong"]
+    assert caption_use(loaded.model, loaded.vae, loaded.tokenizer, scenes=3, times=(0.9,)) == first
+    with pytest.raises(ValueError, match="got 1"):
+        caption_use(loaded.model, loaded.vae, loaded.tokenizer, scenes=1)
+    assert probe_main([str(out), "--scenes", "3", "--json", str(tmp_path / "probe.json")]) == 0
+    report = json.loads((tmp_path / "probe.json").read_text())
+    assert report["scenes"] == 3 and report["mse"]["0.9"] == {c: round(v, 4) for c, v in first["0.9"].items()}

@@ -35,7 +35,7 @@ def _und_questions(cfg: dict) -> str:
     return text
 
 
-def card(training: dict, quality: dict | None) -> str:
+def card(training: dict, quality: dict | None, notes: list[str] | None = None) -> str:
     cfg = training["config"]
     sec = training["seconds"]
     total_min = (sec["vae_s"] + sec["pool_s"] + sec["bagel_s"]) / 60
@@ -54,8 +54,14 @@ def card(training: dict, quality: dict | None) -> str:
         "- Stage 1 (the VAE) was taken from an earlier run (`--vae-from`, the same seed and VAE settings,",
         "  checked); its measured VAE time is counted in the total.",
     ]
-    if cfg.get("unit_input_init"):
-        run_notes.append("- The image input path (ViT, connector, timestep embedder, `vae2llm`) started at N(0, 1/fan_in).")
+    init = cfg.get("unit_input_init")
+    if init:
+        names = init.split(",") if isinstance(init, str) else init
+        which = ("The image input path (ViT, connector, timestep embedder, `vae2llm`)" if init in (True, "all") else
+                 "The ViT and the connector" if init == "und" else
+                 "The input modules " + ", ".join(f"`{n}`" for n in names))
+        run_notes.append(f"- {which} started at N(0, 1/fan_in).")
+    run_notes += [f"- {note}" for note in notes or []]
     lines = [
         "# unicache-shapes: a small BAGEL trained on the shapes world",
         "",
@@ -154,10 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=ROOT / "models" / "bagel" / "unicache-shapes")
     parser.add_argument("--quality", type=Path, default=ROOT / "out" / "quality.json")
+    parser.add_argument("--note", action="append", default=[], help="a line for the Training list (repeatable)")
     args = parser.parse_args(argv)
     training = json.loads((args.checkpoint / "training.json").read_text(encoding="utf-8"))
     quality = json.loads(args.quality.read_text(encoding="utf-8")) if args.quality.is_file() else None
-    (args.checkpoint / "README.md").write_text(card(training, quality), encoding="utf-8")
+    (args.checkpoint / "README.md").write_text(card(training, quality, args.note), encoding="utf-8")
     sys.stdout.write(f"wrote {args.checkpoint / 'README.md'}\n")
     return 0
 

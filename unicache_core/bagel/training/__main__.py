@@ -37,6 +37,7 @@ class _Progress:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .model import unit_init_modules
     from .trainer import TrainConfig, check_und_late_kinds
 
     defaults = TrainConfig()
@@ -54,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vae-from", type=path_arg, default=None,
                         help="a finished run's checkpoint folder whose VAE is stage 1 (same VAE settings; its VAE "
                              "time is counted)")
-    parser.add_argument("--unit-input-init", action="store_true",
-                        help="start the image input path (ViT, connector, timestep embedder, vae2llm) at N(0, 1/fan_in)")
+    parser.add_argument("--unit-input-init", nargs="?", const="all", default="", metavar="MODULES",
+                        help="start image input modules at N(0, 1/fan_in): all (no value), und (ViT and connector), "
+                             "none, or a comma list of vit_model, connector, time_embedder, vae2llm")
     parser.add_argument("--und-batch", type=int, default=defaults.batch["und"], help="understanding images per step")
     parser.add_argument("--und-questions", type=int, default=defaults.und_questions,
                         help="questions per understanding image, as turns of one sequence (each of another kind)")
@@ -74,13 +76,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--und-batch and --und-late-from must be >= 0, got {args.und_batch} and {args.und_late_from}")
     late = [k for k in args.und_late.split(",") if k]
     try:
+        unit_init_modules(args.unit_input_init)
+    except ValueError as exc:
+        parser.error(f"--unit-input-init: {exc}")
+    unit_init = {"all": True, "none": False, "": False}.get(args.unit_input_init, args.unit_input_init)
+    try:
         check_und_late_kinds(late)
     except ValueError as exc:
         parser.error(f"--und-late: {exc}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = TrainConfig(seed=args.seed, vae_steps=args.vae_steps, steps=args.steps, stop_at=args.stop_at, pool_size=args.pool,
                       save_every=args.save_every, threads=args.threads,
-                      vae_from=str(args.vae_from or ""), unit_input_init=args.unit_input_init,
+                      vae_from=str(args.vae_from or ""), unit_input_init=unit_init,
                       batch=dict(defaults.batch, und=args.und_batch), und_questions=args.und_questions,
                       und_late_kinds=late, und_late_from=args.und_late_from)
     out = Path(args.out_dir)

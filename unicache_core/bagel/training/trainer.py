@@ -67,7 +67,9 @@ class TrainConfig:
     # a finished run's checkpoint folder whose VAE stands in for stage 1 (its config must match this one's VAE
     # stage; its recorded VAE seconds and log carry over); "" = train the VAE
     vae_from: str = ""
-    unit_input_init: bool = False  # start the image input path at N(0, 1/fan_in) (model.build_models)
+    # start image input modules at N(0, 1/fan_in): False, True / "all", "und" (ViT + connector) or a list of
+    # names (model.unit_init_modules)
+    unit_input_init: bool | str | list = False
     timestep_shift: float = 2.0  # t = s u / (1 + (s - 1) u), u = sigmoid(N(0, 1)): more weight on noisy steps
     steps: int = 3600  # the length the learning-rate schedule is laid out for
     stop_at: int = 3000  # stop (and export) at this step; 0 = ``steps``. The shipped run stopped at 3000 to stay
@@ -519,19 +521,28 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
         p.requires_grad_(False)
     vae_quality = reconstruction_quality(vae)
     logger.info("vae reconstructions: %s", vae_quality)
+    done = _saved_step(work / "bagel_state.safetensors") >= cfg.last_step
+    t = time.perf_counter()
     pairs_for_stats = [world.edit_sample(seed) for seed in range(256)]
     shift, scale = latent_statistics(vae, pairs_for_stats)
+    if not done:  # encoding for stage 2, like the pool (a finished run only re-exports; the check above is no training)
+        add_time("pool_s", t)
     bagel_cfg = dataclasses.replace(bagel_cfg, ae=dataclasses.replace(bagel_cfg.ae, shift_factor=shift, scale_factor=scale))
     vae.config = bagel_cfg.ae
     vae.shift_factor, vae.scale_factor = shift, scale
     model.config = bagel_cfg
     t = time.perf_counter()
-    done = _saved_step(work / "bagel_state.safetensors") >= cfg.last_step
     # a finished (or stopped-early) stage 2 only re-exports: its pool is not encoded again
     pool = Pool([], torch.zeros(0), torch.zeros(0)) if done else build_pool(vae, cfg.pool_size, progress)
     add_time("pool_s", t)
     maker = SampleMaker(cfg, bagel_cfg, pool, shapes_tokenizer(), vae)
     t = time.perf_counter()
+    bagel_before = times["bagel_s"]
+
+    def count_bagel_time() -> None:
+        # at every save, so that a session stopped later still counts the stage-2 time up to its last state
+        times["bagel_s"] = round(bagel_before + time.perf_counter() - t, 1)
+        times_path.write_text(json.dumps(times, indent=2) + "\n", encoding="utf-8")
 
     def record(bagel_log: list, final: bool) -> dict:
         return {
@@ -540,7 +551,7 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
             "config": cfg.to_dict(),
             "latent_shift": shift, "latent_scale": scale,
             "vae_reconstruction": vae_quality,
-            "seconds": dict(times, bagel_s=round(times["bagel_s"] + time.perf_counter() - t, 1)),
+            "seconds": dict(times),
             "threads": torch.get_num_threads(),
             "vae_log": vae_log,
             "bagel_log": bagel_log,
@@ -549,10 +560,11 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
         }
 
     def snapshot(step: int, log: list) -> None:
+        count_bagel_time()
         export_checkpoint(model, vae, bagel_cfg, out, record(log, final=False))
 
     bagel_log = train_bagel(model, maker, cfg, work, progress, snapshot)
+    count_bagel_time()
     info = record(bagel_log, final=True)
-    add_time("bagel_s", t)
     export_checkpoint(model, vae, bagel_cfg, out, info)
     return info
