@@ -351,6 +351,10 @@ def test_vit_layer_matches_reference(model: Bagel):
     y = torch.randn(3, x.shape[1], generator=torch.Generator().manual_seed(7))
     packed = layer(torch.cat([x, y]), [5, 3])
     torch.testing.assert_close(packed[:5], layer(x, [5]), rtol=1e-5, atol=1e-6)
+    # Images of one size go through one batched call: the same as each image alone, and still apart.
+    z = torch.randn(5, x.shape[1], generator=torch.Generator().manual_seed(8))
+    batched = layer(torch.cat([x, z]), [5, 5])
+    torch.testing.assert_close(batched, torch.cat([layer(x, [5]), layer(z, [5])]), rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------ VAE

@@ -31,6 +31,29 @@ def test_analyser_reads_rendered_scenes_exactly():
         assert analyse(scene.render()) == scene
 
 
+def test_analyser_reads_blurred_scenes_and_rounded_corners_as_a_person_does():
+    """A VAE blurs edges and rounds corners; the analyser still reads the scene (a box-fill rule read small blurred
+    triangles and rounded squares as circles)."""
+    from PIL import ImageDraw, ImageFilter
+
+    from unicache_core.shapes.world import BACKGROUNDS as BG, COLORS, cell_center
+
+    rng = random.Random(321)
+    for _ in range(300):
+        scene = random_scene(rng, min_objects=1)
+        for radius in (1.2, 2.0):
+            assert scenes_match(analyse(scene.render().filter(ImageFilter.GaussianBlur(radius))), scene)
+    for size, shape_px in (("small", 22), ("large", 36)):
+        image = Scene("white").render()
+        draw = ImageDraw.Draw(image)
+        cx, cy = cell_center(4)
+        half = shape_px / 2
+        draw.rounded_rectangle((cx - half, cy - half, cx + half - 1, cy + half - 1), radius=shape_px // 6,
+                               fill=COLORS["blue"])
+        assert analyse(image) == Scene("white", (Shape("square", "blue", size, 4),))
+    assert BG["white"] != COLORS["blue"]
+
+
 def test_edit_targets_are_exact_and_change_what_they_say():
     for kind in EDIT_KINDS:
         for seed in range(30):

@@ -16,8 +16,9 @@ SMALL = dict(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64, vit_hidd
 
 
 def _cfg(**kw):
+    # eager: compiling the layers costs ~30 s a run (test_compiled_bf16_step_matches_eager_fp32 covers that path)
     base = dict(model=SMALL, vae_steps=4, vae_batch=2, pool_size=8, steps=4, stop_at=0, batch={"t2i": 2, "edit": 2, "und": 2},
-                save_every=2, warmup=2)
+                save_every=2, warmup=2, compile=False)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -222,3 +223,137 @@ def test_caption_use_probe_compares_right_wrong_and_no_caption(tmp_path):
     assert probe_main([str(out), "--scenes", "3", "--json", str(tmp_path / "probe.json")]) == 0
     report = json.loads((tmp_path / "probe.json").read_text())
     assert report["scenes"] == 3 and report["mse"]["0.9"] == {c: round(v, 4) for c, v in first["0.9"].items()}
+
+
+def test_masked_attention_equals_sdpa_per_sample():
+    """The written-out attention (GQA heads stacked, masked fp32 softmax) is exact attention under each sample's mask."""
+    from torch.nn import functional as F
+
+    from unicache_core.bagel.training.attention import MaskedAttention, SampleGroup
+
+    gen = torch.Generator().manual_seed(0)
+    groups, offset = [], 0
+    for count, length in ((3, 17), (2, 40)):
+        mask = torch.rand(count, length, length, generator=gen) < 0.4
+        mask[:, torch.arange(length), torch.arange(length)] = True  # every row sees at least itself
+        groups.append(SampleGroup(offset, count, length, mask))
+        offset += count * length
+    q, k, v = (torch.randn(offset, h, 32, generator=gen) for h in (4, 2, 2))
+    out = MaskedAttention(1, groups).attend(0, q, k, v, None)
+    for g in groups:
+        sl = slice(g.offset, g.offset + g.count * g.length)
+        qs, ks, vs = (t[sl].view(g.count, g.length, t.shape[1], 32).transpose(1, 2) for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(qs, ks.repeat_interleave(2, 1), vs.repeat_interleave(2, 1),
+                                             attn_mask=g.mask[:, None])
+        torch.testing.assert_close(out[sl], ref.transpose(1, 2).reshape(-1, 4, 32), atol=1e-5, rtol=1e-5)
+    # a key a query may not see has no influence on it
+    k2 = k.clone()
+    g = groups[0]
+    hidden = (~g.mask[0, 0]).nonzero()[0].item()  # a key the first query of sample 0 does not see
+    k2[hidden] += 100.0
+    assert torch.equal(MaskedAttention(1, groups).attend(0, q, k2, v, None)[0], out[0])
+
+
+def test_compiled_bf16_step_matches_eager_fp32():
+    """The shipped training path (decoder layers compiled, bf16 autocast) computes the eager fp32 loss within bf16
+    rounding, and its gradients reach every expert of every layer."""
+    from unicache_core.bagel.training.trainer import autocast, bagel_loss
+
+    maker, tok = _small_maker(drop_text=0.0, drop_image=0.0)
+    batch = pack(maker.draw(0), start_id=tok.start_of_image, end_id=tok.end_of_image, vit_patch=14, max_latent_size=64)
+    cfg = shapes_config(shapes_tokenizer_files()[2], **SMALL)
+    model, _ = build_models(cfg, 0)
+    ref, ref_mse, ref_ce = bagel_loss(model, batch, _cfg(precision="fp32"))
+    fast_cfg = _cfg(precision="bf16", compile=True)
+    for layer in model.language_model.model.layers:
+        layer.compile(dynamic=True)
+    with autocast(fast_cfg):
+        loss, mse, ce = bagel_loss(model, batch, fast_cfg)
+    assert loss.dtype == torch.float32
+    assert abs(mse - ref_mse) < 0.02 * ref_mse and abs(ce - ref_ce) < 0.02 * ref_ce
+    loss.backward()
+    for name, p in model.language_model.model.layers.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    import pytest
+
+    with pytest.raises(ValueError, match="fp16"):
+        autocast(_cfg(precision="fp16"))
+
+
+def test_weight_average_is_exported_and_resumed(tmp_path):
+    """With ema_decay the checkpoint holds the averaged weights (not the last step's), and a resumed run continues
+    the average saved with the state instead of restarting it."""
+    from safetensors.torch import load_file
+
+    from unicache_core.bagel.training.trainer import WeightAverage
+
+    out, work = tmp_path / "ckpt", tmp_path / "work"
+    run(out, work, _cfg(ema_decay=0.5))
+    state = load_file(str(work / "bagel_state.safetensors"))
+    exported = load_file(str(out / "ema.safetensors"))
+    name = "language_model.model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(exported[name], state["ema." + name].to(exported[name].dtype))
+    assert not torch.equal(state["ema." + name], state["param." + name])  # the average lags the weights
+    info = run(out, work, _cfg(ema_decay=0.5, steps=6))
+    resumed = load_file(str(work / "bagel_state.safetensors"))
+    assert [row[0] for row in info["bagel_log"]] == [4, 6]
+    # two more steps of d = min(0.5, ...) = 0.5: the saved average moved halfway to the weights, twice, from where
+    # it was (a restarted average would start from the resumed weights instead)
+    assert not torch.equal(resumed["ema." + name], resumed["param." + name])
+    # the update rule: d ramps as (1 + step) / (10 + step) up to the decay
+    module = torch.nn.Linear(2, 2)
+    avg = WeightAverage(module, 0.9)
+    start = module.weight.detach().clone()
+    with torch.no_grad():
+        module.weight.add_(1.0)
+    avg.update(0)  # d = 0.1
+    torch.testing.assert_close(avg.shadow["weight"], start + 0.9)
+    with avg.swapped_in():
+        torch.testing.assert_close(module.weight, start + 0.9)
+    torch.testing.assert_close(module.weight, start + 1.0)
+    import pytest
+
+    with pytest.raises(ValueError, match="holds a weight average but this run has none"):
+        run(out, work, _cfg(steps=8, ema_decay=0.0))  # resuming without the average the state was saved with
+    plain = tmp_path / "plain.work"
+    run(tmp_path / "plain", plain, _cfg(ema_decay=0.0))
+    with pytest.raises(ValueError, match="holds no weight average"):
+        run(tmp_path / "plain", plain, _cfg(steps=6, ema_decay=0.5))
+
+
+def test_generation_path_learning_rate_scale(tmp_path):
+    """``gen_lr_scale`` scales the rate of exactly the generation path: at 0 the gen expert, the latent in/out
+    modules and the timestep embedder keep their initial values while the understanding side trains."""
+    from safetensors.torch import load_file
+
+    from unicache_core.bagel.training.trainer import is_generation_parameter
+
+    assert is_generation_parameter("language_model.model.layers.3.mlp_moe_gen.up_proj.weight")
+    assert is_generation_parameter("vae2llm.weight") and is_generation_parameter("time_embedder.mlp.0.bias")
+    assert not is_generation_parameter("language_model.model.layers.3.mlp.up_proj.weight")
+    assert not is_generation_parameter("connector.fc1.weight") and not is_generation_parameter("language_model.lm_head.weight")
+    work = tmp_path / "work"
+    run(tmp_path / "ckpt", work, _cfg(gen_lr_scale=0.0))
+    trained = {k[6:]: v for k, v in load_file(str(work / "bagel_state.safetensors")).items() if k.startswith("param.")}
+    initial, _ = build_models(shapes_config(shapes_tokenizer_files()[2], **SMALL), 0)
+    moved = {n: not torch.equal(p.detach(), trained[n]) for n, p in initial.named_parameters() if p.requires_grad}
+    assert not any(m for n, m in moved.items() if is_generation_parameter(n))
+    assert moved["language_model.model.layers.0.mlp.up_proj.weight"] and moved["connector.fc1.weight"]
+
+
+def test_training_cli_defaults_are_the_shipped_run(tmp_path, monkeypatch):
+    """``make train`` with no options trains exactly TrainConfig's defaults (the bundled model's recipe)."""
+    from unicache_core.bagel.training import trainer
+    from unicache_core.bagel.training.__main__ import main
+
+    seen = {}
+
+    def fake_run(out, work, cfg, progress=None):
+        seen["cfg"] = cfg
+        raise KeyboardInterrupt  # stop before any work
+
+    monkeypatch.setattr(trainer, "run", fake_run)
+    assert main([str(tmp_path / "out")]) == 130
+    assert seen["cfg"] == TrainConfig()
+    main([str(tmp_path / "out"), "--und-late", "", "--unit-input-init", "none", "--gen-lr-scale", "1"])
+    assert seen["cfg"].und_late_kinds == [] and seen["cfg"].unit_input_init is False and seen["cfg"].gen_lr_scale == 1.0

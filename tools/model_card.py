@@ -44,10 +44,7 @@ def card(training: dict, quality: dict | None, notes: list[str] | None = None) -
     stop = min(cfg["steps"], cfg.get("stop_at") or cfg["steps"])
     stopped = [] if stop == cfg["steps"] else [
         f"The learning-rate schedule is laid out for {cfg['steps']} BAGEL steps; the run stops at step {stop}",
-        "(`stop_at`) to stay under 60 minutes, because the VAE and the pool encoding took longer than",
-        "estimated. The first attempt, with a 32-channel VAE, was abandoned after its VAE stage: with one",
-        "channel per group, the 32-group norms lose flat colours, and the analyser could read only 2 of 40",
-        "reconstructions.",
+        "(`stop_at`) to stay under 60 minutes.",
         "",
     ]
     run_notes = [] if not sec.get("vae_from") else [
@@ -60,7 +57,19 @@ def card(training: dict, quality: dict | None, notes: list[str] | None = None) -
         which = ("The image input path (ViT, connector, timestep embedder, `vae2llm`)" if init in (True, "all") else
                  "The ViT and the connector" if init == "und" else
                  "The input modules " + ", ".join(f"`{n}`" for n in names))
-        run_notes.append(f"- {which} started at N(0, 1/fan_in).")
+        run_notes.append(f"- {which} started at unit gain, N(0, 1/fan_in); the other matrices at N(0, 0.02).")
+    precision = cfg.get("precision", "fp32")
+    run_notes.append(
+        "- Matmuls and convolutions under bfloat16 autocast (weights, AdamW state and losses in fp32)."
+        if precision == "bf16" else "- All in fp32.")
+    if cfg.get("compile"):
+        run_notes.append("- The LLM's decoder layers compiled with `torch.compile` (dynamic shapes).")
+    if cfg.get("gen_lr_scale", 1.0) != 1.0:
+        run_notes.append(f"- The generation path (the gen expert of every layer, `vae2llm`, `llm2vae`, the timestep "
+                         f"embedder) at {cfg['gen_lr_scale']:g}x the learning rate.")
+    if cfg.get("ema_decay"):
+        run_notes.append(f"- `ema.safetensors` holds an exponential moving average of the BAGEL weights (decay "
+                         f"{cfg['ema_decay']}, ramped up as (1 + step) / (10 + step)).")
     run_notes += [f"- {note}" for note in notes or []]
     lines = [
         "# unicache-shapes: a small BAGEL trained on the shapes world",

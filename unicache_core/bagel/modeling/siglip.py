@@ -60,14 +60,22 @@ class SiglipAttention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim).transpose(0, 1)
         k = self.k_proj(x).view(n, self.num_heads, self.head_dim).transpose(0, 1)
         v = self.v_proj(x).view(n, self.num_heads, self.head_dim).transpose(0, 1)
-        outs = []
-        start = 0
-        for length in seqlens:
-            sl = slice(start, start + length)
-            outs.append(F.scaled_dot_product_attention(q[:, sl], k[:, sl], v[:, sl]))
-            start += length
-        out = torch.cat(outs, dim=1).transpose(0, 1).reshape(n, -1)
-        return self.out_proj(out)
+        lengths = set(seqlens)
+        if len(lengths) == 1:  # images of one size (a training batch): one call over [images, heads, L, d]
+            length = lengths.pop()
+            def split(t: Tensor) -> Tensor:
+                return t.reshape(self.num_heads, n // length, length, self.head_dim).transpose(0, 1)
+            out = F.scaled_dot_product_attention(split(q), split(k), split(v))  # [images, heads, L, d]
+            out = out.transpose(0, 1).reshape(self.num_heads, n, self.head_dim)
+        else:
+            outs = []
+            start = 0
+            for length in seqlens:
+                sl = slice(start, start + length)
+                outs.append(F.scaled_dot_product_attention(q[:, sl], k[:, sl], v[:, sl]))
+                start += length
+            out = torch.cat(outs, dim=1)
+        return self.out_proj(out.transpose(0, 1).reshape(n, -1))
 
 
 class SiglipMLP(nn.Module):

@@ -1,6 +1,6 @@
 """Training the bundled shapes model (BAGEL's architecture at a small width), see ``trainer``.
 
-``python -m unicache_core.bagel.training OUT_DIR [--work DIR] [--quick]`` trains (resumably) and
+``python -m unicache_core.bagel.training OUT_DIR [--work DIR] [options]`` trains (resumably) and
 writes the checkpoint in the official folder layout.
 """
 

@@ -36,9 +36,18 @@ class _Progress:
             sys.stderr.flush()
 
 
+def _init_spec(value) -> str:
+    """A ``TrainConfig.unit_input_init`` value as the CLI spells it."""
+    if value is True:
+        return "all"
+    if value is False:
+        return "none"
+    return value if isinstance(value, str) else ",".join(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .model import unit_init_modules
-    from .trainer import TrainConfig, check_und_late_kinds
+    from .trainer import PRECISIONS, TrainConfig, check_und_late_kinds
 
     defaults = TrainConfig()
     parser = OneLineParser(description="Train the bundled shapes BAGEL (VAE, then LLM+ViT) and export it.")
@@ -55,15 +64,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vae-from", type=path_arg, default=None,
                         help="a finished run's checkpoint folder whose VAE is stage 1 (same VAE settings; its VAE "
                              "time is counted)")
-    parser.add_argument("--unit-input-init", nargs="?", const="all", default="", metavar="MODULES",
+    parser.add_argument("--unit-input-init", nargs="?", const="all", default=_init_spec(defaults.unit_input_init),
+                        metavar="MODULES",
                         help="start image input modules at N(0, 1/fan_in): all (no value), und (ViT and connector), "
                              "none, or a comma list of vit_model, connector, time_embedder, vae2llm")
     parser.add_argument("--und-batch", type=int, default=defaults.batch["und"], help="understanding images per step")
     parser.add_argument("--und-questions", type=int, default=defaults.und_questions,
                         help="questions per understanding image, as turns of one sequence (each of another kind)")
-    parser.add_argument("--und-late", default="", metavar="KINDS",
-                        help="comma-separated question kinds held back until --und-late-from")
+    parser.add_argument("--und-late", default=",".join(defaults.und_late_kinds), metavar="KINDS",
+                        help="comma-separated question kinds held back until --und-late-from ('' = none; default "
+                             f"{','.join(defaults.und_late_kinds)})")
     parser.add_argument("--und-late-from", type=int, default=defaults.und_late_from, metavar="STEP")
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate")
+    parser.add_argument("--gen-lr-scale", type=float, default=defaults.gen_lr_scale,
+                        help="learning rate of the generation path (gen expert, latent in/out) over --lr")
+    parser.add_argument("--ema-decay", type=float, default=defaults.ema_decay,
+                        help=f"export an exponential moving average of the BAGEL weights with this decay (0 = the raw "
+                             f"weights; default {defaults.ema_decay})")
+    parser.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
+                        help="bf16: matmuls and convolutions under bfloat16 autocast (weights and losses stay fp32)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="run the decoder layers eagerly (compiling them costs ~30 s once and halves the forward)")
     parser.add_argument("--save-every", type=int, default=defaults.save_every)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = parser.parse_args(argv)
@@ -72,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.stop_at < 0:
         parser.error(f"--stop-at must be >= 0 (0 = --steps), got {args.stop_at}")
+    if args.lr <= 0 or args.gen_lr_scale < 0:
+        parser.error(f"--lr must be > 0 and --gen-lr-scale >= 0, got {args.lr} and {args.gen_lr_scale}")
+    if not 0.0 <= args.ema_decay < 1.0:
+        parser.error(f"--ema-decay must be in [0, 1), got {args.ema_decay}")
     if args.und_batch < 0 or args.und_late_from < 0:
         parser.error(f"--und-batch and --und-late-from must be >= 0, got {args.und_batch} and {args.und_late_from}")
     late = [k for k in args.und_late.split(",") if k]
@@ -89,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                       save_every=args.save_every, threads=args.threads,
                       vae_from=str(args.vae_from or ""), unit_input_init=unit_init,
                       batch=dict(defaults.batch, und=args.und_batch), und_questions=args.und_questions,
-                      und_late_kinds=late, und_late_from=args.und_late_from)
+                      und_late_kinds=late, und_late_from=args.und_late_from, ema_decay=args.ema_decay, lr=args.lr,
+                      gen_lr_scale=args.gen_lr_scale, precision=args.precision, compile=args.compile)
     out = Path(args.out_dir)
     work = Path(args.work) if args.work else out.with_name(out.name + ".work")
     from .trainer import run
