@@ -54,16 +54,16 @@ test-all: host bundled browser-deps
 	$(PY) -m pytest tests -m ""
 
 # Main job: every shipped API workflow in a headless host on the bundled default checkpoint;
-# outputs (images, texts, summary.json per workflow) land in $(DEMO_OUT)/.
+# outputs (images, texts, summary.json per workflow) land in $(DEMO_OUT)/. Seed 42 is the workflows' own.
 demo: host bundled
 	$(PY) tools/comfyhost.py start --name demo
 	rc=0; for wf in workflows/api/*.json; do \
 	  n=$$(basename $$wf .json); \
 	  $(PY) -m nodes.batch $$wf --host $$($(PY) tools/comfyhost.py status --name demo --url) --count 1 \
-	    --seed-start 0 --out $(DEMO_OUT)/$$n --summary $(DEMO_OUT)/$$n/summary.json || rc=1; \
+	    --seed-start 42 --out $(DEMO_OUT)/$$n --summary $(DEMO_OUT)/$$n/summary.json || rc=1; \
 	done; $(PY) tools/comfyhost.py stop --name demo; exit $$rc
 
-# The bundled model: the full training run (about 55 min on 2 cores; resumable: run it again after a stop),
+# The bundled model: the full training run (about 60 min on 2 cores; resumable: run it again after a stop),
 # its UniCache calibration, and the quality benchmark (docs/shapes.md).
 TRAIN_WORK ?= .train/unicache-shapes
 train: setup

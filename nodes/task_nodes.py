@@ -255,7 +255,7 @@ class UniCacheImageEdit:
         return {"required": {
             "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
             "image": ("IMAGE", {"tooltip": "The source image(s) to edit."}),
-            "prompt": _prompt("make the red circle green",
+            "prompt": _prompt("change the background to black",
                               "The edit instruction. unicache-shapes knows: make the <colour> <shape> <colour>, move "
                               "the <colour> <shape> to the <position>, add a <size> <colour> <shape> at the "
                               "<position>, remove the <colour> <shape>, change the background to <colour>."),

@@ -22,8 +22,8 @@ CHECKPOINT = "unicache-shapes"  # the bundled model trained on the shapes world 
 EXAMPLE_IMAGE = "unicache_example.png"
 #: Prompts in the bundled model's language; the example image is ``example_scene()``.
 T2I_PROMPT = "a large red circle at the top left and a small blue square at the center on a white background"
-EDIT_PROMPT = "make the red circle green"
-QUESTION = "what color is the triangle?"
+EDIT_PROMPT = "change the background to black"
+QUESTION = "how many shapes are there?"
 # core nodes: (socket inputs [(name, type)], widget names, outputs [(name, type)])
 CORE = {
     "LoadImage": ([], ["image", "upload"], [("IMAGE", "IMAGE"), ("MASK", "MASK")]),
