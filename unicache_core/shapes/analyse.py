@@ -2,10 +2,11 @@
 
 It reads an image the way the world draws one: the background is the palette colour nearest to the
 median border pixel; a grid cell holds an object when enough of its pixels are far from the background;
-the object's colour is the palette colour nearest to the median of the inner half of those pixels, its shape follows from
-its outline's row widths (:func:`classify_shape`) and its size from its bounding box. On rendered scenes it
-is exact (tested on thousands of them); it reads blurred renders and rounded corners the way a person does,
-so on generated and reconstructed images it judges what a person would read off the image.
+the object's colour is the palette colour nearest to the median of the inner half of those pixels, its
+shape follows from its outline's row widths (:func:`classify_shape`) and its size from its bounding box.
+On rendered scenes it is exact (tested on thousands of them); it reads blurred renders and rounded corners
+the way a person does, so on generated and reconstructed images it judges what a person would read off
+the image.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def classify_shape(alpha: np.ndarray) -> tuple[str, int, int]:
     With ``top`` and ``bottom`` the mean widths of the top and bottom 30% of rows, over the widest row: a
     triangle tapers (``|bottom - top|`` large), a square keeps its width to both ends, a circle narrows at both.
     Unlike the share of the box an object fills, these read a slightly blurred triangle or a square with
-    rounded corners as what it is (a box-fill rule read 31% of a VAE's reconstructions wrong; docs/shapes.md).
+    rounded corners as what it is (a box-fill rule misread 37% of the previous VAE's reconstructions and 30% of the
+    shipped one's; docs/shapes.md).
     """
     ys, xs = np.nonzero(alpha > 0.5)
     box = alpha[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
@@ -74,7 +76,8 @@ def analyse(image: Image.Image | np.ndarray) -> Scene:
     border = np.concatenate([px[:3].reshape(-1, 3), px[-3:].reshape(-1, 3), px[:, :3].reshape(-1, 3),
                              px[:, -3:].reshape(-1, 3)])
     background = _nearest(np.median(border, axis=0), BACKGROUNDS)
-    dist = np.sqrt(((px - np.array(BACKGROUNDS[background], dtype=np.float64)) ** 2).sum(axis=2))
+    bg_rgb = np.array(BACKGROUNDS[background], dtype=np.float64)
+    dist = np.sqrt(((px - bg_rgb) ** 2).sum(axis=2))
     fg = dist > FOREGROUND_DISTANCE
     objects: list[Shape] = []
     step = CANVAS / GRID
@@ -91,7 +94,6 @@ def analyse(image: Image.Image | np.ndarray) -> Scene:
         core = dist[y0:y1, x0:x1][mask]
         color = _nearest(np.median(region[mask][core >= np.median(core)], axis=0), COLORS)
         # soft coverage: where each pixel lies between the background and the object colour
-        bg_rgb = np.array(BACKGROUNDS[background], dtype=np.float64)
         span = np.array(COLORS[color], dtype=np.float64) - bg_rgb
         alpha = np.clip(((region - bg_rgb) @ span) / float(span @ span), 0.0, 1.0)
         if not (alpha > 0.5).any():
