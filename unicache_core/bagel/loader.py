@@ -78,12 +78,32 @@ def _listing(names: list[str]) -> str:
 
 #: Suffixes of pickle-based weight files (``torch.save``): never opened by this loader.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-#: First bytes of a ``torch.save`` zip archive and of a raw pickle stream (protocol 2+).
-_PICKLE_MAGICS = (b"PK\x03\x04", b"\x80")
+#: First bytes of a ``torch.save`` zip archive.
+_ZIP_MAGIC = b"PK\x03\x04"
+#: Protocols a raw pickle stream announces after its ``0x80`` PROTO opcode.
+_PICKLE_PROTOCOLS = range(2, 6)
+
+
+def _looks_like_safetensors(head: bytes, size: int) -> bool:
+    """Whether ``head`` (the first 9 bytes of a ``size``-byte file) opens a safetensors file.
+
+    A safetensors file starts with its header length as a little-endian u64 and then the JSON header's
+    ``{``. The length's low byte may be anything (``0x80`` included, the first byte of a pickle stream),
+    so the format is told by the whole prefix, not by its first byte.
+    """
+    if len(head) < 9:
+        return False
+    header_len = int.from_bytes(head[:8], "little")
+    return 2 <= header_len <= size - 8 and head[8:9] == b"{"
+
+
+def _is_pickle(head: bytes) -> bool:
+    """A ``torch.save`` zip archive or a raw pickle stream (PROTO opcode ``0x80`` and protocol 2..5)."""
+    return head.startswith(_ZIP_MAGIC) or (len(head) >= 2 and head[0] == 0x80 and head[1] in _PICKLE_PROTOCOLS)
 
 
 def _check_weights_file(path: Path) -> None:
-    """Raise a :class:`CheckpointError` if ``path`` is missing or is a pickle file (only 8 bytes are read)."""
+    """Raise a :class:`CheckpointError` if ``path`` is missing or is a pickle file (only 9 bytes are read)."""
     if path.exists() and not path.is_file():
         kind = "a directory" if path.is_dir() else "not a regular file"
         raise CheckpointError(
@@ -103,8 +123,8 @@ def _check_weights_file(path: Path) -> None:
             f"{path.parent}{found}"
         )
     with open(path, "rb") as fh:
-        head = fh.read(8)
-    if head.startswith(_PICKLE_MAGICS):
+        head = fh.read(9)
+    if not _looks_like_safetensors(head, path.stat().st_size) and _is_pickle(head):
         raise CheckpointError(
             f"{path} is a pickle/torch.save file, not safetensors; it is not read because unpickling can run "
             f"arbitrary code. Download the real {path.name} or convert the weights to safetensors"
