@@ -38,7 +38,7 @@ host: setup
 bundled: $(BUNDLED)/ema.safetensors
 	@test -f $(SHAPES)/ema.safetensors || { echo "missing $(SHAPES) (shipped in git; or run make train)" >&2; exit 1; }
 $(BUNDLED)/ema.safetensors: | setup
-	$(PY) -m unicache_core.bagel.tiny $(BUNDLED)
+	$(PY) -m training.tiny $(BUNDLED)
 
 # Debian chromium and playwright-core (pinned in tests/host/browser/package-lock.json) for the browser test.
 browser-deps:
@@ -59,7 +59,7 @@ demo: host bundled
 	$(PY) tools/comfyhost.py start --name demo
 	rc=0; for wf in workflows/api/*.json; do \
 	  n=$$(basename $$wf .json); \
-	  $(PY) -m nodes.batch $$wf --host $$($(PY) tools/comfyhost.py status --name demo --url) --count 1 \
+	  $(PY) -m tools.batch $$wf --host $$($(PY) tools/comfyhost.py status --name demo --url) --count 1 \
 	    --seed-start 42 --out $(DEMO_OUT)/$$n --summary $(DEMO_OUT)/$$n/summary.json || rc=1; \
 	done; $(PY) tools/comfyhost.py stop --name demo; exit $$rc
 
@@ -67,10 +67,10 @@ demo: host bundled
 # its UniCache calibration, and the quality benchmark (docs/shapes.md).
 TRAIN_WORK ?= .train/unicache-shapes
 train: setup
-	$(PY) -m unicache_core.bagel.training $(SHAPES) --work $(TRAIN_WORK) --threads 2
+	$(PY) -m training $(SHAPES) --work $(TRAIN_WORK) --threads 2
 
 calibrate: setup
-	$(PY) -m unicache_core.bagel.training.calibration $(SHAPES)
+	$(PY) -m training.calibration $(SHAPES)
 
 quality: setup
 	$(PY) -m benchmarks.quality --json out/quality.json
@@ -79,7 +79,7 @@ quality-quick: setup
 	$(PY) -m benchmarks.quality --quick --json out/quality_quick.json
 
 tiny: setup
-	$(PY) -m unicache_core.bagel.tiny .tiny/bagel-tiny
+	$(PY) -m training.tiny .tiny/bagel-tiny
 
 clean:
 	rm -rf .venv out .tiny .pytest_cache $(HOST_DIR) $(BROWSER_DIR)/node_modules

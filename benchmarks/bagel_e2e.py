@@ -36,8 +36,8 @@ import torch
 from PIL import Image
 
 from unicache_core.bagel import BagelPipeline, load_bagel
-from unicache_core.bagel.tiny import write_tiny_checkpoint
-from unicache_core.methods import METHODS, make_cache_factory
+from training.tiny import write_tiny_checkpoint
+from unicache_core.compression import METHODS, make_cache_factory
 
 from .medium import write_medium_checkpoint
 
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work-dir", default="", help="where the generated checkpoints are written (reused)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("unicache_core.methods.registry").setLevel(logging.ERROR)
+    logging.getLogger("unicache_core.compression.registry").setLevel(logging.ERROR)
     kw: dict = dict(QUICK) if args.quick else {}
     for name in ("checkpoints", "tasks", "methods"):
         value = getattr(args, name)

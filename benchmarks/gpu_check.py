@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from unicache_core.bagel import BagelPipeline, load_bagel
-from unicache_core.bagel.tiny import write_tiny_checkpoint
-from unicache_core.methods import METHODS, KVConfig, make_cache_factory
+from training.tiny import write_tiny_checkpoint
+from unicache_core.compression import METHODS, KVConfig, make_cache_factory
 
 from .bagel_e2e import _source_image
 from .medium import write_medium_checkpoint
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("unicache_core.methods.registry").setLevel(logging.ERROR)
+    logging.getLogger("unicache_core.compression.registry").setLevel(logging.ERROR)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         sys.stderr.write("error: --device cuda but no CUDA device is visible; run it on the GPU machine or pass "

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from unicache_core.attention import attention_with_lse, attention_probabilities
+from unicache_core.kv.attention import attention_with_lse, attention_probabilities
 from unicache_core.policies import (
     H2OPolicy,
     PyramidKVPolicy,
@@ -44,12 +44,12 @@ from unicache_core.policies import (
     VLCachePolicy,
 )
 from unicache_core.policies.kivi import KIVIPolicy
-from unicache_core.quant import quantized_kv_nbytes
-from unicache_core.kvcache import AttentionCall, RequestInfo
-from unicache_core.methods import make_cache_factory, paper_policy_table
-from unicache_core.segmented import SegmentedLayer
-from unicache_core.segments import CANDIDATE_TYPES, TokenType
-from unicache_core.stores import EvictedStore, FullStore
+from unicache_core.kv.quant import quantized_kv_nbytes
+from unicache_core.kv.cache import AttentionCall, RequestInfo
+from unicache_core.compression import make_cache_factory, paper_policy_table
+from unicache_core.kv.segmented_cache import SegmentedLayer
+from unicache_core.kv.token_types import CANDIDATE_TYPES, TokenType
+from unicache_core.kv.stores import EvictedStore, FullStore
 
 logger = logging.getLogger("benchmarks.kv_attention")
 TT = TokenType
@@ -317,9 +317,9 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
 
 
 def _unicache_layer(ctx: Context, sc: Scoring, budget: int, info: dict) -> SegmentedLayer:
-    """The library's UniCache (:class:`unicache_core.methods.unicache.UniCacheMethod`) on this branch.
+    """The library's UniCache (:class:`unicache_core.compression.unicache.UniCacheMethod`) on this branch.
 
-    The synthetic context is appended to a real :class:`~unicache_core.methods.cache.CompressingKVCache`;
+    The synthetic context is appended to a real :class:`~unicache_core.compression.compressing_cache.CompressingKVCache`;
     the scoring step's pre-eviction masses and accumulated per-key scores are its observation (what a
     pipeline run measures at its first, full-KV step), and one compression runs with the candidate byte
     budget as ``kv_target``: the mass-proportional capped allocation over the types, H2O eviction for

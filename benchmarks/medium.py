@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from unicache_core.bagel import tiny
+from training import tiny
 from unicache_core.bagel.config import AEConfig, BagelConfig, LLMConfig, ResizeConfig, TransformConfig, ViTConfig
 from unicache_core.bagel.modeling.autoencoder import AutoEncoder
 from unicache_core.bagel.modeling.bagel import Bagel

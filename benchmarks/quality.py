@@ -37,7 +37,7 @@ import torch
 
 from unicache_core.bagel import BagelPipeline, load_bagel
 from unicache_core.cli import OneLineParser, path_arg
-from unicache_core.methods import METHODS, make_cache_factory
+from unicache_core.compression import METHODS, make_cache_factory
 from unicache_core.shapes import analyse, edit_sample, judge_t2i, psnr, scenes_match, t2i_sample, unchanged_mask
 from unicache_core.shapes.world import EVAL_SEEDS, image_array, understanding_sample
 
@@ -61,8 +61,8 @@ def paper_table_for(checkpoint: Path):
     """The paper's assignment (instruction and ViT evicted, VAE quantized) as a table for this checkpoint."""
     import dataclasses
 
-    from unicache_core.methods.registry import paper_policy_table
-    from unicache_core.model_id import model_id_of
+    from unicache_core.compression.registry import paper_policy_table
+    from unicache_core.bagel.checkpoint.model_id import model_id_of
 
     return dataclasses.replace(paper_policy_table(), model_id=model_id_of(checkpoint))
 
@@ -150,7 +150,7 @@ def _score(task: str, metrics: dict) -> float:
 
 def calibration_check(checkpoint: Path) -> dict:
     """Does the checkpoint's calibrated table route the types as the paper does?"""
-    from unicache_core.methods.registry import CHECKPOINT_POLICY_FILE
+    from unicache_core.compression.registry import CHECKPOINT_POLICY_FILE
 
     path = checkpoint / CHECKPOINT_POLICY_FILE
     paper = {"instruction": "evict", "source_vit": "evict", "source_vae": "quantize"}
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (Path(args.checkpoint) / "llm_config.json").is_file():
         parser.error(f"--checkpoint {args.checkpoint} is not a BAGEL checkpoint folder (no llm_config.json)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("unicache_core.methods.registry").setLevel(logging.ERROR)
+    logging.getLogger("unicache_core.compression.registry").setLevel(logging.ERROR)
     kw: dict = dict(QUICK) if args.quick else {}
     if args.tasks:
         kw["tasks"] = _items(parser, "tasks", args.tasks, TASKS)

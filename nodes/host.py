@@ -23,7 +23,7 @@ PACK_BAGEL_DIR = PACK_ROOT / "models" / "bagel"
 #: The bundled default checkpoint (trained on the shapes world, docs/shapes.md), the loader's default choice.
 BUNDLED_CHECKPOINT = "unicache-shapes"  # = unicache_core.bagel.settings.BUNDLED_CHECKPOINT (tested)
 #: The policy tables shipped with the library.
-SHIPPED_POLICY_DIR = PACK_ROOT / "unicache_core" / "policies"
+SHIPPED_POLICY_DIR = PACK_ROOT / "unicache_core" / "compression" / "tables"
 
 
 def _folder_paths():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from unicache_core.methods import METHODS, KVConfig
+from unicache_core.compression import METHODS, KVConfig
 
 from . import host
 

@@ -1,6 +1,6 @@
 """The ``BAGEL_MODEL`` object, checkpoint discovery, the model cache and the memory estimate (no ComfyUI imports).
 
-A ``BAGEL_MODEL`` is a :class:`BagelModel`: the :class:`~unicache_core.bagel.loader.LoadedBagel`, the ComfyUI
+A ``BAGEL_MODEL`` is a :class:`BagelModel`: the :class:`~unicache_core.bagel.checkpoint.loader.LoadedBagel`, the ComfyUI
 ``ModelPatcher`` that carries its modules (built by :mod:`nodes.host`), the checkpoint name and the file
 identity ``(path, size, mtime)``. Loaded models are cached by ``(path, size, mtime, dtype, device)``, so
 queued prompts reuse them and never re-read the weights; one entry is kept (choosing another checkpoint

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from unicache_core.report_view import chart_data, render_plot, summary_text
+from unicache_core.compression.report_view import chart_data, render_plot, summary_text
 
 from .convert import pils_to_image
 

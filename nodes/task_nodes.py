@@ -19,8 +19,8 @@ from unicache_core.bagel.pipeline import (
 )
 from unicache_core.bagel.settings import EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
 from unicache_core.errors import CancelledError
-from unicache_core.methods import KVConfig, make_cache_factory
-from unicache_core.report_view import chart_data
+from unicache_core.compression import KVConfig, make_cache_factory
+from unicache_core.compression.report_view import chart_data
 
 from . import host
 from .convert import ComfyVAEAdapter, from_comfy_latent, image_to_pils, pils_to_image, to_comfy_latent

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from unicache_core.bagel.tiny import write_tiny_checkpoint
+from training.tiny import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

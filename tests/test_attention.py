@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unicache_core.attention import attention_with_lse, merge_attention
+from unicache_core.kv.attention import attention_with_lse, merge_attention
 
 
 def _reference(q, k, v):
@@ -47,7 +47,7 @@ def test_split_and_merge_equals_whole() -> None:
 @pytest.mark.parametrize("causal,tq,tk", [(False, 37, 90), (True, 37, 90), (True, 20, 20)])
 def test_reference_path_is_chunked_and_exact(monkeypatch, causal, tq, tk) -> None:
     """The device-agnostic fp32 path processes queries in chunks (bounded score memory) with the same result."""
-    import unicache_core.attention as attention
+    import unicache_core.kv.attention as attention
 
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(tq, 6, 16, generator=gen)
@@ -74,7 +74,7 @@ def test_reference_path_is_chunked_and_exact(monkeypatch, causal, tq, tk) -> Non
 
 
 def test_block_causal_mask_layout() -> None:
-    from unicache_core.attention import block_causal_mask
+    from unicache_core.kv.attention import block_causal_mask
 
     mask = block_causal_mask([2, 3, 1], [True, False, True])
     expected = torch.tensor([

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from unicache_core.bagel.config import AEConfig, load_bagel_config
-from unicache_core.bagel.loader import load_bagel
+from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.tokenizer import BagelTokenizer
 from unicache_core.errors import CheckpointError
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from unicache_core.bagel.config import AEConfig
-from unicache_core.bagel.loader import load_bagel
+from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.modeling import AutoEncoder, Bagel
 from unicache_core.bagel.modeling.qwen2_mot import Routing
-from unicache_core.kvcache import AttentionCall, FullKVCache
-from unicache_core.segments import TokenType, type_tensor
+from unicache_core.kv.cache import AttentionCall, FullKVCache
+from unicache_core.kv.token_types import TokenType, type_tensor
 
 
 @pytest.fixture(scope="module")

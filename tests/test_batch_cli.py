@@ -1,4 +1,4 @@
-"""nodes/batch.py without a host: graph variation, seed and prompt files, KV bytes from report outputs, arguments."""
+"""tools/batch.py without a host: graph variation, seed and prompt files, KV bytes from report outputs, arguments."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nodes import batch
+from tools import batch
 
 GRAPH = {
     "1": {"class_type": "UniCacheBagelLoader", "inputs": {"checkpoint": "bagel-tiny"}},

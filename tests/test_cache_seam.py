@@ -8,12 +8,12 @@ import torch
 from PIL import Image
 
 from unicache_core.bagel import BagelPipeline, load_bagel
-from unicache_core.kvcache import AttentionCall, CacheRequest, FullKVCache
+from unicache_core.kv.cache import AttentionCall, CacheRequest, FullKVCache
 from unicache_core.policies import ScoreInputs, StreamingLLMPolicy
 from unicache_core.policies.kivi import KIVIPolicy
-from unicache_core.segmented import SegmentedKVCache
-from unicache_core.segments import TokenType
-from unicache_core.stores import EvictedStore, QuantizedStore
+from unicache_core.kv.segmented_cache import SegmentedKVCache
+from unicache_core.kv.token_types import TokenType
+from unicache_core.kv.stores import EvictedStore, QuantizedStore
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_full_cache_rejects_bad_layer_and_mismatched_metadata():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_full_cache_fused_sdpa_path_matches_lse_path(monkeypatch, dtype):
     """The off-CPU path (one SDPA call over cached+new keys) equals the CPU flash+LSE path, causal or not."""
-    import unicache_core.kvcache as kvcache
+    import unicache_core.kv.cache as kvcache
 
     def run(prefer_sdpa: bool):
         monkeypatch.setattr(kvcache, "_prefer_fused_sdpa", lambda q: prefer_sdpa)
@@ -138,8 +138,8 @@ def test_full_cache_fused_sdpa_path_matches_lse_path(monkeypatch, dtype):
 @pytest.mark.parametrize("cache_cls", ["full", "full_sdpa", "segmented"])
 def test_packed_block_causal_call_equals_sequential_calls(monkeypatch, cache_cls):
     """[text (causal) + image (bidirectional)] in ONE call with a block-causal mask == two separate calls."""
-    import unicache_core.kvcache as kvcache
-    from unicache_core.attention import block_causal_mask
+    import unicache_core.kv.cache as kvcache
+    from unicache_core.kv.attention import block_causal_mask
 
     monkeypatch.setattr(kvcache, "_prefer_fused_sdpa", lambda q: cache_cls == "full_sdpa")
 

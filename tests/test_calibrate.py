@@ -10,12 +10,12 @@ import pytest
 import torch
 from PIL import Image
 
-from unicache_core import calibrate as cal
+from unicache_core.bagel import calibrate as cal
 from unicache_core.bagel import BagelPipeline, load_bagel
-from unicache_core.methods.calibration import CalibrationCacheFactory
-from unicache_core.model_id import model_id_of
-from unicache_core.segments import TokenType
-from unicache_core.unicache.routing import PolicyTable
+from unicache_core.compression.calibration import CalibrationCacheFactory
+from unicache_core.bagel.checkpoint.model_id import model_id_of
+from unicache_core.kv.token_types import TokenType
+from unicache_core.compression.routing import PolicyTable
 
 PROMPTS = "a red circle on the left\n\n  make the square blue and large  \n"
 COMMON = ["--steps", "3", "--size", "32", "--dtype", "fp32", "--max-new-tokens", "3", "--device", "cpu"]
@@ -155,7 +155,7 @@ def test_bad_arguments_give_one_line_errors(tiny_checkpoint, prompts, tmp_path, 
 
 
 def test_module_entry_point_and_missing_checkpoint(tmp_path, prompts):
-    proc = subprocess.run([sys.executable, "-m", "unicache_core.calibrate", "--checkpoint", str(tmp_path / "none"),
+    proc = subprocess.run([sys.executable, "-m", "unicache_core.bagel.calibrate", "--checkpoint", str(tmp_path / "none"),
                            "--task", "t2i", "--prompts", str(prompts), "--out", str(tmp_path / "o.json")],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stdout == ""

@@ -100,7 +100,7 @@ def test_max_new_tokens_zero_is_an_error_not_the_default(tiny_checkpoint):
 
 
 def test_tiny_writer_never_clobbers_a_foreign_folder(tmp_path):
-    from unicache_core.bagel.tiny import main as tiny_main, write_tiny_checkpoint
+    from training.tiny import main as tiny_main, write_tiny_checkpoint
 
     real = tmp_path / "BAGEL-7B-MoT"
     real.mkdir()

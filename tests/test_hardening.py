@@ -29,12 +29,12 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from unicache_core.bagel import __main__ as cli
-from unicache_core.bagel import loader as loader_module
+from unicache_core.bagel.checkpoint import loader as loader_module
 from unicache_core.bagel import numerics, seeding
 from unicache_core.bagel import pipeline as pipeline_module
 from unicache_core.bagel.cli_checks import read_prompt_file, save_image
 from unicache_core.bagel.config import load_bagel_config
-from unicache_core.bagel.loader import load_bagel
+from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.pipeline import (
     MAX_CFG_SCALE, MAX_NUM_TIMESTEPS, TEMPERATURE_RANGE, TIMESTEP_SHIFT_RANGE, BagelPipeline, FlowSettings,
     check_output_size,

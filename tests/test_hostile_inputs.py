@@ -22,12 +22,12 @@ from safetensors.torch import load_file, save_file
 
 from unicache_core.bagel import __main__ as cli
 from unicache_core.bagel.config import load_bagel_config
-from unicache_core.bagel.loader import load_bagel
+from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.pipeline import BagelPipeline
 from unicache_core.bagel.tokenizer import BagelTokenizer
 from unicache_core.bagel.transforms import pil_img2rgb, prepare_input_image
 from unicache_core.errors import CancelledError, CheckpointError
-from unicache_core.kvcache import CacheRequest, FullKVCache
+from unicache_core.kv.cache import CacheRequest, FullKVCache
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_pickle_file_named_safetensors(tiny_checkpoint_copy, monkeypatch):
 
 
 def test_out_of_memory_is_not_reported_as_corruption(tiny_checkpoint, monkeypatch):
-    from unicache_core.bagel import loader as loader_module
+    from unicache_core.bagel.checkpoint import loader as loader_module
 
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

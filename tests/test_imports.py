@@ -48,8 +48,8 @@ def test_every_module_imports_without_comfyui():
     import json
 
     names, loaded = json.loads(out.stdout.strip().splitlines()[-1])
-    for expected in ("unicache_core.policies.h2o", "unicache_core.unicache.schedule", "unicache_core.stores",
-                     "unicache_core.segmented", "unicache_core.bagel.pipeline", "benchmarks.kv_attention"):
+    for expected in ("unicache_core.policies.h2o", "unicache_core.compression.schedule", "unicache_core.kv.stores",
+                     "unicache_core.kv.segmented_cache", "unicache_core.bagel.pipeline", "benchmarks.kv_attention"):
         assert expected in names
     leaked = [m for m in loaded if m.split(".")[0] in FORBIDDEN]
     assert leaked == [], f"importing the whole package pulled in {leaked}"

@@ -10,12 +10,12 @@ import torch
 from PIL import Image
 
 from unicache_core.bagel import BagelPipeline, load_bagel
-from unicache_core.kvcache import unique_nbytes
-from unicache_core.methods import METHODS, KVConfig, make_cache_factory
-from unicache_core.methods import ops
-from unicache_core.methods.cache import CompressingKVCache
-from unicache_core.segments import TokenType as TT
-from unicache_core.unicache.routing import PolicyTable, PolicyTableError
+from unicache_core.kv.cache import unique_nbytes
+from unicache_core.compression import METHODS, KVConfig, make_cache_factory
+from unicache_core.compression import ops
+from unicache_core.compression.compressing_cache import CompressingKVCache
+from unicache_core.kv.token_types import TokenType as TT
+from unicache_core.compression.routing import PolicyTable, PolicyTableError
 
 STEPS = 13  # 12 denoising steps: compressions after step 0, 5 and 10 (step chunks of 5)
 
@@ -136,7 +136,7 @@ def test_unicache_keep_sets_only_shrink_rho_never_rises_and_step0_is_full(loaded
         kept.setdefault((id(layer), store.token_type), []).append(rows)
         return store
 
-    monkeypatch.setattr("unicache_core.methods.unicache.evict", spy)
+    monkeypatch.setattr("unicache_core.compression.unicache.evict", spy)
     result = _edit(_pipe(loaded, "unicache", rho_floor=0.1), source, steps=STEPS)
     report = result.kv_report
     assert any(len(v) > 1 for v in kept.values()), "no segment was re-evicted"
@@ -176,7 +176,7 @@ def test_compression_releases_bytes_and_accounts_them_exactly(loaded, source):
     before = gen.nbytes()
     lp = loaded.config.latent_downsample
     x = torch.randn((ctxs.height // lp) * (ctxs.width // lp), loaded.config.patch_latent_dim)
-    from unicache_core.kvcache import StepInfo
+    from unicache_core.kv.cache import StepInfo
 
     info = StepInfo("denoise", 0, 3, ("gen", "cfg_text", "cfg_img"), 1.0)
     session.begin_step(info)
@@ -244,7 +244,7 @@ def test_bad_settings_each_give_one_clear_error(loaded, tmp_path):
 def test_default_policy_is_the_checkpoints_table_else_the_paper_one(loaded, tiny_checkpoint_copy):
     res = _pipe(loaded, "unicache").text_to_image("x", width=32, height=32, num_timesteps=3)
     assert res.kv_report["policy"]["source"] == "paper" and "calibrate" in res.kv_report["policy"]["warning"]
-    from unicache_core.model_id import model_id_of
+    from unicache_core.bagel.checkpoint.model_id import model_id_of
 
     table = PolicyTable(model_id=model_id_of(tiny_checkpoint_copy), source="calibrated")
     table.save(tiny_checkpoint_copy / "unicache_policy.json")

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from unicache_core.policies.base import topk_per_head
-from unicache_core.segmented import SegmentedLayer
-from unicache_core.segments import TokenType as TT
-from unicache_core.stores import EvictedStore, FullStore, QuantizedStore
-from unicache_core.unicache import ChunkedAttentionStats, allocate
+from unicache_core.kv.segmented_cache import SegmentedLayer
+from unicache_core.kv.token_types import TokenType as TT
+from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore
+from unicache_core.compression.allocator import allocate
+from unicache_core.compression.stats import ChunkedAttentionStats
 
 
 def _kv(t=6, h=2, d=8, dtype=torch.float32):

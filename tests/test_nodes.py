@@ -202,7 +202,7 @@ def test_input_types_match_signature(node_id):
 
 
 def test_kv_config_node_builds_configs():
-    from unicache_core.methods import KVConfig
+    from unicache_core.compression import KVConfig
 
     node = _mappings()["UniCacheKVConfig"]()
     (cfg,) = node.build("unicache", 0.0, 0.0, -1.0, "default", 128)
@@ -355,7 +355,7 @@ def test_loader_lists_caches_and_explains(host_stubs, tmp_path):
 
 def test_text_to_image_end_to_end(host_stubs):
     import nodes
-    from unicache_core.methods import KVConfig
+    from unicache_core.compression import KVConfig
 
     model = _load(host_stubs)
     node = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
@@ -448,7 +448,7 @@ def test_web_extension_parses_and_draws(host_stubs, tmp_path):
     js = ROOT / "web" / "unicache.js"
     subprocess.run([node, "--check", str(js)], check=True)
     import nodes
-    from unicache_core.methods import KVConfig
+    from unicache_core.compression import KVConfig
 
     model = _load(host_stubs)
     *_, report = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]().generate(
@@ -535,7 +535,7 @@ def test_listing_folders_and_single_files(tmp_path, tiny_checkpoint):
 
 def test_single_file_checkpoint(host_stubs, tmp_path):
     _needs_vae_hooks()
-    tiny = pytest.importorskip("unicache_core.bagel.tiny")
+    tiny = pytest.importorskip("training.tiny")
     if not hasattr(tiny, "write_tiny_single_file"):
         pytest.skip("this unicache_core cannot write single-file checkpoints")
     import nodes

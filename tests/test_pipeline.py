@@ -8,11 +8,11 @@ import torch
 from PIL import Image
 
 from unicache_core.bagel import contexts as C
-from unicache_core.bagel.loader import load_bagel
+from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.pipeline import BagelPipeline, FlowSettings
 from unicache_core.errors import CancelledError
-from unicache_core.kvcache import AttentionCall, CacheRequest, FullKVCache, full_cache_factory
-from unicache_core.segments import TokenType
+from unicache_core.kv.cache import AttentionCall, CacheRequest, FullKVCache, full_cache_factory
+from unicache_core.kv.token_types import TokenType
 
 FAST = dict(num_timesteps=4, timestep_shift=3.0)
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from unicache_core.attention import attention_probabilities
+from unicache_core.kv.attention import attention_probabilities
 from unicache_core.policies import (
     H2OPolicy,
     PyramidKVPolicy,

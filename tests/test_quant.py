@@ -1,4 +1,4 @@
-"""Bit packing and KIVI-style quantization (unicache_core.quant, unicache_core.policies.kivi)."""
+"""Bit packing and KIVI-style quantization (unicache_core.kv.quant, unicache_core.policies.kivi)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from unicache_core.policies.kivi import KIVI_LOOKUP, KIVIPolicy
-import unicache_core.quant as quant_module
-from unicache_core.quant import (
+import unicache_core.kv.quant as quant_module
+from unicache_core.kv.quant import (
     byte_lut, pack_bits, quantize_keys, quantize_values, quantized_kv_nbytes, unpack_bits, unpack_into,
 )
 

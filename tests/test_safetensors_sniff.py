@@ -19,9 +19,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from unicache_core.bagel.loader import load_bagel
-from unicache_core.bagel.single_file import inspect_single_file
-from unicache_core.bagel.tiny import write_tiny_single_file
+from unicache_core.bagel.checkpoint.loader import load_bagel
+from unicache_core.bagel.checkpoint.single_file import inspect_single_file
+from training.tiny import write_tiny_single_file
 from unicache_core.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unicache_core.kvcache import AttentionCall, FullKVCache, KVCache
+from unicache_core.kv.cache import AttentionCall, FullKVCache, KVCache
 from unicache_core.policies.kivi import KIVIPolicy
-from unicache_core.segmented import SegmentedKVCache
-from unicache_core.segments import TokenType
-from unicache_core.stores import EvictedStore, FullStore, QuantizedStore
+from unicache_core.kv.segmented_cache import SegmentedKVCache
+from unicache_core.kv.token_types import TokenType
+from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore
 
 HKV, HQ, D, LAYERS = 2, 4, 16, 2
 TT = TokenType
@@ -153,7 +153,7 @@ def test_replace_segment_errors() -> None:
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_path_equals_per_store_merge(causal: bool, dtype: torch.dtype) -> None:
-    from unicache_core.segmented import SegmentedLayer
+    from unicache_core.kv.segmented_cache import SegmentedLayer
 
     gen = torch.Generator().manual_seed(11)
     t, tq = 90, 7

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from unicache_core.segments import (
+from unicache_core.kv.token_types import (
     CANDIDATE_TYPES,
     PROTECTED_TYPES,
     Span,

@@ -21,10 +21,10 @@ from unicache_core.bagel.latents import (
     latent_factors,
     to_comfy_latent,
 )
-from unicache_core.bagel.loader import load_bagel
+from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.pipeline import BagelPipeline
 from unicache_core.bagel.seeding import seeded_generator
-from unicache_core.bagel.single_file import (
+from unicache_core.bagel.checkpoint.single_file import (
     BAGEL_SPECIAL_TOKEN_IDS,
     METADATA_KEY,
     NATIVE_VARIANT,
@@ -34,7 +34,7 @@ from unicache_core.bagel.single_file import (
     official_layout,
     sidecar_path,
 )
-from unicache_core.bagel.tiny import (
+from training.tiny import (
     TINY_SINGLE_FILE,
     build_tiny_models,
     main as tiny_main,
@@ -43,7 +43,7 @@ from unicache_core.bagel.tiny import (
 )
 from unicache_core.bagel.transforms import ImageTransforms
 from unicache_core.errors import CheckpointError
-from unicache_core.model_id import BAGEL_7B_MOT, model_id_from_variant, model_id_of
+from unicache_core.bagel.checkpoint.model_id import BAGEL_7B_MOT, model_id_from_variant, model_id_of
 
 FAST = dict(width=64, height=64, num_timesteps=3, seed=7)
 COMFY_TOKENIZER = Path(__file__).resolve().parents[1] / ".comfyhost/ComfyUI/comfy/text_encoders/qwen25_tokenizer"
@@ -247,7 +247,7 @@ def test_no_metadata_with_the_official_layout_is_bagel_7b_mot(tmp_path):
     assert info.config.llm.num_hidden_layers == 28 and info.special_token_ids == BAGEL_SPECIAL_TOKEN_IDS
     assert model_id_of(real) == BAGEL_7B_MOT
     if COMFY_TOKENIZER.is_dir():
-        from unicache_core.bagel.single_file import check_tokenizer
+        from unicache_core.bagel.checkpoint.single_file import check_tokenizer
         from unicache_core.bagel.tokenizer import BagelTokenizer
 
         check_tokenizer(BagelTokenizer.from_dir(COMFY_TOKENIZER), info, COMFY_TOKENIZER)

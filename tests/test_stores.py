@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unicache_core.attention import attention_with_lse
+from unicache_core.kv.attention import attention_with_lse
 from unicache_core.policies.kivi import KIVIPolicy
-from unicache_core.segments import TokenType
-from unicache_core.stores import EvictedStore, FullStore, QuantizedStore
-import unicache_core.stores as stores_module
+from unicache_core.kv.token_types import TokenType
+from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore
+import unicache_core.kv.stores as stores_module
 
 T, HKV, HQ, D = 200, 2, 6, 32
 

@@ -6,9 +6,9 @@ import torch
 from safetensors import safe_open
 
 from unicache_core.bagel import BagelPipeline, load_bagel
-from unicache_core.bagel.training import TrainConfig, run
-from unicache_core.bagel.training.trainer import SampleMaker, build_pool, pack
-from unicache_core.bagel.training.model import build_models, shapes_config, shapes_tokenizer, shapes_tokenizer_files
+from training import TrainConfig, run
+from training.trainer import SampleMaker, build_pool, pack
+from training.model import build_models, shapes_config, shapes_tokenizer, shapes_tokenizer_files
 from unicache_core.shapes import t2i_sample
 
 SMALL = dict(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64, vit_hidden=32, vit_layers=1, vit_heads=1,
@@ -190,7 +190,7 @@ def test_training_cli_checks_its_options_before_any_work(tmp_path, capsys):
     """Bad --und-* and --unit-input-init values stop with one line naming them (the parse itself, --vae-from unset, must succeed)."""
     import pytest
 
-    from unicache_core.bagel.training.__main__ import main
+    from training.__main__ import main
 
     cases = [(["--und-late", "colour"], "unknown question kind(s) ['colour']"),
              (["--und-late", "count,exists,background"], "leaves no kind every scene can answer"),
@@ -208,7 +208,7 @@ def test_caption_use_probe_compares_right_wrong_and_no_caption(tmp_path):
     prediction (so the three differ), the noise is fixed (so a second call repeats), and the CLI writes JSON."""
     import pytest
 
-    from unicache_core.bagel.training.probes import caption_use, main as probe_main
+    from training.probes import caption_use, main as probe_main
 
     out = tmp_path / "ckpt"
     run(out, tmp_path / "work", _cfg())
@@ -229,7 +229,7 @@ def test_masked_attention_equals_sdpa_per_sample():
     """The written-out attention (GQA heads stacked, masked fp32 softmax) is exact attention under each sample's mask."""
     from torch.nn import functional as F
 
-    from unicache_core.bagel.training.attention import MaskedAttention, SampleGroup
+    from training.attention import MaskedAttention, SampleGroup
 
     gen = torch.Generator().manual_seed(0)
     groups, offset = [], 0
@@ -257,7 +257,7 @@ def test_masked_attention_equals_sdpa_per_sample():
 def test_compiled_bf16_step_matches_eager_fp32():
     """The shipped training path (decoder layers compiled, bf16 autocast) computes the eager fp32 loss within bf16
     rounding, and its gradients reach every expert of every layer."""
-    from unicache_core.bagel.training.trainer import autocast, bagel_loss
+    from training.trainer import autocast, bagel_loss
 
     maker, tok = _small_maker(drop_text=0.0, drop_image=0.0)
     batch = pack(maker.draw(0), start_id=tok.start_of_image, end_id=tok.end_of_image, vit_patch=14, max_latent_size=64)
@@ -285,7 +285,7 @@ def test_weight_average_is_exported_and_resumed(tmp_path):
     the average saved with the state instead of restarting it."""
     from safetensors.torch import load_file
 
-    from unicache_core.bagel.training.trainer import WeightAverage
+    from training.trainer import WeightAverage
 
     out, work = tmp_path / "ckpt", tmp_path / "work"
     run(out, work, _cfg(ema_decay=0.5))
@@ -326,7 +326,7 @@ def test_generation_path_learning_rate_scale(tmp_path):
     modules and the timestep embedder keep their initial values while the understanding side trains."""
     from safetensors.torch import load_file
 
-    from unicache_core.bagel.training.trainer import is_generation_parameter
+    from training.trainer import is_generation_parameter
 
     assert is_generation_parameter("language_model.model.layers.3.mlp_moe_gen.up_proj.weight")
     assert is_generation_parameter("vae2llm.weight") and is_generation_parameter("time_embedder.mlp.0.bias")
@@ -343,8 +343,8 @@ def test_generation_path_learning_rate_scale(tmp_path):
 
 def test_training_cli_defaults_are_the_shipped_run(tmp_path, monkeypatch):
     """``make train`` with no options trains exactly TrainConfig's defaults (the bundled model's recipe)."""
-    from unicache_core.bagel.training import trainer
-    from unicache_core.bagel.training.__main__ import main
+    from training import trainer
+    from training.__main__ import main
 
     seen = {}
 

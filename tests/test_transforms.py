@@ -17,9 +17,9 @@ from unicache_core.bagel.config import (
     TransformConfig,
     load_bagel_config,
 )
-from unicache_core.bagel.loader import load_bagel
+from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.pipeline import BagelPipeline
-from unicache_core.bagel.tiny import TINY_TRANSFORMS, tiny_config
+from training.tiny import TINY_TRANSFORMS, tiny_config
 from unicache_core.bagel.transforms import (
     MAX_PIXELS,
     OFFICIAL_TRANSFORMS,

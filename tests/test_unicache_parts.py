@@ -8,23 +8,16 @@ import random
 import pytest
 import torch
 
-from unicache_core.segments import TokenType
-from unicache_core.unicache import (
+from unicache_core.kv.token_types import TokenType
+from unicache_core.compression.allocator import allocate, allocate_integer, allocate_types, target_ratios
+from unicache_core.compression.keepsets import MonotonicKeepSet, split_eviction_budget
+from unicache_core.compression.routing import PolicyTable, k90, route, segment_k90
+from unicache_core.compression.schedule import RetentionSchedule
+from unicache_core.compression.stats import (
     ChunkedAttentionStats,
-    MonotonicKeepSet,
-    PolicyTable,
-    RetentionSchedule,
-    allocate,
-    allocate_integer,
-    allocate_types,
     fallback_budget_ratio,
-    k90,
     layer_chunk,
-    route,
-    segment_k90,
-    split_eviction_budget,
     step_chunk,
-    target_ratios,
     type_masses,
 )
 

@@ -1,5 +1,5 @@
 """Write the shipped example workflows: ``workflows/<name>.json`` (UI format, drag-and-drop, frontend 1.32) and
-``workflows/api/<name>.json`` (API format, for ``POST /prompt`` and ``python -m nodes.batch``), plus the example
+``workflows/api/<name>.json`` (API format, for ``POST /prompt`` and ``python -m tools.batch``), plus the example
 input image ``workflows/assets/unicache_example.png``.
 
 Run from the repo root after changing a node's inputs: ``.venv/bin/python tools/make_workflows.py``.

@@ -108,7 +108,7 @@ def card(training: dict, quality: dict | None, notes: list[str] | None = None) -
         "## Training",
         "",
         *stopped,
-        "- Command: `make train` (= `python -m unicache_core.bagel.training models/bagel/unicache-shapes`).",
+        "- Command: `make train` (= `python -m training models/bagel/unicache-shapes`).",
         *run_notes,
         f"- {training['threads']} torch threads on the project's 2-core CPU machine, over {sec['sessions']} session(s).",
         f"- VAE: {cfg['vae_steps']} steps in {sec['vae_s'] / 60:.1f} min. Pool encoding: {sec['pool_s'] / 60:.1f} min.",

@@ -3,10 +3,10 @@
 Importing this package has no side effects and never imports ComfyUI.
 """
 
-from .attention import attention_with_lse, block_causal_mask, merge_attention
+from .kv.attention import attention_with_lse, block_causal_mask, merge_attention
 from .errors import CancelledError, CheckpointError, NumericalError, UniCacheError
-from .kvcache import AttentionCall, CacheFactory, CacheRequest, FullKVCache, KVCache, full_cache_factory
-from .segments import CANDIDATE_TYPES, PROTECTED_TYPES, Span, TokenType, positions_of, spans_from_types
+from .kv.cache import AttentionCall, CacheFactory, CacheRequest, FullKVCache, KVCache, full_cache_factory
+from .kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, Span, TokenType, positions_of, spans_from_types
 
 __version__ = "0.1.0"
 

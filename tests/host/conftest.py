@@ -8,7 +8,7 @@ One server per test module, started with ``--base-directory`` in a throw-away fo
 start (ComfyUI lists model combos from what is on disk): the pack link, a corrupt copy of the tiny
 checkpoint (``models/bagel/corrupt-tiny``, for the run-time error test) and the input images that the
 shipped workflows name. The bundled default checkpoint is the pack's ``models/bagel/bagel-tiny``
-(written with ``python -m unicache_core.bagel.tiny`` if missing).
+(written with ``python -m training.tiny`` if missing).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def host_install() -> Path:
 def bundled_checkpoint() -> Path:
     """The pack's bundled default checkpoint ``models/bagel/bagel-tiny`` (written if missing)."""
     if not (BUNDLED / "ema.safetensors").is_file() and not BUNDLED.with_suffix(".safetensors").is_file():
-        subprocess.run([sys.executable, "-m", "unicache_core.bagel.tiny", str(BUNDLED)], cwd=REPO, check=True)
+        subprocess.run([sys.executable, "-m", "training.tiny", str(BUNDLED)], cwd=REPO, check=True)
     return BUNDLED
 
 

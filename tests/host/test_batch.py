@@ -1,4 +1,4 @@
-"""nodes/batch.py against two real ComfyUI hosts on this machine (two ports): spreading and retry."""
+"""tools/batch.py against two real ComfyUI hosts on this machine (two ports): spreading and retry."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def workflow_file(comfy, tmp_path_factory) -> Path:
 
 
 def _batch(args: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "nodes.batch", *args], cwd=REPO, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "tools.batch", *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **kw)
 
 

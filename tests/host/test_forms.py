@@ -34,7 +34,7 @@ SIZE = dict(width=64, height=64)
 def _tiny(out: Path, *extra: str) -> None:
     tok = comfyhost.comfy_dir() / "comfy" / "text_encoders" / "qwen25_tokenizer"
     assert (tok / "vocab.json").is_file(), f"the host ships no Qwen2.5 tokenizer at {tok}"
-    subprocess.run([sys.executable, "-m", "unicache_core.bagel.tiny", str(out), "--full-vocab", "--full-vae",
+    subprocess.run([sys.executable, "-m", "training.tiny", str(out), "--full-vocab", "--full-vae",
                     "--tokenizer-dir", str(tok), *extra], cwd=REPO, check=True, capture_output=True)
 
 

@@ -20,7 +20,7 @@ Importing this package loads no weights and has no side effects.
 from .config import AEConfig, BagelConfig, LLMConfig, ResizeConfig, TransformConfig, ViTConfig, load_bagel_config
 from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT, Context
 from .latents import VAEAdapter, from_comfy_latent, to_comfy_latent
-from .loader import LoadedBagel, load_bagel
+from .checkpoint.loader import LoadedBagel, load_bagel
 from .pipeline import BagelPipeline, FlowSettings, GenerationContexts, GenerationResult, UnderstandingResult
 from .sampling import RENORM_TYPES, combine_cfg, timestep_schedule
 from .tokenizer import BagelTokenizer

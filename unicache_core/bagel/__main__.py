@@ -142,7 +142,7 @@ def _request_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .loader import load_bagel
+    from .checkpoint.loader import load_bagel
     from .pipeline import BagelPipeline
 
     if args.checkpoint is None:
@@ -151,7 +151,7 @@ def _run(args: argparse.Namespace) -> int:
     checked = preflight(args, kwargs)  # every argument, the image and --out: before any weights load
     kv_config = _kv_config(args)  # every KV flag is checked before the model loads
     logger.info("loading %s (%s on %s)", args.checkpoint, args.dtype, checked.device)
-    from ..methods import make_cache_factory
+    from ..compression import make_cache_factory
 
     factory = make_cache_factory(kv_config, checkpoint_dir=str(args.checkpoint))
     pipe = BagelPipeline(load_bagel(args.checkpoint, dtype=_DTYPES[args.dtype], device=checked.device), factory)
@@ -187,7 +187,7 @@ def _fail(message: str) -> None:
 
 def _kv_config(args: argparse.Namespace):
     """The KV settings of the flags (a ValueError naming the flag for a bad value)."""
-    from ..methods import KVConfig
+    from ..compression import KVConfig
 
     report = getattr(args, "report", None)
     if report is not None and report.is_dir():

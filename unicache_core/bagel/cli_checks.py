@@ -221,7 +221,7 @@ class Checked:
 def _resolve_device(device: str) -> str:
     import torch
 
-    from .loader import _parse_device
+    from .checkpoint.loader import _parse_device
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,7 +1,7 @@
 """BAGEL contexts (one KV cache + its next RoPE position) and the blocks appended to them.
 
 A :class:`Context` is the official ``{'kv_lens', 'ropes', 'past_key_values'}`` dict: a
-:class:`~unicache_core.kvcache.KVCache` plus the next RoPE position. Blocks (docs/bagel.md §4.2-§4.6):
+:class:`~unicache_core.kv.cache.KVCache` plus the next RoPE position. Blocks (docs/bagel.md §4.2-§4.6):
 
 =========  =====================================  =======  ==========  =====================================
 block      tokens                                 mode     mask        positions / rope after
@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..kvcache import AttentionCall, KVCache, Phase
-from ..segments import TokenType
+from ..kv.cache import AttentionCall, KVCache, Phase
+from ..kv.token_types import TokenType
 from .sampling import pack_latent
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from .loader import LoadedBagel
+    from .checkpoint.loader import LoadedBagel
 
 #: System prompt prefilled before an understanding request in think mode (prompt text of inferencer.py).
 VLM_THINK_SYSTEM_PROMPT = (

@@ -1,7 +1,7 @@
 """The three BAGEL procedures (understanding, text-to-image, editing) over pluggable KV caches.
 
 Mirrors ``InterleaveInferencer.interleave_inference`` (docs/bagel.md §5): contexts are built block by
-block (:mod:`.contexts`), every cache comes from a :data:`~unicache_core.kvcache.CacheFactory`
+block (:mod:`.contexts`), every cache comes from a :data:`~unicache_core.kv.cache.CacheFactory`
 (``cfg_text`` is a ``clone`` of ``gen`` taken at the official point), and the flow loop uses the pure
 math in :mod:`.sampling`.
 
@@ -43,13 +43,13 @@ from PIL import Image
 from torch import Tensor
 
 from ..errors import CancelledError
-from ..kvcache import CacheFactory, CacheSession, RequestInfo, StepInfo, Task, as_cache_factory, full_cache_factory
-from ..model_id import model_id_of
-from ..segments import TokenType
+from ..kv.cache import CacheFactory, CacheSession, RequestInfo, StepInfo, Task, as_cache_factory, full_cache_factory
+from .checkpoint.model_id import model_id_of
+from ..kv.token_types import TokenType
 from . import contexts as C
 from .contexts import Context
 from .latents import latent_factors
-from .loader import LoadedBagel
+from .checkpoint.loader import LoadedBagel
 from .modeling import AutoEncoder
 from .numerics import check_finite, check_logits, check_noise, check_velocities, model_advice
 from .settings import EDIT_DEFAULTS as _E, T2I_DEFAULTS as _T, UNDERSTANDING_DEFAULTS as _U
@@ -334,9 +334,9 @@ class BagelPipeline:
     """Runs BAGEL requests on a loaded checkpoint with caches from ``cache_factory``.
 
     Args:
-        loaded: the model, VAE, tokenizer and config (:func:`~unicache_core.bagel.loader.load_bagel`).
+        loaded: the model, VAE, tokenizer and config (:func:`~unicache_core.bagel.checkpoint.loader.load_bagel`).
         cache_factory: starts the cache session of each request
-            (:func:`unicache_core.methods.make_cache_factory`), or a plain ``fn(CacheRequest) -> KVCache``.
+            (:func:`unicache_core.compression.make_cache_factory`), or a plain ``fn(CacheRequest) -> KVCache``.
         vae: an external VAE (:class:`~.latents.VAEAdapter`: ``encode``/``decode`` in BAGEL's latent
             convention) used instead of ``loaded.vae``; a call's own ``vae=`` overrides it.
     """

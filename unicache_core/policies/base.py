@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ..attention import attention_probabilities
+from ..kv.attention import attention_probabilities
 
 
 def _is_int(value: object) -> bool:

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..quant import SUPPORTED_BITS, quantized_kv_nbytes
-from ..segments import TokenType
-from ..stores import QuantizedStore
+from ..kv.quant import SUPPORTED_BITS, quantized_kv_nbytes
+from ..kv.token_types import TokenType
+from ..kv.stores import QuantizedStore
 
 #: UniCache's bits/group lookup (docs/compression.md §8.6): (nominal retained ratio, bits, group size).
 KIVI_LOOKUP: tuple[tuple[float, int, int], ...] = (

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from ..unicache.allocator import allocate_integer
+from ..compression.allocator import allocate_integer
 from .base import EvictionPolicy, ScoreInputs, observation_attention, recent_mask
 
 

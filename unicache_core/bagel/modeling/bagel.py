@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ...kvcache import AttentionCall, KVCache
+from ...kv.cache import AttentionCall, KVCache
 from ..config import BagelConfig
 from .embeddings import MLPconnector, PositionEmbedding, TimestepEmbedder
 from .qwen2_mot import Qwen2ForCausalLM

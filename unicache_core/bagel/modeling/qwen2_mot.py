@@ -3,7 +3,7 @@
 Every decoder layer holds two experts with identical shapes: the understanding ("und") weights, named
 as in Qwen2, and the generation ("gen") weights, named with a ``_moe_gen`` suffix. Each token of a
 packed block is routed to one expert by a boolean ``gen_mask`` (docs/bagel.md §2.3); attention is joint over
-all tokens. Attention goes only through :meth:`unicache_core.kvcache.KVCache.attend`, so the cache
+all tokens. Attention goes only through :meth:`unicache_core.kv.cache.KVCache.attend`, so the cache
 implementation decides how new queries see the cached context.
 
 Module and parameter names equal the ``language_model.*`` keys of BAGEL's ``ema.safetensors``.
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from ...kvcache import AttentionCall, KVCache
+from ...kv.cache import AttentionCall, KVCache
 from ..config import LLMConfig
 
 

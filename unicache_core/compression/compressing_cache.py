@@ -1,0 +1,355 @@
+"""The compressing cache of one context and the per-request session that owns the shared state.
+
+:class:`CompressingKVCache` is a :class:`~unicache_core.kv.segmented_cache.SegmentedKVCache` that
+
+- keeps the token type of every append index (``types``), so any segment can be tagged and accounted;
+- on the calls its method asks for, measures attention statistics from the real queries of the call,
+  before anything is evicted in it: type masses from the per-store LSE (free), per-key scores from a
+  query subsample (:mod:`.scoring`), VL-Cache's layer sparsity;
+- hands control to its :class:`~unicache_core.compression.method.CompressionMethod` at the compression
+  points (after the first denoising step of its branch and, for UniCache, at the end of every step
+  chunk; before the first decoded token for understanding), which shrink it physically (:mod:`.ops`).
+
+:class:`CompressionSession` is the :class:`~unicache_core.kv.cache.CacheSession` of one request: the
+branch caches, the chunked statistics (keyed per branch), the rho schedules per (branch, layer chunk),
+clocks, and the per-step records returned as the run's report (:mod:`.report`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..kv.cache import AttentionCall, CacheSession, KVCache, RequestInfo, StepInfo, unique_nbytes
+from ..kv.segmented_cache import LayerAttention, SegmentedKVCache
+from ..kv.token_types import CANDIDATE_TYPES, TokenType
+from .stats import ChunkedAttentionStats, layer_chunk
+from .config import KVConfig
+from .report import ReportBuilder
+from .scoring import key_scores, mass_from_lse, query_subsample, row_max_logits
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .method import CompressionMethod
+
+logger = logging.getLogger(__name__)
+
+#: Types a method may compress; ``UNKNOWN`` marks a pooled store of several of them (global baselines).
+MANAGED_TYPES = frozenset(CANDIDATE_TYPES) | {TokenType.UNKNOWN}
+
+
+@dataclass
+class CallPlan:
+    """What one forward pass measures (decided in ``begin_call``)."""
+
+    observe: bool = False  # type masses from the per-store LSE
+    score: bool = False  # per-key scores over a query subsample
+    last_queries: bool = False  # subsample = the last queries (text window) rather than strided
+    num_queries: int = 256
+    sparsity: bool = False  # VL-Cache layer sparsity
+    compress_after: bool = False  # run the method's compression in end_call
+
+
+@dataclass
+class LayerState:
+    """Per-layer statistics kept by a compressing cache (indexed by append index)."""
+
+    scores: Tensor | None = None  # [T, Hkv] fp32, accumulated over scored calls (H2O)
+    last_scores: Tensor | None = None  # [T, Hkv] fp32 of the last scored call (SnapKV, VL-Cache)
+    last_score_queries: int = 0
+    sparsity: float | None = None
+    masses: dict = field(default_factory=dict)  # {TokenType: mass} of the last observed call
+    budgets: dict = field(default_factory=dict)  # {TokenType: budget bytes} set at the last compression
+    flags: dict = field(default_factory=dict)  # {TokenType: reason} for budgets the segment cannot reach
+
+
+class CompressingKVCache(SegmentedKVCache):
+    """Segmented cache of one branch, compressed by ``session.method`` (see the module docstring)."""
+
+    def __init__(self, session: "CompressionSession", branch: str):
+        super().__init__(session.request.num_layers, task=session.request.task, branch=branch)
+        self.session = session
+        self.types = torch.zeros(0, dtype=torch.int8)  # [T] TokenType of each append index
+        self.state = [LayerState() for _ in range(self.num_layers)]
+        self.first_denoise_step: int | None = None
+        self.compressions = 0
+        self.rho: dict[int, float] = {}  # layer chunk -> scheduled retention (unicache)
+        self._plan = CallPlan()
+        self._call_rows = 0
+
+    # ------------------------------------------------------------------ branch copies
+
+    def clone(self, *, branch: str | None = None) -> "CompressingKVCache":
+        other = super().clone(branch=branch)
+        other.state = [LayerState(s.scores, s.last_scores, s.last_score_queries, s.sparsity, dict(s.masses),
+                                  dict(s.budgets), dict(s.flags)) for s in self.state]
+        other.rho = dict(self.rho)
+        other._plan = CallPlan()
+        return other
+
+    # ------------------------------------------------------------------ the seam
+
+    def begin_call(self, call: AttentionCall) -> None:
+        if call.phase == "denoise" and self.first_denoise_step is None:
+            self.first_denoise_step = int(call.step or 0)
+        self._plan = self.session.method.plan_call(self, call)
+        if self._plan.observe or self._plan.score:
+            logger.debug("%s %s step %s: observe=%s score=%s", self.branch, call.phase, call.step,
+                         self._plan.observe, self._plan.score)
+        if call.update:
+            types = call.token_types.detach().to("cpu", torch.int8)
+            self.types = torch.cat([self.types, types])
+        self._call_rows = 0
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:
+        st = self.layer(layer)
+        plan = self._plan
+        timers = self.session.timers
+        start = self.session.clock(q)
+        if not (plan.observe or plan.score) and self.session.config.fused:
+            out, _ = st.attend(q, k, v, causal=call.causal, new_mask=call.new_block_mask, fused=True)
+            res = None
+        else:
+            res = st.attend_parts(q, k, v, causal=call.causal, new_mask=call.new_block_mask)
+            out = res.out
+        mid = self.session.clock(q)
+        timers["attention"] += mid - start
+        self._call_rows += sum(s.num_tokens for s in st.stores) + k.shape[0]
+        if res is not None and (plan.observe or plan.score):
+            self._observe(layer, q, k, res, call, plan)
+            timers["stats"] += self.session.clock(q) - mid
+        if call.update:
+            st.append(k, v, call.token_types)
+        return out
+
+    def end_call(self, call: AttentionCall) -> None:
+        self.session.note_rows(self.branch, call, self._call_rows)
+        if self._plan.compress_after:
+            self.session.compress(self, call)
+        self._plan = CallPlan()
+
+    # ------------------------------------------------------------------ statistics
+
+    def _observe(self, layer: int, q: Tensor, k_new: Tensor, res: LayerAttention, call: AttentionCall,
+                 plan: CallPlan) -> None:
+        st = self.layer(layer)
+        ls = self.state[layer]
+        masses: dict[TokenType, float] = {}
+        for store, lse in zip(st.stores, res.store_lse):
+            if store.num_tokens:
+                masses[store.token_type] = masses.get(store.token_type, 0.0) + mass_from_lse(lse, res.lse)
+        if res.new_lse is not None:
+            masses[TokenType.CURRENT_LATENT if call.phase == "denoise" else TokenType.UNKNOWN] = \
+                mass_from_lse(res.new_lse, res.lse)
+        if plan.score:
+            dense, n_q = self._score(layer, q, k_new, res, call, plan)
+            if call.phase == "prefill" and call.update:
+                # masses of the new block's own types come from its keys' scores (their LSE is one part)
+                masses.pop(TokenType.UNKNOWN, None)
+                types = self.types  # begin_call already appended the new block's types
+                per_key = dense.sum(dim=1).cpu() / (n_q * dense.shape[1])
+                tail = per_key[st.appended_tokens:]
+                for t in torch.unique(types[st.appended_tokens: st.appended_tokens + tail.shape[0]]).tolist():
+                    sel = types[st.appended_tokens: st.appended_tokens + tail.shape[0]] == t
+                    masses[TokenType(t)] = masses.get(TokenType(t), 0.0) + float(tail[sel].sum())
+        ls.masses = masses
+        if call.phase in ("denoise", "decode") and call.step is not None:
+            self.session.stats.update(layer, int(call.step), {t: m for t, m in masses.items() if t in CANDIDATE_TYPES},
+                                      branch=self.branch)
+
+    def _score(self, layer: int, q: Tensor, k_new: Tensor, res: LayerAttention, call: AttentionCall,
+               plan: CallPlan) -> tuple[Tensor, int]:
+        st = self.layer(layer)
+        ls = self.state[layer]
+        idx = query_subsample(q.shape[0], plan.num_queries, last=plan.last_queries, device=q.device)
+        qs, lse = q.index_select(0, idx), res.lse.index_select(0, idx)
+        tn = k_new.shape[0] if call.update else 0
+        total = st.appended_tokens + tn
+        hkv = k_new.shape[1]
+        dense = torch.zeros(total, hkv, dtype=torch.float32, device=q.device)
+        visible = None
+        if call.update:
+            if call.new_block_mask is not None:
+                visible = call.new_block_mask.to(q.device).index_select(0, idx)
+            elif call.causal:
+                visible = torch.arange(tn, device=q.device)[None, :] <= idx[:, None]
+        thresholds = None
+        if plan.sparsity:
+            rowmax = torch.full(lse.shape, float("-inf"), device=q.device)
+            for store in st.stores:
+                keys = store.score_keys()
+                if keys is not None and store.num_tokens:
+                    rowmax = torch.maximum(rowmax, row_max_logits(qs, keys))
+            if call.update:
+                rowmax = torch.maximum(rowmax, row_max_logits(qs, k_new, visible=visible))
+            thresholds = rowmax + math.log(self.session.method.sparsity_threshold)
+        counts = torch.zeros(q.shape[1], dtype=torch.int64, device=q.device)
+        valid = 0
+        for store in st.stores:
+            keys = store.score_keys()
+            if keys is None or store.num_tokens == 0:
+                continue
+            scores, c = key_scores(qs, keys, lse, count_above=thresholds)
+            index = store.token_index.long().to(q.device)
+            index = index.unsqueeze(1).expand(-1, hkv) if index.dim() == 1 else index.t()
+            dense.scatter_add_(0, index, scores)
+            if c is not None:
+                counts += c
+                valid += qs.shape[0] * store.num_tokens
+        if call.update:
+            scores, c = key_scores(qs, k_new, lse, visible=visible, count_above=thresholds)
+            dense[st.appended_tokens:] += scores
+            if c is not None:
+                counts += c
+                valid += int(visible.sum()) if visible is not None else qs.shape[0] * tn
+        if plan.sparsity:
+            ls.sparsity = 1.0 - float(counts.sum()) / max(1, valid * q.shape[1])
+        ls.last_scores = dense
+        ls.last_score_queries = int(qs.shape[0])
+        if ls.scores is None:
+            ls.scores = dense.clone()
+        else:
+            grown = torch.zeros_like(dense)
+            grown[: ls.scores.shape[0]] = ls.scores
+            ls.scores = grown.add_(dense)
+        return dense, int(qs.shape[0])
+
+    # ------------------------------------------------------------------ accounting
+
+    def type_rows(self, layer: int) -> dict[TokenType, int]:
+        """Uncompressed row count per type in ``layer`` (every appended row, compressed or not)."""
+        n = self.layer(layer).appended_tokens
+        counts = torch.bincount(self.types[:n].long(), minlength=len(TokenType)).tolist()
+        return {TokenType(i): c for i, c in enumerate(counts) if c}
+
+    def row_bytes(self, layer: int) -> int:
+        """Bytes of one uncompressed row (K+V over the KV heads) in ``layer``; 0 while empty."""
+        meta = self.layer(layer)._kv_meta
+        if meta is None:
+            return 0
+        h, d, dtype, _ = meta
+        return 2 * h * d * torch.empty(0, dtype=dtype).element_size()
+
+    def managed_full_bytes(self, layer: int | None = None) -> int:
+        """K+V bytes the compressible (candidate) rows would hold uncompressed (no index tensors)."""
+        layers = range(self.num_layers) if layer is None else [layer]
+        total = 0
+        for lay in layers:
+            rows = self.type_rows(lay)
+            total += self.row_bytes(lay) * sum(n for t, n in rows.items() if t in CANDIDATE_TYPES)
+        return total
+
+    def split_bytes(self) -> tuple[int, int]:
+        """``(managed, protected)`` bytes held now (stores of candidate types / of protected types)."""
+        managed = protected = 0
+        for layer in self.layers:
+            for store in layer.stores:
+                if store.token_type in MANAGED_TYPES:
+                    managed += store.nbytes()
+                else:
+                    protected += store.nbytes()
+        return managed, protected
+
+
+class CompressionSession(CacheSession):
+    """Per-request state of a compressing method (see the module docstring)."""
+
+    def __init__(self, request: RequestInfo, method: "CompressionMethod", config: KVConfig,
+                 policy_info: dict | None = None):
+        super().__init__(request)
+        self.method = method
+        self.config = config
+        self.stats = ChunkedAttentionStats.for_task(request.task)
+        self.schedules: dict = {}
+        self.timers = {"attention": 0.0, "stats": 0.0, "alloc": 0.0}
+        self.step: StepInfo | None = None
+        self.target_ratio: float | None = None  # resolved memory target (ratio of full managed bytes)
+        self.released: set[str] = set()
+        self.report = ReportBuilder(self, policy_info or {})
+        method.start(self)
+
+    def clock(self, like: Tensor | None = None) -> float:
+        if self.config.sync_timing and like is not None and like.is_cuda:
+            torch.cuda.synchronize(like.device)
+        return time.perf_counter()
+
+    # ------------------------------------------------------------------ caches
+
+    def new_cache(self, branch: str) -> KVCache:
+        super().new_cache(branch)  # validates the name
+        cache = CompressingKVCache(self, branch)
+        self.caches[branch] = cache
+        return cache
+
+    def fork(self, parent: KVCache, branch: str) -> KVCache:
+        cache = super().fork(parent, branch)
+        logger.debug("fork %s -> %s at %d tokens", getattr(parent, "branch", "?"), branch, cache.num_tokens)
+        return cache
+
+    def release(self, branch: str) -> None:
+        super().release(branch)
+        self.released.add(branch)
+
+    def live_caches(self) -> list[CompressingKVCache]:
+        return [c for c in self.caches.values() if isinstance(c, CompressingKVCache)]
+
+    def held_bytes(self) -> int:
+        """Bytes of every live branch cache, storages shared by branches counted once."""
+        return unique_nbytes(t for c in self.live_caches() for t in c.tensors())
+
+    # ------------------------------------------------------------------ steps
+
+    def begin_step(self, step: StepInfo) -> None:
+        if self.step is None:
+            self.report.note_peak()
+        self.step = step
+        self.timers = {"attention": 0.0, "stats": 0.0, "alloc": 0.0}
+        self.report.begin_step(step)
+        self._step_start = time.perf_counter()
+
+    def end_step(self, step: StepInfo) -> None:
+        timers = dict(self.timers)
+        timers["step"] = time.perf_counter() - getattr(self, "_step_start", time.perf_counter())
+        self.report.end_step(step, timers)
+
+    def note_rows(self, branch: str, call: AttentionCall, rows: int) -> None:
+        self.report.note_rows(branch, call, rows)
+
+    def resolve_target(self) -> float:
+        """The memory target as a ratio of the full managed bytes of every live branch (bytes are converted)."""
+        if self.target_ratio is None:
+            target = self.method.target(self)
+            if isinstance(target, int):
+                full = sum(c.managed_full_bytes() for c in self.live_caches() if c.branch != "plan")
+                ratio = 1.0 if full == 0 else min(1.0, target / full)
+                logger.info("kv_target %d bytes = %.4f of the %d full managed bytes", target, ratio, full)
+                self.target_ratio = ratio
+            else:
+                self.target_ratio = float(target)
+        return self.target_ratio
+
+    def compress(self, cache: CompressingKVCache, call: AttentionCall | None) -> None:
+        start = self.clock()
+        self.method.compress(self, cache, call)
+        cache.compressions += 1
+        self.timers["alloc"] += self.clock() - start
+        self.report.note_compression(cache)
+
+    def finish(self) -> dict:
+        return self.report.build()
+
+
+def layer_chunks(num_layers: int, size: int = 4) -> dict[int, list[int]]:
+    """``{layer_chunk: [layers]}`` with layer 0 alone (docs/compression.md §8.5)."""
+    chunks: dict[int, list[int]] = {}
+    for layer in range(num_layers):
+        chunks.setdefault(layer_chunk(layer, size), []).append(layer)
+    return chunks
+
+
+__all__ = ["CallPlan", "CompressingKVCache", "CompressionSession", "LayerState", "MANAGED_TYPES", "layer_chunks"]

@@ -1,0 +1,152 @@
+"""Settings of a KV-compression method, validated once (CLI, API and nodes share them)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Every method selectable by name (``full`` = no compression).
+METHODS: tuple[str, ...] = ("full", "unicache", "h2o", "snapkv", "pyramidkv", "streamingllm", "kivi", "vlcache")
+#: The paper's KV reduction per task (docs/compression.md §8.9): 80% und/edit, 60% t2i.
+DEFAULT_REDUCTION: dict[str, float] = {"understanding": 0.8, "t2i": 0.6, "edit": 0.8}
+
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmg]i?b|b)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_kv_target(value: Any) -> float | int | None:
+    """A retained ratio ``(0, 1]`` of the full managed KV bytes (float) or a byte count (int > 1).
+
+    Strings: ``"0.2"``, ``"20%"``, ``"150MB"``, ``"64MiB"``, ``"123456"`` (bytes). ``None`` stays ``None``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"`kv_target` must be a ratio in (0, 1] or a byte count, got {value!r}")
+    if isinstance(value, str):
+        text = value.strip()
+        if text.endswith("%"):
+            try:
+                return parse_kv_target(float(text[:-1]) / 100.0)
+            except ValueError:
+                raise ValueError(f"`kv_target` {value!r} is not a percentage like '20%'") from None
+        match = _SIZE.match(text)
+        if not match:
+            raise ValueError(f"`kv_target` {value!r} is neither a ratio (0.2, 20%) nor a size (150MB, 64MiB, 123456)")
+        number, unit = float(match.group(1)), (match.group(2) or "").lower()
+        if unit:
+            return parse_kv_target(int(number * _UNITS[unit]))
+        return parse_kv_target(number if "." in match.group(1) else int(match.group(1)))
+    if isinstance(value, int):
+        if value == 1:
+            return 1.0
+        if value < 1:
+            raise ValueError(f"`kv_target` must be a ratio in (0, 1] or a byte count > 1, got {value!r}")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or not 0.0 < value <= 1.0:
+            raise ValueError(f"`kv_target` ratio must be in (0, 1] (e.g. 0.2 = keep 20%, 5x less KV), got {value!r}")
+        return value
+    raise ValueError(f"`kv_target` must be a ratio in (0, 1] or a byte count, got {type(value).__name__}")
+
+
+def _ratio(name: str, value: Any, *, allow_zero: bool = False) -> float | None:
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (0.0 <= value <= 1.0 if allow_zero else 0.0 < value <= 1.0)
+    if not ok:
+        interval = "[0, 1]" if allow_zero else "(0, 1]"
+        raise ValueError(f"`{name}` must be a number in {interval}, got {value!r}")
+    return float(value)
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """How one request's KV cache is compressed.
+
+    Attributes:
+        method: one of :data:`METHODS`.
+        kv_target: memory target of the compressible (non-protected) KV: a retained ratio in (0, 1] of its
+            full bytes, or a byte count over all branches. ``None``: the paper's reduction for the task
+            (:data:`DEFAULT_REDUCTION`; baselines) / the rho schedule (unicache). For ``unicache`` an
+            explicit target fixes ``rho0`` to it (the schedule may still decay to its floor).
+        rho: unicache only: starting retention ``rho0`` (default 0.2 understanding, 0.5 t2i/edit).
+        rho_floor: unicache only: the lowest retention the schedule may reach (default 0.35 t2i, 0.1 edit).
+        policy: unicache only: a policy-table path or object (default: the table next to the checkpoint,
+            else the shipped paper table ``unicache_core/compression/tables/bagel-7b-mot.json``).
+        score_queries: most queries a call scores keys with (strided for latents, the last ones for text).
+        window: observation window of SnapKV / PyramidKV (64).
+        recent_fraction: recent share of an eviction budget (H2O-style; 0.25).
+        kivi_residual: full-precision residual rows of quantized segments (32).
+        fused: on calls that gather no statistics (the fast path), attend through one temporary head-major
+            workspace per layer (resident rows, dequantized ones included, plus the new block) in a single
+            exact attention call, instead of one call per store and an LSE merge (default on: measured
+            about 15% faster per edit step on the medium benchmark checkpoint).
+        sync_timing: synchronise CUDA around timed attention calls (exact per-call clocks, slower).
+    """
+
+    method: str = "full"
+    kv_target: float | int | None = None
+    rho: float | None = None
+    rho_floor: float | None = None
+    policy: Any = None
+    score_queries: int = 256
+    window: int = 64
+    recent_fraction: float = 0.25
+    kivi_residual: int = 32
+    fused: bool = True
+    sync_timing: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown KV method {self.method!r}; choose one of {', '.join(METHODS)}")
+        object.__setattr__(self, "kv_target", parse_kv_target(self.kv_target))
+        rho = _ratio("rho", self.rho)
+        floor = _ratio("rho_floor", self.rho_floor, allow_zero=True)
+        if rho is not None and floor is not None and floor > rho:
+            raise ValueError(f"`rho_floor` ({floor}) must not exceed `rho` ({rho}); lower the floor or raise rho")
+        object.__setattr__(self, "rho", rho)
+        object.__setattr__(self, "rho_floor", floor)
+        if self.method != "unicache":
+            for name in ("rho", "rho_floor", "policy"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"`{name}` applies to the unicache method only, not to {self.method!r}; "
+                                     "use `kv_target` to set a baseline's memory")
+        if self.policy is not None and not isinstance(self.policy, (str, Path)) and not hasattr(self.policy, "kind"):
+            raise ValueError(f"`policy` must be a policy-table path or PolicyTable, got {type(self.policy).__name__}")
+        _positive_int("score_queries", self.score_queries)
+        _positive_int("window", self.window)
+        _positive_int("kivi_residual", self.kivi_residual, 0)
+        _ratio("recent_fraction", self.recent_fraction, allow_zero=True)
+        for name in ("fused", "sync_timing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
+
+    def target_ratio(self, task: str) -> float | int:
+        """The explicit target, or ``1 - DEFAULT_REDUCTION[task]``."""
+        if self.kv_target is not None:
+            return self.kv_target
+        return round(1.0 - DEFAULT_REDUCTION[task], 6)
+
+    def to_dict(self) -> dict:
+        policy = self.policy
+        if policy is not None and not isinstance(policy, (str, Path)):
+            policy = getattr(policy, "model_id", "table")
+        return {"method": self.method, "kv_target": self.kv_target, "rho": self.rho, "rho_floor": self.rho_floor,
+                "policy": None if policy is None else str(policy), "score_queries": self.score_queries,
+                "window": self.window, "recent_fraction": self.recent_fraction,
+                "kivi_residual": self.kivi_residual, "fused": self.fused}
+
+
+__all__ = ["DEFAULT_REDUCTION", "KVConfig", "METHODS", "parse_kv_target"]

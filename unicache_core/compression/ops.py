@@ -1,0 +1,179 @@
+"""Physical compression of candidate segments in one layer: pooled eviction and KIVI quantization.
+
+These are the only operations that shrink a cache; every method (docs/compression.md §2-§8) is a rule
+for WHICH stores, HOW MANY rows and WHICH scores. Rows are identified by their append index
+(``token_index``). Eviction is monotonic by construction: a selection is always a subset of what the
+stores hold. Budgets are bytes and round down; indices (int32) are charged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..policies.base import topk_per_head
+from ..policies.kivi import KIVI_LOOKUP
+from ..policies.snapkv import pool_scores
+from ..kv.quant import quantized_kv_nbytes
+from ..kv.segmented_cache import SegmentedLayer
+from ..kv.token_types import TokenType
+from ..kv.stores import EvictedStore, FullStore, KVStore, QuantizedStore
+
+
+def evicted_row_bytes(num_kv_heads: int, head_dim: int, elem: int) -> int:
+    """Bytes of one kept row across the KV heads of a layer: K + V + an int32 index per head."""
+    return num_kv_heads * (2 * head_dim * elem + 4)
+
+
+def rows_for_bytes(budget: int, num_kv_heads: int, head_dim: int, elem: int) -> int:
+    """Most rows per KV head an :class:`EvictedStore` can keep within ``budget`` bytes (rounds down)."""
+    return max(0, int(budget) // evicted_row_bytes(num_kv_heads, head_dim, elem))
+
+
+def quantized_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, bits: int, group: int, residual: int,
+                    elem: int) -> int:
+    """Bytes a :class:`QuantizedStore` of ``num_tokens`` rows holds (fp16 scale/zero, int32 index)."""
+    return quantized_kv_nbytes(num_tokens, num_kv_heads, head_dim, bits, group, residual, elem) + 4 * num_tokens
+
+
+def kivi_setting_for(ratio: float, budget: int, num_tokens: int, num_kv_heads: int, head_dim: int, elem: int,
+                     residual: int) -> tuple[tuple[int, int] | None, bool]:
+    """The lookup row (bits, group) of docs/compression.md §8.6 for a retained ``ratio`` whose REAL bytes fit.
+
+    Rows with nominal ratio <= ``ratio`` are tried from the highest down; the first whose measured bytes
+    (payload, scale/zero, residual, indices) fit ``budget`` wins. ``ratio >= 1`` → ``(None, True)``: keep
+    the segment uncompressed. When nothing fits, the 2-bit / G128 floor is returned with ``False``
+    (the budget is unreachable for this segment: residual and metadata dominate).
+    """
+    if ratio >= 1.0:
+        return None, True
+    for nominal, bits, group in reversed(KIVI_LOOKUP):
+        if nominal > ratio + 1e-12:
+            continue
+        if quantized_bytes(num_tokens, num_kv_heads, head_dim, bits, group, residual, elem) <= budget:
+            return (bits, group), True
+    return (2, 128), False
+
+
+def best_kivi_setting(budget: int, num_tokens: int, num_kv_heads: int, head_dim: int, elem: int,
+                      residuals: tuple[int, ...] = (32, 128)) -> tuple[tuple[int, int, int], bool]:
+    """Global KIVI baseline: the (bits, group, residual) whose real bytes are the largest at or under ``budget``.
+
+    Returns ``((bits, group, residual), fits)``; when nothing fits, the smallest setting and ``False``.
+    """
+    best, best_bytes, smallest = None, -1, None
+    for bits in (2, 4, 8):
+        for group in (32, 64, 128):
+            for res in residuals:
+                need = quantized_bytes(num_tokens, num_kv_heads, head_dim, bits, group, res, elem)
+                if smallest is None or need < smallest[1]:
+                    smallest = ((bits, group, res), need)
+                if need <= budget and need > best_bytes:
+                    best, best_bytes = (bits, group, res), need
+    if best is None:
+        return smallest[0], False
+    return best, True
+
+
+def _per_head_rows(store: KVStore) -> tuple[Tensor, Tensor, Tensor]:
+    """``(keys [Hkv, n, d], values [Hkv, n, d], token_index [Hkv, n])`` of a full or evicted store."""
+    if isinstance(store, FullStore):
+        h = store.num_kv_heads
+        return (store.keys.transpose(0, 1), store.values.transpose(0, 1),
+                store.token_index.long().unsqueeze(0).expand(h, -1))
+    if isinstance(store, EvictedStore):
+        return store.keys, store.values, store.keep_idx.long()
+    raise ValueError(f"a {store.kind} store cannot be evicted from (quantized rows are never scored)")
+
+
+def pool_rows(stores: list[KVStore]) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows of several full/evicted stores, per KV head, sorted by append index: ``[Hkv, N, d]`` x2, ``[Hkv, N]``."""
+    parts = [_per_head_rows(s) for s in stores]
+    keys = torch.cat([p[0] for p in parts], dim=1)
+    values = torch.cat([p[1] for p in parts], dim=1)
+    index = torch.cat([p[2] for p in parts], dim=1)
+    order = torch.argsort(index, dim=1)
+    d = keys.shape[2]
+    gather = order.unsqueeze(-1).expand(-1, -1, d)
+    return torch.gather(keys, 1, gather), torch.gather(values, 1, gather), torch.gather(index, 1, order)
+
+
+def pooled_type(stores: list[KVStore]) -> TokenType:
+    """The common type of ``stores``, or ``UNKNOWN`` for a pool of several candidate types."""
+    types = {s.token_type for s in stores}
+    return types.pop() if len(types) == 1 else TokenType.UNKNOWN
+
+
+def evict(
+    layer: SegmentedLayer, indices: list[int], keep: int, scores: Tensor, *, recent: int = 0,
+    forced: Tensor | None = None, smooth_kernel: int = 1,
+) -> KVStore:
+    """Keep ``keep`` rows per KV head of the stores at ``indices`` (pooled), drop the rest for real.
+
+    Args:
+        scores: ``[T_appended, Hkv]`` per append index (higher = keep); NaN ranks lowest.
+        recent: the ``recent`` most recent rows of each head are always kept (H2O's window).
+        forced: optional ``[T_appended]`` bool: rows always kept (SnapKV's observation window).
+        smooth_kernel: SnapKV's 1-D average pooling of the pooled scores along the append order.
+
+    Returns:
+        The new store (one :class:`EvictedStore`, typed when all pooled stores share a type).
+    """
+    stores = [layer.stores[i] for i in indices]
+    keys, values, index = pool_rows(stores)
+    h, n, _ = keys.shape
+    keep = max(0, min(int(keep), n))
+    s = torch.gather(scores.float().t().to(index.device), 1, index)  # [Hkv, N]
+    if smooth_kernel > 1:
+        s = pool_scores(s, smooth_kernel, "avgpool")
+    mask = torch.zeros(h, n, dtype=torch.bool, device=index.device)
+    if recent > 0:
+        mask[:, max(0, n - min(recent, keep)):] = True
+    if forced is not None:
+        mask |= forced.to(index.device)[index]
+    rows = topk_per_head(s.t(), keep, mask.t())  # [Hkv, keep], ascending = append order
+    d = keys.shape[2]
+    gather = rows.unsqueeze(-1).expand(-1, -1, d)
+    store = EvictedStore(torch.gather(keys, 1, gather).contiguous(), torch.gather(values, 1, gather).contiguous(),
+                         torch.gather(index, 1, rows).to(torch.int32), pooled_type(stores))
+    layer.replace_many(list(indices), store)
+    return store
+
+
+def quantize(layer: SegmentedLayer, indices: list[int], bits: int, group: int, residual: int) -> QuantizedStore:
+    """Quantize the (full or already quantized) stores at ``indices`` as one KIVI store, in append order."""
+    stores = [layer.stores[i] for i in indices]
+    ks, vs, idx = [], [], []
+    for store in stores:
+        if isinstance(store, FullStore):
+            ks.append(store.keys)
+            vs.append(store.values)
+            idx.append(store.token_index.long())
+        elif isinstance(store, QuantizedStore):
+            k, v = store.dequantize()
+            ks.append(k)
+            vs.append(v)
+            idx.append(store.token_index.long())
+        else:
+            raise ValueError("evicted rows differ per KV head and cannot be quantized as one segment")
+    index = torch.cat(idx)
+    order = torch.argsort(index)
+    keys, values = torch.cat(ks)[order], torch.cat(vs)[order]
+    store = QuantizedStore.from_kv(keys, values, index[order], bits, group, residual, pooled_type(stores))
+    layer.replace_many(list(indices), store)
+    return store
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def floor_bytes(ratio: float, full_bytes: int) -> int:
+    """``floor(ratio * full_bytes)``: budgets round down."""
+    return int(math.floor(ratio * full_bytes + 1e-9))
+
+
+__all__ = ["best_kivi_setting", "evict", "evicted_row_bytes", "floor_bytes", "kivi_setting_for", "pool_rows",
+           "pooled_type", "quantize", "quantized_bytes", "rows_for_bytes"]

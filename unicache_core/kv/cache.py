@@ -1,0 +1,429 @@
+"""The one seam where a KV-cache implementation plugs into a model.
+
+A :class:`KVCache` holds the cached keys/values of ONE context (BAGEL: the ``gen``, ``cfg_text`` or
+``cfg_img`` context) for every layer, and answers attention for new queries. The model calls, per
+forward pass::
+
+    cache.begin_call(call)                 # once, before layer 0
+    out = cache.attend(layer, q, k, v, call)  # per layer; appends k/v when call.update
+    cache.end_call(call)                   # once, after the last layer
+
+Keys are stored after QK-norm and RoPE, so a cache never needs RoPE positions to compute attention;
+the RoPE positions and token types in :class:`AttentionCall` are metadata for compression policies.
+(Rows of a cache are identified by their APPEND INDEX, ``token_index`` in :mod:`unicache_core.kv.stores`:
+0 for the first row ever cached in the context. "Position" always means a RoPE id.)
+
+Every cache of one pipeline request comes from one :class:`CacheSession`, started by a
+:class:`CacheFactory`; the session sees every branch (``gen``, ``cfg_text``, ``cfg_img``, ``plan``),
+builds ``cfg_text`` (and the think-mode ``plan`` context) from its parent with :meth:`CacheSession.fork`,
+is told when each denoising step / decoded token begins and ends and which branches run in it
+(:class:`StepInfo`), and returns a JSON-serialisable report when the request ends.
+Cached keys are always fully visible to new queries (BAGEL never masks earlier context); the new
+block sees itself causally (text) or bidirectionally (image blocks, denoising latents).
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Literal
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from .attention import attention_with_lse, merge_attention
+from .token_types import TokenType
+
+Phase = Literal["prefill", "decode", "denoise"]
+Task = Literal["understanding", "t2i", "edit"]
+#: ``gen``/``cfg_text``/``cfg_img``: BAGEL's CFG contexts; ``plan``: the think-mode plan decoding context.
+Branch = Literal["gen", "cfg_text", "cfg_img", "plan"]
+TASKS: tuple[str, ...] = ("understanding", "t2i", "edit")
+BRANCHES: tuple[str, ...] = ("gen", "cfg_text", "cfg_img", "plan")
+
+
+@dataclass
+class AttentionCall:
+    """What one model forward pass does with its cache (shared by all layers of that pass).
+
+    Attributes:
+        token_types: ``[Tn]`` int8 :class:`TokenType` of each new (query) token.
+        rope_positions: ``[Tn]`` int64 RoPE position ids of the new tokens.
+        causal: the new block attends to itself causally (text) rather than bidirectionally.
+        update: append the new keys/values to the cache after attention.
+        phase: ``prefill`` (context building), ``decode`` (text generation), ``denoise``.
+        step: decode-token index or denoising-step index (``None`` in prefill).
+        timestep: flow time ``t`` of a denoising step.
+        new_block_mask: optional ``[Tn, Tn]`` bool visibility among the new tokens (True = visible), for a
+            call that packs several blocks (:func:`~unicache_core.kv.attention.block_causal_mask`); it
+            replaces ``causal`` for the new block. Cached keys stay fully visible.
+    """
+
+    token_types: Tensor
+    rope_positions: Tensor
+    causal: bool
+    update: bool
+    phase: Phase = "prefill"
+    step: int | None = None
+    timestep: float | None = None
+    new_block_mask: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class CacheRequest:
+    """Which cache a plain callable factory (see :func:`as_cache_factory`) is asked for."""
+
+    task: Task
+    branch: Branch
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """One pipeline request, as a :class:`CacheFactory` sees it when it starts a session.
+
+    Attributes:
+        task: ``understanding``, ``t2i`` or ``edit``.
+        num_layers: decoder layers of the model.
+        num_steps: denoising steps that will run (``num_timesteps - 1``), or the most tokens that will be
+            decoded (understanding); ``None`` when unknown.
+        model_id: the checkpoint's model id (:func:`unicache_core.policy_table.model_id` of its configs),
+            or ``""``.
+    """
+
+    task: Task
+    num_layers: int
+    num_steps: int | None = None
+    model_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"`task` must be one of {TASKS}, got {self.task!r}")
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers <= 0:
+            raise ValueError(f"`num_layers` must be an int > 0, got {self.num_layers!r}")
+        if self.num_steps is not None and (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
+                                           or self.num_steps < 0):
+            raise ValueError(f"`num_steps` must be an int >= 0 or None, got {self.num_steps!r}")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One denoising step (``phase="denoise"``) or one decoded token (``phase="decode"``) of a request.
+
+    Attributes:
+        phase: ``denoise`` or ``decode``.
+        step: 0-based index; total: steps (tokens: the most) of this phase.
+        branches: the contexts that run in this step (CFG branches skip steps outside ``cfg_interval``;
+            think-mode plan tokens run in ``plan``).
+        timestep: flow time ``t`` of a denoising step.
+    """
+
+    phase: Phase
+    step: int
+    total: int
+    branches: tuple[str, ...]
+    timestep: float | None = None
+
+
+class KVCache(ABC):
+    """Cache of one context across all layers.
+
+    Subclasses implement :meth:`attend`; the rest has working defaults.
+    """
+
+    def __init__(self, num_layers: int, *, task: Task | None = None, branch: Branch | None = None):
+        if num_layers <= 0:
+            raise ValueError(f"`num_layers` must be > 0, got {num_layers}")
+        self.num_layers = num_layers
+        self.task = task
+        self.branch = branch
+
+    def begin_call(self, call: AttentionCall) -> None:
+        """Hook run once before layer 0 of a forward pass."""
+
+    def end_call(self, call: AttentionCall) -> None:
+        """Hook run once after the last layer of a forward pass."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:
+        """Attention of the new queries over (cached keys of ``layer``) ∪ (the new block).
+
+        Args:
+            layer: layer index in ``[0, num_layers)``.
+            q: ``[Tn, Hq, d]`` queries of the new tokens.
+            k, v: ``[Tn, Hkv, d]`` keys (already normed and rotated) and values of the new tokens.
+            call: the forward pass description; when ``call.update`` the new k/v are cached.
+
+        Returns:
+            ``[Tn, Hq, d]`` attention output in ``q.dtype``.
+        """
+
+    @property
+    @abstractmethod
+    def num_tokens(self) -> int:
+        """Number of context tokens cached (per layer)."""
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of the tensors this cache actually holds, over all layers."""
+
+    def clone(self, *, branch: Branch | None = None) -> "KVCache":
+        """Independent copy (BAGEL's ``deepcopy(gen)`` for the ``cfg_text`` context).
+
+        The default deep-copies; caches whose tensors are never modified in place override it to share
+        them (the rows ``gen`` and its clone hold identically are then stored once).
+        """
+        other = copy.deepcopy(self)
+        if branch is not None:
+            other.branch = branch
+        return other
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor the cache holds (shared-storage-aware accounting: :func:`unique_nbytes`)."""
+        return []
+
+
+@dataclass
+class _FullLayer:
+    keys: Tensor | None = None  # [T, Hkv, d]
+    values: Tensor | None = None
+    token_types: Tensor | None = None  # [T] int8
+    rope_positions: Tensor | None = None  # [T] int64 RoPE ids
+
+
+class FullKVCache(KVCache):
+    """Uncompressed cache: exactly what BAGEL's ``NaiveCache`` + ``flash_attn_varlen_func`` compute."""
+
+    def __init__(self, num_layers: int, *, task: Task | None = None, branch: Branch | None = None):
+        super().__init__(num_layers, task=task, branch=branch)
+        self.layers = [_FullLayer() for _ in range(num_layers)]
+
+    def _check_layer(self, layer: int) -> _FullLayer:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"`layer` must be in [0, {self.num_layers}), got {layer}")
+        return self.layers[layer]
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:
+        state = self._check_layer(layer)
+        if _prefer_fused_sdpa(q):
+            out = self._attend_sdpa(state, q, k, v, call.causal, call.new_block_mask)
+            if call.update:
+                self.append(layer, k, v, call.token_types, call.rope_positions)
+            return out
+        parts = []
+        if state.keys is not None and state.keys.shape[0] > 0:
+            parts.append(attention_with_lse(q, state.keys.to(q.dtype), state.values.to(q.dtype)))
+        if call.new_block_mask is not None:
+            parts.append(attention_with_lse(q, k, v, mask=call.new_block_mask))
+        else:
+            parts.append(attention_with_lse(q, k, v, causal=call.causal))
+        out, _ = merge_attention(parts)
+        if call.update:
+            self.append(layer, k, v, call.token_types, call.rope_positions)
+        return out
+
+    @staticmethod
+    def _attend_sdpa(
+        state: "_FullLayer", q: Tensor, k: Tensor, v: Tensor, causal: bool, new_block_mask: Tensor | None = None
+    ) -> Tensor:
+        """One fused SDPA call over ``[cached ; new]`` keys, as BAGEL's ``flash_attn_varlen_func`` does.
+
+        Used off-CPU, where torch dispatches to flash / memory-efficient kernels (no LSE needed since
+        nothing is merged). ``causal`` masks the new block bottom-right aligned. Returns ``[Tn, Hq, d]``.
+        """
+        if state.keys is not None and state.keys.shape[0] > 0:
+            keys = torch.cat([state.keys.to(q.dtype), k])
+            values = torch.cat([state.values.to(q.dtype), v])
+        else:
+            keys, values = k, v
+        tq, tk = q.shape[0], keys.shape[0]
+        mask = None
+        if new_block_mask is not None:
+            cached = torch.ones(tq, tk - tq, dtype=torch.bool, device=q.device)
+            mask = torch.cat([cached, new_block_mask.to(device=q.device, dtype=torch.bool)], dim=1)
+        elif causal and tq > 1:
+            rows = torch.arange(tq, device=q.device)[:, None] + (tk - tq)
+            mask = torch.arange(tk, device=q.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1],
+        )
+        return out.squeeze(0).transpose(0, 1)
+
+    def append(self, layer: int, k: Tensor, v: Tensor, token_types: Tensor, rope_positions: Tensor) -> None:
+        """Append ``[Tn, Hkv, d]`` keys/values with their ``[Tn]`` types and RoPE positions.
+
+        New tensors are built (``torch.cat``); the old ones are never modified, so clones may share them.
+        """
+        state = self._check_layer(layer)
+        if token_types.shape[0] != k.shape[0] or rope_positions.shape[0] != k.shape[0]:
+            raise ValueError(
+                f"token_types ({token_types.shape[0]}) and rope_positions ({rope_positions.shape[0]}) must "
+                f"match the number of new keys ({k.shape[0]})"
+            )
+        if k.shape != v.shape:
+            raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} must have the same shape")
+        if state.keys is not None and (k.shape[1:] != state.keys.shape[1:] or k.device != state.keys.device):
+            raise ValueError(f"new keys [*, {k.shape[1]}, {k.shape[2]}] on {k.device} do not match layer {layer}'s "
+                             f"cache [*, {state.keys.shape[1]}, {state.keys.shape[2]}] on {state.keys.device}")
+        types = token_types.to(torch.int8)
+        if state.keys is None:
+            state.keys, state.values = k.detach().clone(), v.detach().clone()
+            state.token_types, state.rope_positions = types.clone(), rope_positions.clone()
+        else:
+            state.keys = torch.cat([state.keys, k.detach().to(state.keys.dtype)])
+            state.values = torch.cat([state.values, v.detach().to(state.values.dtype)])
+            state.token_types = torch.cat([state.token_types, types.to(state.token_types.device)])
+            state.rope_positions = torch.cat([state.rope_positions, rope_positions.to(state.rope_positions.device)])
+
+    @property
+    def num_tokens(self) -> int:
+        keys = self.layers[0].keys
+        return 0 if keys is None else int(keys.shape[0])
+
+    def nbytes(self) -> int:
+        total = 0
+        for state in self.layers:
+            if state.keys is not None:
+                total += state.keys.nbytes + state.values.nbytes
+        return total
+
+    def layer_kv(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(keys [T, Hkv, d], values, token_types [T], rope_positions [T])`` of one layer."""
+        state = self._check_layer(layer)
+        if state.keys is None:
+            raise ValueError(f"layer {layer} of this cache is empty")
+        return state.keys, state.values, state.token_types, state.rope_positions
+
+    def clone(self, *, branch: Branch | None = None) -> "FullKVCache":
+        """A copy sharing the cached tensors (appends build new tensors, so the two stay independent)."""
+        other = copy.copy(self)  # same class (subclasses keep their behaviour), new layer list below
+        other.layers = [_FullLayer(s.keys, s.values, s.token_types, s.rope_positions) for s in self.layers]
+        if branch is not None:
+            other.branch = branch
+        return other
+
+    def tensors(self) -> list[Tensor]:
+        return [t for s in self.layers for t in (s.keys, s.values) if t is not None]
+
+
+def _prefer_fused_sdpa(q: Tensor) -> bool:
+    """Off-CPU the full cache uses one fused SDPA call; on CPU the flash kernel + LSE merge (measured faster)."""
+    return q.device.type != "cpu"
+
+
+def unique_nbytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a tensor shared by two branch caches counts once)."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        seen[(str(t.device), storage.data_ptr())] = max(seen.get((str(t.device), storage.data_ptr()), 0),
+                                                       storage.nbytes())
+    return sum(seen.values())
+
+
+class CacheSession:
+    """The caches of ONE pipeline request, and whatever state they share (statistics, schedules, records).
+
+    The default session builds independent caches with ``build(branch)`` and reports nothing.
+    Compressing sessions (:mod:`unicache_core.compression`) override the hooks.
+    """
+
+    def __init__(self, request: RequestInfo, build: Callable[[str], KVCache] | None = None):
+        self.request = request
+        self._build = build
+        self.caches: dict[str, KVCache] = {}
+
+    def new_cache(self, branch: str) -> KVCache:
+        """An empty cache for context ``branch``."""
+        if branch not in BRANCHES:
+            raise ValueError(f"`branch` must be one of {BRANCHES}, got {branch!r}")
+        if self._build is None:
+            cache: KVCache = FullKVCache(self.request.num_layers, task=self.request.task, branch=branch)
+        else:
+            cache = self._build(branch)
+        self.caches[branch] = cache
+        return cache
+
+    def fork(self, parent: KVCache, branch: str) -> KVCache:
+        """The cache of ``branch`` as a copy of ``parent`` taken now (official ``deepcopy(gen)``).
+
+        The copy starts with the parent's state and then lives on its own.
+        """
+        if branch not in BRANCHES:
+            raise ValueError(f"`branch` must be one of {BRANCHES}, got {branch!r}")
+        cache = parent.clone(branch=branch)
+        self.caches[branch] = cache
+        return cache
+
+    def begin_step(self, step: StepInfo) -> None:
+        """Called before the forwards of one denoising step or decoded token."""
+
+    def end_step(self, step: StepInfo) -> None:
+        """Called after them (also when a later step is never reached)."""
+
+    def release(self, branch: str) -> None:
+        """The pipeline dropped the context of ``branch`` (e.g. the think plan after decoding)."""
+        self.caches.pop(branch, None)
+
+    def finish(self) -> dict | None:
+        """End of the request: a JSON-serialisable report, or ``None``."""
+        return None
+
+
+class CacheFactory:
+    """Starts one :class:`CacheSession` per pipeline request. The default builds full caches.
+
+    Attributes:
+        method: the compression method's name (``full`` here).
+    """
+
+    method: str = "full"
+
+    def start(self, request: RequestInfo) -> CacheSession:
+        return CacheSession(request)
+
+
+class _CallableFactory(CacheFactory):
+    def __init__(self, fn: Callable[[CacheRequest], KVCache]):
+        self.fn = fn
+        self.method = getattr(fn, "__name__", "custom")
+
+    def start(self, request: RequestInfo) -> CacheSession:
+        return CacheSession(request, lambda branch: self.fn(CacheRequest(request.task, branch, request.num_layers)))
+
+
+def as_cache_factory(factory: "CacheFactory | Callable[[CacheRequest], KVCache]") -> CacheFactory:
+    """A :class:`CacheFactory` as is, or a plain ``fn(CacheRequest) -> KVCache`` wrapped in one."""
+    if isinstance(factory, CacheFactory):
+        return factory
+    if callable(factory):
+        return _CallableFactory(factory)
+    raise ValueError(f"`cache_factory` must be a CacheFactory or a callable(CacheRequest) -> KVCache, "
+                     f"got {type(factory).__name__}")
+
+
+#: The default factory: uncompressed caches.
+full_cache_factory = CacheFactory()
+
+
+__all__ = [
+    "AttentionCall",
+    "BRANCHES",
+    "CacheFactory",
+    "CacheRequest",
+    "CacheSession",
+    "FullKVCache",
+    "KVCache",
+    "RequestInfo",
+    "StepInfo",
+    "TASKS",
+    "TokenType",
+    "as_cache_factory",
+    "full_cache_factory",
+    "unique_nbytes",
+]

@@ -1,0 +1,440 @@
+"""Physical per-segment KV storage: uncompressed, evicted (compacted per KV head) and KIVI-quantized.
+
+Every store answers exact attention of new queries over what it really holds and returns the
+log-sum-exp, so the stores of one layer can be merged with
+:func:`unicache_core.kv.attention.merge_attention` (docs/compression.md §8.8, physical path). Cached keys
+are always fully visible, so no store takes a mask.
+
+``token_index`` is the APPEND INDEX of a row in its context (0 for the first token ever cached, ...,
+int32), never a RoPE position (RoPE ids live in :class:`~unicache_core.kv.cache.AttentionCall`; keys are
+stored already rotated). ``nbytes()`` is the sum of ``.nbytes`` of every tensor a store holds (payload,
+scales/zeros, residual and index tensors); ``nominal_bytes()`` is the same quantity from the
+closed-form formula of docs/compression.md §1.
+
+All stores share one interface (:class:`KVStore`): ``kind``, ``token_type``, ``num_tokens``,
+``num_kv_heads``, ``head_dim``, ``dtype``, ``device``, ``attend``, ``write_kv``, ``score_keys``,
+``nbytes``, ``nominal_bytes``, ``tensors``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from .attention import attention_with_lse, merge_attention
+from .quant import QuantizedTensor, quantize_keys, quantize_values, quantized_kv_nbytes
+from .token_types import TokenType
+
+#: Largest number of quantized tokens dequantized at once in :meth:`QuantizedStore.attend`.
+DEQUANT_CHUNK = 8192
+
+StoreKind = Literal["full", "evicted", "quantized"]
+
+
+def _check_kv(keys: Tensor, values: Tensor, token_index: Tensor) -> None:
+    if not isinstance(keys, Tensor) or not isinstance(values, Tensor):
+        raise ValueError(f"`keys`/`values` must be tensors, got {type(keys).__name__}, {type(values).__name__}")
+    if keys.dim() != 3 or keys.shape != values.shape:
+        raise ValueError(
+            f"`keys`/`values` must both be [T, Hkv, d]; got {tuple(keys.shape)} and {tuple(values.shape)}"
+        )
+    if keys.dtype != values.dtype or not keys.dtype.is_floating_point:
+        raise ValueError(f"`keys` ({keys.dtype}) and `values` ({values.dtype}) must share one floating dtype")
+    if keys.device != values.device:
+        raise ValueError(f"`keys` are on {keys.device} but `values` on {values.device}; move both to one device")
+    if token_index.dim() != 1 or token_index.shape[0] != keys.shape[0]:
+        raise ValueError(f"`token_index` must be [T] with T={keys.shape[0]}, got shape {tuple(token_index.shape)}")
+
+
+class KVStore(ABC):
+    """What every physical store provides (see the module docstring)."""
+
+    kind: ClassVar[StoreKind]
+    token_type: TokenType
+
+    @property
+    @abstractmethod
+    def num_tokens(self) -> int:
+        """Rows held (per KV head for evicted stores)."""
+
+    @property
+    @abstractmethod
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def head_dim(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def dtype(self) -> torch.dtype:
+        """The cache dtype (what attention reads; quantized stores dequantize to it)."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @abstractmethod
+    def attend(self, q: Tensor, scale: float | None = None) -> tuple[Tensor, Tensor]:
+        """``q [Tq, Hq, d]`` → ``(out [Tq, Hq, d], lse [Tq, Hq] fp32)`` over every row held."""
+
+    @abstractmethod
+    def write_kv(self, k_out: Tensor, v_out: Tensor) -> None:
+        """Copy every row head-major into ``k_out/v_out [Hkv, num_tokens, d]``."""
+
+    def score_keys(self) -> Tensor | None:
+        """``[num_tokens, Hkv, d]`` keys to score rows with (row ``i`` of head ``h``), or ``None`` when the
+        store cannot be scored without dequantizing (quantized stores are never evicted from)."""
+        return None
+
+    @abstractmethod
+    def tensors(self) -> list[Tensor]:
+        """Every tensor the store holds (for byte accounting and storage sharing between branches)."""
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+    @abstractmethod
+    def nominal_bytes(self) -> int:
+        """``nbytes()`` from the closed-form formula of docs/compression.md §1."""
+
+    @abstractmethod
+    def share(self) -> "KVStore":
+        """A new store object over the SAME tensors (a branch clone; tensors are never modified in place)."""
+
+
+class _RowStore(KVStore):
+    """A store holding its rows as plain ``keys``/``values`` tensors (head dim last): dtype and device are theirs."""
+
+    keys: Tensor
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.keys.shape[2])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+
+@dataclass(eq=False)
+class FullStore(_RowStore):
+    """Uncompressed (protected or not yet compressed) rows.
+
+    Attributes:
+        keys, values: ``[T, Hkv, d]`` in the cache dtype.
+        token_index: ``[T]`` int32 append indices.
+        token_type: type of every row.
+    """
+
+    keys: Tensor
+    values: Tensor
+    token_index: Tensor
+    token_type: TokenType
+    kind: ClassVar[StoreKind] = "full"
+
+    def __post_init__(self) -> None:
+        _check_kv(self.keys, self.values, self.token_index)
+        self.token_index = self.token_index.to(torch.int32)
+        self.token_type = TokenType(self.token_type)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.keys.shape[0])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.keys.shape[1])
+
+    def attend(self, q: Tensor, scale: float | None = None) -> tuple[Tensor, Tensor]:
+        return attention_with_lse(q, self.keys.to(q.dtype), self.values.to(q.dtype), scale=scale)
+
+    def write_kv(self, k_out: Tensor, v_out: Tensor) -> None:
+        k_out.copy_(self.keys.transpose(0, 1))
+        v_out.copy_(self.values.transpose(0, 1))
+
+    def score_keys(self) -> Tensor:
+        return self.keys
+
+    def tensors(self) -> list[Tensor]:
+        return [self.keys, self.values, self.token_index]
+
+    def nominal_bytes(self) -> int:
+        t, h, d = self.keys.shape
+        return 2 * t * h * d * self.keys.element_size() + 4 * t
+
+    def share(self) -> "FullStore":
+        return FullStore(self.keys, self.values, self.token_index, self.token_type)
+
+    def append(self, keys: Tensor, values: Tensor, token_index: Tensor) -> None:
+        """Append ``[Tn, Hkv, d]`` rows; new tensors are built (``torch.cat``), the old ones are left untouched
+        (a branch clone sharing them keeps its rows)."""
+        _check_kv(keys, values, token_index)
+        if keys.shape[1:] != self.keys.shape[1:]:
+            raise ValueError(f"appended rows are [*, {keys.shape[1]}, {keys.shape[2]}] but this store holds "
+                             f"[*, {self.num_kv_heads}, {self.head_dim}] (KV heads, head dim)")
+        if keys.device != self.device:
+            raise ValueError(f"appended rows are on {keys.device}, this store on {self.device}")
+        self.keys = torch.cat([self.keys, keys.to(self.keys.dtype)])
+        self.values = torch.cat([self.values, values.to(self.values.dtype)])
+        self.token_index = torch.cat([self.token_index, token_index.to(torch.int32)])
+
+
+@dataclass(eq=False)
+class EvictedStore(_RowStore):
+    """Rows kept by an eviction policy, compacted per KV head (heads may keep different tokens).
+
+    Attributes:
+        keys, values: ``[Hkv, n_keep, d]``; a new tensor (the dropped rows are really gone).
+        keep_idx: ``[Hkv, n_keep]`` int32 append indices of the kept rows, ascending per head.
+        token_type: type of the rows.
+    """
+
+    keys: Tensor
+    values: Tensor
+    keep_idx: Tensor
+    token_type: TokenType
+    kind: ClassVar[StoreKind] = "evicted"
+
+    def __post_init__(self) -> None:
+        if self.keys.dim() != 3 or self.keys.shape != self.values.shape:
+            raise ValueError(
+                f"`keys`/`values` must both be [Hkv, n_keep, d]; got {tuple(self.keys.shape)}, "
+                f"{tuple(self.values.shape)}"
+            )
+        if self.keys.dtype != self.values.dtype or self.keys.device != self.values.device:
+            raise ValueError(f"`keys` ({self.keys.dtype}, {self.keys.device}) and `values` ({self.values.dtype}, "
+                             f"{self.values.device}) must share dtype and device")
+        if tuple(self.keep_idx.shape) != tuple(self.keys.shape[:2]):
+            raise ValueError(f"`keep_idx` must be [Hkv, n_keep]={tuple(self.keys.shape[:2])}, got "
+                             f"{tuple(self.keep_idx.shape)}")
+        self.keep_idx = self.keep_idx.to(torch.int32)
+        self.token_type = TokenType(self.token_type)
+
+    @classmethod
+    def from_selection(
+        cls, keys: Tensor, values: Tensor, token_index: Tensor, keep: Tensor, token_type: TokenType
+    ) -> "EvictedStore":
+        """Compact ``keys/values [T, Hkv, d]`` to the rows ``keep [Hkv, n_keep]`` (indices into T) per head."""
+        _check_kv(keys, values, token_index)
+        t, h, d = keys.shape
+        if keep.dim() != 2 or keep.shape[0] != h:
+            raise ValueError(f"`keep` must be [Hkv={h}, n_keep], got shape {tuple(keep.shape)}")
+        keep = torch.sort(keep.long().to(keys.device), dim=1).values
+        if keep.numel() and (keep.min() < 0 or keep.max() >= t):
+            raise ValueError(f"`keep` indices must lie in [0, {t}), got range [{keep.min()}, {keep.max()}]")
+        if keep.shape[1] > 1 and bool((keep[:, 1:] == keep[:, :-1]).any()):
+            raise ValueError("`keep` must not repeat an index within a head")
+        idx = keep.unsqueeze(-1).expand(h, keep.shape[1], d)
+        k = torch.gather(keys.transpose(0, 1), 1, idx)  # new [Hkv, n_keep, d] tensor
+        v = torch.gather(values.transpose(0, 1), 1, idx)
+        return cls(k, v, token_index.to(keys.device).long()[keep].to(torch.int32), token_type)
+
+    @property
+    def num_tokens(self) -> int:
+        """Kept rows per KV head."""
+        return int(self.keys.shape[1])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.keys.shape[0])
+
+    @property
+    def token_index(self) -> Tensor:
+        """``[Hkv, n_keep]`` append indices (per head)."""
+        return self.keep_idx
+
+    def attend(self, q: Tensor, scale: float | None = None) -> tuple[Tensor, Tensor]:
+        """Query head ``h`` only sees the rows of KV head ``h // g``."""
+        # Row i of every head is an arbitrary (per-head) token; attention never needs the token identity,
+        # so the head-major store is handed over as a [n_keep, Hkv, d] view (no copy).
+        return attention_with_lse(
+            q, self.keys.transpose(0, 1).to(q.dtype), self.values.transpose(0, 1).to(q.dtype), scale=scale
+        )
+
+    def write_kv(self, k_out: Tensor, v_out: Tensor) -> None:
+        """Row ``i`` of head ``h`` is ``keep_idx[h, i]``."""
+        k_out.copy_(self.keys)
+        v_out.copy_(self.values)
+
+    def score_keys(self) -> Tensor:
+        return self.keys.transpose(0, 1)
+
+    def tensors(self) -> list[Tensor]:
+        return [self.keys, self.values, self.keep_idx]
+
+    def nominal_bytes(self) -> int:
+        h, n, d = self.keys.shape
+        return h * n * (2 * d * self.keys.element_size() + 4)
+
+    def share(self) -> "EvictedStore":
+        return EvictedStore(self.keys, self.values, self.keep_idx, self.token_type)
+
+    def shrink(self, keep_sub: Tensor) -> "EvictedStore":
+        """A new store keeping rows ``keep_sub [Hkv, n_new]`` (indices into this store's rows, n_new <= n_keep).
+
+        Eviction is monotonic: rows can only be dropped, never added back.
+        """
+        h, n, d = self.keys.shape
+        if keep_sub.dim() != 2 or keep_sub.shape[0] != h:
+            raise ValueError(f"`keep_sub` must be [Hkv={h}, n_new], got shape {tuple(keep_sub.shape)}")
+        if keep_sub.shape[1] > n:
+            raise ValueError(f"`keep_sub` asks for {keep_sub.shape[1]} rows but the store holds {n}; "
+                             "eviction never adds rows")
+        if keep_sub.numel() and (keep_sub.min() < 0 or keep_sub.max() >= n):
+            raise ValueError(f"`keep_sub` indices must lie in [0, {n}) (rows of this store), "
+                             f"got range [{keep_sub.min()}, {keep_sub.max()}]")
+        keep_sub = torch.sort(keep_sub.long().to(self.device), dim=1).values
+        if keep_sub.shape[1] > 1 and bool((keep_sub[:, 1:] == keep_sub[:, :-1]).any()):
+            raise ValueError("`keep_sub` must not repeat a row within a head")
+        idx = keep_sub.unsqueeze(-1).expand(h, keep_sub.shape[1], d)
+        return EvictedStore(
+            torch.gather(self.keys, 1, idx), torch.gather(self.values, 1, idx),
+            torch.gather(self.keep_idx, 1, keep_sub.to(self.keep_idx.device)), self.token_type,
+        )
+
+
+@dataclass(eq=False)
+class QuantizedStore(KVStore):
+    """KIVI store: keys per-channel, values per-token, ``bits``-bit packed; the last ``residual`` rows in full precision.
+
+    Attributes:
+        qkeys, qvalues: quantized rows ``[0, T - R)`` (head-major, see :mod:`unicache_core.kv.quant`).
+        res_keys, res_values: ``[Hkv, R, d]`` residual rows in the cache dtype.
+        token_index: ``[T]`` int32 append indices (quantized rows first, then the residual).
+        cache_dtype: the cache dtype (dequantization target and residual dtype).
+    """
+
+    qkeys: QuantizedTensor
+    qvalues: QuantizedTensor
+    res_keys: Tensor
+    res_values: Tensor
+    token_index: Tensor
+    token_type: TokenType
+    bits: int
+    group_size: int
+    residual: int
+    cache_dtype: torch.dtype
+    kind: ClassVar[StoreKind] = "quantized"
+
+    @classmethod
+    def from_kv(
+        cls, keys: Tensor, values: Tensor, token_index: Tensor, bits: int = 2, group_size: int = 32,
+        residual: int = 128, token_type: TokenType = TokenType.SOURCE_VAE,
+    ) -> "QuantizedStore":
+        """Quantize ``keys/values [T, Hkv, d]``; the last ``min(residual, T)`` rows stay exact."""
+        _check_kv(keys, values, token_index)
+        if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
+            raise ValueError(f"`residual` must be an int >= 0, got {residual!r}")
+        t = keys.shape[0]
+        r = min(residual, t)
+        kh, vh = keys.transpose(0, 1), values.transpose(0, 1)  # [Hkv, T, d]
+        return cls(
+            quantize_keys(kh[:, : t - r], bits, group_size), quantize_values(vh[:, : t - r], bits, group_size),
+            kh[:, t - r :].clone(memory_format=torch.contiguous_format),
+            vh[:, t - r :].clone(memory_format=torch.contiguous_format), token_index.to(torch.int32).clone(),
+            TokenType(token_type), bits, group_size, residual, keys.dtype,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_index.shape[0])
+
+    @property
+    def num_quantized(self) -> int:
+        return self.qkeys.num_tokens
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.res_keys.shape[0])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.res_keys.shape[2])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cache_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.res_keys.device
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """All rows as ``(keys, values)`` ``[T, Hkv, d]`` in ``dtype`` (default: the cache dtype), in ``token_index`` order."""
+        dtype = self.cache_dtype if dtype is None else dtype
+        k = torch.cat([self.qkeys.dequantize(dtype), self.res_keys.to(dtype)], dim=1)
+        v = torch.cat([self.qvalues.dequantize(dtype), self.res_values.to(dtype)], dim=1)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def attend(self, q: Tensor, scale: float | None = None) -> tuple[Tensor, Tensor]:
+        """Dequantize in chunks of <= :data:`DEQUANT_CHUNK` tokens and attend; ``q [Tq, Hq, d]``.
+
+        Each chunk's workspace is a temporary: no dequantized copy outlives the call.
+        """
+        n = self.num_quantized
+        h, r, d = self.res_keys.shape
+        # Key groups must not straddle chunks.
+        chunk = max(self.group_size, DEQUANT_CHUNK // self.group_size * self.group_size)
+        parts = []
+        start = 0
+        while start < n or (start == 0 and r):
+            stop = min(n, start + chunk)
+            last = stop >= n
+            extra = r if last else 0
+            k = torch.empty(h, stop - start + extra, d, dtype=q.dtype, device=q.device)
+            v = torch.empty_like(k)
+            if stop > start:
+                self.qkeys.dequantize_into(k[:, : stop - start], start, stop)
+                self.qvalues.dequantize_into(v[:, : stop - start], start, stop)
+            if extra:
+                k[:, stop - start :] = self.res_keys
+                v[:, stop - start :] = self.res_values
+            parts.append(attention_with_lse(q, k.transpose(0, 1), v.transpose(0, 1), scale=scale))
+            if last:
+                break
+            start = stop
+        if not parts:
+            return attention_with_lse(q, q.new_zeros(0, h, d), q.new_zeros(0, h, d), scale=scale)
+        return merge_attention(parts)
+
+    def write_kv(self, k_out: Tensor, v_out: Tensor) -> None:
+        """Dequantize every row (quantized, then residual); each head's slice ``k_out[h]`` should be contiguous."""
+        n = self.num_quantized
+        if n:
+            self.qkeys.dequantize_into(k_out[:, :n])
+            self.qvalues.dequantize_into(v_out[:, :n])
+        if self.res_keys.shape[1]:
+            k_out[:, n:] = self.res_keys
+            v_out[:, n:] = self.res_values
+
+    def tensors(self) -> list[Tensor]:
+        return [self.qkeys.packed, self.qkeys.scale, self.qkeys.zero, self.qvalues.packed, self.qvalues.scale,
+                self.qvalues.zero, self.res_keys, self.res_values, self.token_index]
+
+    def nominal_bytes(self) -> int:
+        h, _, d = self.res_keys.shape
+        elem = torch.empty(0, dtype=self.cache_dtype).element_size()
+        return quantized_kv_nbytes(
+            self.num_tokens, h, d, self.bits, self.group_size, self.residual, elem,
+            key_group_bytes=2 * self.qkeys.scale.element_size(),
+            value_group_bytes=2 * self.qvalues.scale.element_size(),
+        ) + 4 * self.num_tokens
+
+    def share(self) -> "QuantizedStore":
+        return QuantizedStore(self.qkeys, self.qvalues, self.res_keys, self.res_values, self.token_index,
+                              self.token_type, self.bits, self.group_size, self.residual, self.cache_dtype)
+
+
+#: Any physical store.
+Store = KVStore
+
+__all__ = ["DEQUANT_CHUNK", "EvictedStore", "FullStore", "KVStore", "QuantizedStore", "Store", "StoreKind"]
