@@ -12,8 +12,9 @@ The K/V are SYNTHETIC (no trained BAGEL weights exist here): random keys plus a 
 and ViT keys aligned with the latent-query direction (concentrated attention) and mildly aligned VAE
 keys (large but spread mass), i.e. the attention shape the UniCache paper reports for BAGEL. Speed and
 bytes do not depend on the values; the error column only shows each method's behaviour on that shape.
-Every policy scores with an earlier step's latent queries (an independent draw), never with the
-queries that are timed and measured.
+Every method scores with the library's scorer (:func:`unicache_core.compression.scoring.key_scores`) on an
+earlier step's latent queries (an independent draw), never on the queries that are timed and measured,
+and selects rows with the library's eviction rule (:func:`unicache_core.compression.ops.select_rows`).
 
 Memory matching (docs/compression.md §1): the byte budget of the candidate (compressible) KV is
 ``min(keep * candidate_bytes, keep * full_kv_bytes - protected_bytes)`` so the *whole* branch, protected
@@ -33,23 +34,17 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from unicache_core.kv.attention import attention_with_lse, attention_probabilities
-from unicache_core.policies import (
-    H2OPolicy,
-    PyramidKVPolicy,
-    ScoreInputs,
-    SnapKVPolicy,
-    topk_per_head,
-    StreamingLLMPolicy,
-    VLCachePolicy,
-)
-from unicache_core.policies.kivi import KIVIPolicy
-from unicache_core.kv.quant import quantized_kv_nbytes
-from unicache_core.kv.cache import AttentionCall, RequestInfo
 from unicache_core.compression import make_cache_factory, paper_policy_table
+from unicache_core.compression.baselines import pyramid_layer_budgets, sink_recency_scores
+from unicache_core.compression.defaults import (KIVI_FLOOR, KIVI_RESIDUAL, RECENT_FRACTION, SINK_TOKENS, SNAPKV_KERNEL,
+                                                WINDOW)
+from unicache_core.compression.ops import quantized_bytes, select_rows
+from unicache_core.compression.scoring import key_scores
+from unicache_core.kv.attention import attention_with_lse
+from unicache_core.kv.cache import AttentionCall, RequestInfo
 from unicache_core.kv.segmented_cache import SegmentedLayer
+from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore
 from unicache_core.kv.token_types import CANDIDATE_TYPES, TokenType
-from unicache_core.kv.stores import EvictedStore, FullStore
 
 logger = logging.getLogger("benchmarks.kv_attention")
 TT = TokenType
@@ -163,7 +158,7 @@ class Context:
     queries: Tensor  # [Tq, Hq, d] latent queries of the timed (later) step
     k_new: Tensor  # [Tq, Hkv, d]
     v_new: Tensor
-    score_queries: Tensor  # [Tq, Hq, d] an earlier step's latent queries: every policy scores with these
+    score_queries: Tensor  # [Tq, Hq, d] an earlier step's latent queries: every method scores with these
     score_k_new: Tensor  # [Tq, Hkv, d]
     score_v_new: Tensor
 
@@ -197,7 +192,7 @@ def make_context(cfg: BenchConfig, dtype: torch.dtype) -> Context:
     queries = torch.randn(cfg.latent_queries, hq, d, generator=gen) + 4.0 * u.repeat_interleave(group, 0)
     k_new = torch.randn(cfg.latent_queries, h, d, generator=gen)
     v_new = torch.randn(cfg.latent_queries, h, d, generator=gen)
-    # Scores are never taken on the queries that are timed and measured: policies see an earlier
+    # Scores are never taken on the queries that are timed and measured: methods see an earlier
     # denoising step (an independent draw of the same latent-query distribution), as in a real run.
     score_queries = torch.randn(cfg.latent_queries, hq, d, generator=gen) + 4.0 * u.repeat_interleave(group, 0)
     score_k_new = torch.randn(cfg.latent_queries, h, d, generator=gen)
@@ -217,20 +212,13 @@ class Scoring:
     masses: dict  # {TokenType: mass}
 
 
-def score_context(ctx: Context, chunk: int = 32) -> Scoring:
+def score_context(ctx: Context) -> Scoring:
+    """The scoring step's LSE over cached keys and its own block, per-key scores and per-type masses."""
     _, lse_cache = attention_with_lse(ctx.score_queries, ctx.keys, ctx.values)
     _, lse_new = attention_with_lse(ctx.score_queries, ctx.score_k_new, ctx.score_v_new)
     lse = torch.logaddexp(lse_cache, lse_new)
-    t, h = ctx.keys.shape[:2]
-    hq = ctx.score_queries.shape[1]
-    acc = torch.zeros(t, h)
-    per_token = torch.zeros(t)
-    for s in range(0, ctx.score_queries.shape[0], chunk):
-        probs = attention_probabilities(ctx.score_queries[s : s + chunk], ctx.keys, lse=lse[s : s + chunk])
-        summed = probs.sum(dim=1)  # [Hq, T]
-        acc += summed.reshape(h, hq // h, t).mean(dim=1).t()
-        per_token += summed.mean(dim=0)
-    per_token /= ctx.score_queries.shape[0]
+    acc, _ = key_scores(ctx.score_queries, ctx.keys, lse)  # [T, Hkv] summed over queries
+    per_token = acc.mean(dim=1) / ctx.score_queries.shape[0]  # mean over every query head and query
     masses = {TT(int(v)): float(per_token[ctx.types == v].sum()) for v in torch.unique(ctx.types).tolist()}
     return Scoring(lse, acc, masses)
 
@@ -245,6 +233,11 @@ def _rows(ctx: Context, typ: TokenType | None, candidate: bool = False) -> Tenso
 
 def _full(ctx: Context, rows: Tensor, typ: TokenType) -> FullStore:
     return FullStore(ctx.keys[rows], ctx.values[rows], rows, typ)
+
+
+def recent_rows(keep: int) -> int:
+    """Rows of an eviction budget kept as the most recent ones (H2O's window, as the library rounds it)."""
+    return min(keep, int(keep * RECENT_FRACTION + 0.5))
 
 
 def evict_budget_tokens(byte_budget: int, cfg: BenchConfig, elem: int) -> int:
@@ -265,7 +258,7 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
     info = {"candidate_tokens": int(cand.numel()), "protected_tokens": int(bnd.numel()),
             "candidate_byte_budget": budget, "evict_keep_tokens_per_head": n_keep}
     ck, cv = ctx.keys[cand], ctx.values[cand]
-    acc_c = sc.accumulated[cand]
+    acc_c = sc.accumulated[cand]  # [T_cand, Hkv]
     methods: dict[str, list[SegmentedLayer]] = {}
 
     def layer(*stores) -> SegmentedLayer:
@@ -280,36 +273,36 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
     full.stores = [FullStore(ctx.keys, ctx.values, torch.arange(ctx.keys.shape[0]), TT.UNKNOWN)]
     methods["full"] = [full]
 
-    inputs = ScoreInputs(keys=ck, accumulated=acc_c)
-    methods["h2o"] = [layer(evicted(H2OPolicy(recent_fraction=0.25).select(inputs, n_keep)))]
+    methods["h2o"] = [layer(evicted(select_rows(acc_c.t(), n_keep, recent=recent_rows(n_keep))))]
 
-    lse_window = sc.lse[-64:]
-    snap_in = ScoreInputs(keys=ck, queries=ctx.score_queries[-64:], query_lse=lse_window)
-    methods["snapkv"] = [layer(evicted(SnapKVPolicy(queries_in_keys=False).select(snap_in, n_keep)))]
+    # SnapKV / PyramidKV: the last WINDOW scoring queries, pooled along the keys
+    window_scores, _ = key_scores(ctx.score_queries[-WINDOW:], ck, sc.lse[-WINDOW:])
+    methods["snapkv"] = [layer(evicted(select_rows(window_scores.t(), n_keep, smooth_kernel=SNAPKV_KERNEL)))]
 
-    pyr = PyramidKVPolicy(keep_ratio=n_keep / cand.numel(), queries_in_keys=False)
-    budgets = [pyr.layer_budget(cand.numel(), li, cfg.pyramid_layers) for li in range(cfg.pyramid_layers)]
-    # same synthetic K/V in every layer: only the budgets differ; scores are computed once
-    scores = pyr.score(snap_in)
-    methods["pyramidkv"] = [layer(evicted(topk_per_head(scores, b))) for b in budgets]
+    total = cand.numel()
+    budgets = [min(total, b) for b in pyramid_layer_budgets(total, WINDOW, 1.0 - n_keep / total, cfg.pyramid_layers)]
+    # same synthetic K/V in every layer: only the budgets differ
+    methods["pyramidkv"] = [layer(evicted(select_rows(window_scores.t(), b, smooth_kernel=SNAPKV_KERNEL)))
+                            for b in budgets]
     info["pyramidkv_layer_budgets"] = budgets
 
-    methods["streamingllm"] = [layer(evicted(StreamingLLMPolicy(n_sink=4).select(ScoreInputs(keys=ck), n_keep)))]
+    sinks = sink_recency_scores(total, torch.ones(total, dtype=torch.bool), SINK_TOKENS)
+    methods["streamingllm"] = [layer(evicted(select_rows(sinks[None, :].expand(cfg.num_kv_heads, -1), n_keep)))]
 
-    vl_in = ScoreInputs(keys=ck, queries=ctx.score_queries, query_lse=sc.lse)
-    methods["vlcache"] = [layer(evicted(VLCachePolicy(queries_in_keys=False).select(vl_in, n_keep)))]
+    vl_scores, _ = key_scores(ctx.score_queries, ck, sc.lse)
+    methods["vlcache"] = [layer(evicted(select_rows(vl_scores.t(), n_keep)))]
 
     # KIVI-2: the most accurate (small G, large R) 2-bit setting whose measured bytes fit the budget
     kivi = None
     for g, r in ((32, 128), (32, 32), (64, 32), (128, 32)):
-        need = quantized_kv_nbytes(cand.numel(), cfg.num_kv_heads, cfg.head_dim, 2, g, r, elem) + 4 * cand.numel()
-        if need <= budget:
-            kivi = KIVIPolicy(bits=2, group_size=g, residual=r)
+        if quantized_bytes(total, cfg.num_kv_heads, cfg.head_dim, 2, g, r, elem) <= budget:
+            kivi = {"bits": 2, "group_size": g, "residual": r}
             break
     if kivi is None:
         raise RuntimeError("no 2-bit KIVI setting fits the budget")
-    methods["kivi"] = [layer(kivi.compress(ck, cv, cand, TT.UNKNOWN))]
-    info["kivi"] = asdict(kivi)
+    methods["kivi"] = [layer(QuantizedStore.from_kv(ck, cv, cand, kivi["bits"], kivi["group_size"], kivi["residual"],
+                                                    TT.UNKNOWN))]
+    info["kivi"] = kivi
 
     methods["unicache"] = [_unicache_layer(ctx, sc, budget, info)]
     methods["unicache_engine"] = [layer(*_unicache_engine_stores(cfg, ctx, sc))]
@@ -357,12 +350,12 @@ def _unicache_engine_stores(cfg: BenchConfig, ctx: Context, sc: Scoring) -> list
     25% recent), source-VAE at fixed 2-bit/G128/R32. Uses less memory than the budget; reported as an
     extra row, not matched."""
     r_vae = _rows(ctx, TT.SOURCE_VAE)
-    stores = [KIVIPolicy(bits=2, group_size=128, residual=32).compress(ctx.keys[r_vae], ctx.values[r_vae], r_vae)]
-    h2o = H2OPolicy(recent_fraction=0.25)
+    stores = [QuantizedStore.from_kv(ctx.keys[r_vae], ctx.values[r_vae], r_vae, *KIVI_FLOOR, KIVI_RESIDUAL,
+                                     TT.SOURCE_VAE)]
     for t in (TT.INSTRUCTION, TT.SOURCE_VIT):
         r = _rows(ctx, t)
         n = int(cfg.keep * r.numel())
-        keep = h2o.select(ScoreInputs(keys=ctx.keys[r], accumulated=sc.accumulated[r]), n)
+        keep = select_rows(sc.accumulated[r].t(), n, recent=recent_rows(n))
         stores.append(EvictedStore.from_selection(ctx.keys[r], ctx.values[r], r, keep, t))
     return stores
 

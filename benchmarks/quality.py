@@ -37,7 +37,7 @@ import torch
 
 from unicache_core.bagel import BagelPipeline, load_bagel
 from unicache_core.cli import OneLineParser, path_arg
-from unicache_core.compression import METHODS, make_cache_factory
+from unicache_core.compression import DEFAULT_REDUCTION, METHODS, make_cache_factory
 from unicache_core.shapes import analyse, edit_sample, judge_t2i, psnr, scenes_match, t2i_sample, unchanged_mask
 from unicache_core.shapes.world import EVAL_SEEDS, image_array, understanding_sample
 
@@ -48,7 +48,7 @@ TASKS = ("und", "t2i", "edit")
 _PIPE_TASK = {"und": "understanding", "t2i": "t2i", "edit": "edit"}
 #: (name, {task: target reduction}): the paper's operating point, then a harder one.
 TARGETS: tuple[tuple[str, dict[str, float]], ...] = (
-    ("paper", {"und": 0.8, "t2i": 0.6, "edit": 0.8}),
+    ("paper", {task: DEFAULT_REDUCTION[_PIPE_TASK[task]] for task in TASKS}),
     ("robust", {"und": 0.9, "t2i": 0.75, "edit": 0.9}),
 )
 #: Disjoint held-out seed blocks per task (all inside EVAL_SEEDS).
@@ -61,7 +61,7 @@ def paper_table_for(checkpoint: Path):
     """The paper's assignment (instruction and ViT evicted, VAE quantized) as a table for this checkpoint."""
     import dataclasses
 
-    from unicache_core.compression.registry import paper_policy_table
+    from unicache_core.compression.policy_table import paper_policy_table
     from unicache_core.bagel.checkpoint.model_id import model_id_of
 
     return dataclasses.replace(paper_policy_table(), model_id=model_id_of(checkpoint))
@@ -150,7 +150,7 @@ def _score(task: str, metrics: dict) -> float:
 
 def calibration_check(checkpoint: Path) -> dict:
     """Does the checkpoint's calibrated table route the types as the paper does?"""
-    from unicache_core.compression.registry import CHECKPOINT_POLICY_FILE
+    from unicache_core.compression.policy_table import CHECKPOINT_POLICY_FILE
 
     path = checkpoint / CHECKPOINT_POLICY_FILE
     paper = {"instruction": "evict", "source_vit": "evict", "source_vae": "quantize"}

@@ -36,7 +36,7 @@ def register_folders() -> None:
     """Register the ``bagel`` and ``unicache_policies`` model folders (idempotent; keeps user-added paths).
 
     ``bagel``: ComfyUI's ``models/bagel`` first, then the pack's own ``models/bagel``. ``unicache_policies``:
-    ``models/unicache_policies``, then the shipped ``unicache_core/policies`` (``.json`` files only).
+    ``models/unicache_policies``, then the shipped ``unicache_core/compression/tables`` (``.json`` files only).
     """
     fp = _folder_paths()
     fp.add_model_folder_path(BAGEL_FOLDER, os.path.join(fp.models_dir, BAGEL_FOLDER))

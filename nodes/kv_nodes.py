@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from unicache_core.compression import METHODS, KVConfig
+from unicache_core.compression.defaults import SCORE_QUERIES
 
 from . import host
 
@@ -55,12 +56,12 @@ class UniCacheKVConfig:
                        "checkpoint's unicache_policy.json, else the shipped paper table. Other tables: JSON files "
                        "in models/unicache_policies."}),
         }, "optional": {
-            "score_queries": ("INT", {"default": 256, "min": 1, "max": 65536, "step": 1, "tooltip":
+            "score_queries": ("INT", {"default": SCORE_QUERIES, "min": 1, "max": 65536, "step": 1, "tooltip":
                               "Most queries a forward scores keys with (strided latent queries, or the last text "
                               "queries). More is more exact and slower."}),
         }}
 
-    def build(self, method, kv_target, rho, rho_floor, policy, score_queries=256):
+    def build(self, method, kv_target, rho, rho_floor, policy, score_queries=SCORE_QUERIES):
         unicache = method == "unicache"
         if not unicache and (rho > 0 or rho_floor >= 0 or policy != DEFAULT_POLICY):
             logger.warning("rho, rho_floor and policy apply to unicache only; ignored for method %r", method)

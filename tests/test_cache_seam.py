@@ -9,8 +9,7 @@ from PIL import Image
 
 from unicache_core.bagel import BagelPipeline, load_bagel
 from unicache_core.kv.cache import AttentionCall, CacheRequest, FullKVCache
-from unicache_core.policies import ScoreInputs, StreamingLLMPolicy
-from unicache_core.policies.kivi import KIVIPolicy
+from oracles import KIVIPolicy, ScoreInputs, StreamingLLMPolicy
 from unicache_core.kv.segmented_cache import SegmentedKVCache
 from unicache_core.kv.token_types import TokenType
 from unicache_core.kv.stores import EvictedStore, QuantizedStore

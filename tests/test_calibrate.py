@@ -15,7 +15,7 @@ from unicache_core.bagel import BagelPipeline, load_bagel
 from unicache_core.compression.calibration import CalibrationCacheFactory
 from unicache_core.bagel.checkpoint.model_id import model_id_of
 from unicache_core.kv.token_types import TokenType
-from unicache_core.compression.routing import PolicyTable
+from unicache_core.compression.policy_table import PolicyTable
 
 PROMPTS = "a red circle on the left\n\n  make the square blue and large  \n"
 COMMON = ["--steps", "3", "--size", "32", "--dtype", "fp32", "--max-new-tokens", "3", "--device", "cpu"]

@@ -31,7 +31,7 @@ def test_bagel_engine_imports_without_comfyui():
 
 
 def test_every_module_imports_without_comfyui():
-    """Walk the whole package (policies, unicache, stores, quant, segmented, bagel.*) and the benchmarks."""
+    """Walk the whole package (compression, stores, quant, segmented, bagel.*) and the benchmarks."""
     code = (
         "import importlib, json, pkgutil, sys\n"
         "import unicache_core, benchmarks\n"
@@ -48,7 +48,7 @@ def test_every_module_imports_without_comfyui():
     import json
 
     names, loaded = json.loads(out.stdout.strip().splitlines()[-1])
-    for expected in ("unicache_core.policies.h2o", "unicache_core.compression.schedule", "unicache_core.kv.stores",
+    for expected in ("unicache_core.compression.baselines", "unicache_core.compression.schedule", "unicache_core.kv.stores",
                      "unicache_core.kv.segmented_cache", "unicache_core.bagel.pipeline", "benchmarks.kv_attention"):
         assert expected in names
     leaked = [m for m in loaded if m.split(".")[0] in FORBIDDEN]
@@ -63,7 +63,7 @@ def test_import_prints_nothing():
 
 
 def test_compression_core_never_imports_the_bagel_engine():
-    """Everything outside unicache_core.bagel (stores, policies, methods, ...) is model-agnostic."""
+    """Everything outside unicache_core.bagel (KV core, compression methods, ...) is model-agnostic."""
     code = (
         "import importlib, json, pkgutil, sys\n"
         "def walk(pkg):\n"

@@ -15,7 +15,7 @@ from unicache_core.compression import METHODS, KVConfig, make_cache_factory
 from unicache_core.compression import ops
 from unicache_core.compression.compressing_cache import CompressingKVCache
 from unicache_core.kv.token_types import TokenType as TT
-from unicache_core.compression.routing import PolicyTable, PolicyTableError
+from unicache_core.compression.policy_table import PolicyTable, PolicyTableError
 
 STEPS = 13  # 12 denoising steps: compressions after step 0, 5 and 10 (step chunks of 5)
 

@@ -1,11 +1,11 @@
-"""What the compression library's parts assume is checked, not silently wrong (issue F, item 5)."""
+"""What the compression library's parts assume is checked, not silently wrong."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from unicache_core.policies.base import topk_per_head
+from unicache_core.compression.ops import topk_per_head
 from unicache_core.kv.segmented_cache import SegmentedLayer
 from unicache_core.kv.token_types import TokenType as TT
 from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore

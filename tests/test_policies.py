@@ -1,4 +1,5 @@
-"""Eviction policies: exact budgets, valid indices, per-KV-head GQA selection and each method's rule."""
+"""The reference eviction policies (tests/oracles) and the library's budget functions: exact budgets, valid
+indices, per-KV-head GQA selection and each method's rule."""
 
 from __future__ import annotations
 
@@ -7,19 +8,18 @@ import math
 import pytest
 import torch
 
-from unicache_core.kv.attention import attention_probabilities
-from unicache_core.policies import (
+from oracles import (
     H2OPolicy,
     PyramidKVPolicy,
     ScoreInputs,
     SnapKVPolicy,
     StreamingLLMPolicy,
     VLCachePolicy,
+    attention_probabilities,
     budget_from_ratio,
     layer_sparsity,
-    pyramid_layer_budgets,
-    vlcache_layer_budgets,
 )
+from unicache_core.compression.baselines import pyramid_layer_budgets, vlcache_layer_budgets
 
 POLICIES = [
     (H2OPolicy, {}),

@@ -1,4 +1,5 @@
-"""Bit packing and KIVI-style quantization (unicache_core.kv.quant, unicache_core.policies.kivi)."""
+"""Bit packing and KIVI-style quantization (unicache_core.kv.quant, the lookup of unicache_core.compression.ops
+and the reference KIVI policy of tests/oracles)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import math
 import pytest
 import torch
 
-from unicache_core.policies.kivi import KIVI_LOOKUP, KIVIPolicy
+from oracles import KIVIPolicy
+from unicache_core.compression.ops import KIVI_LOOKUP
 import unicache_core.kv.quant as quant_module
 from unicache_core.kv.quant import (
     byte_lut, pack_bits, quantize_keys, quantize_values, quantized_kv_nbytes, unpack_bits, unpack_into,

@@ -1,18 +1,11 @@
-"""Token types, spans in original positions, candidate vs protected."""
+"""Token types, tasks and branches, spans in original positions (tests/oracles/spans.py), candidate vs
+protected."""
 
 import pytest
 import torch
 
-from unicache_core.kv.token_types import (
-    CANDIDATE_TYPES,
-    PROTECTED_TYPES,
-    Span,
-    TokenType,
-    candidate_mask,
-    is_protected,
-    positions_of,
-    spans_from_types,
-)
+from oracles.spans import Span, candidate_mask, is_protected, positions_of, spans_from_types
+from unicache_core.kv.token_types import BRANCHES, CANDIDATE_TYPES, PROTECTED_TYPES, TASKS, TokenType
 
 B, VAE, VIT, TXT, LAT, DEC = (TokenType.BOUNDARY, TokenType.SOURCE_VAE, TokenType.SOURCE_VIT,
                               TokenType.INSTRUCTION, TokenType.CURRENT_LATENT, TokenType.DECODED_TEXT)
@@ -39,6 +32,14 @@ def test_positions_of_a_type_across_disjoint_spans():
     assert positions_of(types, "instruction").tolist() == [1, 2, 6]
     assert positions_of(types, TokenType.SOURCE_VIT).tolist() == [4]
     assert positions_of(types, TokenType.SOURCE_VAE).tolist() == []
+
+
+def test_tasks_and_branches_have_one_home():
+    import unicache_core.kv.cache as cache
+
+    assert TASKS == ("understanding", "t2i", "edit")
+    assert BRANCHES == ("gen", "cfg_text", "cfg_img", "plan")
+    assert cache.TASKS is TASKS and cache.BRANCHES is BRANCHES  # the cache seam validates with these
 
 
 def test_candidate_and_protected_sets():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from unicache_core.kv.attention import attention_with_lse
-from unicache_core.policies.kivi import KIVIPolicy
+from oracles import KIVIPolicy
 from unicache_core.kv.token_types import TokenType
 from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore
 import unicache_core.kv.stores as stores_module

@@ -8,20 +8,27 @@ import random
 import pytest
 import torch
 
-from unicache_core.kv.token_types import TokenType
-from unicache_core.compression.allocator import allocate, allocate_integer, allocate_types, target_ratios
-from unicache_core.compression.keepsets import MonotonicKeepSet, split_eviction_budget
-from unicache_core.compression.routing import PolicyTable, k90, route, segment_k90
+from oracles.attention_stats import segment_k90, type_masses
+from oracles.keepsets import MonotonicKeepSet, split_eviction_budget
+from unicache_core.compression.allocator import allocate, allocate_integer, allocate_types
+from unicache_core.compression.policy_table import PolicyTable
+from unicache_core.compression.routing import k90, route
 from unicache_core.compression.schedule import RetentionSchedule
 from unicache_core.compression.stats import (
     ChunkedAttentionStats,
     fallback_budget_ratio,
     layer_chunk,
+    layer_chunks,
     step_chunk,
-    type_masses,
 )
+from unicache_core.kv.token_types import TokenType
 
 INS, VIT, VAE = TokenType.INSTRUCTION, TokenType.SOURCE_VIT, TokenType.SOURCE_VAE
+
+
+def target_ratios(allocations, capacities) -> list[float]:
+    """``alloc_i / capacity_i`` clipped to [0, 1]; 0 for an empty item."""
+    return [0.0 if c <= 0 else min(1.0, max(0.0, a / c)) for a, c in zip(allocations, capacities)]
 
 
 # ---------------------------------------------------------------- routing
@@ -95,6 +102,7 @@ def test_policy_table_from_k90_and_json_roundtrip(tmp_path):
 def test_chunk_functions():
     assert [layer_chunk(i) for i in range(10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
     assert [step_chunk(i) for i in range(12)] == [0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 3]
+    assert layer_chunks(10) == {0: [0], 1: [1, 2, 3, 4], 2: [5, 6, 7, 8], 3: [9]}
     with pytest.raises(ValueError, match="layer"):
         layer_chunk(-1)
     with pytest.raises(ValueError, match="step"):

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
+from unicache_core.compression.defaults import SCORE_QUERIES  # noqa: E402
 
 WIDGET_KINDS = {"INT", "FLOAT", "STRING", "BOOLEAN"}
 CHECKPOINT = "unicache-shapes"  # the bundled model trained on the shapes world (docs/shapes.md)
@@ -112,7 +113,7 @@ def _loader(node_id=1, pos=(40, 80)):
 def _kv(node_id, method="unicache", pos=(40, 260), title=None):
     return {"id": node_id, "type": "UniCacheKVConfig", "pos": pos, "size": (320, 180), "title": title,
             "widgets": {"method": method, "kv_target": 0.0, "rho": 0.0, "rho_floor": -1.0, "policy": "default",
-                        "score_queries": 256}}
+                        "score_queries": SCORE_QUERIES}}
 
 
 def _flow(steps, seed, edit: bool):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from unicache_core.bagel.calibrate import main as calibrate_main
 from unicache_core.cli import OneLineParser, path_arg
-from unicache_core.compression.registry import CHECKPOINT_POLICY_FILE
+from unicache_core.compression.policy_table import CHECKPOINT_POLICY_FILE
 from unicache_core.shapes import edit_sample, t2i_sample, understanding_sample
 
 #: Calibration seeds: training seeds far from those the trainer's pool uses (0 .. pool size).

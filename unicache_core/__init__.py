@@ -6,7 +6,7 @@ Importing this package has no side effects and never imports ComfyUI.
 from .kv.attention import attention_with_lse, block_causal_mask, merge_attention
 from .errors import CancelledError, CheckpointError, NumericalError, UniCacheError
 from .kv.cache import AttentionCall, CacheFactory, CacheRequest, FullKVCache, KVCache, full_cache_factory
-from .kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, Span, TokenType, positions_of, spans_from_types
+from .kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, TASKS, TokenType
 
 __version__ = "0.1.0"
 
@@ -21,13 +21,11 @@ __all__ = [
     "KVCache",
     "NumericalError",
     "PROTECTED_TYPES",
-    "Span",
+    "TASKS",
     "TokenType",
     "UniCacheError",
     "__version__",
     "attention_with_lse",
     "block_causal_mask",
     "merge_attention",
-    "positions_of",
-    "spans_from_types",
 ]

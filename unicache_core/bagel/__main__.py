@@ -206,7 +206,9 @@ def _write_report(args: argparse.Namespace, report: dict | None) -> None:
         return
     import json
 
-    payload = report if report is not None else {"format": "unicache-kv-report", "version": 1, "method": "full",
+    from ..compression.report import REPORT_FORMAT
+
+    payload = report if report is not None else {"format": REPORT_FORMAT, "version": 1, "method": "full",
                                                  "summary": None, "steps": []}
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")

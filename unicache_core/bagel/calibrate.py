@@ -58,7 +58,8 @@ import torch
 from ..errors import UniCacheError
 from ..kv.cache import CacheFactory
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
-from ..compression.routing import DEFAULT_K90_THRESHOLD, PolicyTable, PolicyTableError
+from ..compression.defaults import DEFAULT_K90_THRESHOLD, DEFAULT_REDUCTION, SCORE_QUERIES
+from ..compression.policy_table import PolicyTable, PolicyTableError
 from ..compression.stats import layer_chunk, step_chunk
 from ..cli import OneLineParser as _Parser, path_arg as _path
 
@@ -67,11 +68,11 @@ logger = logging.getLogger("unicache_core.bagel.calibrate")
 #: ``--task`` value → pipeline task name.
 TASK_NAMES = {"und": "understanding", "t2i": "t2i", "edit": "edit"}
 #: Target retention of the sensitivity ablation (docs/compression.md §8.9: 80% reduction und/edit, 60% t2i).
-SENSITIVITY_RATIO = {"understanding": 0.2, "t2i": 0.4, "edit": 0.2}
+SENSITIVITY_RATIO = {task: round(1.0 - reduction, 6) for task, reduction in DEFAULT_REDUCTION.items()}
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 MAX_PROMPTS_FILE_BYTES = 16 << 20
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-DEFAULTS = {"steps": 50, "max_new_tokens": 64, "dtype": "bf16", "size": 512, "seed": 0, "score_queries": 256}
+DEFAULTS = {"steps": 50, "max_new_tokens": 64, "dtype": "bf16", "size": 512, "seed": 0, "score_queries": SCORE_QUERIES}
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -407,7 +408,7 @@ def finish_table(table: PolicyTable, task: str, base: PolicyTable | None = None)
     Pairs come from ``base`` (a ``--merge`` table of the same model) where it has them, else from the paper's
     assignment; ``measurements["filled"]`` names each pair that was not measured in this run.
     """
-    from ..compression.registry import paper_policy_table
+    from ..compression.policy_table import paper_policy_table
 
     paper = paper_policy_table()
     entries, k90s, strengths = {}, {}, {}

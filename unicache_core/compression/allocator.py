@@ -59,13 +59,6 @@ def allocate(capacities: Sequence[float], weights: Sequence[float], total: float
     return alloc
 
 
-def target_ratios(allocations: Sequence[float], capacities: Sequence[float]) -> list[float]:
-    """``alloc_i / capacity_i`` clipped to [0, 1]; 0 for an empty item."""
-    if len(allocations) != len(capacities):
-        raise ValueError(f"`allocations` ({len(allocations)}) and `capacities` ({len(capacities)}) lengths differ")
-    return [0.0 if c <= 0 else min(1.0, max(0.0, a / c)) for a, c in zip(allocations, capacities)]
-
-
 def allocate_integer(capacities: Sequence[int], weights: Sequence[float], total: int) -> list[int]:
     """Integer version of :func:`allocate` (largest-remainder rounding).
 

@@ -9,17 +9,104 @@ matched to the same byte target.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from typing import Sequence
 
 import torch
+from torch import Tensor
 
-from ..policies.pyramidkv import pyramid_layer_budgets
-from ..policies.vlcache import vlcache_layer_budgets
+from .allocator import allocate_integer
+from .defaults import PYRAMID_BETA, RECENT_FRACTION, SINK_TOKENS, SNAPKV_KERNEL
 from .method import CompressionMethod, GlobalEvictionMethod, candidate_indices
 from .ops import best_kivi_setting, floor_bytes, quantize
+from .protocol import CompressibleBranch, MethodSession
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .compressing_cache import CompressingKVCache, CompressionSession
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}")
+
+
+def pyramid_layer_budgets(
+    total_tokens: int, window: int, compression: float, num_layers: int, beta: float = PYRAMID_BETA
+) -> list[int]:
+    """Per-layer token budgets of PyramidKV (kvpress 0.5.4 formula, docs/compression.md §5).
+
+    With ``cap = w + T(1-c)``: ``min = (cap-w)/beta``, ``max = 2(cap-w) - min``; if ``max >= T - w``
+    then ``max = T - w`` and ``min = 2(cap-w) - max``. Layer ``l`` keeps
+    ``round(max - l (max-min)/(L-1))`` tokens (window included), so the mean over layers is
+    ``T(1-c)`` up to rounding. If ``T >= max >= min >= w`` fails (short prompts, or one layer), every
+    layer falls back to SnapKV's ``round(T(1-c))``.
+
+    Args:
+        total_tokens: prompt length ``T``; window: observation window ``w``;
+        compression: removed fraction ``c`` in [0, 1); num_layers: ``L``; beta: pyramid steepness (>= 1).
+
+    Returns:
+        ``L`` integer budgets, non-increasing with depth.
+    """
+    _check_int("total_tokens", total_tokens, 0)
+    _check_int("window", window, 0)
+    _check_int("num_layers", num_layers, 1)
+    if not 0.0 <= compression < 1.0:
+        raise ValueError(f"`compression` must be in [0, 1), got {compression!r}")
+    if not beta >= 1:
+        raise ValueError(f"`beta` must be >= 1, got {beta!r}")
+    kept = total_tokens * (1.0 - compression)
+    fallback = [round(kept)] * num_layers
+    min_num = kept / beta
+    max_num = 2.0 * kept - min_num
+    if max_num >= total_tokens - window:
+        max_num = float(total_tokens - window)
+        min_num = 2.0 * kept - max_num
+    if num_layers == 1 or not (total_tokens >= max_num >= min_num >= window):
+        return fallback
+    step = (max_num - min_num) / (num_layers - 1)
+    return [round(max_num - layer * step) for layer in range(num_layers)]
+
+
+def vlcache_layer_budgets(sparsities: Sequence[float], total: int, num_tokens: int) -> list[int]:
+    """Split ``total`` tokens across layers in proportion to density ``1 - gamma_l``.
+
+    ``k_l = total (1 - gamma_l) / sum_j (1 - gamma_j)``, clipped to ``[1, num_tokens]``; what clipping
+    removes or adds is redistributed so the budgets sum exactly to ``total`` (integer water-filling,
+    each layer first gets its minimum of 1). All-zero density splits uniformly.
+
+    Args:
+        sparsities: ``gamma_l`` per layer, each in [0, 1].
+        total: total budget over layers, in ``[L, L * num_tokens]``.
+        num_tokens: prompt length ``T`` (per-layer cap).
+    """
+    n_layers = len(sparsities)
+    if n_layers == 0:
+        raise ValueError("`sparsities` must not be empty")
+    for i, g in enumerate(sparsities):
+        if not (isinstance(g, (int, float)) and math.isfinite(g) and 0.0 <= g <= 1.0):
+            raise ValueError(f"`sparsities[{i}]` must be in [0, 1], got {g!r}")
+    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
+        raise ValueError(f"`num_tokens` must be an int >= 1, got {num_tokens!r}")
+    if not isinstance(total, int) or isinstance(total, bool) or not n_layers <= total <= n_layers * num_tokens:
+        raise ValueError(f"`total` must be an int in [{n_layers}, {n_layers * num_tokens}] "
+                         f"(1..T tokens per layer), got {total!r}")
+    extra = allocate_integer([num_tokens - 1] * n_layers, [1.0 - g for g in sparsities], total - n_layers)
+    return [1 + e for e in extra]
+
+
+def sink_recency_scores(num_rows: int, candidates: Tensor, num_sinks: int) -> Tensor:
+    """StreamingLLM's ranking of ``num_rows`` appended rows: the ``num_sinks`` earliest candidate rows first
+    (earliest highest), then every row by recency.
+
+    Args:
+        candidates: ``[num_rows]`` bool, the rows the eviction pool holds.
+
+    Returns:
+        ``[num_rows]`` fp32 scores (higher = keep).
+    """
+    idx = torch.arange(num_rows, dtype=torch.float32)
+    sinks = torch.nonzero(candidates).squeeze(1)[:num_sinks]
+    scores = idx.clone()
+    scores[sinks] = 2.0 * num_rows + 1.0 - idx[sinks]
+    return scores
 
 
 class H2OMethod(GlobalEvictionMethod):
@@ -27,9 +114,9 @@ class H2OMethod(GlobalEvictionMethod):
     recent window of 25% of the budget (UniCache's dynamic-budget split, heavy 0.375 / recent 0.125)."""
 
     name = "h2o"
-    recent_fraction = 0.25
+    recent_fraction = RECENT_FRACTION
 
-    def start(self, session: "CompressionSession") -> None:
+    def start(self, session: MethodSession) -> None:
         self.recent_fraction = session.config.recent_fraction
 
 
@@ -40,12 +127,12 @@ class SnapKVMethod(GlobalEvictionMethod):
 
     name = "snapkv"
     window_queries = True
-    smooth_kernel = 5
+    smooth_kernel = SNAPKV_KERNEL
 
-    def layer_scores(self, cache: "CompressingKVCache", layer: int):
+    def layer_scores(self, cache: CompressibleBranch, layer: int) -> Tensor | None:
         return cache.state[layer].last_scores
 
-    def forced_rows(self, cache: "CompressingKVCache", layer: int):
+    def forced_rows(self, cache: CompressibleBranch, layer: int) -> Tensor | None:
         if cache.session.request.task != "understanding":
             return None  # denoising latents are not in the key set
         n = cache.layer(layer).appended_tokens
@@ -59,9 +146,9 @@ class PyramidKVMethod(SnapKVMethod):
     (beta 20) whose mean equals the matched budget."""
 
     name = "pyramidkv"
-    beta = 20.0
+    beta = PYRAMID_BETA
 
-    def layer_rows(self, cache, budgets, rows):
+    def layer_rows(self, cache: CompressibleBranch, budgets: list[int], rows: list[int]) -> list[int]:
         if not rows or max(rows) == 0:
             return budgets
         total = rows[0]
@@ -86,20 +173,16 @@ class StreamingLLMMethod(GlobalEvictionMethod):
 
     name = "streamingllm"
     needs_scores = False
-    n_sink = 4
+    n_sink = SINK_TOKENS
 
-    def layer_scores(self, cache: "CompressingKVCache", layer: int):
+    def layer_scores(self, cache: CompressibleBranch, layer: int) -> Tensor:
         n = cache.layer(layer).appended_tokens
         hkv = cache.layer(layer)._kv_meta[0]
-        idx = torch.arange(n, dtype=torch.float32)
         cand = torch.zeros(n, dtype=torch.bool)
         for i in candidate_indices(cache, layer):
             index = cache.layer(layer).stores[i].token_index.long()
             cand[index.reshape(-1)] = True
-        # sinks = the n_sink earliest compressible rows; then recency
-        order = torch.nonzero(cand).squeeze(1)
-        scores = idx.clone()
-        scores[order[: self.n_sink]] = 2.0 * n + 1.0 - idx[order[: self.n_sink]]
+        scores = sink_recency_scores(n, cand, self.n_sink)
         return scores[:, None].expand(n, hkv).contiguous()
 
 
@@ -111,10 +194,10 @@ class VLCacheMethod(GlobalEvictionMethod):
     name = "vlcache"
     needs_sparsity = True
 
-    def layer_scores(self, cache: "CompressingKVCache", layer: int):
+    def layer_scores(self, cache: CompressibleBranch, layer: int) -> Tensor | None:
         return cache.state[layer].last_scores
 
-    def layer_rows(self, cache, budgets, rows):
+    def layer_rows(self, cache: CompressibleBranch, budgets: list[int], rows: list[int]) -> list[int]:
         total = sum(budgets)
         if not rows or min(rows) == 0 or total < len(rows):
             return budgets
@@ -132,7 +215,7 @@ class KIVIMethod(CompressionMethod):
     name = "kivi"
     needs_scores = False
 
-    def compress_layers(self, session: "CompressionSession", cache: "CompressingKVCache") -> None:
+    def compress_layers(self, session: MethodSession, cache: CompressibleBranch) -> None:
         ratio = session.resolve_target()
         for layer in range(cache.num_layers):
             st = cache.layer(layer)
@@ -152,4 +235,5 @@ class KIVIMethod(CompressionMethod):
             quantize(st, idx, bits, group, residual)
 
 
-__all__ = ["H2OMethod", "KIVIMethod", "PyramidKVMethod", "SnapKVMethod", "StreamingLLMMethod", "VLCacheMethod"]
+__all__ = ["H2OMethod", "KIVIMethod", "PyramidKVMethod", "SnapKVMethod", "StreamingLLMMethod", "VLCacheMethod",
+           "pyramid_layer_budgets", "sink_recency_scores", "vlcache_layer_budgets"]

@@ -28,17 +28,15 @@ context: the post-modality window the methods select with).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from ..kv.cache import AttentionCall, CacheFactory, CacheSession, RequestInfo, StepInfo
 from ..kv.token_types import CANDIDATE_TYPES
-from .routing import k90
-from .method import CompressionMethod
-from .compressing_cache import CallPlan, CompressionSession
+from .compressing_cache import CompressingKVCache, CompressionSession
 from .config import KVConfig
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .compressing_cache import CompressingKVCache
+from .defaults import SCORE_QUERIES
+from .method import CompressionMethod
+from .protocol import CallPlan
+from .routing import k90
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +47,7 @@ class CalibrationMethod(CompressionMethod):
     name = "calibration"
     needs_scores = True
 
-    def plan_call(self, cache: "CompressingKVCache", call: AttentionCall) -> CallPlan:
+    def plan_call(self, cache: CompressingKVCache, call: AttentionCall) -> CallPlan:
         session = cache.session
         if cache.branch == "plan":
             return CallPlan()  # the think-mode plan context is not read by the answer / the latents
@@ -86,7 +84,7 @@ class CalibrationSession(CompressionSession):
     def _harvest(self, branch: str) -> None:
         phase, step = self.pending.pop(branch)
         cache = self.caches.get(branch)
-        if cache is None or not hasattr(cache, "state"):
+        if not isinstance(cache, CompressingKVCache):
             return
         for layer in range(cache.num_layers):
             ls = cache.state[layer]
@@ -133,7 +131,7 @@ class CalibrationCacheFactory(CacheFactory):
 
     method = "calibration"
 
-    def __init__(self, score_queries: int = 256):
+    def __init__(self, score_queries: int = SCORE_QUERIES):
         self.config = KVConfig(method="full", score_queries=score_queries)
 
     def start(self, request: RequestInfo) -> CacheSession:

@@ -20,8 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -29,43 +27,17 @@ from torch import Tensor
 from ..kv.cache import AttentionCall, CacheSession, KVCache, RequestInfo, StepInfo, unique_nbytes
 from ..kv.segmented_cache import LayerAttention, SegmentedKVCache
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
-from .stats import ChunkedAttentionStats, layer_chunk
 from .config import KVConfig
-from .report import ReportBuilder
+from .method import CompressionMethod
+from .protocol import CallPlan, LayerState
+from .report import ReportBuilder, type_name
 from .scoring import key_scores, mass_from_lse, query_subsample, row_max_logits
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .method import CompressionMethod
+from .stats import ChunkedAttentionStats
 
 logger = logging.getLogger(__name__)
 
 #: Types a method may compress; ``UNKNOWN`` marks a pooled store of several of them (global baselines).
 MANAGED_TYPES = frozenset(CANDIDATE_TYPES) | {TokenType.UNKNOWN}
-
-
-@dataclass
-class CallPlan:
-    """What one forward pass measures (decided in ``begin_call``)."""
-
-    observe: bool = False  # type masses from the per-store LSE
-    score: bool = False  # per-key scores over a query subsample
-    last_queries: bool = False  # subsample = the last queries (text window) rather than strided
-    num_queries: int = 256
-    sparsity: bool = False  # VL-Cache layer sparsity
-    compress_after: bool = False  # run the method's compression in end_call
-
-
-@dataclass
-class LayerState:
-    """Per-layer statistics kept by a compressing cache (indexed by append index)."""
-
-    scores: Tensor | None = None  # [T, Hkv] fp32, accumulated over scored calls (H2O)
-    last_scores: Tensor | None = None  # [T, Hkv] fp32 of the last scored call (SnapKV, VL-Cache)
-    last_score_queries: int = 0
-    sparsity: float | None = None
-    masses: dict = field(default_factory=dict)  # {TokenType: mass} of the last observed call
-    budgets: dict = field(default_factory=dict)  # {TokenType: budget bytes} set at the last compression
-    flags: dict = field(default_factory=dict)  # {TokenType: reason} for budgets the segment cannot reach
 
 
 class CompressingKVCache(SegmentedKVCache):
@@ -86,8 +58,7 @@ class CompressingKVCache(SegmentedKVCache):
 
     def clone(self, *, branch: str | None = None) -> "CompressingKVCache":
         other = super().clone(branch=branch)
-        other.state = [LayerState(s.scores, s.last_scores, s.last_score_queries, s.sparsity, dict(s.masses),
-                                  dict(s.budgets), dict(s.flags)) for s in self.state]
+        other.state = [state.copy() for state in self.state]
         other.rho = dict(self.rho)
         other._plan = CallPlan()
         return other
@@ -98,6 +69,8 @@ class CompressingKVCache(SegmentedKVCache):
         if call.phase == "denoise" and self.first_denoise_step is None:
             self.first_denoise_step = int(call.step or 0)
         self._plan = self.session.method.plan_call(self, call)
+        if self._plan.compress_before:
+            self.session.compress(self, call)
         if self._plan.observe or self._plan.score:
             logger.debug("%s %s step %s: observe=%s score=%s", self.branch, call.phase, call.step,
                          self._plan.observe, self._plan.score)
@@ -255,11 +228,44 @@ class CompressingKVCache(SegmentedKVCache):
                     protected += store.nbytes()
         return managed, protected
 
+    def snapshot_types(self) -> dict[str, dict]:
+        """Per type name, summed over the layers: the policy acting on it, bytes held, rows per KV head, store
+        kinds, KIVI settings, budget bytes, attention mass and uncompressed rows (the report's ``types``)."""
+        types: dict[str, dict] = {}
+        for layer, st in enumerate(self.layers):
+            ls = self.state[layer]
+            for store in st.stores:
+                name = type_name(store.token_type)
+                entry = types.setdefault(name, {"policy": "protect", "bytes": 0, "rows_per_head": 0.0, "stores": {}})
+                entry["bytes"] += store.nbytes()
+                entry["rows_per_head"] += store.num_tokens / self.num_layers
+                entry["stores"][store.kind] = entry["stores"].get(store.kind, 0) + 1
+                if store.token_type in MANAGED_TYPES:
+                    entry["policy"] = {"full": "full", "evicted": "evict", "quantized": "quantize"}[store.kind] \
+                        if entry["policy"] in ("protect", "full") else entry["policy"]
+                if store.kind == "quantized":
+                    entry["bits"], entry["group_size"], entry["residual"] = store.bits, store.group_size, store.residual
+            for name, budget in ls.budgets.items():
+                entry = types.setdefault(name, {"policy": "full", "bytes": 0, "rows_per_head": 0.0, "stores": {}})
+                entry["budget_bytes"] = entry.get("budget_bytes", 0) + int(budget)
+            for t, m in ls.masses.items():
+                entry = types.get(type_name(t))
+                if entry is not None:
+                    entry["mass"] = entry.get("mass", 0.0) + m / self.num_layers
+        for t, n in self.type_rows(0).items():
+            if type_name(t) in types:
+                types[type_name(t)]["full_rows"] = n
+        for entry in types.values():
+            entry["rows_per_head"] = round(entry["rows_per_head"], 2)
+            if "mass" in entry:
+                entry["mass"] = round(entry["mass"], 6)
+        return types
+
 
 class CompressionSession(CacheSession):
     """Per-request state of a compressing method (see the module docstring)."""
 
-    def __init__(self, request: RequestInfo, method: "CompressionMethod", config: KVConfig,
+    def __init__(self, request: RequestInfo, method: CompressionMethod, config: KVConfig,
                  policy_info: dict | None = None):
         super().__init__(request)
         self.method = method
@@ -270,10 +276,12 @@ class CompressionSession(CacheSession):
         self.step: StepInfo | None = None
         self.target_ratio: float | None = None  # resolved memory target (ratio of full managed bytes)
         self.released: set[str] = set()
+        self._step_start: float | None = None  # perf_counter() when the current step began
         self.report = ReportBuilder(self, policy_info or {})
         method.start(self)
 
     def clock(self, like: Tensor | None = None) -> float:
+        """``perf_counter()``, after the device of ``like`` finished its work when ``config.sync_timing``."""
         if self.config.sync_timing and like is not None and like.is_cuda:
             torch.cuda.synchronize(like.device)
         return time.perf_counter()
@@ -288,7 +296,7 @@ class CompressionSession(CacheSession):
 
     def fork(self, parent: KVCache, branch: str) -> KVCache:
         cache = super().fork(parent, branch)
-        logger.debug("fork %s -> %s at %d tokens", getattr(parent, "branch", "?"), branch, cache.num_tokens)
+        logger.debug("fork %s -> %s at %d tokens", parent.branch, branch, cache.num_tokens)
         return cache
 
     def release(self, branch: str) -> None:
@@ -296,6 +304,7 @@ class CompressionSession(CacheSession):
         self.released.add(branch)
 
     def live_caches(self) -> list[CompressingKVCache]:
+        """The branch caches of this request that were built and not yet released."""
         return [c for c in self.caches.values() if isinstance(c, CompressingKVCache)]
 
     def held_bytes(self) -> int:
@@ -314,10 +323,11 @@ class CompressionSession(CacheSession):
 
     def end_step(self, step: StepInfo) -> None:
         timers = dict(self.timers)
-        timers["step"] = time.perf_counter() - getattr(self, "_step_start", time.perf_counter())
+        timers["step"] = 0.0 if self._step_start is None else time.perf_counter() - self._step_start
         self.report.end_step(step, timers)
 
     def note_rows(self, branch: str, call: AttentionCall, rows: int) -> None:
+        """Record the rows ``call`` of ``branch`` attended over (summed over its layers)."""
         self.report.note_rows(branch, call, rows)
 
     def resolve_target(self) -> float:
@@ -334,6 +344,7 @@ class CompressionSession(CacheSession):
         return self.target_ratio
 
     def compress(self, cache: CompressingKVCache, call: AttentionCall | None) -> None:
+        """Run the method's compression on ``cache`` (at ``call``), timed as allocation and recorded."""
         start = self.clock()
         self.method.compress(self, cache, call)
         cache.compressions += 1
@@ -341,15 +352,8 @@ class CompressionSession(CacheSession):
         self.report.note_compression(cache)
 
     def finish(self) -> dict:
+        """The request's KV report (:mod:`.report`)."""
         return self.report.build()
 
 
-def layer_chunks(num_layers: int, size: int = 4) -> dict[int, list[int]]:
-    """``{layer_chunk: [layers]}`` with layer 0 alone (docs/compression.md §8.5)."""
-    chunks: dict[int, list[int]] = {}
-    for layer in range(num_layers):
-        chunks.setdefault(layer_chunk(layer, size), []).append(layer)
-    return chunks
-
-
-__all__ = ["CallPlan", "CompressingKVCache", "CompressionSession", "LayerState", "MANAGED_TYPES", "layer_chunks"]
+__all__ = ["CompressingKVCache", "CompressionSession", "MANAGED_TYPES"]

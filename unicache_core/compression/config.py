@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .defaults import DEFAULT_REDUCTION, KIVI_RESIDUAL, RECENT_FRACTION, SCORE_QUERIES, WINDOW
+from .policy_table import PolicyTable
+
 #: Every method selectable by name (``full`` = no compression).
 METHODS: tuple[str, ...] = ("full", "unicache", "h2o", "snapkv", "pyramidkv", "streamingllm", "kivi", "vlcache")
-#: The paper's KV reduction per task (docs/compression.md §8.9): 80% und/edit, 60% t2i.
-DEFAULT_REDUCTION: dict[str, float] = {"understanding": 0.8, "t2i": 0.6, "edit": 0.8}
 
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmg]i?b|b)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -100,10 +101,10 @@ class KVConfig:
     rho: float | None = None
     rho_floor: float | None = None
     policy: Any = None
-    score_queries: int = 256
-    window: int = 64
-    recent_fraction: float = 0.25
-    kivi_residual: int = 32
+    score_queries: int = SCORE_QUERIES
+    window: int = WINDOW
+    recent_fraction: float = RECENT_FRACTION
+    kivi_residual: int = KIVI_RESIDUAL
     fused: bool = True
     sync_timing: bool = False
     extra: dict = field(default_factory=dict)
@@ -123,7 +124,7 @@ class KVConfig:
                 if getattr(self, name) is not None:
                     raise ValueError(f"`{name}` applies to the unicache method only, not to {self.method!r}; "
                                      "use `kv_target` to set a baseline's memory")
-        if self.policy is not None and not isinstance(self.policy, (str, Path)) and not hasattr(self.policy, "kind"):
+        if self.policy is not None and not isinstance(self.policy, (str, Path, PolicyTable)):
             raise ValueError(f"`policy` must be a policy-table path or PolicyTable, got {type(self.policy).__name__}")
         _positive_int("score_queries", self.score_queries)
         _positive_int("window", self.window)
@@ -140,13 +141,14 @@ class KVConfig:
         return round(1.0 - DEFAULT_REDUCTION[task], 6)
 
     def to_dict(self) -> dict:
+        """The settings as plain JSON (the report's ``config``; a table object is named by its model id)."""
         policy = self.policy
-        if policy is not None and not isinstance(policy, (str, Path)):
-            policy = getattr(policy, "model_id", "table")
+        if isinstance(policy, PolicyTable):
+            policy = policy.model_id
         return {"method": self.method, "kv_target": self.kv_target, "rho": self.rho, "rho_floor": self.rho_floor,
                 "policy": None if policy is None else str(policy), "score_queries": self.score_queries,
                 "window": self.window, "recent_fraction": self.recent_fraction,
                 "kivi_residual": self.kivi_residual, "fused": self.fused}
 
 
-__all__ = ["DEFAULT_REDUCTION", "KVConfig", "METHODS", "parse_kv_target"]
+__all__ = ["KVConfig", "METHODS", "parse_kv_target"]

@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kv.cache import AttentionCall, FullKVCache, KVCache
+from ..kv.cache import AttentionCall, CacheSession, FullKVCache, KVCache
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
+from .compressing_cache import CompressionSession
 from .method import CompressionMethod
-from .compressing_cache import CallPlan, CompressionSession, LayerState
+from .protocol import CallPlan, LayerState
 
 
 class FullMethod(CompressionMethod):
@@ -98,8 +99,7 @@ class FullSession(CompressionSession):
     """The session of ``make_cache_factory("full")``: full caches plus the same report as every method."""
 
     def new_cache(self, branch: str) -> KVCache:
-        KVCache_check = super(CompressionSession, self).new_cache(branch)  # validates the branch name
-        del KVCache_check
+        CacheSession.new_cache(self, branch)  # validates the branch name (its full cache is not kept)
         cache = ReportingFullKVCache(self, branch)
         self.caches[branch] = cache
         return cache

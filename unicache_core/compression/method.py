@@ -20,15 +20,14 @@ Timeline shared by every method (docs/compression.md §8.1, §8.6, §8.10):
 from __future__ import annotations
 
 from abc import ABC
-from typing import TYPE_CHECKING
+
+from torch import Tensor
 
 from ..kv.cache import AttentionCall
 from ..kv.token_types import CANDIDATE_TYPES
-from .compressing_cache import CallPlan
+from .defaults import VLCACHE_THRESHOLD
 from .ops import evict, evicted_row_bytes, floor_bytes, rows_for_bytes
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .compressing_cache import CompressingKVCache, CompressionSession
+from .protocol import CallPlan, CompressibleBranch, MethodSession
 
 
 class CompressionMethod(ABC):
@@ -46,25 +45,26 @@ class CompressionMethod(ABC):
     needs_scores: bool = True
     needs_sparsity: bool = False
     window_queries: bool = False
-    sparsity_threshold: float = 0.01
+    sparsity_threshold: float = VLCACHE_THRESHOLD
 
-    def start(self, session: "CompressionSession") -> None:
+    def start(self, session: MethodSession) -> None:
         """Called once when a request's session starts."""
 
-    def target(self, session: "CompressionSession") -> float | int:
+    def target(self, session: MethodSession) -> float | int:
         """The memory target (ratio or bytes) of the request."""
         return session.config.target_ratio(session.request.task)
 
     # ------------------------------------------------------------------ when
 
-    def _queries(self, session: "CompressionSession") -> int:
+    def _queries(self, session: MethodSession) -> int:
         return session.config.window if self.window_queries else session.config.score_queries
 
-    def is_compression_step(self, cache: "CompressingKVCache", step: int) -> bool:
+    def is_compression_step(self, cache: CompressibleBranch, step: int) -> bool:
         """Denoising: compress after this step of the branch? Default: once, after its first step."""
         return cache.compressions == 0
 
-    def plan_call(self, cache: "CompressingKVCache", call: AttentionCall) -> CallPlan:
+    def plan_call(self, cache: CompressibleBranch, call: AttentionCall) -> CallPlan:
+        """What ``call`` measures on ``cache`` and whether the cache is compressed before or after it."""
         session = cache.session
         if cache.branch == "plan":
             return CallPlan()
@@ -74,9 +74,8 @@ class CompressionMethod(ABC):
                 return CallPlan(observe=True, score=self.needs_scores, last_queries=True,
                                 num_queries=self._queries(session), sparsity=self.needs_sparsity)
             if call.phase == "decode":
-                if cache.compressions == 0:
-                    session.compress(cache, call)  # before the first decoded token reads the cache
-                    return CallPlan(observe=True)
+                if cache.compressions == 0:  # the first decoded token already reads compressed KV
+                    return CallPlan(observe=True, compress_before=True)
                 return self.plan_decode(cache, call)
             return CallPlan()
         if call.phase != "denoise":
@@ -86,23 +85,23 @@ class CompressionMethod(ABC):
                             num_queries=self._queries(session), sparsity=self.needs_sparsity, compress_after=True)
         return CallPlan()  # the fast path: nothing is measured on the steps that do not compress
 
-    def plan_decode(self, cache: "CompressingKVCache", call: AttentionCall) -> CallPlan:
+    def plan_decode(self, cache: CompressibleBranch, call: AttentionCall) -> CallPlan:
         """Understanding decode calls after the first compression (default: the fast path, nothing measured:
         a decoded token is one query row, so per-call statistics would be a visible share of its cost)."""
         return CallPlan()
 
     # ------------------------------------------------------------------ how
 
-    def compress(self, session: "CompressionSession", cache: "CompressingKVCache", call: AttentionCall | None) -> None:
+    def compress(self, session: MethodSession, cache: CompressibleBranch, call: AttentionCall | None) -> None:
         """Compress every layer of ``cache`` (called at the compression points)."""
         self.compress_layers(session, cache)
 
-    def compress_layers(self, session: "CompressionSession", cache: "CompressingKVCache") -> None:
+    def compress_layers(self, session: MethodSession, cache: CompressibleBranch) -> None:
         """Shrink the candidate segments of every layer of ``cache`` (override this or :meth:`compress`)."""
         raise NotImplementedError(f"{type(self).__name__} implements neither compress() nor compress_layers()")
 
 
-def candidate_indices(cache: "CompressingKVCache", layer: int) -> list[int]:
+def candidate_indices(cache: CompressibleBranch, layer: int) -> list[int]:
     """Store indices of every non-empty candidate (or pooled) segment of ``layer``."""
     st = cache.layer(layer)
     return [i for i, s in enumerate(st.stores)
@@ -118,17 +117,21 @@ class GlobalEvictionMethod(CompressionMethod):
     recent_fraction: float | None = None  # share of the budget kept as the most recent rows
     smooth_kernel: int = 1
 
-    def layer_scores(self, cache: "CompressingKVCache", layer: int):
+    def layer_scores(self, cache: CompressibleBranch, layer: int) -> Tensor | None:
+        """``[T_appended, Hkv]`` fp32 score of every appended row of ``layer`` (higher = keep; default: the
+        attention accumulated over every scored call, H2O)."""
         return cache.state[layer].scores
 
-    def forced_rows(self, cache: "CompressingKVCache", layer: int):
+    def forced_rows(self, cache: CompressibleBranch, layer: int) -> Tensor | None:
+        """Optional ``[T_appended]`` bool of rows always kept (inside the budget)."""
         return None
 
-    def layer_rows(self, cache: "CompressingKVCache", budgets: list[int], rows: list[int]) -> list[int]:
+    def layer_rows(self, cache: CompressibleBranch, budgets: list[int], rows: list[int]) -> list[int]:
         """Rows per KV head for each layer, given each layer's byte-budget rows (default: as is)."""
         return budgets
 
-    def compress_layers(self, session: "CompressionSession", cache: "CompressingKVCache") -> None:
+    def compress_layers(self, session: MethodSession, cache: CompressibleBranch) -> None:
+        """Evict every layer's pooled candidate rows down to the rows its share of the byte target buys."""
         ratio = session.resolve_target()
         budget_rows, pool_rows = [], []
         # Rows round down on the branch's running byte total, not per layer: the branch holds at most its

@@ -11,15 +11,90 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from ..policies.base import topk_per_head
-from ..policies.kivi import KIVI_LOOKUP
-from ..policies.snapkv import pool_scores
-from ..kv.quant import quantized_kv_nbytes
+from ..kv.quant import SUPPORTED_BITS, quantized_kv_nbytes
 from ..kv.segmented_cache import SegmentedLayer
-from ..kv.token_types import TokenType
 from ..kv.stores import EvictedStore, FullStore, KVStore, QuantizedStore
+from ..kv.token_types import TokenType
+from .defaults import KIVI_BASELINE_RESIDUALS, KIVI_FLOOR, KIVI_GROUPS
+
+#: UniCache's bits/group lookup (docs/compression.md §8.6): (nominal retained ratio, bits, group size).
+KIVI_LOOKUP: tuple[tuple[float, int, int], ...] = (
+    (0.125, 2, 128),
+    (0.200, 2, 64),
+    (0.250, 2, 32),
+    (0.375, 4, 128),
+    (0.450, 4, 64),
+    (0.500, 4, 32),
+    (0.625, 8, 128),
+    (0.700, 8, 64),
+    (0.800, 8, 32),
+)
+
+
+def topk_per_head(scores: Tensor, n: int, forced: Tensor | None = None) -> Tensor:
+    """Deterministic top-``n`` rows per KV head.
+
+    Order: forced rows first, then higher score, then the more recent (higher index) row on ties.
+    NaN scores rank lowest.
+
+    Args:
+        scores: ``[T, Hkv]``; forced: optional bool ``[T, Hkv]``.
+
+    Returns:
+        ``[Hkv, n]`` int64 indices, ascending per head.
+    """
+    t, hkv = scores.shape
+    s = torch.nan_to_num(scores.t().float(), nan=float("-inf"))  # [Hkv, T]
+    flipped = torch.flip(s, dims=[1])
+    order = (t - 1) - torch.sort(flipped, dim=1, descending=True, stable=True).indices
+    if forced is not None:
+        flags = forced.t().gather(1, order).to(torch.int8)
+        order = order.gather(1, torch.sort(flags, dim=1, descending=True, stable=True).indices)
+    return order[:, :n].sort(dim=1).values.to(torch.long)
+
+
+def pool_scores(scores: Tensor, kernel_size: int, pooling: str = "avgpool") -> Tensor:
+    """Smooth ``[Hkv, T]`` scores along ``T`` with a stride-1, same-length pool (SnapKV; zero / -inf padding).
+
+    ``pooling``: ``"avgpool"`` or ``"maxpool"``; ``kernel_size`` odd (1 = unchanged).
+    """
+    if kernel_size == 1 or scores.shape[1] == 0:
+        return scores
+    x = scores.unsqueeze(1)  # [Hkv, 1, T]
+    if pooling == "avgpool":
+        x = F.avg_pool1d(x, kernel_size, stride=1, padding=kernel_size // 2)
+    else:
+        x = F.max_pool1d(x, kernel_size, stride=1, padding=kernel_size // 2)
+    return x.squeeze(1)
+
+
+def select_rows(scores: Tensor, keep: int, *, recent: int = 0, forced: Tensor | None = None,
+                smooth_kernel: int = 1) -> Tensor:
+    """The rows an eviction keeps out of a pool of ``N`` rows in append order, per KV head.
+
+    Args:
+        scores: ``[Hkv, N]`` fp32 score of each pooled row (higher = keep); NaN ranks lowest.
+        keep: rows kept per head (clipped to ``[0, N]``).
+        recent: the ``recent`` most recent rows of each head are always kept (H2O's window).
+        forced: optional ``[Hkv, N]`` bool of rows always kept (SnapKV's observation window).
+        smooth_kernel: SnapKV's 1-D average pooling of the scores along the append order.
+
+    Returns:
+        ``[Hkv, keep]`` int64 positions in the pool, ascending.
+    """
+    h, n = scores.shape
+    keep = max(0, min(int(keep), n))
+    if smooth_kernel > 1:
+        scores = pool_scores(scores, smooth_kernel, "avgpool")
+    mask = torch.zeros(h, n, dtype=torch.bool, device=scores.device)
+    if recent > 0:
+        mask[:, max(0, n - min(recent, keep)):] = True
+    if forced is not None:
+        mask |= forced
+    return topk_per_head(scores.t(), keep, mask.t())
 
 
 def evicted_row_bytes(num_kv_heads: int, head_dim: int, elem: int) -> int:
@@ -54,18 +129,18 @@ def kivi_setting_for(ratio: float, budget: int, num_tokens: int, num_kv_heads: i
             continue
         if quantized_bytes(num_tokens, num_kv_heads, head_dim, bits, group, residual, elem) <= budget:
             return (bits, group), True
-    return (2, 128), False
+    return KIVI_FLOOR, False
 
 
 def best_kivi_setting(budget: int, num_tokens: int, num_kv_heads: int, head_dim: int, elem: int,
-                      residuals: tuple[int, ...] = (32, 128)) -> tuple[tuple[int, int, int], bool]:
+                      residuals: tuple[int, ...] = KIVI_BASELINE_RESIDUALS) -> tuple[tuple[int, int, int], bool]:
     """Global KIVI baseline: the (bits, group, residual) whose real bytes are the largest at or under ``budget``.
 
     Returns ``((bits, group, residual), fits)``; when nothing fits, the smallest setting and ``False``.
     """
     best, best_bytes, smallest = None, -1, None
-    for bits in (2, 4, 8):
-        for group in (32, 64, 128):
+    for bits in SUPPORTED_BITS:
+        for group in KIVI_GROUPS:
             for res in residuals:
                 need = quantized_bytes(num_tokens, num_kv_heads, head_dim, bits, group, res, elem)
                 if smallest is None or need < smallest[1]:
@@ -123,17 +198,10 @@ def evict(
     """
     stores = [layer.stores[i] for i in indices]
     keys, values, index = pool_rows(stores)
-    h, n, _ = keys.shape
-    keep = max(0, min(int(keep), n))
-    s = torch.gather(scores.float().t().to(index.device), 1, index)  # [Hkv, N]
-    if smooth_kernel > 1:
-        s = pool_scores(s, smooth_kernel, "avgpool")
-    mask = torch.zeros(h, n, dtype=torch.bool, device=index.device)
-    if recent > 0:
-        mask[:, max(0, n - min(recent, keep)):] = True
-    if forced is not None:
-        mask |= forced.to(index.device)[index]
-    rows = topk_per_head(s.t(), keep, mask.t())  # [Hkv, keep], ascending = append order
+    pooled_scores = torch.gather(scores.float().t().to(index.device), 1, index)  # [Hkv, N]
+    pooled_forced = None if forced is None else forced.to(index.device)[index]
+    rows = select_rows(pooled_scores, keep, recent=recent, forced=pooled_forced,
+                       smooth_kernel=smooth_kernel)  # [Hkv, keep], ascending = append order
     d = keys.shape[2]
     gather = rows.unsqueeze(-1).expand(-1, -1, d)
     store = EvictedStore(torch.gather(keys, 1, gather).contiguous(), torch.gather(values, 1, gather).contiguous(),
@@ -166,14 +234,11 @@ def quantize(layer: SegmentedLayer, indices: list[int], bits: int, group: int, r
     return store
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def floor_bytes(ratio: float, full_bytes: int) -> int:
     """``floor(ratio * full_bytes)``: budgets round down."""
     return int(math.floor(ratio * full_bytes + 1e-9))
 
 
-__all__ = ["best_kivi_setting", "evict", "evicted_row_bytes", "floor_bytes", "kivi_setting_for", "pool_rows",
-           "pooled_type", "quantize", "quantized_bytes", "rows_for_bytes"]
+__all__ = ["KIVI_LOOKUP", "best_kivi_setting", "evict", "evicted_row_bytes", "floor_bytes", "kivi_setting_for",
+           "pool_rows", "pool_scores", "pooled_type", "quantize", "quantized_bytes", "rows_for_bytes", "select_rows",
+           "topk_per_head"]

@@ -9,58 +9,24 @@ segment could not reach. Everything is plain JSON (``json.dumps(report)`` works)
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
 
 from ..kv.cache import AttentionCall, StepInfo
-from ..kv.token_types import CANDIDATE_TYPES, TokenType
+from ..kv.token_types import TokenType
+from .protocol import CompressibleBranch, ReportedBranch, ReportedSession
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .compressing_cache import CompressingKVCache, CompressionSession
-
+#: The ``format`` field of every KV report (and what a report reader checks first).
 REPORT_FORMAT = "unicache-kv-report"
 
 
-def _type_name(t: TokenType) -> str:
+def type_name(t: TokenType) -> str:
+    """A token type's name in the report: lower case, ``candidate`` for a pool of several candidate types."""
     return "candidate" if t == TokenType.UNKNOWN else t.name.lower()
 
 
-def branch_snapshot(cache: "CompressingKVCache") -> dict:
+def branch_snapshot(cache: ReportedBranch) -> dict:
     """Bytes, rows and settings per type of one branch cache, summed over its layers."""
-    if hasattr(cache, "snapshot_types"):  # the full method's FullKVCache
-        managed, protected = cache.split_bytes()
-        return {"types": cache.snapshot_types(), "managed_bytes": managed, "protected_bytes": protected,
-                "full_managed_bytes": cache.managed_full_bytes(), "rho": None, "compressed": False}
-    types: dict[str, dict] = {}
-    for layer, st in enumerate(cache.layers):
-        ls = cache.state[layer]
-        for store in st.stores:
-            name = _type_name(store.token_type)
-            entry = types.setdefault(name, {"policy": "protect", "bytes": 0, "rows_per_head": 0.0, "stores": {}})
-            entry["bytes"] += store.nbytes()
-            entry["rows_per_head"] += store.num_tokens / cache.num_layers
-            entry["stores"][store.kind] = entry["stores"].get(store.kind, 0) + 1
-            if store.token_type in CANDIDATE_TYPES or store.token_type == TokenType.UNKNOWN:
-                entry["policy"] = {"full": "full", "evicted": "evict", "quantized": "quantize"}[store.kind] \
-                    if entry["policy"] in ("protect", "full") else entry["policy"]
-            if store.kind == "quantized":
-                entry["bits"], entry["group_size"], entry["residual"] = store.bits, store.group_size, store.residual
-        for name, budget in ls.budgets.items():
-            entry = types.setdefault(name, {"policy": "full", "bytes": 0, "rows_per_head": 0.0, "stores": {}})
-            entry["budget_bytes"] = entry.get("budget_bytes", 0) + int(budget)
-        for t, m in ls.masses.items():
-            entry = types.get(_type_name(t))
-            if entry is not None:
-                entry["mass"] = entry.get("mass", 0.0) + m / cache.num_layers
-    full_rows = cache.type_rows(0)
-    for t, n in full_rows.items():
-        if _type_name(t) in types:
-            types[_type_name(t)]["full_rows"] = n
-    for entry in types.values():
-        entry["rows_per_head"] = round(entry["rows_per_head"], 2)
-        if "mass" in entry:
-            entry["mass"] = round(entry["mass"], 6)
     managed, protected = cache.split_bytes()
-    return {"types": types, "managed_bytes": managed, "protected_bytes": protected,
+    return {"types": cache.snapshot_types(), "managed_bytes": managed, "protected_bytes": protected,
             "full_managed_bytes": cache.managed_full_bytes(),
             "rho": (round(statistics.fmean(cache.rho.values()), 6) if cache.rho else None),
             "compressed": cache.compressions > 0}
@@ -69,7 +35,7 @@ def branch_snapshot(cache: "CompressingKVCache") -> dict:
 class ReportBuilder:
     """Collects the records of one session; :meth:`build` returns the report dict."""
 
-    def __init__(self, session: "CompressionSession", policy_info: dict):
+    def __init__(self, session: ReportedSession, policy_info: dict):
         self.session = session
         self.policy_info = policy_info
         self.steps: list[dict] = []
@@ -80,6 +46,7 @@ class ReportBuilder:
         self.flags: dict[str, str] = {}
 
     def note_peak(self) -> None:
+        """Raise the peak to the bytes the session holds now."""
         self.peak_bytes = max(self.peak_bytes, self.session.held_bytes())
 
     def begin_step(self, step: StepInfo) -> None:
@@ -87,16 +54,19 @@ class ReportBuilder:
         self._compressed_now = set()
 
     def note_rows(self, branch: str, call: AttentionCall, rows: int) -> None:
+        """Add the rows a denoising or decoding call of ``branch`` attended over to this step's count."""
         if call.phase in ("denoise", "decode"):
             self._rows[branch] = self._rows.get(branch, 0) + rows
 
-    def note_compression(self, cache: "CompressingKVCache") -> None:
+    def note_compression(self, cache: CompressibleBranch) -> None:
+        """Mark ``cache`` compressed in this step and keep the flags of budgets it could not reach."""
         self._compressed_now.add(cache.branch)
         for layer, ls in enumerate(cache.state):
             for t, reason in ls.flags.items():
-                self.flags[f"{cache.branch}/{_type_name(t) if isinstance(t, TokenType) else t}"] = reason
+                self.flags[f"{cache.branch}/{type_name(t) if isinstance(t, TokenType) else t}"] = reason
 
     def end_step(self, step: StepInfo, timers: dict) -> None:
+        """Append the record of ``step``: a snapshot of every branch that ran in it, bytes and ``timers``."""
         self.note_peak()
         caches = {c.branch: c for c in self.session.live_caches()}
         branches = {}
@@ -120,6 +90,7 @@ class ReportBuilder:
         })
 
     def build(self) -> dict:
+        """The report: format, method, task, config, policy, the summary over the steps, and the steps."""
         session = self.session
         caches = [c for c in session.live_caches() if c.branch != "plan"]
         full = sum(c.managed_full_bytes() for c in caches)
@@ -163,4 +134,4 @@ class ReportBuilder:
         }
 
 
-__all__ = ["REPORT_FORMAT", "ReportBuilder", "branch_snapshot"]
+__all__ = ["REPORT_FORMAT", "ReportBuilder", "branch_snapshot", "type_name"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from PIL import Image, ImageDraw, ImageFont
 
-REPORT_FORMAT = "unicache-kv-report"
+from .report import REPORT_FORMAT
 #: Most points per series in the compact chart data (long decodes are subsampled evenly).
 MAX_POINTS = 64
 BRANCH_COLORS = {"gen": (66, 133, 244), "cfg_text": (234, 67, 53), "cfg_img": (52, 168, 83), "plan": (251, 188, 4)}

@@ -6,13 +6,9 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-logger = logging.getLogger(__name__)
+from .defaults import FIXED_RHO_TASKS, RHO0, RHO_FLOOR, RHO_GAMMA
 
-_PRESETS: dict[str, dict] = {
-    "understanding": {"rho0": 0.2, "floor": 0.2, "fixed": True},
-    "t2i": {"rho0": 0.5, "floor": 0.35},
-    "edit": {"rho0": 0.5, "floor": 0.1},
-}
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,9 +27,9 @@ class RetentionSchedule:
         fixed: ``rho`` stays ``rho0`` whatever is observed (understanding).
     """
 
-    rho0: float = 0.5
-    floor: float = 0.35
-    gamma: float = 1.0
+    rho0: float = RHO0["t2i"]
+    floor: float = RHO_FLOOR["t2i"]
+    gamma: float = RHO_GAMMA
     fixed: bool = False
     m0: float | None = field(default=None, init=False)
     _rho: float = field(default=0.0, init=False, repr=False)
@@ -49,10 +45,11 @@ class RetentionSchedule:
 
     @classmethod
     def for_task(cls, task: str) -> "RetentionSchedule":
-        """Preset: understanding fixed 0.2; t2i 0.5 -> floor 0.35; edit 0.5 -> floor 0.1."""
-        if task not in _PRESETS:
-            raise ValueError(f"`task` must be one of {tuple(_PRESETS)}, got {task!r}")
-        return cls(**_PRESETS[task])
+        """Preset of the task (:data:`~unicache_core.compression.defaults.RHO0`, ``RHO_FLOOR``): understanding fixed
+        at 0.2; t2i 0.5 -> floor 0.35; edit 0.5 -> floor 0.1."""
+        if task not in RHO0:
+            raise ValueError(f"`task` must be one of {tuple(RHO0)}, got {task!r}")
+        return cls(rho0=RHO0[task], floor=RHO_FLOOR[task], fixed=task in FIXED_RHO_TASKS)
 
     @property
     def rho(self) -> float:

@@ -12,15 +12,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-import torch
-from torch import Tensor
-
 from ..kv.token_types import TokenType
+from .defaults import EMA_DECAY, LAYER_CHUNK_SIZE, RHO0, STEP_CHUNK_SIZE, UNDERSTANDING_EMA_WINDOW
 
 logger = logging.getLogger(__name__)
-
-#: Budget ratio used while no statistics exist yet (§8.6).
-FALLBACK_BUDGET_RATIO: dict[str, float] = {"understanding": 0.2, "t2i": 0.5, "edit": 0.5}
 
 
 def _nonneg_int(name: str, value: object) -> int:
@@ -29,7 +24,7 @@ def _nonneg_int(name: str, value: object) -> int:
     return value
 
 
-def layer_chunk(layer: int, size: int = 4) -> int:
+def layer_chunk(layer: int, size: int = LAYER_CHUNK_SIZE) -> int:
     """Layer 0 alone, then chunks of ``size``: ``0 if l == 0 else 1 + (l - 1) // size``."""
     _nonneg_int("layer", layer)
     if not isinstance(size, int) or size < 1:
@@ -37,7 +32,7 @@ def layer_chunk(layer: int, size: int = 4) -> int:
     return 0 if layer == 0 else 1 + (layer - 1) // size
 
 
-def step_chunk(step: int, size: int = 5) -> int:
+def step_chunk(step: int, size: int = STEP_CHUNK_SIZE) -> int:
     """Step 0 alone, then chunks of ``size``: ``0 if t == 0 else 1 + (t - 1) // size``."""
     _nonneg_int("step", step)
     if not isinstance(size, int) or size < 1:
@@ -45,44 +40,20 @@ def step_chunk(step: int, size: int = 5) -> int:
     return 0 if step == 0 else 1 + (step - 1) // size
 
 
+def layer_chunks(num_layers: int, size: int = LAYER_CHUNK_SIZE) -> dict[int, list[int]]:
+    """``{layer_chunk: [layers]}`` of a model with ``num_layers`` layers, layer 0 alone (§8.5)."""
+    chunks: dict[int, list[int]] = {}
+    for layer in range(num_layers):
+        chunks.setdefault(layer_chunk(layer, size), []).append(layer)
+    return chunks
+
+
 def fallback_budget_ratio(task: str) -> float:
-    """0.2 for understanding, 0.5 for t2i and edit."""
-    if task not in FALLBACK_BUDGET_RATIO:
-        raise ValueError(f"`task` must be one of {tuple(FALLBACK_BUDGET_RATIO)}, got {task!r}")
-    return FALLBACK_BUDGET_RATIO[task]
-
-
-def type_masses(probs: Tensor, token_types: Tensor, retained: Tensor | None = None) -> dict[TokenType, float]:
-    """Attention mass on each type's retained keys, averaged over heads and queries.
-
-    Args:
-        probs: ``[Hq, Tq, T]`` probabilities over the resident keys, normalised over the *whole* resident
-            context (pass ``lse`` to :func:`~unicache_core.kv.attention.attention_probabilities`).
-        token_types: ``[T]`` :class:`TokenType` id of each key.
-        retained: optional bool mask of retained keys, ``[T]``, ``[Hkv, T]`` or ``[Hq, T]`` (per KV head
-            masks are repeated over the query heads of a group); default: all keys.
-
-    Returns:
-        ``{type: mass}`` for every type present in ``token_types``.
-    """
-    if probs.dim() != 3:
-        raise ValueError(f"`probs` must be [Hq, Tq, T], got {tuple(probs.shape)}")
-    hq, _, t = probs.shape
-    if token_types.dim() != 1 or token_types.shape[0] != t:
-        raise ValueError(f"`token_types` must be [T] with T={t}, got {tuple(token_types.shape)}")
-    per_head = probs.float().mean(dim=1)  # [Hq, T]
-    if retained is not None:
-        if retained.dtype != torch.bool or retained.shape[-1] != t or retained.dim() not in (1, 2):
-            raise ValueError(f"`retained` must be a bool [T], [Hkv, T] or [Hq, T] mask with T={t}, got "
-                             f"{retained.dtype} {tuple(retained.shape)}")
-        mask = retained
-        if mask.dim() == 2:
-            if mask.shape[0] == 0 or hq % mask.shape[0]:
-                raise ValueError(f"`retained` heads ({mask.shape[0]}) must divide the query heads ({hq})")
-            mask = mask.repeat_interleave(hq // mask.shape[0], dim=0)
-        per_head = per_head * mask.to(per_head.dtype)
-    per_token = per_head.mean(dim=0)  # [T]
-    return {TokenType(int(v)): float(per_token[token_types == v].sum()) for v in torch.unique(token_types).tolist()}
+    """The budget ratio while no statistics exist yet (§8.6): the task's ``rho0`` (0.2 understanding, 0.5 t2i
+    and edit)."""
+    if task not in RHO0:
+        raise ValueError(f"`task` must be one of {tuple(RHO0)}, got {task!r}")
+    return RHO0[task]
 
 
 @dataclass
@@ -101,11 +72,11 @@ class ChunkedAttentionStats:
         layer_chunk_size, step_chunk_size: 4 and 5.
     """
 
-    decay: float = 0.8
+    decay: float = EMA_DECAY
     carry_across_steps: bool = False
     fallback_previous_layer_chunk: bool = False
-    layer_chunk_size: int = 4
-    step_chunk_size: int = 5
+    layer_chunk_size: int = LAYER_CHUNK_SIZE
+    step_chunk_size: int = STEP_CHUNK_SIZE
     _mass: dict = field(default_factory=dict, init=False, repr=False)
     _k90: dict = field(default_factory=dict, init=False, repr=False)
     _last_mass: dict = field(default_factory=dict, init=False, repr=False)
@@ -116,14 +87,14 @@ class ChunkedAttentionStats:
             raise ValueError(f"`decay` must be in [0, 1), got {self.decay!r}")
 
     @classmethod
-    def for_task(cls, task: str, ema_window_size: int = 16) -> "ChunkedAttentionStats":
+    def for_task(cls, task: str, ema_window_size: int = UNDERSTANDING_EMA_WINDOW) -> "ChunkedAttentionStats":
         """Presets of §8.5: t2i/edit decay 0.8; understanding decay ``1 - 1/ema_window_size``, carried."""
         if task == "understanding":
             if not isinstance(ema_window_size, int) or ema_window_size < 1:
                 raise ValueError(f"`ema_window_size` must be an int >= 1, got {ema_window_size!r}")
             return cls(decay=1.0 - 1.0 / ema_window_size, carry_across_steps=True, fallback_previous_layer_chunk=True)
         if task in ("t2i", "edit"):
-            return cls(decay=0.8)
+            return cls(decay=EMA_DECAY)
         raise ValueError(f"`task` must be 'understanding', 't2i' or 'edit', got {task!r}")
 
     def cell(self, layer: int, step: int) -> tuple[int, int]:

@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
 
 from ..kv.cache import AttentionCall
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
 from .allocator import allocate_types
-from .routing import PolicyTable
-from .schedule import RetentionSchedule
-from .stats import fallback_budget_ratio, step_chunk
+from .defaults import KIVI_FLOOR
 from .method import CompressionMethod
-from .compressing_cache import CallPlan, layer_chunks
 from .ops import evict, floor_bytes, kivi_setting_for, quantize, quantized_bytes, rows_for_bytes
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .compressing_cache import CompressingKVCache, CompressionSession
+from .policy_table import PolicyTable
+from .protocol import CallPlan, CompressibleBranch, MethodSession
+from .schedule import RetentionSchedule
+from .stats import fallback_budget_ratio, layer_chunks, step_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +42,9 @@ class UniCacheMethod(CompressionMethod):
 
     # ------------------------------------------------------------------ schedule
 
-    def schedule(self, session: "CompressionSession", branch: str, chunk: int) -> RetentionSchedule:
+    def schedule(self, session: MethodSession, branch: str, chunk: int) -> RetentionSchedule:
+        """The retention schedule of (``branch``, layer ``chunk``): the task's preset, with ``rho0`` and the floor
+        from the config when it sets them (an explicit ``kv_target`` fixes ``rho0``)."""
         key = (branch, chunk)
         if key not in session.schedules:
             task = session.request.task
@@ -65,18 +64,19 @@ class UniCacheMethod(CompressionMethod):
             session.schedules[key] = RetentionSchedule(rho0=rho0, floor=floor, fixed=preset.fixed)
         return session.schedules[key]
 
-    def target(self, session: "CompressionSession") -> float | int:
+    def target(self, session: MethodSession) -> float | int:
+        """The explicit ``kv_target``, else the task's ``rho0``."""
         cfg = session.config
         return cfg.kv_target if cfg.kv_target is not None else RetentionSchedule.for_task(session.request.task).rho0
 
     # ------------------------------------------------------------------ when
 
-    def is_compression_step(self, cache: "CompressingKVCache", step: int) -> bool:
+    def is_compression_step(self, cache: CompressibleBranch, step: int) -> bool:
         if cache.compressions == 0:
             return True
         return step_chunk(step + 1) != step_chunk(step)  # the last step of a chunk
 
-    def plan_decode(self, cache: "CompressingKVCache", call: AttentionCall) -> CallPlan:
+    def plan_decode(self, cache: CompressibleBranch, call: AttentionCall) -> CallPlan:
         # Only the token that ends a step chunk is measured (type masses from the LSE) and re-allocates; the
         # EMA carries across chunks (window 16), every other token takes the fast path. Eviction keeps using the
         # H2O scores of the prompt rows: one decoded query adds little to them and would cost a scoring pass
@@ -88,7 +88,8 @@ class UniCacheMethod(CompressionMethod):
 
     # ------------------------------------------------------------------ how
 
-    def compress(self, session: "CompressionSession", cache: "CompressingKVCache", call: AttentionCall | None) -> None:
+    def compress(self, session: MethodSession, cache: CompressibleBranch, call: AttentionCall | None) -> None:
+        """Per layer chunk: update rho from the chunk's mass, share it among the types, apply each type's policy."""
         task = session.request.task
         initial = cache.compressions == 0
         step = int(call.step) if call is not None and call.step is not None else 0
@@ -122,7 +123,7 @@ class UniCacheMethod(CompressionMethod):
             for layer in layers:
                 self._apply(session, cache, layer, ratios)
 
-    def _floor_ratio(self, session: "CompressionSession", cache: "CompressingKVCache", layer: int,
+    def _floor_ratio(self, session: MethodSession, cache: CompressibleBranch, layer: int,
                      token_type: TokenType, rows: int) -> float:
         """The least retained ratio a quantized type can hold: its 2-bit/G128 bytes (or its uncompressed bytes,
         when quantizing would not shrink it), over its full K+V bytes."""
@@ -130,10 +131,10 @@ class UniCacheMethod(CompressionMethod):
         h, d, _, _ = st._kv_meta
         elem = cache.row_bytes(layer) // (2 * h * d)
         full = rows * cache.row_bytes(layer)
-        least = min(quantized_bytes(rows, h, d, 2, 128, session.config.kivi_residual, elem), full + 4 * rows)
+        least = min(quantized_bytes(rows, h, d, *KIVI_FLOOR, session.config.kivi_residual, elem), full + 4 * rows)
         return least / full if full else 0.0
 
-    def _apply(self, session: "CompressionSession", cache: "CompressingKVCache", layer: int,
+    def _apply(self, session: MethodSession, cache: CompressibleBranch, layer: int,
                ratios: dict[TokenType, float]) -> None:
         st = cache.layer(layer)
         ls = cache.state[layer]
@@ -207,7 +208,7 @@ def _allocate_with_floors(caps: dict, weights: dict, total: float, floors: dict)
         fixed.update({t: True for t in below})
 
 
-def _mean_masses(cache: "CompressingKVCache", layers: list[int], types: list[TokenType]) -> dict | None:
+def _mean_masses(cache: CompressibleBranch, layers: list[int], types: list[TokenType]) -> dict | None:
     seen = [cache.state[layer].masses for layer in layers if cache.state[layer].masses]
     if not seen:
         return None

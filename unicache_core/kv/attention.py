@@ -233,31 +233,3 @@ def merge_attention(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]
         contrib = part_out.float() * w.unsqueeze(-1)
         out = contrib if out is None else out.add_(contrib)
     return out.to(parts[0][0].dtype), total
-
-
-def attention_probabilities(
-    q: Tensor, k: Tensor, *, scale: float | None = None, lse: Tensor | None = None
-) -> Tensor:
-    """Softmax probabilities of queries over keys, per query head (for scoring and statistics).
-
-    Args:
-        q: ``[Tq, Hq, d]`` queries; k: ``[Tk, Hkv, d]`` keys.
-        lse: optional ``[Tq, Hq]`` log-sum-exp over the *whole* resident context; when given, the
-            returned probabilities are shares of the full softmax (pre-eviction mass), otherwise
-            they are normalised over ``k`` alone.
-
-    Returns:
-        ``[Hq, Tq, Tk]`` fp32 probabilities.
-    """
-    tq, hq, d = q.shape
-    hkv = k.shape[1]
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    group = hq // hkv
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    qh = q.float().permute(1, 0, 2).reshape(hkv, group * tq, d)
-    scores = torch.matmul(qh, k.float().permute(1, 2, 0)) * scale  # [Hkv, g*Tq, Tk]
-    scores = scores.reshape(hq, tq, -1)
-    if lse is None:
-        return torch.softmax(scores, dim=-1)
-    return torch.exp(scores - lse.float().permute(1, 0).unsqueeze(-1))

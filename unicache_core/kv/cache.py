@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Literal
 
 import torch
@@ -34,14 +34,9 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from .attention import attention_with_lse, merge_attention
-from .token_types import TokenType
+from .token_types import BRANCHES, TASKS, Branch, Task, TokenType
 
 Phase = Literal["prefill", "decode", "denoise"]
-Task = Literal["understanding", "t2i", "edit"]
-#: ``gen``/``cfg_text``/``cfg_img``: BAGEL's CFG contexts; ``plan``: the think-mode plan decoding context.
-Branch = Literal["gen", "cfg_text", "cfg_img", "plan"]
-TASKS: tuple[str, ...] = ("understanding", "t2i", "edit")
-BRANCHES: tuple[str, ...] = ("gen", "cfg_text", "cfg_img", "plan")
 
 
 @dataclass
@@ -89,8 +84,7 @@ class RequestInfo:
         num_layers: decoder layers of the model.
         num_steps: denoising steps that will run (``num_timesteps - 1``), or the most tokens that will be
             decoded (understanding); ``None`` when unknown.
-        model_id: the checkpoint's model id (:func:`unicache_core.policy_table.model_id` of its configs),
-            or ``""``.
+        model_id: the model's id (a factory may pick settings made for that model with it), or ``""``.
     """
 
     task: Task
@@ -413,7 +407,6 @@ full_cache_factory = CacheFactory()
 
 __all__ = [
     "AttentionCall",
-    "BRANCHES",
     "CacheFactory",
     "CacheRequest",
     "CacheSession",
@@ -421,8 +414,6 @@ __all__ = [
     "KVCache",
     "RequestInfo",
     "StepInfo",
-    "TASKS",
-    "TokenType",
     "as_cache_factory",
     "full_cache_factory",
     "unique_nbytes",

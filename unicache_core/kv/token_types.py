@@ -1,4 +1,4 @@
-"""KV token types and typed spans over a packed context.
+"""The vocabulary every layer shares: the tasks, the cache branches of a request, and KV token types.
 
 BAGEL packs every context as one sequence of tokens; each cached key/value row belongs to
 exactly one :class:`TokenType`. The numeric values follow UniCache's BAGEL adapter type ids.
@@ -6,10 +6,17 @@ exactly one :class:`TokenType`. The numeric values follow UniCache's BAGEL adapt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import IntEnum
+from typing import Literal
 
 import torch
+
+#: The three request kinds: answer about images, generate an image from text, edit an image.
+Task = Literal["understanding", "t2i", "edit"]
+TASKS: tuple[str, ...] = ("understanding", "t2i", "edit")
+#: ``gen``/``cfg_text``/``cfg_img``: BAGEL's CFG contexts; ``plan``: the think-mode plan decoding context.
+Branch = Literal["gen", "cfg_text", "cfg_img", "plan"]
+BRANCHES: tuple[str, ...] = ("gen", "cfg_text", "cfg_img", "plan")
 
 
 class TokenType(IntEnum):
@@ -54,60 +61,6 @@ CANDIDATE_TYPES: tuple[TokenType, ...] = (
 )
 
 
-def is_protected(token_type: TokenType) -> bool:
-    """True for types that every method keeps in full precision."""
-    return TokenType(token_type) in PROTECTED_TYPES
-
-
 def type_tensor(token_type: TokenType, count: int, device: torch.device | str | None = None) -> torch.Tensor:
     """A ``[count]`` int8 tensor filled with ``token_type``."""
     return torch.full((count,), int(token_type), dtype=torch.int8, device=device)
-
-
-@dataclass(frozen=True)
-class Span:
-    """A maximal run ``[start, stop)`` of one token type in a context, in ORIGINAL token positions."""
-
-    token_type: TokenType
-    start: int
-    stop: int
-
-    @property
-    def length(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def protected(self) -> bool:
-        return is_protected(self.token_type)
-
-
-def spans_from_types(token_types: torch.Tensor) -> list[Span]:
-    """Split a context's ``[T]`` token-type tensor into maximal same-type runs, in order.
-
-    Example: ``[5, 3, 3, 5, 1, 1, 5]`` → boundary ``[0,1)``, source_vae ``[1,3)``, boundary ``[3,4)``,
-    instruction ``[4,6)``, boundary ``[6,7)``.
-    """
-    if token_types.dim() != 1:
-        raise ValueError(f"`token_types` must be 1-D [T], got shape {tuple(token_types.shape)}")
-    values = token_types.tolist()
-    spans: list[Span] = []
-    start = 0
-    for i in range(1, len(values) + 1):
-        if i == len(values) or values[i] != values[start]:
-            spans.append(Span(TokenType(values[start]), start, i))
-            start = i
-    return spans
-
-
-def positions_of(token_types: torch.Tensor, token_type: TokenType | str | int) -> torch.Tensor:
-    """``[n]`` int64 original positions of every token of ``token_type`` (ascending; spans may be disjoint)."""
-    if token_types.dim() != 1:
-        raise ValueError(f"`token_types` must be 1-D [T], got shape {tuple(token_types.shape)}")
-    wanted = int(TokenType.parse(token_type))
-    return torch.nonzero(token_types.to(torch.int64) == wanted).squeeze(1)
-
-
-def candidate_mask(token_types: torch.Tensor) -> torch.Tensor:
-    """``[T]`` bool: True where a compression policy may act (not protected, not unknown)."""
-    allowed = torch.tensor([int(t) for t in CANDIDATE_TYPES], device=token_types.device)
-    return torch.isin(token_types.to(torch.int64), allowed)

@@ -1,4 +1,4 @@
-"""SnapKV: observation-window attention, smoothed by 1-D pooling along the keys."""
+"""Reference SnapKV: observation-window attention, smoothed by 1-D pooling along the keys."""
 
 from __future__ import annotations
 
@@ -7,22 +7,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from unicache_core.compression.ops import pool_scores
+
 from .base import EvictionPolicy, ScoreInputs, observation_attention, recent_mask
-
-
-def pool_scores(scores: Tensor, kernel_size: int, pooling: str) -> Tensor:
-    """Smooth ``[Hkv, T]`` scores along ``T`` with a stride-1, same-length pool (zero / -inf padding)."""
-    if kernel_size == 1 or scores.shape[1] == 0:
-        return scores
-    x = scores.unsqueeze(1)  # [Hkv, 1, T]
-    if pooling == "avgpool":
-        x = F.avg_pool1d(x, kernel_size, stride=1, padding=kernel_size // 2)
-    else:
-        x = F.max_pool1d(x, kernel_size, stride=1, padding=kernel_size // 2)
-    return x.squeeze(1)
 
 
 @dataclass(frozen=True)

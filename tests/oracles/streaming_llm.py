@@ -1,4 +1,4 @@
-"""StreamingLLM: attention sinks plus a recent window."""
+"""Reference StreamingLLM: attention sinks plus a recent window."""
 
 from __future__ import annotations
 

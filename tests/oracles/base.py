@@ -1,14 +1,15 @@
-"""Shared machinery of the eviction policies: score inputs, per-KV-head top-k and validation.
+"""Shared machinery of the reference eviction policies: score inputs, dense attention and validation.
 
-Policies are *pure*: they score tokens and return the indices to keep; another component (the cache)
-applies the selection. Everything uses BAGEL's packed layout:
+The reference policies are *pure*: they score tokens and return the indices to keep. Everything uses
+BAGEL's packed layout:
 
 - keys ``[T, Hkv, d]`` (after QK-norm and RoPE, original positions);
 - observation queries ``[Tq, Hq, d]`` with grouped-query attention, ``Hq = g * Hkv`` and query head ``h``
   reading KV head ``h // g``.
 
-The model returns no attention matrix, so policies compute their own observation attention with
-:func:`observation_attention` (docs/compression.md §4, §9.1).
+They score with the DENSE attention of :func:`observation_attention` (the whole ``[Hq, Tq, T]``
+probability tensor at once, docs/compression.md §4, §9.1), independently of the library's chunked scorer
+(:mod:`unicache_core.compression.scoring`) that they check.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ..kv.attention import attention_probabilities
+from unicache_core.compression.ops import topk_per_head
 
 
 def _is_int(value: object) -> bool:
@@ -153,26 +154,32 @@ def observation_attention(inputs: ScoreInputs, *, causal: bool = False, per_quer
     return probs.reshape(hkv, hq // hkv, tq, t).mean(dim=1)
 
 
-def topk_per_head(scores: Tensor, n: int, forced: Tensor | None = None) -> Tensor:
-    """Deterministic top-``n`` per KV head.
-
-    Order: forced tokens first, then higher score, then the more recent (higher index) token on ties.
-    NaN scores rank lowest.
+def attention_probabilities(
+    q: Tensor, k: Tensor, *, scale: float | None = None, lse: Tensor | None = None
+) -> Tensor:
+    """Softmax probabilities of queries over keys, per query head (for scoring and statistics).
 
     Args:
-        scores: ``[T, Hkv]``; forced: optional bool ``[T, Hkv]``.
+        q: ``[Tq, Hq, d]`` queries; k: ``[Tk, Hkv, d]`` keys.
+        lse: optional ``[Tq, Hq]`` log-sum-exp over the *whole* resident context; when given, the
+            returned probabilities are shares of the full softmax (pre-eviction mass), otherwise
+            they are normalised over ``k`` alone.
 
     Returns:
-        ``[Hkv, n]`` int64 indices, ascending per head.
+        ``[Hq, Tq, Tk]`` fp32 probabilities.
     """
-    t, hkv = scores.shape
-    s = torch.nan_to_num(scores.t().float(), nan=float("-inf"))  # [Hkv, T]
-    flipped = torch.flip(s, dims=[1])
-    order = (t - 1) - torch.sort(flipped, dim=1, descending=True, stable=True).indices
-    if forced is not None:
-        flags = forced.t().gather(1, order).to(torch.int8)
-        order = order.gather(1, torch.sort(flags, dim=1, descending=True, stable=True).indices)
-    return order[:, :n].sort(dim=1).values.to(torch.long)
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    qh = q.float().permute(1, 0, 2).reshape(hkv, group * tq, d)
+    scores = torch.matmul(qh, k.float().permute(1, 2, 0)) * scale  # [Hkv, g*Tq, Tk]
+    scores = scores.reshape(hq, tq, -1)
+    if lse is None:
+        return torch.softmax(scores, dim=-1)
+    return torch.exp(scores - lse.float().permute(1, 0).unsqueeze(-1))
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,12 @@
-"""VL-Cache: post-modality attention scores and sparsity-proportional layer budgets."""
+"""Reference VL-Cache: post-modality attention scores and the dense layer sparsity."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from ..compression.allocator import allocate_integer
 from .base import EvictionPolicy, ScoreInputs, observation_attention, recent_mask
 
 
@@ -42,42 +39,15 @@ def layer_sparsity(probs: Tensor, threshold: float = 0.01, valid: Tensor | None 
     return 1.0 - float(kept.sum()) / count
 
 
-def vlcache_layer_budgets(sparsities: Sequence[float], total: int, num_tokens: int) -> list[int]:
-    """Split ``total`` tokens across layers in proportion to density ``1 - gamma_l``.
-
-    ``k_l = total (1 - gamma_l) / sum_j (1 - gamma_j)``, clipped to ``[1, num_tokens]``; what clipping
-    removes or adds is redistributed so the budgets sum exactly to ``total`` (integer water-filling,
-    each layer first gets its minimum of 1). All-zero density splits uniformly.
-
-    Args:
-        sparsities: ``gamma_l`` per layer, each in [0, 1].
-        total: total budget over layers, in ``[L, L * num_tokens]``.
-        num_tokens: prompt length ``T`` (per-layer cap).
-    """
-    n_layers = len(sparsities)
-    if n_layers == 0:
-        raise ValueError("`sparsities` must not be empty")
-    for i, g in enumerate(sparsities):
-        if not (isinstance(g, (int, float)) and math.isfinite(g) and 0.0 <= g <= 1.0):
-            raise ValueError(f"`sparsities[{i}]` must be in [0, 1], got {g!r}")
-    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
-        raise ValueError(f"`num_tokens` must be an int >= 1, got {num_tokens!r}")
-    if not isinstance(total, int) or isinstance(total, bool) or not n_layers <= total <= n_layers * num_tokens:
-        raise ValueError(f"`total` must be an int in [{n_layers}, {n_layers * num_tokens}] "
-                         f"(1..T tokens per layer), got {total!r}")
-    extra = allocate_integer([num_tokens - 1] * n_layers, [1.0 - g for g in sparsities], total - n_layers)
-    return [1 + e for e in extra]
-
-
 @dataclass(frozen=True)
 class VLCachePolicy(EvictionPolicy):
     """Keep the keys with the largest accumulated post-modality attention.
 
-    Paper: https://arxiv.org/abs/2410.23317 (docs/compression.md §7; details marked [verify] there). The
+    Paper: https://arxiv.org/abs/2410.23317 (docs/compression.md §7). The
     observation queries are the tokens after the last modality boundary (the prompt text after the
     image, or BAGEL's queries after the conditioning); their attention is summed per key and averaged
-    over the query heads of a KV group. Layer budgets come from :func:`vlcache_layer_budgets` over
-    :meth:`sparsity`.
+    over the query heads of a KV group. Layer budgets come from
+    :func:`unicache_core.compression.baselines.vlcache_layer_budgets` over :meth:`sparsity`.
 
     Parameters
     ----------

@@ -1,4 +1,5 @@
-"""KIVI: tuning-free asymmetric 2-bit KV quantization. https://arxiv.org/abs/2402.02750"""
+"""Reference KIVI (tuning-free asymmetric 2-bit KV quantization, https://arxiv.org/abs/2402.02750) as a
+segment-level policy."""
 
 from __future__ import annotations
 
@@ -6,25 +7,11 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..kv.quant import SUPPORTED_BITS, quantized_kv_nbytes
-from ..kv.token_types import TokenType
-from ..kv.stores import QuantizedStore
-
-#: UniCache's bits/group lookup (docs/compression.md §8.6): (nominal retained ratio, bits, group size).
-KIVI_LOOKUP: tuple[tuple[float, int, int], ...] = (
-    (0.125, 2, 128),
-    (0.200, 2, 64),
-    (0.250, 2, 32),
-    (0.375, 4, 128),
-    (0.450, 4, 64),
-    (0.500, 4, 32),
-    (0.625, 8, 128),
-    (0.700, 8, 64),
-    (0.800, 8, 32),
-)
-#: Residual kept in full precision by lookup-built policies (§8.6).
-LOOKUP_RESIDUAL = 32
-
+from unicache_core.compression.defaults import KIVI_RESIDUAL
+from unicache_core.compression.ops import KIVI_LOOKUP
+from unicache_core.kv.quant import SUPPORTED_BITS, quantized_kv_nbytes
+from unicache_core.kv.stores import QuantizedStore
+from unicache_core.kv.token_types import TokenType
 
 @dataclass(frozen=True)
 class KIVIPolicy:
@@ -84,7 +71,7 @@ class KIVIPolicy:
         for row in KIVI_LOOKUP:
             if row[0] <= target:
                 chosen = row
-        return cls(bits=chosen[1], group_size=chosen[2], residual=LOOKUP_RESIDUAL)
+        return cls(bits=chosen[1], group_size=chosen[2], residual=KIVI_RESIDUAL)
 
 
-__all__ = ["KIVIPolicy", "KIVI_LOOKUP", "LOOKUP_RESIDUAL"]
+__all__ = ["KIVIPolicy"]

@@ -1,4 +1,4 @@
-"""H2O (Heavy-Hitter Oracle): accumulated attention plus a recent window."""
+"""Reference H2O (Heavy-Hitter Oracle): accumulated attention plus a recent window."""
 
 from __future__ import annotations
 

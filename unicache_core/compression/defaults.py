@@ -1,0 +1,66 @@
+"""Every default number of the compression methods, defined once (docs/compression.md §2-§8).
+
+Per-task numbers are dicts keyed by :data:`~unicache_core.kv.token_types.TASKS`. Settings a request can
+change (:class:`~unicache_core.compression.config.KVConfig`, the nodes, the CLI, calibration) start from
+these values; the methods read them where a paper fixes them.
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- memory targets and retention (§8.7, §8.9)
+
+#: KV reduction the UniCache paper matches every method at, per task: 80% understanding and editing, 60%
+#: text-to-image. A baseline without an explicit target keeps ``1 - DEFAULT_REDUCTION[task]``.
+DEFAULT_REDUCTION: dict[str, float] = {"understanding": 0.8, "t2i": 0.6, "edit": 0.8}
+#: UniCache's starting retention ``rho0`` per task. It is also the budget ratio while no attention statistics
+#: exist yet (§8.6) and the strength of a policy-table entry that names none.
+RHO0: dict[str, float] = {"understanding": 0.2, "t2i": 0.5, "edit": 0.5}
+#: Lowest retention the schedule decays to, per task (understanding stays at its ``rho0``).
+RHO_FLOOR: dict[str, float] = {"understanding": 0.2, "t2i": 0.35, "edit": 0.1}
+#: Tasks whose retention stays ``rho0`` whatever the attention does.
+FIXED_RHO_TASKS: frozenset[str] = frozenset({"understanding"})
+#: Exponent of the schedule ``rho_j = clip(rho0 * (m_j / m0) ** gamma, floor, rho0)``.
+RHO_GAMMA = 1.0
+
+# ---------------------------------------------------------------- statistics (§8.5)
+
+#: Most queries one observed call scores keys with (strided latent queries, or the last text queries).
+SCORE_QUERIES = 256
+#: Layers per layer chunk (layer 0 alone) and steps per step chunk (step 0 alone).
+LAYER_CHUNK_SIZE = 4
+STEP_CHUNK_SIZE = 5
+#: EMA decay of the chunked statistics for text-to-image and editing.
+EMA_DECAY = 0.8
+#: Understanding averages over a window of this many calls (decay ``1 - 1/16``), carried across chunks.
+UNDERSTANDING_EMA_WINDOW = 16
+
+# ---------------------------------------------------------------- routing (§8.4)
+
+#: A segment whose K90 is at most this is concentrated (evicted); above it, diffuse (quantized).
+DEFAULT_K90_THRESHOLD = 0.3
+#: Share of a segment's attention mass K90 covers.
+K90_COVERAGE = 0.9
+
+# ---------------------------------------------------------------- eviction (§2-§5, §7)
+
+#: Share of an eviction budget kept as the most recent rows (H2O with a dynamic budget, UniCache).
+RECENT_FRACTION = 0.25
+#: SnapKV / PyramidKV observation window (queries) and key-pooling kernel.
+WINDOW = 64
+SNAPKV_KERNEL = 5
+#: PyramidKV's steepness ``beta`` of the per-layer budgets.
+PYRAMID_BETA = 20.0
+#: StreamingLLM's attention sinks: the first compressible rows always kept.
+SINK_TOKENS = 4
+#: VL-Cache's relative ThresholdFilter ``p``: an entry counts when >= p x its row maximum.
+VLCACHE_THRESHOLD = 0.01
+
+# ---------------------------------------------------------------- quantization (§6, §8.6)
+
+#: Rows kept in full precision at the end of a quantized segment.
+KIVI_RESIDUAL = 32
+#: The most compressed (bits, group) of UniCache's lookup: the floor of a quantized segment.
+KIVI_FLOOR = (2, 128)
+#: Group sizes and residuals the global KIVI baseline searches (bits: every supported width).
+KIVI_GROUPS: tuple[int, ...] = (32, 64, 128)
+KIVI_BASELINE_RESIDUALS: tuple[int, ...] = (32, 128)
