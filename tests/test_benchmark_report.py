@@ -1,6 +1,8 @@
 """The KV-attention benchmark's report: schema, method names and memory matching (no timing assertions)."""
 
 import json
+import subprocess
+import sys
 
 from benchmarks import kv_attention
 
@@ -32,3 +34,9 @@ def test_quick_benchmark_report(tmp_path):
     attended = report["config"]["attended_tokens_per_kv_head"]
     assert attended["unicache"] < attended["full"]
     assert attended["kivi"] == attended["full"]  # quantization keeps every token visible
+
+
+def test_benchmark_imports_first_in_a_fresh_interpreter():
+    """The benchmark imports as the first module of a process (no import circle through the library)."""
+    proc = subprocess.run([sys.executable, "-c", "import benchmarks.kv_attention"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
