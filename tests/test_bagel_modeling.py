@@ -12,7 +12,9 @@ import torch
 from unicache_core.bagel.config import AEConfig
 from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.modeling import AutoEncoder, Bagel
-from unicache_core.bagel.modeling.qwen2_mot import Routing
+from unicache_core.bagel.modeling.embeddings import PositionEmbedding
+from unicache_core.bagel.modeling.operations import REQUIRED_LAYERS, TorchOperations
+from unicache_core.bagel.modeling.qwen2_mot import Qwen2RMSNorm, Routing
 from unicache_core.kv.cache import AttentionCall, FullKVCache
 from unicache_core.kv.token_types import TokenType, type_tensor
 
@@ -448,3 +450,81 @@ def test_mixed_routing_puts_each_expert_output_back_at_its_token():
     x.requires_grad_(True)
     routing.apply(lambda t: t * 2, lambda t: t * 3, x).sum().backward()
     assert torch.equal(x.grad[:, 0], torch.where(gen_mask, 3.0, 2.0))
+
+
+# ------------------------------------------------------------------------------------------ operations seam
+
+
+def _watching_operations(reads: list) -> type:
+    """A namespace of torch's layers that records every ``weight``/``bias`` read made outside the layer's own
+    forward (a host's casting layers only bring their weights inside ``forward``)."""
+
+    def watched(base: type) -> type:
+        class Watched(base):
+            def forward(self, *args, **kwargs):
+                self.__dict__["_in_forward"] = True
+                try:
+                    return super().forward(*args, **kwargs)
+                finally:
+                    self.__dict__["_in_forward"] = False
+
+            def __getattr__(self, name):
+                if name in ("weight", "bias") and not self.__dict__.get("_in_forward", False):
+                    reads.append((base.__name__, name))
+                return super().__getattr__(name)
+
+        Watched.__name__ = f"Watched{base.__name__}"
+        return Watched
+
+    return type("WatchedOperations", (), {n: watched(getattr(TorchOperations, n)) for n in REQUIRED_LAYERS})
+
+
+def _every_output(model: Bagel, vae: AutoEncoder) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.arange(2, 12)
+    pos = torch.arange(10)
+    cache = FullKVCache(model.num_layers)
+    text = model.forward_llm(model.embed_text(ids), pos, cache, _call(10, pos, causal=True))
+    lat = model.embed_latents(torch.randn(4, 64, generator=gen), model.latent_position_ids(2, 2), 0.3)
+    block = torch.cat([model.embed_text(torch.tensor([1])), lat, model.embed_text(torch.tensor([2]))])
+    bpos = torch.full((6,), 10)
+    hidden = model.forward_llm(block, bpos, cache, _call(6, bpos, causal=False, update=False),
+                               torch.tensor([False, True, True, True, True, False]))
+    image = torch.rand(3, 28, 28, generator=gen) * 2 - 1
+    z = vae.encode(image[None, :, :24, :24], generator=torch.Generator().manual_seed(1))
+    return {"logits": model.lm_logits(text), "velocity": model.latent_velocity(hidden[1:-1]),
+            "vit": model.embed_vit(image), "latent": z, "pixels": vae.decode(z)}
+
+
+def test_every_weight_layer_comes_from_operations_and_is_only_called(model: Bagel, loaded):
+    """Built from a namespace, every weight-bearing layer but BAGEL's own RMSNorms and sin-cos tables is one of
+    its classes, BAGEL's code never reads their weights outside their forward, and the outputs equal the
+    default build's exactly."""
+    reads: list = []
+    ops = _watching_operations(reads)
+    watched = Bagel(loaded.config, operations=ops)
+    watched.load_state_dict(model.state_dict())
+    watched_vae = AutoEncoder(loaded.config.ae, operations=ops)
+    watched_vae.load_state_dict(loaded.vae.state_dict())
+    layer_classes = tuple(getattr(ops, n) for n in REQUIRED_LAYERS)
+    for root in (watched, watched_vae):
+        for name, module in root.named_modules():
+            if next(module.parameters(recurse=False), None) is not None:
+                assert isinstance(module, layer_classes + (Qwen2RMSNorm, PositionEmbedding)), name
+    assert sum(isinstance(m, layer_classes) for m in watched.modules()) > 50
+    reads.clear()
+    got = _every_output(watched, watched_vae)
+    assert reads == []
+    want = _every_output(model, loaded.vae)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_storage_dtype_needs_a_compute_dtype(loaded):
+    """A ComfyUI-style build (layers stored in fp8, hidden states in bf16) allocates as asked."""
+    model = Bagel(loaded.config, operations=TorchOperations, dtype=torch.float16, compute_dtype=torch.bfloat16,
+                  device="meta")
+    assert model.dtype == torch.bfloat16 and model.device.type == "meta"
+    assert model.language_model.model.layers[0].mlp.up_proj.weight.dtype == torch.float16
+    assert model.vit_pos_embed.pos_embed.dtype == torch.bfloat16
+    assert model.language_model.model.rotary_emb.inv_freq.device.type == "meta"

@@ -2,36 +2,40 @@
 
 Names equal the keys of ``ae.safetensors`` (``encoder.*``, ``decoder.*``). GroupNorm uses 32 groups
 and eps 1e-6; downsampling pads asymmetrically (right/bottom by one) before a stride-2 conv;
-upsampling is nearest ×2 followed by a conv; the middle block has single-head self-attention.
+upsampling is nearest ×2 followed by a conv; the middle block has single-head self-attention. Convolutions
+and GroupNorms come from the build's operations namespace (:mod:`.operations`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..config import AEConfig
+from .operations import LayerBuilder, check_compute_dtype
 
 
 def swish(x: Tensor) -> Tensor:
     return x * torch.sigmoid(x)
 
 
-def _group_norm(channels: int) -> nn.GroupNorm:
-    return nn.GroupNorm(num_groups=32, num_channels=channels, eps=1e-6, affine=True)
+def _group_norm(channels: int, layers: LayerBuilder) -> nn.Module:
+    return layers.group_norm(32, channels, eps=1e-6)
 
 
 class AttnBlock(nn.Module):
     """Single-head spatial self-attention with 1×1 conv projections and a residual."""
 
-    def __init__(self, channels: int):
+    def __init__(self, channels: int, layers: LayerBuilder):
         super().__init__()
-        self.norm = _group_norm(channels)
-        self.q = nn.Conv2d(channels, channels, 1)
-        self.k = nn.Conv2d(channels, channels, 1)
-        self.v = nn.Conv2d(channels, channels, 1)
-        self.proj_out = nn.Conv2d(channels, channels, 1)
+        self.norm = _group_norm(channels, layers)
+        self.q = layers.conv2d(channels, channels, 1)
+        self.k = layers.conv2d(channels, channels, 1)
+        self.v = layers.conv2d(channels, channels, 1)
+        self.proj_out = layers.conv2d(channels, channels, 1)
 
     def forward(self, x: Tensor) -> Tensor:
         """``x [B, C, h, w]`` → same shape."""
@@ -46,15 +50,15 @@ class AttnBlock(nn.Module):
 class ResnetBlock(nn.Module):
     """GroupNorm → swish → conv, twice, plus a (1×1-projected when channels change) shortcut."""
 
-    def __init__(self, in_channels: int, out_channels: int):
+    def __init__(self, in_channels: int, out_channels: int, layers: LayerBuilder):
         super().__init__()
         self.in_channels, self.out_channels = in_channels, out_channels
-        self.norm1 = _group_norm(in_channels)
-        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1)
-        self.norm2 = _group_norm(out_channels)
-        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1)
+        self.norm1 = _group_norm(in_channels, layers)
+        self.conv1 = layers.conv2d(in_channels, out_channels, 3, padding=1)
+        self.norm2 = _group_norm(out_channels, layers)
+        self.conv2 = layers.conv2d(out_channels, out_channels, 3, padding=1)
         if in_channels != out_channels:
-            self.nin_shortcut = nn.Conv2d(in_channels, out_channels, 1)
+            self.nin_shortcut = layers.conv2d(in_channels, out_channels, 1)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.conv1(swish(self.norm1(x)))
@@ -67,9 +71,9 @@ class ResnetBlock(nn.Module):
 class Downsample(nn.Module):
     """Zero-pad right/bottom by one, then 3×3 stride-2 conv: ``[B,C,H,W]`` → ``[B,C,H/2,W/2]``."""
 
-    def __init__(self, channels: int):
+    def __init__(self, channels: int, layers: LayerBuilder):
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, stride=2, padding=0)
+        self.conv = layers.conv2d(channels, channels, 3, stride=2, padding=0)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.conv(F.pad(x, (0, 1, 0, 1), mode="constant", value=0.0))
@@ -78,9 +82,9 @@ class Downsample(nn.Module):
 class Upsample(nn.Module):
     """Nearest ×2 then 3×3 conv."""
 
-    def __init__(self, channels: int):
+    def __init__(self, channels: int, layers: LayerBuilder):
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv = layers.conv2d(channels, channels, 3, padding=1)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
@@ -95,11 +99,11 @@ class _Level(nn.Module):
 
 
 class _Mid(nn.Module):
-    def __init__(self, channels: int):
+    def __init__(self, channels: int, layers: LayerBuilder):
         super().__init__()
-        self.block_1 = ResnetBlock(channels, channels)
-        self.attn_1 = AttnBlock(channels)
-        self.block_2 = ResnetBlock(channels, channels)
+        self.block_1 = ResnetBlock(channels, channels, layers)
+        self.attn_1 = AttnBlock(channels, layers)
+        self.block_2 = ResnetBlock(channels, channels, layers)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.block_2(self.attn_1(self.block_1(x)))
@@ -108,9 +112,9 @@ class _Mid(nn.Module):
 class Encoder(nn.Module):
     """Image ``[B, in_ch, H, W]`` → moments ``[B, 2*z, H/ds, W/ds]``."""
 
-    def __init__(self, cfg: AEConfig):
+    def __init__(self, cfg: AEConfig, layers: LayerBuilder):
         super().__init__()
-        self.conv_in = nn.Conv2d(cfg.in_channels, cfg.ch, 3, padding=1)
+        self.conv_in = layers.conv2d(cfg.in_channels, cfg.ch, 3, padding=1)
         mults = (1,) + tuple(cfg.ch_mult)
         self.down = nn.ModuleList()
         block_in = cfg.ch
@@ -119,15 +123,15 @@ class Encoder(nn.Module):
             block_out = cfg.ch * mult
             blocks = []
             for _ in range(cfg.num_res_blocks):
-                blocks.append(ResnetBlock(block_in, block_out))
+                blocks.append(ResnetBlock(block_in, block_out, layers))
                 block_in = block_out
             stage = _Level(blocks)
             if level != len(cfg.ch_mult) - 1:
-                stage.downsample = Downsample(block_in)
+                stage.downsample = Downsample(block_in, layers)
             self.down.append(stage)
-        self.mid = _Mid(block_in)
-        self.norm_out = _group_norm(block_in)
-        self.conv_out = nn.Conv2d(block_in, 2 * cfg.z_channels, 3, padding=1)
+        self.mid = _Mid(block_in, layers)
+        self.norm_out = _group_norm(block_in, layers)
+        self.conv_out = layers.conv2d(block_in, 2 * cfg.z_channels, 3, padding=1)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.conv_in(x)
@@ -143,26 +147,26 @@ class Encoder(nn.Module):
 class Decoder(nn.Module):
     """Latent ``[B, z, h, w]`` → image ``[B, out_ch, h*ds, w*ds]``."""
 
-    def __init__(self, cfg: AEConfig):
+    def __init__(self, cfg: AEConfig, layers: LayerBuilder):
         super().__init__()
         n = len(cfg.ch_mult)
         block_in = cfg.ch * cfg.ch_mult[-1]
-        self.conv_in = nn.Conv2d(cfg.z_channels, block_in, 3, padding=1)
-        self.mid = _Mid(block_in)
+        self.conv_in = layers.conv2d(cfg.z_channels, block_in, 3, padding=1)
+        self.mid = _Mid(block_in, layers)
         stages: list[_Level] = []
         for level in reversed(range(n)):
             block_out = cfg.ch * cfg.ch_mult[level]
             blocks = []
             for _ in range(cfg.num_res_blocks + 1):
-                blocks.append(ResnetBlock(block_in, block_out))
+                blocks.append(ResnetBlock(block_in, block_out, layers))
                 block_in = block_out
             stage = _Level(blocks)
             if level != 0:
-                stage.upsample = Upsample(block_in)
+                stage.upsample = Upsample(block_in, layers)
             stages.insert(0, stage)
         self.up = nn.ModuleList(stages)
-        self.norm_out = _group_norm(block_in)
-        self.conv_out = nn.Conv2d(block_in, cfg.out_ch, 3, padding=1)
+        self.norm_out = _group_norm(block_in, layers)
+        self.conv_out = layers.conv2d(block_in, cfg.out_ch, 3, padding=1)
 
     def forward(self, z: Tensor) -> Tensor:
         h = self.mid(self.conv_in(z))
@@ -176,19 +180,26 @@ class Decoder(nn.Module):
 
 
 class AutoEncoder(nn.Module):
-    """FLUX VAE with BAGEL's scale/shift (``z = scale * (sample - shift)``)."""
+    """FLUX VAE with BAGEL's scale/shift (``z = scale * (sample - shift)``).
 
-    def __init__(self, config: AEConfig | None = None):
+    ``operations``, ``dtype`` and ``device`` are as for :class:`~.bagel.Bagel`; ``compute_dtype`` (default
+    ``dtype``, else torch's default dtype) is the dtype inputs are brought to before the network.
+    """
+
+    def __init__(self, config: AEConfig | None = None, *, operations: Any = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, compute_dtype: torch.dtype | None = None):
         super().__init__()
+        layers = LayerBuilder.create(operations, dtype, device, compute_dtype)
+        self.compute_dtype = check_compute_dtype(layers.own_dtype)
         self.config = config or AEConfig()
-        self.encoder = Encoder(self.config)
-        self.decoder = Decoder(self.config)
+        self.encoder = Encoder(self.config, layers)
+        self.decoder = Decoder(self.config, layers)
         self.scale_factor = self.config.scale_factor
         self.shift_factor = self.config.shift_factor
 
     def encode_moments(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``x [B, 3, H, W]`` in [-1, 1] → ``(mean, logvar)`` each ``[B, z, H/ds, W/ds]``."""
-        return torch.chunk(self.encoder(x.to(self.encoder.conv_in.weight.dtype)), 2, dim=1)
+        return torch.chunk(self.encoder(x.to(self.compute_dtype)), 2, dim=1)
 
     def encode(
         self,
@@ -231,7 +242,7 @@ class AutoEncoder(nn.Module):
         """``z [B, z, h, w]`` → image ``[B, 3, h*ds, w*ds]`` in about [-1, 1]."""
         if z.dim() != 4 or z.shape[1] != self.config.z_channels:
             raise ValueError(f"`z` must be [B, {self.config.z_channels}, h, w], got shape {tuple(z.shape)}")
-        z = z.to(self.decoder.conv_in.weight.dtype)
+        z = z.to(self.compute_dtype)
         return self.decoder(z / self.scale_factor + self.shift_factor)
 
 

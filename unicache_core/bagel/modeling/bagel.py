@@ -2,10 +2,14 @@
 
 This module only embeds inputs and runs one packed block of new tokens through the LLM; building
 contexts, positions and token types is the pipeline's job (docs/bagel.md §4–5). Submodule names equal the
-top-level prefixes of ``ema.safetensors``.
+top-level prefixes of ``ema.safetensors``. Every weight-bearing layer comes from the operations namespace
+given at build time (:mod:`.operations`).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -13,7 +17,8 @@ from torch import Tensor, nn
 from ...kv.cache import AttentionCall, KVCache
 from ..config import BagelConfig
 from .embeddings import MLPconnector, PositionEmbedding, TimestepEmbedder
-from .qwen2_mot import Qwen2ForCausalLM
+from .operations import LayerBuilder
+from .qwen2_mot import BranchInput, Qwen2ForCausalLM
 from .siglip import SiglipVisionModel
 
 
@@ -40,20 +45,32 @@ class Bagel(nn.Module):
 
     Submodules: ``language_model``, ``vit_model``, ``connector``, ``vit_pos_embed``,
     ``latent_pos_embed``, ``time_embedder``, ``vae2llm``, ``llm2vae``.
+
+    Args:
+        config: the model's configuration.
+        operations: namespace of layer classes (``Linear``, ``Conv2d``, ``GroupNorm``, ``LayerNorm``,
+            ``Embedding``); ``None`` = :class:`~.operations.TorchOperations`. ComfyUI's ``comfy.ops`` families
+            and :func:`~.operations.low_precision_operations` fit.
+        dtype: passed as ``dtype=`` to every layer of ``operations`` (with ComfyUI's, the weight storage dtype).
+        device: where everything is allocated (``"meta"`` builds without memory).
+        compute_dtype: dtype of the hidden states and of BAGEL's own tensors (RMSNorm weights, sin-cos
+            tables); ``None`` = ``dtype``. Needed when ``dtype`` is a storage-only dtype (fp8).
     """
 
-    def __init__(self, config: BagelConfig):
+    def __init__(self, config: BagelConfig, *, operations: Any = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, compute_dtype: torch.dtype | None = None):
         super().__init__()
+        layers = LayerBuilder.create(operations, dtype, device, compute_dtype)
         self.config = config
         hidden = config.llm.hidden_size
-        self.language_model = Qwen2ForCausalLM(config.llm)
-        self.vit_model = SiglipVisionModel(config.vit)
-        self.connector = MLPconnector(config.vit.hidden_size, hidden, config.connector_act)
-        self.vit_pos_embed = PositionEmbedding(config.vit_max_num_patch_per_side, hidden)
-        self.time_embedder = TimestepEmbedder(hidden)
-        self.vae2llm = nn.Linear(config.patch_latent_dim, hidden)
-        self.llm2vae = nn.Linear(hidden, config.patch_latent_dim)
-        self.latent_pos_embed = PositionEmbedding(config.max_latent_size, hidden)
+        self.language_model = Qwen2ForCausalLM(config.llm, layers)
+        self.vit_model = SiglipVisionModel(config.vit, layers)
+        self.connector = MLPconnector(config.vit.hidden_size, hidden, config.connector_act, layers)
+        self.vit_pos_embed = PositionEmbedding(config.vit_max_num_patch_per_side, hidden, layers)
+        self.time_embedder = TimestepEmbedder(hidden, layers=layers)
+        self.vae2llm = layers.linear(config.patch_latent_dim, hidden)
+        self.llm2vae = layers.linear(hidden, config.patch_latent_dim)
+        self.latent_pos_embed = PositionEmbedding(config.max_latent_size, hidden, layers)
         #: Set after an accelerate dispatch (weights may then sit on 'meta' until their forward).
         self.execution_device: torch.device | None = None
 
@@ -69,15 +86,16 @@ class Bagel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """Dtype of the LLM weights (the compute dtype of the hidden states)."""
-        return self.language_model.model.embed_tokens.weight.dtype
+        """The compute dtype of the hidden states (that of BAGEL's own norm weights, whatever the storage)."""
+        return self.language_model.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        """Device inputs are sent to: the embeddings' device, or the dispatch's main device when offloaded."""
+        """Device inputs are sent to: :attr:`execution_device` when set (a dispatch's main device, or a host's
+        load device), else where the final norm is."""
         if self.execution_device is not None:
             return self.execution_device
-        return self.language_model.model.embed_tokens.weight.device
+        return self.language_model.model.norm.weight.device
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
         """Materialise non-persistent buffers (RoPE ``inv_freq``) on ``device`` (after a meta build)."""
@@ -88,7 +106,7 @@ class Bagel(nn.Module):
         """``ids [n]`` int → ``[n, H]`` token embeddings."""
         if ids.dim() != 1:
             raise ValueError(f"`ids` must be a 1-D tensor of token ids, got shape {tuple(ids.shape)}")
-        return self.language_model.model.embed_tokens(ids.to(self.device))
+        return self.language_model.model.embed_tokens(ids.to(self.device), out_dtype=self.dtype)
 
     def vit_position_ids(self, rows: int, cols: int) -> Tensor:
         """``[rows*cols]`` ids ``row * vit_max_num_patch_per_side + col``."""
@@ -139,7 +157,7 @@ class Bagel(nn.Module):
             )
         t = torch.tensor([float(timestep)], device=self.device)
         emb = self.vae2llm(x.to(self.device, self.dtype))
-        emb = emb + self.time_embedder(t) + self.latent_pos_embed(position_ids.to(self.device))
+        emb = emb + self.time_embedder(t, self.dtype) + self.latent_pos_embed(position_ids.to(self.device))
         return emb.to(self.dtype)
 
     # ------------------------------------------------------------------ LLM
@@ -166,6 +184,22 @@ class Bagel(nn.Module):
         return self.language_model.model(
             embeds.to(self.device, self.dtype), positions.to(self.device), cache, call, gen_mask
         )
+
+    def forward_llm_branches(self, branches: Sequence[BranchInput]) -> list[Tensor]:
+        """Several blocks of new tokens, each over its own cache, through the decoder together.
+
+        Each block's result equals :meth:`forward_llm` of that block alone; the layers run one at a time for
+        all blocks, so a low-precision weight is upcast once per layer for all of them (e.g. the CFG branches
+        of one denoising step). See :meth:`~.qwen2_mot.Qwen2Model.forward_branches`.
+
+        Returns:
+            ``[T_b, H]`` final-normed hidden states per block.
+        """
+        placed = [
+            dataclasses.replace(b, embeds=b.embeds.to(self.device, self.dtype), positions=b.positions.to(self.device))
+            for b in branches
+        ]
+        return self.language_model.model.forward_branches(placed)
 
     def lm_logits(self, hidden: Tensor) -> Tensor:
         """``[n, H]`` final-normed hidden → ``[n, V]`` logits."""

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from .operations import LayerBuilder
 from .siglip import gelu_activation
 
 
@@ -40,13 +41,18 @@ def sincos_2d_table(embed_dim: int, grid_size: int) -> np.ndarray:
 
 
 class PositionEmbedding(nn.Module):
-    """Frozen 2-D sin-cos table ``pos_embed [G*G, H]`` (stored in the checkpoint)."""
+    """Frozen 2-D sin-cos table ``pos_embed [G*G, H]`` (stored in the checkpoint, kept in the compute dtype).
 
-    def __init__(self, max_num_patch_per_side: int, hidden_size: int):
+    The rows are looked up where the table is and moved to the ids' device, so a host that leaves the table
+    on its offload device moves only the rows a call needs.
+    """
+
+    def __init__(self, max_num_patch_per_side: int, hidden_size: int, layers: LayerBuilder | None = None):
         super().__init__()
+        layers = layers or LayerBuilder()
         self.max_num_patch_per_side = max_num_patch_per_side
         self.hidden_size = hidden_size
-        self.pos_embed = nn.Parameter(torch.zeros(max_num_patch_per_side**2, hidden_size), requires_grad=False)
+        self.pos_embed = layers.own_parameter((max_num_patch_per_side**2, hidden_size), 0.0, trainable=False)
 
     def reset_table(self) -> None:
         """Fill ``pos_embed`` with the exact sin-cos values (fp32, then the parameter's dtype)."""
@@ -55,20 +61,22 @@ class PositionEmbedding(nn.Module):
             self.pos_embed.copy_(table.to(self.pos_embed.dtype))
 
     def forward(self, position_ids: Tensor) -> Tensor:
-        """``position_ids [N]`` → ``[N, H]``."""
-        return self.pos_embed[position_ids]
+        """``position_ids [N]`` → ``[N, H]`` on ``position_ids``' device."""
+        table = self.pos_embed
+        return table[position_ids.to(table.device)].to(position_ids.device)
 
 
 class TimestepEmbedder(nn.Module):
     """DiT timestep embedder: ``[cos(t*f), sin(t*f)]`` (256 dims) → Linear → SiLU → Linear."""
 
-    def __init__(self, hidden_size: int, frequency_embedding_size: int = 256):
+    def __init__(self, hidden_size: int, frequency_embedding_size: int = 256, layers: LayerBuilder | None = None):
         super().__init__()
+        layers = layers or LayerBuilder()
         self.frequency_embedding_size = frequency_embedding_size
         self.mlp = nn.Sequential(
-            nn.Linear(frequency_embedding_size, hidden_size),
+            layers.linear(frequency_embedding_size, hidden_size),
             nn.SiLU(),
-            nn.Linear(hidden_size, hidden_size),
+            layers.linear(hidden_size, hidden_size),
         )
 
     @staticmethod
@@ -82,20 +90,21 @@ class TimestepEmbedder(nn.Module):
             emb = torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1)
         return emb
 
-    def forward(self, t: Tensor) -> Tensor:
-        """``t [N]`` → ``[N, H]`` in the weights' dtype."""
+    def forward(self, t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """``t [N]`` → ``[N, H]``, computed in ``dtype`` (``None``: the fp32 frequency embedding as it is)."""
         freq = self.frequency_embedding(t, self.frequency_embedding_size)
-        return self.mlp(freq.to(self.mlp[0].weight.dtype))
+        return self.mlp(freq if dtype is None else freq.to(dtype))
 
 
 class MLPconnector(nn.Module):
     """ViT → LLM connector ``fc2(act(fc1(x)))`` (Hv → H → H)."""
 
-    def __init__(self, in_dim: int, out_dim: int, hidden_act: str):
+    def __init__(self, in_dim: int, out_dim: int, hidden_act: str, layers: LayerBuilder | None = None):
         super().__init__()
+        layers = layers or LayerBuilder()
         self.act = gelu_activation(hidden_act)
-        self.fc1 = nn.Linear(in_dim, out_dim)
-        self.fc2 = nn.Linear(out_dim, out_dim)
+        self.fc1 = layers.linear(in_dim, out_dim)
+        self.fc2 = layers.linear(out_dim, out_dim)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(self.act(self.fc1(x)))

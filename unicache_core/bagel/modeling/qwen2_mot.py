@@ -6,13 +6,15 @@ packed block is routed to one expert by a boolean ``gen_mask`` (docs/bagel.md §
 all tokens. Attention goes only through :meth:`unicache_core.kv.cache.KVCache.attend`, so the cache
 implementation decides how new queries see the cached context.
 
-Module and parameter names equal the ``language_model.*`` keys of BAGEL's ``ema.safetensors``.
+Module and parameter names equal the ``language_model.*`` keys of BAGEL's ``ema.safetensors``. The
+projections, MLPs, ``embed_tokens`` and ``lm_head`` come from the build's operations namespace
+(:mod:`.operations`); the RMSNorms are this module's own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -20,31 +22,37 @@ from torch.nn import functional as F
 
 from ...kv.cache import AttentionCall, KVCache
 from ..config import LLMConfig
+from .operations import LayerBuilder, shared_upcasts
 
 
 class Qwen2RMSNorm(nn.Module):
-    """RMSNorm: statistics in fp32, normalised value cast back to the input dtype, then ``* weight``."""
+    """RMSNorm: statistics in fp32, normalised value cast back to the input dtype, then ``* weight``.
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    The weight (built in the compute dtype) is brought to the input's device at each call, so a host that
+    leaves this small module on its offload device still computes on the input's device.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, layers: LayerBuilder | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        layers = layers or LayerBuilder()
+        self.weight = layers.own_parameter((hidden_size,), 1.0)
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
         """``x [..., hidden]`` → same shape; dtype follows ``weight * x``."""
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.weight.to(x.device) * normed.to(x.dtype)
 
 
 class Qwen2RotaryEmbedding(nn.Module):
     """Default (unscaled) RoPE, half-split layout; ``inv_freq`` is a non-persistent buffer."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, device: torch.device | str | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
-        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+        self.register_buffer("inv_freq", self.compute_inv_freq(device), persistent=False)
 
     def compute_inv_freq(self, device: torch.device | str | None = None) -> Tensor:
         """``[d/2]`` fp32: ``1 / theta^(2i/d)``."""
@@ -76,11 +84,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Qwen2MLP(nn.Module):
     """SiLU-gated MLP without biases: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, layers: LayerBuilder | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        layers = layers or LayerBuilder()
+        self.gate_proj = layers.linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = layers.linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = layers.linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -135,27 +144,28 @@ class Routing:
 class PackedAttentionMoT(nn.Module):
     """Self-attention with und/gen projections and QK-norm; attention itself is done by the cache."""
 
-    def __init__(self, config: LLMConfig, layer_idx: int):
+    def __init__(self, config: LLMConfig, layer_idx: int, layers: LayerBuilder | None = None):
         super().__init__()
+        layers = layers or LayerBuilder()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         h, d = config.hidden_size, config.head_dim
         q_out, kv_out = self.num_heads * d, self.num_kv_heads * d
-        self.q_proj = nn.Linear(h, q_out, bias=True)
-        self.k_proj = nn.Linear(h, kv_out, bias=True)
-        self.v_proj = nn.Linear(h, kv_out, bias=True)
-        self.o_proj = nn.Linear(q_out, h, bias=False)
-        self.q_proj_moe_gen = nn.Linear(h, q_out, bias=True)
-        self.k_proj_moe_gen = nn.Linear(h, kv_out, bias=True)
-        self.v_proj_moe_gen = nn.Linear(h, kv_out, bias=True)
-        self.o_proj_moe_gen = nn.Linear(q_out, h, bias=False)
+        self.q_proj = layers.linear(h, q_out, bias=True)
+        self.k_proj = layers.linear(h, kv_out, bias=True)
+        self.v_proj = layers.linear(h, kv_out, bias=True)
+        self.o_proj = layers.linear(q_out, h, bias=False)
+        self.q_proj_moe_gen = layers.linear(h, q_out, bias=True)
+        self.k_proj_moe_gen = layers.linear(h, kv_out, bias=True)
+        self.v_proj_moe_gen = layers.linear(h, kv_out, bias=True)
+        self.o_proj_moe_gen = layers.linear(q_out, h, bias=False)
         if config.qk_norm:
-            self.q_norm = Qwen2RMSNorm(d, config.rms_norm_eps)
-            self.k_norm = Qwen2RMSNorm(d, config.rms_norm_eps)
-            self.q_norm_moe_gen = Qwen2RMSNorm(d, config.rms_norm_eps)
-            self.k_norm_moe_gen = Qwen2RMSNorm(d, config.rms_norm_eps)
+            self.q_norm = Qwen2RMSNorm(d, config.rms_norm_eps, layers)
+            self.k_norm = Qwen2RMSNorm(d, config.rms_norm_eps, layers)
+            self.q_norm_moe_gen = Qwen2RMSNorm(d, config.rms_norm_eps, layers)
+            self.k_norm_moe_gen = Qwen2RMSNorm(d, config.rms_norm_eps, layers)
         else:
             self.q_norm = self.k_norm = nn.Identity()
             self.q_norm_moe_gen = self.k_norm_moe_gen = nn.Identity()
@@ -195,15 +205,17 @@ class PackedAttentionMoT(nn.Module):
 class Qwen2MoTDecoderLayer(nn.Module):
     """Pre-norm decoder layer with und/gen experts (norms, attention projections, MLP)."""
 
-    def __init__(self, config: LLMConfig, layer_idx: int):
+    def __init__(self, config: LLMConfig, layer_idx: int, layers: LayerBuilder | None = None):
         super().__init__()
-        self.self_attn = PackedAttentionMoT(config, layer_idx)
-        self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size)
-        self.mlp_moe_gen = Qwen2MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = Qwen2RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.input_layernorm_moe_gen = Qwen2RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen2RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm_moe_gen = Qwen2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        layers = layers or LayerBuilder()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = PackedAttentionMoT(config, layer_idx, layers)
+        self.mlp = Qwen2MLP(h, config.intermediate_size, layers)
+        self.mlp_moe_gen = Qwen2MLP(h, config.intermediate_size, layers)
+        self.input_layernorm = Qwen2RMSNorm(h, eps, layers)
+        self.input_layernorm_moe_gen = Qwen2RMSNorm(h, eps, layers)
+        self.post_attention_layernorm = Qwen2RMSNorm(h, eps, layers)
+        self.post_attention_layernorm_moe_gen = Qwen2RMSNorm(h, eps, layers)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, routing: Routing, cache: KVCache, call: AttentionCall
@@ -219,17 +231,37 @@ class Qwen2MoTDecoderLayer(nn.Module):
         return x + h
 
 
+@dataclass(frozen=True)
+class BranchInput:
+    """One packed block of new tokens for one context, as :meth:`Qwen2Model.forward` takes it.
+
+    Attributes:
+        embeds: ``[T, H]`` input embeddings of the new tokens.
+        positions: ``[T]`` int RoPE positions.
+        cache: the context's cache; ``begin_call``/``attend``/``end_call`` are called on it.
+        call: what this pass does with the cache.
+        gen_mask: ``[T]`` bool, True = token uses the gen expert; ``None`` = all und.
+    """
+
+    embeds: Tensor
+    positions: Tensor
+    cache: KVCache
+    call: AttentionCall
+    gen_mask: Tensor | None = None
+
+
 class Qwen2Model(nn.Module):
     """Token embedding, decoder layers and the final norms (``norm`` / ``norm_moe_gen``)."""
 
-    def __init__(self, config: LLMConfig):
+    def __init__(self, config: LLMConfig, layers: LayerBuilder | None = None):
         super().__init__()
+        layers = layers or LayerBuilder()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen2MoTDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = Qwen2RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.norm_moe_gen = Qwen2RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = Qwen2RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.embed_tokens = layers.embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen2MoTDecoderLayer(config, i, layers) for i in range(config.num_hidden_layers))
+        self.norm = Qwen2RMSNorm(config.hidden_size, config.rms_norm_eps, layers)
+        self.norm_moe_gen = Qwen2RMSNorm(config.hidden_size, config.rms_norm_eps, layers)
+        self.rotary_emb = Qwen2RotaryEmbedding(config.head_dim, config.rope_theta, layers.device)
 
     def forward(
         self,
@@ -251,34 +283,63 @@ class Qwen2Model(nn.Module):
         Returns:
             ``[T, H]`` final-normed hidden states.
         """
-        if embeds.dim() != 2 or embeds.shape[1] != self.config.hidden_size:
-            raise ValueError(
-                f"`embeds` must be [T, {self.config.hidden_size}], got shape {tuple(embeds.shape)}"
-            )
-        if positions.dim() != 1 or positions.shape[0] != embeds.shape[0]:
-            raise ValueError(
-                f"`positions` must be 1-D of length {embeds.shape[0]}, got shape {tuple(positions.shape)}"
-            )
-        routing = Routing.from_mask(gen_mask, embeds.shape[0])
-        cos, sin = self.rotary_emb(positions.to(embeds.device), embeds.dtype)
-        x = embeds
-        cache.begin_call(call)
+        return self.forward_branches([BranchInput(embeds, positions, cache, call, gen_mask)])[0]
+
+    def forward_branches(self, branches: Sequence[BranchInput]) -> list[Tensor]:
+        """Run several blocks, each over its own cache, through the layers together (layer by layer).
+
+        Each block sees exactly what :meth:`forward` would give it alone (same operations on the same
+        values); the difference is the order: layer ``i`` runs for every block before layer ``i + 1``, inside
+        one :func:`~.operations.shared_upcasts` scope, so a low-precision layer upcasts its weight once for
+        all blocks and at most one layer's upcast weights are alive. Caches see ``begin_call`` for every block
+        first, then ``attend`` layer by layer, then ``end_call`` for every block (also after an error).
+
+        Returns:
+            ``[T_b, H]`` final-normed hidden states per block, in order.
+        """
+        caches = [b.cache for b in branches]
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("each block of `forward_branches` needs its own cache; the same cache was given twice")
+        prepared = []
+        for b in branches:
+            if b.embeds.dim() != 2 or b.embeds.shape[1] != self.config.hidden_size:
+                raise ValueError(
+                    f"`embeds` must be [T, {self.config.hidden_size}], got shape {tuple(b.embeds.shape)}"
+                )
+            if b.positions.dim() != 1 or b.positions.shape[0] != b.embeds.shape[0]:
+                raise ValueError(
+                    f"`positions` must be 1-D of length {b.embeds.shape[0]}, got shape {tuple(b.positions.shape)}"
+                )
+            routing = Routing.from_mask(b.gen_mask, b.embeds.shape[0])
+            cos, sin = self.rotary_emb(b.positions.to(b.embeds.device), b.embeds.dtype)
+            prepared.append((routing, cos, sin))
+        states = [b.embeds for b in branches]
+        begun: list[BranchInput] = []
         try:
+            for b in branches:
+                b.cache.begin_call(b.call)
+                begun.append(b)
             for layer in self.layers:
-                x = layer(x, cos, sin, routing, cache, call)
+                with shared_upcasts():
+                    states = [
+                        layer(x, cos, sin, routing, b.cache, b.call)
+                        for x, b, (routing, cos, sin) in zip(states, branches, prepared)
+                    ]
         finally:
-            cache.end_call(call)
-        return routing.apply(self.norm, self.norm_moe_gen, x)
+            for b in begun:
+                b.cache.end_call(b.call)
+        return [routing.apply(self.norm, self.norm_moe_gen, x) for x, (routing, _, _) in zip(states, prepared)]
 
 
 class Qwen2ForCausalLM(nn.Module):
     """``model`` + untied ``lm_head`` (names ``language_model.model.*`` / ``language_model.lm_head``)."""
 
-    def __init__(self, config: LLMConfig):
+    def __init__(self, config: LLMConfig, layers: LayerBuilder | None = None):
         super().__init__()
+        layers = layers or LayerBuilder()
         self.config = config
-        self.model = Qwen2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = Qwen2Model(config, layers)
+        self.lm_head = layers.linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, hidden: Tensor) -> Tensor:
         """Final-normed ``hidden [n, H]`` → logits ``[n, V]``."""
@@ -286,6 +347,7 @@ class Qwen2ForCausalLM(nn.Module):
 
 
 __all__ = [
+    "BranchInput",
     "PackedAttentionMoT",
     "Qwen2ForCausalLM",
     "Qwen2MLP",

@@ -5,7 +5,8 @@ inside a patch) with one learned absolute position id per patch (``row * 70 + co
 can be packed; attention is full (bidirectional) inside each image only.
 
 Names equal the ``vit_model.*`` keys of ``ema.safetensors``: the patch embedding is stored as a Linear
-``[Hv, 3*p*p]`` (BAGEL converts the conv before saving).
+``[Hv, 3*p*p]`` (BAGEL converts the conv before saving). Every layer comes from the build's operations
+namespace (:mod:`.operations`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..config import ViTConfig
+from .operations import LayerBuilder
 
 
 def gelu_activation(name: str):
@@ -31,28 +33,31 @@ def gelu_activation(name: str):
 class SiglipVisionEmbeddings(nn.Module):
     """Linear patch embedding + learned position table ``[(image_size/patch)^2, Hv]``."""
 
-    def __init__(self, config: ViTConfig):
+    def __init__(self, config: ViTConfig, layers: LayerBuilder | None = None):
         super().__init__()
-        self.patch_embedding = nn.Linear(config.num_channels * config.patch_size**2, config.hidden_size)
-        self.position_embedding = nn.Embedding(config.num_positions, config.hidden_size)
+        layers = layers or LayerBuilder()
+        self.patch_embedding = layers.linear(config.num_channels * config.patch_size**2, config.hidden_size)
+        self.position_embedding = layers.embedding(config.num_positions, config.hidden_size)
 
     def forward(self, patches: Tensor, position_ids: Tensor) -> Tensor:
         """``patches [N, 3*p*p]``, ``position_ids [N]`` → ``[N, Hv]``."""
-        return self.patch_embedding(patches) + self.position_embedding(position_ids)
+        x = self.patch_embedding(patches)
+        return x + self.position_embedding(position_ids, out_dtype=x.dtype)
 
 
 class SiglipAttention(nn.Module):
     """Multi-head self-attention with biases, bidirectional within each packed image."""
 
-    def __init__(self, config: ViTConfig):
+    def __init__(self, config: ViTConfig, layers: LayerBuilder | None = None):
         super().__init__()
+        layers = layers or LayerBuilder()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
         hv = config.hidden_size
-        self.q_proj = nn.Linear(hv, hv)
-        self.k_proj = nn.Linear(hv, hv)
-        self.v_proj = nn.Linear(hv, hv)
-        self.out_proj = nn.Linear(hv, hv)
+        self.q_proj = layers.linear(hv, hv)
+        self.k_proj = layers.linear(hv, hv)
+        self.v_proj = layers.linear(hv, hv)
+        self.out_proj = layers.linear(hv, hv)
 
     def forward(self, x: Tensor, seqlens: Sequence[int]) -> Tensor:
         """``x [N, Hv]`` packed over images of lengths ``seqlens`` → ``[N, Hv]``."""
@@ -81,11 +86,12 @@ class SiglipAttention(nn.Module):
 class SiglipMLP(nn.Module):
     """``fc2(gelu_tanh(fc1(x)))``."""
 
-    def __init__(self, config: ViTConfig):
+    def __init__(self, config: ViTConfig, layers: LayerBuilder | None = None):
         super().__init__()
+        layers = layers or LayerBuilder()
         self.act = gelu_activation(config.hidden_act)
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.fc1 = layers.linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = layers.linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -94,12 +100,13 @@ class SiglipMLP(nn.Module):
 class SiglipEncoderLayer(nn.Module):
     """Pre-LN transformer layer."""
 
-    def __init__(self, config: ViTConfig):
+    def __init__(self, config: ViTConfig, layers: LayerBuilder | None = None):
         super().__init__()
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.self_attn = SiglipAttention(config)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = SiglipMLP(config)
+        layers = layers or LayerBuilder()
+        self.layer_norm1 = layers.layer_norm(config.hidden_size, config.layer_norm_eps)
+        self.self_attn = SiglipAttention(config, layers)
+        self.layer_norm2 = layers.layer_norm(config.hidden_size, config.layer_norm_eps)
+        self.mlp = SiglipMLP(config, layers)
 
     def forward(self, x: Tensor, seqlens: Sequence[int]) -> Tensor:
         x = x + self.self_attn(self.layer_norm1(x), seqlens)
@@ -107,9 +114,9 @@ class SiglipEncoderLayer(nn.Module):
 
 
 class SiglipEncoder(nn.Module):
-    def __init__(self, config: ViTConfig):
+    def __init__(self, config: ViTConfig, layers: LayerBuilder | None = None):
         super().__init__()
-        self.layers = nn.ModuleList(SiglipEncoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(SiglipEncoderLayer(config, layers) for _ in range(config.num_hidden_layers))
 
     def forward(self, x: Tensor, seqlens: Sequence[int]) -> Tensor:
         for layer in self.layers:
@@ -120,11 +127,12 @@ class SiglipEncoder(nn.Module):
 class SiglipVisionTransformer(nn.Module):
     """embeddings → encoder → post_layernorm."""
 
-    def __init__(self, config: ViTConfig):
+    def __init__(self, config: ViTConfig, layers: LayerBuilder | None = None):
         super().__init__()
-        self.embeddings = SiglipVisionEmbeddings(config)
-        self.encoder = SiglipEncoder(config)
-        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        layers = layers or LayerBuilder()
+        self.embeddings = SiglipVisionEmbeddings(config, layers)
+        self.encoder = SiglipEncoder(config, layers)
+        self.post_layernorm = layers.layer_norm(config.hidden_size, config.layer_norm_eps)
 
     def forward(self, patches: Tensor, position_ids: Tensor, seqlens: Sequence[int]) -> Tensor:
         return self.post_layernorm(self.encoder(self.embeddings(patches, position_ids), seqlens))
@@ -133,10 +141,10 @@ class SiglipVisionTransformer(nn.Module):
 class SiglipVisionModel(nn.Module):
     """Wrapper holding ``vision_model`` (so keys read ``vit_model.vision_model.*``)."""
 
-    def __init__(self, config: ViTConfig):
+    def __init__(self, config: ViTConfig, layers: LayerBuilder | None = None):
         super().__init__()
         self.config = config
-        self.vision_model = SiglipVisionTransformer(config)
+        self.vision_model = SiglipVisionTransformer(config, layers)
 
     def forward(self, patches: Tensor, position_ids: Tensor, seqlens: Sequence[int] | None = None) -> Tensor:
         """Encode packed patches.
