@@ -44,6 +44,13 @@ SCALED_STORAGE = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32) + SCALED_STORAGE
 #: Dtypes hidden states are computed in.
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: An int8 Linear called on the CPU with at most this many rows uses torch's int8 weight-only kernel
+#: (``torch._weight_int8pack_mm``), which reads the int8 weight directly instead of upcasting it. Measured on
+#: one 18944x3584 weight, 2 threads: 24 ms for 1 row against 270 ms upcast + matmul (and 44 ms for the bf16
+#: weight kept resident), even at 16 rows (120 vs 265 ms), slower from about 32 rows on (240 vs 300 ms).
+INT8_KERNEL_MAX_ROWS = 16
+#: The kernel needs ``in_features`` a multiple of this: other widths give wrong values or crash (torch 2.14).
+INT8_KERNEL_WIDTH_MULTIPLE = 16
 
 
 class TorchOperations:
@@ -309,7 +316,11 @@ class _LowPrecisionWeight(nn.Module):
 
 
 class LowPrecisionLinear(_LowPrecisionWeight):
-    """``Linear`` with a low-precision weight upcast to the input's dtype at each call: ``x @ W^T * s + b``."""
+    """``Linear`` with a low-precision weight upcast to the input's dtype at each call: ``x @ W^T * s + b``.
+
+    An int8 layer called on the CPU with few rows (:data:`INT8_KERNEL_MAX_ROWS`, e.g. a decoding step) uses
+    torch's int8 weight-only kernel instead of the upcast.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
         super().__init__()
@@ -321,8 +332,20 @@ class LowPrecisionLinear(_LowPrecisionWeight):
         else:
             self.register_parameter("bias", None)
 
+    def _int8_kernel_fits(self, x: Tensor) -> bool:
+        """Whether ``x`` goes through torch's CPU int8 kernel (few rows, a width and dtype it handles)."""
+        return (self.storage == torch.int8 and x.device.type == "cpu" and self.weight.device.type == "cpu"
+                and x.dtype in (torch.bfloat16, torch.float32)  # fp16: a small row's scale underflows
+                and self.in_features % INT8_KERNEL_WIDTH_MULTIPLE == 0
+                and x.numel() <= INT8_KERNEL_MAX_ROWS * self.in_features)
+
     def forward(self, x: Tensor) -> Tensor:
         """``x [..., in]`` → ``[..., out]`` in ``x``'s dtype."""
+        if self._int8_kernel_fits(x):
+            rows = x.reshape(-1, self.in_features).contiguous()
+            out = torch._weight_int8pack_mm(rows, self.weight, self.weight_scale.to(x.dtype))
+            out = out.reshape(*x.shape[:-1], self.out_features)
+            return out if self.bias is None else out.add_(self.bias.to(x.device, x.dtype))
         weight, out_scale = self._upcast(x.dtype, x.device, scale_output=True)
         if out_scale is None:
             bias = None if self.bias is None else self.bias.to(x.device, x.dtype)
@@ -378,6 +401,7 @@ def is_low_precision(module: nn.Module) -> bool:
 
 __all__ = [
     "COMPUTE_DTYPES",
+    "INT8_KERNEL_MAX_ROWS",
     "LayerBuilder",
     "LowPrecisionEmbedding",
     "LowPrecisionLinear",

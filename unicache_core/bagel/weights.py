@@ -1,0 +1,189 @@
+"""Weight dtypes of a BAGEL build outside ComfyUI: the names users pick, the model build for each, the
+per-tensor conversion a loader calls while it reads a checkpoint, and the bytes a model holds.
+
+``weight_dtype`` is how the Linear and Embedding weights are stored; the hidden states are computed in the
+compute dtype (``dtype``), to which each layer upcasts its weight at every call
+(:mod:`.modeling.operations`). Norms, biases and the sin-cos tables stay in the compute dtype.
+
+========== ===================================================================== ======================
+name       storage                                                               bytes per weight
+========== ===================================================================== ======================
+auto       the compute dtype (plain ``torch.nn`` layers, nothing upcast)          2 (bf16, fp16) / 4
+bf16/fp16  that dtype, cast to the compute dtype per call                         2
+fp32       fp32, cast per call                                                    4
+fp8_e4m3fn fp8 with one fp32 scale per output channel (row absmax → 448)         1 (+4 per row)
+fp8_e5m2   fp8 with one fp32 scale per output channel (row absmax → 57344)       1 (+4 per row)
+int8       int8 weight-only, one fp32 scale per output channel (absmax → 127)    1 (+4 per row)
+========== ===================================================================== ======================
+
+A loader builds the model on the meta device (:func:`build_bagel`), checks the checkpoint's names and shapes
+against :func:`checkpoint_shapes` and hands each tensor, as it reads it, to :func:`assign_checkpoint_tensor`,
+which converts it to the layer's storage and places it: the checkpoint is never held whole.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .config import BagelConfig
+from .modeling import Bagel
+from .modeling.operations import (
+    TorchOperations,
+    check_compute_dtype,
+    is_low_precision,
+    low_precision_operations,
+    shared_upcasts,
+    store_weight,
+)
+
+#: ``weight_dtype`` names → storage dtype (``None``: the compute dtype).
+WEIGHT_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp8_e4m3fn": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
+
+
+def parse_weight_dtype(value: Any) -> str:
+    """A ``weight_dtype`` name (case-insensitive) or the matching ``torch.dtype`` → its name in :data:`WEIGHT_DTYPES`."""
+    if isinstance(value, torch.dtype):
+        for name, dtype in WEIGHT_DTYPES.items():
+            if dtype == value:
+                return name
+    elif isinstance(value, str) and value.lower() in WEIGHT_DTYPES:
+        return value.lower()
+    raise ValueError(f"`weight_dtype` {value!r} is not supported; choose one of {', '.join(WEIGHT_DTYPES)}")
+
+
+def weight_operations(weight_dtype: Any, compute_dtype: torch.dtype) -> type:
+    """The operations namespace that stores Linear/Embedding weights as ``weight_dtype`` for ``compute_dtype``.
+
+    ``auto`` or a weight dtype equal to the compute dtype gives :class:`TorchOperations` (nothing upcast).
+    """
+    storage = WEIGHT_DTYPES[parse_weight_dtype(weight_dtype)]
+    check_compute_dtype(compute_dtype, "dtype")
+    if storage is None or storage == compute_dtype:
+        return TorchOperations
+    return low_precision_operations(storage)
+
+
+def build_bagel(config: BagelConfig, *, weight_dtype: Any = "auto", dtype: torch.dtype = torch.bfloat16,
+                device: torch.device | str | None = "meta") -> Bagel:
+    """BAGEL with its Linear/Embedding weights stored as ``weight_dtype``, computing in ``dtype``.
+
+    Args:
+        config: the model's configuration.
+        weight_dtype: a name of :data:`WEIGHT_DTYPES` (or the matching ``torch.dtype``).
+        dtype: the compute dtype (bf16, fp16 or fp32): hidden states, norms, biases, tables.
+        device: where to allocate; ``"meta"`` (the default) allocates nothing, for a loader that assigns
+            every tensor with :func:`assign_checkpoint_tensor`.
+
+    Returns:
+        the model in eval mode with no parameter requiring gradients. Inside ComfyUI, build
+        ``Bagel(config, operations=<the host's operations>, dtype=..., compute_dtype=..., device=...)`` instead.
+    """
+    model = Bagel(config, operations=weight_operations(weight_dtype, dtype), dtype=dtype, device=device)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def checkpoint_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """Name → shape of every tensor a checkpoint must provide for ``model`` (its state dict less the scales
+    that low-precision layers compute themselves)."""
+    shapes = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if is_low_precision(module) and name == "weight_scale":
+                continue
+            if name in getattr(module, "_non_persistent_buffers_set", ()):
+                continue
+            shapes[prefix + name] = tensor.shape
+    return shapes
+
+
+def assign_checkpoint_tensor(model: nn.Module, name: str, tensor: Tensor, *,
+                             device: torch.device | str | None = None) -> None:
+    """Convert one checkpoint tensor to its storage in ``model`` and put it in place (replacing a meta tensor).
+
+    A low-precision layer's ``weight`` is quantized where ``tensor`` is (its scale set alongside); every other
+    tensor is cast to the dtype ``model`` declares for it (e.g. ComfyUI's fp8 storage). The result is moved
+    to ``device`` (default: where the model's tensor is, or the CPU for a meta tensor) and never requires
+    gradients. Only ``tensor`` and its converted copy are alive at once, so a loader that calls this per
+    tensor as it reads holds the final model plus about one tensor.
+
+    Raises:
+        ValueError: ``name`` is not a tensor of ``model`` (see :func:`checkpoint_shapes`) or the shape differs.
+    """
+    module_name, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        module = None
+    current = getattr(module, leaf, None) if module is not None else None
+    if not isinstance(current, Tensor) or (is_low_precision(module) and leaf == "weight_scale"):
+        raise ValueError(f"the model has no tensor {name!r} to load; the checkpoint does not match this model")
+    if tuple(tensor.shape) != tuple(current.shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(current.shape)}")
+    target = torch.device(device) if device is not None else current.device
+    if target.type == "meta":
+        target = torch.device("cpu")
+    if is_low_precision(module) and leaf == "weight":
+        module.load_weight(tensor)
+        module.weight = nn.Parameter(module.weight.to(target), requires_grad=False)
+        if module.weight_scale is not None:
+            module.weight_scale = nn.Parameter(module.weight_scale.to(target), requires_grad=False)
+        return
+    value = tensor.to(device=target, dtype=current.dtype)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[leaf] = value
+
+
+def _unique_tensors(module: nn.Module) -> list[Tensor]:
+    seen, found = set(), []
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if tensor.device.type == "meta":
+            key = id(tensor)
+        else:
+            key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            found.append(tensor)
+    return found
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes held by ``module``'s parameters and buffers (each tensor counted once), as stored."""
+    return sum(t.numel() * t.element_size() for t in _unique_tensors(module))
+
+
+def parameter_bytes_by_dtype(module: nn.Module) -> dict[str, int]:
+    """:func:`parameter_bytes` split by stored dtype name (``"bfloat16"``, ``"int8"``, ...)."""
+    totals: dict[str, int] = defaultdict(int)
+    for t in _unique_tensors(module):
+        totals[str(t.dtype).removeprefix("torch.")] += t.numel() * t.element_size()
+    return dict(totals)
+
+
+__all__ = [
+    "WEIGHT_DTYPES",
+    "assign_checkpoint_tensor",
+    "build_bagel",
+    "checkpoint_shapes",
+    "parameter_bytes",
+    "parameter_bytes_by_dtype",
+    "parse_weight_dtype",
+    "shared_upcasts",
+    "store_weight",
+    "weight_operations",
+]
