@@ -271,14 +271,7 @@ class Qwen2Model(nn.Module):
         call: AttentionCall,
         gen_mask: Tensor | None = None,
     ) -> Tensor:
-        """Run one packed block of new tokens through every layer.
-
-        Args:
-            embeds: ``[T, H]`` input embeddings of the new tokens.
-            positions: ``[T]`` int RoPE positions.
-            cache: the context's cache; ``begin_call``/``attend``/``end_call`` are called on it.
-            call: what this pass does with the cache.
-            gen_mask: ``[T]`` bool, True = token uses the gen expert; ``None`` = all und.
+        """Run one packed block of new tokens through every layer (arguments as in :class:`BranchInput`).
 
         Returns:
             ``[T, H]`` final-normed hidden states.
