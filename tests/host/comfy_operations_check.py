@@ -6,7 +6,8 @@ Builds the checkpoint's model (and VAE) from ``comfy.ops.disable_weight_init``, 
 and ``comfy.ops.pick_operations(fp8_e4m3fn, bf16)`` (on a CPU host: ``manual_cast`` with fp8 storage), loads
 the weights as ComfyUI does (``load_state_dict`` into the built tensors, cast to their dtype) and runs every
 path (text prefill, a mixed und/gen latent block, logits, velocity, ViT, VAE encode and decode) against the
-default build. Then wraps a build in a ``ModelPatcher`` and loads it with a small ``lowvram_model_memory``:
+default build, and the same build made on the meta device and filled tensor by tensor with
+``assign_checkpoint_tensor`` (a streaming loader's path) against it. Then wraps a build in a ``ModelPatcher`` and loads it with a small ``lowvram_model_memory``:
 the modules that do not fit stay behind with ``comfy_cast_weights`` and fetch their weights per call.
 Prints one JSON object (the last line) for ``test_comfy_operations.py`` to check.
 """
@@ -33,6 +34,7 @@ def main() -> None:
 
     from unicache_core.bagel.config import load_bagel_config
     from unicache_core.bagel.modeling import AutoEncoder, Bagel
+    from unicache_core.bagel.weights import assign_checkpoint_tensor, checkpoint_shapes
     from unicache_core.kv.cache import AttentionCall, FullKVCache
     from unicache_core.kv.token_types import TokenType, type_tensor
 
@@ -89,6 +91,14 @@ def main() -> None:
             "up_proj_dtype": str(up.weight.dtype), "has_comfy_cast_weights": hasattr(up, "comfy_cast_weights"),
             "vs_default": compare(outputs(model, vae), reference),
         }
+        # the streaming path a loader takes: built on meta, each tensor converted and placed as it is read
+        streamed = Bagel(cfg, operations=ops, dtype=dtype, compute_dtype=compute, device="meta")
+        assert set(checkpoint_shapes(streamed)) == set(ema)
+        for key, tensor in ema.items():
+            assign_checkpoint_tensor(streamed, key, tensor)
+        streamed.reset_buffers("cpu")
+        report["builds"][name]["streamed_vs_load_state_dict"] = compare(
+            outputs(streamed.eval(), vae), outputs(model, vae))
 
     class Modules(torch.nn.Module):
         """BAGEL and its VAE in one module with a plain ``device`` attribute, as the pack's loader wraps them."""

@@ -44,6 +44,15 @@ def test_comfy_operations_give_the_default_outputs(report: dict, build: str):
     assert all(v["equal"] for v in entry["vs_default"].values()), entry["vs_default"]
 
 
+@pytest.mark.parametrize("build", ["disable_weight_init", "manual_cast", "manual_cast_fp32_storage",
+                                   "pick_operations_fp8_e4m3fn"])
+def test_streaming_assignment_fills_comfy_layers(report: dict, build: str):
+    """Built on meta from comfy.ops and filled with assign_checkpoint_tensor (cast to each layer's storage, fp8
+    included) = built on the CPU and filled with load_state_dict, as ComfyUI does."""
+    entry = report["builds"][build]["streamed_vs_load_state_dict"]
+    assert all(v["equal"] for v in entry.values()), entry
+
+
 def test_fp8_weight_dtype_is_stored_and_close(report: dict):
     assert report["picked_for_fp8"] == "manual_cast"  # a CPU host has no fp8 matmul
     entry = report["builds"]["pick_operations_fp8_e4m3fn"]

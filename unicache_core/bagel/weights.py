@@ -84,7 +84,8 @@ def build_bagel(config: BagelConfig, *, weight_dtype: Any = "auto", dtype: torch
         weight_dtype: a name of :data:`WEIGHT_DTYPES` (or the matching ``torch.dtype``).
         dtype: the compute dtype (bf16, fp16 or fp32): hidden states, norms, biases, tables.
         device: where to allocate; ``"meta"`` (the default) allocates nothing, for a loader that assigns
-            every tensor with :func:`assign_checkpoint_tensor`.
+            every tensor with :func:`assign_checkpoint_tensor` and then calls ``model.reset_buffers(device)``
+            (the RoPE frequencies are not in checkpoints).
 
     Returns:
         the model in eval mode with no parameter requiring gradients. Inside ComfyUI, build

@@ -217,7 +217,7 @@ def upcast_weight(data: Tensor, scale: Tensor | None, dtype: torch.dtype, device
         ``(weight, output_scale)``: ``weight`` in ``dtype``; ``output_scale [out]`` in ``dtype`` or ``None`` when
         the scale is already applied to ``weight``.
     """
-    data = data.to(device, non_blocking=True)
+    data = data.to(device, non_blocking=device.type == "cuda")  # a copy to the host must be complete on return
     if data.dtype == torch.float8_e4m3fn:
         weight = _e4m3fn_as_half(data).to(dtype)
         factor = 256.0
