@@ -14,6 +14,7 @@ by this module alone, and only when ``--ray`` is given.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import shutil
@@ -39,6 +40,13 @@ def _reason(error: BaseException) -> str:
     return one_line(lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}") if lines else type(error).__name__
 
 
+def host_device_settings(gpu_ids: list[str]) -> tuple[dict[str, str], bool]:
+    """(environment, ``--cpu``?) of a host whose worker Ray assigned ``gpu_ids``: those GPUs only, else the CPU."""
+    if gpu_ids:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids)}, False
+    return {}, True
+
+
 class HostWorker:
     """One ComfyUI host on the actor's node (``attach_url``: use that host instead of starting one)."""
 
@@ -61,8 +69,8 @@ class HostWorker:
         self.info["ready_s"] = round(time.monotonic() - t0, 2)
 
     def _start_host(self, timeout: float) -> str:
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(self.gpus)} if self.gpus else {}
-        self.host = comfyhost.start(self.base, timeout=timeout, env=env, cpu=not self.gpus, die_with_parent=True)
+        env, cpu = host_device_settings(self.gpus)
+        self.host = comfyhost.start(self.base, timeout=timeout, env=env, cpu=cpu, die_with_parent=True)
         self.info.update(host=self.host.url, pid=self.host.pid)
         return self.host.url
 
@@ -99,6 +107,8 @@ class HostWorker:
             comfyhost.stop(self.host, grace=10.0)
             self.host = None
         shutil.rmtree(self.base, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the shared parent goes with the last worker of the node
+            self.base.parent.rmdir()
 
 
 @dataclass
@@ -203,7 +213,7 @@ def _finish(run: Run, result: dict, out: Path, report_ids: list[str]) -> None:
 def _progress_bar(total: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True,
+    return tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True, disable=None,  # off without a TTY
                 bar_format="{l_bar}{bar}| {n:.1f}/{total} runs [{elapsed}<{remaining}{postfix}]")
 
 
