@@ -1,23 +1,21 @@
 """tools/batch --ray on a local Ray cluster whose workers attach to fake hosts (tests/fakehost.py): GPU
 assignment, Ray's restart and retry of a worker whose host went away, a worker without a host, one-line
 reasons, the driver's own local cluster shut down with nothing left behind. No ComfyUI here; the real hosts
-are in tests/host/test_batch_ray.py."""
+are in tests/host/test_batch_ray_hosts.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import ray
 from fakehost import Answer, FakeHost
-from ray.cluster_utils import Cluster
+from raylib import local_cluster, ray_temp_dir
 
 from tools.batch import cli
 from tools.batch.ray_backend import host_device_settings
@@ -30,42 +28,11 @@ GRAPH = {
 }
 
 
-def processes_mentioning(text: str) -> list[str]:
-    """Command lines of live processes that contain ``text`` (e.g. a Ray temp folder)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in line:
-            found.append(f"{cmdline.parent.name}: {line[:200]}")
-    return found
-
-
-def wait_until_gone(text: str, seconds: float = 20.0) -> list[str]:
-    deadline = time.monotonic() + seconds
-    while (left := processes_mentioning(text)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    """A one-node Ray cluster (2 CPUs, 2 logical GPUs) in its own short temp folder, shut down at the end."""
-    temp = tempfile.mkdtemp(prefix="ubr-", dir="/tmp")  # Ray's socket paths must stay under 107 characters
-    saved = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = temp
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2, "include_dashboard": False})
-    yield c
-    c.shutdown()
-    if saved is None:
-        os.environ.pop("RAY_TMPDIR")
-    else:
-        os.environ["RAY_TMPDIR"] = saved
-    left = wait_until_gone(temp)
-    shutil.rmtree(temp, ignore_errors=True)
-    assert left == [], f"Ray processes left after the cluster shut down: {left}"
+    """A one-node Ray cluster (2 CPUs, 2 logical GPUs), shut down and checked for stray processes at the end."""
+    with local_cluster({"num_cpus": 2, "num_gpus": 2}) as c:
+        yield c
 
 
 def ray_batch(cluster, tmp_path, hosts, *extra) -> tuple[int, dict]:
@@ -145,20 +112,21 @@ def test_too_many_gpus_asked_is_one_clear_error(cluster, tmp_path, capsys):
 
 def test_local_cluster_of_the_driver_is_shut_down_with_nothing_left(tmp_path):
     """--ray without --address: the driver starts its own local cluster and leaves no process behind."""
-    temp = tempfile.mkdtemp(prefix="ubl-", dir="/tmp")
     wf = tmp_path / "wf.json"
     wf.write_text(json.dumps(GRAPH))
-    env = dict(os.environ, RAY_TMPDIR=temp)
-    env.pop("RAY_ADDRESS", None)
-    try:
-        with FakeHost() as host:
-            proc = subprocess.run([sys.executable, "-m", "tools.batch", str(wf), "--ray", "--host", host.url,
-                                   "--count", "2", "--out", str(tmp_path / "out"), "--poll", "0.05"],
-                                  cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    with ray_temp_dir("ubl-") as temp, FakeHost() as host:  # fails if a process still names `temp` after the run
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        proc = subprocess.run([sys.executable, "-m", "tools.batch", str(wf), "--ray", "--host", host.url,
+                               "--count", "2", "--out", str(tmp_path / "out"), "--poll", "0.05"],
+                              cwd=REPO, env=dict(env, RAY_TMPDIR=temp), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        left = wait_until_gone(temp)
-        assert left == [], f"processes left by the driver's local Ray cluster: {left}"
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert s["succeeded"] == 2 and s["ray"]["address"] is None and s["ray"]["startup_s"] > 0
+
+
+def test_the_pack_never_imports_ray_or_the_batch_client():
+    """ComfyUI imports the repo root as the node pack: nothing it loads may import Ray (or tools/)."""
+    sources = [REPO / "__init__.py", *(REPO / "nodes").rglob("*.py"), *(REPO / "unicache_core").rglob("*.py")]
+    pattern = re.compile(r"^\s*(import ray\b|from ray\b|import tools\b|from tools\b)", re.M)
+    offenders = [str(p.relative_to(REPO)) for p in sources if pattern.search(p.read_text(encoding="utf-8"))]
+    assert len(sources) > 20 and offenders == [], offenders

@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ray_group.add_argument("--workers", type=int, help="workers (default: one per GPU of the cluster, else 1)")
     ray_group.add_argument("--gpus-per-worker", type=float,
                            help="GPUs each worker's host gets (default 1 on a cluster with GPUs, else 0: --cpu)")
+    ray_group.add_argument("--cpus-per-worker", type=float,
+                           help="CPUs each worker takes; its host computes with that many threads (default 1)")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     _check(ap, a)
@@ -70,7 +72,8 @@ def _check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             ap.error(f"--host {h!r}: give a URL such as http://127.0.0.1:8188")
     if not a.ray:
         given = [flag for flag, value in (("--address", a.address), ("--workers", a.workers),
-                                          ("--gpus-per-worker", a.gpus_per_worker)) if value is not None]
+                                          ("--gpus-per-worker", a.gpus_per_worker),
+                                          ("--cpus-per-worker", a.cpus_per_worker)) if value is not None]
         if given:
             ap.error(f"{', '.join(given)} only apply with --ray")
         if not a.host:
@@ -79,6 +82,8 @@ def _check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         ap.error(f"--workers must be >= 1, got {a.workers}")
     if a.gpus_per_worker is not None and not 0 <= a.gpus_per_worker <= 64:
         ap.error(f"--gpus-per-worker must be within 0..64, got {a.gpus_per_worker}")
+    if a.cpus_per_worker is not None and not 0.01 <= a.cpus_per_worker <= 1024:
+        ap.error(f"--cpus-per-worker must be within 0.01..1024, got {a.cpus_per_worker}")
 
 
 def _writable_paths(out: Path, summary: Path) -> None:
@@ -118,7 +123,8 @@ def _run(a: argparse.Namespace, workflow: dict, runs: list[Run]) -> dict:
         from tools.batch.ray_backend import RayOptions, run_on_ray
     except ImportError as e:
         raise ValueError(f"--ray needs the ray extra: pip install '.[ray]' ({e})") from e
-    options = RayOptions(a.address, a.workers, a.gpus_per_worker, a.host, a.retries, poll=a.poll)
+    options = RayOptions(address=a.address, workers=a.workers, gpus_per_worker=a.gpus_per_worker,
+                         cpus_per_worker=a.cpus_per_worker or 1.0, attach=a.host, retries=a.retries, poll=a.poll)
     ray_info = run_on_ray(workflow, runs, a.out, options, timeout=a.timeout)
     hosts = sorted({h for r in runs for h in r.hosts_tried})
     return {"backend": "ray", "hosts": hosts, "ray": ray_info}

@@ -41,7 +41,10 @@ def _reason(error: BaseException) -> str:
 
 
 def host_device_settings(gpu_ids: list[str]) -> tuple[dict[str, str], bool]:
-    """(environment, ``--cpu``?) of a host whose worker Ray assigned ``gpu_ids``: those GPUs only, else the CPU."""
+    """(environment, ``--cpu``?) of a host whose worker Ray assigned ``gpu_ids``: those GPUs only, else the CPU.
+
+    The host also inherits the worker's OMP_NUM_THREADS, which Ray sets from the worker's CPUs (so a host
+    computes with the threads its worker was given, and CPU results match a host run with as many threads)."""
     if gpu_ids:
         return {"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids)}, False
     return {}, True
@@ -114,12 +117,14 @@ class HostWorker:
 @dataclass
 class RayOptions:
     """``--ray`` settings: cluster ``address`` (None: start or find a local one), ``workers`` (None: one per
-    GPU, or one), ``gpus_per_worker`` (None: 1 on a cluster with GPUs, else 0), ``attach`` (host URLs, one
-    worker each, instead of starting hosts), ``retries`` (Ray's max_restarts and max_task_retries)."""
+    GPU, or one), ``gpus_per_worker`` (None: 1 on a cluster with GPUs, else 0), ``cpus_per_worker`` (Ray sets
+    the host's OMP_NUM_THREADS from it), ``attach`` (host URLs, one worker each, instead of starting hosts),
+    ``retries`` (Ray's max_restarts and max_task_retries)."""
 
     address: str | None = None
     workers: int | None = None
     gpus_per_worker: float | None = None
+    cpus_per_worker: float = 1.0
     attach: list[str] = field(default_factory=list)
     retries: int = 2
     host_timeout: float = 180.0
@@ -153,15 +158,17 @@ def _plan(options: RayOptions) -> tuple[int, float]:
     if count < 1 or count * per > gpus + 1e-9:
         raise ValueError(f"--workers {count} x --gpus-per-worker {per:g} needs {count * per:g} GPUs; the cluster "
                          f"has {gpus:g} (lower --workers or --gpus-per-worker)")
-    if count > cpus:
-        raise ValueError(f"--workers {count}: each worker takes 1 CPU and the cluster has {cpus:g}")
+    if count * options.cpus_per_worker > cpus + 1e-9:
+        raise ValueError(f"--workers {count} x --cpus-per-worker {options.cpus_per_worker:g} needs "
+                         f"{count * options.cpus_per_worker:g} CPUs; the cluster has {cpus:g}")
     return count, per
 
 
-def _start_workers(options: RayOptions, count: int, per_worker_gpus: float) -> tuple[dict, list[dict]]:
-    """Start ``count`` actors; returns ({index: actor} of those with a host, every worker's description)."""
-    actor_class = ray.remote(HostWorker).options(num_cpus=1, num_gpus=per_worker_gpus, max_restarts=options.retries,
-                                                 max_task_retries=options.retries)
+def _start_workers(options: RayOptions, count: int, per_worker_gpus: float) -> tuple[dict, dict, list[dict]]:
+    """Start ``count`` actors; returns ({index: actor} of those with a host, {index: actor} of all, every
+    worker's description). A worker without a host stays idle until the end, holding its resources."""
+    actor_class = ray.remote(HostWorker).options(num_cpus=options.cpus_per_worker, num_gpus=per_worker_gpus,
+                                                 max_restarts=options.retries, max_task_retries=options.retries)
     actors = {i: actor_class.remote(i, options.attach[i] if options.attach else None, options.host_timeout,
                                     options.poll) for i in range(count)}
     refs = {actors[i].describe.remote(): i for i in actors}
@@ -175,14 +182,13 @@ def _start_workers(options: RayOptions, count: int, per_worker_gpus: float) -> t
             info = {"worker": i, "error": one_line(str(e).splitlines()[0] if str(e) else e)}
         infos.append(info)
         where = f"worker {i} (node {str(info.get('node'))[:8]})"
-        if info.get("error"):
+        if info.get("error"):  # it keeps its slot, so that Ray places no restarted worker on that node
             logger.warning("%s cannot start its host: %s; the batch goes on without it", where, info["error"])
-            ray.kill(actors.pop(i), no_restart=True)
         else:
             logger.info("%s: ComfyUI host %s (pid %s, GPUs %s), ready in %.1f s", where, info["host"], info["pid"],
                         ",".join(info["gpus"]) or "none", info["ready_s"])
             live[i] = actors[i]
-    return live, infos
+    return live, actors, infos
 
 
 def _apply_event(event: dict, runs: dict[int, Run], progress: dict[int, float]) -> None:
@@ -276,13 +282,13 @@ def run_on_ray(workflow: dict, runs: list[Run], out: Path, options: RayOptions, 
         count, per_worker_gpus = _plan(options)
         logger.info("Ray %s: %d worker(s), %g GPU(s) each; connected in %.1f s", ray.__version__, count,
                     per_worker_gpus, startup_s)
-        live, infos = _start_workers(options, count, per_worker_gpus)
+        live, every, infos = _start_workers(options, count, per_worker_gpus)
         deadline = t0 + timeout
         try:
             if live:
                 _Dispatch(workflow, runs, out, live).run(deadline)
         finally:
-            _stop_workers(live)
+            _stop_workers(every)
         reasons = "; ".join(f"worker {i['worker']}: {i['error']}" for i in infos if i.get("error"))
         for run in runs:
             if run.status == "pending":
@@ -293,9 +299,9 @@ def run_on_ray(workflow: dict, runs: list[Run], out: Path, options: RayOptions, 
         ray.shutdown()
 
 
-def _stop_workers(live: dict) -> None:
+def _stop_workers(actors: dict) -> None:
     """Ask every worker to stop its host, then end the actors (a host also dies with its worker's process)."""
-    refs = [actor.shutdown.remote() for actor in live.values()]
+    refs = [actor.shutdown.remote() for actor in actors.values()]
     ray.wait(refs, num_returns=len(refs), timeout=60)
-    for actor in live.values():
+    for actor in actors.values():
         ray.kill(actor, no_restart=True)
