@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010802000000907753de0000000c4944415478"
-                    "9c63f8cfc0000003010100c9fe92ef0000000049454e44ae426082")  # a 1x1 RGB PNG
+PNG = bytes.fromhex(
+    "89504e470d0a1a0a0000000d4948445200000001000000010802000000907753de0000000c4944415478"
+    "9c63f8cfc0000003010100c9fe92ef0000000049454e44ae426082"
+)  # a 1x1 RGB PNG
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
 
@@ -39,26 +41,46 @@ def text_frame(text: str | bytes, opcode: int = 1) -> bytes:
     """A server websocket frame (unmasked) carrying ``text``."""
     payload = text.encode() if isinstance(text, str) else text
     n = len(payload)
-    size = bytes([n]) if n < 126 else bytes([126]) + n.to_bytes(2, "big") if n < 65536 else \
-        bytes([127]) + n.to_bytes(8, "big")
+    size = (
+        bytes([n])
+        if n < 126
+        else bytes([126]) + n.to_bytes(2, "big") if n < 65536 else bytes([127]) + n.to_bytes(8, "big")
+    )
     return bytes([0x80 | opcode]) + size + payload
 
 
 def ok_history(prompt_id: str, outputs: dict | None = None) -> dict:
     """The history ComfyUI writes for a successful prompt (one image, one text, one KV report)."""
-    outputs = outputs if outputs is not None else {
-        "9": {"images": [{"filename": "unicache_00001_.png", "subfolder": "", "type": "output"}]},
-        "5": {"text": ["unicache: saved 600 B"], "unicache_kv": [{"full_bytes": 1000, "steady_bytes": 400}]},
+    outputs = (
+        outputs
+        if outputs is not None
+        else {
+            "9": {"images": [{"filename": "unicache_00001_.png", "subfolder": "", "type": "output"}]},
+            "5": {
+                "text": ["unicache: saved 600 B"],
+                "unicache_kv": [{"full_bytes": 1000, "steady_bytes": 400}],
+            },
+        }
+    )
+    return {
+        prompt_id: {
+            "prompt": [0, prompt_id, {}, {}, ["9"]],
+            "outputs": outputs,
+            "status": {
+                "status_str": "success",
+                "completed": True,
+                "messages": [["execution_start", {"prompt_id": prompt_id}]],
+            },
+        }
     }
-    return {prompt_id: {"prompt": [0, prompt_id, {}, {}, ["9"]], "outputs": outputs,
-                        "status": {"status_str": "success", "completed": True,
-                                   "messages": [["execution_start", {"prompt_id": prompt_id}]]}}}
 
 
 def ok_ws(prompt_id: str) -> list[bytes]:
     """The websocket messages ComfyUI sends for a prompt: progress, then ``executing`` with node None."""
-    events = [{"type": "progress", "data": {"value": v, "max": 3, "prompt_id": prompt_id, "node": "3"}}
-              for v in (1, 2, 3)]
+    events = [
+        {"type": "progress", "data": {"value": v, "max": 3, "prompt_id": prompt_id, "node": "3"}}
+        for v in (1, 2, 3)
+    ]
     events.append({"type": "executing", "data": {"node": None, "prompt_id": prompt_id}})
     return [text_frame(json.dumps(e)) for e in events]
 
@@ -66,11 +88,17 @@ def ok_ws(prompt_id: str) -> list[bytes]:
 class FakeHost:
     """``with FakeHost(...) as host: host.url``; ``host.prompts`` counts the prompts received."""
 
-    def __init__(self, prompt: Callable[[int], Answer] | None = None,
-                 history: Callable[[int, str], Answer] | None = None,
-                 view: Callable[[int, dict], Answer] | None = None,
-                 ws: Callable[[int, str], list[bytes]] | None = None, websocket: bool = True):
-        self.prompt = prompt or (lambda n: Answer(200, {"prompt_id": f"p{n}", "number": n, "node_errors": {}}))
+    def __init__(
+        self,
+        prompt: Callable[[int], Answer] | None = None,
+        history: Callable[[int, str], Answer] | None = None,
+        view: Callable[[int, dict], Answer] | None = None,
+        ws: Callable[[int, str], list[bytes]] | None = None,
+        websocket: bool = True,
+    ):
+        self.prompt = prompt or (
+            lambda n: Answer(200, {"prompt_id": f"p{n}", "number": n, "node_errors": {}})
+        )
         self.history = history or (lambda n, pid: Answer(200, ok_history(pid)))
         self.view = view or (lambda n, query: Answer(200, PNG, headers={"Content-Type": "image/png"}))
         self.ws = ws or (lambda n, pid: ok_ws(pid))
@@ -84,7 +112,9 @@ class FakeHost:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def __enter__(self) -> "FakeHost":
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -112,10 +142,17 @@ class FakeHost:
                     self.wfile.write(answer.raw)
                     self.close_connection = True
                     return
-                body = answer.body if isinstance(answer.body, bytes) else \
-                    b"" if answer.body is None else json.dumps(answer.body).encode()
+                body = (
+                    answer.body
+                    if isinstance(answer.body, bytes)
+                    else b"" if answer.body is None else json.dumps(answer.body).encode()
+                )
                 self.send_response(answer.status)
-                headers = {"Content-Type": "application/json", "Content-Length": str(len(body)), **answer.headers}
+                headers = {
+                    "Content-Type": "application/json",
+                    "Content-Length": str(len(body)),
+                    **answer.headers,
+                }
                 for k, v in headers.items():
                     self.send_header(k, v)
                 self.end_headers()
@@ -128,7 +165,7 @@ class FakeHost:
                 if url.path == "/system_stats":
                     return self._send(Answer(200, {"system": {"comfyui_version": "0.3.75"}}))
                 if url.path.startswith("/history/"):
-                    pid = urllib.parse.unquote(url.path[len("/history/"):])
+                    pid = urllib.parse.unquote(url.path[len("/history/") :])
                     return self._send(host.history(host.ids.get(pid, -1), pid))
                 if url.path == "/view":
                     query = dict(urllib.parse.parse_qsl(url.query, keep_blank_values=True))

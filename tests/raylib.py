@@ -54,8 +54,8 @@ def ray_temp_dir(prefix: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def local_cluster(head: dict, *nodes: dict) -> Iterator:
-    """A Ray cluster on this machine: a head node with ``head`` settings (num_cpus, num_gpus, ...) and one more
-    node per ``nodes`` entry (``env_vars`` give that node's workers their own environment); shut down and
+    """A Ray cluster on this machine: a head node with ``head`` settings (num_cpus, num_gpus, ...) and one
+    more node per ``nodes`` entry (``env_vars`` give that node's workers their own environment); shut down and
     checked for stray processes on exit."""
     from ray.cluster_utils import Cluster
 

@@ -1,4 +1,4 @@
-"""tools/batch without a host: graph variation, seed and prompt files, KV bytes from report outputs, arguments."""
+"""tools/batch without a host: graph variation, seed and prompt files, KV figures, arguments."""
 
 from __future__ import annotations
 
@@ -51,11 +51,19 @@ def test_kv_saved_from_chart_data_then_text():
     assert work.kv_saved([{}]) == (None, None)
 
 
-@pytest.mark.parametrize("args, msg", [
-    (["--count", "0"], "--count"),
-    (["--count", "1", "--host", "127.0.0.1:8188"], "give a URL"),
-    (["--count", "2", "--seed-start", str(2**64 - 1)], "2\\*\\*64"),
-])
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--count", "0"], "--count"),
+        (["--count", "1", "--host", "127.0.0.1:8188"], "give a URL"),
+        (["--count", "2", "--seed-start", str(2**64 - 1)], "2\\*\\*64"),
+        (["--count", "1", "--workers", "2"], "--workers only apply with --ray"),
+        (["--count", "1", "--ray", "--gpus-per-worker", "-1"], "--gpus-per-worker must be within"),
+        (["--count", "1", "--ray", "--cpus-per-worker", "0"], "--cpus-per-worker must be within"),
+        (["--count", "1", "--poll", "0"], "--poll must be within"),
+        (["--count", "1", "--timeout", "nan"], "--timeout must be > 0"),
+    ],
+)
 def test_bad_arguments_exit_2(tmp_path, capsys, args, msg):
     wf = tmp_path / "wf.json"
     wf.write_text(json.dumps(GRAPH))
@@ -68,12 +76,40 @@ def test_bad_arguments_exit_2(tmp_path, capsys, args, msg):
     assert re.search(msg, capsys.readouterr().err)
 
 
+def test_plain_path_needs_a_host(tmp_path, capsys):
+    wf = tmp_path / "wf.json"
+    wf.write_text(json.dumps(GRAPH))
+    assert cli.main([str(wf), "--count", "1", "--out", str(tmp_path / "o")]) == 2
+    assert "give at least one --host URL (or --ray" in capsys.readouterr().err
+
+
+def test_unwritable_out_is_refused_before_any_run(tmp_path, capsys):
+    wf = tmp_path / "wf.json"
+    wf.write_text(json.dumps(GRAPH))
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "o"
+    assert cli.main([str(wf), "--host", "http://127.0.0.1:9", "--count", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot write under --out" in err[0], err
+
+
 def test_unreachable_host_fails_every_run(tmp_path):
     """No host answers: every run is reported failed (exit 1), the summary is still written."""
     wf = tmp_path / "wf.json"
     wf.write_text(json.dumps(GRAPH))
-    rc = cli.main([str(wf), "--host", "http://127.0.0.1:9", "--count", "2", "--out", str(tmp_path / "o"),
-                     "--timeout", "30"])
+    rc = cli.main(
+        [
+            str(wf),
+            "--host",
+            "http://127.0.0.1:9",
+            "--count",
+            "2",
+            "--out",
+            str(tmp_path / "o"),
+            "--timeout",
+            "30",
+        ]
+    )
     assert rc == 1
     s = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert s["succeeded"] == 0 and [r["status"] for r in s["runs"]] == ["failed", "failed"]

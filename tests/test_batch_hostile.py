@@ -1,13 +1,14 @@
 """The batch client against fake hosts on 127.0.0.1 that answer badly (tests/fakehost.py).
 
-Every malformed answer must end the run it concerns as failed (or error) with a one-line reason in the summary,
-the next run must still succeed on the same host, and nothing may be written outside ``--out``."""
+Every malformed answer must end the run it concerns as failed (or error) with a one-line reason in the
+summary, the next run must still succeed on the same host, and nothing may be written outside ``--out``."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from fakehost import PNG, Answer, FakeHost, ok_history, ok_ws, text_frame
@@ -50,8 +51,26 @@ def run_batch(tmp_path: Path, fake: FakeHost, count: int = 2, extra: tuple = ())
     wf.write_text(json.dumps(GRAPH))
     out = tmp_path / "work" / "out"
     with fake:
-        rc = cli.main([str(wf), "--host", fake.url, "--count", str(count), "--out", str(out), "--depth", "1",
-                       "--poll", "0.05", "--retries", "0", "--timeout", "60", *extra])
+        rc = cli.main(
+            [
+                str(wf),
+                "--host",
+                fake.url,
+                "--count",
+                str(count),
+                "--out",
+                str(out),
+                "--depth",
+                "1",
+                "--poll",
+                "0.05",
+                "--retries",
+                "0",
+                "--timeout",
+                "60",
+                *extra,
+            ]
+        )
     summary = json.loads((out / "summary.json").read_text())  # strict JSON: no NaN may reach it
     outside = [p for p in tmp_path.rglob("*") if p.is_file() and out not in p.parents and p != wf]
     assert outside == [], f"files written outside --out: {outside}"
@@ -65,69 +84,89 @@ def assert_one_line(reason: str) -> None:
 
 # Each case: (name, FakeHost overrides, status of run 0, text its error must contain).
 NESTED = "[" * 100_000 + "]" * 100_000
+
+
+def bad_prompt(answer: Answer) -> dict:
+    return {"prompt": first(lambda: answer, default_prompt)}
+
+
+def bad_view(answer: Answer) -> dict:
+    return {"view": first(lambda query: answer, lambda n, query: Answer(200, PNG))}
+
+
+def entry(status: object, **fields) -> Callable[[str], dict]:
+    """A history body whose entry for the prompt has this ``status`` (and other fields)."""
+    return lambda pid: {pid: {"status": status, **fields}}
+
+
+OK = {"status_str": "success"}
+VALIDATION = {
+    "error": {"type": "prompt_outputs_failed_validation", "message": "Prompt outputs failed validation"},
+    "node_errors": {
+        "2": {
+            "errors": [
+                {"type": "value_bigger_than_max", "message": "Value 2.0 bigger than max", "details": "rho"}
+            ],
+            "class_type": "UniCacheKVConfig",
+        }
+    },
+}
+EXEC_ERROR = [
+    ["execution_error", {"node_type": "X\x1b[2J", "node_id": ["3"], "exception_message": "a\nb\r\x00c"}]
+]
+# fmt: off
 CASES = [
-    ("prompt not json", {"prompt": first(lambda: Answer(200, b"<html>hello</html>"), default_prompt)},
-     "failed", "not JSON"),
-    ("prompt deep json", {"prompt": first(lambda: Answer(200, NESTED.encode()), default_prompt)}, "failed", "not JSON"),
-    ("prompt list", {"prompt": first(lambda: Answer(200, []), default_prompt)}, "failed", "no usable prompt_id"),
-    ("prompt no id", {"prompt": first(lambda: Answer(200, {"number": 0}), default_prompt)}, "failed",
-     "no usable prompt_id"),
-    ("prompt id int", {"prompt": first(lambda: Answer(200, {"prompt_id": 7}), default_prompt)}, "failed",
-     "no usable prompt_id"),
-    ("prompt id path", {"prompt": first(lambda: Answer(200, {"prompt_id": "../../x"}), default_prompt)}, "failed",
-     "no usable prompt_id"),
-    ("prompt id long", {"prompt": first(lambda: Answer(200, {"prompt_id": "a" * 5000}), default_prompt)}, "failed",
-     "no usable prompt_id"),
-    ("refusal string error", {"prompt": first(lambda: Answer(400, {"error": "bad\ngraph", "node_errors": []}),
-                                              default_prompt)}, "failed", "HTTP 400): bad graph"),
-    ("refusal odd shapes", {"prompt": first(lambda: Answer(400, {"error": {"message": 5}, "node_errors": {"3": 1}}),
-                                            default_prompt)}, "failed", "node 3"),
-    ("refusal comfy shape", {"prompt": first(lambda: Answer(400, {
-        "error": {"type": "prompt_outputs_failed_validation", "message": "Prompt outputs failed validation"},
-        "node_errors": {"2": {"errors": [{"type": "value_bigger_than_max", "message": "Value 2.0 bigger than max",
-                                          "details": "rho"}], "class_type": "UniCacheKVConfig"}}}), default_prompt)},
-     "failed", "node 2 (UniCacheKVConfig): Value 2.0 bigger than max rho"),
-    ("refusal list body", {"prompt": first(lambda: Answer(400, [1, 2]), default_prompt)}, "failed", "HTTP 400"),
-    ("prompt html 500", {"prompt": first(lambda: Answer(500, b"<html>\n<b>Internal\x1b[31m</b>\n</html>"),
-                                         default_prompt)}, "failed", "HTTP 500"),
-    ("prompt 404 empty", {"prompt": first(lambda: Answer(404, b""), default_prompt)}, "failed", "HTTP 404"),
-    ("prompt redirect", {"prompt": first(lambda: Answer(302, b"", headers={"Location": "http://127.0.0.1:9/x"}),
-                                         default_prompt)}, "failed", "HTTP 302"),
-    ("prompt not http", {"prompt": first(lambda: Answer(raw=b"HELLO THERE\r\n\r\n"), default_prompt)}, "failed",
-     "malformed HTTP answer"),
+    ("prompt not json", bad_prompt(Answer(200, b"<html>hello</html>")), "failed", "not JSON"),
+    ("prompt deep json", bad_prompt(Answer(200, NESTED.encode())), "failed", "not JSON"),
+    ("prompt list", bad_prompt(Answer(200, [])), "failed", "no usable prompt_id"),
+    ("prompt no id", bad_prompt(Answer(200, {"number": 0})), "failed", "no usable prompt_id"),
+    ("prompt id int", bad_prompt(Answer(200, {"prompt_id": 7})), "failed", "no usable prompt_id"),
+    ("prompt id path", bad_prompt(Answer(200, {"prompt_id": "../../x"})), "failed", "no usable prompt_id"),
+    ("prompt id long", bad_prompt(Answer(200, {"prompt_id": "a" * 5000})), "failed", "no usable prompt_id"),
+    ("refusal string error", bad_prompt(Answer(400, {"error": "bad\ngraph", "node_errors": []})), "failed",
+     "HTTP 400): bad graph"),
+    ("refusal odd shapes", bad_prompt(Answer(400, {"error": {"message": 5}, "node_errors": {"3": 1}})),
+     "failed", "node 3"),
+    ("refusal comfy shape", bad_prompt(Answer(400, VALIDATION)), "failed",
+     "node 2 (UniCacheKVConfig): Value 2.0 bigger than max rho"),
+    ("refusal list body", bad_prompt(Answer(400, [1, 2])), "failed", "HTTP 400"),
+    ("prompt html 500", bad_prompt(Answer(500, b"<html>\n<b>Internal\x1b[31m</b>\n</html>")), "failed",
+     "HTTP 500"),
+    ("prompt 404 empty", bad_prompt(Answer(404, b"")), "failed", "HTTP 404"),
+    ("prompt redirect", bad_prompt(Answer(302, b"", headers={"Location": "http://127.0.0.1:9/x"})), "failed",
+     "HTTP 302"),
+    ("prompt not http", bad_prompt(Answer(raw=b"HELLO THERE\r\n\r\n")), "failed", "malformed HTTP answer"),
     ("history 500", {"history": first(lambda pid: Answer(500, b"oops"), default_history)}, "failed",
      "answered HTTP 500"),
-    ("history not json", {"history": first(lambda pid: Answer(200, b"{"), default_history)}, "failed", "not JSON"),
+    ("history not json", {"history": first(lambda pid: Answer(200, b"{"), default_history)}, "failed",
+     "not JSON"),
     ("history list", history_with(lambda pid: [pid]), "failed", "not a JSON object"),
     ("history entry str", history_with(lambda pid: {pid: "done"}), "failed", "the entry is str"),
-    ("history status str", history_with(lambda pid: {pid: {"status": "ok", "outputs": {}}}), "failed",
-     "'status' is 'ok'"),
-    ("history status odd", history_with(lambda pid: {pid: {"status": {"status_str": "maybe"}}}), "failed",
-     "status_str 'maybe'"),
-    ("history status bool", history_with(lambda pid: {pid: {"status": {"status_str": True}}}), "failed",
-     "status_str True"),
-    ("outputs list", history_with(lambda pid: {pid: {"status": {"status_str": "success"}, "outputs": [1]}}),
-     "failed", "'outputs' is [1]"),
+    ("history status str", history_with(entry("ok", outputs={})), "failed", "'status' is 'ok'"),
+    ("history status odd", history_with(entry({"status_str": "maybe"})), "failed", "status_str 'maybe'"),
+    ("history status bool", history_with(entry({"status_str": True})), "failed", "status_str True"),
+    ("outputs list", history_with(entry(OK, outputs=[1])), "failed", "'outputs' is [1]"),
     ("output str", outputs_with({"9": "x"}), "failed", "output of node '9' is not an object"),
     ("images dict", outputs_with({"9": {"images": {"a": 1}}}), "failed", "'images' is {'a': 1}, not list"),
     ("image str", outputs_with({"9": {"images": ["a.png"]}}), "failed", "image is str"),
-    ("filename int", outputs_with({"9": {"images": [{"filename": 7}]}}), "failed", "'filename' is 7, not str"),
+    ("filename int", outputs_with({"9": {"images": [{"filename": 7}]}}), "failed",
+     "'filename' is 7, not str"),
     ("subfolder list", outputs_with({"9": {"images": [{"filename": "a.png", "subfolder": []}]}}), "failed",
      "'subfolder' is []"),
     ("text dict", outputs_with({"5": {"text": [{"a": 1}]}}), "failed", "a text item is dict"),
     ("text str", outputs_with({"5": {"text": "abc"}}), "failed", "'text' is 'abc', not list"),
-    ("too many files", outputs_with({"9": {"images": [{"filename": f"{i}.png"} for i in range(300)]}}), "failed",
-     "more than 256 output files"),
-    ("view 404", {"view": first(lambda q: Answer(404, b"404: Not Found"), lambda n, q: Answer(200, PNG))},
-     "failed", "/view 'unicache_00001_.png' answered HTTP 404"),
-    ("view cut short", {"view": first(lambda q: Answer(raw=b"HTTP/1.0 200 OK\r\nContent-Length: 1000\r\n\r\nabc"),
-                                      lambda n, q: Answer(200, PNG))}, "failed", "answer cut short (3 of 1000 bytes)"),
-    ("error no details", history_with(lambda pid: {pid: {"status": {"status_str": "error", "messages": "x"}}}),
-     "error", "without details"),
-    ("error escapes", history_with(lambda pid: {pid: {"status": {"status_str": "error", "messages": [
-        ["execution_error", {"node_type": "X\x1b[2J", "node_id": ["3"], "exception_message": "a\nb\r\x00c"}]]}}}),
-     "error", "X [2J (node ['3']): ?: a b c"),
+    ("too many files", outputs_with({"9": {"images": [{"filename": f"{i}.png"} for i in range(300)]}}),
+     "failed", "more than 256 output files"),
+    ("view 404", bad_view(Answer(404, b"404: Not Found")), "failed",
+     "/view 'unicache_00001_.png' answered HTTP 404"),
+    ("view cut short", bad_view(Answer(raw=b"HTTP/1.0 200 OK\r\nContent-Length: 1000\r\n\r\nabc")), "failed",
+     "answer cut short (3 of 1000 bytes)"),
+    ("error no details", history_with(entry({"status_str": "error", "messages": "x"})), "error",
+     "without details"),
+    ("error escapes", history_with(entry({"status_str": "error", "messages": EXEC_ERROR})), "error",
+     "X [2J (node ['3']): ?: a b c"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("name, overrides, status, reason", CASES, ids=[c[0] for c in CASES])
@@ -154,10 +193,18 @@ def test_answers_over_the_size_caps_fail_the_run(tmp_path, monkeypatch):
     assert summary["runs"][1]["status"] == "success"
 
 
-@pytest.mark.parametrize("kv", [
-    {"saved_bytes": math.nan}, {"full_bytes": math.inf, "steady_bytes": 1}, {"saved_bytes": "600"},
-    {"saved_bytes": True}, {"saved_bytes": 10**30}, [[[[[[[[{"saved_bytes": None}]]]]]]]], "x" * 100,
-])
+@pytest.mark.parametrize(
+    "kv",
+    [
+        {"saved_bytes": math.nan},
+        {"full_bytes": math.inf, "steady_bytes": 1},
+        {"saved_bytes": "600"},
+        {"saved_bytes": True},
+        {"saved_bytes": 10**30},
+        [[[[[[[[{"saved_bytes": None}]]]]]]]],
+        "x" * 100,
+    ],
+)
 def test_odd_kv_numbers_give_no_figure_and_strict_json(tmp_path, kv):
     outputs = {"5": {"unicache_kv": kv}, "9": {"images": [{"filename": "a.png"}]}}
     rc, summary = run_batch(tmp_path, FakeHost(**outputs_with(outputs)), count=1)
@@ -179,9 +226,20 @@ def test_deeply_nested_report_data_is_stored_or_refused_in_one_line(tmp_path):
 
 
 HOSTILE_NAMES = [
-    ("/../../x", "../../../escape.png"), ("..", ".."), (".", "."), ("", ""), ("/abs", "/etc/passwd"),
-    ("n\x00id", "a\x00b.png"), ("9", "..\\..\\win.png"), ("9", "x" * 5000 + ".png"), ("a/b", "same.png"),
-    ("a_b", "same.png"), ("~", "~/.bashrc"), ("9", ".hidden"), ("9", "con:"), ("\u202e", "\u202egnp.exe"),
+    ("/../../x", "../../../escape.png"),
+    ("..", ".."),
+    (".", "."),
+    ("", ""),
+    ("/abs", "/etc/passwd"),
+    ("n\x00id", "a\x00b.png"),
+    ("9", "..\\..\\win.png"),
+    ("9", "x" * 5000 + ".png"),
+    ("a/b", "same.png"),
+    ("a_b", "same.png"),
+    ("~", "~/.bashrc"),
+    ("9", ".hidden"),
+    ("9", "con:"),
+    ("\u202e", "\u202egnp.exe"),
 ]
 
 
@@ -204,13 +262,17 @@ def test_hostile_node_ids_and_file_names_stay_inside_out(tmp_path):
 
 
 def test_websocket_messages_of_other_shapes_are_skipped(tmp_path):
-    junk = [b"\x89\x00", text_frame(b"\x00\x01binary", opcode=2), text_frame("not json"), text_frame("[1, 2]"),
-            text_frame('{"type": "progress", "data": []}'), text_frame('{"type": "progress", "data": {"prompt_id": ["x"]}}'),
+    # fmt: off
+    junk = [b"\x89\x00", text_frame(b"\x00\x01binary", opcode=2), text_frame("not json"),
+            text_frame("[1, 2]"),
+            text_frame('{"type": "progress", "data": []}'),
+            text_frame('{"type": "progress", "data": {"prompt_id": ["x"]}}'),
             text_frame('{"type": "progress", "data": {"prompt_id": "p0", "value": "a", "max": 3}}'),
             text_frame('{"type": "progress", "data": {"prompt_id": "p0", "value": NaN, "max": Infinity}}'),
             text_frame('{"type": "progress", "data": {"prompt_id": "p0", "value": 5, "max": 0}}'),
             text_frame('{"type": "executing", "data": {"node": null, "prompt_id": {}}}'),
             text_frame("[" * 50_000), text_frame(b"\xff\xfe invalid utf-8")]
+    # fmt: on
 
     def ws(n, pid):
         return junk + ok_ws(pid) if n == 0 else ok_ws(pid)
@@ -219,11 +281,15 @@ def test_websocket_messages_of_other_shapes_are_skipped(tmp_path):
     assert rc == 0 and [r["status"] for r in summary["runs"]] == ["success", "success"], summary
 
 
-@pytest.mark.parametrize("frames", [
-    [b"\xff\x05hello"],  # reserved bits and an unknown opcode
-    [text_frame(b"", opcode=8)],  # the host closes the websocket
-    [b"\x81\x7f" + (2**62).to_bytes(8, "big")],  # announces a frame of 4 EiB, then nothing
-], ids=["bad frame", "close", "huge length"])
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"\xff\x05hello"],  # reserved bits and an unknown opcode
+        [text_frame(b"", opcode=8)],  # the host closes the websocket
+        [b"\x81\x7f" + (2**62).to_bytes(8, "big")],  # announces a frame of 4 EiB, then nothing
+    ],
+    ids=["bad frame", "close", "huge length"],
+)
 def test_broken_websocket_falls_back_to_history(tmp_path, frames):
     rc, summary = run_batch(tmp_path, FakeHost(ws=lambda n, pid: frames if n == 0 else ok_ws(pid)))
     assert rc == 0 and [r["status"] for r in summary["runs"]] == ["success", "success"], summary
@@ -247,8 +313,23 @@ def test_host_that_hangs_up_loses_its_runs_to_a_good_host(tmp_path):
     wf.write_text(json.dumps(GRAPH))
     out = tmp_path / "out"
     with FakeHost(prompt=lambda n: Answer(raw=b"")) as bad, FakeHost() as good:
-        rc = cli.main([str(wf), "--host", bad.url, "--host", good.url, "--count", "4", "--out", str(out),
-                       "--depth", "1", "--poll", "0.05"])
+        rc = cli.main(
+            [
+                str(wf),
+                "--host",
+                bad.url,
+                "--host",
+                good.url,
+                "--count",
+                "4",
+                "--out",
+                str(out),
+                "--depth",
+                "1",
+                "--poll",
+                "0.05",
+            ]
+        )
     summary = json.loads((out / "summary.json").read_text())
     assert rc == 0 and summary["succeeded"] == 4, summary
     assert {r["host"] for r in summary["runs"]} == {good.url}
@@ -256,7 +337,7 @@ def test_host_that_hangs_up_loses_its_runs_to_a_good_host(tmp_path):
 
 
 def test_client_streams_progress_then_fetches_outputs():
-    """As in ComfyUI, the history entry appears only after the progress messages (here: at the second look)."""
+    """As in ComfyUI, the history entry appears only after the progress messages (here: at the 2nd look)."""
     events, looks = [], []
 
     def history(n, pid):
@@ -266,7 +347,8 @@ def test_client_streams_progress_then_fetches_outputs():
     with FakeHost(history=history) as fake:
         outcome = client.HostClient(fake.url, request_timeout=5, poll=0.05).execute(GRAPH, events.append, 10)
     assert events == [{"event": "submitted", "prompt_id": "p0"}] + [
-        {"event": "progress", "value": v, "max": 3} for v in (1, 2, 3)]
+        {"event": "progress", "value": v, "max": 3} for v in (1, 2, 3)
+    ]
     assert outcome.status == "success" and outcome.images == [("9", "unicache_00001_.png", PNG)]
     assert outcome.texts == [("5", "unicache: saved 600 B")] and list(outcome.kv) == ["5"]
 

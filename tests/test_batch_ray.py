@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,7 @@ GRAPH = {
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A one-node Ray cluster (2 CPUs, 2 logical GPUs), shut down and checked for stray processes at the end."""
+    """A one-node Ray cluster (2 CPUs, 2 logical GPUs), shut down at the end and checked for strays."""
     with local_cluster({"num_cpus": 2, "num_gpus": 2}) as c:
         yield c
 
@@ -67,8 +69,11 @@ def test_workers_get_their_own_gpus_and_share_the_runs(cluster, tmp_path):
 
 
 def test_malformed_answer_is_one_failed_run(cluster, tmp_path):
-    first_bad = (lambda n: Answer(200, {"no": "id"}) if n == 0 else
-                 Answer(200, {"prompt_id": f"p{n}", "number": n, "node_errors": {}}))
+    first_bad = lambda n: (
+        Answer(200, {"no": "id"})
+        if n == 0
+        else Answer(200, {"prompt_id": f"p{n}", "number": n, "node_errors": {}})
+    )
     with FakeHost(prompt=first_bad) as host:
         rc, s = ray_batch(cluster, tmp_path, [host.url], "--count", "3")
     statuses = [r["status"] for r in s["runs"]]
@@ -78,8 +83,9 @@ def test_malformed_answer_is_one_failed_run(cluster, tmp_path):
 
 def test_worker_whose_host_went_away_is_restarted_and_its_run_retried(cluster, tmp_path):
     """The host hangs up on the first prompt: the worker ends, Ray restarts it and runs the call again."""
-    hang_up_first = (lambda n: Answer(raw=b"") if n == 0 else
-                     Answer(200, {"prompt_id": f"p{n}", "number": n, "node_errors": {}}))
+    hang_up_first = lambda n: (
+        Answer(raw=b"") if n == 0 else Answer(200, {"prompt_id": f"p{n}", "number": n, "node_errors": {}})
+    )
     with FakeHost(prompt=hang_up_first) as host:
         rc, s = ray_batch(cluster, tmp_path, [host.url], "--count", "2")
     assert rc == 0 and s["succeeded"] == 2, s
@@ -103,8 +109,22 @@ def test_too_many_gpus_asked_is_one_clear_error(cluster, tmp_path, capsys):
     with FakeHost() as host:
         wf = tmp_path / "wf.json"
         wf.write_text(json.dumps(GRAPH))
-        rc = cli.main([str(wf), "--ray", "--address", cluster.address, "--host", host.url, "--count", "1",
-                       "--gpus-per-worker", "3", "--out", str(tmp_path / "out")])
+        rc = cli.main(
+            [
+                str(wf),
+                "--ray",
+                "--address",
+                cluster.address,
+                "--host",
+                host.url,
+                "--count",
+                "1",
+                "--gpus-per-worker",
+                "3",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and "needs 3 GPUs; the cluster has 2" in err[-1], err
     assert not ray.is_initialized()
@@ -114,11 +134,33 @@ def test_local_cluster_of_the_driver_is_shut_down_with_nothing_left(tmp_path):
     """--ray without --address: the driver starts its own local cluster and leaves no process behind."""
     wf = tmp_path / "wf.json"
     wf.write_text(json.dumps(GRAPH))
-    with ray_temp_dir("ubl-") as temp, FakeHost() as host:  # fails if a process still names `temp` after the run
+    with (
+        ray_temp_dir("ubl-") as temp,
+        FakeHost() as host,
+    ):  # fails if a process still names `temp` after the run
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        proc = subprocess.run([sys.executable, "-m", "tools.batch", str(wf), "--ray", "--host", host.url,
-                               "--count", "2", "--out", str(tmp_path / "out"), "--poll", "0.05"],
-                              cwd=REPO, env=dict(env, RAY_TMPDIR=temp), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tools.batch",
+                str(wf),
+                "--ray",
+                "--host",
+                host.url,
+                "--count",
+                "2",
+                "--out",
+                str(tmp_path / "out"),
+                "--poll",
+                "0.05",
+            ],
+            cwd=REPO,
+            env=dict(env, RAY_TMPDIR=temp),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert s["succeeded"] == 2 and s["ray"]["address"] is None and s["ray"]["startup_s"] > 0
@@ -130,3 +172,30 @@ def test_the_pack_never_imports_ray_or_the_batch_client():
     pattern = re.compile(r"^\s*(import ray\b|from ray\b|import tools\b|from tools\b)", re.M)
     offenders = [str(p.relative_to(REPO)) for p in sources if pattern.search(p.read_text(encoding="utf-8"))]
     assert len(sources) > 20 and offenders == [], offenders
+
+
+@pytest.mark.parametrize("die_with_parent", [True, False])
+def test_a_host_started_to_die_with_its_parent_ends_with_it(tmp_path, die_with_parent):
+    """A Ray worker can vanish without cleaning up (os._exit, SIGKILL): its host must not outlive it.
+
+    The starter spawns a stand-in for ComfyUI's main.py the way tools/comfyhost.py does, then exits at once;
+    the stand-in must end within seconds with DIE_WITH_PARENT, and (the control) keep running without it."""
+    stand_in = tmp_path / "main.py"
+    stand_in.write_text("import time\ntime.sleep(120)\n")
+    prefix = "['-c', comfyhost.DIE_WITH_PARENT]" if die_with_parent else "[]"
+    starter = (
+        "import os, subprocess, sys, time\nfrom tools import comfyhost\n"
+        f"child = subprocess.Popen([sys.executable, *{prefix}, {str(stand_in)!r}], start_new_session=True,\n"
+        "    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,\n"
+        "    env=dict(os.environ, COMFYHOST_PARENT=str(os.getpid())))\n"
+        "print(child.pid, flush=True)\ntime.sleep(1.0)\nos._exit(1)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", starter], cwd=REPO, capture_output=True, text=True, timeout=60)
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{pid}/cmdline").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = Path(f"/proc/{pid}/cmdline").exists() and str(stand_in) in Path(f"/proc/{pid}/cmdline").read_text()
+    if alive:
+        os.kill(pid, signal.SIGKILL)  # the stand-in this test started
+    assert alive is not die_with_parent, f"stand-in alive={alive} with die_with_parent={die_with_parent}"

@@ -83,8 +83,8 @@ def prepare_base(base: Path) -> Path:
     return base
 
 
-# Run as `python -c DIE_WITH_PARENT main.py ...`: ask the kernel for SIGTERM when the starting process dies
-# (PR_SET_PDEATHSIG = 1, kept across exec), then become ComfyUI; used by owners that can vanish (a Ray worker).
+# Run as `python -c DIE_WITH_PARENT main.py ...`: ask the kernel for SIGTERM when the starting process
+# dies (PR_SET_PDEATHSIG = 1, kept across exec), then become ComfyUI; for owners that can vanish (a Ray worker).
 DIE_WITH_PARENT = (
     "import ctypes, os, signal, sys; parent = int(os.environ['COMFYHOST_PARENT']); "
     "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) == 0 or sys.exit('prctl failed'); "
@@ -129,8 +129,8 @@ def start(
 ) -> Host:
     """Spawn ComfyUI and wait until it answers; raise RuntimeError (with the log tail) if it does not.
 
-    ``cpu``: pass ``--cpu`` (else ComfyUI uses the GPUs in ``env``'s CUDA_VISIBLE_DEVICES); ``die_with_parent``:
-    the host gets SIGTERM when the calling process dies, however it dies."""
+    ``cpu``: pass ``--cpu`` (else ComfyUI uses the GPUs in ``env``'s CUDA_VISIBLE_DEVICES);
+    ``die_with_parent``: the host gets SIGTERM when the calling process dies, however it dies."""
     if not (comfy_dir() / "main.py").is_file() or not host_python().is_file():
         raise RuntimeError(f"no ComfyUI host in {DEST}: run tools/install_comfyhost.sh (make host) first")
     base = prepare_base(base or DEST / "base")

@@ -44,8 +44,13 @@ class Batch:
 
     def __init__(self, *args: str):
         self.lines: list[str] = []
-        self.proc = subprocess.Popen([sys.executable, "-m", "tools.batch", *args], cwd=REPO, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tools.batch", *args],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -91,15 +96,35 @@ def check_workers(summary: dict, cluster) -> set[int]:
 
 
 def test_shipped_edit_on_two_ray_workers_matches_the_single_host_path(comfy, cluster, tmp_path):
-    wf, common = str(WORKFLOWS_API / "image_edit.json"), ["--count", "6", "--seed-start", "100", "--poll", "0.2"]
+    wf, common = str(WORKFLOWS_API / "image_edit.json"), [
+        "--count",
+        "6",
+        "--seed-start",
+        "100",
+        "--poll",
+        "0.2",
+    ]
     t0 = time.monotonic()
-    rc, log = Batch(wf, "--ray", "--address", cluster.address, "--workers", "3", "--cpus-per-worker", "2",
-                    "--out", str(tmp_path / "ray"), *common).wait()
+    rc, log = Batch(
+        wf,
+        "--ray",
+        "--address",
+        cluster.address,
+        "--workers",
+        "3",
+        "--cpus-per-worker",
+        "2",
+        "--out",
+        str(tmp_path / "ray"),
+        *common,
+    ).wait()
     ray_s = time.monotonic() - t0
     assert rc == 0, log
     assert "cannot start its host: no ComfyUI host in" in log and "the batch goes on without it" in log, log
     t0 = time.monotonic()
-    rc, log_single = Batch(wf, "--host", comfy.url, "--depth", "1", "--out", str(tmp_path / "one"), *common).wait()
+    rc, log_single = Batch(
+        wf, "--host", comfy.url, "--depth", "1", "--out", str(tmp_path / "one"), *common
+    ).wait()
     single_s = time.monotonic() - t0
     assert rc == 0, log_single
     ray_summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
@@ -107,14 +132,25 @@ def test_shipped_edit_on_two_ray_workers_matches_the_single_host_path(comfy, clu
     good = check_workers(ray_summary, cluster)
     assert {r["worker"] for r in ray_summary["runs"]} == good, "both workers with a host must take runs"
     for ray_run, one_run in zip(ray_summary["runs"], one_summary["runs"]):
-        assert ray_run["seed"] == one_run["seed"] and ray_run["status"] == "success" and ray_run["attempts"] == 1
-        assert ray_run["node"] == cluster.head_node.node_id and ray_run["kv_bytes_saved"] == one_run["kv_bytes_saved"]
+        assert (
+            ray_run["seed"] == one_run["seed"] and ray_run["status"] == "success" and ray_run["attempts"] == 1
+        )
+        assert (
+            ray_run["node"] == cluster.head_node.node_id
+            and ray_run["kv_bytes_saved"] == one_run["kv_bytes_saved"]
+        )
         index = f"{ray_run['index']:04d}"
-        assert np.array_equal(edit_pixels(tmp_path / "ray" / index), edit_pixels(tmp_path / "one" / index)), index
-    assert [p for p in processes_mentioning(cluster.temp + "/") if "main.py" in p] == [], "a host outlived the batch"
-    print(f"\n6 edits: Ray (2 workers, hosts started) {ray_s:.1f} s, one host {single_s:.1f} s; "
-          f"Ray connect {ray_summary['ray']['startup_s']} s, host ready "
-          f"{[w['ready_s'] for w in ray_summary['ray']['workers'] if not w.get('error')]} s")
+        assert np.array_equal(
+            edit_pixels(tmp_path / "ray" / index), edit_pixels(tmp_path / "one" / index)
+        ), index
+    assert [
+        p for p in processes_mentioning(cluster.temp + "/") if "main.py" in p
+    ] == [], "a host outlived the batch"
+    print(
+        f"\n6 edits: Ray (2 workers, hosts started) {ray_s:.1f} s, one host {single_s:.1f} s; "
+        f"Ray connect {ray_summary['ray']['startup_s']} s, host ready "
+        f"{[w['ready_s'] for w in ray_summary['ray']['workers'] if not w.get('error')]} s"
+    )
 
 
 def test_host_killed_mid_batch_costs_no_run(cluster, tmp_path):
@@ -123,8 +159,24 @@ def test_host_killed_mid_batch_costs_no_run(cluster, tmp_path):
     graph["4"]["inputs"]["steps"] = 80  # long enough to be caught running (24 steps take about 2 s alone)
     wf = tmp_path / "edit_long.json"
     wf.write_text(json.dumps(graph))
-    batch = Batch(str(wf), "--ray", "--address", cluster.address, "--workers", "3", "--cpus-per-worker", "2",
-                  "--count", "4", "--seed-start", "7", "--poll", "0.2", "--out", str(tmp_path / "out"))
+    batch = Batch(
+        str(wf),
+        "--ray",
+        "--address",
+        cluster.address,
+        "--workers",
+        "3",
+        "--cpus-per-worker",
+        "2",
+        "--count",
+        "4",
+        "--seed-start",
+        "7",
+        "--poll",
+        "0.2",
+        "--out",
+        str(tmp_path / "out"),
+    )
     try:
         worker, url, pid = batch.hosts(2)[0]
         victim = Comfy(url, tmp_path, tmp_path / "no.log")
@@ -146,4 +198,6 @@ def test_host_killed_mid_batch_costs_no_run(cluster, tmp_path):
     assert run["host"] != url and f"host {url} went away" in run["retries"][0], run
     assert "Ray restarts the worker and retries the run" in log, log
     check_workers(s, cluster)
-    assert [p for p in processes_mentioning(cluster.temp + "/") if "main.py" in p] == [], "a host outlived the batch"
+    assert [
+        p for p in processes_mentioning(cluster.temp + "/") if "main.py" in p
+    ] == [], "a host outlived the batch"

@@ -21,9 +21,14 @@ logger = logging.getLogger("unicache.batch")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tools.batch", description=USAGE.split("\n\n")[0])
     ap.add_argument("workflow", type=Path, help="API-format workflow JSON (workflows/api/*.json)")
-    ap.add_argument("--host", action="append", default=[], metavar="URL",
-                    help="ComfyUI base URL, e.g. http://127.0.0.1:8188 (repeat for several hosts; with --ray: one "
-                         "worker attaches to each instead of starting its own host)")
+    ap.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="ComfyUI base URL, e.g. http://127.0.0.1:8188 (repeat for several hosts; with --ray: one "
+        "worker attaches to each instead of starting its own host)",
+    )
     ap.add_argument("--count", type=int, required=True, help="number of runs (>= 1)")
     seeds = ap.add_mutually_exclusive_group()
     seeds.add_argument("--seeds", type=Path, help="file with one seed a line (at least --count of them)")
@@ -31,22 +36,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=Path, help="file with one prompt a line; run i gets line i mod lines")
     ap.add_argument("--out", type=Path, required=True, help="folder for the outputs (DIR/<run>/...)")
     ap.add_argument("--summary", type=Path, help="summary JSON (default DIR/summary.json)")
-    ap.add_argument("--depth", type=int, default=2, help="without --ray: runs kept queued per host (default 2)")
-    ap.add_argument("--retries", type=int, default=2,
-                    help="retries of a run whose host went away (with --ray: Ray's max_restarts and "
-                         "max_task_retries of each worker; default 2)")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole batch (default 3600)")
-    ap.add_argument("--poll", type=float, default=1.0,
-                    help="seconds between /history checks of a running prompt (default 1; the websocket's "
-                         "completion message triggers one at once)")
+    ap.add_argument(
+        "--depth", type=int, default=2, help="without --ray: runs kept queued per host (default 2)"
+    )
+    ap.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help="retries of a run whose host went away (with --ray: Ray's max_restarts and "
+        "max_task_retries of each worker; default 2)",
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds for the whole batch (default 3600)"
+    )
+    ap.add_argument(
+        "--poll",
+        type=float,
+        default=1.0,
+        help="seconds between /history checks of a running prompt (default 1; the websocket's "
+        "completion message triggers one at once)",
+    )
     ray_group = ap.add_argument_group("Ray (pip install '.[ray]')")
-    ray_group.add_argument("--ray", action="store_true", help="run on Ray workers, each owning one ComfyUI host")
+    ray_group.add_argument(
+        "--ray", action="store_true", help="run on Ray workers, each owning one ComfyUI host"
+    )
     ray_group.add_argument("--address", help="Ray cluster to join (e.g. 10.0.0.5:6379; default: a local one)")
-    ray_group.add_argument("--workers", type=int, help="workers (default: one per GPU of the cluster, else 1)")
-    ray_group.add_argument("--gpus-per-worker", type=float,
-                           help="GPUs each worker's host gets (default 1 on a cluster with GPUs, else 0: --cpu)")
-    ray_group.add_argument("--cpus-per-worker", type=float,
-                           help="CPUs each worker takes; its host computes with that many threads (default 1)")
+    ray_group.add_argument(
+        "--workers", type=int, help="workers (default: one per GPU of the cluster, else 1)"
+    )
+    ray_group.add_argument(
+        "--gpus-per-worker",
+        type=float,
+        help="GPUs each worker's host gets (default 1 on a cluster with GPUs, else 0: --cpu)",
+    )
+    ray_group.add_argument(
+        "--cpus-per-worker",
+        type=float,
+        help="CPUs each worker takes; its host computes with that many threads (default 1)",
+    )
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     _check(ap, a)
@@ -71,9 +98,16 @@ def _check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         if url.scheme not in ("http", "https") or not url.hostname:
             ap.error(f"--host {h!r}: give a URL such as http://127.0.0.1:8188")
     if not a.ray:
-        given = [flag for flag, value in (("--address", a.address), ("--workers", a.workers),
-                                          ("--gpus-per-worker", a.gpus_per_worker),
-                                          ("--cpus-per-worker", a.cpus_per_worker)) if value is not None]
+        given = [
+            flag
+            for flag, value in (
+                ("--address", a.address),
+                ("--workers", a.workers),
+                ("--gpus-per-worker", a.gpus_per_worker),
+                ("--cpus-per-worker", a.cpus_per_worker),
+            )
+            if value is not None
+        ]
         if given:
             ap.error(f"{', '.join(given)} only apply with --ray")
         if not a.host:
@@ -116,15 +150,23 @@ def _run(a: argparse.Namespace, workflow: dict, runs: list[Run]) -> dict:
     if not a.ray:
         from tools.batch.hosts import run_on_hosts
 
-        run_on_hosts(workflow, runs, a.out, a.host, depth=a.depth, retries=a.retries, timeout=a.timeout,
-                     poll=a.poll)
+        run_on_hosts(
+            workflow, runs, a.out, a.host, depth=a.depth, retries=a.retries, timeout=a.timeout, poll=a.poll
+        )
         return {"backend": "hosts", "hosts": a.host}
     try:
         from tools.batch.ray_backend import RayOptions, run_on_ray
     except ImportError as e:
         raise ValueError(f"--ray needs the ray extra: pip install '.[ray]' ({e})") from e
-    options = RayOptions(address=a.address, workers=a.workers, gpus_per_worker=a.gpus_per_worker,
-                         cpus_per_worker=a.cpus_per_worker or 1.0, attach=a.host, retries=a.retries, poll=a.poll)
+    options = RayOptions(
+        address=a.address,
+        workers=a.workers,
+        gpus_per_worker=a.gpus_per_worker,
+        cpus_per_worker=a.cpus_per_worker or 1.0,
+        attach=a.host,
+        retries=a.retries,
+        poll=a.poll,
+    )
     ray_info = run_on_ray(workflow, runs, a.out, options, timeout=a.timeout)
     hosts = sorted({h for r in runs for h in r.hosts_tried})
     return {"backend": "ray", "hosts": hosts, "ray": ray_info}
@@ -135,8 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         a = parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
-    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, format="%(asctime)s %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if a.verbose else logging.INFO,
+        format="%(asctime)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
     summary_path = a.summary or a.out / "summary.json"
     t0 = time.monotonic()
     try:
@@ -156,11 +201,24 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         if r.status != "success":
             print(f"tools.batch: run {r.index} (seed {r.seed}) {r.status}: {r.error}", file=sys.stderr)
-    summary = {"format": "unicache-batch-summary", "version": 1, "workflow": str(a.workflow), **backend,
-               "count": a.count, "succeeded": ok, "seconds": round(time.monotonic() - t0, 3),
-               "runs": [r.summary() for r in runs]}
+    summary = {
+        "format": "unicache-batch-summary",
+        "version": 1,
+        "workflow": str(a.workflow),
+        **backend,
+        "count": a.count,
+        "succeeded": ok,
+        "seconds": round(time.monotonic() - t0, 3),
+        "runs": [r.summary() for r in runs],
+    }
     write_summary(summary_path, summary)
-    where = f"{len(backend['ray']['workers'])} Ray worker(s)" if a.ray else \
-        f"{len({r.host for r in runs if r.host})} host(s)"
-    print(f"tools.batch: {ok}/{a.count} runs succeeded on {where} in {summary['seconds']:.1f} s; summary {summary_path}")
+    where = (
+        f"{len(backend['ray']['workers'])} Ray worker(s)"
+        if a.ray
+        else f"{len({r.host for r in runs if r.host})} host(s)"
+    )
+    print(
+        f"tools.batch: {ok}/{a.count} runs succeeded on {where} in {summary['seconds']:.1f} s; "
+        f"summary {summary_path}"
+    )
     return 0 if ok == a.count else 1

@@ -75,7 +75,9 @@ _OPENER = urllib.request.build_opener(_RefuseRedirects)
 def _field(obj: dict, key: str, kind: type | tuple, what: str, default=None):
     value = obj.get(key, default)
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise RunFailed(f"{what}: {key!r} is {one_line(repr(value), 80)}, not {getattr(kind, '__name__', kind)}")
+        raise RunFailed(
+            f"{what}: {key!r} is {one_line(repr(value), 80)}, not {getattr(kind, '__name__', kind)}"
+        )
     return value
 
 
@@ -96,8 +98,12 @@ class HostClient:
     def _http(self, path: str, body: dict | None = None, limit: int | None = None) -> tuple[int, bytes]:
         limit = MAX_JSON_BYTES if limit is None else limit
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"},
-                                     method="GET" if body is None else "POST")
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            headers={"Content-Type": "application/json"},
+            method="GET" if body is None else "POST",
+        )
         try:
             with _OPENER.open(req, timeout=self.request_timeout) as r:
                 return r.status, self._read(r, limit, path)
@@ -147,7 +153,9 @@ class HostClient:
             raise RunFailed(_refusal(status, body))
         prompt_id = body.get("prompt_id") if isinstance(body, dict) else None
         if not isinstance(prompt_id, str) or not _ID.fullmatch(prompt_id):
-            raise RunFailed(f"/prompt accepted the graph but gave no usable prompt_id ({one_line(repr(body), 120)})")
+            raise RunFailed(
+                f"/prompt accepted the graph but gave no usable prompt_id ({one_line(repr(body), 120)})"
+            )
         return prompt_id
 
     def history(self, prompt_id: str) -> dict | None:
@@ -173,15 +181,17 @@ class HostClient:
 
     def view(self, image: dict) -> bytes:
         """The bytes of one output file (GET /view), or RunFailed."""
-        query = urllib.parse.urlencode({"filename": image["filename"], "subfolder": image["subfolder"],
-                                        "type": image["type"]})
+        query = urllib.parse.urlencode(
+            {"filename": image["filename"], "subfolder": image["subfolder"], "type": image["type"]}
+        )
         status, data = self._http(f"/view?{query}", limit=MAX_FILE_BYTES)
         if status != 200:
             raise RunFailed(f"/view {one_line(repr(image['filename']), 80)} answered HTTP {status}")
         return data
 
-    def execute(self, graph: dict, on_event: Callable[[dict], None] | None = None,
-                timeout_s: float = 3600.0) -> Outcome:
+    def execute(
+        self, graph: dict, on_event: Callable[[dict], None] | None = None, timeout_s: float = 3600.0
+    ) -> Outcome:
         """Run ``graph`` to the end and fetch its outputs.
 
         ``on_event`` gets ``{"event": "submitted", "prompt_id"}`` once the host accepted the graph, then
@@ -245,8 +255,9 @@ class HostClient:
 
         ws_url = self.url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
         try:
-            self._ws = websocket.create_connection(f"{ws_url}/ws?clientId={self.client_id}",
-                                                   timeout=min(10.0, self.request_timeout))
+            self._ws = websocket.create_connection(
+                f"{ws_url}/ws?clientId={self.client_id}", timeout=min(10.0, self.request_timeout)
+            )
         except (ConnectionError, TimeoutError) as e:
             raise HostGone(f"{self.url}: websocket: {one_line(e, 200)}") from e
         except (OSError, ValueError, websocket.WebSocketException) as e:
@@ -312,15 +323,19 @@ def _image_ref(image, nid: str) -> dict:
     where = f"node {one_line(nid, 40)} image"
     if not isinstance(image, dict):
         raise RunFailed(f"{where} is {type(image).__name__}, not an object")
-    return {"filename": _field(image, "filename", str, where), "subfolder": _field(image, "subfolder", str, where, ""),
-            "type": _field(image, "type", str, where, "output")}
+    return {
+        "filename": _field(image, "filename", str, where),
+        "subfolder": _field(image, "subfolder", str, where, ""),
+        "type": _field(image, "type", str, where, "output"),
+    }
 
 
 def _refusal(status: int, body) -> str:
     """One line for a /prompt refusal: the host's message and its first node error, whatever their shape."""
     head = f"host refused the graph (HTTP {status})"
     if not isinstance(body, dict):
-        return f"{head}: {one_line(body.decode(errors='replace') if isinstance(body, bytes) else repr(body), 200)}"
+        text = body.decode(errors="replace") if isinstance(body, bytes) else repr(body)
+        return f"{head}: {one_line(text, 200)}"
     error = body.get("error")
     message = error.get("message") if isinstance(error, dict) else error
     parts = [one_line(message, 160)] if isinstance(message, str) and message.strip() else []
@@ -329,21 +344,31 @@ def _refusal(status: int, body) -> str:
         for nid, detail in list(node_errors.items())[:1]:
             errors = detail.get("errors") if isinstance(detail, dict) else None
             first = errors[0] if isinstance(errors, list) and errors and isinstance(errors[0], dict) else {}
-            text = " ".join(str(first.get(k, "")) for k in ("message", "details") if isinstance(first.get(k), str))
+            text = " ".join(
+                str(first.get(k, "")) for k in ("message", "details") if isinstance(first.get(k), str)
+            )
             kind = detail.get("class_type") if isinstance(detail, dict) else None
-            parts.append(f"node {one_line(nid, 40)} ({one_line(kind, 60)}): {one_line(text or repr(detail), 200)}")
+            parts.append(
+                f"node {one_line(nid, 40)} ({one_line(kind, 60)}): {one_line(text or repr(detail), 200)}"
+            )
     return f"{head}: {'; '.join(parts)}" if parts else f"{head}: {one_line(repr(body), 200)}"
 
 
 def _execution_error(state: dict) -> str:
-    """One line from an ``execution_error`` (or ``execution_interrupted``) history message, whatever its shape."""
+    """One line from an ``execution_error`` (or ``execution_interrupted``) history message, of any shape."""
     messages = state.get("messages")
     for message in messages if isinstance(messages, list) else []:
-        if (isinstance(message, list) and len(message) == 2 and isinstance(message[1], dict)
-                and message[0] in ("execution_error", "execution_interrupted")):
+        if (
+            isinstance(message, list)
+            and len(message) == 2
+            and isinstance(message[1], dict)
+            and message[0] in ("execution_error", "execution_interrupted")
+        ):
             err = message[1]
             if message[0] == "execution_interrupted":
                 return f"interrupted (node {one_line(err.get('node_id', '?'), 40)})"
-            return one_line(f"{err.get('node_type', '?')} (node {err.get('node_id', '?')}): "
-                            f"{err.get('exception_type', '?')}: {err.get('exception_message', '')}")
+            return one_line(
+                f"{err.get('node_type', '?')} (node {err.get('node_id', '?')}): "
+                f"{err.get('exception_type', '?')}: {err.get('exception_message', '')}"
+            )
     return "the host reports an error without details"

@@ -42,8 +42,14 @@ class _Batch:
     def finish(self, run: Run) -> None:
         with self.lock:
             self.finished += 1
-        logger.info("run %d (seed %d) %s on %s%s", run.index, run.seed, run.status, run.host,
-                    f": {run.error}" if run.error else "")
+        logger.info(
+            "run %d (seed %d) %s on %s%s",
+            run.index,
+            run.seed,
+            run.status,
+            run.host,
+            f": {run.error}" if run.error else "",
+        )
 
 
 def _serve(host_url: str, batch: _Batch, poll: float) -> None:
@@ -71,8 +77,11 @@ def _run_one(client: HostClient, run: Run, batch: _Batch) -> None:
 
     t0 = time.monotonic()
     try:
-        outcome = client.execute(vary(batch.workflow, run.seed, run.prompt_text), on_event,
-                                 timeout_s=max(batch.deadline - time.monotonic(), 0.0))
+        outcome = client.execute(
+            vary(batch.workflow, run.seed, run.prompt_text),
+            on_event,
+            timeout_s=max(batch.deadline - time.monotonic(), 0.0),
+        )
     except HostGone as e:
         reason = one_line(e)
         batch.gone.setdefault(client.url, reason)
@@ -96,16 +105,30 @@ def _run_one(client: HostClient, run: Run, batch: _Batch) -> None:
     batch.finish(run)
 
 
-def run_on_hosts(workflow: dict, runs: list[Run], out: Path, hosts: list[str], *, depth: int = 2,
-                 retries: int = 2, timeout: float = 3600.0, poll: float = 1.0) -> None:
+def run_on_hosts(
+    workflow: dict,
+    runs: list[Run],
+    out: Path,
+    hosts: list[str],
+    *,
+    depth: int = 2,
+    retries: int = 2,
+    timeout: float = 3600.0,
+    poll: float = 1.0,
+) -> None:
     """Run every run of ``runs`` on ``hosts`` (URLs); each run ends success, error or failed."""
     batch = _Batch(workflow, runs, out, retries, time.monotonic() + timeout)
     urls = list(dict.fromkeys(h.rstrip("/") for h in hosts))
-    threads = [threading.Thread(target=_serve, args=(url, batch, poll), name=f"host {url} #{k}", daemon=True)
-               for url in urls for k in range(depth)]
+    threads = [
+        threading.Thread(target=_serve, args=(url, batch, poll), name=f"host {url} #{k}", daemon=True)
+        for url in urls
+        for k in range(depth)
+    ]
     for t in threads:
         t.start()
-    while not batch.over() and len(batch.gone) < len(urls):  # with every host gone the queue has nowhere to go
+    while not batch.over() and len(batch.gone) < len(
+        urls
+    ):  # with every host gone the queue has nowhere to go
         time.sleep(0.2)
     for t in threads:
         t.join(timeout=30.0)
@@ -113,5 +136,8 @@ def run_on_hosts(workflow: dict, runs: list[Run], out: Path, hosts: list[str], *
     for run in runs:
         if run.status == "pending":
             run.status = "failed"
-            run.error = (f"no result before the batch deadline ({timeout:.0f} s)" if time.monotonic() > batch.deadline
-                         else f"no host answers ({one_line(last, 200)})")
+            run.error = (
+                f"no result before the batch deadline ({timeout:.0f} s)"
+                if time.monotonic() > batch.deadline
+                else f"no host answers ({one_line(last, 200)})"
+            )

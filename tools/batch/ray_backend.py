@@ -37,11 +37,15 @@ logger = logging.getLogger("unicache.batch")
 def _reason(error: BaseException) -> str:
     """One line from a host start failure: its first line and the last line of the log tail it carries."""
     lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-    return one_line(lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}") if lines else type(error).__name__
+    return (
+        one_line(lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}")
+        if lines
+        else type(error).__name__
+    )
 
 
 def host_device_settings(gpu_ids: list[str]) -> tuple[dict[str, str], bool]:
-    """(environment, ``--cpu``?) of a host whose worker Ray assigned ``gpu_ids``: those GPUs only, else the CPU.
+    """(environment, ``--cpu``?) of a host whose worker Ray assigned ``gpu_ids``: those GPUs, else the CPU.
 
     The host also inherits the worker's OMP_NUM_THREADS, which Ray sets from the worker's CPUs (so a host
     computes with the threads its worker was given, and CPU results match a host run with as many threads)."""
@@ -53,12 +57,22 @@ def host_device_settings(gpu_ids: list[str]) -> tuple[dict[str, str], bool]:
 class HostWorker:
     """One ComfyUI host on the actor's node (``attach_url``: use that host instead of starting one)."""
 
-    def __init__(self, index: int, attach_url: str | None = None, host_timeout: float = 180.0, poll: float = 1.0):
+    def __init__(
+        self, index: int, attach_url: str | None = None, host_timeout: float = 180.0, poll: float = 1.0
+    ):
         context = ray.get_runtime_context()
         self.gpus = [str(g) for g in ray.get_gpu_ids()]
-        self.info = {"worker": index, "node": context.get_node_id(), "actor": context.get_actor_id(),
-                     "gpus": self.gpus, "restarted": context.was_current_actor_reconstructed, "host": attach_url,
-                     "pid": None, "ready_s": None, "error": None}
+        self.info = {
+            "worker": index,
+            "node": context.get_node_id(),
+            "actor": context.get_actor_id(),
+            "gpus": self.gpus,
+            "restarted": context.was_current_actor_reconstructed,
+            "host": attach_url,
+            "pid": None,
+            "ready_s": None,
+            "error": None,
+        }
         self.host: comfyhost.Host | None = None
         self.base = Path(context.get_temp_dir()) / "unicache-batch" / self.info["actor"][:16]
         self.client: HostClient | None = None
@@ -91,7 +105,12 @@ class HostWorker:
 
         emit({"event": "start"})
         if self.client is None:
-            return {**ids, "status": "failed", "error": f"worker has no host: {self.info['error']}", "outcome": None}
+            return {
+                **ids,
+                "status": "failed",
+                "error": f"worker has no host: {self.info['error']}",
+                "outcome": None,
+            }
         try:
             outcome = self.client.execute(graph, emit, timeout_s)
         except RunFailed as e:
@@ -139,7 +158,9 @@ def _connect(options: RayOptions) -> None:
         else:
             ray.init(include_dashboard=False, **quiet)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        raise ValueError(f"--address {options.address or '(local)'}: cannot start or reach Ray: {one_line(e)}") from e
+        raise ValueError(
+            f"--address {options.address or '(local)'}: cannot start or reach Ray: {one_line(e)}"
+        ) from e
 
 
 def _plan(options: RayOptions) -> tuple[int, float]:
@@ -151,33 +172,53 @@ def _plan(options: RayOptions) -> tuple[int, float]:
         per = 1.0 if gpus and not options.attach else 0.0
     if options.attach:
         if options.workers not in (None, len(options.attach)):
-            raise ValueError(f"--workers {options.workers} with {len(options.attach)} --host: give one or the other")
+            raise ValueError(
+                f"--workers {options.workers} with {len(options.attach)} --host: give one or the other"
+            )
         count = len(options.attach)
     else:
         count = options.workers or (int(gpus // per) if per else 1)
     if count < 1 or count * per > gpus + 1e-9:
-        raise ValueError(f"--workers {count} x --gpus-per-worker {per:g} needs {count * per:g} GPUs; the cluster "
-                         f"has {gpus:g} (lower --workers or --gpus-per-worker)")
+        raise ValueError(
+            f"--workers {count} x --gpus-per-worker {per:g} needs {count * per:g} GPUs; the cluster "
+            f"has {gpus:g} (lower --workers or --gpus-per-worker)"
+        )
     if count * options.cpus_per_worker > cpus + 1e-9:
-        raise ValueError(f"--workers {count} x --cpus-per-worker {options.cpus_per_worker:g} needs "
-                         f"{count * options.cpus_per_worker:g} CPUs; the cluster has {cpus:g}")
+        raise ValueError(
+            f"--workers {count} x --cpus-per-worker {options.cpus_per_worker:g} needs "
+            f"{count * options.cpus_per_worker:g} CPUs; the cluster has {cpus:g}"
+        )
     return count, per
 
 
 def _start_workers(options: RayOptions, count: int, per_worker_gpus: float) -> tuple[dict, dict, list[dict]]:
     """Start ``count`` actors; returns ({index: actor} of those with a host, {index: actor} of all, every
     worker's description). A worker without a host stays idle until the end, holding its resources."""
-    actor_class = ray.remote(HostWorker).options(num_cpus=options.cpus_per_worker, num_gpus=per_worker_gpus,
-                                                 max_restarts=options.retries, max_task_retries=options.retries)
-    actors = {i: actor_class.remote(i, options.attach[i] if options.attach else None, options.host_timeout,
-                                    options.poll) for i in range(count)}
+    actor_class = ray.remote(HostWorker).options(
+        num_cpus=options.cpus_per_worker,
+        num_gpus=per_worker_gpus,
+        max_restarts=options.retries,
+        max_task_retries=options.retries,
+    )
+    actors = {
+        i: actor_class.remote(
+            i, options.attach[i] if options.attach else None, options.host_timeout, options.poll
+        )
+        for i in range(count)
+    }
     refs = {actors[i].describe.remote(): i for i in actors}
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=options.host_timeout + 60)
     infos, live = [], {}
     for ref, i in refs.items():
         try:
-            info = ray.get(ref) if ref in ready else {"worker": i, "error": "not started in time (no node with a "
-                                                                           "free CPU and the GPUs it needs?)"}
+            info = (
+                ray.get(ref)
+                if ref in ready
+                else {
+                    "worker": i,
+                    "error": "not started in time (no node with a " "free CPU and the GPUs it needs?)",
+                }
+            )
         except ray.exceptions.RayError as e:
             info = {"worker": i, "error": one_line(str(e).splitlines()[0] if str(e) else e)}
         infos.append(info)
@@ -185,8 +226,14 @@ def _start_workers(options: RayOptions, count: int, per_worker_gpus: float) -> t
         if info.get("error"):  # it keeps its slot, so that Ray places no restarted worker on that node
             logger.warning("%s cannot start its host: %s; the batch goes on without it", where, info["error"])
         else:
-            logger.info("%s: ComfyUI host %s (pid %s, GPUs %s), ready in %.1f s", where, info["host"], info["pid"],
-                        ",".join(info["gpus"]) or "none", info["ready_s"])
+            logger.info(
+                "%s: ComfyUI host %s (pid %s, GPUs %s), ready in %.1f s",
+                where,
+                info["host"],
+                info["pid"],
+                ",".join(info["gpus"]) or "none",
+                info["ready_s"],
+            )
             live[i] = actors[i]
     return live, actors, infos
 
@@ -203,8 +250,10 @@ def _apply_event(event: dict, runs: dict[int, Run], progress: dict[int, float]) 
     elif kind == "progress":
         progress[run.index] = event["value"] / event["max"]
     elif kind == "host_gone":
-        run.retries.append(f"worker {event['worker']} (node {str(event['node'])[:8]}): host {event['host']} went "
-                           f"away ({event['reason']}); Ray restarts the worker and retries the run")
+        run.retries.append(
+            f"worker {event['worker']} (node {str(event['node'])[:8]}): host {event['host']} went "
+            f"away ({event['reason']}); Ray restarts the worker and retries the run"
+        )
         logger.warning("run %d: %s", run.index, run.retries[-1])
 
 
@@ -219,8 +268,14 @@ def _finish(run: Run, result: dict, out: Path, report_ids: list[str]) -> None:
 def _progress_bar(total: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True, disable=None,  # off without a TTY
-                bar_format="{l_bar}{bar}| {n:.1f}/{total} runs [{elapsed}<{remaining}{postfix}]")
+    return tqdm(
+        total=total,
+        unit="run",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        disable=None,  # off without a TTY
+        bar_format="{l_bar}{bar}| {n:.1f}/{total} runs [{elapsed}<{remaining}{postfix}]",
+    )
 
 
 class _Dispatch:
@@ -241,21 +296,27 @@ class _Dispatch:
                 while (self.pending and self.idle or self.busy) and time.monotonic() < deadline + 30:
                     self._step(deadline)
                     bar.n = sum(r.status != "pending" for r in self.runs) + sum(self.progress.values())
-                    bar.set_postfix_str(f"{len(self.live)} workers, {sum(len(r.retries) for r in self.runs)} "
-                                        "retries", refresh=True)
+                    bar.set_postfix_str(
+                        f"{len(self.live)} workers, {sum(len(r.retries) for r in self.runs)} " "retries",
+                        refresh=True,
+                    )
         finally:
             self.events.shutdown()
         late = time.monotonic() > deadline
         for run in self.runs:
             if run.status == "pending":
                 run.status = "failed"
-                run.error = "no result before the batch deadline" if late else "every worker died (see the log)"
+                run.error = (
+                    "no result before the batch deadline" if late else "every worker died (see the log)"
+                )
 
     def _step(self, deadline: float) -> None:
         while self.idle and self.pending:
             w, run = self.idle.pop(0), self.pending.popleft()
             graph = vary(self.workflow, run.seed, run.prompt_text)
-            ref = self.live[w].run.remote(run.index, graph, max(deadline - time.monotonic(), 0.0), self.events)
+            ref = self.live[w].run.remote(
+                run.index, graph, max(deadline - time.monotonic(), 0.0), self.events
+            )
             self.busy[ref] = (w, run, time.monotonic())
         ready, _ = ray.wait(list(self.busy), num_returns=1, timeout=0.5)
         for event in self.events.get_nowait_batch(self.events.qsize()):
@@ -269,19 +330,33 @@ class _Dispatch:
             except ray.exceptions.RayError as e:  # Ray's restarts and retries are used up
                 run.status, run.error = "failed", f"worker {w} died: {one_line(str(e).splitlines()[0])}"
             self.progress.pop(run.index, None)
-            logger.info("run %d (seed %d) %s on worker %s (node %s)%s", run.index, run.seed, run.status,
-                        run.worker, str(run.node)[:8], f": {run.error}" if run.error else "")
+            logger.info(
+                "run %d (seed %d) %s on worker %s (node %s)%s",
+                run.index,
+                run.seed,
+                run.status,
+                run.worker,
+                str(run.node)[:8],
+                f": {run.error}" if run.error else "",
+            )
 
 
-def run_on_ray(workflow: dict, runs: list[Run], out: Path, options: RayOptions, timeout: float = 3600.0) -> dict:
+def run_on_ray(
+    workflow: dict, runs: list[Run], out: Path, options: RayOptions, timeout: float = 3600.0
+) -> dict:
     """Run ``runs`` on Ray workers; returns the summary's ``ray`` section (address, startup, workers)."""
     t0 = time.monotonic()
     _connect(options)
     try:
         startup_s = round(time.monotonic() - t0, 2)
         count, per_worker_gpus = _plan(options)
-        logger.info("Ray %s: %d worker(s), %g GPU(s) each; connected in %.1f s", ray.__version__, count,
-                    per_worker_gpus, startup_s)
+        logger.info(
+            "Ray %s: %d worker(s), %g GPU(s) each; connected in %.1f s",
+            ray.__version__,
+            count,
+            per_worker_gpus,
+            startup_s,
+        )
         live, every, infos = _start_workers(options, count, per_worker_gpus)
         deadline = t0 + timeout
         try:
@@ -293,8 +368,13 @@ def run_on_ray(workflow: dict, runs: list[Run], out: Path, options: RayOptions, 
         for run in runs:
             if run.status == "pending":
                 run.status, run.error = "failed", f"no Ray worker has a host ({one_line(reasons, 300)})"
-        return {"address": options.address, "version": ray.__version__, "startup_s": startup_s,
-                "gpus_per_worker": per_worker_gpus, "workers": infos}
+        return {
+            "address": options.address,
+            "version": ray.__version__,
+            "startup_s": startup_s,
+            "gpus_per_worker": per_worker_gpus,
+            "workers": infos,
+        }
     finally:
         ray.shutdown()
 

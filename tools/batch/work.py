@@ -86,8 +86,10 @@ def load_workflow(path: Path) -> dict:
         raise ValueError(f"workflow {path}: {e}") from e
     if isinstance(data, dict) and "nodes" in data and "links" in data:
         raise ValueError(f"workflow {path} is in the UI format; export it in the API format (workflows/api/)")
-    if not isinstance(data, dict) or not data or not all(
-        isinstance(v, dict) and "class_type" in v for v in data.values()
+    if (
+        not isinstance(data, dict)
+        or not data
+        or not all(isinstance(v, dict) and "class_type" in v for v in data.values())
     ):
         raise ValueError(f"workflow {path}: not an API-format graph ({{node_id: {{class_type, inputs}}}})")
     return data
@@ -171,11 +173,17 @@ def kv_saved(outputs: list[dict]) -> tuple[int | None, dict | None]:
         if saved is None and full is not None and steady is not None:
             saved = max(0.0, full - steady)
         if _byte_count(saved) is not None:
-            return _byte_count(saved), {"saved_bytes": _byte_count(saved), "full_bytes": _byte_count(full),
-                                        "steady_bytes": _byte_count(steady), "reduction": find_number(data, "reduction")}
+            return _byte_count(saved), {
+                "saved_bytes": _byte_count(saved),
+                "full_bytes": _byte_count(full),
+                "steady_bytes": _byte_count(steady),
+                "reduction": find_number(data, "reduction"),
+            }
     for out in outputs:
         for text in out.get("text", []):
-            m = re.search(r"saved\D{0,20}?(\d[\d,]{0,15}(?:\.\d{1,6})?)\s*(GiB|MiB|KiB|GB|MB|KB|B)\b", str(text), re.I)
+            m = re.search(
+                r"saved\D{0,20}?(\d[\d,]{0,15}(?:\.\d{1,6})?)\s*(GiB|MiB|KiB|GB|MB|KB|B)\b", str(text), re.I
+            )
             if m:
                 return int(float(m.group(1).replace(",", "")) * _UNITS[m.group(2).lower()]), None
     return None, None
