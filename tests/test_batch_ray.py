@@ -11,13 +11,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import ray
 from fakehost import Answer, FakeHost
-from raylib import local_cluster, ray_temp_dir
+from raylib import local_cluster, ray_temp_dir, wait_until_gone
 
 from tools.batch import cli
 from tools.batch.ray_backend import host_device_settings
@@ -190,12 +189,10 @@ def test_a_host_started_to_die_with_its_parent_ends_with_it(tmp_path, die_with_p
         "    env=dict(os.environ, COMFYHOST_PARENT=str(os.getpid())))\n"
         "print(child.pid, flush=True)\ntime.sleep(1.0)\nos._exit(1)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", starter], cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", starter], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
     pid = int(proc.stdout.split()[0])
-    deadline = time.monotonic() + 5
-    while Path(f"/proc/{pid}/cmdline").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    alive = Path(f"/proc/{pid}/cmdline").exists() and str(stand_in) in Path(f"/proc/{pid}/cmdline").read_text()
+    alive = bool(wait_until_gone(str(stand_in), seconds=5))
     if alive:
         os.kill(pid, signal.SIGKILL)  # the stand-in this test started
     assert alive is not die_with_parent, f"stand-in alive={alive} with die_with_parent={die_with_parent}"

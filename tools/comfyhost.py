@@ -84,7 +84,8 @@ def prepare_base(base: Path) -> Path:
 
 
 # Run as `python -c DIE_WITH_PARENT main.py ...`: ask the kernel for SIGTERM when the starting process
-# dies (PR_SET_PDEATHSIG = 1, kept across exec), then become ComfyUI; for owners that can vanish (a Ray worker).
+# dies (PR_SET_PDEATHSIG = 1, kept across exec), then become ComfyUI; for owners that may vanish
+# (Ray workers).
 DIE_WITH_PARENT = (
     "import ctypes, os, signal, sys; parent = int(os.environ['COMFYHOST_PARENT']); "
     "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) == 0 or sys.exit('prctl failed'); "
