@@ -102,12 +102,9 @@ def test_unreachable_host_fails_every_run(tmp_path):
             str(wf),
             "--host",
             "http://127.0.0.1:9",
-            "--count",
-            "2",
             "--out",
             str(tmp_path / "o"),
-            "--timeout",
-            "30",
+            *"--count 2 --timeout 30".split(),
         ]
     )
     assert rc == 1

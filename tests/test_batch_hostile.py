@@ -51,26 +51,8 @@ def run_batch(tmp_path: Path, fake: FakeHost, count: int = 2, extra: tuple = ())
     wf.write_text(json.dumps(GRAPH))
     out = tmp_path / "work" / "out"
     with fake:
-        rc = cli.main(
-            [
-                str(wf),
-                "--host",
-                fake.url,
-                "--count",
-                str(count),
-                "--out",
-                str(out),
-                "--depth",
-                "1",
-                "--poll",
-                "0.05",
-                "--retries",
-                "0",
-                "--timeout",
-                "60",
-                *extra,
-            ]
-        )
+        options = f"--count {count} --depth 1 --poll 0.05 --retries 0 --timeout 60".split()
+        rc = cli.main([str(wf), "--host", fake.url, "--out", str(out), *options, *extra])
     summary = json.loads((out / "summary.json").read_text())  # strict JSON: no NaN may reach it
     outside = [p for p in tmp_path.rglob("*") if p.is_file() and out not in p.parents and p != wf]
     assert outside == [], f"files written outside --out: {outside}"
@@ -313,23 +295,8 @@ def test_host_that_hangs_up_loses_its_runs_to_a_good_host(tmp_path):
     wf.write_text(json.dumps(GRAPH))
     out = tmp_path / "out"
     with FakeHost(prompt=lambda n: Answer(raw=b"")) as bad, FakeHost() as good:
-        rc = cli.main(
-            [
-                str(wf),
-                "--host",
-                bad.url,
-                "--host",
-                good.url,
-                "--count",
-                "4",
-                "--out",
-                str(out),
-                "--depth",
-                "1",
-                "--poll",
-                "0.05",
-            ]
-        )
+        hosts = ["--host", bad.url, "--host", good.url]
+        rc = cli.main([str(wf), *hosts, "--out", str(out), *"--count 4 --depth 1 --poll 0.05".split()])
     summary = json.loads((out / "summary.json").read_text())
     assert rc == 0 and summary["succeeded"] == 4, summary
     assert {r["host"] for r in summary["runs"]} == {good.url}

@@ -108,22 +108,8 @@ def test_too_many_gpus_asked_is_one_clear_error(cluster, tmp_path, capsys):
     with FakeHost() as host:
         wf = tmp_path / "wf.json"
         wf.write_text(json.dumps(GRAPH))
-        rc = cli.main(
-            [
-                str(wf),
-                "--ray",
-                "--address",
-                cluster.address,
-                "--host",
-                host.url,
-                "--count",
-                "1",
-                "--gpus-per-worker",
-                "3",
-                "--out",
-                str(tmp_path / "out"),
-            ]
-        )
+        ray_args = ["--ray", "--address", cluster.address, "--host", host.url, "--out", str(tmp_path / "out")]
+        rc = cli.main([str(wf), *ray_args, *"--count 1 --gpus-per-worker 3".split()])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and "needs 3 GPUs; the cluster has 2" in err[-1], err
     assert not ray.is_initialized()
@@ -133,32 +119,13 @@ def test_local_cluster_of_the_driver_is_shut_down_with_nothing_left(tmp_path):
     """--ray without --address: the driver starts its own local cluster and leaves no process behind."""
     wf = tmp_path / "wf.json"
     wf.write_text(json.dumps(GRAPH))
-    with (
-        ray_temp_dir("ubl-") as temp,
-        FakeHost() as host,
-    ):  # fails if a process still names `temp` after the run
+    command = [sys.executable, "-m", "tools.batch", str(wf), "--ray", "--out", str(tmp_path / "out")]
+    # ray_temp_dir fails if a process still names `temp` after the run
+    with ray_temp_dir("ubl-") as temp, FakeHost() as host:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        command += ["--host", host.url, *"--count 2 --poll 0.05".split()]
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tools.batch",
-                str(wf),
-                "--ray",
-                "--host",
-                host.url,
-                "--count",
-                "2",
-                "--out",
-                str(tmp_path / "out"),
-                "--poll",
-                "0.05",
-            ],
-            cwd=REPO,
-            env=dict(env, RAY_TMPDIR=temp),
-            capture_output=True,
-            text=True,
-            timeout=300,
+            command, cwd=REPO, env=dict(env, RAY_TMPDIR=temp), capture_output=True, text=True, timeout=300
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -189,8 +156,9 @@ def test_a_host_started_to_die_with_its_parent_ends_with_it(tmp_path, die_with_p
         "    env=dict(os.environ, COMFYHOST_PARENT=str(os.getpid())))\n"
         "print(child.pid, flush=True)\ntime.sleep(1.0)\nos._exit(1)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", starter], cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", starter], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     pid = int(proc.stdout.split()[0])
     alive = bool(wait_until_gone(str(stand_in), seconds=5))
     if alive:

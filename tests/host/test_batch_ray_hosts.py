@@ -84,6 +84,11 @@ def edit_pixels(run_dir: Path) -> np.ndarray:
     return np.asarray(Image.open(png))
 
 
+def ray_args(cluster) -> list[str]:
+    """Three workers of 2 CPUs on the cluster: two on the head node, one on the node without ComfyUI."""
+    return ["--ray", "--address", cluster.address, *"--workers 3 --cpus-per-worker 2".split()]
+
+
 def check_workers(summary: dict, cluster) -> set[int]:
     """Two workers with a host on the head node, the third reporting why it has none; the good ones' ids."""
     workers = summary["ray"]["workers"]
@@ -96,28 +101,9 @@ def check_workers(summary: dict, cluster) -> set[int]:
 
 
 def test_shipped_edit_on_two_ray_workers_matches_the_single_host_path(comfy, cluster, tmp_path):
-    wf, common = str(WORKFLOWS_API / "image_edit.json"), [
-        "--count",
-        "6",
-        "--seed-start",
-        "100",
-        "--poll",
-        "0.2",
-    ]
+    wf, common = str(WORKFLOWS_API / "image_edit.json"), "--count 6 --seed-start 100 --poll 0.2".split()
     t0 = time.monotonic()
-    rc, log = Batch(
-        wf,
-        "--ray",
-        "--address",
-        cluster.address,
-        "--workers",
-        "3",
-        "--cpus-per-worker",
-        "2",
-        "--out",
-        str(tmp_path / "ray"),
-        *common,
-    ).wait()
+    rc, log = Batch(wf, *ray_args(cluster), "--out", str(tmp_path / "ray"), *common).wait()
     ray_s = time.monotonic() - t0
     assert rc == 0, log
     assert "cannot start its host: no ComfyUI host in" in log and "the batch goes on without it" in log, log
@@ -159,24 +145,8 @@ def test_host_killed_mid_batch_costs_no_run(cluster, tmp_path):
     graph["4"]["inputs"]["steps"] = 80  # long enough to be caught running (24 steps take about 2 s alone)
     wf = tmp_path / "edit_long.json"
     wf.write_text(json.dumps(graph))
-    batch = Batch(
-        str(wf),
-        "--ray",
-        "--address",
-        cluster.address,
-        "--workers",
-        "3",
-        "--cpus-per-worker",
-        "2",
-        "--count",
-        "4",
-        "--seed-start",
-        "7",
-        "--poll",
-        "0.2",
-        "--out",
-        str(tmp_path / "out"),
-    )
+    options = "--count 4 --seed-start 7 --poll 0.2".split()
+    batch = Batch(str(wf), *ray_args(cluster), "--out", str(tmp_path / "out"), *options)
     try:
         worker, url, pid = batch.hosts(2)[0]
         victim = Comfy(url, tmp_path, tmp_path / "no.log")
