@@ -10,7 +10,7 @@ setup: .venv/.installed
 .venv/.installed: pyproject.toml
 	test -x $(PY) || python3.11 -m venv .venv || python3 -m venv .venv
 	$(PY) -m pip install -q $(PIP_TORCH)
-	$(PY) -m pip install -q -e '.[test,offload,batch]'
+	$(PY) -m pip install -q -e '.[test,offload,batch,ray]'
 	touch $@
 
 test: setup

@@ -83,9 +83,23 @@ def prepare_base(base: Path) -> Path:
     return base
 
 
-def command(port: int, base: Path, extra: list[str] | None = None) -> list[str]:
+# Run as `python -c DIE_WITH_PARENT main.py ...`: ask the kernel for SIGTERM when the starting process
+# dies (PR_SET_PDEATHSIG = 1, kept across exec), then become ComfyUI; for owners that may vanish
+# (Ray workers).
+DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; parent = int(os.environ['COMFYHOST_PARENT']); "
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) == 0 or sys.exit('prctl failed'); "
+    "os.getppid() == parent or sys.exit('the starting process is gone'); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
+def command(port: int, base: Path, extra: list[str] | None = None, cpu: bool = True,
+            die_with_parent: bool = False) -> list[str]:
+    """The ComfyUI command line; ``cpu=False`` lets it use the GPUs that CUDA_VISIBLE_DEVICES shows."""
+    python = [str(host_python()), *(["-c", DIE_WITH_PARENT] if die_with_parent else [])]
     return [
-        str(host_python()), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+        *python, "main.py", *(["--cpu"] if cpu else []), "--listen", "127.0.0.1", "--port", str(port),
         "--base-directory", str(base), "--database-url", "sqlite:///:memory:", "--disable-api-nodes",
         "--disable-auto-launch", "--log-stdout", *(extra or []),
     ]  # fmt: skip
@@ -111,8 +125,13 @@ def start(
     log: Path | None = None,
     ready_node: str | None = READY_NODE,
     env: dict[str, str] | None = None,
+    cpu: bool = True,
+    die_with_parent: bool = False,
 ) -> Host:
-    """Spawn ComfyUI and wait until it answers; raise RuntimeError (with the log tail) if it does not."""
+    """Spawn ComfyUI and wait until it answers; raise RuntimeError (with the log tail) if it does not.
+
+    ``cpu``: pass ``--cpu`` (else ComfyUI uses the GPUs in ``env``'s CUDA_VISIBLE_DEVICES);
+    ``die_with_parent``: the host gets SIGTERM when the calling process dies, however it dies."""
     if not (comfy_dir() / "main.py").is_file() or not host_python().is_file():
         raise RuntimeError(f"no ComfyUI host in {DEST}: run tools/install_comfyhost.sh (make host) first")
     base = prepare_base(base or DEST / "base")
@@ -120,11 +139,11 @@ def start(
         use_port = port or free_port()
         log_path = Path(log or base / f"comfyui-{use_port}.log")
         run_env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        run_env.update(env or {})
+        run_env.update(env or {}, COMFYHOST_PARENT=str(os.getpid()))
         with open(log_path, "wb") as fh:
             proc = subprocess.Popen(
-                command(use_port, base, extra), cwd=comfy_dir(), stdout=fh, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=run_env, start_new_session=True,
+                command(use_port, base, extra, cpu, die_with_parent), cwd=comfy_dir(), stdout=fh,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=run_env, start_new_session=True,
             )  # fmt: skip
         url = f"http://127.0.0.1:{use_port}"
         t0 = time.monotonic()
