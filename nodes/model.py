@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import logging
 import math
 import os
@@ -23,6 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from unicache_core.bagel import ImageTransforms, LoadedBagel, load_bagel
+from unicache_core.bagel.checkpoint.header import read_header
+from unicache_core.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +89,6 @@ def single_file_supported() -> bool:
     return "tokenizer_dir" in inspect.signature(load_bagel).parameters
 
 
-#: Largest safetensors header read when listing (a BAGEL-7B header is about 150 KB).
-MAX_HEADER_BYTES = 64 << 20
 _HEADER_CACHE: dict[tuple, bool] = {}
 
 
@@ -102,14 +101,10 @@ def is_bagel_file(path: str | Path) -> bool:
         key = (str(path), st.st_size, st.st_mtime_ns)
         if key in _HEADER_CACHE:
             return _HEADER_CACHE[key]
-        with open(path, "rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(size)) if 0 < size <= min(MAX_HEADER_BYTES, st.st_size - 8) else {}
-    except (OSError, ValueError):
+        header = read_header(path, check_data_size=False)
+    except (OSError, CheckpointError):
         return False
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    found = (isinstance(meta, dict) and "comfyui_bagel" in meta) or any(
-        k.startswith("language_model.") for k in (header if isinstance(header, dict) else {}))
+    found = "comfyui_bagel" in header.metadata or any(k.startswith("language_model.") for k in header.tensors)
     _HEADER_CACHE[key] = found
     return found
 

@@ -221,12 +221,12 @@ class Checked:
 def _resolve_device(device: str) -> str:
     import torch
 
-    from .checkpoint.loader import _parse_device
+    from .checkpoint.loader import parse_device
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        _parse_device(device)
+        parse_device(device)
     except ValueError as exc:
         raise with_flag(exc) from None
     return device

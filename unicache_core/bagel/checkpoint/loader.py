@@ -4,12 +4,15 @@
 The single-file form (:mod:`.single_file`) holds no VAE and no tokenizer: the tokenizer comes from a
 folder (``tokenizer_dir``) and the VAE is optional (``vae``). Everything below applies to both forms.
 
-Only JSON and safetensors files are read. Before any module is built, the config is checked against
-the safetensors headers (names and shapes only; no tensor data): the layer and block counts and the
-main widths must match, so no config value can make the loader build or allocate without bound. The
-model is then built on the meta device, every tensor name and shape in the files is checked against
-it (any mismatch is a :class:`~unicache_core.errors.CheckpointError` that lists the offending names),
-and the tensors are assigned in place (no second copy of the weights). Every floating tensor is
+Only JSON and safetensors files are read. The form is inspected first (:func:`~.folder.inspect_folder`,
+:func:`~.single_file.inspect_single_file`): the configs, the tokenizer and the safetensors headers
+(:func:`~.header.read_header`, no tensor data), and the configs are checked against the headers
+(:mod:`.config_check`: layer and block counts and the main widths), so no config value can make the
+loader build or allocate without bound. The model is then built on the meta device, every tensor name
+and shape in the files is checked against it (any mismatch is a
+:class:`~unicache_core.errors.CheckpointError` that lists the offending names), and the tensors are read
+one at a time, each assigned in place as soon as it is read (no second copy of the weights, no dict of
+a whole file). Every floating tensor is
 checked to be finite, both as stored and after the cast to the model dtype: a corrupt tensor or an
 fp16 overflow is a :class:`~unicache_core.errors.NumericalError` naming the tensor and the file. The
 VAE is always kept in fp32, as officially.
@@ -18,7 +21,6 @@ VAE is always kept in fp32, as officially.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -27,16 +29,17 @@ import torch
 from safetensors import safe_open
 
 from ...errors import CheckpointError, UniCacheError
-from .model_id import model_id_of
-from ..config import AE_CONFIG_FILE, LLM_CONFIG_FILE, VIT_CONFIG_FILE, BagelConfig, load_bagel_config
+from ..config import AE_CONFIG_FILE, BagelConfig
 from ..modeling import AutoEncoder, Bagel
 from ..numerics import check_weight
 from ..tokenizer import BagelTokenizer
+from .config_check import check_vae_config
+from .folder import inspect_folder
+from .header import SafetensorsHeader, read_header
+from .single_file import check_single_file_name, check_tokenizer, inspect_single_file
 
 logger = logging.getLogger(__name__)
 
-EMA_FILE = "ema.safetensors"
-AE_FILE = "ae.safetensors"
 ALLOWED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_LISTED = 20
 
@@ -76,236 +79,67 @@ def _listing(names: list[str]) -> str:
     return f"{len(names)}: {shown}{more}"
 
 
-#: Suffixes of pickle-based weight files (``torch.save``): never opened by this loader.
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-#: First bytes of a ``torch.save`` zip archive.
-_ZIP_MAGIC = b"PK\x03\x04"
-#: Protocols a raw pickle stream announces after its ``0x80`` PROTO opcode.
-_PICKLE_PROTOCOLS = range(2, 6)
-
-
-def _looks_like_safetensors(head: bytes, size: int) -> bool:
-    """Whether ``head`` (the first 9 bytes of a ``size``-byte file) opens a safetensors file.
-
-    A safetensors file starts with its header length as a little-endian u64 and then the JSON header's
-    ``{``. The length's low byte may be anything (``0x80`` included, the first byte of a pickle stream),
-    so the format is told by the whole prefix, not by its first byte.
-    """
-    if len(head) < 9:
-        return False
-    header_len = int.from_bytes(head[:8], "little")
-    return 2 <= header_len <= size - 8 and head[8:9] == b"{"
-
-
-def _is_pickle(head: bytes) -> bool:
-    """A ``torch.save`` zip archive or a raw pickle stream (PROTO opcode ``0x80`` and protocol 2..5)."""
-    return head.startswith(_ZIP_MAGIC) or (len(head) >= 2 and head[0] == 0x80 and head[1] in _PICKLE_PROTOCOLS)
-
-
-def _check_weights_file(path: Path) -> None:
-    """Raise a :class:`CheckpointError` if ``path`` is missing or is a pickle file (only 9 bytes are read)."""
-    if path.exists() and not path.is_file():
-        kind = "a directory" if path.is_dir() else "not a regular file"
+def _check_names_and_shapes(header: SafetensorsHeader, expected: Mapping[str, torch.Size]) -> None:
+    """Refuse a weights file whose tensor names or shapes differ from the model built from the configs."""
+    path, shapes = header.path, header.shapes
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {_listing(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys {_listing(unexpected)}")
         raise CheckpointError(
-            f"weights file {path} is {kind}; replace it with {path.name} of ByteDance-Seed/BAGEL-7B-MoT"
+            f"{path} does not match the model built from the config files: {'; '.join(parts)}. "
+            f"Check that the config JSON (the folder's files, or a single file's metadata) belongs to "
+            f"these weights"
         )
-    if not path.is_file():
-        pickles = sorted(p.name for p in path.parent.glob("*") if p.suffix.lower() in PICKLE_SUFFIXES)
-        found = (
-            f"; the folder has pickle-based weights ({', '.join(pickles)}), which are not read because "
-            f"unpickling can run arbitrary code: this loader needs safetensors, so download {path.name} or "
-            f"convert those weights to safetensors"
-            if pickles
-            else ""
-        )
-        raise CheckpointError(
-            f"missing weights file {path}; download {path.name} of ByteDance-Seed/BAGEL-7B-MoT into "
-            f"{path.parent}{found}"
-        )
-    with open(path, "rb") as fh:
-        head = fh.read(9)
-    if not _looks_like_safetensors(head, path.stat().st_size) and _is_pickle(head):
-        raise CheckpointError(
-            f"{path} is a pickle/torch.save file, not safetensors; it is not read because unpickling can run "
-            f"arbitrary code. Download the real {path.name} or convert the weights to safetensors"
-        )
+    for name in sorted(shapes):
+        if torch.Size(shapes[name]) != expected[name]:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {tuple(shapes[name])}, the config expects "
+                f"{tuple(expected[name])}; the config JSON files do not match these weights"
+            )
 
 
-def _read_safetensors(
-    path: Path, expected: Mapping[str, torch.Size], *, device: torch.device, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Check names/shapes of ``path`` against ``expected``, then read every tensor as ``dtype`` on ``device``."""
-    _check_weights_file(path)
+def _assign_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make ``tensor`` the parameter or buffer ``name`` of ``module`` in place (no copy)."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    result = owner.load_state_dict({leaf: tensor}, strict=False, assign=True)
+    if result.unexpected_keys:  # cannot happen after the name check
+        raise CheckpointError(f"internal error: {name!r} is not a parameter or buffer of the built model")
+
+
+def _load_weights(module: torch.nn.Module, header: SafetensorsHeader, *, device: torch.device,
+                  dtype: torch.dtype) -> None:
+    """Check the names/shapes of ``header`` against ``module``, then read its tensors one at a time as ``dtype`` on
+    ``device``, each assigned into ``module`` as soon as it is read and checked."""
+    path = header.path
+    _check_names_and_shapes(header, {name: t.shape for name, t in module.state_dict().items()})
     load_device = "cpu" if device.type == "meta" else str(device)
     try:
         with safe_open(str(path), framework="pt", device=load_device) as fh:
-            names = list(fh.keys())
-            shapes = {name: torch.Size(fh.get_slice(name).get_shape()) for name in names}
-            missing = sorted(set(expected) - set(names))
-            unexpected = sorted(set(names) - set(expected))
-            if missing or unexpected:
-                parts = []
-                if missing:
-                    parts.append(f"missing keys {_listing(missing)}")
-                if unexpected:
-                    parts.append(f"unexpected keys {_listing(unexpected)}")
-                raise CheckpointError(
-                    f"{path} does not match the model built from the config files: {'; '.join(parts)}. "
-                    f"Check that the config JSON (the folder's files, or a single file's metadata) belongs to "
-                    f"these weights"
-                )
-            for name in names:
-                if shapes[name] != expected[name]:
-                    raise CheckpointError(
-                        f"{path}: tensor {name!r} has shape {tuple(shapes[name])}, the config expects "
-                        f"{tuple(expected[name])}; the config JSON files do not match these weights"
-                    )
-            tensors = {}
-            for name in names:
-                tensor = fh.get_tensor(name)
-                if not tensor.is_floating_point():
-                    raise CheckpointError(f"{path}: tensor {name!r} has non-float dtype {tensor.dtype}")
-                tensors[name] = tensor.to(dtype)
-                check_weight(path, name, tensor, tensors[name])  # NaN/inf in the file, or overflow of `dtype`
-            return tensors
+            for name in sorted(header.tensors):
+                stored = fh.get_tensor(name)
+                if not stored.is_floating_point():
+                    raise CheckpointError(f"{path}: tensor {name!r} has non-float dtype {stored.dtype}")
+                tensor = stored.to(dtype)
+                check_weight(path, name, stored, tensor)  # NaN/inf in the file, or overflow of `dtype`
+                _assign_tensor(module, name, tensor)
     except (UniCacheError, MemoryError, torch.OutOfMemoryError):
         raise  # out of memory is not file corruption: keep the real error
     except Exception as exc:  # safetensors raises several types for corrupt/truncated files
         raise CheckpointError(
             f"cannot read {path}: {type(exc).__name__}: {exc}. The file is corrupt or truncated; re-download it"
         ) from None
-
-
-def read_header(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a safetensors file, from its header only (no tensor data is read)."""
-    _check_weights_file(path)
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            return {name: tuple(fh.get_slice(name).get_shape()) for name in fh.keys()}
-    except (MemoryError, torch.OutOfMemoryError):
-        raise
-    except Exception as exc:  # safetensors raises several types for corrupt/truncated files
-        raise CheckpointError(
-            f"cannot read {path}: {type(exc).__name__}: {exc}. The file is corrupt or truncated; re-download it"
-        ) from None
-
-
-def _indices(names: Mapping[str, object], prefix: str) -> set[int]:
-    """The ``N`` of every ``{prefix}N.`` name (module-list indices present in a header)."""
-    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
-    found = set()
-    for name in names:
-        match = pattern.match(name)
-        if match:
-            found.add(int(match.group(1)))
-    return found
-
-
-def check_config_against_headers(
-    config: BagelConfig,
-    root: Path,
-    ema: Mapping[str, tuple[int, ...]],
-    ae: Mapping[str, tuple[int, ...]] | None,
-    *,
-    ema_path: Path | None = None,
-    ae_path: Path | None = None,
-    llm_source: str | None = None,
-    vit_source: str | None = None,
-    ae_source: str | None = None,
-) -> None:
-    """Refuse a config whose layer/block counts or main widths disagree with the weight files' headers.
-
-    Runs before any module is built: building follows the config, so a config saying
-    ``num_hidden_layers: 10000000`` or ``hidden_size: 2**40`` must fail here (cheaply) rather than make
-    the loader build millions of modules or overflow. Checked: LLM layers, vocabulary and width,
-    MLP width, attention widths; ViT layers, width, MLP width, patch and position table; VAE levels
-    and blocks per level, base width and latent channels. Everything else is then checked exactly
-    against the meta-built model (whose size is now bounded by the files).
-
-    The defaults describe a checkpoint folder ``root``; a single-file checkpoint passes its file as
-    ``ema_path``, the VAE file as ``ae_path`` (``ae`` None: no VAE, its checks are skipped) and names
-    where its configs came from (``*_source``, used in the messages).
-    """
-    llm, vit, aec = config.llm, config.vit, config.ae
-    ema_path = root / EMA_FILE if ema_path is None else ema_path
-    ae_path = root / AE_FILE if ae_path is None else ae_path
-    if ae_source is None:
-        ae_source = f"{root / AE_CONFIG_FILE}" if (root / AE_CONFIG_FILE).is_file() else "the built-in FLUX VAE config"
-
-    def fail(source: str, detail: str) -> None:
-        raise CheckpointError(
-            f"{source} does not match the weights: {detail}; the config files do not belong to these weights "
-            f"(re-download the checkpoint folder)"
-        )
-
-    def count(header, path, source, prefix, what: str, expected: int) -> None:
-        found = _indices(header, prefix)
-        if found != set(range(expected)):
-            have = f"{len(found)} ({prefix}{min(found)} to {prefix}{max(found)})" if found else f"no {prefix}*"
-            fail(source, f"{what}, but {path.name} holds {have}")
-
-    def shape(header, path, source, name, expected, fields) -> None:
-        if name not in header:
-            fail(source, f"{path.name} lacks the tensor {name!r}")
-        if tuple(header[name]) != tuple(expected):
-            fail(source, f"{fields} give {name} the shape {tuple(expected)}, but {path.name} stores {tuple(header[name])}")
-
-    llm_src = str(root / LLM_CONFIG_FILE) if llm_source is None else llm_source
-    vit_src = str(root / VIT_CONFIG_FILE) if vit_source is None else vit_source
-    lm = "language_model.model."
-    count(ema, ema_path, llm_src, f"{lm}layers.", f"num_hidden_layers = {llm.num_hidden_layers} layers",
-          llm.num_hidden_layers)
-    shape(ema, ema_path, llm_src, f"{lm}embed_tokens.weight", (llm.vocab_size, llm.hidden_size),
-          "vocab_size and hidden_size")
-    shape(ema, ema_path, llm_src, f"{lm}layers.0.mlp.gate_proj.weight", (llm.intermediate_size, llm.hidden_size),
-          "intermediate_size and hidden_size")
-    shape(ema, ema_path, llm_src, f"{lm}layers.0.self_attn.q_proj.weight",
-          (llm.num_attention_heads * llm.head_dim, llm.hidden_size), "num_attention_heads and hidden_size")
-    shape(ema, ema_path, llm_src, f"{lm}layers.0.self_attn.k_proj.weight",
-          (llm.num_key_value_heads * llm.head_dim, llm.hidden_size), "num_key_value_heads and hidden_size")
-    vm = "vit_model.vision_model."
-    # the file counts one more ViT layer than is built (BAGEL drops the last one)
-    count(ema, ema_path, vit_src, f"{vm}encoder.layers.",
-          f"num_hidden_layers = {vit.num_hidden_layers + 1} means {vit.num_hidden_layers} built layers (the last is "
-          f"dropped)", vit.num_hidden_layers)
-    shape(ema, ema_path, vit_src, f"{vm}embeddings.patch_embedding.weight",
-          (vit.hidden_size, vit.num_channels * vit.patch_size**2), "hidden_size, num_channels and patch_size")
-    shape(ema, ema_path, vit_src, f"{vm}embeddings.position_embedding.weight", (vit.num_positions, vit.hidden_size),
-          "image_size, patch_size and hidden_size")
-    shape(ema, ema_path, vit_src, f"{vm}encoder.layers.0.mlp.fc1.weight", (vit.intermediate_size, vit.hidden_size),
-          "intermediate_size and hidden_size")
-    if ae is None:
-        return
-    levels = len(aec.ch_mult)
-    count(ae, ae_path, ae_source, "encoder.down.", f"ch_mult has {levels} levels", levels)
-    count(ae, ae_path, ae_source, "decoder.up.", f"ch_mult has {levels} levels", levels)
-    blocks = f"num_res_blocks = {aec.num_res_blocks} blocks per level"
-    for level in range(levels):
-        count(ae, ae_path, ae_source, f"encoder.down.{level}.block.", blocks, aec.num_res_blocks)
-        count(ae, ae_path, ae_source, f"decoder.up.{level}.block.", f"{blocks} (+1 in the decoder)",
-              aec.num_res_blocks + 1)
-    shape(ae, ae_path, ae_source, "encoder.conv_in.weight", (aec.ch, aec.in_channels, 3, 3), "ch and in_channels")
-    shape(ae, ae_path, ae_source, "encoder.conv_out.weight", (2 * aec.z_channels, aec.ch * aec.ch_mult[-1], 3, 3),
-          "z_channels, ch and ch_mult")
-    shape(ae, ae_path, ae_source, "decoder.conv_out.weight", (aec.out_ch, aec.ch * aec.ch_mult[0], 3, 3),
-          "out_ch, ch and ch_mult")
-
-
-def _expected_shapes(module: torch.nn.Module) -> dict[str, torch.Size]:
-    return {name: t.shape for name, t in module.state_dict().items()}
-
-
-def _assign(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    result = module.load_state_dict(tensors, strict=False, assign=True)
-    if result.missing_keys or result.unexpected_keys:  # cannot happen after the check above
-        raise CheckpointError(
-            f"internal error: state dict mismatch after checking ({result.missing_keys}, {result.unexpected_keys})"
-        )
     for param in module.parameters():
         param.requires_grad_(False)
 
 
-def _parse_dtype(dtype: Any) -> torch.dtype:
+def parse_dtype(dtype: Any) -> torch.dtype:
+    """``dtype`` (a torch dtype, or ``"bf16"``/``"fp16"``/``"fp32"`` and their long names) -> torch dtype."""
     if isinstance(dtype, str):
         aliases = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
                    "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
@@ -317,7 +151,7 @@ def _parse_dtype(dtype: Any) -> torch.dtype:
     return dtype
 
 
-def _parse_device(device: Any) -> torch.device:
+def parse_device(device: Any) -> torch.device:
     """``device`` → :class:`torch.device`, checking that the backend exists on this machine."""
     if not isinstance(device, (str, torch.device)):
         raise ValueError(f"`device` must be a str or torch.device such as 'cpu' or 'cuda:0', got {device!r}")
@@ -389,37 +223,41 @@ def _dispatch(
     return model
 
 
+@dataclass(frozen=True)
+class _Placement:
+    """Where and how the weights go: :func:`load_bagel`'s checked ``dtype``/``device``/device-map arguments."""
+
+    dtype: torch.dtype
+    device: torch.device
+    device_map: Any
+    offload_folder: Path | None
+    max_memory: Mapping[Any, Any] | None
+
+
 def _build_and_read(
-    config: BagelConfig,
-    ema_path: Path,
-    ae_path: Path | None,
-    *,
-    where: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    device_map: Any,
-    folder: Path | None,
-    max_memory: Mapping[Any, Any] | None,
+    config: BagelConfig, ema: SafetensorsHeader, ae: SafetensorsHeader | None, placement: _Placement, where: Path
 ) -> tuple[Bagel, AutoEncoder | None]:
-    """Build on the meta device, check every name/shape, read each file once and assign in place."""
+    """Build on the meta device, check every name/shape, read each file once and assign in place (``where``: the
+    checkpoint, named when the config cannot be built)."""
     try:
         with torch.device("meta"):
             model = Bagel(config)
-            vae = AutoEncoder(config.ae) if ae_path is not None else None
+            vae = AutoEncoder(config.ae) if ae is not None else None
     except (RuntimeError, ValueError, OverflowError) as exc:  # e.g. a width whose storage size overflows
         raise CheckpointError(
             f"cannot build the model described by the config files of {where}: {type(exc).__name__}: {exc}; "
             f"check the config JSON (re-download or re-convert the checkpoint)"
         ) from None
-    load_device = torch.device("cpu") if device_map is not None else device
-    _assign(model, _read_safetensors(ema_path, _expected_shapes(model), device=load_device, dtype=dtype))
+    load_device = torch.device("cpu") if placement.device_map is not None else placement.device
+    _load_weights(model, ema, device=load_device, dtype=placement.dtype)
     if vae is not None:
-        _assign(vae, _read_safetensors(ae_path, _expected_shapes(vae), device=device, dtype=torch.float32))
+        _load_weights(vae, ae, device=placement.device, dtype=torch.float32)
         vae.eval()
     model.reset_buffers(load_device)
     model.eval()
-    if device_map is not None:
-        model = _dispatch(model, device_map, dtype, folder, max_memory)
+    if placement.device_map is not None:
+        model = _dispatch(model, placement.device_map, placement.dtype, placement.offload_folder,
+                          placement.max_memory)
     return model, vae
 
 
@@ -470,16 +308,16 @@ def load_bagel(
             file without ``tokenizer_dir``, or ``tokenizer_dir``/``vae`` given with a folder.
     """
     root = Path(checkpoint)
-    dtype = _parse_dtype(dtype)
-    device = _parse_device(device)
+    dtype = parse_dtype(dtype)
+    device = parse_device(device)
     if max_memory is not None and device_map != "auto":
         raise ValueError(f"`max_memory` is only used with device_map='auto', got device_map={device_map!r}")
     if max_memory is not None and not isinstance(max_memory, Mapping):
         raise ValueError(f"`max_memory` must be a mapping device -> size such as {{'cpu': '8GiB'}}, got {max_memory!r}")
-    folder = Path(offload_folder) if offload_folder is not None else None
-    common = dict(dtype=dtype, device=device, device_map=device_map, folder=folder, max_memory=max_memory)
+    placement = _Placement(dtype, device, device_map, Path(offload_folder) if offload_folder is not None else None,
+                           max_memory)
     if root.is_file():
-        return _load_single_file(root, tokenizer_dir=tokenizer_dir, vae=vae, **common)
+        return _load_single_file(root, tokenizer_dir, vae, placement)
     if not root.exists():
         raise CheckpointError(
             f"checkpoint {root} does not exist; pass a BAGEL checkpoint folder (llm_config.json, vit_config.json, "
@@ -491,33 +329,19 @@ def load_bagel(
             f"{given}: only for a single-file checkpoint; the folder {root} brings its own tokenizer and "
             f"ae.safetensors (pass an external VAE to BagelPipeline(..., vae=...) instead)"
         )
-    config = load_bagel_config(root)
-    tokenizer = BagelTokenizer.from_dir(root)
-    if tokenizer.vocab_size > config.llm.vocab_size:
-        raise CheckpointError(
-            f"the tokenizer in {root} has {tokenizer.vocab_size} ids but llm_config.json says vocab_size="
-            f"{config.llm.vocab_size}; the tokenizer files do not belong to this model"
-        )
-    # headers only: the config must describe these files before anything is built from it
-    check_config_against_headers(config, root, read_header(root / EMA_FILE), read_header(root / AE_FILE))
-    model, ae = _build_and_read(config, root / EMA_FILE, root / AE_FILE, where=str(root), **common)
+    folder = inspect_folder(root)  # headers only: the config must describe these files before anything is built
+    model, ae = _build_and_read(folder.config, folder.ema, folder.ae, placement, root)
     logger.info("loaded BAGEL from %s (%s on %s)", root, dtype, device)
-    try:
-        model_id = model_id_of(root)
-    except (ValueError, TypeError):
-        model_id = ""
     return LoadedBagel(
-        model=model, vae=ae, tokenizer=tokenizer, config=config, checkpoint_dir=root, dtype=dtype, device=device,
-        form="folder", model_id=model_id, tokenizer_dir=root,
+        model=model, vae=ae, tokenizer=folder.tokenizer, config=folder.config, checkpoint_dir=root, dtype=dtype,
+        device=device, form="folder", model_id=folder.model_id, tokenizer_dir=root,
     )
 
 
 def _load_single_file(
-    path: Path, *, tokenizer_dir: str | Path | None, vae: str | Path | None, **common: Any
+    path: Path, tokenizer_dir: str | Path | None, vae: str | Path | None, placement: _Placement
 ) -> LoadedBagel:
     """:func:`load_bagel` of a single ``.safetensors`` file (see :mod:`.single_file`)."""
-    from .single_file import check_single_file_name, check_tokenizer, inspect_single_file
-
     check_single_file_name(path)
     if tokenizer_dir is None:
         raise ValueError(
@@ -540,22 +364,20 @@ def _load_single_file(
     tokenizer = BagelTokenizer.from_dir(tok_dir)
     check_tokenizer(tokenizer, info, tok_dir)
     config = info.config
-    ae_path = None
+    ae = None
     if vae is not None:
-        ae_path = Path(vae)
+        ae = read_header(Path(vae))
         has_ae = AE_CONFIG_FILE in (info.metadata.get("model_configs") or {})
-        check_config_against_headers(
-            config, path.parent, info.shapes, read_header(ae_path), ema_path=path, ae_path=ae_path,
-            ae_source=f"{path.name}[{info.source}]:{AE_CONFIG_FILE}" if has_ae else "the built-in FLUX VAE config",
-        )
-    model, ae = _build_and_read(config, path, ae_path, where=str(path), **common)
-    logger.info("loaded BAGEL %s from the single file %s (%s on %s, VAE: %s)", info.variant, path, common["dtype"],
-                common["device"], ae_path or "none")
+        check_vae_config(config.ae, ae, source=f"{path.name}[{info.source}]:{AE_CONFIG_FILE}" if has_ae
+                         else "the built-in FLUX VAE config")
+    model, vae_module = _build_and_read(config, info.header, ae, placement, path)
+    logger.info("loaded BAGEL %s from the single file %s (%s on %s, VAE: %s)", info.variant, path, placement.dtype,
+                placement.device, ae.path if ae is not None else "none")
     return LoadedBagel(
-        model=model, vae=ae, tokenizer=tokenizer, config=config, checkpoint_dir=path, dtype=common["dtype"],
-        device=common["device"], form="single_file", model_id=info.model_id, variant=info.variant,
+        model=model, vae=vae_module, tokenizer=tokenizer, config=config, checkpoint_dir=path, dtype=placement.dtype,
+        device=placement.device, form="single_file", model_id=info.model_id, variant=info.variant,
         metadata=info.metadata, tokenizer_dir=tok_dir,
     )
 
 
-__all__ = ["LoadedBagel", "load_bagel"]
+__all__ = ["LoadedBagel", "load_bagel", "parse_device", "parse_dtype"]

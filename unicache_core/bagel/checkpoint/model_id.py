@@ -9,8 +9,8 @@
   ByteDance-Seed/BAGEL-7B-MoT release), else ``sha256:`` + the first 16 hex digits of a digest of
   both files' parsed JSON (keys sorted, so formatting does not change the id).
 
-Only JSON is read (for a single file: its safetensors header and sidecar); nothing here imports the
-BAGEL engine.
+Only JSON is read (for a single file: its safetensors header, through :func:`~.header.read_header`,
+and sidecar); nothing here imports the BAGEL engine.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ import hashlib
 import json
 from pathlib import Path
 from typing import Any, Mapping
+
+from ...errors import CheckpointError
+from .header import read_header
 
 BAGEL_7B_MOT = "bagel-7b-mot"
 #: Geometry of BAGEL-7B-MoT (official llm_config.json / vit_config.json values).
@@ -55,8 +58,6 @@ def model_id_from_variant(variant: object) -> str:
     return variant.strip().lower()
 
 
-#: Largest safetensors header read for an id (the safetensors library's own limit).
-_MAX_HEADER_BYTES = 100_000_000
 SIDECAR_SUFFIX = ".comfyui-bagel.json"
 
 
@@ -70,14 +71,9 @@ def _metadata_variant(raw: object) -> str | None:
 def _single_file_variant(path: Path) -> str | None:
     """The ``variant`` of a single-file checkpoint's metadata or sidecar (``None`` when it has neither)."""
     try:
-        with open(path, "rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            if not 0 < size <= _MAX_HEADER_BYTES:
-                raise ValueError(f"{path} is not a safetensors file (header size {size})")
-            header = json.loads(fh.read(size))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not a readable safetensors file ({exc})") from None
-    raw = (header.get("__metadata__") or {}).get("comfyui_bagel") if isinstance(header, dict) else None
+        raw = read_header(path).metadata.get("comfyui_bagel")
+    except CheckpointError as exc:
+        raise ValueError(str(exc)) from None
     try:
         if raw is not None:
             return _metadata_variant(raw)

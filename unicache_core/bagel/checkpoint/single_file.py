@@ -1,18 +1,13 @@
 """Single-file BAGEL checkpoints: the converted ``.safetensors`` that ComfyUI-BAGEL's native loader reads.
 
-Format (read in neverbiasu/ComfyUI-BAGEL, summary in the shared ComfyUI notes §10.1):
+Format (as github neverbiasu/ComfyUI-BAGEL reads it):
 
 * the tensors of the official ``ema.safetensors`` with their names unchanged, all under the eight roots
   :data:`MODULE_ROOTS`; all of one dtype; **no VAE and no tokenizer** inside;
-* the configs in the safetensors ``__metadata__["comfyui_bagel"]``, a JSON string::
-
-      {"format": "comfyui_bagel", "format_version": 1, "variant": "BAGEL-7B-MoT", "dtype": "bf16",
-       "quantization": "none", "latent_format": "flux",
-       "special_token_ids": {"<|im_start|>": 151644, ...},
-       "model_configs": {"llm_config.json": {...}, "vit_config.json": {...}}, ...}
-
-  (``model_configs`` may also hold this engine's optional ``ae_config.json`` / ``transform_config.json``;
-  other fields are ignored);
+* the configs in the safetensors ``__metadata__["comfyui_bagel"]``, a JSON string (:mod:`.metadata`:
+  format, version, variant, dtype, special-token ids and ``model_configs``, which holds
+  ``llm_config.json`` and ``vit_config.json`` and may hold this engine's optional ``ae_config.json`` /
+  ``transform_config.json``; other fields are ignored);
 * or, without that key, a sidecar ``<file>.comfyui-bagel.json``: ``{"format": "comfyui_bagel_sidecar",
   "checkpoint_size": <bytes of the file>, "metadata": <the same JSON, object or string>}``; its
   ``checkpoint_size`` must equal the file's size (a sidecar of another file is refused);
@@ -20,7 +15,8 @@ Format (read in neverbiasu/ComfyUI-BAGEL, summary in the shared ComfyUI notes §
   that model's (the real-size tree is built on the meta device to know them); anything else is one
   :class:`~unicache_core.errors.CheckpointError`.
 
-Only the header (and the sidecar) is parsed by :func:`inspect_single_file`: no tensor data is read,
+Only the header (:func:`~.header.read_header`) and the sidecar are parsed by :func:`inspect_single_file`: no
+tensor data is read,
 and the configs are checked against the header before anything is built. Variants other than
 :data:`KNOWN_VARIANTS`, other format versions, quantized files and other latent formats are refused.
 
@@ -47,7 +43,6 @@ from typing import Any, Mapping
 import torch
 
 from ...errors import CheckpointError, UniCacheError
-from .model_id import SIDECAR_SUFFIX, model_id_from_variant
 from ..config import (
     AE_CONFIG_FILE,
     LLM_CONFIG_FILE,
@@ -55,29 +50,38 @@ from ..config import (
     VIT_CONFIG_FILE,
     BagelConfig,
     bagel_config_from_dicts,
+    load_bagel_config,
 )
+from ..modeling import Bagel
 from ..tokenizer import BAGEL_SPECIAL_TOKENS, BagelTokenizer
+from .config_check import check_model_config
+from .folder import EMA_FILE, check_folder_model_config
+from .header import PICKLE_SUFFIXES, SafetensorsHeader, read_header
+from .metadata import (
+    BAGEL_SPECIAL_TOKEN_IDS,
+    DTYPE_NAMES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    KNOWN_VARIANTS,
+    METADATA_KEY,
+    NATIVE_VARIANT,
+    SIDECAR_FORMAT,
+    TINY_VARIANT,
+    build_metadata,
+    config_dict,
+    expected_special_ids,
+    parse_json_text,
+    read_sidecar,
+    sidecar_path,
+    validate_metadata,
+)
+from .model_id import BAGEL_7B_MOT, SIDECAR_SUFFIX, model_id_from_variant, model_id_of
 
 logger = logging.getLogger(__name__)
 
-FORMAT_NAME = "comfyui_bagel"
-FORMAT_VERSION = 1
-#: Key of the safetensors ``__metadata__`` entry holding the JSON.
-METADATA_KEY = "comfyui_bagel"
-SIDECAR_FORMAT = "comfyui_bagel_sidecar"
-#: The official model (ComfyUI-BAGEL's native variant).
-NATIVE_VARIANT = "BAGEL-7B-MoT"
-#: The random test checkpoints of :mod:`training.tiny` (configs always from the metadata).
-TINY_VARIANT = "UniCache-tiny-random"
-KNOWN_VARIANTS = (NATIVE_VARIANT, TINY_VARIANT)
 #: The eight module roots of the official ``ema.safetensors`` names.
 MODULE_ROOTS = ("language_model", "vit_model", "connector", "vae2llm", "llm2vae", "latent_pos_embed",
                 "vit_pos_embed", "time_embedder")
-#: The ids BAGEL-7B-MoT's embeddings give its special tokens (Qwen2.5's added tokens).
-BAGEL_SPECIAL_TOKEN_IDS = {"<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652,
-                           "<|vision_end|>": 151653}
-#: Metadata dtype names → safetensors header dtype strings.
-DTYPE_NAMES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 #: The architecture fields of BAGEL-7B-MoT's ``llm_config.json`` / ``vit_config.json`` (the ones read).
 OFFICIAL_LLM_CONFIG = {
@@ -91,8 +95,6 @@ OFFICIAL_VIT_CONFIG = {
     "layer_norm_eps": 1e-06, "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_channels": 3,
     "num_hidden_layers": 27, "patch_size": 14,
 }
-#: Largest accepted metadata JSON / sidecar (real ones are a few KB).
-MAX_METADATA_BYTES = 16 << 20
 _MAX_LISTED = 8
 _CONFIG_FILES = (LLM_CONFIG_FILE, VIT_CONFIG_FILE, AE_CONFIG_FILE, TRANSFORM_CONFIG_FILE)
 
@@ -110,7 +112,7 @@ class SingleFileInfo:
         config: the parsed configs (checked against the header).
         dtype: the stored dtype (``bf16``/``fp16``/``fp32``).
         special_token_ids: ``{token: id}`` the tokenizer must give BAGEL's four special tokens.
-        shapes: tensor name → shape, from the header.
+        header: the file's safetensors header (tensor names, dtypes and shapes).
     """
 
     path: Path
@@ -122,12 +124,12 @@ class SingleFileInfo:
     config: BagelConfig
     dtype: str
     special_token_ids: dict[str, int]
-    shapes: dict[str, tuple[int, ...]] = field(repr=False)
+    header: SafetensorsHeader = field(repr=False)
 
-
-def sidecar_path(path: str | Path) -> Path:
-    """``<file>.comfyui-bagel.json``."""
-    return Path(str(path) + SIDECAR_SUFFIX)
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Tensor name -> shape, from the header."""
+        return self.header.shapes
 
 
 def _listing(names: list[str]) -> str:
@@ -136,177 +138,9 @@ def _listing(names: list[str]) -> str:
     return f"{shown}{more}"
 
 
-#: Bytes per element of the safetensors dtypes a header may name.
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-#: Largest header accepted (the safetensors library's own limit).
-MAX_HEADER_BYTES = 100_000_000
-
-
-def read_single_file_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str], dict[str, str]]:
-    """``(shapes, dtypes, __metadata__)`` of a safetensors file, parsed from its header bytes only.
-
-    The file is not mapped (a 29 GB checkpoint is only opened for its first bytes); the header is
-    validated as the safetensors library does (dtypes, shapes, contiguous in-bounds data offsets).
-    """
-    from .loader import _check_weights_file
-
-    _check_weights_file(path)
-
-    def bad(detail: str) -> CheckpointError:
-        return CheckpointError(f"cannot read {path}: {detail}. The file is corrupt or truncated (or not a safetensors "
-                               f"file); re-download or re-convert it")
-
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise bad(f"only {len(head)} bytes")
-        n = int.from_bytes(head, "little")
-        if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
-            raise bad(f"header length {n} does not fit a file of {size} bytes")
-        raw = fh.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise bad(f"the header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise bad("the header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise bad("__metadata__ must map strings to strings")
-    shapes, dtypes, spans = {}, {}, []
-    for name, entry in header.items():
-        ok = isinstance(entry, dict) and entry.get("dtype") in _DTYPE_BYTES and isinstance(entry.get("shape"), list)
-        ok = ok and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry["shape"])
-        offsets = entry.get("data_offsets") if ok else None
-        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(
-            isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        if not ok:
-            raise bad(f"tensor {name!r} has a malformed header entry")
-        count = 1
-        for d in entry["shape"]:
-            count *= d
-        if offsets[1] - offsets[0] != count * _DTYPE_BYTES[entry["dtype"]] or offsets[0] < 0:
-            raise bad(f"tensor {name!r}: data_offsets {offsets} do not hold a {entry['dtype']} {entry['shape']} tensor")
-        shapes[name], dtypes[name] = tuple(entry["shape"]), entry["dtype"]
-        spans.append((offsets[0], offsets[1]))
-    end = 0
-    for lo, hi in sorted(spans):
-        if lo != end:
-            raise bad(f"tensor data is not contiguous at byte {lo} (expected {end})")
-        end = hi
-    if 8 + n + end != size:
-        raise bad(f"the header describes {8 + n + end} bytes but the file has {size}")
-    return shapes, dtypes, meta
-
-
-def _parse_json_text(text: str, where: str) -> Any:
-    if len(text) > MAX_METADATA_BYTES:
-        raise CheckpointError(f"{where} is {len(text)} characters, more than metadata can need; re-convert the file")
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{where} is not valid JSON ({exc}); re-convert the file or rewrite its sidecar") from None
-
-
-def _read_sidecar(path: Path, sidecar: Path, size: int) -> Any:
-    where = f"sidecar {sidecar}"
-    if not sidecar.is_file():
-        raise CheckpointError(f"{where} is not a regular file; remove it or replace it with a sidecar JSON file")
-    if sidecar.stat().st_size > MAX_METADATA_BYTES:
-        raise CheckpointError(f"{where} is {sidecar.stat().st_size} bytes, more than a sidecar can need; rewrite it")
-    try:
-        text = sidecar.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"cannot read {where}: {exc}; rewrite it") from None
-    data = _parse_json_text(text, where)
-    if not isinstance(data, dict) or data.get("format") != SIDECAR_FORMAT:
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise CheckpointError(f"{where} has format {found!r}, expected {SIDECAR_FORMAT!r}; it is not a ComfyUI-BAGEL "
-                              f"sidecar (remove or rewrite it)")
-    expected = data.get("checkpoint_size")
-    if isinstance(expected, bool) or not isinstance(expected, int) or expected != size:
-        raise CheckpointError(
-            f"{where} was written for a file of {expected!r} bytes, but {path.name} has {size} bytes: the sidecar "
-            f"belongs to another (or an incomplete) checkpoint file; re-download the file or rewrite its sidecar"
-        )
-    meta = data.get("metadata")
-    if isinstance(meta, str):
-        meta = _parse_json_text(meta, f"{where}: field 'metadata'")
-    return meta
-
-
-def _validate_metadata(meta: Any, where: str) -> dict[str, Any]:
-    """Refuse what this engine cannot run: another format/version, an unknown variant, quantization, …"""
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{where} must be a JSON object, got {type(meta).__name__}; re-convert the file")
-    if meta.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{where} has format {meta.get('format')!r}, expected {FORMAT_NAME!r}; re-convert the file")
-    version = meta.get("format_version")
-    if isinstance(version, bool) or version != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{where} has format_version {version!r}; this loader reads format_version {FORMAT_VERSION} only "
-            f"(convert the checkpoint with a matching converter, or update the node pack)"
-        )
-    variant = meta.get("variant")
-    if variant not in KNOWN_VARIANTS:
-        raise CheckpointError(
-            f"{where} names the variant {variant!r}, which this engine has no support for (known: "
-            f"{', '.join(KNOWN_VARIANTS)}); a variant needs its own adapter — use a {NATIVE_VARIANT} checkpoint"
-        )
-    dtype = meta.get("dtype", "bf16")
-    if dtype not in DTYPE_NAMES:
-        raise CheckpointError(f"{where}: dtype {dtype!r} is not supported (allowed: {sorted(DTYPE_NAMES)})")
-    quant = meta.get("quantization")
-    if quant not in (None, "", "none"):
-        raise CheckpointError(f"{where}: quantization {quant!r} is not supported (only unquantized bf16/fp16/fp32 "
-                              f"files); use the unquantized checkpoint")
-    latent = meta.get("latent_format")
-    if latent not in (None, "flux"):
-        raise CheckpointError(f"{where}: latent_format {latent!r} is not supported (BAGEL uses the FLUX VAE: 'flux')")
-    for key in ("model_options", "additional_special_tokens"):
-        if meta.get(key):
-            raise CheckpointError(f"{where}: field {key!r} = {meta[key]!r} needs a variant adapter this engine does "
-                                  f"not have; use a plain {NATIVE_VARIANT} checkpoint")
-    configs = meta.get("model_configs")
-    if not isinstance(configs, dict):
-        raise CheckpointError(f"{where} lacks 'model_configs' (the checkpoint's {LLM_CONFIG_FILE} and "
-                              f"{VIT_CONFIG_FILE}); re-convert the file")
-    ids = meta.get("special_token_ids", {}) or {}
-    if not isinstance(ids, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
-                                            for k, v in ids.items()):
-        raise CheckpointError(f"{where}: special_token_ids must map token strings to integer ids, got {ids!r}")
-    return meta
-
-
-def _config_dict(configs: Mapping[str, Any], name: str, where: str) -> dict[str, Any] | None:
-    value = configs.get(name)
-    if isinstance(value, str):  # some writers store each config as a JSON string
-        value = _parse_json_text(value, f"{where}: model_configs[{name!r}]")
-    return value
-
-
-def _expected_special_ids(meta: dict[str, Any], variant: str, where: str) -> dict[str, int]:
-    given = {k: v for k, v in (meta.get("special_token_ids") or {}).items() if k in BAGEL_SPECIAL_TOKENS}
-    if variant == NATIVE_VARIANT:
-        wrong = {k: v for k, v in given.items() if BAGEL_SPECIAL_TOKEN_IDS[k] != v}
-        if wrong:
-            raise CheckpointError(f"{where}: special_token_ids {wrong} disagree with {NATIVE_VARIANT}'s "
-                                  f"{BAGEL_SPECIAL_TOKEN_IDS}; the metadata is wrong, re-convert the file")
-        return dict(BAGEL_SPECIAL_TOKEN_IDS)
-    missing = [k for k in BAGEL_SPECIAL_TOKENS if k not in given]
-    if missing:
-        raise CheckpointError(f"{where}: special_token_ids lacks {missing}; a {variant} file must name the ids of "
-                              f"{list(BAGEL_SPECIAL_TOKENS)}")
-    return {k: given[k] for k in BAGEL_SPECIAL_TOKENS}
-
-
 @functools.lru_cache(maxsize=1)
 def official_layout() -> dict[str, tuple[int, ...]]:
     """Every tensor name and shape of BAGEL-7B-MoT's ``ema.safetensors`` (built on the meta device, ~1 s)."""
-    from ..modeling import Bagel
-
     cfg = bagel_config_from_dicts(OFFICIAL_LLM_CONFIG, OFFICIAL_VIT_CONFIG, source="<BAGEL-7B-MoT>")
     with torch.device("meta"):
         model = Bagel(cfg)
@@ -339,8 +173,6 @@ def _check_layout(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> None:
 def check_single_file_name(path: Path) -> None:
     """Refuse a file that is not ``*.safetensors`` (a pickle suffix gets its own reason)."""
     if path.suffix.lower() != ".safetensors":
-        from .loader import PICKLE_SUFFIXES
-
         why = (" (a pickle file, which is never read: unpickling can run arbitrary code)"
                if path.suffix.lower() in PICKLE_SUFFIXES else "")
         raise CheckpointError(
@@ -357,21 +189,20 @@ def inspect_single_file(path: str | Path) -> SingleFileInfo:
             quantization), a sidecar of another file, configs that do not describe the tensors, or no
             metadata and not BAGEL-7B-MoT's layout.
     """
-    from .loader import check_config_against_headers
-
     path = Path(path)
     check_single_file_name(path)
-    shapes, dtypes, header_meta = read_single_file_header(path)
+    header = read_header(path)
+    shapes, dtypes, header_meta = header.shapes, header.dtypes, header.metadata
     size = path.stat().st_size
     sidecar = sidecar_path(path)
     if METADATA_KEY in header_meta:
         source, where = "metadata", f"the {METADATA_KEY!r} metadata of {path}"
         if sidecar.exists():
             logger.info("%s: using the embedded metadata, not the sidecar %s", path, sidecar.name)
-        raw = _parse_json_text(header_meta[METADATA_KEY], where)
+        raw = parse_json_text(header_meta[METADATA_KEY], where)
     elif sidecar.exists():
         source, where = "sidecar", f"sidecar {sidecar}"
-        raw = _read_sidecar(path, sidecar, size)
+        raw = read_sidecar(path, sidecar, size)
     else:
         source, where = "layout", f"{path} (no metadata)"
         raw = None
@@ -388,7 +219,7 @@ def inspect_single_file(path: str | Path) -> SingleFileInfo:
                 "special_token_ids": dict(BAGEL_SPECIAL_TOKEN_IDS),
                 "model_configs": {LLM_CONFIG_FILE: dict(OFFICIAL_LLM_CONFIG), VIT_CONFIG_FILE: dict(OFFICIAL_VIT_CONFIG)}}
     else:
-        meta = _validate_metadata(raw, where)
+        meta = validate_metadata(raw, where)
         want = DTYPE_NAMES[meta.get("dtype", "bf16")]
         if stored != [want]:
             raise CheckpointError(f"{where} says dtype {meta.get('dtype', 'bf16')!r} ({want}), but the tensors are "
@@ -401,16 +232,14 @@ def inspect_single_file(path: str | Path) -> SingleFileInfo:
         )
     configs = meta["model_configs"]
     source_name = f"{path.name}[{source}]"
-    config = bagel_config_from_dicts(*(_config_dict(configs, n, where) for n in _CONFIG_FILES), source=source_name)
-    check_config_against_headers(
-        config, path.parent, shapes, None, ema_path=path,
-        llm_source=f"{source_name}:{LLM_CONFIG_FILE}", vit_source=f"{source_name}:{VIT_CONFIG_FILE}",
-    )
+    config = bagel_config_from_dicts(*(config_dict(configs, n, where) for n in _CONFIG_FILES), source=source_name)
+    check_model_config(config, header, llm_source=f"{source_name}:{LLM_CONFIG_FILE}",
+                       vit_source=f"{source_name}:{VIT_CONFIG_FILE}")
     variant = meta["variant"]
     return SingleFileInfo(
         path=path, size=size, source=source, variant=variant, model_id=model_id_from_variant(variant),
         metadata=meta, config=config, dtype=meta.get("dtype", "bf16"),
-        special_token_ids=_expected_special_ids(meta, variant, where), shapes=dict(shapes),
+        special_token_ids=expected_special_ids(meta, variant, where), header=header,
     )
 
 
@@ -441,23 +270,6 @@ def check_tokenizer(tokenizer: BagelTokenizer, info: SingleFileInfo, tokenizer_d
 
 
 # ------------------------------------------------------------------------------------------ writing
-
-
-def build_metadata(
-    variant: str,
-    dtype: str,
-    model_configs: Mapping[str, Mapping[str, Any]],
-    special_token_ids: Mapping[str, int],
-    **extra: Any,
-) -> dict[str, Any]:
-    """The ``comfyui_bagel`` metadata object (``extra`` fields are added, e.g. ``converter``)."""
-    meta = {
-        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "architecture": "Bagel", "variant": variant,
-        "dtype": dtype, "quantization": "none", "latent_format": "flux",
-        "special_token_ids": dict(special_token_ids), "model_configs": {k: dict(v) for k, v in model_configs.items()},
-    }
-    meta.update(extra)
-    return _validate_metadata(meta, "the metadata to write")
 
 
 def write_single_file(
@@ -512,13 +324,9 @@ def convert_folder(
     """
     from safetensors.torch import load_file
 
-    from .model_id import BAGEL_7B_MOT, model_id_of
-    from ..config import load_bagel_config
-    from .loader import EMA_FILE, check_config_against_headers, read_header
-
     root = Path(checkpoint_dir)
     config = load_bagel_config(root)
-    check_config_against_headers(config, root, read_header(root / EMA_FILE), None)
+    check_folder_model_config(config, root, read_header(root / EMA_FILE))
     if variant is None:
         if model_id_of(root) != BAGEL_7B_MOT:
             raise ValueError(f"{root} is not BAGEL-7B-MoT; pass `variant` (known: {', '.join(KNOWN_VARIANTS)})")

@@ -1,0 +1,83 @@
+"""The official checkpoint folder: configs, tokenizer and the two weight files' headers, checked together.
+
+An official-layout folder (ByteDance-Seed/BAGEL-7B-MoT) holds ``llm_config.json``, ``vit_config.json``,
+``ema.safetensors`` (BAGEL), ``ae.safetensors`` (the FLUX VAE) and the tokenizer files; the optional
+``ae_config.json`` / ``transform_config.json`` override the built-in VAE and image transform sizes.
+:func:`inspect_folder` reads everything but the tensor data and checks that it belongs together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...errors import CheckpointError
+from ..config import AE_CONFIG_FILE, LLM_CONFIG_FILE, VIT_CONFIG_FILE, BagelConfig, load_bagel_config
+from ..tokenizer import BagelTokenizer
+from .config_check import check_model_config, check_vae_config
+from .header import SafetensorsHeader, read_header
+from .model_id import model_id_of
+
+#: The BAGEL weights of a checkpoint folder.
+EMA_FILE = "ema.safetensors"
+#: The VAE weights of a checkpoint folder.
+AE_FILE = "ae.safetensors"
+
+
+@dataclass(frozen=True)
+class FolderCheckpoint:
+    """What a checkpoint folder holds, checked; no tensor data was read.
+
+    Attributes:
+        root: the folder.
+        config: its parsed configs (checked against both headers).
+        tokenizer: its tokenizer (no more ids than the model's embedding rows).
+        ema, ae: the headers of ``ema.safetensors`` and ``ae.safetensors``.
+        model_id: the id policy tables and reports use (``""`` when the configs give none).
+    """
+
+    root: Path
+    config: BagelConfig
+    tokenizer: BagelTokenizer
+    ema: SafetensorsHeader
+    ae: SafetensorsHeader
+    model_id: str
+
+
+def _vae_config_source(root: Path) -> str:
+    """Where a folder's VAE config comes from: its ``ae_config.json``, or the built-in FLUX config."""
+    return f"{root / AE_CONFIG_FILE}" if (root / AE_CONFIG_FILE).is_file() else "the built-in FLUX VAE config"
+
+
+def check_folder_model_config(config: BagelConfig, root: Path, ema: SafetensorsHeader) -> None:
+    """:func:`~.config_check.check_model_config` with the messages naming the folder's config files."""
+    check_model_config(config, ema, llm_source=str(root / LLM_CONFIG_FILE), vit_source=str(root / VIT_CONFIG_FILE))
+
+
+def inspect_folder(root: str | Path) -> FolderCheckpoint:
+    """Read and check an official-layout checkpoint folder: configs, tokenizer, headers (no tensor data).
+
+    Raises:
+        CheckpointError: a missing or corrupt file, a pickle instead of safetensors, a tokenizer with
+            more ids than the model, a config that does not describe the weight files.
+    """
+    root = Path(root)
+    config = load_bagel_config(root)
+    tokenizer = BagelTokenizer.from_dir(root)
+    if tokenizer.vocab_size > config.llm.vocab_size:
+        raise CheckpointError(
+            f"the tokenizer in {root} has {tokenizer.vocab_size} ids but llm_config.json says vocab_size="
+            f"{config.llm.vocab_size}; the tokenizer files do not belong to this model"
+        )
+    # headers only: the config must describe these files before anything is built from it
+    ema, ae = read_header(root / EMA_FILE), read_header(root / AE_FILE)
+    check_folder_model_config(config, root, ema)
+    check_vae_config(config.ae, ae, source=_vae_config_source(root))
+    try:
+        model_id = model_id_of(root)
+    except (ValueError, TypeError):
+        model_id = ""
+    return FolderCheckpoint(root=root, config=config, tokenizer=tokenizer, ema=ema, ae=ae, model_id=model_id)
+
+
+__all__ = ["AE_FILE", "EMA_FILE", "FolderCheckpoint", "check_folder_model_config", "inspect_folder"]
