@@ -7,6 +7,7 @@ length is 0x80 modulo 256 the first byte is 0x80, the same byte a raw pickle str
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -19,6 +20,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from unicache_core.bagel.checkpoint.header import read_header
 from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.checkpoint.single_file import inspect_single_file
 from training.tiny import write_tiny_single_file
@@ -91,3 +93,71 @@ def test_raw_pickle_named_safetensors_is_refused_unread(tiny_checkpoint_copy, mo
     monkeypatch.setattr(torch, "load", boom)
     with pytest.raises(CheckpointError, match=r"ema\.safetensors is a pickle/torch\.save file.*not read"):
         load_bagel(tiny_checkpoint_copy)
+
+
+# ------------------------------------------------------------------------------------ the one header reader
+
+
+def _raw_safetensors(path: Path, header: dict, data: bytes) -> Path:
+    """A file written byte by byte: header length, the JSON ``header`` and ``data``."""
+    text = json.dumps(header).encode("utf-8")
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+    return path
+
+
+def test_header_reader_gives_what_safetensors_reads(tiny_checkpoint):
+    from safetensors import safe_open
+
+    path = tiny_checkpoint / "ema.safetensors"
+    header = read_header(path)
+    with safe_open(str(path), framework="pt") as fh:
+        names = list(fh.keys())
+        assert header.shapes == {name: tuple(fh.get_slice(name).get_shape()) for name in names}
+        assert header.metadata == (fh.metadata() or {})
+    assert set(header.tensors) == set(names) and set(header.dtypes.values()) == {"F32"}
+
+
+@pytest.mark.parametrize(
+    "header, data, match",
+    [
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [1],
+          "data_offsets": [12, 16]}}, b"\0" * 16, "not contiguous at byte 12"),
+        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, r"do not hold a F32 \[3\] tensor"),
+        ({"a": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "'a' has a malformed header entry"),
+        ({"__metadata__": {"k": 1}}, b"", "__metadata__ must map strings to strings"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "describes .* bytes but the file"),
+    ],
+)
+def test_header_reader_refuses_inconsistent_headers(tmp_path, header, data, match):
+    path = _raw_safetensors(tmp_path / "bad.safetensors", header, data)
+    with pytest.raises(CheckpointError, match=f"bad.safetensors: .*{match}.*re-download or re-convert"):
+        read_header(path)
+
+
+def test_header_longer_than_the_limit_is_refused_unread(tmp_path, monkeypatch):
+    from unicache_core.bagel.checkpoint import header as header_module
+
+    path = _raw_safetensors(tmp_path / "big.safetensors", {"a": {"dtype": "U8", "shape": [64],
+                                                                 "data_offsets": [0, 64]}}, b"\0" * 64)
+    assert read_header(path).shapes == {"a": (64,)}
+    monkeypatch.setattr(header_module, "MAX_HEADER_BYTES", 16)
+    with pytest.raises(CheckpointError, match="header length .* does not fit"):
+        read_header(path)
+
+
+def test_listing_reads_the_same_header(tiny_checkpoint, tmp_path):
+    from nodes.model import is_bagel_file
+
+    data = (tiny_checkpoint / "ema.safetensors").read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match="describes .* bytes but the file has"):
+        read_header(cut)
+    assert is_bagel_file(cut)  # listed: loading it then says the file is truncated
+    assert is_bagel_file(tiny_checkpoint / "ema.safetensors")
+    assert not is_bagel_file(tiny_checkpoint / "ae.safetensors")  # a VAE
+    pickled = tmp_path / "pickled.safetensors"
+    pickled.write_bytes(pickle.dumps({"language_model.x": 1}, protocol=4))
+    assert not is_bagel_file(pickled)
+    with pytest.raises(CheckpointError, match="is a pickle/torch.save file"):
+        read_header(pickled)
