@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from training import tiny
+from training.bpe import json_text
+from training.model import init_weights
+from training.tiny import write_tiny_checkpoint
 from unicache_core.bagel.config import AEConfig, BagelConfig, LLMConfig, ResizeConfig, TransformConfig, ViTConfig
 from unicache_core.bagel.modeling.autoencoder import AutoEncoder
 from unicache_core.bagel.modeling.bagel import Bagel
@@ -26,6 +28,10 @@ from unicache_core.bagel.modeling.bagel import Bagel
 logger = logging.getLogger("benchmarks.medium")
 
 MEDIUM_TRANSFORMS = TransformConfig(vae=ResizeConfig(512, 256, 16), vit=ResizeConfig(504, 224, 14))
+
+
+def _write_json(path: Path, data: object) -> None:
+    path.write_text(json_text(data), encoding="utf-8")
 
 
 def medium_config(vocab_size: int, num_layers: int = 4) -> BagelConfig:
@@ -45,32 +51,32 @@ def write_medium_checkpoint(out_dir: str | Path, *, seed: int = 0, num_layers: i
     wanted = {"seed": seed, "num_layers": num_layers, "version": 1}
     if marker.is_file() and json.loads(marker.read_text()) == wanted:
         return out  # already written with these settings
-    tiny.write_tiny_checkpoint(out, seed=seed, force=marker.is_file())  # tokenizer files + layout
+    write_tiny_checkpoint(out, seed=seed, force=marker.is_file())  # tokenizer files + layout
     vocab = json.loads((out / "llm_config.json").read_text())["vocab_size"]
     cfg = medium_config(vocab, num_layers)
     gen = torch.Generator().manual_seed(seed)
     model = Bagel(cfg)
-    tiny._init_weights(model, gen, conv_fan_in=False)
+    init_weights(model, gen, conv_fan_in=False)
     model.vit_pos_embed.reset_table()
     model.latent_pos_embed.reset_table()
     with torch.no_grad():
         model.llm2vae.weight.copy_(torch.randn(model.llm2vae.weight.shape, generator=gen) * 0.1)
     vae = AutoEncoder(cfg.ae)
-    tiny._init_weights(vae, gen, conv_fan_in=True)
+    init_weights(vae, gen, conv_fan_in=True)
     with torch.no_grad():
         vae.encoder.conv_out.bias[cfg.ae.z_channels:].fill_(-6.0)
     llm_json = json.loads((out / "llm_config.json").read_text())
     llm_json.update(hidden_size=896, intermediate_size=1792, num_hidden_layers=num_layers, max_window_layers=num_layers,
                     num_attention_heads=14, num_key_value_heads=2)
-    tiny._write_json(out / "llm_config.json", llm_json)
+    _write_json(out / "llm_config.json", llm_json)
     vit_json = json.loads((out / "vit_config.json").read_text())
     vit_json.update(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_hidden_layers=3)
-    tiny._write_json(out / "vit_config.json", vit_json)
+    _write_json(out / "vit_config.json", vit_json)
     ae_json = json.loads((out / "ae_config.json").read_text())
     ae_json.update(ch=32, ch_mult=[1, 1, 1, 1], num_res_blocks=1)
-    tiny._write_json(out / "ae_config.json", ae_json)
-    tiny._write_json(out / "transform_config.json",
-                     {name: dataclasses.asdict(getattr(cfg.transforms, name)) for name in ("vae", "vit")})
+    _write_json(out / "ae_config.json", ae_json)
+    _write_json(out / "transform_config.json",
+                {name: dataclasses.asdict(getattr(cfg.transforms, name)) for name in ("vae", "vit")})
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out / "ema.safetensors"),
               metadata={"format": "pt"})
     save_file({k: v.detach().contiguous() for k, v in vae.state_dict().items()}, str(out / "ae.safetensors"),

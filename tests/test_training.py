@@ -7,8 +7,10 @@ from safetensors import safe_open
 
 from unicache_core.bagel import BagelPipeline, load_bagel
 from training import TrainConfig, run
-from training.trainer import SampleMaker, build_pool, pack
-from training.model import build_models, shapes_config, shapes_tokenizer, shapes_tokenizer_files
+from training.bagel_stage import SampleMaker
+from training.batches import pack
+from training.model import ShapesGeometry, build_models, shapes_config, shapes_tokenizer, shapes_tokenizer_files
+from training.vae_stage import build_pool
 from unicache_core.shapes import t2i_sample
 
 SMALL = dict(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64, vit_hidden=32, vit_layers=1, vit_heads=1,
@@ -80,7 +82,7 @@ def test_a_stopped_session_keeps_the_training_time_of_its_last_saved_state(tmp_p
 def _small_maker(**cfg_kw) -> tuple[SampleMaker, object]:
     """A sample maker over a 4-pair pool of the SMALL model (random weights); ``(maker, tokenizer)``."""
     vocab = shapes_tokenizer_files()[2]
-    cfg = shapes_config(vocab, **SMALL)
+    cfg = shapes_config(vocab, ShapesGeometry(**SMALL))
     _, vae = build_models(cfg, 0)
     tok = shapes_tokenizer()
     return SampleMaker(_cfg(**cfg_kw), cfg, build_pool(vae, 4), tok, vae), tok
@@ -257,11 +259,12 @@ def test_masked_attention_equals_sdpa_per_sample():
 def test_compiled_bf16_step_matches_eager_fp32():
     """The shipped training path (decoder layers compiled, bf16 autocast) computes the eager fp32 loss within bf16
     rounding, and its gradients reach every expert of every layer."""
-    from training.trainer import autocast, bagel_loss
+    from training.bagel_stage import bagel_loss
+    from training.config import autocast
 
     maker, tok = _small_maker(drop_text=0.0, drop_image=0.0)
     batch = pack(maker.draw(0), start_id=tok.start_of_image, end_id=tok.end_of_image, vit_patch=14, max_latent_size=64)
-    cfg = shapes_config(shapes_tokenizer_files()[2], **SMALL)
+    cfg = shapes_config(shapes_tokenizer_files()[2], ShapesGeometry(**SMALL))
     model, _ = build_models(cfg, 0)
     ref, ref_mse, ref_ce = bagel_loss(model, batch, _cfg(precision="fp32"))
     fast_cfg = _cfg(precision="bf16", compile=True)
@@ -285,7 +288,7 @@ def test_weight_average_is_exported_and_resumed(tmp_path):
     the average saved with the state instead of restarting it."""
     from safetensors.torch import load_file
 
-    from training.trainer import WeightAverage
+    from training.state import WeightAverage
 
     out, work = tmp_path / "ckpt", tmp_path / "work"
     run(out, work, _cfg(ema_decay=0.5))
@@ -326,7 +329,7 @@ def test_generation_path_learning_rate_scale(tmp_path):
     modules and the timestep embedder keep their initial values while the understanding side trains."""
     from safetensors.torch import load_file
 
-    from training.trainer import is_generation_parameter
+    from training.bagel_stage import is_generation_parameter
 
     assert is_generation_parameter("language_model.model.layers.3.mlp_moe_gen.up_proj.weight")
     assert is_generation_parameter("vae2llm.weight") and is_generation_parameter("time_embedder.mlp.0.bias")
@@ -335,7 +338,7 @@ def test_generation_path_learning_rate_scale(tmp_path):
     work = tmp_path / "work"
     run(tmp_path / "ckpt", work, _cfg(gen_lr_scale=0.0))
     trained = {k[6:]: v for k, v in load_file(str(work / "bagel_state.safetensors")).items() if k.startswith("param.")}
-    initial, _ = build_models(shapes_config(shapes_tokenizer_files()[2], **SMALL), 0)
+    initial, _ = build_models(shapes_config(shapes_tokenizer_files()[2], ShapesGeometry(**SMALL)), 0)
     moved = {n: not torch.equal(p.detach(), trained[n]) for n, p in initial.named_parameters() if p.requires_grad}
     assert not any(m for n, m in moved.items() if is_generation_parameter(n))
     assert moved["language_model.model.layers.0.mlp.up_proj.weight"] and moved["connector.fc1.weight"]

@@ -4,7 +4,9 @@
 writes the checkpoint in the official folder layout.
 """
 
-from .model import SHAPES_TRANSFORMS, VARIANT, build_models, shapes_config, shapes_tokenizer
-from .trainer import TrainConfig, run
+from .config import TrainConfig
+from .model import SHAPES_TRANSFORMS, VARIANT, ShapesGeometry, build_models, shapes_config, shapes_tokenizer
+from .trainer import run
 
-__all__ = ["SHAPES_TRANSFORMS", "TrainConfig", "VARIANT", "build_models", "run", "shapes_config", "shapes_tokenizer"]
+__all__ = ["SHAPES_TRANSFORMS", "ShapesGeometry", "TrainConfig", "VARIANT", "build_models", "run", "shapes_config",
+           "shapes_tokenizer"]

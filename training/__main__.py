@@ -7,7 +7,6 @@ the same command again resumes. ``--steps``/``--vae-steps``/``--pool`` shrink a 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time
@@ -47,7 +46,7 @@ def _init_spec(value) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from .model import unit_init_modules
-    from .trainer import PRECISIONS, TrainConfig, check_und_late_kinds
+    from .config import PRECISIONS, TrainConfig, check_und_late_kinds
 
     defaults = TrainConfig()
     parser = OneLineParser(description="Train the bundled shapes BAGEL (VAE, then LLM+ViT) and export it.")

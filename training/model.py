@@ -5,15 +5,16 @@ from __future__ import annotations
 import functools
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from unicache_core.shapes.world import vocabulary_text
 from unicache_core.bagel.config import AEConfig, BagelConfig, LLMConfig, ResizeConfig, TransformConfig, ViTConfig
 from unicache_core.bagel.modeling import AutoEncoder, Bagel
-from .tiny import _init_weights, bpe_tokenizer_files, train_tiny_bpe
 from unicache_core.bagel.tokenizer import BagelTokenizer
+from unicache_core.shapes.world import vocabulary_text
+from .bpe import bpe_tokenizer_files, train_tiny_bpe
 
 #: 128 px images: 8x8 = 64 latent tokens (16 px each) and 8x8 = 64 ViT patches (112 px, patch 14).
 SHAPES_TRANSFORMS = TransformConfig(vae=ResizeConfig(128, 128, 16), vit=ResizeConfig(112, 112, 14))
@@ -22,21 +23,40 @@ SHAPES_NUM_MERGES = 160
 VARIANT = "UniCache-shapes"
 
 
-def shapes_config(vocab_size: int, *, hidden: int = 128, layers: int = 6, heads: int = 4, kv_heads: int = 2,
-                  intermediate: int = 384, vit_hidden: int = 64, vit_layers: int = 2, vit_heads: int = 2,
-                  ae_ch: int = 64, ae_mult: tuple[int, ...] = (1, 1, 1, 1), ae_res_blocks: int = 1) -> BagelConfig:
-    """A small BAGEL: MoT Qwen2 LLM, SigLIP NaViT (as built, the file says one layer more), FLUX-style VAE.
+@dataclass(frozen=True)
+class ShapesGeometry:
+    """The widths and depths of the bundled model (the defaults are the shipped ones); ``TrainConfig.model``
+    holds overrides of these fields by name.
 
-    The VAE keeps FLUX's GroupNorm of 32 groups, so it needs at least 64 channels: with 32 (one channel per
-    group) every norm removes each channel's mean over the image, and a flat background's colour is lost
-    (measured: object colours off by 45/255 after 1100 steps at ch 32, the analyser read 2 of 40 scenes).
+    The VAE keeps FLUX's GroupNorm of 32 groups, so ``ae_ch`` must be at least 64: with 32 (one channel per
+    group) every norm removes each channel's mean over the image and a flat background's colour is lost
+    (docs/shapes.md, the model table).
     """
-    llm = LLMConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                    num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab_size,
+
+    hidden: int = 128
+    layers: int = 6
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 384
+    vit_hidden: int = 64
+    vit_layers: int = 2
+    vit_heads: int = 2
+    ae_ch: int = 64
+    ae_mult: tuple[int, ...] = (1, 1, 1, 1)
+    ae_res_blocks: int = 1
+
+
+def shapes_config(vocab_size: int, geometry: ShapesGeometry = ShapesGeometry()) -> BagelConfig:
+    """A small BAGEL of ``geometry``: MoT Qwen2 LLM, SigLIP NaViT (as built, the file says one layer more),
+    FLUX-style VAE."""
+    g = geometry
+    llm = LLMConfig(hidden_size=g.hidden, intermediate_size=g.intermediate, num_hidden_layers=g.layers,
+                    num_attention_heads=g.heads, num_key_value_heads=g.kv_heads, vocab_size=vocab_size,
                     rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=4096)
-    vit = ViTConfig(hidden_size=vit_hidden, intermediate_size=2 * vit_hidden, num_attention_heads=vit_heads,
-                    num_hidden_layers=vit_layers, image_size=980, patch_size=14)
-    ae = AEConfig(ch=ae_ch, ch_mult=tuple(ae_mult), num_res_blocks=ae_res_blocks, scale_factor=1.0, shift_factor=0.0)
+    vit = ViTConfig(hidden_size=g.vit_hidden, intermediate_size=2 * g.vit_hidden, num_attention_heads=g.vit_heads,
+                    num_hidden_layers=g.vit_layers, image_size=980, patch_size=14)
+    ae = AEConfig(ch=g.ae_ch, ch_mult=tuple(g.ae_mult), num_res_blocks=g.ae_res_blocks, scale_factor=1.0,
+                  shift_factor=0.0)
     return BagelConfig(llm=llm, vit=vit, ae=ae, transforms=SHAPES_TRANSFORMS)
 
 
@@ -49,11 +69,32 @@ def shapes_tokenizer_files() -> tuple[dict[str, str], dict[str, int], int, int, 
 
 
 def shapes_tokenizer() -> BagelTokenizer:
+    """The shapes tokenizer (:func:`shapes_tokenizer_files`) as a :class:`BagelTokenizer`."""
     files = shapes_tokenizer_files()[0]
     with tempfile.TemporaryDirectory() as tmp:
         for name, text in files.items():
             (Path(tmp) / name).write_text(text, encoding="utf-8")
         return BagelTokenizer.from_dir(tmp)
+
+
+def init_weights(module: torch.nn.Module, gen: torch.Generator, *, conv_fan_in: bool) -> None:
+    """The deterministic init of every small model written here (the shapes model, the tiny and the medium
+    checkpoints): norms 1/0, linear/embedding N(0, 0.02), convs N(0, 1/fan_in) with ``conv_fan_in``."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+            if isinstance(owner, (torch.nn.LayerNorm, torch.nn.GroupNorm)) or "norm" in name.split(".")[-2]:
+                param.fill_(1.0 if leaf == "weight" else 0.0)
+            elif name.endswith("pos_embed"):
+                continue  # filled with the sin-cos table
+            elif conv_fan_in and param.dim() == 4:
+                fan_in = param.shape[1] * param.shape[2] * param.shape[3]
+                param.copy_(torch.randn(param.shape, generator=gen) / fan_in**0.5)
+            elif conv_fan_in and leaf == "bias":
+                param.zero_()
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
 
 
 #: Modules that turn image content into LLM inputs (``unit_input_init`` of :func:`build_models` scales them):
@@ -86,15 +127,13 @@ def build_models(cfg: BagelConfig, seed: int, *,
     ``unit_input_init`` (:func:`unit_init_modules`) starts those of the image input modules at
     N(0, 1/fan_in) instead, so an image token's content is about as large as the frozen sin-cos position
     table added to it; at N(0, 0.02) it is ~8x smaller. Each module draws the same values whichever others
-    are chosen. Measured (docs/shapes.md, "Initialisation"): on the ViT side it is what lets one-object
-    understanding learn (answer CE 0.474 after 200 steps at N(0, 0.02), 0.018 at unit gain); on the
-    generation side (timestep embedder, ``vae2llm``) it weakens the use of the caption (text-to-image
-    alone, 600 steps: conditional gain in velocity MSE at t = 0.9 0.06 against 0.18 at N(0, 0.02)).
+    are chosen. What it does on each side (it helps understanding learn and weakens the generation path's
+    use of the caption) is measured in docs/shapes.md, "Initialisation".
     """
     chosen = unit_init_modules(unit_input_init)
     gen = torch.Generator().manual_seed(seed)
     model = Bagel(cfg)
-    _init_weights(model, gen, conv_fan_in=False)
+    init_weights(model, gen, conv_fan_in=False)
     input_gen = torch.Generator().manual_seed(seed + 1)  # its own stream: the VAE's init below is unchanged
     with torch.no_grad():
         for module in INPUT_MODULES if chosen else ():
@@ -106,7 +145,7 @@ def build_models(cfg: BagelConfig, seed: int, *,
     model.vit_pos_embed.reset_table()
     model.latent_pos_embed.reset_table()
     vae = AutoEncoder(cfg.ae)
-    _init_weights(vae, gen, conv_fan_in=True)
+    init_weights(vae, gen, conv_fan_in=True)
     with torch.no_grad():
         vae.encoder.conv_out.bias[cfg.ae.z_channels:].fill_(-4.0)  # start with a small posterior std
     return model, vae

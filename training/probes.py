@@ -4,7 +4,7 @@ On held-out text-to-image scenes the flow loss of the velocity is measured at fi
 with the scene's own caption, with another scene's caption, and with no text (the ``cfg_text`` context).
 A model that draws what it is told predicts better with the right caption than with none, and much worse
 with a wrong one; a model that ignores the text scores the same three times. The loss is the training
-loss (:func:`trainer.bagel_loss`) on the latent posterior means, with noise fixed by ``seed``, so two
+loss (:func:`.bagel_stage.bagel_loss`) on the latent posterior means, with noise fixed by ``seed``, so two
 checkpoints are compared on the same inputs.
 
     python -m training.probes CHECKPOINT [--scenes 48] [--json PATH]
@@ -12,7 +12,6 @@ checkpoints are compared on the same inputs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,7 +20,9 @@ import torch
 
 from unicache_core.shapes import world
 from .batches import Block, Sample, pack
-from .trainer import Pool, SampleMaker, TrainConfig, _to_unit, bagel_loss
+from .bagel_stage import SampleMaker, bagel_loss
+from .config import TrainConfig
+from .vae_stage import Pool, to_unit
 
 #: Flow times probed: mostly structure is decided at high noise, where the caption matters most.
 PROBE_TIMES: tuple[float, ...] = (0.3, 0.6, 0.9)
@@ -43,7 +44,7 @@ def caption_use(model, vae, tokenizer, *, scenes: int = 48, times: tuple[float, 
     was_training = model.training
     model.eval()
     pairs = [world.edit_sample(world.EVAL_SEEDS.start + PROBE_SEED_OFFSET + i) for i in range(scenes)]
-    mean, _ = vae.encode_moments(torch.stack([_to_unit(e.source.render()) for e in pairs]))
+    mean, _ = vae.encode_moments(torch.stack([to_unit(e.source.render()) for e in pairs]))
     sides = torch.stack([mean, mean], 1)  # [scenes, 2, C, h, w]: the source on both sides, std 0
     maker = SampleMaker(TrainConfig(), model.config, Pool(pairs, sides, torch.zeros_like(sides)), tokenizer, vae)
     cfg = TrainConfig()

@@ -33,143 +33,36 @@ seed and options hold the same tensors, so they give the same images.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
 import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-from unicache_core.errors import UniCacheError
+from unicache_core.bagel.checkpoint.single_file import (
+    BAGEL_SPECIAL_TOKEN_IDS,
+    TINY_VARIANT,
+    build_metadata,
+    write_single_file,
+)
 from unicache_core.bagel.config import AEConfig, BagelConfig, LLMConfig, ResizeConfig, TransformConfig, ViTConfig
 from unicache_core.bagel.modeling import AutoEncoder, Bagel
-from unicache_core.bagel.tokenizer import QWEN2_PRETOKENIZE_REGEX
+from unicache_core.bagel.tokenizer import BAGEL_SPECIAL_TOKENS, BagelTokenizer
+from unicache_core.errors import UniCacheError
+from .bpe import FULL_VOCAB_SIZE, TOKENIZER_FILES, bpe_tokenizer_files, train_tiny_bpe
+from .checkpoint_files import DTYPES, CheckpointParts, model_parts, write_parts
+from .model import init_weights
 
 logger = logging.getLogger(__name__)
 
-#: Qwen2.5 special tokens in id order (first id = size of the BPE vocabulary).
-QWEN_SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-
-TINY_NUM_MERGES = 300
+#: Name of the single file :func:`write_tiny_single_file` writes (next to ``ae.safetensors`` and ``tokenizer/``).
+TINY_SINGLE_FILE = "bagel-tiny.safetensors"
 
 #: Image transform sizes of the tiny model. VAE sides are multiples of 16 (one latent token per 16 px,
 #: at most 8 of the 64 latent positions per side); ViT sides multiples of the patch 14, at most 8 of
 #: the 70 positions per side. A 60x45 input becomes 80x64 (5x4 latent tokens, 6x5 ViT patches).
 TINY_TRANSFORMS = TransformConfig(vae=ResizeConfig(128, 64, 16), vit=ResizeConfig(112, 56, 14))
-
-_CORPUS = """
-A small red cat sat on the warm mat near the window, watching the birds in the garden.
-The quick brown fox jumps over the lazy dog while the sun sets behind the hills.
-Please describe the image in detail: what objects do you see, and what colors are they?
-Generate a photo of a blue car parked in front of an old house with a green door.
-Change the color of the sky to orange and add a flock of white birds flying over the sea.
-The model reads the picture, thinks about the question, and writes a short answer.
-There are three apples, two bananas and one large watermelon on the wooden table.
-A painting of a mountain lake at sunrise, with mist over the water and tall pine trees.
-Remove the person from the background and make the lighting softer and warmer.
-What is the man holding in his hand? He is holding a yellow umbrella in the rain.
-The children are playing football in the park on a bright and sunny afternoon.
-Turn the dog into a cat, keep the same pose, and do not change the background.
-An astronaut riding a horse on the moon, digital art, highly detailed, 4k.
-The kitchen has white walls, a black stove, and a bowl of fresh fruit on the counter.
-Describe the scene: a busy street at night with neon signs, taxis and people walking.
-This is a simple test sentence, written in plain English, for the tiny tokenizer.
-Numbers like 12, 345 and 6789 are split into single digits by the Qwen pre-tokenizer.
-It's the model's job to answer; they're ready, we'll see, I'd say you've done well.
-"""
-
-
-def _corpus_lines() -> list[str]:
-    return [line.strip() for line in _CORPUS.strip().splitlines() if line.strip()]
-
-
-def train_tiny_bpe(
-    num_merges: int = TINY_NUM_MERGES, lines: list[str] | None = None
-) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Train a byte-level BPE with the Qwen2 pre-tokenizer on ``lines`` (default: the built-in text).
-
-    Returns:
-        ``(vocab {token: id}, merges [(a, b)] in rank order)``; the vocab holds the 256 byte symbols
-        plus one token per merge.
-    """
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-        ]
-    )
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(
-        vocab_size=len(alphabet) + num_merges,
-        min_frequency=1,
-        show_progress=False,
-        initial_alphabet=alphabet,
-        special_tokens=[],
-    )
-    tok.train_from_iterator(_corpus_lines() * 4 if lines is None else lines, trainer=trainer)
-    state = json.loads(tok.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
-    # Byte symbols in GPT-2/Qwen order (printable bytes first), then merged tokens by rank.
-    if set(alphabet) != set(_BYTE_SYMBOLS):
-        raise RuntimeError("tokenizers' ByteLevel alphabet differs from the GPT-2 byte table")
-    vocab: dict[str, int] = {}
-    for ch in _BYTE_SYMBOLS:
-        vocab[ch] = len(vocab)
-    for a, b in merges:
-        vocab.setdefault(a + b, len(vocab))
-    return vocab, [(a, b) for a, b in merges]
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte → printable-character table."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-_BYTE_SYMBOLS = tuple(_bytes_to_unicode().values())
-
-
-#: Rows of BAGEL-7B-MoT's embedding table (Qwen2.5's padded vocabulary).
-FULL_VOCAB_SIZE = 152064
-#: First id of Qwen2.5's added tokens (``<|endoftext|>``); its BPE vocabulary has 151643 entries.
-QWEN25_ADDED_TOKENS_START = 151643
-#: Qwen2.5's 22 added tokens in id order from :data:`QWEN25_ADDED_TOKENS_START` (``<|im_start|>`` 151644,
-#: ``<|im_end|>`` 151645, ``<|vision_start|>`` 151652, ``<|vision_end|>`` 151653: BAGEL's ids).
-QWEN25_ADDED_TOKENS = QWEN_SPECIAL_TOKENS + (
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-    "<|repo_name|>", "<|file_sep|>",
-)
-#: Name of the single file :func:`write_tiny_single_file` writes (next to ``ae.safetensors`` and ``tokenizer/``).
-TINY_SINGLE_FILE = "bagel-tiny.safetensors"
-TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tiny_config(vocab_size: int, *, full_vae: bool = False) -> BagelConfig:
@@ -202,25 +95,6 @@ def tiny_config(vocab_size: int, *, full_vae: bool = False) -> BagelConfig:
     return BagelConfig(llm=llm, vit=vit, ae=ae, transforms=TINY_TRANSFORMS)
 
 
-def _init_weights(module: torch.nn.Module, gen: torch.Generator, *, conv_fan_in: bool) -> None:
-    """Deterministic init: norms 1/0, linear/embedding N(0, 0.02), convs N(0, 1/fan_in)."""
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
-            if isinstance(owner, (torch.nn.LayerNorm, torch.nn.GroupNorm)) or "norm" in name.split(".")[-2]:
-                param.fill_(1.0 if leaf == "weight" else 0.0)
-            elif name.endswith("pos_embed"):
-                continue  # filled with the sin-cos table
-            elif conv_fan_in and param.dim() == 4:
-                fan_in = param.shape[1] * param.shape[2] * param.shape[3]
-                param.copy_(torch.randn(param.shape, generator=gen) / fan_in**0.5)
-            elif conv_fan_in and leaf == "bias":
-                param.zero_()
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
-
-
 def build_tiny_models(
     vocab_size: int, seed: int = 0, *, full_vae: bool = False
 ) -> tuple[Bagel, AutoEncoder, BagelConfig]:
@@ -231,25 +105,17 @@ def build_tiny_models(
     cfg = tiny_config(vocab_size, full_vae=full_vae)
     gen = torch.Generator().manual_seed(seed)
     model = Bagel(cfg)
-    _init_weights(model, gen, conv_fan_in=False)
+    init_weights(model, gen, conv_fan_in=False)
     model.vit_pos_embed.reset_table()
     model.latent_pos_embed.reset_table()
     with torch.no_grad():
         model.llm2vae.weight.copy_(torch.randn(model.llm2vae.weight.shape, generator=gen) * 0.1)
     vae = AutoEncoder(cfg.ae)
-    _init_weights(vae, gen, conv_fan_in=True)
+    init_weights(vae, gen, conv_fan_in=True)
     with torch.no_grad():
         # Small posterior std (as in the real VAE): logvar channels biased to -6.
         vae.encoder.conv_out.bias[cfg.ae.z_channels :].fill_(-6.0)
     return model, vae, cfg
-
-
-def _json_text(data: object) -> str:
-    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
-
-
-def _write_json(path: Path, data: object) -> None:
-    path.write_text(_json_text(data), encoding="utf-8")
 
 
 #: Every file :func:`write_tiny_checkpoint` writes (``ae_config.json`` marks a small checkpoint: the real
@@ -283,53 +149,11 @@ def _check_target(out: Path, force: bool, *, marker: str = "ae_config.json", all
     )
 
 
-@dataclasses.dataclass
-class _TinyParts:
-    """Everything a tiny checkpoint holds, in memory (shared by the folder and the single-file writers)."""
-
-    tokenizer_files: dict[str, str]
-    configs: dict[str, dict]
-    ema: dict[str, torch.Tensor]
-    ae: dict[str, torch.Tensor]
-    special_token_ids: dict[str, int]
-    dtype: str
-
-
-def _tokenizer_config(added: dict[int, str]) -> dict:
-    return {
-        "add_prefix_space": False,
-        "added_tokens_decoder": {
-            str(i): {
-                "content": tok,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for i, tok in added.items()
-        },
-        "additional_special_tokens": [t for t in QWEN_SPECIAL_TOKENS if t != "<|endoftext|>"],
-        "bos_token": None,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": 131072,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
-
-
 def _tiny_parts(
     seed: int, *, full_vocab: bool, full_vae: bool, dtype: str, tokenizer_dir: str | Path | None
-) -> _TinyParts:
-    from unicache_core.bagel.checkpoint.single_file import BAGEL_SPECIAL_TOKEN_IDS
-    from unicache_core.bagel.tokenizer import BAGEL_SPECIAL_TOKENS, BagelTokenizer
-
-    if dtype not in _DTYPES:
-        raise ValueError(f"`dtype` must be one of {sorted(_DTYPES)}, got {dtype!r}")
+) -> CheckpointParts:
+    if dtype not in DTYPES:
+        raise ValueError(f"`dtype` must be one of {sorted(DTYPES)}, got {dtype!r}")
     if tokenizer_dir is not None:
         src = Path(tokenizer_dir)
         tokenizer = BagelTokenizer.from_dir(src)  # checks the three files
@@ -348,111 +172,6 @@ def _tiny_parts(
         bos, eos = min(added), min(added) + 2
     model, vae, cfg = build_tiny_models(vocab_size, seed, full_vae=full_vae)
     return model_parts(model, vae, cfg, files, ids, bos=bos, eos=eos, dtype=dtype)
-
-
-def bpe_tokenizer_files(
-    vocab: dict[str, int], merges: list[tuple[str, str]], *, full_vocab: bool = False
-) -> tuple[dict[str, str], dict[str, int], dict[int, str], int]:
-    """The three tokenizer files of a byte-level BPE with Qwen's special tokens appended.
-
-    Returns:
-        ``(files {name: text}, BAGEL special ids {token: id}, added tokens {id: token}, vocab_size)``;
-        with ``full_vocab`` the special tokens sit at Qwen2.5's ids and ``vocab_size`` is 152,064.
-    """
-    from unicache_core.bagel.tokenizer import BAGEL_SPECIAL_TOKENS
-
-    n_bpe = len(vocab)
-    if full_vocab:
-        # Qwen2.5's layout: BAGEL's special tokens at their real ids (the BPE ids below stay small; the
-        # rows in between exist in the model but no text encodes to them)
-        added = {QWEN25_ADDED_TOKENS_START + i: tok for i, tok in enumerate(QWEN25_ADDED_TOKENS)}
-        vocab_size = FULL_VOCAB_SIZE
-    else:
-        added = {n_bpe + i: tok for i, tok in enumerate(QWEN_SPECIAL_TOKENS)}
-        vocab_size = n_bpe + len(QWEN_SPECIAL_TOKENS)
-    merges_text = "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges)
-    files = {"vocab.json": _json_text(vocab), "merges.txt": merges_text,
-             "tokenizer_config.json": _json_text(_tokenizer_config(added))}
-    ids = {tok: i for i, tok in added.items() if tok in BAGEL_SPECIAL_TOKENS}
-    return files, ids, added, vocab_size
-
-
-def model_parts(
-    model: Bagel, vae: AutoEncoder, cfg: BagelConfig, tokenizer_files: dict[str, str], special_token_ids: dict[str, int],
-    *, bos: int, eos: int, dtype: str = "fp32",
-) -> "_TinyParts":
-    """Configs (official field names) and state dicts of ``model`` and ``vae``, ready to write."""
-    files, ids = tokenizer_files, special_token_ids
-    llm = cfg.llm
-    llm_json = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "attention_dropout": 0.0,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "hidden_act": "silu",
-        "hidden_size": llm.hidden_size,
-        "initializer_range": 0.02,
-        "intermediate_size": llm.intermediate_size,
-        "max_position_embeddings": llm.max_position_embeddings,
-        "max_window_layers": llm.num_hidden_layers,
-        "model_type": "qwen2",
-        "num_attention_heads": llm.num_attention_heads,
-        "num_hidden_layers": llm.num_hidden_layers,
-        "num_key_value_heads": llm.num_key_value_heads,
-        "rms_norm_eps": llm.rms_norm_eps,
-        "rope_scaling": None,
-        "rope_theta": llm.rope_theta,
-        "sliding_window": 131072,
-        "tie_word_embeddings": False,
-        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": llm.vocab_size,
-    }
-    vit = cfg.vit
-    vit_json = {
-        "hidden_size": vit.hidden_size,
-        "image_size": vit.image_size,
-        "intermediate_size": vit.intermediate_size,
-        "model_type": "siglip_vision_model",
-        "num_attention_heads": vit.num_attention_heads,
-        "num_hidden_layers": vit.num_hidden_layers + 1,  # the file counts the dropped layer
-        "patch_size": vit.patch_size,
-    }
-    ae = cfg.ae
-    ae_json = {
-        "resolution": ae.resolution,
-        "in_channels": ae.in_channels,
-        "downsample": ae.downsample,
-        "ch": ae.ch,
-        "out_ch": ae.out_ch,
-        "ch_mult": list(ae.ch_mult),
-        "num_res_blocks": ae.num_res_blocks,
-        "z_channels": ae.z_channels,
-        "scale_factor": ae.scale_factor,
-        "shift_factor": ae.shift_factor,
-    }
-    tf_json = {name: dataclasses.asdict(getattr(cfg.transforms, name)) for name in ("vae", "vit")}
-    torch_dtype = _DTYPES[dtype]
-    ema = {k: v.detach().to(torch_dtype).contiguous() for k, v in model.state_dict().items()}
-    ae_sd = {k: v.detach().contiguous() for k, v in vae.state_dict().items()}  # the VAE stays fp32
-    return _TinyParts(
-        tokenizer_files=files,
-        configs={"llm_config.json": llm_json, "vit_config.json": vit_json, "ae_config.json": ae_json,
-                 "transform_config.json": tf_json},
-        ema=ema, ae=ae_sd, special_token_ids=ids, dtype=dtype,
-    )
-
-
-def write_parts(parts: "_TinyParts", out: Path) -> None:
-    """Write a checkpoint folder in the official layout (tokenizer files, configs, ``ema``/``ae`` safetensors)."""
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in parts.tokenizer_files.items():
-        (out / name).write_text(text, encoding="utf-8")
-    for name, data in parts.configs.items():
-        _write_json(out / name, data)
-    save_file(parts.ema, str(out / "ema.safetensors"), metadata={"format": "pt"})
-    save_file(parts.ae, str(out / "ae.safetensors"), metadata={"format": "pt"})
 
 
 def write_tiny_checkpoint(
@@ -507,8 +226,6 @@ def write_tiny_single_file(
     ``full_vae``) and ``tokenizer/`` (for ``tokenizer_dir=``). Options as in :func:`write_tiny_checkpoint`;
     the same seed and options give the same tensors as that folder.
     """
-    from unicache_core.bagel.checkpoint.single_file import TINY_VARIANT, build_metadata, write_single_file
-
     out = Path(out_dir)
     _check_target(out, force, marker=TINY_SINGLE_FILE, allowed=TINY_SINGLE_FILE_ENTRIES)
     parts = _tiny_parts(seed, full_vocab=full_vocab, full_vae=full_vae, dtype=dtype, tokenizer_dir=tokenizer_dir)
@@ -537,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-vocab", action="store_true",
                         help="152,064 embedding rows, BAGEL's special tokens at their real ids (151644, ...)")
     parser.add_argument("--full-vae", action="store_true", help="real FLUX VAE geometry (ch 128, ch_mult 1-2-4-4)")
-    parser.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES), help="stored dtype of the BAGEL weights")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="stored dtype of the BAGEL weights")
     parser.add_argument("--tokenizer-dir", default=None,
                         help="use this tokenizer (vocab.json, merges.txt, tokenizer_config.json) instead of the tiny BPE")
     args = parser.parse_args(argv)
