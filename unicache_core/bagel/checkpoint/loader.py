@@ -28,7 +28,7 @@ from typing import Any, Mapping
 import torch
 from safetensors import safe_open
 
-from ...errors import CheckpointError, UniCacheError
+from ...errors import CheckpointError
 from ..config import AE_CONFIG_FILE, BagelConfig
 from ..modeling import AutoEncoder, Bagel
 from ..numerics import check_weight
@@ -112,28 +112,45 @@ def _assign_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> 
         raise CheckpointError(f"internal error: {name!r} is not a parameter or buffer of the built model")
 
 
+def _corrupt(path: Path, exc: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"cannot read {path}: {type(exc).__name__}: {exc}. The file is corrupt or truncated; re-download it"
+    )
+
+
+def _open(path: Path, device: str):
+    """``safe_open`` of ``path``; its errors (several types for corrupt or truncated files) as one message."""
+    try:
+        return safe_open(str(path), framework="pt", device=device)
+    except (MemoryError, torch.OutOfMemoryError):
+        raise  # out of memory is not file corruption: keep the real error
+    except Exception as exc:
+        raise _corrupt(path, exc) from None
+
+
+def _read_tensor(handle, path: Path, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """Tensor ``name`` of the open file, cast to ``dtype``; a non-float or non-finite tensor is refused."""
+    try:
+        stored = handle.get_tensor(name)
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        raise _corrupt(path, exc) from None
+    if not stored.is_floating_point():
+        raise CheckpointError(f"{path}: tensor {name!r} has non-float dtype {stored.dtype}")
+    tensor = stored.to(dtype)
+    check_weight(path, name, stored, tensor)  # NaN/inf in the file, or overflow of `dtype`
+    return tensor
+
+
 def _load_weights(module: torch.nn.Module, header: SafetensorsHeader, *, device: torch.device,
                   dtype: torch.dtype) -> None:
     """Check the names/shapes of ``header`` against ``module``, then read its tensors one at a time as ``dtype`` on
     ``device``, each assigned into ``module`` as soon as it is read and checked."""
-    path = header.path
     _check_names_and_shapes(header, {name: t.shape for name, t in module.state_dict().items()})
-    load_device = "cpu" if device.type == "meta" else str(device)
-    try:
-        with safe_open(str(path), framework="pt", device=load_device) as fh:
-            for name in sorted(header.tensors):
-                stored = fh.get_tensor(name)
-                if not stored.is_floating_point():
-                    raise CheckpointError(f"{path}: tensor {name!r} has non-float dtype {stored.dtype}")
-                tensor = stored.to(dtype)
-                check_weight(path, name, stored, tensor)  # NaN/inf in the file, or overflow of `dtype`
-                _assign_tensor(module, name, tensor)
-    except (UniCacheError, MemoryError, torch.OutOfMemoryError):
-        raise  # out of memory is not file corruption: keep the real error
-    except Exception as exc:  # safetensors raises several types for corrupt/truncated files
-        raise CheckpointError(
-            f"cannot read {path}: {type(exc).__name__}: {exc}. The file is corrupt or truncated; re-download it"
-        ) from None
+    with _open(header.path, "cpu" if device.type == "meta" else str(device)) as handle:
+        for name in sorted(header.tensors):
+            _assign_tensor(module, name, _read_tensor(handle, header.path, name, dtype))
     for param in module.parameters():
         param.requires_grad_(False)
 
