@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from unicache_core.bagel import BagelPipeline, load_bagel
+from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from training.tiny import write_tiny_checkpoint
 from unicache_core.compression import METHODS, make_cache_factory
 
@@ -100,14 +100,14 @@ def _run(pipe: BagelPipeline, task: str, cfg: E2EConfig, image: Image.Image) -> 
     if task == "und":
         model.lm_logits = capture
         try:
-            result = pipe.understand(image, cfg.question, max_new_tokens=cfg.decode_tokens)
+            result = pipe.understand(cfg.question, image, preset("understanding", max_new_tokens=cfg.decode_tokens))
         finally:
             del model.lm_logits
         return result, first_logits[0][0] if first_logits else None
     if task == "t2i":
-        return pipe.text_to_image(cfg.prompt, width=cfg.t2i_size, height=cfg.t2i_size, num_timesteps=cfg.steps + 1,
-                                  seed=cfg.seed), None
-    return pipe.edit(image, cfg.prompt, num_timesteps=cfg.steps + 1, seed=cfg.seed), None
+        settings = preset("t2i", width=cfg.t2i_size, height=cfg.t2i_size, num_timesteps=cfg.steps + 1)
+        return pipe.text_to_image(cfg.prompt, settings, seed=cfg.seed), None
+    return pipe.edit(cfg.prompt, image, preset("edit", num_timesteps=cfg.steps + 1), seed=cfg.seed), None
 
 
 def _compressed_steps(report: dict) -> list[dict]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from unicache_core.bagel import BagelPipeline, load_bagel
+from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from training.tiny import write_tiny_checkpoint
 from unicache_core.compression import METHODS, KVConfig, make_cache_factory
 
@@ -35,11 +35,12 @@ logger = logging.getLogger("benchmarks.gpu_check")
 
 def _task(pipe, task, image, steps):
     if task == "und":
-        return pipe.understand(image, "Describe the objects in this picture.", max_new_tokens=16)
+        return pipe.understand("Describe the objects in this picture.", image,
+                               preset("understanding", max_new_tokens=16))
     if task == "t2i":
-        return pipe.text_to_image("a red circle above a blue square", width=256, height=256, num_timesteps=steps + 1,
-                                  seed=42)
-    return pipe.edit(image, "make the red circle green", num_timesteps=steps + 1, seed=42)
+        return pipe.text_to_image("a red circle above a blue square",
+                                  preset("t2i", width=256, height=256, num_timesteps=steps + 1), seed=42)
+    return pipe.edit("make the red circle green", image, preset("edit", num_timesteps=steps + 1), seed=42)
 
 
 def _agreement(task, result, ref) -> float:

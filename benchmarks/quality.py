@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from unicache_core.bagel import BagelPipeline, load_bagel
+from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.cli import OneLineParser, path_arg
 from unicache_core.compression import DEFAULT_REDUCTION, METHODS, make_cache_factory
 from unicache_core.shapes import analyse, edit_sample, judge_t2i, psnr, scenes_match, t2i_sample, unchanged_mask
@@ -103,7 +103,7 @@ def run_task(pipe: BagelPipeline, task: str, cfg: QualityConfig, full_outputs: d
         by_kind = defaultdict(list)
         for seed in _seeds(task, n):
             scene, q = understanding_sample(seed)
-            res = pipe.understand(scene.render(), q.question, max_new_tokens=4)
+            res = pipe.understand(q.question, scene.render(), preset("understanding", max_new_tokens=4))
             ok = res.text.strip().lower() == q.answer
             by_kind[q.kind].append(ok)
             outputs[seed] = res.text.strip()
@@ -118,15 +118,16 @@ def run_task(pipe: BagelPipeline, task: str, cfg: QualityConfig, full_outputs: d
     for seed in _seeds(task, n):
         if task == "t2i":
             scene = t2i_sample(seed)
-            res = pipe.text_to_image(scene.caption(), width=128, height=128, num_timesteps=cfg.num_timesteps,
-                                     seed=seed % (1 << 32))
+            res = pipe.text_to_image(scene.caption(), preset("t2i", width=128, height=128,
+                                                             num_timesteps=cfg.num_timesteps), seed=seed % (1 << 32))
             j = judge_t2i(res.image, scene)
             for name in ("correct", "color", "shape", "position", "background", "count"):
                 judged[name].append(float(getattr(j, name)))
         else:
             edit = edit_sample(seed)
             src, tgt = edit.source.render(), image_array(edit.target.render())
-            res = pipe.edit(src, edit.instruction, num_timesteps=cfg.num_timesteps, seed=seed % (1 << 32))
+            res = pipe.edit(edit.instruction, src, preset("edit", num_timesteps=cfg.num_timesteps),
+                            seed=seed % (1 << 32))
             out = image_array(res.image)
             judged["psnr_target"].append(psnr(out, tgt))
             judged["psnr_source_as_output"].append(psnr(image_array(src), tgt))  # the do-nothing reference

@@ -7,9 +7,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-#: BAGEL's FLUX VAE constants (``AEConfig`` defaults); used when no loaded VAE config is at hand.
-FLUX_SCALE = 0.3611
-FLUX_SHIFT = 0.1159
+from unicache_core.bagel import latents as latents_module
 
 
 def check_image_batch(image, name: str = "image") -> torch.Tensor:
@@ -35,32 +33,15 @@ def pils_to_image(images: list[Image.Image]) -> torch.Tensor:
     return torch.from_numpy(np.stack(arrays, axis=0))
 
 
-try:  # the engine's own conversion (unicache_core.bagel.latents), with the checkpoint's VAE constants
-    from unicache_core.bagel.latents import from_comfy_latent as _from_comfy, to_comfy_latent as _to_comfy
-except ImportError:  # an engine without the latents module: the same FLUX formula here
-    _to_comfy = _from_comfy = None
-
-
-def _factors(config) -> tuple[float, float]:
-    ae = getattr(getattr(config, "config", config), "ae", None)
-    return (getattr(ae, "scale_factor", FLUX_SCALE), getattr(ae, "shift_factor", FLUX_SHIFT))
-
-
 def to_comfy_latent(latents: torch.Tensor, config=None) -> torch.Tensor:
     """BAGEL latent ``[B, 16, H/8, W/8]`` (``scale * (raw - shift)``) → ComfyUI FLUX ``samples`` (``raw``).
-    ``config``: the loaded checkpoint (its VAE constants); None = FLUX's 0.3611 / 0.1159."""
-    if _to_comfy is not None:
-        return _to_comfy(latents.float(), config)
-    scale, shift = _factors(config) if config is not None else (FLUX_SCALE, FLUX_SHIFT)
-    return latents.float() / scale + shift
+    ``config``: the loaded checkpoint (its VAE constants); None = FLUX's."""
+    return latents_module.to_comfy_latent(latents.float(), config)
 
 
 def from_comfy_latent(samples: torch.Tensor, config=None) -> torch.Tensor:
     """ComfyUI FLUX ``samples`` → BAGEL's latent (inverse of :func:`to_comfy_latent`)."""
-    if _from_comfy is not None:
-        return _from_comfy(samples.float(), config)
-    scale, shift = _factors(config) if config is not None else (FLUX_SCALE, FLUX_SHIFT)
-    return scale * (samples.float() - shift)
+    return latents_module.from_comfy_latent(samples.float(), config)
 
 
 class ComfyVAEAdapter:
@@ -84,5 +65,5 @@ class ComfyVAEAdapter:
         return pixels[..., :3].permute(0, 3, 1, 2) * 2.0 - 1.0
 
 
-__all__ = ["ComfyVAEAdapter", "FLUX_SCALE", "FLUX_SHIFT", "check_image_batch", "from_comfy_latent", "image_to_pils", "pils_to_image",
+__all__ = ["ComfyVAEAdapter", "check_image_batch", "from_comfy_latent", "image_to_pils", "pils_to_image",
            "to_comfy_latent"]

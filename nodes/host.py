@@ -20,8 +20,6 @@ POLICY_FOLDER = "unicache_policies"
 #: The pack's own model folder: it ships the trained default checkpoint (``make bundled`` adds the tiny test one).
 PACK_ROOT = Path(__file__).resolve().parent.parent
 PACK_BAGEL_DIR = PACK_ROOT / "models" / "bagel"
-#: The bundled default checkpoint (trained on the shapes world, docs/shapes.md), the loader's default choice.
-BUNDLED_CHECKPOINT = "unicache-shapes"  # = unicache_core.bagel.settings.BUNDLED_CHECKPOINT (tested)
 #: The policy tables shipped with the library.
 SHIPPED_POLICY_DIR = PACK_ROOT / "unicache_core" / "compression" / "tables"
 

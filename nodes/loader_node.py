@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 
+from unicache_core.bagel.settings import BUNDLED_CHECKPOINT
+
 from . import host
 from .model import (
     NO_CHECKPOINT, BagelModel, BagelModules, cached_model, file_identity, list_checkpoints, load_checkpoint,
-    remember_model, resolve_checkpoint, single_file_supported,
+    remember_model, resolve_checkpoint,
 )
 
 logger = logging.getLogger(__name__)
@@ -26,11 +28,10 @@ def checkpoint_choices() -> list[str]:
 
 class UniCacheBagelLoader:
     DESCRIPTION = ("Loads a BAGEL checkpoint from the `bagel` model folders (ComfyUI's models/bagel and the pack's "
-                   "models/bagel): an official BAGEL-7B-MoT folder"
-                   + (" or a single-file .safetensors checkpoint (tokenizer: ComfyUI's bundled Qwen2.5; VAE: "
-                      "connect a core VAELoader to the task nodes)" if single_file_supported() else "")
-                   + ". The model is loaded once and reused by later prompts; ComfyUI moves it between "
-                   "the GPU and the offload device.")
+                   "models/bagel): an official BAGEL-7B-MoT folder or a single-file .safetensors checkpoint "
+                   "(tokenizer: ComfyUI's bundled Qwen2.5; VAE: connect a core VAELoader to the task nodes). The "
+                   "model is loaded once and reused by later prompts; ComfyUI moves it between the GPU and the "
+                   "offload device.")
     CATEGORY = "UniCache/BAGEL"
     FUNCTION = "load"
     RETURN_TYPES = ("BAGEL_MODEL",)
@@ -41,7 +42,7 @@ class UniCacheBagelLoader:
     def INPUT_TYPES(cls):
         choices = checkpoint_choices()
         return {"required": {
-            "checkpoint": (choices, {"default": host.BUNDLED_CHECKPOINT if host.BUNDLED_CHECKPOINT in choices
+            "checkpoint": (choices, {"default": BUNDLED_CHECKPOINT if BUNDLED_CHECKPOINT in choices
                                      else choices[0], "tooltip":
                            "A checkpoint in models/bagel: an official folder (holding llm_config.json) or a single "
                            ".safetensors file. The pack ships `unicache-shapes`, a small BAGEL trained on coloured "

@@ -1,4 +1,4 @@
-"""The ``BAGEL_MODEL`` object, checkpoint discovery, the model cache and the memory estimate (no ComfyUI imports).
+"""The ``BAGEL_MODEL`` object, checkpoint discovery and the model cache (no ComfyUI imports).
 
 A ``BAGEL_MODEL`` is a :class:`BagelModel`: the :class:`~unicache_core.bagel.checkpoint.loader.LoadedBagel`, the ComfyUI
 ``ModelPatcher`` that carries its modules (built by :mod:`nodes.host`), the checkpoint name and the file
@@ -10,9 +10,7 @@ frees the previous one once ComfyUI drops it).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
-import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -21,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from unicache_core.bagel import ImageTransforms, LoadedBagel, load_bagel
+from unicache_core.bagel import LoadedBagel, load_bagel
 from unicache_core.bagel.checkpoint.header import read_header
 from unicache_core.errors import CheckpointError
 
@@ -84,11 +82,6 @@ class BagelModel:
 # --------------------------------------------------------------------------------- checkpoint discovery
 
 
-def single_file_supported() -> bool:
-    """Whether this ``unicache_core`` loads single-file ``.safetensors`` checkpoints (``tokenizer_dir=``)."""
-    return "tokenizer_dir" in inspect.signature(load_bagel).parameters
-
-
 _HEADER_CACHE: dict[tuple, bool] = {}
 
 
@@ -109,11 +102,9 @@ def is_bagel_file(path: str | Path) -> bool:
     return found
 
 
-def list_checkpoints(folders: Sequence[Path], *, include_files: bool | None = None) -> list[str]:
+def list_checkpoints(folders: Sequence[Path], *, include_files: bool = True) -> list[str]:
     """Checkpoint names in ``folders`` (relative paths with ``/``): official folders (holding
-    ``llm_config.json``) and, when supported, single ``.safetensors`` files. First folder wins a name clash."""
-    if include_files is None:
-        include_files = single_file_supported()
+    ``llm_config.json``) and single ``.safetensors`` files (``include_files``). First folder wins a name clash."""
     names: list[str] = []
     seen: set[str] = set()
 
@@ -196,64 +187,13 @@ def clear_cache() -> None:
 
 
 def load_checkpoint(path: Path, *, dtype: str, device: torch.device, tokenizer_dir: Callable[[], Path]) -> LoadedBagel:
-    """:func:`~unicache_core.bagel.load_bagel` on a folder or (when supported) a single ``.safetensors`` file."""
+    """:func:`~unicache_core.bagel.load_bagel` on a folder or a single ``.safetensors`` file (whose tokenizer is
+    ``tokenizer_dir()``)."""
     if path.is_file():
-        if not single_file_supported():
-            raise ValueError(
-                f"{path.name} is a single-file checkpoint, which this version of unicache_core cannot load yet; "
-                "use an official BAGEL-7B-MoT folder (llm_config.json, ema.safetensors, ...) in models/bagel")
         return load_bagel(path, dtype=dtype, device=device, tokenizer_dir=tokenizer_dir())
     return load_bagel(path, dtype=dtype, device=device)
 
 
-# ------------------------------------------------------------------------------------- memory estimate
-
-
-def _elem(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def predict_request_bytes(loaded: LoadedBagel, task: str, *, prompt_tokens: int, width: int = 0, height: int = 0,
-                          source_size: tuple[int, int] | None = None, new_tokens: int = 0) -> int:
-    """Upper estimate of the device memory one request needs besides the weights: the uncompressed KV of every
-    branch (compression starts after the first step, so the peak is the full cache) plus attention, MLP and
-    VAE working memory. Passed to ComfyUI's ``load_models_gpu(memory_required=...)``.
-
-    ``source_size``: the input image (edit, understanding) as ``(width, height)``; ``new_tokens``: decoded tokens.
-    """
-    cfg = loaded.config
-    llm = cfg.llm
-    elem = _elem(loaded.dtype)
-    per_token = 2 * llm.num_hidden_layers * llm.num_key_value_heads * llm.head_dim * elem
-    text = prompt_tokens + new_tokens + 16
-    vae_tokens = vit_tokens = 0
-    pixels = width * height
-    if source_size is not None:
-        tf = ImageTransforms.from_config(cfg)
-        pw, ph = tf.vae.resize.size_for(*source_size)  # every input image is resized by the VAE rule first
-        vw, vh = tf.vit.resize.size_for(pw, ph)
-        vae_tokens = (pw // cfg.latent_downsample) * (ph // cfg.latent_downsample) + 2
-        vit_tokens = (vw // cfg.vit.patch_size) * (vh // cfg.vit.patch_size) + 2
-        if task == "edit":
-            pixels = pw * ph
-    latents = pixels // (cfg.latent_downsample ** 2)
-    if task == "understanding":
-        kv_tokens = text + vit_tokens
-        queries = max(text, vit_tokens)
-    elif task == "edit":
-        kv_tokens = (text + vae_tokens + vit_tokens) + (vae_tokens + vit_tokens) + text  # gen, cfg_text, cfg_img
-        queries = max(latents, vae_tokens, vit_tokens, text)
-    else:
-        kv_tokens = 3 * text
-        queries = max(latents, text)
-    kv = kv_tokens * per_token
-    ctx = text + vae_tokens + vit_tokens + queries
-    attention = queries * ctx * llm.num_attention_heads * 4  # fp32 scores of one layer
-    mlp = queries * (llm.intermediate_size * 3 + llm.hidden_size * 8) * max(elem, 4)
-    vae = pixels * cfg.ae.ch * cfg.ae.ch_mult[0] * 4 * 6  # fp32 VAE: ~6 full-resolution feature maps alive
-    return int(kv + attention + mlp + vae)
-
-
 __all__ = ["BagelModel", "BagelModules", "CACHE_SIZE", "NO_CHECKPOINT", "cached_model", "clear_cache",
-           "file_identity", "is_bagel_file", "list_checkpoints", "load_checkpoint", "module_bytes", "predict_request_bytes",
-           "remember_model", "resolve_checkpoint", "single_file_supported"]
+           "file_identity", "is_bagel_file", "list_checkpoints", "load_checkpoint", "module_bytes",
+           "remember_model", "resolve_checkpoint"]

@@ -10,21 +10,22 @@ decoded token, with a live preview of the clean-latent estimate per step when th
 
 from __future__ import annotations
 
-import inspect
 import logging
 
-from unicache_core.bagel import RENORM_TYPES, BagelPipeline, ImageTransforms
-from unicache_core.bagel.pipeline import (
-    MAX_CFG_SCALE, MAX_NUM_TIMESTEPS, MAX_SEED, TEMPERATURE_RANGE, TIMESTEP_SHIFT_RANGE, check_output_size,
+from unicache_core.bagel import RENORM_TYPES, BagelPipeline, GivenLatents, ImageTransforms, RunHooks
+from unicache_core.bagel.accounting import count_request, request_memory_bytes
+from unicache_core.bagel.seeding import MAX_SEED
+from unicache_core.bagel.settings import (
+    EDIT_DEFAULTS, MAX_CFG_SCALE, MAX_NUM_TIMESTEPS, T2I_DEFAULTS, TEMPERATURE_RANGE, TIMESTEP_SHIFT_RANGE,
+    UNDERSTANDING_DEFAULTS, check_output_size, preset,
 )
-from unicache_core.bagel.settings import EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
-from unicache_core.errors import CancelledError
 from unicache_core.compression import KVConfig, make_cache_factory
 from unicache_core.compression.report_view import chart_data
+from unicache_core.errors import CancelledError
 
 from . import host
 from .convert import ComfyVAEAdapter, from_comfy_latent, image_to_pils, pils_to_image, to_comfy_latent
-from .model import BagelModel, predict_request_bytes
+from .model import BagelModel
 
 logger = logging.getLogger(__name__)
 
@@ -120,33 +121,34 @@ class _Progress:
         self(done, total, to_comfy_latent(x0.cpu(), self.loaded))
 
 
-def _run(fn, *args, **kwargs):
-    """Run one engine call with ComfyUI's interrupt check; an engine cancel becomes ComfyUI's interrupt."""
+def _run(call):
+    """Run one engine call (its hooks poll ComfyUI's interrupt); an engine cancel becomes ComfyUI's interrupt."""
     try:
-        return fn(*args, cancel=host.interrupted, **kwargs)
+        return call()
     except CancelledError:
         host.raise_interrupt()
 
 
-def _vae_kwargs(loaded, method: str, vae, source_latent=None) -> dict:
-    """Keyword arguments for an external VAE / a given source latent (BAGEL convention); a clear error (before
-    anything loads) when the engine lacks them, or when the checkpoint has no VAE and none is connected."""
-    params = inspect.signature(getattr(BagelPipeline, method)).parameters
-    extra = {}
+def _hooks(progress: _Progress, *, preview: bool) -> RunHooks:
+    return RunHooks(progress=progress, cancel=host.interrupted, preview=progress.preview if preview else None)
+
+
+def _memory(model: BagelModel, task: str, prompt: str, settings, source_size=None) -> int:
+    """The request's device memory besides the weights (KV of every branch and working memory)."""
+    loaded = model.loaded
+    tokens = count_request(loaded.config, loaded.tokenizer, task, prompt, settings, source_size=source_size)
+    return request_memory_bytes(loaded.config, loaded.dtype, tokens)
+
+
+def _external_vae(loaded, vae):
+    """The connected ComfyUI VAE as the engine's external VAE (None: the checkpoint's own); a clear error
+    (before anything loads) when the checkpoint has no VAE and none is connected."""
     if vae is not None:
-        if "vae" not in params:
-            raise ValueError("the `vae` input is not supported by this version of unicache_core; disconnect it "
-                             "(the checkpoint's own VAE is used)")
-        extra["vae"] = ComfyVAEAdapter(vae, loaded)
-    elif getattr(loaded, "vae", None) is None:
+        return ComfyVAEAdapter(vae, loaded)
+    if getattr(loaded, "vae", None) is None:
         raise ValueError("this checkpoint has no VAE of its own (a single-file checkpoint): connect a core VAELoader "
                          "with the FLUX ae.safetensors (models/vae) to the `vae` input")
-    if source_latent is not None:
-        if "source_latent" not in params:
-            raise ValueError("the `latent` input is not supported by this version of unicache_core; disconnect it "
-                             "(the source image is encoded by the checkpoint's VAE)")
-        extra["source_latent"] = source_latent
-    return extra
+    return None
 
 
 def _encode_sources(vae, loaded, sources) -> list:
@@ -187,13 +189,14 @@ def _generation_outputs(results, pipe: BagelPipeline) -> tuple:
     return image, latent, thinking, _merge_reports([r.kv_report for r in results])
 
 
-def _flow_kwargs(steps, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi, timestep_shift,
-                 cfg_renorm_min, cfg_renorm_type, think) -> dict:
+def _generation_settings(task, steps, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi, timestep_shift,
+                         cfg_renorm_min, cfg_renorm_type, think, **size):
+    """The widgets of a generation node as the engine's settings (the ``task`` preset's other values)."""
     if cfg_interval_lo > cfg_interval_hi:
         raise ValueError(f"cfg_interval_lo ({cfg_interval_lo}) must not exceed cfg_interval_hi ({cfg_interval_hi})")
-    return dict(num_timesteps=steps, cfg_text_scale=cfg_text_scale, cfg_img_scale=cfg_img_scale,
-                cfg_interval=(cfg_interval_lo, cfg_interval_hi), timestep_shift=timestep_shift,
-                cfg_renorm_min=cfg_renorm_min, cfg_renorm_type=cfg_renorm_type, think=think)
+    return preset(task, num_timesteps=steps, cfg_text_scale=cfg_text_scale, cfg_img_scale=cfg_img_scale,
+                  cfg_interval=(cfg_interval_lo, cfg_interval_hi), timestep_shift=timestep_shift,
+                  cfg_renorm_min=cfg_renorm_min, cfg_renorm_type=cfg_renorm_type, think=think, **size)
 
 
 # ------------------------------------------------------------------------------------------- nodes
@@ -225,18 +228,17 @@ class UniCacheTextToImage:
 
     def generate(self, model, prompt, width, height, steps, seed, cfg_text_scale, cfg_img_scale, cfg_interval_lo,
                  cfg_interval_hi, timestep_shift, cfg_renorm_min, cfg_renorm_type, think, kv=None, vae=None):
-        flow = _flow_kwargs(steps, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi, timestep_shift,
-                            cfg_renorm_min, cfg_renorm_type, think)
+        settings = _generation_settings("t2i", steps, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi,
+                                        timestep_shift, cfg_renorm_min, cfg_renorm_type, think, width=width,
+                                        height=height)
         _check_model(model)
         check_output_size(model.loaded.config, width, height)  # before anything is loaded onto the device
-        memory = predict_request_bytes(model.loaded, "t2i", prompt_tokens=len(model.loaded.tokenizer.encode(prompt)),
-                                       width=width, height=height,
-                                       new_tokens=T2I_DEFAULTS.think_max_new_tokens if think else 0)
-        extra = _vae_kwargs(model.loaded, "text_to_image", vae)
+        memory = _memory(model, "t2i", prompt, settings)
+        external = _external_vae(model.loaded, vae)
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(1, steps - 1, model.loaded)
-        result = _run(pipe.text_to_image, prompt, width=width, height=height, seed=seed, progress=progress,
-                      preview=progress.preview, **flow, **extra)
+        result = _run(lambda: pipe.text_to_image(prompt, settings, seed=seed, hooks=_hooks(progress, preview=True),
+                                                 vae=external))
         return _generation_outputs([result], pipe)
 
 
@@ -268,27 +270,26 @@ class UniCacheImageEdit:
 
     def edit(self, model, image, prompt, steps, seed, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi,
              timestep_shift, cfg_renorm_min, cfg_renorm_type, think, kv=None, vae=None, latent=None):
-        flow = _flow_kwargs(steps, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi, timestep_shift,
-                            cfg_renorm_min, cfg_renorm_type, think)
+        settings = _generation_settings("edit", steps, cfg_text_scale, cfg_img_scale, cfg_interval_lo,
+                                        cfg_interval_hi, timestep_shift, cfg_renorm_min, cfg_renorm_type, think)
         sources = image_to_pils(image, "image")
         _check_model(model)
-        memory = predict_request_bytes(model.loaded, "edit", prompt_tokens=len(model.loaded.tokenizer.encode(prompt)),
-                                       source_size=sources[0].size,
-                                       new_tokens=EDIT_DEFAULTS.think_max_new_tokens if think else 0)
+        memory = _memory(model, "edit", prompt, settings, source_size=sources[0].size)
         if latent is not None:
             latents = _source_latents(latent, len(sources), model.loaded)
-        elif vae is not None and "source_latent" in inspect.signature(BagelPipeline.edit).parameters:
+        elif vae is not None:
             latents = _encode_sources(vae, model.loaded, sources)
         else:
             latents = [None] * len(sources)
-        extras = [_vae_kwargs(model.loaded, "edit", vae, z) for z in latents]
+        external = _external_vae(model.loaded, vae)
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(len(sources), steps - 1, model.loaded)
         results = []
-        for i, (source, extra) in enumerate(zip(sources, extras)):
+        for i, (source, z) in enumerate(zip(sources, latents)):
             progress.item = i
-            results.append(_run(pipe.edit, source, prompt, seed=(seed + i) % (MAX_SEED + 1), progress=progress,
-                                preview=progress.preview, **flow, **extra))
+            results.append(_run(lambda: pipe.edit(prompt, source, settings, seed=(seed + i) % (MAX_SEED + 1),
+                                                  hooks=_hooks(progress, preview=True),
+                                                  given=GivenLatents(source_latent=z), vae=external)))
         return _generation_outputs(results, pipe)
 
 
@@ -329,20 +330,19 @@ class UniCacheUnderstand:
         }}
 
     def understand(self, model, prompt, max_new_tokens, do_sample, temperature, seed, think, image=None, kv=None):
+        settings = preset("understanding", max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                          think=think)
         sources = image_to_pils(image, "image") if image is not None else [None]
         _check_model(model)
-        memory = predict_request_bytes(model.loaded, "understanding",
-                                       prompt_tokens=len(model.loaded.tokenizer.encode(prompt)),
-                                       source_size=None if sources[0] is None else sources[0].size,
-                                       new_tokens=max_new_tokens)
+        memory = _memory(model, "understanding", prompt, settings,
+                         source_size=None if sources[0] is None else sources[0].size)
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(len(sources), max_new_tokens)
         results = []
         for i, source in enumerate(sources):
             progress.item = i
-            results.append(_run(pipe.understand, source, prompt, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                                temperature=temperature, think=think, seed=(seed + i) % (MAX_SEED + 1),
-                                progress=progress))
+            results.append(_run(lambda: pipe.understand(prompt, source, settings, seed=(seed + i) % (MAX_SEED + 1),
+                                                        hooks=_hooks(progress, preview=False))))
         text = "\n\n".join(r.text for r in results)
         report = _merge_reports([r.kv_report for r in results])
         return {"ui": {"text": [text], "unicache_kv": [chart_data(report)]}, "result": (text, report)}

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from unicache_core.bagel import BagelPipeline, load_bagel
+from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.kv.cache import AttentionCall, CacheRequest, FullKVCache
 from oracles import KIVIPolicy, ScoreInputs, StreamingLLMPolicy
 from unicache_core.kv.segmented_cache import SegmentedKVCache
@@ -56,8 +56,8 @@ class CompressOnFirstDenoise(SegmentedKVCache):
         COMPRESSION_LOG.append((self.branch, before, self.nbytes()))
 
 
-def _edit(pipe, image, **kw):
-    return pipe.edit(image, "make it blue", num_timesteps=3, seed=5, return_step0_velocity=True, **kw)
+def _edit(pipe, image):
+    return pipe.edit("make it blue", image, preset("edit", num_timesteps=3), seed=5, return_step0_velocity=True)
 
 
 def test_segmented_cache_reproduces_full_cache(loaded, source_image):

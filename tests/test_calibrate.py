@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from unicache_core.bagel import calibrate as cal
-from unicache_core.bagel import BagelPipeline, load_bagel
+from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.compression.calibration import CalibrationCacheFactory
 from unicache_core.bagel.checkpoint.model_id import model_id_of
 from unicache_core.kv.token_types import TokenType
@@ -43,8 +43,9 @@ def _run(capsys, *argv):
 
 def test_observe_only_scores_every_read_call_at_full_kv(loaded):
     img = cal.synthetic_image(0, 64)
-    res = BagelPipeline(loaded, CalibrationCacheFactory()).edit(img, "make it blue", num_timesteps=4, seed=1)
-    ref = BagelPipeline(loaded).edit(img, "make it blue", num_timesteps=4, seed=1)
+    settings = preset("edit", num_timesteps=4)
+    res = BagelPipeline(loaded, CalibrationCacheFactory()).edit("make it blue", img, settings, seed=1)
+    ref = BagelPipeline(loaded).edit("make it blue", img, settings, seed=1)
     assert torch.allclose(res.latents, ref.latents, atol=1e-4)  # nothing compressed
     summary = res.kv_report["summary"]
     assert summary["first_compressed_step"] is None
@@ -58,7 +59,8 @@ def test_observe_only_scores_every_read_call_at_full_kv(loaded):
             assert ("cfg_text", layer, step, "source_vae") in seen and ("cfg_img", layer, step, "instruction") in seen
             assert ("cfg_text", layer, step, "instruction") not in seen
     assert all(0.0 < k <= 1.0 and 0.0 <= m <= 1.0 for *_, k, m in records)
-    und = BagelPipeline(loaded, CalibrationCacheFactory()).understand(img, "What is it?", max_new_tokens=3)
+    und = BagelPipeline(loaded, CalibrationCacheFactory()).understand("What is it?", img,
+                                                                       preset("understanding", max_new_tokens=3))
     steps = {s for _, _, s, _, _, _ in und.kv_report["calibration"]["records"]}
     assert None in steps and 0 in steps  # the prefill observation and the decoded tokens
 

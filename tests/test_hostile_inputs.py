@@ -11,21 +11,21 @@ import math
 import pickle
 import re
 import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from unicache_core.bagel import __main__ as cli
+from checkpoint_edits import edit_json
+
 from unicache_core.bagel.config import load_bagel_config
 from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.pipeline import BagelPipeline
+from unicache_core.bagel.request import RunHooks
+from unicache_core.bagel.settings import preset
 from unicache_core.bagel.tokenizer import BagelTokenizer
-from unicache_core.bagel.transforms import pil_img2rgb, prepare_input_image
 from unicache_core.errors import CancelledError, CheckpointError
 from unicache_core.kv.cache import CacheRequest, FullKVCache
 
@@ -40,10 +40,9 @@ def pipe(loaded):
     return BagelPipeline(loaded)
 
 
-def _edit_json(path: Path, **changes) -> None:
-    data = json.loads(path.read_text())
-    data.update(changes)
-    path.write_text(json.dumps(data))
+
+#: A small, fast text-to-image request on the tiny checkpoint.
+SMALL = preset("t2i", width=32, height=32, num_timesteps=2)
 
 
 def _forbid_pickle(monkeypatch) -> None:
@@ -93,7 +92,7 @@ def test_llm_config_not_a_json_object(tiny_checkpoint_copy, text, match):
     ],
 )
 def test_llm_config_bad_values(tiny_checkpoint_copy, changes, match):
-    _edit_json(tiny_checkpoint_copy / "llm_config.json", **changes)
+    edit_json(tiny_checkpoint_copy / "llm_config.json", **changes)
     with pytest.raises(CheckpointError, match=match):
         load_bagel_config(tiny_checkpoint_copy)
 
@@ -193,11 +192,11 @@ def _vocab_with(path: Path, **extra) -> None:
         (lambda d: (d / "vocab.json").write_text("[1]"), "vocab.json"),
         (lambda d: (d / "merges.txt").write_text("#version: 0.2\nqq zz\n"), r"merges.txt.*'qq'"),
         (lambda d: (d / "merges.txt").write_bytes(b"\xff\xfe\x00"), "merges.txt"),
-        (lambda d: _edit_json(d / "tokenizer_config.json", added_tokens_decoder={"5": {"content": 7}}),
+        (lambda d: edit_json(d / "tokenizer_config.json", added_tokens_decoder={"5": {"content": 7}}),
          "tokenizer_config.json.*'5'"),
-        (lambda d: _edit_json(d / "tokenizer_config.json", added_tokens_decoder={"-3": {"content": "<|x|>"}}),
+        (lambda d: edit_json(d / "tokenizer_config.json", added_tokens_decoder={"-3": {"content": "<|x|>"}}),
          "tokenizer_config.json.*'-3'"),
-        (lambda d: _edit_json(d / "tokenizer_config.json", added_tokens_decoder=[1]),
+        (lambda d: edit_json(d / "tokenizer_config.json", added_tokens_decoder=[1]),
          "tokenizer_config.json.*added_tokens_decoder"),
     ],
 )
@@ -209,7 +208,7 @@ def test_tokenizer_files_malformed(tiny_checkpoint_copy, corrupt, match):
 
 def test_vocab_smaller_than_special_ids(tiny_checkpoint_copy):
     tok = BagelTokenizer.from_dir(tiny_checkpoint_copy)
-    _edit_json(tiny_checkpoint_copy / "llm_config.json", vocab_size=tok.eos_token_id)
+    edit_json(tiny_checkpoint_copy / "llm_config.json", vocab_size=tok.eos_token_id)
     with pytest.raises(CheckpointError, match=f"{tok.vocab_size} ids.*vocab_size={tok.eos_token_id}"):
         load_bagel(tiny_checkpoint_copy)
 
@@ -255,7 +254,7 @@ def test_cpu_device_with_index(tiny_checkpoint):
 
 
 def _t2i(pipe_: BagelPipeline) -> np.ndarray:
-    return np.asarray(pipe_.text_to_image("a red cube", width=32, height=32, num_timesteps=3, seed=7).image)
+    return np.asarray(pipe_.text_to_image("a red cube", SMALL.replace(num_timesteps=3), seed=7).image)
 
 
 def test_offload_cpu_and_disk_gives_the_same_image(tiny_checkpoint, pipe, tmp_path):
@@ -293,8 +292,9 @@ def test_offload_embeddings_on_disk(tiny_checkpoint, pipe, tmp_path):
                   "llm2vae": "cpu", "latent_pos_embed": "cpu"}
     offloaded = load_bagel(tiny_checkpoint, dtype="fp32", device_map=device_map, offload_folder=tmp_path / "off")
     np.testing.assert_array_equal(_t2i(BagelPipeline(offloaded)), _t2i(pipe))
-    text = BagelPipeline(offloaded).understand(None, "What is this?", max_new_tokens=4).token_ids
-    assert text == pipe.understand(None, "What is this?", max_new_tokens=4).token_ids
+    settings = preset("understanding", max_new_tokens=4)
+    text = BagelPipeline(offloaded).understand("What is this?", None, settings).token_ids
+    assert text == pipe.understand("What is this?", None, preset("understanding", max_new_tokens=4)).token_ids
 
 
 def test_auto_device_map_with_small_max_memory(tiny_checkpoint, pipe, tmp_path):
@@ -324,112 +324,6 @@ def test_missing_accelerate_gives_install_hint(tiny_checkpoint, monkeypatch):
         load_bagel(tiny_checkpoint, device_map="auto")
 
 
-# ------------------------------------------------------------------------------------ images
-
-
-def test_zero_area_and_one_pixel_images():
-    with pytest.raises(ValueError, match=r"`image` has zero size \(0x10\)"):
-        prepare_input_image(Image.new("RGB", (0, 10)))
-    assert prepare_input_image(Image.new("RGB", (1, 1))).size == (512, 512)  # official rule: short side 512
-
-
-@pytest.mark.parametrize("mode", ["1", "L", "P", "LA", "PA", "I", "I;16", "F", "CMYK", "YCbCr", "RGBa"])
-def test_image_modes_convert_like_official(mode):
-    rng = np.random.default_rng(0)
-    image = Image.fromarray(rng.integers(0, 256, size=(12, 10, 3), dtype=np.uint8)).convert(mode)
-    out = pil_img2rgb(image)
-    assert out.mode == "RGB" and out.size == (10, 12)
-    if mode not in ("LA", "PA"):  # no transparency entry: plain convert("RGB"), as the official code
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(image.convert("RGB")))
-
-
-def test_16_bit_image_is_clipped_like_official():
-    values = np.array([[0, 100, 255, 256, 65535]], dtype=np.uint16)
-    out = np.asarray(pil_img2rgb(Image.fromarray(values)))
-    # PIL's I;16 -> RGB conversion (what the official convert("RGB") does) clips, it does not rescale
-    assert out[0, :, 0].tolist() == [0, 100, 255, 255, 255]
-
-
-def test_unconvertible_mode_names_the_mode():
-    image = Image.new("La", (4, 4))
-    with pytest.raises(ValueError, match=r"`image`.*mode 'La'.*RGB"):
-        pil_img2rgb(image)
-
-
-def test_rgba_composited_on_white():
-    image = Image.new("RGBA", (4, 4), (10, 20, 30, 0))
-    assert np.asarray(pil_img2rgb(image)).min() == 255
-
-
-def _exif_rotated_jpeg(path: Path) -> Path:
-    image = Image.new("RGB", (40, 30), (200, 10, 10))
-    exif = Image.Exif()
-    exif[0x0112] = 6  # Orientation: rotate 90 CW to display
-    image.save(path, format="JPEG", exif=exif.tobytes())
-    return path
-
-
-def test_exif_orientation_is_not_applied(tmp_path):
-    """The official pipeline never calls ``exif_transpose``: the stored pixel grid is used as is."""
-    image = cli._open_image(_exif_rotated_jpeg(tmp_path / "rot.jpg"))
-    assert image.getexif().get(0x0112) == 6 and image.size == (40, 30)
-    assert prepare_input_image(image).size == (688, 512)  # the 40x30 grid, not the displayed 30x40
-
-
-def _png_header_only(path: Path, width: int, height: int) -> Path:
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) +
-                     chunk(b"IEND", b""))
-    return path
-
-
-@pytest.mark.parametrize("side", [20000, 10000])
-def test_cli_decompression_bomb_is_a_clear_error(tmp_path, side):
-    path = _png_header_only(tmp_path / "bomb.png", side, side)
-    with pytest.raises(ValueError, match=rf"--image: .*bomb.png is too large.*{side * side} pixels.*downscale"):
-        cli._open_image(path)
-
-
-def test_cli_non_image_and_directory(tmp_path):
-    (tmp_path / "notes.png").write_text("not an image")
-    with pytest.raises(ValueError, match="--image: cannot read .*notes.png as an image"):
-        cli._open_image(tmp_path / "notes.png")
-    with pytest.raises(ValueError, match="--image: .* is a directory"):
-        cli._open_image(tmp_path)
-
-
-def test_cli_truncated_image(tmp_path):
-    path = tmp_path / "cut.png"
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(path)
-    path.write_bytes(path.read_bytes()[:300])
-    with pytest.raises(ValueError, match="--image: cannot read .*cut.png"):
-        cli._open_image(path)
-
-
-def test_cli_bad_image_exits_2_one_line(tiny_checkpoint, tmp_path, capsys):
-    path = _png_header_only(tmp_path / "bomb.png", 20000, 20000)
-    code = cli.main(["edit", "--checkpoint", str(tiny_checkpoint), "--prompt", "x", "--image", str(path), "-q"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and err.startswith("error: --image:")
-
-
-def test_cli_cuda_without_cuda_exits_2(tiny_checkpoint, capsys, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    code = cli.main(["understand", "--checkpoint", str(tiny_checkpoint), "--prompt", "x", "--device", "cuda", "-q"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "CUDA is not available" in err
-
-
-def test_cli_out_is_a_directory_exits_2(tiny_checkpoint, tmp_path, capsys):
-    code = cli.main(["t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "x", "--width", "32", "--height",
-                     "32", "--steps", "2", "--dtype", "fp32", "--out", str(tmp_path), "-q"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and str(tmp_path) in err
-
-
 # ------------------------------------------------------------------------------------ prompts
 
 
@@ -437,7 +331,7 @@ def test_empty_prompt_is_an_empty_text_block(pipe, loaded):
     """Official ``interleave_inference`` appends ``""`` as a text block: ``[im_start] [im_end]``."""
     ctx = pipe.build_understanding_context(None, "")
     assert ctx.num_tokens == 2 and ctx.rope == 2
-    assert isinstance(pipe.understand(None, "", max_new_tokens=2).text, str)
+    assert isinstance(pipe.understand("", None, preset("understanding", max_new_tokens=2)).text, str)
 
 
 def test_special_token_text_maps_to_special_ids(loaded):
@@ -450,9 +344,9 @@ def test_special_token_text_maps_to_special_ids(loaded):
 @pytest.mark.parametrize("prompt", [None, 5, b"bytes", ["a"]])
 def test_non_str_prompt(pipe, prompt):
     with pytest.raises(ValueError, match="`prompt` must be a str"):
-        pipe.understand(None, prompt, max_new_tokens=1)
+        pipe.understand(prompt, None, preset("understanding", max_new_tokens=1))
     with pytest.raises(ValueError, match="`prompt` must be a str"):
-        pipe.text_to_image(prompt, width=32, height=32, num_timesteps=2)
+        pipe.text_to_image(prompt, SMALL)
 
 
 @pytest.fixture(scope="module")
@@ -461,7 +355,7 @@ def short_context_pipe(tmp_path_factory, tiny_checkpoint):
 
     dst = tmp_path_factory.mktemp("short") / "ckpt"
     shutil.copytree(tiny_checkpoint, dst)
-    _edit_json(dst / "llm_config.json", max_position_embeddings=300)
+    edit_json(dst / "llm_config.json", max_position_embeddings=300)
     return BagelPipeline(load_bagel(dst, dtype="fp32"))
 
 
@@ -478,17 +372,17 @@ def test_prompt_longer_than_max_positions_fails_before_running(short_context_pip
     pipe_ = BagelPipeline(short_context_pipe.loaded, cache_factory=_no_forward_factory)
     long_prompt = "the cat " * 200
     with pytest.raises(ValueError, match=r"`prompt`.*positions.*max_position_embeddings = 300"):
-        pipe_.understand(None, long_prompt, max_new_tokens=1)
+        pipe_.understand(long_prompt, None, preset("understanding", max_new_tokens=1))
     with pytest.raises(ValueError, match=r"`prompt`.*max_position_embeddings = 300"):
-        pipe_.text_to_image(long_prompt, width=32, height=32, num_timesteps=2)
+        pipe_.text_to_image(long_prompt, SMALL)
     with pytest.raises(ValueError, match=r"`max_new_tokens`.*max_position_embeddings = 300"):
-        pipe_.understand(None, "a cat", max_new_tokens=299)
+        pipe_.understand("a cat", None, preset("understanding", max_new_tokens=299))
     with pytest.raises(ValueError, match=r"`think_max_new_tokens`.*max_position_embeddings = 300"):
-        pipe_.text_to_image("a cat", width=32, height=32, num_timesteps=2, think=True, think_max_new_tokens=1000)
+        pipe_.text_to_image("a cat", SMALL.replace(think=True, think_max_new_tokens=1000))
 
 
 def test_prompt_that_fits_runs(short_context_pipe):
-    res = short_context_pipe.understand(None, "a cat", max_new_tokens=4)
+    res = short_context_pipe.understand("a cat", None, preset("understanding", max_new_tokens=4))
     assert len(res.token_ids) <= 4
 
 
@@ -516,13 +410,14 @@ def test_prompt_that_fits_runs(short_context_pipe):
     ],
 )
 def test_bad_generation_arguments(pipe, kwargs, name):
-    kwargs = {"width": 32, "height": 32, "num_timesteps": 2, **kwargs}
+    kwargs = dict(kwargs)
+    seed = kwargs.pop("seed", 0)
     with pytest.raises(ValueError, match=rf"`{re.escape(name)}`.*got"):
-        pipe.text_to_image("x", **kwargs)
+        pipe.text_to_image("x", SMALL.replace(**kwargs), seed=seed)
 
 
 def test_largest_seed_is_accepted(pipe):
-    assert pipe.text_to_image("x", width=32, height=32, num_timesteps=2, seed=2**64 - 1).seed == 2**64 - 1
+    assert pipe.text_to_image("x", SMALL, seed=2**64 - 1).seed == 2**64 - 1
 
 
 @pytest.mark.parametrize(
@@ -538,14 +433,16 @@ def test_largest_seed_is_accepted(pipe):
     ],
 )
 def test_bad_understanding_arguments(pipe, kwargs, name):
+    kwargs = dict(kwargs)
+    seed = kwargs.pop("seed", None)
     with pytest.raises(ValueError, match=rf"`{name}`.*got"):
-        pipe.understand(None, "x", **kwargs)
+        pipe.understand("x", None, preset("understanding", **kwargs), seed=seed)
 
 
 def test_temperature_ignored_when_greedy(pipe):
     """Official: temperature only matters with do_sample; greedy decoding accepts any value."""
-    a = pipe.understand(None, "hello", max_new_tokens=3, temperature=0.0).token_ids
-    assert a == pipe.understand(None, "hello", max_new_tokens=3).token_ids
+    a = pipe.understand("hello", None, preset("understanding", max_new_tokens=3, temperature=0.0)).token_ids
+    assert a == pipe.understand("hello", None, preset("understanding", max_new_tokens=3)).token_ids
 
 
 # ------------------------------------------------------------------------------------ interruption
@@ -564,20 +461,21 @@ def _cancel_after(n: int):
 def test_cancel_during_think_mode(pipe):
     cancel, calls = _cancel_after(2)
     with pytest.raises(CancelledError, match="text decoding cancelled after 2"):
-        pipe.text_to_image("x", width=32, height=32, num_timesteps=3, think=True, think_max_new_tokens=50,
-                           cancel=cancel)
+        pipe.text_to_image("x", SMALL.replace(num_timesteps=3, think=True, think_max_new_tokens=50),
+                           hooks=RunHooks(cancel=cancel))
     assert len(calls) == 3
 
 
 def test_cancel_during_understanding_decode(pipe):
     cancel, calls = _cancel_after(1)
     with pytest.raises(CancelledError, match="after 1 of at most 50"):
-        pipe.understand(None, "x", max_new_tokens=50, think=True, cancel=cancel)
+        pipe.understand("x", None, preset("understanding", max_new_tokens=50, think=True),
+                        hooks=RunHooks(cancel=cancel))
     assert len(calls) == 2
 
 
 def test_cancel_during_denoising(pipe):
     cancel, calls = _cancel_after(0)
     with pytest.raises(CancelledError, match="before step 1 of 9"):
-        pipe.text_to_image("x", width=32, height=32, num_timesteps=10, cancel=cancel)
+        pipe.text_to_image("x", SMALL.replace(num_timesteps=10), hooks=RunHooks(cancel=cancel))
     assert len(calls) == 1

@@ -9,7 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from unicache_core.bagel import BagelPipeline, load_bagel
+from unicache_core.bagel import BagelPipeline, load_bagel, preset
+from unicache_core.bagel.denoise import branch_velocities
 from unicache_core.kv.cache import unique_nbytes
 from unicache_core.compression import METHODS, KVConfig, make_cache_factory
 from unicache_core.compression import ops
@@ -36,7 +37,7 @@ def _pipe(loaded, method, **kw):
 
 
 def _edit(pipe, source, steps=4, seed=3):
-    return pipe.edit(source, "make the square blue", num_timesteps=steps, seed=seed)
+    return pipe.edit("make the square blue", source, preset("edit", num_timesteps=steps), seed=seed)
 
 
 def test_full_through_the_factory_is_bit_identical(loaded, source):
@@ -54,8 +55,8 @@ def test_every_method_runs_every_task_deterministically(loaded, source, method):
     pipe = _pipe(loaded, method)
     a, b = _edit(pipe, source), _edit(pipe, source)
     assert torch.equal(a.latents, b.latents)  # same seed, same compressed result
-    t2i = pipe.text_to_image("a red circle on the left", width=32, height=32, num_timesteps=4, seed=1)
-    und = pipe.understand(source, "What colour is the square?", max_new_tokens=4)
+    t2i = pipe.text_to_image("a red circle on the left", preset("t2i", width=32, height=32, num_timesteps=4), seed=1)
+    und = pipe.understand("What colour is the square?", source, preset("understanding", max_new_tokens=4))
     for result, task in ((a, "edit"), (t2i, "t2i"), (und, "understanding")):
         report = result.kv_report
         json.dumps(report)  # plain JSON
@@ -74,7 +75,8 @@ def test_every_method_runs_every_task_deterministically(loaded, source, method):
 @pytest.mark.parametrize("method", ["h2o", "snapkv", "pyramidkv", "streamingllm", "vlcache"])
 def test_eviction_baselines_match_the_target_memory(loaded, source, method):
     prompt = "replace the small blue square in the upper left corner by a large red circle and keep the rest " * 3
-    report = _pipe(loaded, method, kv_target=0.2).edit(source, prompt, num_timesteps=4, seed=3).kv_report["summary"]
+    pipe = _pipe(loaded, method, kv_target=0.2)
+    report = pipe.edit(prompt, source, preset("edit", num_timesteps=4), seed=3).kv_report["summary"]
     # matched = steady managed bytes within -3% .. 0% of the target
     assert 0.97 * 0.2 <= report["achieved_ratio"] <= 0.2, report
 
@@ -180,7 +182,7 @@ def test_compression_releases_bytes_and_accounts_them_exactly(loaded, source):
 
     info = StepInfo("denoise", 0, 3, ("gen", "cfg_text", "cfg_img"), 1.0)
     session.begin_step(info)
-    pipe.branch_velocities(ctxs, x, 1.0, step=0)
+    branch_velocities(pipe.loaded, ctxs, x, 1.0, step=0)
     session.end_step(info)
     after = gen.nbytes()
     assert after < before
@@ -196,7 +198,8 @@ def test_compression_releases_bytes_and_accounts_them_exactly(loaded, source):
 
 
 def test_understanding_decodes_against_the_compressed_cache(loaded, source):
-    und = _pipe(loaded, "unicache").understand(source, "Describe the picture.", max_new_tokens=6)
+    und = _pipe(loaded, "unicache").understand("Describe the picture.", source,
+                                               preset("understanding", max_new_tokens=6))
     report = und.kv_report
     first = report["steps"][0]["branches"]["gen"]
     context = sum(t["full_rows"] for t in first["types"].values() if t.get("full_rows"))
@@ -206,8 +209,8 @@ def test_understanding_decodes_against_the_compressed_cache(loaded, source):
 
 
 def test_think_plan_has_its_own_context_name(loaded):
-    res = _pipe(loaded, "h2o").text_to_image("a dog", width=32, height=32, num_timesteps=3, think=True,
-                                             think_max_new_tokens=3)
+    res = _pipe(loaded, "h2o").text_to_image("a dog", preset("t2i", width=32, height=32, num_timesteps=3, think=True,
+                                                             think_max_new_tokens=3))
     phases = {(s["phase"], name) for s in res.kv_report["steps"] for name in s["branches"]}
     assert ("decode", "plan") in phases and ("decode", "gen") not in phases
     assert all(not s["branches"]["plan"]["compressed"] for s in res.kv_report["steps"] if "plan" in s["branches"])
@@ -238,11 +241,11 @@ def test_bad_settings_each_give_one_clear_error(loaded, tmp_path):
     PolicyTable(model_id="some-other-model").save(other)
     pipe = _pipe(loaded, "unicache", policy=str(other))
     with pytest.raises(PolicyTableError, match="made for model 'some-other-model'"):
-        pipe.text_to_image("x", width=32, height=32, num_timesteps=3)
+        pipe.text_to_image("x", preset("t2i", width=32, height=32, num_timesteps=3))
 
 
 def test_default_policy_is_the_checkpoints_table_else_the_paper_one(loaded, tiny_checkpoint_copy):
-    res = _pipe(loaded, "unicache").text_to_image("x", width=32, height=32, num_timesteps=3)
+    res = _pipe(loaded, "unicache").text_to_image("x", preset("t2i", width=32, height=32, num_timesteps=3))
     assert res.kv_report["policy"]["source"] == "paper" and "calibrate" in res.kv_report["policy"]["warning"]
     from unicache_core.bagel.checkpoint.model_id import model_id_of
 
@@ -250,5 +253,5 @@ def test_default_policy_is_the_checkpoints_table_else_the_paper_one(loaded, tiny
     table.save(tiny_checkpoint_copy / "unicache_policy.json")
     local = load_bagel(tiny_checkpoint_copy, dtype=torch.float32)
     res = BagelPipeline(local, make_cache_factory("unicache", checkpoint_dir=str(tiny_checkpoint_copy))) \
-        .text_to_image("x", width=32, height=32, num_timesteps=3)
+        .text_to_image("x", preset("t2i", width=32, height=32, num_timesteps=3))
     assert res.kv_report["policy"]["source"] == "calibrated" and res.kv_report["policy"]["warning"] is None

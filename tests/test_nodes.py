@@ -1,9 +1,7 @@
-"""Node-level tests of the ComfyUI pack without a ComfyUI host (ComfyUI modules stubbed in ``sys.modules``).
+"""Node-level tests of the ComfyUI pack without a ComfyUI host (ComfyUI modules stubbed: tests/comfy_stubs.py).
 
 - every node: INPUT_TYPES matches the FUNCTION signature; tooltip on every input, bounds on every number;
-  DESCRIPTION and a ``UniCache/...`` CATEGORY;
-- every shipped workflow: node types registered (or known core nodes), widget values valid (combo values
-  offered, numbers within bounds), and the UI and API versions describe the same graph;
+  DESCRIPTION and a ``UniCache/...`` CATEGORY (the shipped workflows: test_workflows.py);
 - the loader lists folders, caches the model; a task node runs end to end on the tiny checkpoint; the report
   node returns an IMAGE and the web chart's ``ui`` payload; interrupts become ComfyUI's exception.
 """
@@ -13,126 +11,15 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
-import os
 import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
+from comfy_stubs import TINY_NAME, Interrupt, host_stubs  # noqa: F401  (host_stubs: a fixture)
 from test_safetensors_sniff import resave_with_low_byte
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKFLOWS = ROOT / "workflows"
-WORKFLOW_NAMES = ("text_to_image", "image_edit", "understanding", "ab_edit_full_vs_unicache")
-TINY_NAME = "bagel-tiny"
-
-# Core nodes the shipped workflows may use: widget inputs in order, as ComfyUI 0.3.75's /object_info has them.
-CORE_NODES = {
-    "LoadImage": {"widgets": [("image", "COMBO_FILES", {})], "outputs": ["IMAGE", "MASK"]},
-    "SaveImage": {"widgets": [("filename_prefix", "STRING", {})], "outputs": []},
-    "PreviewImage": {"widgets": [], "outputs": []},
-}
-WIDGET_KINDS = {"INT", "FLOAT", "STRING", "BOOLEAN"}
-SEED_CONTROL = {"fixed", "increment", "decrement", "randomize"}
-
-
-# --------------------------------------------------------------------------------------------- stubs
-
-
-class _Interrupt(Exception):
-    pass
-
-
-def _make_stubs(base: Path) -> dict[str, types.ModuleType]:
-    models = base / "models"
-    fp = types.ModuleType("folder_paths")
-    fp.models_dir = str(models)
-    fp.folder_names_and_paths = {}
-
-    def add_model_folder_path(name, path, is_default=False):
-        paths, _ = fp.folder_names_and_paths.setdefault(name, ([], set()))
-        if path not in paths:
-            paths.insert(0, path) if is_default else paths.append(path)
-
-    def get_filename_list(name):
-        paths, exts = fp.folder_names_and_paths[name]
-        out = []
-        for p in paths:
-            for dirpath, _, files in os.walk(p):
-                for f in files:
-                    if not exts or os.path.splitext(f)[1] in exts:
-                        out.append(os.path.relpath(os.path.join(dirpath, f), p).replace(os.sep, "/"))
-        return sorted(set(out))
-
-    def get_full_path(name, filename):
-        for p in fp.folder_names_and_paths[name][0]:
-            full = os.path.join(p, filename)
-            if os.path.isfile(full):
-                return full
-        return None
-
-    fp.add_model_folder_path = add_model_folder_path
-    fp.get_folder_paths = lambda name: list(fp.folder_names_and_paths[name][0])
-    fp.get_filename_list = get_filename_list
-    fp.get_full_path = get_full_path
-
-    comfy = types.ModuleType("comfy")
-    comfy.__path__ = []
-    utils = types.ModuleType("comfy.utils")
-    utils.__file__ = str(base / "comfy" / "utils.py")
-    utils.progress = []
-
-    class ProgressBar:
-        def __init__(self, total, node_id=None):
-            self.total = total
-
-        def update_absolute(self, value, total=None, preview=None):
-            utils.progress.append((value, total if total is not None else self.total))
-
-    utils.ProgressBar = ProgressBar
-    mm = types.ModuleType("comfy.model_management")
-    mm.loads = []
-    mm.interrupt = False
-    mm.InterruptProcessingException = _Interrupt
-    mm.get_torch_device = lambda: torch.device("cpu")
-    mm.unet_offload_device = lambda: torch.device("cpu")
-    mm.should_use_bf16 = lambda device=None: False
-    mm.load_models_gpu = lambda models, memory_required=0, force_full_load=False, **kw: mm.loads.append(
-        (models, memory_required, force_full_load))
-    mm.processing_interrupted = lambda: mm.interrupt
-
-    def throw():
-        if mm.interrupt:
-            mm.interrupt = False
-            raise _Interrupt()
-
-    mm.throw_exception_if_processing_interrupted = throw
-    patcher = types.ModuleType("comfy.model_patcher")
-
-    class ModelPatcher:
-        def __init__(self, model, load_device, offload_device, size=0, weight_inplace_update=False):
-            self.model, self.load_device, self.offload_device, self.size = model, load_device, offload_device, size
-
-    patcher.ModelPatcher = ModelPatcher
-    comfy.utils, comfy.model_management, comfy.model_patcher = utils, mm, patcher
-    return {"folder_paths": fp, "comfy": comfy, "comfy.utils": utils, "comfy.model_management": mm,
-            "comfy.model_patcher": patcher}
-
-
-@pytest.fixture
-def host_stubs(tmp_path, monkeypatch, tiny_checkpoint):
-    stubs = _make_stubs(tmp_path)
-    for name, module in stubs.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    bagel = tmp_path / "models" / "bagel"
-    bagel.mkdir(parents=True)
-    (bagel / TINY_NAME).symlink_to(tiny_checkpoint, target_is_directory=True)
-    from nodes import host, model
-
-    host._patcher_class.cache_clear()
-    yield stubs  # the loaded tiny model stays cached across tests (the cache key is the resolved path)
-    host._patcher_class.cache_clear()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -215,113 +102,6 @@ def test_kv_config_node_builds_configs():
         node.build("unicache", 0.0, 0.2, 0.5, "default")
 
 
-# -------------------------------------------------------------------------------------------- workflows
-
-
-def _object_info():
-    """``{type: (widget specs in order, output types)}`` for our nodes and the core nodes we use."""
-    info = {}
-    for node_id, cls in _mappings().items():
-        spec = cls.INPUT_TYPES()
-        widgets = []
-        for section in ("required", "optional"):
-            for name, (kind, *rest) in spec.get(section, {}).items():
-                opts = rest[0] if rest else {}
-                if isinstance(kind, list) or kind in WIDGET_KINDS:
-                    widgets.append((name, kind, opts))
-        info[node_id] = {"widgets": widgets, "outputs": list(cls.RETURN_TYPES),
-                         "sockets": {n: k for s in ("required", "optional") for n, (k, *_) in spec.get(s, {}).items()
-                                     if not (isinstance(k, list) or k in WIDGET_KINDS)}}
-    for name, core in CORE_NODES.items():
-        info.setdefault(name, {**core, "sockets": {}})
-    return info
-
-
-def _convert(ui: dict, info: dict) -> tuple[dict, list[str]]:
-    """UI → API (docs/comfyui.md Appendix A) with the value checks."""
-    links = {link[0]: link for link in ui["links"]}
-    prompt, problems = {}, []
-    for node in ui["nodes"]:
-        if node["type"] in ("Note", "MarkdownNote") or node.get("mode", 0) in (2, 4):
-            continue
-        spec = info.get(node["type"])
-        if spec is None:
-            problems.append(f"node {node['id']}: unknown type {node['type']}")
-            continue
-        inputs, linked = {}, set()
-        for socket in node.get("inputs", []):
-            if socket.get("link") is not None:
-                src = links[socket["link"]]
-                inputs[socket["name"]] = [str(src[1]), src[2]]
-                linked.add(socket["name"])
-        values = list(node.get("widgets_values") or [])
-        pos = 0
-        for name, kind, opts in spec["widgets"]:
-            if pos >= len(values):
-                problems.append(f"node {node['id']} {node['type']}: no value for widget {name}")
-                break
-            value = values[pos]
-            pos += 1
-            if opts.get("control_after_generate"):
-                if pos >= len(values) or values[pos] not in SEED_CONTROL:
-                    problems.append(f"node {node['id']} {node['type']}.{name}: missing control_after_generate value")
-                else:
-                    pos += 1
-            if name in linked:
-                continue
-            inputs[name] = value
-            if isinstance(kind, list) and value not in kind:
-                problems.append(f"node {node['id']} {node['type']}.{name}: {value!r} not offered")
-            if kind in ("INT", "FLOAT"):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind == "INT" and
-                                                                                     not isinstance(value, int)):
-                    problems.append(f"node {node['id']} {node['type']}.{name}: {value!r} is not a {kind}")
-                elif not opts.get("min", value) <= value <= opts.get("max", value):
-                    problems.append(f"node {node['id']} {node['type']}.{name}: {value} out of range")
-            if kind == "BOOLEAN" and not isinstance(value, bool):
-                problems.append(f"node {node['id']} {node['type']}.{name}: {value!r} is not a BOOLEAN")
-            if kind == "STRING" and not isinstance(value, str):
-                problems.append(f"node {node['id']} {node['type']}.{name}: {value!r} is not a STRING")
-        if node["type"] != "LoadImage" and pos != len(values):  # LoadImage has the frontend's upload widget
-            problems.append(f"node {node['id']} {node['type']}: {len(values) - pos} extra widget values")
-        prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
-    return prompt, problems
-
-
-def _check_links(ui: dict, info: dict) -> list[str]:
-    problems = []
-    by_id = {n["id"]: n for n in ui["nodes"]}
-    for link_id, src, src_slot, dst, dst_slot, kind in ui["links"]:
-        out_type = info[by_id[src]["type"]]["outputs"][src_slot]
-        target = by_id[dst]["inputs"][dst_slot]
-        want = info[by_id[dst]["type"]]["sockets"].get(target["name"], target["type"])
-        if not (out_type == kind == target["type"] == want) or target["link"] != link_id:
-            problems.append(f"link {link_id}: {out_type} -> {by_id[dst]['type']}.{target['name']} ({want})")
-        if link_id not in by_id[src]["outputs"][src_slot]["links"]:
-            problems.append(f"link {link_id} missing from node {src}'s output {src_slot}")
-    return problems
-
-
-@pytest.mark.parametrize("name", WORKFLOW_NAMES)
-def test_workflow_valid_and_api_matches(name, host_stubs):
-    info = _object_info()
-    ui = json.loads((WORKFLOWS / f"{name}.json").read_text())
-    api = json.loads((WORKFLOWS / "api" / f"{name}.json").read_text())
-    for key in ("last_node_id", "last_link_id", "nodes", "links", "version"):
-        assert key in ui, key
-    assert max(n["id"] for n in ui["nodes"]) <= ui["last_node_id"]
-    converted, problems = _convert(ui, info)
-    problems += _check_links(ui, info)
-    # LoadImage's combo lists the input folder: the host test copies the shipped asset there
-    for node in api.values():
-        if node["class_type"] == "LoadImage":
-            assert (WORKFLOWS / "assets" / node["inputs"]["image"]).is_file()
-        if node["class_type"] == "UniCacheBagelLoader":
-            assert node["inputs"]["checkpoint"] == "unicache-shapes"  # the bundled trained model
-    assert problems == []
-    assert converted == {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in api.items()}
-
-
 # --------------------------------------------------------------------------------- loader and run
 
 
@@ -402,7 +182,7 @@ def test_interrupt_becomes_host_exception(host_stubs):
     model = _load(host_stubs)
     host_stubs["comfy.model_management"].interrupt = True
     node = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
-    with pytest.raises(_Interrupt):
+    with pytest.raises(Interrupt):
         node.generate(model, "a cube", 32, 32, 3, 0, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False)
     assert host_stubs["comfy.model_management"].interrupt is False
 
@@ -477,16 +257,7 @@ class _FakeComfyVAE:
         return ((self.ae.decoder(samples) + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1)
 
 
-def _needs_vae_hooks():
-    from unicache_core.bagel import BagelPipeline
-
-    params = inspect.signature(BagelPipeline.edit).parameters
-    if "vae" not in params or "source_latent" not in params:
-        pytest.skip("this unicache_core has no external-VAE / source-latent hooks")
-
-
 def test_external_vae_and_latent_inputs(host_stubs):
-    _needs_vae_hooks()
     import nodes
 
     model = _load(host_stubs)
@@ -534,11 +305,8 @@ def test_listing_folders_and_single_files(tmp_path, tiny_checkpoint):
 
 
 def test_single_file_checkpoint(host_stubs, tmp_path):
-    _needs_vae_hooks()
-    tiny = pytest.importorskip("training.tiny")
-    if not hasattr(tiny, "write_tiny_single_file"):
-        pytest.skip("this unicache_core cannot write single-file checkpoints")
     import nodes
+    from training import tiny
 
     folder_model = _load(host_stubs)
     out = tiny.write_tiny_single_file(tmp_path / "single", seed=0)
@@ -565,19 +333,6 @@ def test_single_file_checkpoint(host_stubs, tmp_path):
     assert image.shape == (1, 32, 32, 3) and latent["samples"].shape == (1, 16, 4, 4) and report["steps"]
 
 
-def test_shipped_workflows_are_the_generated_ones():
-    """workflows/ is what tools/make_workflows.py writes from the nodes' current INPUT_TYPES (rerun it after a change)."""
-    spec = importlib.util.spec_from_file_location("make_workflows", ROOT / "tools" / "make_workflows.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    graphs = gen.workflows()
-    assert sorted(graphs) == sorted(WORKFLOW_NAMES)
-    for name, graph in graphs.items():
-        ui, api = gen.build(graph)
-        assert json.loads((WORKFLOWS / f"{name}.json").read_text()) == ui, name
-        assert json.loads((WORKFLOWS / "api" / f"{name}.json").read_text()) == api, name
-
-
 def test_only_host_module_imports_comfyui():
     import ast
 
@@ -593,11 +348,12 @@ def test_only_host_module_imports_comfyui():
     assert offenders == []
 
 
-def test_bundled_checkpoint_name_is_the_libraries():
-    """The loader's default choice is the checkpoint the CLI defaults to (the names are kept in two places)."""
+def test_bundled_checkpoint_is_the_loaders_default():
+    """The loader's default choice is the checkpoint the CLI defaults to, shipped in the pack's model folder."""
     from nodes import host
+    from nodes.loader_node import UniCacheBagelLoader
     from unicache_core.bagel.settings import BUNDLED_CHECKPOINT, BUNDLED_CHECKPOINT_DIR
 
-    assert host.BUNDLED_CHECKPOINT == BUNDLED_CHECKPOINT
+    assert UniCacheBagelLoader.INPUT_TYPES()["required"]["checkpoint"][1]["default"] == BUNDLED_CHECKPOINT
     assert BUNDLED_CHECKPOINT_DIR == host.PACK_BAGEL_DIR / BUNDLED_CHECKPOINT
     assert (BUNDLED_CHECKPOINT_DIR / "llm_config.json").is_file(), "the bundled model must ship in git"

@@ -9,7 +9,11 @@ from PIL import Image
 
 from unicache_core.bagel import contexts as C
 from unicache_core.bagel.checkpoint.loader import load_bagel
-from unicache_core.bagel.pipeline import BagelPipeline, FlowSettings
+from unicache_core.bagel.decoding import decode_text
+from unicache_core.bagel.denoise import branch_velocities
+from unicache_core.bagel.pipeline import BagelPipeline
+from unicache_core.bagel.request import GivenLatents, RunHooks
+from unicache_core.bagel.settings import GenerationSettings, preset
 from unicache_core.errors import CancelledError
 from unicache_core.kv.cache import AttentionCall, CacheRequest, FullKVCache, full_cache_factory
 from unicache_core.kv.token_types import TokenType
@@ -62,7 +66,7 @@ def _pixels(img: Image.Image) -> np.ndarray:
 
 
 def test_text_to_image_end_to_end(pipe):
-    res = pipe.text_to_image("a red cube", width=64, height=48, seed=1, **FAST)
+    res = pipe.text_to_image("a red cube", preset("t2i", width=64, height=48, **FAST), seed=1)
     assert isinstance(res.image, Image.Image) and res.image.mode == "RGB" and res.image.size == (64, 48)
     assert _pixels(res.image).std() > 0
     assert res.latents.shape == (1, 16, 6, 8) and res.num_steps == 3 and res.seed == 1
@@ -73,7 +77,7 @@ def test_text_to_image_end_to_end(pipe):
 
 
 def test_edit_end_to_end_and_rng_order(pipe, loaded, source_image):
-    res = pipe.edit(source_image, "make it blue", seed=5, num_timesteps=2)
+    res = pipe.edit("make it blue", source_image, preset("edit", num_timesteps=2), seed=5)
     # the VAE-resized source size: the tiny checkpoint's rule (128, 64, 16) takes 60x45 to 80x64
     assert res.image.size == (80, 64)
     assert _pixels(res.image).std() > 0
@@ -81,14 +85,14 @@ def test_edit_end_to_end_and_rng_order(pipe, loaded, source_image):
     g = torch.Generator().manual_seed(5)
     vae_noise = torch.randn(1, 16, 8, 10, generator=g)
     initial = torch.randn(4 * 5, 64, generator=g)
-    again = pipe.edit(source_image, "make it blue", seed=123, vae_noise=vae_noise, initial_noise=initial,
-                      num_timesteps=2)
+    again = pipe.edit("make it blue", source_image, preset("edit", num_timesteps=2), seed=123,
+                      given=GivenLatents(vae_noise=vae_noise, initial_noise=initial))
     assert again.image.tobytes() == res.image.tobytes()
     assert torch.equal(again.latents, res.latents)
 
 
 def test_understanding_end_to_end(pipe, loaded, source_image):
-    res = pipe.understand(source_image, "What is shown?", max_new_tokens=5)
+    res = pipe.understand("What is shown?", source_image, preset("understanding", max_new_tokens=5))
     assert isinstance(res.text, str)
     assert len(res.token_ids) <= 5
     assert all(isinstance(t, int) for t in res.token_ids)
@@ -97,13 +101,14 @@ def test_understanding_end_to_end(pipe, loaded, source_image):
 
 
 def test_text_only_understanding_and_think(pipe):
-    plain = pipe.understand(None, "hello", max_new_tokens=3)
-    think = pipe.understand(None, "hello", max_new_tokens=3, think=True)
+    plain = pipe.understand("hello", None, preset("understanding", max_new_tokens=3))
+    think = pipe.understand("hello", None, preset("understanding", max_new_tokens=3, think=True))
     assert think.info["context_tokens"]["gen"] > plain.info["context_tokens"]["gen"]
 
 
 def test_t2i_think_mode_appends_plan_to_gen_only(pipe):
-    res = pipe.text_to_image("a cat", width=32, height=32, think=True, think_max_new_tokens=3, seed=0, **FAST)
+    res = pipe.text_to_image("a cat", preset("t2i", width=32, height=32, think=True, think_max_new_tokens=3, **FAST),
+                             seed=0)
     assert isinstance(res.think_text, str)
     tokens = res.info["context_tokens"]
     # gen = system + prompt + plan; cfg_img = system + prompt; cfg_text = system only
@@ -114,24 +119,25 @@ def test_t2i_think_mode_appends_plan_to_gen_only(pipe):
 
 
 def test_t2i_deterministic_by_seed(pipe):
-    a = pipe.text_to_image("a tree", width=32, height=32, seed=7, **FAST)
-    b = pipe.text_to_image("a tree", width=32, height=32, seed=7, **FAST)
-    c = pipe.text_to_image("a tree", width=32, height=32, seed=8, **FAST)
+    a = pipe.text_to_image("a tree", preset("t2i", width=32, height=32, **FAST), seed=7)
+    b = pipe.text_to_image("a tree", preset("t2i", width=32, height=32, **FAST), seed=7)
+    c = pipe.text_to_image("a tree", preset("t2i", width=32, height=32, **FAST), seed=8)
     assert a.image.tobytes() == b.image.tobytes() and torch.equal(a.latents, b.latents)
     assert not torch.equal(a.latents, c.latents)
 
 
 def test_injected_initial_noise_reproduces_seed(pipe):
-    a = pipe.text_to_image("a tree", width=32, height=32, seed=3, **FAST)
+    a = pipe.text_to_image("a tree", preset("t2i", width=32, height=32, **FAST), seed=3)
     noise = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
-    b = pipe.text_to_image("a tree", width=32, height=32, seed=999, initial_noise=noise, **FAST)
+    b = pipe.text_to_image("a tree", preset("t2i", width=32, height=32, **FAST), seed=999,
+                           given=GivenLatents(initial_noise=noise))
     assert torch.equal(a.latents, b.latents)
 
 
 def test_sampled_understanding_deterministic_by_seed(pipe):
-    kw = dict(max_new_tokens=6, do_sample=True, temperature=1.0)
-    a = pipe.understand(None, "tell me", seed=11, **kw)
-    b = pipe.understand(None, "tell me", seed=11, **kw)
+    settings = preset("understanding", max_new_tokens=6, do_sample=True, temperature=1.0)
+    a = pipe.understand("tell me", None, settings, seed=11)
+    b = pipe.understand("tell me", None, settings, seed=11)
     assert a.token_ids == b.token_ids
 
 
@@ -165,11 +171,12 @@ def test_edit_contexts_layout(pipe, loaded, source_image):
 
 def test_step0_velocity_hook_matches_direct_branch_call(pipe):
     noise = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
-    res = pipe.text_to_image("a dog", width=32, height=32, initial_noise=noise, return_step0_velocity=True, **FAST)
+    res = pipe.text_to_image("a dog", preset("t2i", width=32, height=32, **FAST), return_step0_velocity=True,
+                             given=GivenLatents(initial_noise=noise))
     v0 = res.step0_velocity
     assert set(v0) == {"gen", "cfg_text", "cfg_img", "guided"}
     ctxs = pipe.build_generation_contexts("t2i", "a dog", width=32, height=32)
-    direct = pipe.branch_velocities(ctxs, noise, 1.0, branches=("gen",))["gen"]
+    direct = branch_velocities(pipe.loaded, ctxs, noise, 1.0, branches=("gen",))["gen"]
     assert direct.shape == (4, 64)
     assert torch.equal(direct, v0["gen"])
     # t2i: cfg_img context == gen context, so those velocities agree
@@ -202,7 +209,7 @@ def test_cached_greedy_decoding_equals_recomputation(pipe, loaded, source_image)
         assert torch.allclose(logits, cached_logits[k - 1], atol=1e-4, rtol=1e-4)
         assert int(logits.argmax()) == fed[k]
     # the pipeline's own decoding gives the same greedy tokens
-    res = pipe.understand(source_image, "Describe.", max_new_tokens=n_new)
+    res = pipe.understand("Describe.", source_image, preset("understanding", max_new_tokens=n_new))
     eos = tok.eos_token_id
     expected = fed[1:]
     if eos in expected:
@@ -226,18 +233,19 @@ def test_cached_greedy_decoding_equals_recomputation(pipe, loaded, source_image)
 )
 def test_cfg_branches_skipped_as_official(loaded, text_scale, img_scale, interval, expected):
     factory = CountingFactory()
-    res = BagelPipeline(loaded, factory).text_to_image(
-        "x", width=32, height=32, num_timesteps=5, timestep_shift=1.0, cfg_text_scale=text_scale,
+    res = BagelPipeline(loaded, factory).text_to_image("x", preset(
+        "t2i", width=32, height=32, num_timesteps=5, timestep_shift=1.0, cfg_text_scale=text_scale,
         cfg_img_scale=img_scale, cfg_interval=interval,
-    )
+    ))
     assert {b: factory.denoise(b) for b in expected} == expected
     assert res.info["forwards"] == expected
 
 
 def test_scale_one_ignores_image_scale(pipe):
-    a = pipe.text_to_image("x", width=32, height=32, cfg_text_scale=1.0, cfg_img_scale=1.5, seed=2, **FAST)
-    b = pipe.text_to_image("x", width=32, height=32, cfg_text_scale=1.0, cfg_img_scale=3.0, seed=2, **FAST)
-    c = pipe.text_to_image("x", width=32, height=32, cfg_text_scale=4.0, cfg_img_scale=3.0, seed=2, **FAST)
+    base = preset("t2i", width=32, height=32, **FAST)
+    a = pipe.text_to_image("x", base.replace(cfg_text_scale=1.0, cfg_img_scale=1.5), seed=2)
+    b = pipe.text_to_image("x", base.replace(cfg_text_scale=1.0, cfg_img_scale=3.0), seed=2)
+    c = pipe.text_to_image("x", base.replace(cfg_text_scale=4.0, cfg_img_scale=3.0), seed=2)
     assert torch.equal(a.latents, b.latents) and not torch.equal(a.latents, c.latents)
 
 
@@ -246,24 +254,26 @@ def test_scale_one_ignores_image_scale(pipe):
 
 def test_progress_once_per_step_and_cancel(pipe):
     calls = []
-    pipe.text_to_image("x", width=32, height=32, num_timesteps=5, progress=lambda s, t: calls.append((s, t)))
+    settings = preset("t2i", width=32, height=32, num_timesteps=5)
+    pipe.text_to_image("x", settings, hooks=RunHooks(progress=lambda s, t: calls.append((s, t))))
     assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]
     seen = []
     with pytest.raises(CancelledError, match="step 3"):
-        pipe.text_to_image("x", width=32, height=32, num_timesteps=5, progress=lambda s, t: seen.append(s),
-                           cancel=lambda: len(seen) >= 2)
+        pipe.text_to_image("x", settings, hooks=RunHooks(progress=lambda s, t: seen.append(s),
+                                                         cancel=lambda: len(seen) >= 2))
     assert seen == [1, 2]
     tokens = []
     with pytest.raises(CancelledError):
-        pipe.understand(None, "x", max_new_tokens=10, progress=lambda s, t: tokens.append((s, t)),
-                        cancel=lambda: len(tokens) >= 3)
+        pipe.understand("x", None, preset("understanding", max_new_tokens=10),
+                        hooks=RunHooks(progress=lambda s, t: tokens.append((s, t)), cancel=lambda: len(tokens) >= 3))
     assert tokens == [(1, 10), (2, 10), (3, 10)]
 
 
 def test_think_mode_reports_plan_tokens_then_denoising_steps(pipe):
     calls = []
-    result = pipe.text_to_image("x", width=32, height=32, num_timesteps=3, think=True, think_max_new_tokens=4,
-                                progress=lambda s, t: calls.append((s, t)))
+    result = pipe.text_to_image("x", preset("t2i", width=32, height=32, num_timesteps=3, think=True,
+                                            think_max_new_tokens=4),
+                                hooks=RunHooks(progress=lambda s, t: calls.append((s, t))))
     plan_calls = [c for c in calls if c[1] == 4]
     assert plan_calls == [(i + 1, 4) for i in range(len(plan_calls))] and 1 <= len(plan_calls) <= 4
     assert calls[len(plan_calls):] == [(1, 2), (2, 2)]
@@ -293,27 +303,31 @@ def test_think_mode_reports_plan_tokens_then_denoising_steps(pipe):
     ],
 )
 def test_bad_generation_args(pipe, kwargs, name):
-    kwargs = {"prompt": "x", "width": 32, "height": 32, "num_timesteps": 3, **kwargs}
+    fields = {"width": 32, "height": 32, "num_timesteps": 3, **kwargs}
+    prompt, seed, noise = fields.pop("prompt", "x"), fields.pop("seed", 0), fields.pop("initial_noise", None)
     with pytest.raises(ValueError, match=f"`{name}"):
-        pipe.text_to_image(kwargs.pop("prompt"), **kwargs)
+        pipe.text_to_image(prompt, GenerationSettings(**fields), seed=seed, given=GivenLatents(initial_noise=noise))
 
 
 def test_bad_understanding_and_edit_args(pipe, source_image):
     with pytest.raises(ValueError, match="`max_new_tokens`"):
-        pipe.understand(None, "x", max_new_tokens=0)
+        pipe.understand("x", None, preset("understanding", max_new_tokens=0))
     with pytest.raises(ValueError, match="`temperature`"):
-        pipe.understand(None, "x", do_sample=True, temperature=0.0)
+        pipe.understand("x", None, preset("understanding", do_sample=True, temperature=0.0))
     with pytest.raises(ValueError, match="`image`"):
-        pipe.understand("not an image", "x")
+        pipe.understand("x", "not an image")
     with pytest.raises(ValueError, match="`image`"):
-        pipe.edit(None, "x")
+        pipe.edit("x", None)
     with pytest.raises(ValueError, match="`vae_noise`"):
-        pipe.edit(source_image, "x", vae_noise=torch.zeros(1, 16, 8, 8), num_timesteps=2)
+        pipe.edit("x", source_image, preset("edit", num_timesteps=2),
+                  given=GivenLatents(vae_noise=torch.zeros(1, 16, 8, 8)))
 
 
 def test_flow_settings_accept_official_defaults():
-    s = FlowSettings.create(50, 3.0, 4.0, 2.0, [0.0, 1.0], 0.0, "text_channel")
+    s = GenerationSettings(num_timesteps=50, timestep_shift=3.0, cfg_text_scale=4.0, cfg_img_scale=2.0,
+                           cfg_interval=[0.0, 1.0], cfg_renorm_min=0.0, cfg_renorm_type="text_channel")
     assert s.cfg_interval == (0.0, 1.0) and s.num_timesteps == 50
+    assert preset("edit") == s and preset("t2i") == GenerationSettings()
 
 
 def test_default_factory_builds_full_caches(pipe):
@@ -324,25 +338,27 @@ def test_default_factory_builds_full_caches(pipe):
 
 def test_sampled_think_plan_draws_precede_the_latent_noise_as_official(pipe):
     """Official RNG order (one global stream): plan samples (+ the loop's final discarded draw) → latent noise."""
-    kw = dict(width=32, height=32, num_timesteps=3, seed=11, think=True, think_max_new_tokens=3, think_do_sample=True,
-              think_temperature=5.0)  # high temperature: the 3-token plan hits the length limit
-    run = pipe.text_to_image("a dog", **kw)
+    settings = preset("t2i", width=32, height=32, num_timesteps=3, think=True, think_max_new_tokens=3,
+                      think_do_sample=True, think_temperature=5.0)  # high temperature: the 3-token plan hits the limit
+    run = pipe.text_to_image("a dog", settings, seed=11)
     assert run.think_text is not None
 
     g = torch.Generator().manual_seed(11)
     ctxs = pipe.build_generation_contexts("t2i", "a dog", width=32, height=32, think=True, generator=g)
-    text, ids = pipe.decode_text(ctxs.gen.clone(branch="gen"), max_new_tokens=3, do_sample=True, temperature=5.0,
-                                 generator=g, draw_discarded_sample=True)
+    text, ids = decode_text(pipe.loaded, ctxs.gen.clone(branch="gen"), max_new_tokens=3, do_sample=True,
+                            temperature=5.0, generator=g, draw_discarded_sample=True)
     assert text == run.think_text and len(ids) == 3
     noise = torch.randn(2 * 2, 64, generator=g)
-    replay = pipe.text_to_image("a dog", initial_noise=noise, **kw)
+    replay = pipe.text_to_image("a dog", settings, seed=11, given=GivenLatents(initial_noise=noise))
     assert replay.think_text == run.think_text
     assert torch.equal(replay.latents, run.latents)
     # without the discarded draw the noise (and so the image) would differ
     g2 = torch.Generator().manual_seed(11)
     ctxs2 = pipe.build_generation_contexts("t2i", "a dog", width=32, height=32, think=True, generator=g2)
-    pipe.decode_text(ctxs2.gen.clone(branch="gen"), max_new_tokens=3, do_sample=True, temperature=5.0, generator=g2)
-    shifted = pipe.text_to_image("a dog", initial_noise=torch.randn(4, 64, generator=g2), **kw)
+    decode_text(pipe.loaded, ctxs2.gen.clone(branch="gen"), max_new_tokens=3, do_sample=True, temperature=5.0,
+                generator=g2)
+    shifted = pipe.text_to_image("a dog", settings, seed=11,
+                                 given=GivenLatents(initial_noise=torch.randn(4, 64, generator=g2)))
     assert not torch.equal(shifted.latents, run.latents)
 
 
@@ -350,8 +366,8 @@ def test_preview_gives_the_clean_latent_estimate_every_step(loaded):
     """``preview(done, total, x0)``: x0 = x_t - t v after each step; after the last Euler step (dt = t) it IS the
     final latent, so the last preview equals ``result.latents`` exactly."""
     seen = []
-    res = BagelPipeline(loaded).text_to_image("a dog", width=32, height=32, num_timesteps=4, seed=3,
-                                              preview=lambda d, t, x0: seen.append((d, t, x0.clone())))
+    res = BagelPipeline(loaded).text_to_image("a dog", preset("t2i", width=32, height=32, num_timesteps=4), seed=3,
+                                              hooks=RunHooks(preview=lambda d, t, x0: seen.append((d, t, x0.clone()))))
     assert [(d, t) for d, t, _ in seen] == [(1, 3), (2, 3), (3, 3)]
     assert all(x0.shape == res.latents.shape for _, _, x0 in seen)
     assert torch.allclose(seen[-1][2], res.latents, atol=1e-6)

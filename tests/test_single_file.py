@@ -23,7 +23,9 @@ from unicache_core.bagel.latents import (
 )
 from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.pipeline import BagelPipeline
+from unicache_core.bagel.request import GivenLatents
 from unicache_core.bagel.seeding import seeded_generator
+from unicache_core.bagel.settings import preset
 from unicache_core.bagel.checkpoint.single_file import (
     BAGEL_SPECIAL_TOKEN_IDS,
     METADATA_KEY,
@@ -45,7 +47,7 @@ from unicache_core.bagel.transforms import ImageTransforms
 from unicache_core.errors import CheckpointError
 from unicache_core.bagel.checkpoint.model_id import BAGEL_7B_MOT, model_id_from_variant, model_id_of
 
-FAST = dict(width=64, height=64, num_timesteps=3, seed=7)
+FAST = preset("t2i", width=64, height=64, num_timesteps=3)  # run with seed=7
 COMFY_TOKENIZER = Path(__file__).resolve().parents[1] / ".comfyhost/ComfyUI/comfy/text_encoders/qwen25_tokenizer"
 
 
@@ -92,8 +94,8 @@ def _rewrite(src: Path, dst: Path, meta: dict | None, tensors=None) -> Path:
 
 
 def test_folder_and_single_file_give_the_same_image(folder_loaded, single_loaded, single, tiny_checkpoint, tmp_path):
-    a = BagelPipeline(folder_loaded).text_to_image("a red cube on a table", **FAST)
-    b = BagelPipeline(single_loaded).text_to_image("a red cube on a table", **FAST)
+    a = BagelPipeline(folder_loaded).text_to_image("a red cube on a table", FAST, seed=7)
+    b = BagelPipeline(single_loaded).text_to_image("a red cube on a table", FAST, seed=7)
     assert np.array_equal(_pixels(a.image), _pixels(b.image))
     # the same weights, loaded from two files: fp32 kernels may take other vector paths for other memory
     # alignments (an AMD EPYC machine gave a 2e-6 difference), so the latents agree to rounding, not bit for bit
@@ -117,8 +119,8 @@ def test_full_vocab_single_file_matches_its_folder(tmp_path):
     assert a.config.llm.vocab_size == b.config.llm.vocab_size == 152064
     for tok in (a.tokenizer, b.tokenizer):
         assert {n: tok.token_to_id(n) for n in BAGEL_SPECIAL_TOKEN_IDS} == BAGEL_SPECIAL_TOKEN_IDS
-    ra = BagelPipeline(a).text_to_image("a blue car", **FAST)
-    rb = BagelPipeline(b).text_to_image("a blue car", **FAST)
+    ra = BagelPipeline(a).text_to_image("a blue car", FAST, seed=7)
+    rb = BagelPipeline(b).text_to_image("a blue car", FAST, seed=7)
     assert np.array_equal(_pixels(ra.image), _pixels(rb.image))
     assert inspect_single_file(single).source == "sidecar"
     if COMFY_TOKENIZER.is_dir():  # ComfyUI's Qwen2.5 tokenizer fits a full-vocabulary model
@@ -128,8 +130,8 @@ def test_full_vocab_single_file_matches_its_folder(tmp_path):
         d = load_bagel(write_tiny_checkpoint(tmp_path / "g", seed=1, full_vocab=True, tokenizer_dir=COMFY_TOKENIZER),
                        dtype="fp32")
         assert (tmp_path / "g" / "vocab.json").read_bytes() == (COMFY_TOKENIZER / "vocab.json").read_bytes()
-        rc = BagelPipeline(c).text_to_image("a blue car", **FAST)
-        rd = BagelPipeline(d).text_to_image("a blue car", **FAST)
+        rc = BagelPipeline(c).text_to_image("a blue car", FAST, seed=7)
+        rd = BagelPipeline(d).text_to_image("a blue car", FAST, seed=7)
         assert np.array_equal(_pixels(rc.image), _pixels(rd.image))
 
 
@@ -322,46 +324,48 @@ def test_missing_vae_is_a_clear_error(no_vae_loaded, single_loaded, source_image
     assert no_vae_loaded.vae is None
     pipe = BagelPipeline(no_vae_loaded)
     with pytest.raises(ValueError, match="no VAE to decode the latents.*vae=.*decode=False"):
-        pipe.text_to_image("a red cube", **FAST)
+        pipe.text_to_image("a red cube", FAST, seed=7)
     with pytest.raises(ValueError, match="no VAE to encode the source image"):
-        pipe.edit(source_image, "make it blue", num_timesteps=3, seed=1)
+        pipe.edit("make it blue", source_image, preset("edit", num_timesteps=3), seed=1)
     # latents only: no VAE needed, same latents as with the VAE
-    lat = pipe.text_to_image("a red cube", decode=False, **FAST)
-    ref = BagelPipeline(single_loaded).text_to_image("a red cube", **FAST)
+    lat = pipe.text_to_image("a red cube", FAST, seed=7, decode=False)
+    ref = BagelPipeline(single_loaded).text_to_image("a red cube", FAST, seed=7)
     assert lat.image is None and lat.info["vae"] is None and torch.equal(lat.latents, ref.latents)
 
 
 def test_external_vae_adapter_is_used(no_vae_loaded, single_loaded, source_image):
     adapter = CountingVAE(single_loaded.vae)
     assert isinstance(adapter, VAEAdapter)
-    ref = BagelPipeline(single_loaded).text_to_image("a red cube", **FAST)
-    ext = BagelPipeline(no_vae_loaded, vae=adapter).text_to_image("a red cube", **FAST)
+    ref = BagelPipeline(single_loaded).text_to_image("a red cube", FAST, seed=7)
+    ext = BagelPipeline(no_vae_loaded, vae=adapter).text_to_image("a red cube", FAST, seed=7)
     assert adapter.calls == [("decode", (1, 16, 8, 8))] and ext.info["vae"] == "external"
     assert np.array_equal(_pixels(ext.image), _pixels(ref.image))
     # per call, overriding the pipeline's (here the checkpoint's) VAE
     adapter.calls.clear()
     pipe = BagelPipeline(single_loaded)
-    out = pipe.edit(source_image, "make it blue", num_timesteps=3, seed=1, vae=adapter)
+    out = pipe.edit("make it blue", source_image, preset("edit", num_timesteps=3), seed=1, vae=adapter)
     assert [c[0] for c in adapter.calls] == ["encode", "decode"] and adapter.calls[0][1] == (1, 3, 64, 64)
     assert out.info["source_latent"] == "external_vae" and out.latents.shape == (1, 16, 8, 8)
-    assert pipe.edit(source_image, "make it blue", num_timesteps=3, seed=1).info["source_latent"] == "checkpoint_vae"
+    own = pipe.edit("make it blue", source_image, preset("edit", num_timesteps=3), seed=1)
+    assert own.info["source_latent"] == "checkpoint_vae"
     with pytest.raises(ValueError, match="`vae` must be an object with encode"):
         BagelPipeline(single_loaded, vae=object())
     with pytest.raises(ValueError, match="`vae_noise` is the sampling noise of the built-in VAE"):
-        pipe.edit(source_image, "x", num_timesteps=3, seed=1, vae=adapter, vae_noise=torch.zeros(1, 16, 8, 8))
+        pipe.edit("x", source_image, preset("edit", num_timesteps=3), seed=1, vae=adapter,
+                  given=GivenLatents(vae_noise=torch.zeros(1, 16, 8, 8)))
 
     class Broken(CountingVAE):
         def decode(self, z):
             return torch.zeros(1, 3, 8, 8)
 
     with pytest.raises(ValueError, match=r"decode must return a float tensor of shape \(1, 3, 64, 64\)"):
-        BagelPipeline(single_loaded, vae=Broken(single_loaded.vae)).text_to_image("x", **FAST)
+        BagelPipeline(single_loaded, vae=Broken(single_loaded.vae)).text_to_image("x", FAST, seed=7)
 
 
 def test_edit_with_a_given_latent_skips_the_encode(single_loaded, source_image, monkeypatch):
     pipe = BagelPipeline(single_loaded)
     seed = 5
-    ref = pipe.edit(source_image, "make it blue", num_timesteps=3, seed=seed)
+    ref = pipe.edit("make it blue", source_image, preset("edit", num_timesteps=3), seed=seed)
     # the latent the built-in encode makes: the first draw of the seeded generator is its noise
     transforms = ImageTransforms.from_config(single_loaded.config)
     vae_input = transforms.vae(transforms.prepare(source_image, "image"))
@@ -374,18 +378,21 @@ def test_edit_with_a_given_latent_skips_the_encode(single_loaded, source_image, 
 
     monkeypatch.setattr(single_loaded.vae, "encode", boom)
     monkeypatch.setattr(C, "encode_vae_latent", boom)
-    given = pipe.edit(source_image, "make it blue", num_timesteps=3, seed=seed, source_latent=z)
+    given = pipe.edit("make it blue", source_image, preset("edit", num_timesteps=3), seed=seed,
+                      given=GivenLatents(source_latent=z))
     assert given.info["source_latent"] == "given"
     assert torch.equal(given.latents, ref.latents)  # same seed → same later noise, same result
     assert np.array_equal(_pixels(given.image), _pixels(ref.image))
     with pytest.raises(ValueError, match=r"resized to 64x64 .* whose latent is \(1, 16, 8, 8\)"):
-        pipe.edit(source_image, "x", num_timesteps=3, seed=seed, source_latent=torch.zeros(1, 16, 4, 4))
+        pipe.edit("x", source_image, preset("edit", num_timesteps=3), seed=seed,
+                  given=GivenLatents(source_latent=torch.zeros(1, 16, 4, 4)))
     with pytest.raises(ValueError, match="text-to-image takes none"):
-        pipe._generate("t2i", "x", None, None, seed=1, think=None, width=64, height=64, source_latent=z)
+        pipe.text_to_image("x", FAST, seed=1, given=GivenLatents(source_latent=z))
     from unicache_core.errors import NumericalError
 
     with pytest.raises(NumericalError, match="source latent"):
-        pipe.edit(source_image, "x", num_timesteps=3, seed=seed, source_latent=torch.full((1, 16, 8, 8), float("nan")))
+        pipe.edit("x", source_image, preset("edit", num_timesteps=3), seed=seed,
+                  given=GivenLatents(source_latent=torch.full((1, 16, 8, 8), float("nan"))))
 
 
 def test_latent_helpers_round_trip(single_loaded):

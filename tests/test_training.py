@@ -5,7 +5,7 @@ import json
 import torch
 from safetensors import safe_open
 
-from unicache_core.bagel import BagelPipeline, load_bagel
+from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from training import TrainConfig, run
 from training.bagel_stage import SampleMaker
 from training.batches import pack
@@ -52,9 +52,10 @@ def test_train_resume_export_and_load(tmp_path):
     assert loaded.config.transforms.vae.max_size == 128
     pipe = BagelPipeline(loaded)
     scene = t2i_sample(0)
-    res = pipe.text_to_image(scene.caption(), width=128, height=128, num_timesteps=3, seed=0)
+    res = pipe.text_to_image(scene.caption(), preset("t2i", width=128, height=128, num_timesteps=3), seed=0)
     assert res.image.size == (128, 128)
-    ans = pipe.understand(scene.render(), "what color is the background?", max_new_tokens=2)
+    ans = pipe.understand("what color is the background?", scene.render(),
+                          preset("understanding", max_new_tokens=2))
     assert isinstance(ans.text, str)
 
 

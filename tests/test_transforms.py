@@ -18,7 +18,9 @@ from unicache_core.bagel.config import (
     load_bagel_config,
 )
 from unicache_core.bagel.checkpoint.loader import load_bagel
+from unicache_core.bagel.cli_checks import open_image
 from unicache_core.bagel.pipeline import BagelPipeline
+from unicache_core.bagel.settings import preset
 from training.tiny import TINY_TRANSFORMS, tiny_config
 from unicache_core.bagel.transforms import (
     MAX_PIXELS,
@@ -180,7 +182,7 @@ def test_file_is_read_and_used_by_the_pipeline(tiny_checkpoint_copy: Path):
     expected = resize_size(60, 45, 96, 48, 32)
     assert expected == (64, 64)  # 60x45 -> 64x48 -> 48/32 = 1.5 rounds half to even -> 2 -> 64
     pipe = BagelPipeline(loaded)
-    res = pipe.edit(image, "make it blue", seed=0, num_timesteps=2)
+    res = pipe.edit("make it blue", image, preset("edit", num_timesteps=2), seed=0)
     assert res.image.size == expected and res.latents.shape == (1, 16, 8, 8)
     # the ViT rule too: 64x64 -> (70, 28, 14) -> 70x70 = 5x5 patches
     plain = pipe.build_understanding_context(None, "Describe.")
@@ -242,3 +244,55 @@ def test_absent_file_checks_the_official_values_against_the_model(tiny_checkpoin
 def test_configs_built_in_code_default_to_the_official_transforms():
     cfg = tiny_config(10)
     assert BagelConfig(llm=cfg.llm, vit=cfg.vit, ae=cfg.ae).transforms == TransformConfig()
+
+
+# ------------------------------------------------------------------------------------ odd input images
+
+
+def test_zero_area_and_one_pixel_images():
+    with pytest.raises(ValueError, match=r"`image` has zero size \(0x10\)"):
+        prepare_input_image(Image.new("RGB", (0, 10)))
+    assert prepare_input_image(Image.new("RGB", (1, 1))).size == (512, 512)  # official rule: short side 512
+
+
+@pytest.mark.parametrize("mode", ["1", "L", "P", "LA", "PA", "I", "I;16", "F", "CMYK", "YCbCr", "RGBa"])
+def test_image_modes_convert_like_official(mode):
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, size=(12, 10, 3), dtype=np.uint8)).convert(mode)
+    out = pil_img2rgb(image)
+    assert out.mode == "RGB" and out.size == (10, 12)
+    if mode not in ("LA", "PA"):  # no transparency entry: plain convert("RGB"), as the official code
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(image.convert("RGB")))
+
+
+def test_16_bit_image_is_clipped_like_official():
+    values = np.array([[0, 100, 255, 256, 65535]], dtype=np.uint16)
+    out = np.asarray(pil_img2rgb(Image.fromarray(values)))
+    # PIL's I;16 -> RGB conversion (what the official convert("RGB") does) clips, it does not rescale
+    assert out[0, :, 0].tolist() == [0, 100, 255, 255, 255]
+
+
+def test_unconvertible_mode_names_the_mode():
+    image = Image.new("La", (4, 4))
+    with pytest.raises(ValueError, match=r"`image`.*mode 'La'.*RGB"):
+        pil_img2rgb(image)
+
+
+def test_rgba_composited_on_white():
+    image = Image.new("RGBA", (4, 4), (10, 20, 30, 0))
+    assert np.asarray(pil_img2rgb(image)).min() == 255
+
+
+def _exif_rotated_jpeg(path: Path) -> Path:
+    image = Image.new("RGB", (40, 30), (200, 10, 10))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 CW to display
+    image.save(path, format="JPEG", exif=exif.tobytes())
+    return path
+
+
+def test_exif_orientation_is_not_applied(tmp_path):
+    """The official pipeline never calls ``exif_transpose``: the stored pixel grid is used as is."""
+    image = open_image(_exif_rotated_jpeg(tmp_path / "rot.jpg"))
+    assert image.getexif().get(0x0112) == 6 and image.size == (40, 30)
+    assert prepare_input_image(image).size == (688, 512)  # the 40x30 grid, not the displayed 30x40

@@ -16,10 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
+from unicache_core.bagel.settings import BUNDLED_CHECKPOINT  # noqa: E402
 from unicache_core.compression.defaults import SCORE_QUERIES  # noqa: E402
 
 WIDGET_KINDS = {"INT", "FLOAT", "STRING", "BOOLEAN"}
-CHECKPOINT = "unicache-shapes"  # the bundled model trained on the shapes world (docs/shapes.md)
 EXAMPLE_IMAGE = "unicache_example.png"
 #: Prompts in the bundled model's language; the example image is ``example_scene()``.
 T2I_PROMPT = "a large red circle at the top left and a small blue square at the center on a white background"
@@ -107,7 +107,7 @@ def build(graph: list[dict]) -> tuple[dict, dict]:
 
 def _loader(node_id=1, pos=(40, 80)):
     return {"id": node_id, "type": "UniCacheBagelLoader", "pos": pos, "size": (320, 110),
-            "widgets": {"checkpoint": CHECKPOINT, "dtype": "auto", "device": "auto"}}
+            "widgets": {"checkpoint": BUNDLED_CHECKPOINT, "dtype": "auto", "device": "auto"}}
 
 
 def _kv(node_id, method="unicache", pos=(40, 260), title=None):

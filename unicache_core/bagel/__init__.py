@@ -2,12 +2,12 @@
 
 Typical use::
 
-    from unicache_core.bagel import BagelPipeline, load_bagel
+    from unicache_core.bagel import BagelPipeline, load_bagel, preset
 
     pipe = BagelPipeline(load_bagel("models/BAGEL-7B-MoT"))          # full caches
-    image = pipe.text_to_image("a red cube", width=512, height=512).image
-    edited = pipe.edit(image, "make it blue").image
-    answer = pipe.understand(image, "What colour is the cube?").text
+    image = pipe.text_to_image("a red cube", preset("t2i", width=512, height=512), seed=42).image
+    edited = pipe.edit("make it blue", image, seed=42).image          # the official edit settings
+    answer = pipe.understand("What colour is the cube?", image).text
 
 A compressing cache is plugged in with ``BagelPipeline(loaded, cache_factory=...)``. A single converted
 ``.safetensors`` (ComfyUI-BAGEL's form) loads with ``load_bagel(file, tokenizer_dir=..., vae=None or
@@ -18,11 +18,13 @@ Importing this package loads no weights and has no side effects.
 """
 
 from .config import AEConfig, BagelConfig, LLMConfig, ResizeConfig, TransformConfig, ViTConfig, load_bagel_config
-from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT, Context
+from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT, Context, GenerationContexts
 from .latents import VAEAdapter, from_comfy_latent, to_comfy_latent
 from .checkpoint.loader import LoadedBagel, load_bagel
-from .pipeline import BagelPipeline, FlowSettings, GenerationContexts, GenerationResult, UnderstandingResult
+from .pipeline import BagelPipeline, GenerationResult, UnderstandingResult
+from .request import GivenLatents, RunHooks
 from .sampling import RENORM_TYPES, combine_cfg, timestep_schedule
+from .settings import GenerationSettings, UnderstandingSettings, preset
 from .tokenizer import BagelTokenizer
 from .transforms import (
     OFFICIAL_TRANSFORMS,
@@ -40,10 +42,11 @@ __all__ = [
     "BagelPipeline",
     "BagelTokenizer",
     "Context",
-    "FlowSettings",
     "GEN_THINK_SYSTEM_PROMPT",
     "GenerationContexts",
     "GenerationResult",
+    "GenerationSettings",
+    "GivenLatents",
     "ImageTransform",
     "ImageTransforms",
     "LLMConfig",
@@ -51,8 +54,10 @@ __all__ = [
     "OFFICIAL_TRANSFORMS",
     "RENORM_TYPES",
     "ResizeConfig",
+    "RunHooks",
     "TransformConfig",
     "UnderstandingResult",
+    "UnderstandingSettings",
     "VAEAdapter",
     "VAE_TRANSFORM",
     "VIT_TRANSFORM",
@@ -64,6 +69,7 @@ __all__ = [
     "load_bagel_config",
     "pil_img2rgb",
     "prepare_input_image",
+    "preset",
     "timestep_schedule",
     "to_comfy_latent",
 ]

@@ -17,17 +17,15 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UniCacheError
-from .cli_checks import open_image as _open_image  # noqa: F401  (the tests' entry point for image decoding)
-from .cli_checks import preflight, save_image
-from .settings import BUNDLED_CHECKPOINT, BUNDLED_CHECKPOINT_DIR, EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
 from ..cli import OneLineParser as _Parser, path_arg as _path
+from ..errors import UniCacheError
+from .cli_checks import preflight, save_image
+from .request import RunHooks
+from .settings import BUNDLED_CHECKPOINT, BUNDLED_CHECKPOINT_DIR, EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
 
 logger = logging.getLogger("unicache_core.bagel.cli")
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -123,32 +121,13 @@ def _progress(label: str, quiet: bool) -> _Bar | None:
     return None if quiet else _Bar(label)
 
 
-def _request_kwargs(args: argparse.Namespace) -> dict:
-    """The pipeline keyword arguments of the command (without callbacks); :func:`preflight` checks them."""
-    if args.command == "understand":
-        return dict(max_new_tokens=UNDERSTANDING_DEFAULTS.max_new_tokens if args.max_new_tokens is None
-                    else args.max_new_tokens,
-                    do_sample=args.do_sample, temperature=args.temperature, think=args.think, seed=args.seed)
-    kwargs = dict(
-        num_timesteps=args.steps, timestep_shift=args.timestep_shift, cfg_text_scale=args.cfg_text_scale,
-        cfg_img_scale=args.cfg_img_scale, cfg_interval=tuple(args.cfg_interval), cfg_renorm_min=args.cfg_renorm_min,
-        cfg_renorm_type=args.cfg_renorm_type, seed=args.seed, think=args.think,
-        think_max_new_tokens=T2I_DEFAULTS.think_max_new_tokens if args.max_new_tokens is None else args.max_new_tokens,
-        think_do_sample=args.do_sample, think_temperature=args.temperature,
-    )
-    if args.command == "t2i":
-        kwargs.update(width=args.width, height=args.height)
-    return kwargs
-
-
 def _run(args: argparse.Namespace) -> int:
     from .checkpoint.loader import load_bagel
     from .pipeline import BagelPipeline
 
     if args.checkpoint is None:
         args.checkpoint = BUNDLED_CHECKPOINT_DIR
-    kwargs = _request_kwargs(args)
-    checked = preflight(args, kwargs)  # every argument, the image and --out: before any weights load
+    checked = preflight(args)  # every argument, the image and --out: before any weights load
     kv_config = _kv_config(args)  # every KV flag is checked before the model loads
     logger.info("loading %s (%s on %s)", args.checkpoint, args.dtype, checked.device)
     from ..compression import make_cache_factory
@@ -157,18 +136,19 @@ def _run(args: argparse.Namespace) -> int:
     pipe = BagelPipeline(load_bagel(args.checkpoint, dtype=_DTYPES[args.dtype], device=checked.device), factory)
     if args.command == "understand":
         bar = _progress("decoding", args.quiet)
-        result = pipe.understand(checked.image, checked.prompt, progress=bar, **kwargs)
+        result = pipe.understand(checked.prompt, checked.image, checked.settings, seed=checked.seed,
+                                 hooks=RunHooks(progress=bar))
         if bar is not None:
             bar.close()
         _write_report(args, result.kv_report)
         sys.stdout.write(result.text + "\n")
         sys.stdout.flush()
         return 0
-    progress = _progress("denoising", args.quiet)
+    hooks = RunHooks(progress=_progress("denoising", args.quiet))
     if args.command == "t2i":
-        result = pipe.text_to_image(checked.prompt, progress=progress, **kwargs)
+        result = pipe.text_to_image(checked.prompt, checked.settings, seed=checked.seed, hooks=hooks)
     else:
-        result = pipe.edit(checked.image, checked.prompt, progress=progress, **kwargs)
+        result = pipe.edit(checked.prompt, checked.image, checked.settings, seed=checked.seed, hooks=hooks)
     if result.think_text is not None:
         logger.info("plan: %s", result.think_text)
     save_image(result.image, args.out, checked.out_format)

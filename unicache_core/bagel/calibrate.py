@@ -62,6 +62,7 @@ from ..compression.defaults import DEFAULT_K90_THRESHOLD, DEFAULT_REDUCTION, SCO
 from ..compression.policy_table import PolicyTable, PolicyTableError
 from ..compression.stats import layer_chunk, step_chunk
 from ..cli import OneLineParser as _Parser, path_arg as _path
+from .settings import preset
 
 logger = logging.getLogger("unicache_core.bagel.calibrate")
 
@@ -159,10 +160,11 @@ def synthetic_image(index: int, size: int):
 def _run_one(pipe, task: str, prompt: str, image, *, num_timesteps: int, max_new_tokens: int, size: int,
              seed: int):
     if task == "t2i":
-        return pipe.text_to_image(prompt, width=size, height=size, num_timesteps=num_timesteps, seed=seed)
+        return pipe.text_to_image(prompt, preset("t2i", width=size, height=size, num_timesteps=num_timesteps),
+                                  seed=seed)
     if task == "edit":
-        return pipe.edit(image, prompt, num_timesteps=num_timesteps, seed=seed)
-    return pipe.understand(image, prompt, max_new_tokens=max_new_tokens, seed=seed)
+        return pipe.edit(prompt, image, preset("edit", num_timesteps=num_timesteps), seed=seed)
+    return pipe.understand(prompt, image, preset("understanding", max_new_tokens=max_new_tokens), seed=seed)
 
 
 def _median(values: Sequence[float]) -> float:
@@ -502,11 +504,11 @@ def _check_out(out: Path, merge: bool, model_id: str) -> PolicyTable | None:
 
 def _check_args(args: argparse.Namespace) -> dict:
     """Every argument, before any weights load; returns what the run needs."""
-    from .cli_checks import _resolve_device, check_checkpoint_dir, with_flag
+    from .accounting import check_positions, generation_positions, understanding_positions
+    from .cli_checks import check_checkpoint_dir, resolve_device, with_flag
     from .config import load_bagel_config
-    from .pipeline import (FlowSettings, _check_int, _check_seed, check_output_size, check_positions,
-                                 generation_positions, understanding_positions)
-    from .settings import EDIT_DEFAULTS, T2I_DEFAULTS
+    from .seeding import check_seed
+    from .settings import check_int, check_output_size
     from .tokenizer import BagelTokenizer
     from .checkpoint.model_id import model_id_of
 
@@ -522,14 +524,12 @@ def _check_args(args: argparse.Namespace) -> dict:
     base = _check_out(args.out, args.merge, model_id)
     try:
         if task != "understanding":
-            d = T2I_DEFAULTS if task == "t2i" else EDIT_DEFAULTS
-            FlowSettings.create(args.steps, d.timestep_shift, d.cfg_text_scale, d.cfg_img_scale, d.cfg_interval,
-                                d.cfg_renorm_min, d.cfg_renorm_type)
-        _check_int("max_new_tokens", args.max_new_tokens, 1)
-        _check_seed(args.seed)
+            preset(task, num_timesteps=args.steps)
+        check_int("max_new_tokens", args.max_new_tokens, 1)
+        check_seed(args.seed)
     except ValueError as exc:
         raise with_flag(exc) from None
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)
     config = load_bagel_config(root)
     if task == "t2i" or args.images is None:
         try:

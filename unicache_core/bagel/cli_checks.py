@@ -1,9 +1,10 @@
 """Checks the command line runs before any weights load, plus the atomic image writer.
 
-:func:`preflight` validates every argument of a ``understand`` / ``t2i`` / ``edit`` request with the
-pipeline's own validators. It reads only the small files: the config JSON files, which give the size
-limit and the position budget, and the tokenizer files, which give the prompt length. It also opens
-and decodes the input image, and checks the output path. A mistake therefore costs well under a
+:func:`preflight` validates every argument of a ``understand`` / ``t2i`` / ``edit`` request by building
+the request's settings (:mod:`.settings`), the object the pipeline takes. It reads only the small
+files: the config JSON files, which give the size limit and the position budget, and the tokenizer
+files, which give the prompt length. It also opens and decodes the input image, and checks the
+output path. A mistake therefore costs well under a
 second, instead of a weights load of many gigabytes. Each error is a ``ValueError``, ``OSError`` or
 :class:`~unicache_core.errors.CheckpointError` whose message starts with the offending flag (for
 example ``--steps: ...``).
@@ -17,7 +18,13 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+
+from .seeding import check_seed
+from .settings import (
+    T2I_DEFAULTS, UNDERSTANDING_DEFAULTS, GenerationSettings, UnderstandingSettings, check_output_size, check_prompt,
+    preset,
+)
 
 #: Output formats by file suffix (checked before the model loads, so a typo costs nothing).
 OUT_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
@@ -210,15 +217,19 @@ def open_image(path: Path):
 
 @dataclass
 class Checked:
-    """What :func:`preflight` validated: the prompt text, the decoded image, the output format, the device."""
+    """What :func:`preflight` validated: the prompt text, the decoded image, the output format, the device, the
+    request's settings and seed."""
 
     prompt: str
     image: Any
     out_format: str | None
     device: str
+    settings: GenerationSettings | UnderstandingSettings
+    seed: int
 
 
-def _resolve_device(device: str) -> str:
+def resolve_device(device: str) -> str:
+    """``--device``: ``auto`` is cuda when available, else cpu; anything else must be a usable torch device."""
     import torch
 
     from .checkpoint.loader import parse_device
@@ -232,18 +243,32 @@ def _resolve_device(device: str) -> str:
     return device
 
 
-def preflight(args, kwargs: Mapping[str, Any]) -> Checked:
-    """Validate a parsed command line and the request ``kwargs`` it will pass to the pipeline.
+def request_settings(args) -> GenerationSettings | UnderstandingSettings:
+    """The settings of a parsed ``understand`` / ``t2i`` / ``edit`` command line (a ValueError names the field).
 
-    ``args.command`` is ``understand``, ``t2i`` or ``edit``; ``kwargs`` are the keyword arguments of
-    :meth:`~.pipeline.BagelPipeline.understand` / ``text_to_image`` / ``edit`` without the callbacks.
-    Nothing here loads weights.
+    ``--max-new-tokens`` and ``--temperature`` set the answer's decoding, or the think plan's in generation.
     """
-    from .config import load_bagel_config
-    from .pipeline import (
-        FlowSettings, _check_prompt, _check_seed, _ThinkSettings, check_output_size, check_positions,
-        check_understanding_args, generation_positions, understanding_positions,
+    if args.command == "understand":
+        return preset("understanding", max_new_tokens=UNDERSTANDING_DEFAULTS.max_new_tokens
+                      if args.max_new_tokens is None else args.max_new_tokens,
+                      do_sample=args.do_sample, temperature=args.temperature, think=args.think)
+    size = dict(width=args.width, height=args.height) if args.command == "t2i" else {}
+    return preset(
+        args.command, num_timesteps=args.steps, timestep_shift=args.timestep_shift,
+        cfg_text_scale=args.cfg_text_scale, cfg_img_scale=args.cfg_img_scale, cfg_interval=tuple(args.cfg_interval),
+        cfg_renorm_min=args.cfg_renorm_min, cfg_renorm_type=args.cfg_renorm_type, think=args.think,
+        think_max_new_tokens=T2I_DEFAULTS.think_max_new_tokens if args.max_new_tokens is None
+        else args.max_new_tokens, think_do_sample=args.do_sample, think_temperature=args.temperature, **size,
     )
+
+
+def preflight(args) -> Checked:
+    """Validate a parsed command line (``args.command``: ``understand``, ``t2i`` or ``edit``): the prompt, the
+    request's settings and seed, the device, the output size and the prompt's positions against the
+    checkpoint's config, the input image and ``--out``. Nothing here loads weights.
+    """
+    from .accounting import check_positions, generation_positions, understanding_positions
+    from .config import load_bagel_config
     from .tokenizer import BagelTokenizer
 
     root = check_checkpoint_dir(args.checkpoint)
@@ -255,24 +280,16 @@ def preflight(args, kwargs: Mapping[str, Any]) -> Checked:
     out_format = check_out_path(out) if out is not None else None
     task = args.command
     try:
-        _check_prompt(prompt)
-        if task == "understand":
-            check_understanding_args(kwargs["max_new_tokens"], kwargs["do_sample"], kwargs["temperature"],
-                                     kwargs["think"], kwargs["seed"])
-        else:
-            FlowSettings.create(kwargs["num_timesteps"], kwargs["timestep_shift"], kwargs["cfg_text_scale"],
-                                kwargs["cfg_img_scale"], kwargs["cfg_interval"], kwargs["cfg_renorm_min"],
-                                kwargs["cfg_renorm_type"])
-            _ThinkSettings.create(kwargs["think"], kwargs["think_max_new_tokens"], kwargs["think_do_sample"],
-                                  kwargs["think_temperature"])
-            _check_seed(kwargs["seed"])
+        check_prompt(prompt)
+        settings = request_settings(args)
+        seed = check_seed(args.seed)
     except ValueError as exc:
         raise with_flag(exc) from None
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)
     config = load_bagel_config(root)  # JSON only: gives the size limit and the position budget
     if task == "t2i":
         try:
-            check_output_size(config, kwargs["width"], kwargs["height"])
+            check_output_size(config, settings.width, settings.height)
         except ValueError as exc:
             raise with_flag(exc) from None
     image_path = getattr(args, "image", None)
@@ -281,17 +298,17 @@ def preflight(args, kwargs: Mapping[str, Any]) -> Checked:
     has_image = image is not None
     try:
         if task == "understand":
-            used = understanding_positions(tokenizer, prompt, has_image=has_image, think=kwargs["think"])
+            used = understanding_positions(tokenizer, prompt, has_image=has_image, think=settings.think)
             check_positions(config, used, 0, "prompt")
-            check_positions(config, used, kwargs["max_new_tokens"], "max_new_tokens")
+            check_positions(config, used, settings.max_new_tokens, "max_new_tokens")
         else:
-            used = generation_positions(tokenizer, prompt, has_image=has_image, think=kwargs["think"])
+            used = generation_positions(tokenizer, prompt, has_image=has_image, think=settings.think)
             check_positions(config, used, 0, "prompt")
-            if kwargs["think"]:
-                check_positions(config, used, kwargs["think_max_new_tokens"] + 2, "think_max_new_tokens")
+            if settings.think:
+                check_positions(config, used, settings.think_max_new_tokens + 2, "think_max_new_tokens")
     except ValueError as exc:
         raise with_flag(exc) from None
-    return Checked(prompt=prompt, image=image, out_format=out_format, device=device)
+    return Checked(prompt=prompt, image=image, out_format=out_format, device=device, settings=settings, seed=seed)
 
 
 __all__ = [
@@ -304,6 +321,8 @@ __all__ = [
     "open_image",
     "preflight",
     "read_prompt_file",
+    "request_settings",
+    "resolve_device",
     "save_image",
     "with_flag",
 ]

@@ -13,22 +13,28 @@ latents    ``[vs] noisy latents (t) [ve]``        gen*     bidirect.   all ``r``
 =========  =====================================  =======  ==========  =====================================
 
 (*) boundary tokens use the und expert, latent tokens the gen expert (``gen_mask``).
+
+The contexts of a request: :func:`build_understanding_context` (one ``gen`` context) and
+:func:`build_generation_contexts` (``gen``, ``cfg_text``, ``cfg_img``, docs/bagel.md §5.3-§5.4), every
+cache from the request's :class:`~unicache_core.kv.cache.CacheSession`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
+from PIL import Image
 from torch import Tensor
 
-from ..kv.cache import AttentionCall, KVCache, Phase
+from ..kv.cache import AttentionCall, CacheSession, KVCache, Phase
 from ..kv.token_types import TokenType
+from .checkpoint.loader import LoadedBagel
+from .modeling import AutoEncoder
+from .numerics import check_finite, check_noise
+from .request import NO_GIVEN_LATENTS, GivenLatents
 from .sampling import pack_latent
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from .checkpoint.loader import LoadedBagel
+from .transforms import ImageTransforms
 
 #: System prompt prefilled before an understanding request in think mode (prompt text of inferencer.py).
 VLM_THINK_SYSTEM_PROMPT = (
@@ -64,20 +70,20 @@ def _types(*parts: tuple[TokenType, int], device: torch.device) -> Tensor:
     return torch.cat([torch.full((n,), int(t), dtype=torch.int8, device=device) for t, n in parts])
 
 
-def _boundary_embeds(loaded: "LoadedBagel") -> tuple[Tensor, Tensor]:
+def _boundary_embeds(loaded: LoadedBagel) -> tuple[Tensor, Tensor]:
     tok = loaded.tokenizer
     ids = torch.tensor([tok.start_of_image, tok.end_of_image], dtype=torch.long, device=loaded.device)
     emb = loaded.model.embed_text(ids)
     return emb[:1], emb[1:]
 
 
-def text_ids(loaded: "LoadedBagel", text: str) -> list[int]:
+def text_ids(loaded: LoadedBagel, text: str) -> list[int]:
     """``[im_start] + encode(text) + [im_end]`` (no chat template)."""
     tok = loaded.tokenizer
     return [tok.bos_token_id, *tok.encode(text), tok.eos_token_id]
 
 
-def append_text(loaded: "LoadedBagel", ctx: Context, text: str) -> int:
+def append_text(loaded: LoadedBagel, ctx: Context, text: str) -> int:
     """Prefill a text block into ``ctx`` (causal, und); returns the number of tokens appended."""
     ids = text_ids(loaded, text)
     n = len(ids)
@@ -91,7 +97,7 @@ def append_text(loaded: "LoadedBagel", ctx: Context, text: str) -> int:
     return n
 
 
-def append_vit(loaded: "LoadedBagel", ctx: Context, image: Tensor) -> int:
+def append_vit(loaded: LoadedBagel, ctx: Context, image: Tensor) -> int:
     """Prefill a ViT image block; ``image`` is ``[3, H, W]`` in ``[-1, 1]`` (ViT transform applied)."""
     device = loaded.device
     vit = loaded.model.embed_vit(image.to(device))  # [N, H]
@@ -109,7 +115,7 @@ def append_vit(loaded: "LoadedBagel", ctx: Context, image: Tensor) -> int:
 
 
 def encode_vae_latent(
-    loaded: "LoadedBagel",
+    loaded: LoadedBagel,
     image: Tensor,
     *,
     noise: Tensor | None = None,
@@ -133,7 +139,7 @@ def encode_vae_latent(
     return pack_latent(z[0].float(), loaded.config.latent_patch_size)
 
 
-def latent_block_embeds(loaded: "LoadedBagel", x: Tensor, h: int, w: int, timestep: float) -> Tensor:
+def latent_block_embeds(loaded: LoadedBagel, x: Tensor, h: int, w: int, timestep: float) -> Tensor:
     """Embeddings ``[h*w + 2, H]`` of ``[vs] latents [ve]`` for packed latents ``x`` ``[h*w, 64]`` at time t."""
     device = loaded.device
     pos_ids = loaded.model.latent_position_ids(h, w).to(device)
@@ -149,7 +155,7 @@ def latent_gen_mask(num_latents: int, device: torch.device) -> Tensor:
     return mask
 
 
-def append_vae(loaded: "LoadedBagel", ctx: Context, latent: Tensor, h: int, w: int) -> int:
+def append_vae(loaded: LoadedBagel, ctx: Context, latent: Tensor, h: int, w: int) -> int:
     """Prefill a clean VAE image block (t = 0, gen mode) from packed latents ``[h*w, 64]``."""
     device = loaded.device
     embeds = latent_block_embeds(loaded, latent, h, w, 0.0)
@@ -165,7 +171,7 @@ def append_vae(loaded: "LoadedBagel", ctx: Context, latent: Tensor, h: int, w: i
 
 
 def latent_velocity(
-    loaded: "LoadedBagel",
+    loaded: LoadedBagel,
     ctx: Context,
     embeds: Tensor,
     *,
@@ -195,7 +201,7 @@ def latent_velocity(
     return loaded.model.latent_velocity(hidden[1:-1])
 
 
-def decode_step(loaded: "LoadedBagel", ctx: Context, token_id: int, step: int, token_type: TokenType) -> Tensor:
+def decode_step(loaded: LoadedBagel, ctx: Context, token_id: int, step: int, token_type: TokenType) -> Tensor:
     """Feed one text token at position ``ctx.rope`` (causal, cached); returns its next-token logits ``[V]``."""
     device = loaded.device
     embeds = loaded.model.embed_text(torch.tensor([token_id], dtype=torch.long, device=device))
@@ -205,3 +211,138 @@ def decode_step(loaded: "LoadedBagel", ctx: Context, token_id: int, step: int, t
     hidden = loaded.model.forward_llm(embeds, positions, ctx.cache, call)
     ctx.rope += 1
     return loaded.model.lm_logits(hidden)[0]
+
+
+# ------------------------------------------------------------------------------------ request contexts
+
+
+@dataclass
+class GenerationContexts:
+    """The three contexts of one generation request and the output size in pixels."""
+
+    gen: Context
+    cfg_text: Context
+    cfg_img: Context
+    height: int
+    width: int
+    session: CacheSession | None = None
+    #: how the source latent of an edit was made (``"checkpoint_vae"``, ``"external_vae"``, ``"given"``).
+    source_latent: str | None = None
+
+    def branches(self) -> dict[str, Context]:
+        return {"gen": self.gen, "cfg_text": self.cfg_text, "cfg_img": self.cfg_img}
+
+
+def new_context(session: CacheSession, branch: str) -> Context:
+    """An empty context whose cache comes from ``session``."""
+    return Context(cache=session.new_cache(branch), rope=0)
+
+
+def build_understanding_context(loaded: LoadedBagel, session: CacheSession, image: Image.Image | None,
+                                prompt: str, *, think: bool = False) -> Context:
+    """``[system (think)] [ViT image] [text]`` in one ``gen`` context (docs/bagel.md §4.6)."""
+    ctx = new_context(session, "gen")
+    if think:
+        append_text(loaded, ctx, VLM_THINK_SYSTEM_PROMPT)
+    if image is not None:
+        transforms = ImageTransforms.from_config(loaded.config)
+        resized = transforms.prepare(image, "image")
+        append_vit(loaded, ctx, transforms.vit(resized))
+    append_text(loaded, ctx, prompt)
+    return ctx
+
+
+def build_generation_contexts(
+    loaded: LoadedBagel,
+    session: CacheSession,
+    prompt: str,
+    *,
+    image: Image.Image | None = None,
+    size: tuple[int, int] | None = None,
+    think: bool = False,
+    generator: torch.Generator | None = None,
+    given: GivenLatents = NO_GIVEN_LATENTS,
+    vae=None,
+) -> GenerationContexts:
+    """Build ``gen``, ``cfg_text`` and ``cfg_img`` as ``interleave_inference`` does (image, then text).
+
+    Without ``image`` the output ``size`` is ``(width, height)``; for an edit it is the VAE-resized
+    source size. The source latent comes from ``given.source_latent`` (BAGEL's convention, of the
+    VAE-resized source), else from ``vae``'s encode (the chosen VAE: the checkpoint's
+    :class:`~.modeling.AutoEncoder`, sampling with ``given.vae_noise`` or noise drawn from
+    ``generator``, or an external :class:`~.latents.VAEAdapter`).
+    """
+    gen = new_context(session, "gen")
+    cfg_img = new_context(session, "cfg_img")
+    if think:
+        append_text(loaded, gen, GEN_THINK_SYSTEM_PROMPT)
+        append_text(loaded, cfg_img, GEN_THINK_SYSTEM_PROMPT)
+    how = None
+    if image is not None:
+        transforms = ImageTransforms.from_config(loaded.config)
+        resized = transforms.prepare(image, "image")
+        size = resized.size
+        vae_input = transforms.vae(resized)
+        lp = loaded.config.latent_downsample
+        h, w = vae_input.shape[1] // lp, vae_input.shape[2] // lp
+        latent, how = source_latent(loaded, vae_input, vae=vae, given=given, generator=generator)
+        append_vae(loaded, gen, latent, h, w)
+        append_vit(loaded, gen, transforms.vit(resized))
+    # the official deepcopy(gen) point: after the image, before the text; the session builds it from gen
+    cfg_text = Context(session.fork(gen.cache, "cfg_text"), gen.rope)
+    append_text(loaded, gen, prompt)
+    append_text(loaded, cfg_img, prompt)
+    width, height = size
+    return GenerationContexts(gen=gen, cfg_text=cfg_text, cfg_img=cfg_img, height=height, width=width,
+                              session=session, source_latent=how)
+
+
+def _check_latent_tensor(name: str, z: object, shape: tuple[int, ...], width: int, height: int) -> Tensor:
+    """A caller's or external VAE's source latent: a float tensor of ``shape`` (finiteness checked after)."""
+    if not isinstance(z, Tensor) or not z.is_floating_point():
+        raise ValueError(f"`{name}` must be a floating-point torch.Tensor of shape {shape}, got "
+                         f"{type(z).__name__ if not isinstance(z, Tensor) else z.dtype}")
+    if tuple(z.shape) != shape:
+        raise ValueError(
+            f"`{name}` has shape {tuple(z.shape)}, but the source image is resized to {width}x{height} (BAGEL's VAE "
+            f"transform), whose latent is {shape}; encode the image at {width}x{height} (e.g. resize it before "
+            f"VAEEncode) or leave it None to encode here"
+        )
+    return z.detach().to("cpu", torch.float32)
+
+
+def source_latent(loaded: LoadedBagel, vae_input: Tensor, *, vae, given: GivenLatents,
+                  generator: torch.Generator | None) -> tuple[Tensor, str]:
+    """Packed ``[(H/16)*(W/16), 64]`` clean latent of an edit's source ``[3, H, W]`` and how it was made.
+
+    ``vae``: the VAE that encodes (ignored when ``given.source_latent`` is set).
+    """
+    cfg = loaded.config
+    ds = cfg.ae.downsample
+    height, width = vae_input.shape[1], vae_input.shape[2]
+    shape = (1, cfg.ae.z_channels, height // ds, width // ds)
+    chosen = None if given.source_latent is not None else vae
+    if isinstance(chosen, AutoEncoder):
+        if given.vae_noise is not None:
+            check_noise("vae_noise", given.vae_noise, shape)
+        latent = encode_vae_latent(loaded, vae_input, noise=given.vae_noise, generator=generator, vae=chosen)
+        how = "checkpoint_vae" if chosen is loaded.vae else "external_vae"
+        check_finite(latent, "the VAE encoding of the source image",
+                     "check ae.safetensors (re-download it); the VAE always runs in fp32")
+        return latent, how
+    if given.vae_noise is not None:
+        raise ValueError("`vae_noise` is the sampling noise of the built-in VAE encode; it is not used with "
+                         "`source_latent` or an external VAE: leave it None")
+    if generator is not None:  # the draw the built-in encode makes, so the seed gives the same later noise
+        torch.randn(shape, generator=generator, dtype=torch.float32)
+    if given.source_latent is not None:
+        z, how = _check_latent_tensor("source_latent", given.source_latent, shape, width, height), "given"
+        advice = "pass a finite latent (e.g. from_comfy_latent of VAEEncode's samples)"
+    else:
+        with torch.inference_mode():
+            z = chosen.encode(vae_input.unsqueeze(0).float().cpu())
+        z, how = _check_latent_tensor("the external VAE's encode", z, shape, width, height), "external_vae"
+        advice = "check the external VAE (its encode must return a finite [1, 16, H/8, W/8] latent)"
+    check_finite(z, "the source latent" if how == "given" else "the external VAE encoding of the source image",
+                 advice)
+    return pack_latent(z[0].float(), cfg.latent_patch_size), how

@@ -64,6 +64,15 @@ def _layout_ok() -> bool:
     return torch.equal(torch.randn(8, generator=gen), torch.randn(8, generator=torch.Generator().manual_seed(probe)))
 
 
+def check_seed(seed: object) -> int:
+    """A request's seed: ``None`` gives a random one; else an int in ``[0, 2**64 - 1]``, or a ValueError."""
+    if seed is None:
+        return random.SystemRandom().randrange(0, 2**63)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"`seed` must be an integer in [0, 2**64 - 1] or None, got {seed!r}")
+    return seed
+
+
 def seeded_generator(seed: int) -> torch.Generator:
     """CPU generator for ``seed`` in ``[0, 2**64 - 1]`` (module docstring: the mapping)."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
@@ -82,4 +91,4 @@ def seeded_generator(seed: int) -> torch.Generator:
     return gen
 
 
-__all__ = ["MAX_SEED", "seeded_generator"]
+__all__ = ["MAX_SEED", "check_seed", "seeded_generator"]

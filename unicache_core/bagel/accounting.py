@@ -1,0 +1,184 @@
+"""Token and memory accounting of a BAGEL request, from its shape alone (no forward runs).
+
+* RoPE positions of a request's context (:func:`understanding_positions`, :func:`generation_positions`)
+  and the refusal of a request longer than the model's positions (:func:`check_positions`);
+* the tokens each branch's cache holds (:func:`count_request` → :class:`RequestTokens`), their KV bytes
+  at the checkpoint's layer geometry (:func:`kv_bytes_per_token`, :meth:`RequestTokens.kv_bytes`);
+* the device memory a request needs besides the weights (:func:`request_memory_bytes`).
+
+Token counts follow the blocks of :mod:`.contexts`: a text block is its tokens plus ``<|im_start|>`` and
+``<|im_end|>``, an image block its tokens plus two boundary tokens; images take one RoPE position each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.cache import Task
+from .config import BagelConfig
+from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT
+from .settings import GenerationSettings, UnderstandingSettings
+from .transforms import ImageTransforms
+
+#: Tokens a block adds around its content (``<|im_start|>``/``<|im_end|>``, or an image's start/end).
+BOUNDARY_TOKENS = 2
+
+
+# ----------------------------------------------------------------------------------------- positions
+
+
+def understanding_positions(tokenizer, prompt: str, *, has_image: bool, think: bool) -> int:
+    """RoPE positions of an understanding context: ``[system (think)] [ViT image] [prompt]``."""
+    used = len(tokenizer.encode(prompt)) + 2 + (1 if has_image else 0)
+    if think:
+        used += len(tokenizer.encode(VLM_THINK_SYSTEM_PROMPT)) + 2
+    return used
+
+
+def generation_positions(tokenizer, prompt: str, *, has_image: bool, think: bool) -> int:
+    """RoPE positions of a ``gen`` context: ``[system] [VAE image, ViT image] prompt``, then the latent block."""
+    used = len(tokenizer.encode(prompt)) + 2 + (2 if has_image else 0) + 1
+    if think:
+        used += len(tokenizer.encode(GEN_THINK_SYSTEM_PROMPT)) + 2
+    return used
+
+
+def check_positions(config: BagelConfig, used: int, extra: int, name: str) -> None:
+    """Refuse (before any forward) a request needing more RoPE positions than the model was trained on.
+
+    The official code would run past ``max_position_embeddings`` with untrained positions; here it
+    is an error. Images take one position each, text one per token.
+    """
+    limit = config.llm.max_position_embeddings
+    if used + extra > limit:
+        detail = f"{used} for the context" + (f" + {extra} for decoding" if extra else "")
+        raise ValueError(
+            f"`{name}` is too long: the request needs {used + extra} RoPE positions ({detail}) but "
+            f"max_position_embeddings = {limit}; shorten the prompt"
+            + (f" or lower `{name}`" if extra else "")
+        )
+
+
+# ----------------------------------------------------------------------------------------- tokens
+
+
+@dataclass(frozen=True)
+class RequestTokens:
+    """The content tokens of one request's blocks (boundaries not included).
+
+    Attributes:
+        task: ``understanding``, ``t2i`` or ``edit``.
+        prompt: prompt text tokens.
+        system: think-mode system prompt tokens (0 without think mode).
+        vit: ViT patch tokens of the input image (0 without one).
+        vae: latent tokens of an edit's source image (0 otherwise).
+        latent: latent tokens denoised (t2i and edit: ``(H/16) * (W/16)`` of the output).
+        decoded: most tokens decoded: the answer (understanding) or the think plan (generation).
+    """
+
+    task: Task
+    prompt: int
+    system: int = 0
+    vit: int = 0
+    vae: int = 0
+    latent: int = 0
+    decoded: int = 0
+
+    def branches(self) -> dict[str, int]:
+        """Most tokens each branch's cache holds (uncompressed): ``{"gen"}`` for understanding; ``gen``,
+        ``cfg_text``, ``cfg_img`` (and ``plan`` in think mode: a fork of ``gen`` the plan is decoded in)
+        for generation. The plan is then appended to ``gen`` as a text block."""
+        system = self.system + BOUNDARY_TOKENS if self.system else 0
+        prompt = self.prompt + BOUNDARY_TOKENS
+        if self.task == "understanding":
+            vit = self.vit + BOUNDARY_TOKENS if self.vit else 0
+            return {"gen": system + vit + prompt + self.decoded}
+        image = (self.vae + self.vit + 2 * BOUNDARY_TOKENS) if self.vae else 0
+        counts = {"gen": system + image + prompt, "cfg_text": system + image, "cfg_img": system + prompt}
+        if self.system:
+            counts["plan"] = counts["gen"] + self.decoded
+            counts["gen"] += self.decoded + BOUNDARY_TOKENS
+        return counts
+
+    def largest_block(self) -> int:
+        """Tokens of the largest single forward: a prefilled block or the latent query block."""
+        blocks = [self.prompt, self.system, self.vit, self.vae, self.latent]
+        return max(blocks) + BOUNDARY_TOKENS
+
+    def kv_bytes(self, config: BagelConfig, dtype: torch.dtype) -> dict[str, int]:
+        """Uncompressed KV bytes of each branch (:meth:`branches` x :func:`kv_bytes_per_token`)."""
+        per_token = kv_bytes_per_token(config, dtype)
+        return {name: tokens * per_token for name, tokens in self.branches().items()}
+
+
+def kv_bytes_per_token(config: BagelConfig, dtype: torch.dtype) -> int:
+    """Bytes one cached token takes over all layers: keys and values of every KV head, in the model dtype."""
+    llm = config.llm
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * llm.num_hidden_layers * llm.num_key_value_heads * llm.head_dim * element
+
+
+def image_tokens(config: BagelConfig, source_size: tuple[int, int]) -> tuple[int, int]:
+    """``(vae, vit)`` content tokens of an input image of ``(width, height)`` pixels after the checkpoint's resize
+    rules (every input image is resized by the VAE rule first, then the ViT's)."""
+    transforms = ImageTransforms.from_config(config)
+    width, height = transforms.vae.resize.size_for(*source_size)
+    vit_width, vit_height = transforms.vit.resize.size_for(width, height)
+    step, patch = config.latent_downsample, config.vit.patch_size
+    return (width // step) * (height // step), (vit_width // patch) * (vit_height // patch)
+
+
+def count_request(config: BagelConfig, tokenizer, task: Task, prompt: str,
+                  settings: GenerationSettings | UnderstandingSettings, *,
+                  source_size: tuple[int, int] | None = None) -> RequestTokens:
+    """The :class:`RequestTokens` of a request (``source_size``: the input image's ``(width, height)``)."""
+    vae = vit = latent = 0
+    if source_size is not None:
+        vae, vit = image_tokens(config, source_size)
+    if task == "understanding":
+        system_prompt, decoded = VLM_THINK_SYSTEM_PROMPT, settings.max_new_tokens
+        vae = 0
+    else:
+        system_prompt, decoded = GEN_THINK_SYSTEM_PROMPT, settings.think_max_new_tokens if settings.think else 0
+        step = config.latent_downsample
+        latent = vae if task == "edit" else (settings.width // step) * (settings.height // step)
+    system = len(tokenizer.encode(system_prompt)) if settings.think else 0
+    return RequestTokens(task=task, prompt=len(tokenizer.encode(prompt)), system=system, vit=vit, vae=vae,
+                         latent=latent, decoded=decoded)
+
+
+# ----------------------------------------------------------------------------------------- memory
+
+
+def request_memory_bytes(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens) -> int:
+    """Upper estimate of the device memory one request needs besides the weights.
+
+    The uncompressed KV of every branch (compression starts after the first step, so the peak is the
+    full cache), plus the working memory of the largest forward: fp32 attention scores of one layer,
+    the MLP activations, and the fp32 VAE decode (about six full-resolution feature maps alive).
+    """
+    llm = config.llm
+    element = torch.empty((), dtype=dtype).element_size()
+    kv = sum(tokens.kv_bytes(config, dtype).values())
+    queries = tokens.largest_block()
+    keys = max(tokens.branches().values()) + queries
+    attention = queries * keys * llm.num_attention_heads * 4
+    mlp = queries * (llm.intermediate_size * 3 + llm.hidden_size * 8) * max(element, 4)
+    pixels = tokens.latent * config.latent_downsample ** 2
+    vae = pixels * config.ae.ch * config.ae.ch_mult[0] * 4 * 6
+    return int(kv + attention + mlp + vae)
+
+
+__all__ = [
+    "BOUNDARY_TOKENS",
+    "RequestTokens",
+    "check_positions",
+    "count_request",
+    "generation_positions",
+    "image_tokens",
+    "kv_bytes_per_token",
+    "request_memory_bytes",
+    "understanding_positions",
+]

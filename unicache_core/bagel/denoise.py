@@ -1,0 +1,172 @@
+"""From noise to an image (docs/bagel.md §5.3): CFG branch velocities, the guided velocity, the Euler loop, the decode.
+
+Branches are computed as the official ``_forward_flow`` does: ``cfg_text`` only when the text scale
+(after the interval test) is > 1, ``cfg_img`` only when the image scale is > 1 as well (when the text
+scale is <= 1 the image term is never used, so it is not computed). Every branch velocity and the
+guided velocity of every step are checked for non-finite values (:func:`~.numerics.check_velocities`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from PIL import Image
+from torch import Tensor
+
+from ..errors import CancelledError
+from ..kv.cache import StepInfo
+from . import contexts as C
+from .checkpoint.loader import LoadedBagel
+from .contexts import GenerationContexts
+from .modeling import AutoEncoder
+from .numerics import check_finite, check_velocities, model_advice
+from .request import NO_HOOKS, RunHooks
+from .sampling import cfg_active, combine_cfg, timestep_schedule, unpack_latent
+from .settings import GenerationSettings
+from .transforms import image_from_tensor
+
+ALL_BRANCHES = ("gen", "cfg_text", "cfg_img")
+
+
+def step_branches(t: Tensor, settings: GenerationSettings) -> tuple[list[str], float, float]:
+    """``(branches computed at time t, text scale, image scale)`` as the official ``_forward_flow`` decides."""
+    active = cfg_active(t, settings.cfg_interval)
+    text_scale = settings.cfg_text_scale if active else 1.0
+    img_scale = settings.cfg_img_scale if active else 1.0
+    names = ["gen"]
+    if text_scale > 1.0:
+        names.append("cfg_text")
+        if img_scale > 1.0:
+            names.append("cfg_img")
+    return names, text_scale, img_scale
+
+
+@torch.inference_mode()
+def branch_velocities(
+    loaded: LoadedBagel,
+    contexts: GenerationContexts,
+    x: Tensor,
+    t: Tensor | float,
+    *,
+    step: int = 0,
+    branches: Sequence[str] = ALL_BRANCHES,
+) -> dict[str, Tensor]:
+    """Raw velocities ``[h*w, 64]`` (model dtype) of the listed branches for latents ``x`` ``[h*w, 64]`` at ``t``.
+
+    The query embeddings are built once and shared by every branch; each branch's latent block
+    sits at its own context's rope. Caches are not modified.
+    """
+    lp = loaded.config.latent_downsample
+    h, w = contexts.height // lp, contexts.width // lp
+    timestep = float(t)
+    embeds = C.latent_block_embeds(loaded, x, h, w, timestep)
+    by_name = contexts.branches()
+    return {name: C.latent_velocity(loaded, by_name[name], embeds, step=step, timestep=timestep) for name in branches}
+
+
+@torch.inference_mode()
+def guided_velocity(
+    loaded: LoadedBagel,
+    contexts: GenerationContexts,
+    x: Tensor,
+    t: Tensor | float,
+    settings: GenerationSettings,
+    *,
+    step: int = 0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Guided velocity ``[h*w, 64]`` of one denoising step and the raw branch velocities it used."""
+    t_tensor = t if isinstance(t, Tensor) else torch.tensor(t, dtype=torch.float32)
+    names, text_scale, img_scale = step_branches(t_tensor, settings)
+    raw = branch_velocities(loaded, contexts, x, t_tensor, step=step, branches=names)
+    guided = combine_cfg(
+        raw["gen"], raw.get("cfg_text"), raw.get("cfg_img"), text_scale=text_scale, img_scale=img_scale,
+        renorm_type=settings.cfg_renorm_type, renorm_min=settings.cfg_renorm_min,
+    )
+    return guided, raw
+
+
+@torch.inference_mode()
+def denoise(
+    loaded: LoadedBagel,
+    contexts: GenerationContexts,
+    x: Tensor,
+    settings: GenerationSettings,
+    *,
+    hooks: RunHooks = NO_HOOKS,
+    return_step0_velocity: bool = False,
+) -> tuple[Tensor, dict[str, int], dict[str, Tensor] | None]:
+    """Euler flow from noise ``x`` ``[h*w, 64]`` (fp32): ``x -= v * dt`` for ``num_timesteps - 1`` steps.
+
+    ``hooks``: cancel polled before each step, progress after it, and ``preview(done, total, x0)`` with
+    the flow's current estimate of the clean latent, ``x0 = x_t - t * v`` unpacked to
+    ``[1, 16, H/8, W/8]`` (BAGEL's convention), for a live preview.
+
+    Returns:
+        ``(x0 [h*w, 64] fp32, forwards per branch, step-0 velocities or None)``.
+    """
+    cfg = loaded.config
+    timesteps, dts = timestep_schedule(settings.num_timesteps, settings.timestep_shift)
+    total = len(timesteps)
+    forwards = dict.fromkeys(ALL_BRANCHES, 0)
+    step0 = None
+    for i in range(total):
+        if hooks.cancelled():
+            raise CancelledError(f"denoising cancelled before step {i + 1} of {total}")
+        names, _, _ = step_branches(timesteps[i], settings)
+        info = StepInfo(phase="denoise", step=i, total=total, branches=tuple(names), timestep=float(timesteps[i]))
+        if contexts.session is not None:
+            contexts.session.begin_step(info)
+        try:
+            v, raw = guided_velocity(loaded, contexts, x, timesteps[i], settings, step=i)
+        finally:
+            if contexts.session is not None:
+                contexts.session.end_step(info)
+        check_velocities(raw, v, step=i, total=total, dtype=loaded.dtype,
+                         cfg_text_scale=settings.cfg_text_scale, cfg_img_scale=settings.cfg_img_scale)
+        for name in raw:
+            forwards[name] += 1
+        if i == 0 and return_step0_velocity:
+            step0 = {**raw, "guided": v}
+        if hooks.preview is not None:
+            lp = cfg.latent_downsample
+            estimate = x.float() - float(timesteps[i]) * v.to(x.device).float()
+            hooks.preview(i + 1, total, unpack_latent(estimate, contexts.height // lp, contexts.width // lp,
+                                                      cfg.latent_channel, cfg.latent_patch_size))
+        # Official order: the velocity (model dtype) times the fp32 0-dim dt stays in the velocity
+        # dtype, then it is subtracted from the fp32 latent.
+        x = x - v.to(x.device) * dts[i].to(x.device)
+        hooks.report(i + 1, total)
+    return x, forwards, step0
+
+
+@torch.inference_mode()
+def decode_latents(loaded: LoadedBagel, x: Tensor, height: int, width: int,
+                   vae=None) -> tuple[Tensor, Image.Image | None]:
+    """Packed ``[h*w, 64]`` → ``([1, 16, 2h, 2w] latent, PIL image)`` through ``vae`` (no image when None).
+
+    ``vae``: the checkpoint's :class:`~.modeling.AutoEncoder` (runs in fp32) or an external
+    :class:`~.latents.VAEAdapter` (gets the latent as CPU fp32 and must return ``[1, 3, H, W]``).
+    """
+    cfg = loaded.config
+    h, w = height // cfg.latent_downsample, width // cfg.latent_downsample
+    latent = unpack_latent(x.float(), h, w, cfg.latent_channel, cfg.latent_patch_size)
+    check_finite(latent, "the final latent", model_advice(loaded.dtype))
+    if vae is None:
+        return latent, None
+    if isinstance(vae, AutoEncoder):
+        pixels = vae.decode(latent.to(next(vae.parameters()).device))
+        advice = "check ae.safetensors (re-download it); the VAE always runs in fp32"
+    else:
+        pixels = vae.decode(latent.detach().cpu().clone())
+        if not isinstance(pixels, Tensor) or not pixels.is_floating_point() or tuple(pixels.shape) != (
+                1, 3, height, width):
+            got = tuple(pixels.shape) if isinstance(pixels, Tensor) else type(pixels).__name__
+            raise ValueError(f"the external VAE's decode must return a float tensor of shape "
+                             f"{(1, 3, height, width)} in [-1, 1], got {got}")
+        advice = "check the external VAE (its decode returned non-finite pixels)"
+    check_finite(pixels, "the decoded image (VAE output, before the uint8 conversion)", advice)
+    return latent, image_from_tensor(pixels)
+
+
+__all__ = ["ALL_BRANCHES", "branch_velocities", "decode_latents", "denoise", "guided_velocity", "step_branches"]
