@@ -165,7 +165,7 @@ def test_injected_noise_type_and_shape(pipe, noise, match):
 
 
 def test_vae_noise_that_is_not_a_tensor(pipe):
-    """Before: a numpy array of the right shape passed the shape test and crashed with AttributeError."""
+    """A numpy array of the right shape is refused by its type (it is not a tensor), with the name of the input."""
     with pytest.raises(ValueError, match="`vae_noise` must be a torch.Tensor"):
         pipe.edit("x", Image.new("RGB", (512, 512)), preset("edit", num_timesteps=2),
                   given=GivenLatents(vae_noise=np.zeros((1, 16, 64, 64))))
