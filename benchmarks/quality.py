@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
+from unicache_core.bagel.settings import BUNDLED_CHECKPOINT
 from unicache_core.cli import OneLineParser, path_arg
 from unicache_core.compression import DEFAULT_REDUCTION, METHODS, make_cache_factory
 from unicache_core.shapes import analyse, edit_sample, judge_t2i, psnr, scenes_match, t2i_sample, unchanged_mask
@@ -43,7 +44,7 @@ from unicache_core.shapes.world import EVAL_SEEDS, image_array, understanding_sa
 
 logger = logging.getLogger("benchmarks.quality")
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_CHECKPOINT = REPO / "models" / "bagel" / "unicache-shapes"
+DEFAULT_CHECKPOINT = REPO / "models" / "bagel" / BUNDLED_CHECKPOINT
 TASKS = ("und", "t2i", "edit")
 _PIPE_TASK = {"und": "understanding", "t2i": "t2i", "edit": "edit"}
 #: (name, {task: target reduction}): the paper's operating point, then a harder one.

@@ -94,3 +94,31 @@ def test_pack_entry_imports_as_a_plain_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert "UniCacheBagelLoader" in module.NODE_CLASS_MAPPINGS and module.WEB_DIRECTORY == "./web"
+
+
+def test_engine_constants_and_node_glue_have_one_home():
+    """MAX_SEED is assigned in seeding.py only, the FLUX latent scale/shift are literals in latents.py only, the
+    bundled checkpoint's name is a literal in settings.py only (tools/model_card.py, which writes that model's
+    card, names it on its own), and the nodes never probe the library's signatures (it ships in the same
+    repository)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    seeds, flux, bundled, probes = [], [], [], []
+    for folder in ("unicache_core", "nodes", "benchmarks", "tools", "training"):
+        for path in (root / folder).rglob("*.py"):
+            rel = path.relative_to(root).as_posix()
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MAX_SEED" for t in node.targets):
+                    seeds.append(rel)
+                if isinstance(node, ast.Constant) and node.value in (0.3611, 0.1159):
+                    flux.append(rel)
+                if isinstance(node, ast.Constant) and node.value == "unicache-shapes" and rel != "tools/model_card.py":
+                    bundled.append(rel)
+                if isinstance(node, ast.Attribute) and node.attr == "signature" and rel.startswith("nodes/"):
+                    probes.append(rel)
+    assert seeds == ["unicache_core/bagel/seeding.py"]
+    assert flux == ["unicache_core/bagel/latents.py"] * 2
+    assert bundled == ["unicache_core/bagel/settings.py"]
+    assert probes == []

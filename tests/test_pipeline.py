@@ -326,6 +326,12 @@ def test_bad_understanding_and_edit_args(pipe, source_image):
     with pytest.raises(ValueError, match="`vae_noise`"):
         pipe.edit("x", source_image, preset("edit", num_timesteps=2),
                   given=GivenLatents(vae_noise=torch.zeros(1, 16, 8, 8)))
+    with pytest.raises(ValueError, match="`settings` must be a UnderstandingSettings .*got GenerationSettings"):
+        pipe.understand("x", None, preset("t2i"))
+    with pytest.raises(ValueError, match="`hooks` must be a RunHooks .*got function"):
+        pipe.text_to_image("x", preset("t2i", width=32, height=32), hooks=lambda done, total: None)
+    with pytest.raises(ValueError, match="`given` must be a GivenLatents .*got Tensor"):
+        pipe.edit("x", source_image, given=torch.zeros(4, 64))
 
 
 def test_flow_settings_accept_official_defaults():

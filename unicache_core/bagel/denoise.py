@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..errors import CancelledError
 from ..kv.cache import StepInfo
+from ..kv.token_types import BRANCHES
 from . import contexts as C
 from .checkpoint.loader import LoadedBagel
 from .contexts import GenerationContexts
@@ -26,7 +27,8 @@ from .sampling import cfg_active, combine_cfg, timestep_schedule, unpack_latent
 from .settings import GenerationSettings
 from .transforms import image_from_tensor
 
-ALL_BRANCHES = ("gen", "cfg_text", "cfg_img")
+#: The classifier-free guidance branches a denoising step may compute (all but the think plan's).
+CFG_BRANCHES = tuple(branch for branch in BRANCHES if branch != "plan")
 
 
 def step_branches(t: Tensor, settings: GenerationSettings) -> tuple[list[str], float, float]:
@@ -50,7 +52,7 @@ def branch_velocities(
     t: Tensor | float,
     *,
     step: int = 0,
-    branches: Sequence[str] = ALL_BRANCHES,
+    branches: Sequence[str] = CFG_BRANCHES,
 ) -> dict[str, Tensor]:
     """Raw velocities ``[h*w, 64]`` (model dtype) of the listed branches for latents ``x`` ``[h*w, 64]`` at ``t``.
 
@@ -108,7 +110,7 @@ def denoise(
     cfg = loaded.config
     timesteps, dts = timestep_schedule(settings.num_timesteps, settings.timestep_shift)
     total = len(timesteps)
-    forwards = dict.fromkeys(ALL_BRANCHES, 0)
+    forwards = dict.fromkeys(CFG_BRANCHES, 0)
     step0 = None
     for i in range(total):
         if hooks.cancelled():
@@ -169,4 +171,4 @@ def decode_latents(loaded: LoadedBagel, x: Tensor, height: int, width: int,
     return latent, image_from_tensor(pixels)
 
 
-__all__ = ["ALL_BRANCHES", "branch_velocities", "decode_latents", "denoise", "guided_velocity", "step_branches"]
+__all__ = ["CFG_BRANCHES", "branch_velocities", "decode_latents", "denoise", "guided_velocity", "step_branches"]

@@ -55,6 +55,8 @@ from .transforms import check_image
 
 logger = logging.getLogger(__name__)
 
+PRESET = "unicache_core.bagel.settings.preset"
+
 
 @dataclass
 class GenerationResult:
@@ -107,13 +109,18 @@ def _check_vae(vae):
     )
 
 
-def _settings(settings, kind: type, default):
-    if settings is None:
+def _checked(name: str, value, kind: type, default, how: str):
+    """``value`` when it is a ``kind``, ``default`` when it is None, else a ValueError saying ``how`` to make one."""
+    if value is None:
         return default
-    if not isinstance(settings, kind):
-        raise ValueError(f"`settings` must be a {kind.__name__} (unicache_core.bagel.settings.preset), got "
-                         f"{type(settings).__name__}")
-    return settings
+    if not isinstance(value, kind):
+        raise ValueError(f"`{name}` must be a {kind.__name__} ({how}), got {type(value).__name__}")
+    return value
+
+
+def _call_parts(hooks, given) -> tuple[RunHooks, GivenLatents]:
+    return (_checked("hooks", hooks, RunHooks, NO_HOOKS, "unicache_core.bagel.RunHooks(progress=, cancel=, preview=)"),
+            _checked("given", given, GivenLatents, NO_GIVEN_LATENTS, "unicache_core.bagel.GivenLatents"))
 
 
 class BagelPipeline:
@@ -191,7 +198,7 @@ class BagelPipeline:
     # ---------------------------------------------------------------- public procedures
 
     def understand(self, prompt: str, image: Image.Image | None = None, settings: UnderstandingSettings | None = None,
-                   *, seed: int | None = None, hooks: RunHooks = NO_HOOKS) -> UnderstandingResult:
+                   *, seed: int | None = None, hooks: RunHooks | None = None) -> UnderstandingResult:
         """Answer ``prompt`` about ``image`` (or a text-only prompt when ``image`` is None), docs/bagel.md §5.2.
 
         ``settings`` defaults to the official ones; ``seed`` seeds sampled decoding (``None``: unseeded);
@@ -200,7 +207,8 @@ class BagelPipeline:
         check_prompt(prompt)
         if image is not None:
             check_image(image, "image")
-        s = _settings(settings, UnderstandingSettings, UNDERSTANDING_DEFAULTS)
+        s = _checked("settings", settings, UnderstandingSettings, UNDERSTANDING_DEFAULTS, PRESET)
+        hooks, _ = _call_parts(hooks, None)
         generator = None if seed is None else seeded_generator(check_seed(seed))
         used = understanding_positions(self.loaded.tokenizer, prompt, has_image=image is not None, think=s.think)
         check_positions(self.loaded.config, used, 0, "prompt")
@@ -220,7 +228,7 @@ class BagelPipeline:
         return UnderstandingResult(text=text, token_ids=ids, info=info, kv_report=session.finish())
 
     def text_to_image(self, prompt: str, settings: GenerationSettings | None = None, *, seed: int | None = 0,
-                      hooks: RunHooks = NO_HOOKS, given: GivenLatents = NO_GIVEN_LATENTS, vae=None,
+                      hooks: RunHooks | None = None, given: GivenLatents | None = None, vae=None,
                       decode: bool = True, return_step0_velocity: bool = False) -> GenerationResult:
         """Text-to-image (docs/bagel.md §5.3) of ``settings.width x settings.height`` pixels.
 
@@ -237,7 +245,8 @@ class BagelPipeline:
             return_step0_velocity: keep the step-0 branch and guided velocities in the result.
         """
         check_prompt(prompt)
-        s = _settings(settings, GenerationSettings, T2I_DEFAULTS)
+        s = _checked("settings", settings, GenerationSettings, T2I_DEFAULTS, PRESET)
+        hooks, given = _call_parts(hooks, given)
         check_output_size(self.loaded.config, s.width, s.height)
         if given.source_latent is not None:
             raise ValueError("`source_latent` is the latent of an edit's source image; text-to-image takes none")
@@ -245,7 +254,7 @@ class BagelPipeline:
                               return_step0_velocity=return_step0_velocity)
 
     def edit(self, prompt: str, image: Image.Image, settings: GenerationSettings | None = None, *,
-             seed: int | None = 0, hooks: RunHooks = NO_HOOKS, given: GivenLatents = NO_GIVEN_LATENTS, vae=None,
+             seed: int | None = 0, hooks: RunHooks | None = None, given: GivenLatents | None = None, vae=None,
              decode: bool = True, return_step0_velocity: bool = False) -> GenerationResult:
         """Edit ``image`` following ``prompt`` (docs/bagel.md §5.4); output size = the VAE-resized source size.
 
@@ -259,7 +268,8 @@ class BagelPipeline:
         """
         check_prompt(prompt)
         check_image(image, "image")
-        s = _settings(settings, GenerationSettings, EDIT_DEFAULTS)
+        s = _checked("settings", settings, GenerationSettings, EDIT_DEFAULTS, PRESET)
+        hooks, given = _call_parts(hooks, given)
         return self._generate("edit", prompt, image, s, seed=seed, hooks=hooks, given=given, vae=vae, decode=decode,
                               return_step0_velocity=return_step0_velocity)
 

@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from ..kv.token_types import TASKS, Task
 from .numerics import check_finite
 from .sampling import RENORM_TYPES, timestep_schedule
 
@@ -218,13 +219,13 @@ T2I_DEFAULTS = GenerationSettings()
 EDIT_DEFAULTS = GenerationSettings(cfg_img_scale=2.0, cfg_interval=(0.0, 1.0), cfg_renorm_type="text_channel")
 UNDERSTANDING_DEFAULTS = UnderstandingSettings()
 
-_PRESETS = {"t2i": T2I_DEFAULTS, "edit": EDIT_DEFAULTS, "understanding": UNDERSTANDING_DEFAULTS}
+_PRESETS = {"understanding": UNDERSTANDING_DEFAULTS, "t2i": T2I_DEFAULTS, "edit": EDIT_DEFAULTS}
 
 
-def preset(task: str, **changes) -> GenerationSettings | UnderstandingSettings:
-    """The official settings of ``task`` (``t2i``, ``edit`` or ``understanding``) with ``changes`` applied."""
-    if task not in _PRESETS:
-        raise ValueError(f"`task` must be one of {tuple(_PRESETS)}, got {task!r}")
+def preset(task: Task, **changes) -> GenerationSettings | UnderstandingSettings:
+    """The official settings of ``task`` (one of :data:`~unicache_core.kv.token_types.TASKS`) with ``changes``."""
+    if task not in TASKS:
+        raise ValueError(f"`task` must be one of {TASKS}, got {task!r}")
     return _PRESETS[task].replace(**changes) if changes else _PRESETS[task]
 
 
