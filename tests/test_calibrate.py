@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from unicache_core.bagel import calibrate as cal
+from unicache_core.bagel.calibration import (CalibrationJob, CalibrationOptions, aggregate, calibrate_job, check_job,
+                                             synthetic_image)
+from unicache_core.bagel.calibration.cli import main as calibrate_main
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.compression.calibration import CalibrationCacheFactory
 from unicache_core.bagel.checkpoint.model_id import model_id_of
@@ -35,14 +38,14 @@ def prompts(tmp_path):
 
 def _run(capsys, *argv):
     try:
-        code = cal.main([str(a) for a in argv])
+        code = calibrate_main([str(a) for a in argv])
     except SystemExit as exc:  # argparse errors exit from parse_args, as in python -m unicache_core.bagel
         code = exc.code
     return code, capsys.readouterr().err
 
 
 def test_observe_only_scores_every_read_call_at_full_kv(loaded):
-    img = cal.synthetic_image(0, 64)
+    img = synthetic_image(0, 64)
     settings = preset("edit", num_timesteps=4)
     res = BagelPipeline(loaded, CalibrationCacheFactory()).edit("make it blue", img, settings, seed=1)
     ref = BagelPipeline(loaded).edit("make it blue", img, settings, seed=1)
@@ -67,7 +70,7 @@ def test_observe_only_scores_every_read_call_at_full_kv(loaded):
 
 def test_aggregate_chunks_and_medians():
     records = [["gen", layer, step, "instruction", 0.1 * (1 + layer), 0.5] for layer in range(6) for step in range(7)]
-    agg = cal.aggregate([records, records])
+    agg = aggregate([records, records])
     cells = {(c["layer_chunk"], c["step_chunk"]): c for c in agg["cells"]}
     assert set(cells) == {(c, s) for c in (0, 1, 2) for s in (0, 1, 2)}  # layers 0 | 1-4 | 5; steps 0 | 1-5 | 6
     assert cells[(1, 1)]["k90"] == pytest.approx(0.35) and cells[(1, 1)]["samples"] == 2 * 4 * 5
@@ -127,6 +130,27 @@ def test_understanding_with_an_image_folder(tiny_checkpoint, prompts, tmp_path, 
     assert meas["image_names"] == ["a.png", "b.png"] and "--images" in meas["images"]
     assert {c["step_chunk"] for c in meas["cells"]} >= {"prefill", 0}
     assert {("understanding", TokenType.parse(t)) for t in ("instruction", "source_vit")} <= set(table.k90)
+    # the same job as a function call (what training.calibration does) writes the same table
+    options = CalibrationOptions(num_timesteps=3, max_new_tokens=3, size=32)
+    job = CalibrationJob(checkpoint=tiny_checkpoint, task="und", prompts=prompts, out=tmp_path / "und_api.json",
+                         images=images, options=options, dtype="fp32", device="cpu")
+    written = calibrate_job(job)
+    api = PolicyTable.load(job.out, model_id=model_id_of(tiny_checkpoint))
+    assert written.to_dict() == api.to_dict()
+    api_meas = api.measurements["tasks"]["understanding"]
+    for measured in (meas, api_meas):
+        measured.pop("seconds")
+        measured["arguments"].pop("out")
+    assert api.to_dict() == table.to_dict()
+
+
+def test_a_job_with_an_unknown_task_or_dtype_is_refused(tiny_checkpoint, prompts, tmp_path):
+    for change, message in (({"task": "understanding"}, "--task: 'understanding' is not a calibration task"),
+                            ({"dtype": "fp16"}, "--dtype: 'fp16' is not a calibration dtype")):
+        job = CalibrationJob(checkpoint=tiny_checkpoint, task="und", prompts=prompts, out=tmp_path / "x.json")
+        with pytest.raises(ValueError, match=message):
+            check_job(dataclasses.replace(job, **change))
+    assert not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.parametrize("case, message", [

@@ -2,8 +2,9 @@
 
 ``python -m training.calibration CHECKPOINT [--prompts N] [--sensitivity]`` writes
 prompt files and images for the three tasks (captions; edit instructions with their source images;
-questions with their scenes) and runs ``python -m unicache_core.bagel.calibrate`` for each task, merging into
-``CHECKPOINT/unicache_policy.json``, the table ``unicache`` uses by default for that checkpoint.
+questions with their scenes) and calibrates each task (:func:`unicache_core.bagel.calibration.cli.run_job`, what
+``python -m unicache_core.bagel.calibrate`` runs), merging into ``CHECKPOINT/unicache_policy.json``, the table
+``unicache`` uses by default for that checkpoint.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from unicache_core.bagel.calibrate import main as calibrate_main
+from unicache_core.bagel.calibration import CalibrationJob, CalibrationOptions
+from unicache_core.bagel.calibration.cli import configure_logging, run_job
 from unicache_core.cli import OneLineParser, path_arg
 from unicache_core.compression.policy_table import CHECKPOINT_POLICY_FILE
 from unicache_core.shapes import edit_sample, t2i_sample, understanding_sample
@@ -56,18 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompts < 1:
         parser.error(f"--prompts must be >= 1, got {args.prompts}")
     out = Path(args.checkpoint) / CHECKPOINT_POLICY_FILE
+    options = CalibrationOptions(num_timesteps=args.steps, max_new_tokens=4, size=128, sensitivity=args.sensitivity)
+    configure_logging(verbose=False)
     with tempfile.TemporaryDirectory() as tmp:
         for i, task in enumerate(("und", "t2i", "edit")):
             prompts, images = write_inputs(Path(tmp) / task, task, args.prompts)
-            cmd = ["--checkpoint", str(args.checkpoint), "--task", task, "--prompts", str(prompts), "--out", str(out),
-                   "--dtype", "fp32", "--size", "128", "--steps", str(args.steps), "--max-new-tokens", "4"]
-            if images is not None:
-                cmd += ["--images", str(images)]
-            if i:
-                cmd.append("--merge")
-            if args.sensitivity:
-                cmd.append("--sensitivity")
-            code = calibrate_main(cmd)
+            job = CalibrationJob(checkpoint=Path(args.checkpoint), task=task, prompts=prompts, out=out,
+                                 images=images, merge=i > 0, options=options, dtype="fp32")
+            code = run_job(job)
             if code:
                 return code
     sys.stdout.write(f"wrote {out}\n")

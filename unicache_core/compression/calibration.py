@@ -13,7 +13,7 @@ scores of each observed call into one record per (branch, layer, step, candidate
 
 The records come back in the request's KV report as ``report["calibration"]["records"]`` (lists
 ``[branch, layer, step, type_name, k90, mass]``, ``step`` = ``None`` for the prefill observation).
-:mod:`unicache_core.bagel.calibrate` aggregates them into a policy table.
+:mod:`unicache_core.bagel.calibration` aggregates them into a policy table.
 
 The session is a :class:`~.cache.CompressionSession` with a ``KVConfig(method="full")``: the config
 only supplies the scoring settings (``score_queries``); the method object is what acts, and it never

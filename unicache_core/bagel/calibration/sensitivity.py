@@ -1,0 +1,140 @@
+"""The single-type sensitivity ablation (docs/compression.md §8.4): each candidate type alone evicted and
+alone quantized at the task's target retention, compared with the full-KV calibration run."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Sequence
+
+import torch
+
+from ...kv.cache import CacheFactory
+from ...kv.token_types import CANDIDATE_TYPES, TokenType
+from ...compression.policy_table import PolicyTable
+from .options import SENSITIVITY_RATIO, CalibrationOptions
+from .requests import run_request
+
+
+def output_change(task: str, result, reference) -> dict:
+    """Output change of a compressed run against the full-KV reference.
+
+    Understanding: ``1 - token agreement`` over the longer answer; t2i / edit: the relative L2 of the
+    final latents ``[B, C, H, W]`` (and ``1 - cosine``). ``"change"`` holds the metric the ablation compares.
+    """
+    if task == "understanding":
+        a, b = list(result.token_ids), list(reference.token_ids)
+        n = max(len(a), len(b))
+        agree = 1.0 if n == 0 else sum(1 for x, y in zip(a, b) if x == y) / n
+        return {"token_agreement": agree, "change": 1.0 - agree}
+    x, ref = result.latents.double().flatten(), reference.latents.double().flatten()
+    denom = float(ref.norm())
+    rel = float((x - ref).norm()) / denom if denom > 0 else float((x - ref).norm())
+    cos = float(torch.nn.functional.cosine_similarity(x, ref, dim=0))
+    return {"latent_rel_l2": rel, "one_minus_cosine": max(0.0, 1.0 - cos), "change": rel}
+
+
+def single_type_table(task: str, ttype: TokenType, kind: str, model_id: str) -> PolicyTable:
+    """A table that applies ``kind`` to ``ttype`` in ``task`` and protects every other candidate type."""
+    entries = {(task, t): (kind if t == ttype else "protect") for t in CANDIDATE_TYPES}
+    return PolicyTable(entries=entries, model_id=model_id, source="calibrated",
+                       measurements={"purpose": f"sensitivity: {kind} {ttype.name.lower()} only"})
+
+
+class _KeepSession(CacheFactory):
+    """Wraps a cache factory and keeps the last session it started (to measure what a run held)."""
+
+    def __init__(self, inner: CacheFactory):
+        self.inner = inner
+        self.method = inner.method
+        self.last = None
+
+    def start(self, request):
+        self.last = self.inner.start(request)
+        return self.last
+
+
+def type_retained(session, ttype: TokenType) -> float | None:
+    """Bytes the live branch caches hold for ``ttype`` over its uncompressed bytes (``None`` if absent)."""
+    held = full = 0
+    for cache in session.live_caches():
+        if cache.branch == "plan":
+            continue
+        for layer in range(cache.num_layers):
+            held += sum(s.nbytes() for s in cache.layer(layer).stores if s.token_type == ttype)
+            full += cache.type_rows(layer).get(ttype, 0) * cache.row_bytes(layer)
+    return None if full == 0 else held / full
+
+
+def _one_policy(loaded, task: str, ttype: TokenType, kind: str, model_id: str, inputs: Sequence[tuple[str, object]],
+                references: Sequence, options: CalibrationOptions) -> dict:
+    """Every input run with only ``ttype`` handled by ``kind`` (the rest protected): change, retained, flags."""
+    from ..pipeline import BagelPipeline
+    from ...compression import KVConfig, make_cache_factory
+
+    ratio = SENSITIVITY_RATIO[task]
+    table = single_type_table(task, ttype, kind, model_id)
+    keep = _KeepSession(make_cache_factory(KVConfig(method="unicache", rho=ratio, rho_floor=ratio, policy=table)))
+    pipe = BagelPipeline(loaded, keep)
+    changes, flags, retained = [], {}, []
+    for (prompt, image), ref in zip(inputs, references):
+        res = run_request(pipe, task, prompt, image, options)
+        changes.append(output_change(task, res, ref))
+        flags.update(((res.kv_report or {}).get("summary") or {}).get("flags") or {})
+        r = type_retained(keep.last, ttype)
+        if r is not None:
+            retained.append(r)
+        keep.last = None
+    metrics = {k: [round(c[k], 8) for c in changes] for k in changes[0] if k != "change"}
+    return {"change": statistics.fmean(c["change"] for c in changes), "per_prompt": metrics,
+            "type_retained": None if not retained else round(max(retained), 6), "flags": flags}
+
+
+def sensitivity(loaded, task: str, inputs: Sequence[tuple[str, object]], references: Sequence,
+                k90_choice: dict[str, str], model_id: str, options: CalibrationOptions,
+                progress: Callable[[str], None] | None = None) -> dict:
+    """The single-type ablation of §8.4 for each type of ``k90_choice``; returns the ``sensitivity`` measurements.
+
+    Args:
+        loaded: the :class:`~unicache_core.bagel.LoadedBagel` the calibration ran on.
+        task: pipeline task name.
+        inputs: ``[(prompt, image or None)]`` of the calibration run.
+        references: the calibration run's results, one per input (full KV).
+        k90_choice: ``{type name: "evict" | "quantize"}`` the K90 routing chose, in report order.
+        model_id: the checkpoint's model id (written into the single-type tables).
+        options: the calibration's run options.
+        progress: called with one line per (type, policy) measured.
+
+    A comparison counts (``comparable``) only when both policies held the type at or under the target
+    ratio; otherwise (e.g. a segment shorter than KIVI's 32-row residual cannot be quantized) ``agrees``
+    is ``None``.
+    """
+    ratio = SENSITIVITY_RATIO[task]
+    out: dict = {"ratio": ratio, "metric": "1 - token agreement" if task == "understanding" else "latent relative L2",
+                 "reference": "the calibration run (full KV)", "types": {}}
+    agrees: dict[str, bool | None] = {}
+    for name in k90_choice:
+        ttype = TokenType.parse(name)
+        entry: dict = {}
+        for kind in ("evict", "quantize"):
+            entry[kind] = _one_policy(loaded, task, ttype, kind, model_id, inputs, references, options)
+            if progress is not None:
+                progress(f"sensitivity {name} {kind}: change {entry[kind]['change']:.4g}, "
+                         f"retained {entry[kind]['type_retained']}")
+        ev, qu = entry["evict"]["change"], entry["quantize"]["change"]
+        comparable = all(entry[k]["type_retained"] is not None and entry[k]["type_retained"] <= ratio * (1 + 1e-6)
+                         for k in ("evict", "quantize"))
+        preferred = None if ev == qu else ("evict" if ev < qu else "quantize")
+        entry["comparable"] = comparable
+        entry["preferred"] = preferred
+        entry["k90_choice"] = k90_choice[name]
+        entry["agrees"] = None if preferred is None or not comparable else preferred == k90_choice[name]
+        agrees[name] = entry["agrees"]
+        out["types"][name] = entry
+    out["note"] = ("'type_retained': the most bytes of the type held after a run (over the live branches) as a share "
+                   "of its uncompressed bytes; a comparison counts ('comparable') only when both policies are at or "
+                   "under 'ratio'; 'flags': budgets a quantized segment could not reach even at 2-bit/G128 with "
+                   "the 32-row residual")
+    return {"sensitivity": out, "sensitivity_agrees": agrees}
+
+
+__all__ = ["output_change", "sensitivity", "single_type_table", "type_retained"]

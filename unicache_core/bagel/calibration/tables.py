@@ -1,0 +1,96 @@
+"""Calibrated tables on disk: completing a task's table with the other tasks' entries (merge or the paper's),
+checking the output path, and writing the JSON atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ...kv.token_types import TokenType
+from ...compression.policy_table import PolicyTable, PolicyTableError
+from .run import TOOL
+
+
+def finish_table(table: PolicyTable, task: str, base: PolicyTable | None = None) -> PolicyTable:
+    """``table`` (this task's measured entries) completed with every other (task, type) pair.
+
+    Pairs come from ``base`` (a ``--merge`` table of the same model) where it has them, else from the paper's
+    assignment; ``measurements["filled"]`` names each pair that was not measured in this run.
+    """
+    from ...compression.policy_table import paper_policy_table
+
+    paper = paper_policy_table()
+    entries, k90s, strengths = {}, {}, {}
+    tasks_meas: dict = {}
+    base_filled: dict = {}
+    if base is not None:
+        tasks_meas.update((base.measurements or {}).get("tasks", {}) or {})
+        base_filled = dict((base.measurements or {}).get("filled", {}) or {})
+    filled: dict[str, str] = {}
+    for key in sorted(set(paper.entries) | set(base.entries if base else {}) | set(table.entries),
+                      key=lambda k: (k[0], int(k[1]))):
+        label = f"{key[0]}/{TokenType(key[1]).name.lower()}"
+        if key in table.entries:  # measured now
+            entries[key] = table.entries[key]
+            k90s[key] = table.k90[key]
+        elif base is not None and key in base.entries:  # kept from the --merge table
+            entries[key] = base.entries[key]
+            if key in base.k90:
+                k90s[key] = base.k90[key]
+            if key in base.strengths:
+                strengths[key] = base.strengths[key]
+            if label in base_filled:
+                filled[label] = base_filled[label]
+            elif key not in base.k90:
+                filled[label] = "merged"  # an entry of the --merge table that no calibration measured
+        else:
+            entries[key] = paper.entries[key]
+            filled[label] = "paper"
+    tasks_meas.update(table.measurements.get("tasks", {}))
+    measurements = {"tool": TOOL, "tasks": tasks_meas,
+                    "filled": dict(sorted(filled.items())),
+                    "filled_note": "pairs not measured by a calibration run: 'paper' = the paper's assignment "
+                                   "(unicache_core/compression/tables/bagel-7b-mot.json), 'merged' = kept from the --merge table"}
+    return PolicyTable(entries=entries, threshold=table.threshold, k90=k90s, model_id=table.model_id,
+                       source="calibrated", strengths=strengths, measurements=measurements)
+
+
+def check_out(out: Path, merge: bool, model_id: str) -> PolicyTable | None:
+    """Refuse an ``--out`` that cannot be written; with ``merge``, return the existing table at ``out`` (if any).
+
+    The merged table must be of ``model_id``'s model (one ``--merge:`` error otherwise).
+    """
+    if out.is_dir():
+        raise ValueError(f"--out: {out} is a directory; give the path of the JSON file to write, e.g. "
+                         f"{out / 'unicache_policy.json'}")
+    if out.exists() and not out.is_file():
+        raise ValueError(f"--out: {out} exists and is not a regular file")
+    probe = out.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"--out: {probe} is not a directory, so {out} cannot be created")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise OSError(f"--out: cannot write into {probe}")
+    if merge and out.is_file():
+        try:
+            return PolicyTable.load(out, model_id=model_id)
+        except PolicyTableError as exc:
+            raise ValueError(f"--merge: {exc}") from None
+    return None
+
+
+def write_table(table: PolicyTable, out: Path) -> None:
+    """Write ``table`` as JSON to ``out`` (parents made; replaced atomically, no partial file on failure)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(table.to_dict(), indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+__all__ = ["check_out", "finish_table", "write_table"]
