@@ -13,8 +13,11 @@ setup: .venv/.installed
 	$(PY) -m pip install -q -e '.[test,offload,batch,ray]'
 	touch $@
 
+# The unit suite on TEST_WORKERS processes (pytest-xdist; tests of one xdist_group share a worker).
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadgroup
 test: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest $(PYTEST_PARALLEL) tests
 
 bench: setup
 	$(PY) -m benchmarks.kv_attention --json out/kv_attention.json
@@ -49,9 +52,12 @@ browser-deps:
 test-host: host bundled browser-deps
 	$(PY) -m pytest tests/host -m "host or browser"
 
-# Everything: the unit suite plus the host and browser tests (the README's test command; .ci/run).
+# Everything: the unit suite (in parallel) plus the host and browser tests (in one process: each of their
+# modules starts a ComfyUI server) (the README's test command; .ci/run).
 test-all: host bundled browser-deps
-	$(PY) -m pytest tests -m ""
+	$(PY) -m pytest $(PYTEST_PARALLEL) tests; unit=$$?; \
+	$(PY) -m pytest tests/host -m "host or browser"; hosted=$$?; \
+	if [ $$unit -ne 0 ]; then exit $$unit; fi; exit $$hosted
 
 # Main job: every shipped API workflow in a headless host on the bundled default checkpoint;
 # outputs (images, texts, summary.json per workflow) land in $(DEMO_OUT)/. Seed 42 is the workflows' own.

@@ -21,6 +21,9 @@ from raylib import local_cluster, ray_temp_dir, wait_until_gone
 from tools.batch import cli
 from tools.batch.ray_backend import host_device_settings
 
+#: One worker runs this module under pytest-xdist (make test): one Ray cluster at a time on the machine.
+pytestmark = pytest.mark.xdist_group("ray")
+
 REPO = Path(__file__).resolve().parents[1]
 GRAPH = {
     "1": {"class_type": "UniCacheBagelLoader", "inputs": {"checkpoint": "bagel-tiny"}},
