@@ -126,6 +126,8 @@ class GenerationSettings:
         think_max_new_tokens, think_do_sample, think_temperature: how the plan is decoded (checked with ``think``).
         width, height: text-to-image output size in pixels (checked against the checkpoint by
             :func:`check_output_size`); an edit's output follows its source image and ignores them.
+        prompt_special_tokens: parse control-token strings in the prompt as the official code does
+            (``<|im_end|>`` becomes the control token); off: the prompt is plain text.
     """
 
     num_timesteps: int = 50
@@ -141,6 +143,7 @@ class GenerationSettings:
     think_temperature: float = 0.3
     width: int = 1024
     height: int = 1024
+    prompt_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         check_int("num_timesteps", self.num_timesteps, 2, MAX_NUM_TIMESTEPS)
@@ -163,6 +166,7 @@ class GenerationSettings:
                      "choose a timestep_shift nearer 1 (official default 3.0)")
         normalised = {"timestep_shift": shift, "cfg_text_scale": text_scale, "cfg_img_scale": img_scale,
                       "cfg_interval": (lo, hi), "cfg_renorm_min": renorm_min}
+        check_bool("prompt_special_tokens", self.prompt_special_tokens)
         if check_bool("think", self.think):
             check_int("think_max_new_tokens", self.think_max_new_tokens, 1)
             if check_bool("think_do_sample", self.think_do_sample):
@@ -192,15 +196,18 @@ class UnderstandingSettings:
         do_sample: sample tokens (else greedy); ``temperature`` is checked only when sampling.
         temperature: sampling temperature, within :data:`TEMPERATURE_RANGE`.
         think: the think-mode system prompt first (the answer then holds the reasoning).
+        prompt_special_tokens: parse control-token strings in the prompt as the official code does; off: plain text.
     """
 
     max_new_tokens: int = 512
     do_sample: bool = False
     temperature: float = 0.3
     think: bool = False
+    prompt_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_bool("prompt_special_tokens", self.prompt_special_tokens)
         if check_bool("do_sample", self.do_sample):
             object.__setattr__(self, "temperature", _check_temperature("temperature", self.temperature))
         check_bool("think", self.think)
