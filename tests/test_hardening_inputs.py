@@ -22,7 +22,7 @@ from unicache_core.bagel.accounting import kv_bytes_per_token, understanding_pos
 from unicache_core.bagel.checkpoint import loader as loader_module
 from unicache_core.bagel.checkpoint.folder import inspect_folder
 from unicache_core.bagel.checkpoint.loader import load_bagel
-from unicache_core.bagel.cli_checks import open_image, request_settings, save_text
+from unicache_core.bagel.cli_checks import open_image, preflight, request_settings, save_text
 from unicache_core.bagel.config import load_bagel_config
 from unicache_core.bagel.contexts import text_ids
 from unicache_core.bagel.pipeline import BagelPipeline
@@ -322,3 +322,34 @@ def test_cli_allow_special_tokens_flag_reaches_the_settings(command):
     parser = cli._build_parser()
     assert request_settings(parser.parse_args(base)).prompt_special_tokens is False
     assert request_settings(parser.parse_args([*base, "--allow-special-tokens"])).prompt_special_tokens is True
+
+
+# ------------------------------------------------------------------------------------ policy tables
+
+
+DEEP_JSON = "[" * 100_000 + "]" * 100_000
+
+
+def test_too_deep_policy_is_refused_before_loading(tiny_checkpoint_copy, tmp_path, no_weights, capsys):
+    (tmp_path / "deep.json").write_text(DEEP_JSON)
+    argv = _t2i(tiny_checkpoint_copy, tmp_path, "--kv-method", "unicache")
+    assert _exit_code([*argv, "--policy", str(tmp_path / "deep.json")]) == 2
+    assert re.search(r"policy table '.*deep.json' nests JSON too deeply", _one_line_error(capsys))
+    (tiny_checkpoint_copy / "unicache_policy.json").write_text(DEEP_JSON)  # the checkpoint's own table
+    assert _exit_code(argv) == 2
+    assert re.search(r"policy table '.*unicache_policy.json' nests JSON too deeply", _one_line_error(capsys))
+    args = cli._build_parser().parse_args(_t2i(tiny_checkpoint_copy, tmp_path, "--kv-method", "h2o"))
+    assert preflight(args).settings.width == 32  # only unicache reads the table
+
+
+def test_policy_without_the_task_is_refused_before_loading(tiny_checkpoint, tmp_path, no_weights, capsys):
+    from unicache_core.compression.policy_table import paper_policy_table
+
+    table = json.loads(Path(paper_policy_table().origin).read_text())
+    table["entries"] = [e for e in table["entries"] if e["task"] != "t2i"]
+    table["model_id"] = ""  # a table for any model
+    (tmp_path / "no_t2i.json").write_text(json.dumps(table))
+    argv = _t2i(tiny_checkpoint, tmp_path, "--kv-method", "unicache", "--policy", str(tmp_path / "no_t2i.json"))
+    assert _exit_code(argv) == 2
+    assert re.search(r"policy table '.*no_t2i.json' has no entry for the 't2i' task .* calibrate the task into it",
+                     _one_line_error(capsys))

@@ -75,3 +75,36 @@ def test_edit_source_latent_of_another_format_is_execution_error(comfy, info, la
     assert needle in message and message.strip().count("\n") == 0, message
     after = comfy.run(understand_graph(info, BUNDLED_NAME, prompt="Still working?"))
     assert after["status"]["status_str"] == "success", describe(after)
+
+
+DEEP_JSON = "[" * 100_000 + "]" * 100_000  # deeper than Python's JSON parser can follow
+
+
+@pytest.fixture(scope="module")
+def deep_tables(comfy, bundled_checkpoint):
+    """A checkpoint whose own unicache_policy.json and a listed policy table nest JSON too deeply."""
+    import shutil
+
+    folder = comfy.base / "models" / "bagel" / "deep-policy-tiny"
+    shutil.copytree(bundled_checkpoint, folder)
+    (folder / "unicache_policy.json").write_text(DEEP_JSON)
+    tables = comfy.base / "models" / "unicache_policies"
+    tables.mkdir(parents=True, exist_ok=True)
+    (tables / "deep-table.json").write_text(DEEP_JSON)
+    return comfy.object_info()
+
+
+@pytest.mark.parametrize("case", ["checkpoint's own table", "listed table"])
+def test_too_deep_policy_table_is_one_line_naming_the_file(comfy, deep_tables, case):
+    if case == "listed table":
+        graph = understand_graph(deep_tables, BUNDLED_NAME, kv={"method": "unicache", "policy": "deep-table.json"})
+        name = "deep-table.json"
+    else:
+        graph = understand_graph(deep_tables, "deep-policy-tiny", kv={"method": "unicache"})
+        name = "deep-policy-tiny/unicache_policy.json"
+    entry = comfy.run(graph)
+    assert entry["status"]["status_str"] == "error", describe(entry)
+    message = messages(entry, "execution_error")[0]["exception_message"]
+    assert name in message and "nests JSON too deeply" in message and message.strip().count("\n") == 0, message
+    after = comfy.run(understand_graph(deep_tables, BUNDLED_NAME, prompt="Still working?"))
+    assert after["status"]["status_str"] == "success", describe(after)

@@ -313,6 +313,20 @@ def check_kv_target_size(kv_target: str | None, config, dtype: str) -> None:
                              f"checkpoint ({row} bytes in {dtype}); give at least {row} bytes or a ratio (0.2, 20%)")
 
 
+def check_policy_table(args, root: Path) -> None:
+    """``--kv-method unicache``: the policy table it will use (``--policy``, else the checkpoint's own
+    ``unicache_policy.json``) is read and must cover the task, so a broken table costs no weights load."""
+    from ..compression.policy_table import CHECKPOINT_POLICY_FILE, resolve_policy_table
+    from .checkpoint.model_id import model_id_of
+
+    policy = getattr(args, "policy", None)
+    if getattr(args, "kv_method", None) != "unicache" or (policy is None and
+                                                         not (root / CHECKPOINT_POLICY_FILE).is_file()):
+        return  # the shipped paper table (its warning is logged once, by the run)
+    table, _ = resolve_policy_table(policy, str(root), model_id_of(root))
+    table.require_task("understanding" if args.command == "understand" else args.command)
+
+
 @dataclass
 class Checked:
     """What :func:`preflight` validated: the prompt text, the decoded image, the output format, the device, the
@@ -393,6 +407,7 @@ def preflight(args) -> Checked:
     device = resolve_device(args.device)
     config = load_bagel_config(root)  # JSON only: gives the size limit and the position budget
     check_kv_target_size(getattr(args, "kv_target", None), config, args.dtype)
+    check_policy_table(args, root)
     if task == "t2i":
         try:
             check_output_size(config, settings.width, settings.height)
@@ -428,6 +443,7 @@ __all__ = [
     "check_distinct_outputs",
     "check_kv_target_size",
     "check_out_path",
+    "check_policy_table",
     "check_report_path",
     "check_writable_file",
     "not_found",
