@@ -17,7 +17,7 @@ from unicache_core.bagel.accounting import count_request, request_memory_bytes
 from unicache_core.bagel.seeding import MAX_SEED
 from unicache_core.bagel.settings import (
     EDIT_DEFAULTS, MAX_CFG_SCALE, MAX_NUM_TIMESTEPS, T2I_DEFAULTS, TEMPERATURE_RANGE, TIMESTEP_SHIFT_RANGE,
-    UNDERSTANDING_DEFAULTS, check_output_size, preset,
+    UNDERSTANDING_DEFAULTS, check_output_size, check_prompt, preset,
 )
 from unicache_core.compression import KVConfig, make_cache_factory
 from unicache_core.compression.report_view import chart_data
@@ -136,6 +136,7 @@ def _hooks(progress: _Progress, *, preview: bool) -> RunHooks:
 
 def _memory(model: BagelModel, task: str, prompt: str, settings, source_size=None) -> int:
     """The request's device memory besides the weights (KV of every branch and working memory)."""
+    check_prompt(prompt)  # before the tokenizer sees it (a lone surrogate can arrive in a /prompt JSON)
     loaded = model.loaded
     tokens = count_request(loaded.config, loaded.tokenizer, task, prompt, settings, source_size=source_size)
     return request_memory_bytes(loaded.config, loaded.dtype, tokens)

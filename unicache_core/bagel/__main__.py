@@ -60,12 +60,12 @@ def _build_parser() -> argparse.ArgumentParser:
         kv.add_argument("--kv-target", default=None,
                         help="memory of the compressible KV: a retained ratio (0.2, 20%%) or a size (150MB); "
                              "default: the paper's reduction (80%% understanding/edit, 60%% t2i)")
-        kv.add_argument("--policy", type=Path, default=None,
+        kv.add_argument("--policy", type=_path, default=None,
                         help="unicache policy table JSON (default: the checkpoint's unicache_policy.json, "
                              "else the paper's table)")
         kv.add_argument("--rho", type=float, default=None, help="unicache starting retention rho0 in (0, 1]")
         kv.add_argument("--rho-floor", type=float, default=None, help="unicache lowest retention, <= rho")
-        kv.add_argument("--report", type=Path, default=None, help="write the per-step KV report (JSON) here")
+        kv.add_argument("--report", type=_path, default=None, help="write the per-step KV report (JSON) here")
 
     def flow(p: argparse.ArgumentParser, d) -> None:
         p.add_argument("--out", type=_path, default=Path("out.png"), help="output image (.png, .jpg, .webp)")

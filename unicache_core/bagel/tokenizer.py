@@ -297,6 +297,12 @@ class BagelTokenizer:
         """
         if not isinstance(text, str):
             raise ValueError(f"`text` must be a str, got {type(text).__name__}")
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"`text` has a lone surrogate {text[exc.start]!r} at index {exc.start}, which is no "
+                                 f"character; pass valid Unicode text") from None
         return (self._tok if special_tokens else self._plain).encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
