@@ -98,9 +98,12 @@ GRADIENT_8 = np.tile(np.arange(256, dtype=np.uint8), (8, 1))  # [8, 256]
 
 @pytest.mark.parametrize("pixels", [
     GRADIENT_8.astype(np.uint16) * 257,  # I;16 (a 16-bit grayscale PNG)
-    GRADIENT_8.astype(np.int32) * 257,  # I
-    GRADIENT_8.astype(np.float32) / 255.0,  # F, full scale 1.0
-], ids=["I;16", "I", "F"])
+    GRADIENT_8.astype(np.int32) * 257,  # I holding 16-bit values
+    GRADIENT_8.astype(np.int32),  # I holding 8-bit values (convert("I") of an 8-bit image)
+    GRADIENT_8.astype(np.float32) / 255.0,  # F in [0, 1]
+    GRADIENT_8.astype(np.float32),  # F on the 8-bit scale
+    GRADIENT_8.astype(np.float32) * 257,  # F on the 16-bit scale
+], ids=["I;16", "I-16bit", "I-8bit", "F-unit", "F-8bit", "F-16bit"])
 def test_high_bit_depth_gradient_gives_the_8bit_gradient(pixels):
     expected = np.asarray(pil_img2rgb(Image.fromarray(GRADIENT_8)))
     got = np.asarray(pil_img2rgb(Image.fromarray(pixels)))
@@ -119,13 +122,13 @@ def test_16bit_png_file_is_scaled_not_clipped(tmp_path):
 
 
 @pytest.mark.parametrize("pixels, shown", [
-    (np.full((4, 4), 2.0, dtype=np.float32), r"values in \[2, 2\]"),
+    (np.full((4, 4), 1e6, dtype=np.float32), r"values in \[1e\+06, 1e\+06\]"),
     (np.full((4, 4), np.nan, dtype=np.float32), "non-finite values"),
     (np.full((4, 4), -5, dtype=np.int32), r"values in \[-5, -5\]"),
     (np.full((4, 4), 70000, dtype=np.int32), r"values in \[70000, 70000\]"),
 ])
 def test_high_bit_depth_values_outside_the_full_scale_are_refused(pixels, shown):
-    with pytest.raises(ValueError, match=rf"`image` is a '[IF]' image with {shown}, outside its full scale"):
+    with pytest.raises(ValueError, match=rf"`image` is a '[IF]' image with {shown}, outside its full scale \[0, 65535\]"):
         pil_img2rgb(Image.fromarray(pixels))
 
 
@@ -210,6 +213,9 @@ def test_report_naming_an_input_is_refused(tiny_checkpoint, tmp_path, no_weights
             str(tmp_path / "p.txt"), "-q"]
     assert _exit_code(argv) == 2
     assert "is the same file as --prompt-file" in _one_line_error(capsys)
+    argv = _t2i(tiny_checkpoint, tmp_path, "--report", str(tiny_checkpoint / "llm_config.json"))
+    assert _exit_code(argv) == 2
+    assert "llm_config.json is a file of the checkpoint" in _one_line_error(capsys)
 
 
 @pytest.mark.parametrize("where, match", [
@@ -353,3 +359,28 @@ def test_policy_without_the_task_is_refused_before_loading(tiny_checkpoint, tmp_
     assert _exit_code(argv) == 2
     assert re.search(r"policy table '.*no_t2i.json' has no entry for the 't2i' task .* calibrate the task into it",
                      _one_line_error(capsys))
+
+
+# ------------------------------------------------------------------------------------ API value types
+
+
+def test_numpy_numbers_are_accepted_as_settings_and_seeds():
+    from unicache_core.bagel.seeding import check_seed
+
+    settings = preset("t2i", num_timesteps=np.int64(5), cfg_text_scale=np.float32(4.0), width=np.int32(64))
+    assert type(settings.num_timesteps) is int and settings.num_timesteps == 5
+    assert type(settings.cfg_text_scale) is float and settings.cfg_text_scale == 4.0
+    assert check_seed(np.uint64(2**64 - 1)) == 2**64 - 1 and type(check_seed(np.int64(3))) is int
+    for bad in (np.bool_(True), 3.0, np.float64(3.0)):
+        with pytest.raises(ValueError, match="`seed` must be an integer"):
+            check_seed(bad)
+    with pytest.raises(ValueError, match=r"`cfg_text_scale` must be a finite number .* got np.float32\(nan\)"):
+        preset("t2i", cfg_text_scale=np.float32("nan"))
+    with pytest.raises(ValueError, match="`num_timesteps` must be an integer"):
+        preset("t2i", num_timesteps=np.bool_(True))
+
+
+def test_tokenizer_refuses_a_lone_surrogate(tiny_checkpoint):
+    tok = BagelTokenizer.from_dir(tiny_checkpoint)
+    with pytest.raises(ValueError, match=r"`text` has a lone surrogate '\\ud800' at index 1"):
+        tok.encode("a\ud800b")

@@ -86,3 +86,12 @@ def test_encoded_latent_of_any_size_passes():
     for shape in ((1, 16, 8, 8), (2, 16, 5, 13)):
         latent = _latent(*shape)
         assert check_source_latent(latent, 16) is latent["samples"]
+
+
+def test_image_with_nan_is_refused():
+    from nodes.convert import image_to_pils
+
+    image = torch.rand(1, 8, 8, 3)
+    image[0, 1, 2, 0] = math.nan
+    with pytest.raises(ValueError, match=r"`image` holds 1 NaN or infinite values"):
+        image_to_pils(image)

@@ -152,9 +152,10 @@ def same_file(a: Path, b: Path) -> bool:
 
 
 def check_distinct_outputs(args) -> None:
-    """``--report`` must not name ``--out`` or an input (``--image``, ``--prompt-file``, ``--policy``), and ``--out``
-    must not name the prompt file or the policy table: the write would replace it. ``--out`` may be ``--image``
-    (an edit in place; the source is read before anything is written)."""
+    """``--report`` must not name ``--out``, an input (``--image``, ``--prompt-file``, ``--policy``) or a file that
+    exists in the checkpoint folder, and ``--out`` must not name the prompt file or the policy table: the write
+    would replace it. ``--out`` may be ``--image`` (an edit in place; the source is read before anything is
+    written)."""
     report, out = getattr(args, "report", None), getattr(args, "out", None)
     inputs = {flag: getattr(args, name, None) for flag, name in
               (("--image", "image"), ("--prompt-file", "prompt_file"), ("--policy", "policy"))}
@@ -163,6 +164,11 @@ def check_distinct_outputs(args) -> None:
             if other is not None and same_file(report, other):
                 raise ValueError(f"--report: {report} is the same file as {flag} {other}; the JSON report would "
                                  f"overwrite it, give --report its own path (e.g. kv_report.json)")
+        checkpoint = getattr(args, "checkpoint", None)
+        if (checkpoint is not None and report.is_file()
+                and Path(os.path.realpath(report)).parent == Path(os.path.realpath(checkpoint))):
+            raise ValueError(f"--report: {report} is a file of the checkpoint {checkpoint}; the JSON report would "
+                             f"overwrite it, give --report a path outside the checkpoint folder")
     if out is not None:
         for flag in ("--prompt-file", "--policy"):
             other = inputs[flag]

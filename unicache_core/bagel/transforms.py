@@ -16,10 +16,9 @@ grid is used, as the official code never calls ``ImageOps.exif_transpose``; tran
 if you want the displayed orientation); a 1x1 image is upscaled to 512x512 by the official resize rule.
 
 Where the official ``convert("RGB")`` gives a wrong image, the conversion differs: high-bit-depth
-single-band images (``I;16*``, ``I``: full scale 65535; ``F``: full scale 1.0) are scaled to 8 bits
-instead of clipped at 255 (a 16-bit gradient gives the 8-bit gradient, not an all-white image), and
-values outside the full scale are refused; every mode with an alpha band (``LA``, ``PA``, ``RGBa``) is
-composited on white like RGBA, instead of dropping the alpha.
+single-band images are scaled to 8 bits instead of clipped at 255 (a 16-bit gradient gives the 8-bit
+gradient, not an all-white image; :func:`scaled_to_8bit`); every mode with an alpha band (``LA``,
+``PA``, ``RGBa``) is composited on white like RGBA, instead of dropping the alpha.
 """
 
 from __future__ import annotations
@@ -47,27 +46,31 @@ def check_image(image: object, name: str = "image") -> Image.Image:
     return image
 
 
-#: Full-scale value of each high-bit-depth single-band mode: its pixels are scaled by 255 / full scale.
-HIGH_BIT_DEPTH_FULL_SCALE = {"I;16": 65535, "I;16L": 65535, "I;16B": 65535, "I;16N": 65535, "I": 65535, "F": 1.0}
+#: Full scales a high-bit-depth single-band mode may have, smallest first: the pixels are scaled by 255 / the
+#: smallest one that holds every value. ``I;16*`` is 16-bit storage; ``I`` and ``F`` carry no range of their own
+#: (``I`` from a 32-bit file or from ``convert("I")`` of an 8-bit image; ``F`` in [0, 1] or on an integer scale).
+HIGH_BIT_DEPTH_FULL_SCALE = {"I;16": (65535,), "I;16L": (65535,), "I;16B": (65535,), "I;16N": (65535,),
+                             "I": (255, 65535), "F": (1.0, 255, 65535)}
 #: Modes with an alpha band that PIL converts to RGBA (composited on white like RGBA).
 ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa")
 
 
 def scaled_to_8bit(image: Image.Image, name: str = "image") -> Image.Image:
-    """A high-bit-depth single-band image (:data:`HIGH_BIT_DEPTH_FULL_SCALE`) → mode ``L``, scaled and rounded.
-
-    A value outside ``[0, full scale]`` (or not finite) has no 8-bit meaning and is refused with a ValueError.
+    """A high-bit-depth single-band image (:data:`HIGH_BIT_DEPTH_FULL_SCALE`) → mode ``L``, scaled by 255 / its full
+    scale and rounded. A value outside ``[0, largest full scale]`` (or not finite) has no 8-bit meaning and is
+    refused with a ValueError.
     """
-    full = HIGH_BIT_DEPTH_FULL_SCALE[image.mode]
+    scales = HIGH_BIT_DEPTH_FULL_SCALE[image.mode]
     values = np.asarray(image, dtype=np.float64)  # [H, W]
     finite = bool(np.isfinite(values).all())
     lo, hi = (float(values.min()), float(values.max())) if finite else (float("nan"), float("nan"))
-    if not finite or lo < 0 or hi > full:
+    if not finite or lo < 0 or hi > scales[-1]:
         shown = "non-finite values" if not finite else f"values in [{lo:g}, {hi:g}]"
         raise ValueError(
-            f"`{name}` is a {image.mode!r} image with {shown}, outside its full scale [0, {full:g}]; save it as an "
-            f"8- or 16-bit image (or scale it into [0, {full:g}]) first"
+            f"`{name}` is a {image.mode!r} image with {shown}, outside its full scale [0, {scales[-1]:g}]; save it "
+            f"as an 8- or 16-bit image (or scale it into [0, {scales[-1]:g}]) first"
         )
+    full = next(scale for scale in scales if hi <= scale)
     return Image.fromarray(np.rint(values * (255.0 / full)).astype(np.uint8), mode="L")
 
 
