@@ -16,10 +16,10 @@ import torch
 from PIL import Image
 
 from checkpoint_edits import edit_json
+from test_cli_errors import _exit_code, _one_line_error, no_weights  # noqa: F401  (no_weights: a fixture)
 
 from unicache_core.bagel import __main__ as cli
 from unicache_core.bagel.accounting import kv_bytes_per_token, understanding_positions
-from unicache_core.bagel.checkpoint import loader as loader_module
 from unicache_core.bagel.checkpoint.folder import inspect_folder
 from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.cli_checks import open_image, preflight, request_settings, save_text
@@ -31,27 +31,6 @@ from unicache_core.bagel.tokenizer import BagelTokenizer
 from unicache_core.bagel.transforms import pil_img2rgb, prepare_input_image
 from unicache_core.compression import parse_kv_target
 from unicache_core.errors import CheckpointError
-
-
-@pytest.fixture
-def no_weights(monkeypatch):
-    def boom(*args, **kwargs):
-        raise AssertionError("weights were loaded before the arguments were checked")
-
-    monkeypatch.setattr(loader_module, "load_bagel", boom)
-
-
-def _exit_code(argv) -> int:
-    try:
-        return cli.main(argv)
-    except SystemExit as exc:
-        return exc.code
-
-
-def _one_line_error(capsys) -> str:
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
-    return err
 
 
 def _t2i(checkpoint, tmp_path, *extra):

@@ -184,8 +184,7 @@ class BagelPipeline:
     def build_generation_contexts(self, task: Task, prompt: str, *, image: Image.Image | None = None,
                                   width: int | None = None, height: int | None = None, think: bool = False,
                                   generator: torch.Generator | None = None, session: CacheSession | None = None,
-                                  given: GivenLatents = NO_GIVEN_LATENTS, vae=None,
-                                  special_tokens: bool = False) -> GenerationContexts:
+                                  given: GivenLatents = NO_GIVEN_LATENTS, vae=None) -> GenerationContexts:
         """:func:`.contexts.build_generation_contexts` in ``session`` (a new one when None); ``width``/``height``
         without ``image``; ``vae`` encodes an edit's source (see :meth:`resolve_vae`)."""
         if image is None and (width is None or height is None):
@@ -195,8 +194,7 @@ class BagelPipeline:
         if image is not None and given.source_latent is None:
             encoder = self.resolve_vae(vae, "encode the source image")
         return C.build_generation_contexts(self.loaded, session, prompt, image=image, size=(width, height),
-                                           think=think, generator=generator, given=given, vae=encoder,
-                                           special_tokens=special_tokens)
+                                           think=think, generator=generator, given=given, vae=encoder)
 
     # ---------------------------------------------------------------- public procedures
 
@@ -297,10 +295,12 @@ class BagelPipeline:
         session = self.start_session(task, s.num_steps)
         with torch.inference_mode():
             t0 = time.perf_counter()
-            contexts = self.build_generation_contexts(task, prompt, image=image, width=s.width, height=s.height,
-                                                      think=s.think, generator=generator, session=session,
-                                                      given=given, vae=vae,
-                                                      special_tokens=s.prompt_special_tokens)
+            # as build_generation_contexts, with the prompt read as the settings say
+            encoder = (self.resolve_vae(vae, "encode the source image")
+                       if image is not None and given.source_latent is None else None)
+            contexts = C.build_generation_contexts(self.loaded, session, prompt, image=image, size=(s.width, s.height),
+                                                   think=s.think, generator=generator, given=given, vae=encoder,
+                                                   special_tokens=s.prompt_special_tokens)
             t1 = time.perf_counter()
             think_text = None
             if s.think:
