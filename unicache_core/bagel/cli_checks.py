@@ -98,13 +98,16 @@ def check_checkpoint_dir(path: Path) -> Path:
 def check_writable_file(flag: str, path: Path, what: str) -> None:
     """``path`` can be written as a file: not a folder, device, FIFO or socket, not under a file, and its folder
     writable (a test file is created and removed) or creatable (missing folders are created at write time).
-    A symlink loop is named as such. ``what`` names the file in the advice (``"image file"``)."""
-    try:
-        if path.is_symlink():
-            os.stat(path)  # a dangling link is written through; a loop raises ELOOP
-    except OSError as exc:
-        kind = "is a symlink loop" if exc.errno == errno.ELOOP else f"cannot be followed ({exc.strerror or exc})"
-        raise OSError(f"{flag}: {path} {kind}; fix the link or give the path of the {what} to write") from None
+    A symlink loop is named as such; a dangling symlink is written through, so the file it names is checked.
+    ``what`` names the file in the advice (``"image file"``)."""
+    if path.is_symlink() and not path.exists():
+        try:
+            os.stat(path)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OSError(f"{flag}: {path} is a symlink loop; fix the link or give the path of the {what} to "
+                              f"write") from None
+        path = Path(os.path.realpath(path))
     if path.is_dir():
         raise ValueError(f"{flag}: {path} is a directory; give the path of the {what} to write")
     if path.exists() and not path.is_file():
