@@ -17,6 +17,9 @@ def check_image_batch(image, name: str = "image") -> torch.Tensor:
         raise ValueError(f"`{name}` must be a ComfyUI IMAGE tensor [batch, height, width, 3], got {shape}")
     if image.shape[0] == 0 or image.shape[1] == 0 or image.shape[2] == 0:
         raise ValueError(f"`{name}` is empty (shape {tuple(image.shape)}); connect a node that outputs an image")
+    finite = torch.isfinite(image[..., :3])
+    if not bool(finite.all()):
+        raise ValueError(f"`{name}` holds {int((~finite).sum())} NaN or infinite values; check the node that made it")
     return image[..., :3]
 
 

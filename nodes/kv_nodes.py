@@ -8,6 +8,7 @@ from unicache_core.compression import METHODS, KVConfig
 from unicache_core.compression.defaults import SCORE_QUERIES
 
 from . import host
+from .validation import check_widgets
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,14 @@ class UniCacheKVConfig:
                               "queries). More is more exact and slower."}),
         }}
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, kv_target, rho, rho_floor):
+        return check_widgets(cls, kv_target=kv_target, rho=rho, rho_floor=rho_floor)
+
     def build(self, method, kv_target, rho, rho_floor, policy, score_queries=SCORE_QUERIES):
+        valid = check_widgets(type(self), kv_target=kv_target, rho=rho, rho_floor=rho_floor)
+        if valid is not True:  # a nan would otherwise read as "not set" below
+            raise ValueError(f"UniCache KV config: {valid}")
         unicache = method == "unicache"
         if not unicache and (rho > 0 or rho_floor >= 0 or policy != DEFAULT_POLICY):
             logger.warning("rho, rho_floor and policy apply to unicache only; ignored for method %r", method)

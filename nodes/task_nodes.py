@@ -17,7 +17,7 @@ from unicache_core.bagel.accounting import count_request, request_memory_bytes
 from unicache_core.bagel.seeding import MAX_SEED
 from unicache_core.bagel.settings import (
     EDIT_DEFAULTS, MAX_CFG_SCALE, MAX_NUM_TIMESTEPS, T2I_DEFAULTS, TEMPERATURE_RANGE, TIMESTEP_SHIFT_RANGE,
-    UNDERSTANDING_DEFAULTS, check_output_size, preset,
+    UNDERSTANDING_DEFAULTS, check_output_size, check_prompt, preset,
 )
 from unicache_core.compression import KVConfig, make_cache_factory
 from unicache_core.compression.report_view import chart_data
@@ -26,6 +26,7 @@ from unicache_core.errors import CancelledError
 from . import host
 from .convert import ComfyVAEAdapter, from_comfy_latent, image_to_pils, pils_to_image, to_comfy_latent
 from .model import BagelModel
+from .validation import check_source_latent, check_widgets
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ def _hooks(progress: _Progress, *, preview: bool) -> RunHooks:
 
 def _memory(model: BagelModel, task: str, prompt: str, settings, source_size=None) -> int:
     """The request's device memory besides the weights (KV of every branch and working memory)."""
+    check_prompt(prompt)  # before the tokenizer sees it (a lone surrogate can arrive in a /prompt JSON)
     loaded = model.loaded
     tokens = count_request(loaded.config, loaded.tokenizer, task, prompt, settings, source_size=source_size)
     return request_memory_bytes(loaded.config, loaded.dtype, tokens)
@@ -163,10 +165,7 @@ def _source_latents(latent, count: int, loaded) -> list:
     """The ``LATENT`` input (core VAEEncode, ComfyUI's FLUX convention) → one BAGEL latent per source image."""
     if latent is None:
         return [None] * count
-    samples = latent.get("samples") if isinstance(latent, dict) else None
-    if samples is None or samples.ndim != 4 or samples.shape[1] != 16:
-        shape = tuple(samples.shape) if samples is not None else type(latent).__name__
-        raise ValueError(f"`latent` must be a FLUX LATENT {{'samples': [batch, 16, H/8, W/8]}} from VAEEncode, got {shape}")
+    samples = check_source_latent(latent, loaded.config.ae.z_channels)
     if samples.shape[0] not in (1, count):
         raise ValueError(f"`latent` holds {samples.shape[0]} latents for {count} images; encode the same batch")
     return [from_comfy_latent(samples[min(i, samples.shape[0] - 1):][:1], loaded) for i in range(count)]
@@ -226,6 +225,14 @@ class UniCacheTextToImage:
             **_generation_inputs(d),
         }, "optional": {"kv": KV_INPUT, "vae": VAE_INPUT}}
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, width, height, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi,
+                        timestep_shift, cfg_renorm_min):
+        return check_widgets(cls, width=width, height=height, cfg_text_scale=cfg_text_scale,
+                             cfg_img_scale=cfg_img_scale, cfg_interval_lo=cfg_interval_lo,
+                             cfg_interval_hi=cfg_interval_hi, timestep_shift=timestep_shift,
+                             cfg_renorm_min=cfg_renorm_min)
+
     def generate(self, model, prompt, width, height, steps, seed, cfg_text_scale, cfg_img_scale, cfg_interval_lo,
                  cfg_interval_hi, timestep_shift, cfg_renorm_min, cfg_renorm_type, think, kv=None, vae=None):
         settings = _generation_settings("t2i", steps, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi,
@@ -267,6 +274,13 @@ class UniCacheImageEdit:
             "latent": ("LATENT", {"tooltip": "Optional source latent from core VAEEncode (its posterior mean is used "
                                              "instead of encoding the image with the checkpoint's VAE)."}),
         }}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi, timestep_shift,
+                        cfg_renorm_min):
+        return check_widgets(cls, cfg_text_scale=cfg_text_scale, cfg_img_scale=cfg_img_scale,
+                             cfg_interval_lo=cfg_interval_lo, cfg_interval_hi=cfg_interval_hi,
+                             timestep_shift=timestep_shift, cfg_renorm_min=cfg_renorm_min)
 
     def edit(self, model, image, prompt, steps, seed, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi,
              timestep_shift, cfg_renorm_min, cfg_renorm_type, think, kv=None, vae=None, latent=None):
@@ -328,6 +342,10 @@ class UniCacheUnderstand:
             "image": ("IMAGE", {"tooltip": "The image(s) to ask about; none = a text-only prompt."}),
             "kv": KV_INPUT,
         }}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, temperature):
+        return check_widgets(cls, temperature=temperature)
 
     def understand(self, model, prompt, max_new_tokens, do_sample, temperature, seed, think, image=None, kv=None):
         settings = preset("understanding", max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,

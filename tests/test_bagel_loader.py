@@ -270,8 +270,8 @@ def test_tokenizer_roundtrip_and_special_ids(tiny_checkpoint: Path):
     assert tok.vocab_size == max(ids_by_name.values()) + 1
     text = "Ünïcödé & emoji 🐱 in text, numbers 123"
     assert tok.decode(tok.encode(text)) == text
-    # Special-token strings inside the text are single ids; encode adds none by itself.
-    ids = tok.encode("hi<|im_end|><|vision_start|>")
+    # With the official parsing, special-token strings inside the text are single ids; encode adds none by itself.
+    ids = tok.encode("hi<|im_end|><|vision_start|>", special_tokens=True)
     assert ids[-2:] == [tok.eos_token_id, tok.start_of_image]
     assert tok.bos_token_id not in tok.encode("hi")
     assert tok.decode([tok.bos_token_id] + tok.encode("a cat") + [tok.eos_token_id]) == "<|im_start|>a cat<|im_end|>"
@@ -294,4 +294,4 @@ def test_tokenizer_adds_missing_bagel_tokens(tiny_checkpoint_copy: Path):
     path.write_text(json.dumps(config))
     tok = BagelTokenizer.from_dir(tiny_checkpoint_copy)
     assert (tok.start_of_image, tok.end_of_image) == (kept_max + 1, kept_max + 2)
-    assert tok.encode("<|vision_start|>") == [tok.start_of_image]
+    assert tok.encode("<|vision_start|>", special_tokens=True) == [tok.start_of_image]

@@ -334,10 +334,14 @@ def test_empty_prompt_is_an_empty_text_block(pipe, loaded):
     assert isinstance(pipe.understand("", None, preset("understanding", max_new_tokens=2)).text, str)
 
 
-def test_special_token_text_maps_to_special_ids(loaded):
-    """The official slow tokenizer splits on added tokens, so ``<|im_end|>`` in a prompt is the special id."""
+def test_special_token_text_is_plain_unless_asked(loaded):
+    """By default ``<|im_end|>`` in a prompt is ordinary text; the official parsing (the slow tokenizer splits on
+    added tokens, so it becomes the control id) only with ``special_tokens=True``."""
     tok = loaded.tokenizer
-    ids = tok.encode("a<|im_end|>b")
+    plain = tok.encode("a<|im_end|>b")
+    assert not set(plain) & set(tok.special_token_ids.values())
+    assert tok.decode(plain) == "a<|im_end|>b"
+    ids = tok.encode("a<|im_end|>b", special_tokens=True)
     assert ids == [*tok.encode("a"), tok.eos_token_id, *tok.encode("b")]
 
 

@@ -261,15 +261,20 @@ def test_image_modes_convert_like_official(mode):
     image = Image.fromarray(rng.integers(0, 256, size=(12, 10, 3), dtype=np.uint8)).convert(mode)
     out = pil_img2rgb(image)
     assert out.mode == "RGB" and out.size == (10, 12)
-    if mode not in ("LA", "PA"):  # no transparency entry: plain convert("RGB"), as the official code
+    if mode in ("I;16", "F"):  # I;16: 16-bit storage, scaled by 255/65535 (the official convert("RGB") clips at
+        # 255 instead); F here holds fractional 0..255 luminance, rounded (PIL's convert truncates)
+        scale = 255 / 65535 if mode == "I;16" else 1.0
+        expected = np.rint(np.asarray(image, dtype=np.float64) * scale).astype(np.uint8)
+        np.testing.assert_array_equal(np.asarray(out)[:, :, 0], expected)
+    elif mode not in ("LA", "PA"):  # plain convert("RGB"), as the official code (I holds 0..255 values here)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(image.convert("RGB")))
 
 
-def test_16_bit_image_is_clipped_like_official():
-    values = np.array([[0, 100, 255, 256, 65535]], dtype=np.uint16)
+def test_16_bit_image_is_scaled_not_clipped():
+    values = np.array([[0, 100, 255, 256, 32768, 65535]], dtype=np.uint16)
     out = np.asarray(pil_img2rgb(Image.fromarray(values)))
-    # PIL's I;16 -> RGB conversion (what the official convert("RGB") does) clips, it does not rescale
-    assert out[0, :, 0].tolist() == [0, 100, 255, 255, 255]
+    # PIL's I;16 -> RGB conversion (the official convert("RGB")) would give [0, 100, 255, 255, 255, 255]
+    assert out[0, :, 0].tolist() == [0, 0, 1, 1, 128, 255]
 
 
 def test_unconvertible_mode_names_the_mode():

@@ -19,7 +19,7 @@ import torch
 
 from ..cli import OneLineParser as _Parser, path_arg as _path
 from ..errors import UniCacheError
-from .cli_checks import preflight, save_image
+from .cli_checks import preflight, save_image, save_text
 from .request import RunHooks
 from .settings import BUNDLED_CHECKPOINT, BUNDLED_CHECKPOINT_DIR, EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
 
@@ -44,6 +44,9 @@ def _build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", default="auto", help="torch device, or 'auto' (cuda when available)")
         p.add_argument("--seed", type=int, default=0, help="noise / sampling seed")
         p.add_argument("--think", action="store_true", help="think mode (system prompt + planning text)")
+        p.add_argument("--allow-special-tokens", action="store_true",
+                       help="parse control tokens typed in the prompt (<|im_end|> ...) as the official code does; "
+                            "default: the prompt is plain text")
         p.add_argument("--do-sample", action="store_true", help="sample text instead of greedy decoding")
         p.add_argument("--temperature", type=float, default=UNDERSTANDING_DEFAULTS.temperature,
                        help="sampling temperature")
@@ -57,12 +60,12 @@ def _build_parser() -> argparse.ArgumentParser:
         kv.add_argument("--kv-target", default=None,
                         help="memory of the compressible KV: a retained ratio (0.2, 20%%) or a size (150MB); "
                              "default: the paper's reduction (80%% understanding/edit, 60%% t2i)")
-        kv.add_argument("--policy", type=Path, default=None,
+        kv.add_argument("--policy", type=_path, default=None,
                         help="unicache policy table JSON (default: the checkpoint's unicache_policy.json, "
                              "else the paper's table)")
         kv.add_argument("--rho", type=float, default=None, help="unicache starting retention rho0 in (0, 1]")
         kv.add_argument("--rho-floor", type=float, default=None, help="unicache lowest retention, <= rho")
-        kv.add_argument("--report", type=Path, default=None, help="write the per-step KV report (JSON) here")
+        kv.add_argument("--report", type=_path, default=None, help="write the per-step KV report (JSON) here")
 
     def flow(p: argparse.ArgumentParser, d) -> None:
         p.add_argument("--out", type=_path, default=Path("out.png"), help="output image (.png, .jpg, .webp)")
@@ -169,9 +172,6 @@ def _kv_config(args: argparse.Namespace):
     """The KV settings of the flags (a ValueError naming the flag for a bad value)."""
     from ..compression import KVConfig
 
-    report = getattr(args, "report", None)
-    if report is not None and report.is_dir():
-        raise ValueError(f"--report: {report} is a directory; give the path of the JSON file to write")
     if args.policy is not None and not args.policy.is_file():
         raise ValueError(f"--policy: {args.policy} is not a file; pass a policy-table JSON file")
     try:
@@ -190,8 +190,7 @@ def _write_report(args: argparse.Namespace, report: dict | None) -> None:
 
     payload = report if report is not None else {"format": REPORT_FORMAT, "version": 1, "method": "full",
                                                  "summary": None, "steps": []}
-    args.report.parent.mkdir(parents=True, exist_ok=True)
-    args.report.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+    save_text(json.dumps(payload, indent=1) + "\n", args.report, "--report")
     summary = payload.get("summary") or {}
     if summary.get("steady_managed_bytes") is not None:
         logger.info("KV %s: %d of %d managed bytes held (%.1fx less), peak %d bytes; report %s", payload["method"],

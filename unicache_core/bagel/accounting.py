@@ -29,17 +29,19 @@ BOUNDARY_TOKENS = 2
 # ----------------------------------------------------------------------------------------- positions
 
 
-def understanding_positions(tokenizer, prompt: str, *, has_image: bool, think: bool) -> int:
+def understanding_positions(tokenizer, prompt: str, *, has_image: bool, think: bool,
+                            special_tokens: bool = False) -> int:
     """RoPE positions of an understanding context: ``[system (think)] [ViT image] [prompt]``."""
-    used = len(tokenizer.encode(prompt)) + 2 + (1 if has_image else 0)
+    used = len(tokenizer.encode(prompt, special_tokens=special_tokens)) + 2 + (1 if has_image else 0)
     if think:
         used += len(tokenizer.encode(VLM_THINK_SYSTEM_PROMPT)) + 2
     return used
 
 
-def generation_positions(tokenizer, prompt: str, *, has_image: bool, think: bool) -> int:
+def generation_positions(tokenizer, prompt: str, *, has_image: bool, think: bool,
+                         special_tokens: bool = False) -> int:
     """RoPE positions of a ``gen`` context: ``[system] [VAE image, ViT image] prompt``, then the latent block."""
-    used = len(tokenizer.encode(prompt)) + 2 + (2 if has_image else 0) + 1
+    used = len(tokenizer.encode(prompt, special_tokens=special_tokens)) + 2 + (2 if has_image else 0) + 1
     if think:
         used += len(tokenizer.encode(GEN_THINK_SYSTEM_PROMPT)) + 2
     return used
@@ -145,7 +147,8 @@ def count_request(config: BagelConfig, tokenizer, task: Task, prompt: str,
         step = config.latent_downsample
         latent = vae if task == "edit" else (settings.width // step) * (settings.height // step)
     system = len(tokenizer.encode(system_prompt)) if settings.think else 0
-    return RequestTokens(task=task, prompt=len(tokenizer.encode(prompt)), system=system, vit=vit, vae=vae,
+    prompt_tokens = len(tokenizer.encode(prompt, special_tokens=settings.prompt_special_tokens))
+    return RequestTokens(task=task, prompt=prompt_tokens, system=system, vit=vit, vae=vae,
                          latent=latent, decoded=decoded)
 
 

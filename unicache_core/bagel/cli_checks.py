@@ -12,6 +12,7 @@ example ``--steps: ...``).
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tempfile
@@ -53,15 +54,31 @@ FLAGS = {
 }
 
 
-def with_flag(exc: ValueError) -> ValueError:
-    """``ValueError("`num_timesteps` must be ...")`` → ``ValueError("--steps: `num_timesteps` must be ...")``."""
+def with_flag(exc: ValueError, flags: dict[str, str] | None = None) -> ValueError:
+    """``ValueError("`num_timesteps` must be ...")`` → ``ValueError("--steps: `num_timesteps` must be ...")``.
+
+    ``flags`` overrides entries of :data:`FLAGS` (``{"prompt": "--prompt-file"}`` when the prompt came from a file).
+    """
     message = str(exc)
     match = re.match(r"`([a-z_]+)", message)
-    flag = FLAGS.get(match.group(1)) if match else None
+    flag = ({**FLAGS, **(flags or {})}).get(match.group(1)) if match else None
     return ValueError(f"{flag}: {message}") if flag else exc
 
 
 # ------------------------------------------------------------------------------------------- paths
+
+
+def not_found(flag: str, path: Path, what: str) -> OSError:
+    """The error for a ``path`` that does not exist: a symlink loop and a dangling symlink are named as such."""
+    if path.is_symlink():
+        try:
+            os.stat(path)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return OSError(f"{flag}: {path} is a symlink loop (it never reaches a real {what}); fix the link")
+        return FileNotFoundError(f"{flag}: {path} is a broken symlink to {os.readlink(path)}, which does not exist; "
+                                 f"fix the link or pass the {what} itself")
+    return FileNotFoundError(f"{flag}: {what} not found: {path}")
 
 
 def check_checkpoint_dir(path: Path) -> Path:
@@ -72,59 +89,131 @@ def check_checkpoint_dir(path: Path) -> Path:
             f"ema.safetensors and ae.safetensors"
         )
     if not path.is_dir():
-        kind = "is not a folder" if path.exists() else "folder not found"
-        raise FileNotFoundError(f"--checkpoint: {kind}: {path}")
+        if path.exists():
+            raise FileNotFoundError(f"--checkpoint: is not a folder: {path}")
+        raise not_found("--checkpoint", path, "folder")
     return path
 
 
-def check_out_path(out: Path) -> str:
-    """Validate ``--out`` before anything runs and return the PIL format for its suffix.
-
-    It must not be a folder or a special file, its suffix must name a supported format, and its
-    folder must exist and be writable (a test file is created and removed), or be creatable (missing
-    folders are created when the image is written).
-    """
-    if out.is_dir():
-        raise ValueError(f"--out: {out} is a directory; give the path of the image file to write, e.g. "
-                         f"{out / 'out.png'}")
-    if out.exists() and not out.is_file():
-        raise ValueError(f"--out: {out} exists and is not a regular file; give the path of an image file")
-    fmt = OUT_FORMATS.get(out.suffix.lower())
-    if fmt is None:
-        raise ValueError(f"--out: unsupported image suffix {out.suffix!r} in {out}; use one of {sorted(OUT_FORMATS)}")
-    folder = out.parent
+def check_writable_file(flag: str, path: Path, what: str) -> None:
+    """``path`` can be written as a file: not a folder, device, FIFO or socket, not under a file, and its folder
+    writable (a test file is created and removed) or creatable (missing folders are created at write time).
+    A symlink loop is named as such; a dangling symlink is written through, so the file it names is checked.
+    ``what`` names the file in the advice (``"image file"``)."""
+    if path.is_symlink() and not path.exists():
+        try:
+            os.stat(path)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OSError(f"{flag}: {path} is a symlink loop; fix the link or give the path of the {what} to "
+                              f"write") from None
+        path = Path(os.path.realpath(path))
+    if path.is_dir():
+        raise ValueError(f"{flag}: {path} is a directory; give the path of the {what} to write")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{flag}: {path} exists and is not a regular file; give the path of the {what} to write")
+    folder = path.parent
     probe = folder
     while not probe.exists() and not probe.is_symlink() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
-        raise ValueError(f"--out: {probe} is not a directory, so {out} cannot be created")
+        raise ValueError(f"{flag}: {probe} is not a directory, so {path} cannot be created")
     if probe == folder:
         try:
             fd, name = tempfile.mkstemp(dir=folder, prefix=".unicache-write-test-")
             os.close(fd)
             os.unlink(name)
         except OSError as exc:
-            raise OSError(f"--out: cannot write into the folder {folder} ({exc.strerror or exc})") from None
+            raise OSError(f"{flag}: cannot write into the folder {folder} ({exc.strerror or exc})") from None
     elif not os.access(probe, os.W_OK | os.X_OK):
-        raise OSError(f"--out: cannot create the folder {folder}: {probe} is not writable")
+        raise OSError(f"{flag}: cannot create the folder {folder}: {probe} is not writable")
+
+
+def check_out_path(out: Path) -> str:
+    """Validate ``--out`` before anything runs and return the PIL format for its suffix.
+
+    It must be a writable file path (:func:`check_writable_file`) whose suffix names a supported format.
+    """
+    if out.is_dir():
+        raise ValueError(f"--out: {out} is a directory; give the path of the image file to write, e.g. "
+                         f"{out / 'out.png'}")
+    check_writable_file("--out", out, "image file")
+    fmt = OUT_FORMATS.get(out.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"--out: unsupported image suffix {out.suffix!r} in {out}; use one of {sorted(OUT_FORMATS)}")
     return fmt
 
 
-def save_image(image, out: Path, fmt: str) -> None:
-    """Write ``image`` to ``out`` atomically: a temporary file in the same folder, then a rename.
+def same_file(a: Path, b: Path) -> bool:
+    """``a`` and ``b`` name one file: the same path after resolving symlinks, or one inode (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist yet
+        return False
 
-    An interrupted or failed write leaves no truncated image behind (and an existing file unchanged).
-    Missing folders are created. A symlink is written through, as before.
+
+def check_distinct_outputs(args) -> None:
+    """``--report`` must not name ``--out``, an input (``--image``, ``--prompt-file``, ``--policy``) or a file that
+    exists in the checkpoint folder, and ``--out`` must not name the prompt file or the policy table: the write
+    would replace it. ``--out`` may be ``--image`` (an edit in place; the source is read before anything is
+    written)."""
+    report, out = getattr(args, "report", None), getattr(args, "out", None)
+    inputs = {flag: getattr(args, name, None) for flag, name in
+              (("--image", "image"), ("--prompt-file", "prompt_file"), ("--policy", "policy"))}
+    if report is not None:
+        for flag, other in (("--out", out), *inputs.items()):
+            if other is not None and same_file(report, other):
+                raise ValueError(f"--report: {report} is the same file as {flag} {other}; the JSON report would "
+                                 f"overwrite it, give --report its own path (e.g. kv_report.json)")
+        checkpoint = getattr(args, "checkpoint", None)
+        if (checkpoint is not None and report.is_file()
+                and Path(os.path.realpath(report)).parent == Path(os.path.realpath(checkpoint))):
+            raise ValueError(f"--report: {report} is a file of the checkpoint {checkpoint}; the JSON report would "
+                             f"overwrite it, give --report a path outside the checkpoint folder")
+    if out is not None:
+        for flag in ("--prompt-file", "--policy"):
+            other = inputs[flag]
+            if other is not None and same_file(out, other):
+                raise ValueError(f"--out: {out} is the same file as {flag} {other}; the image would overwrite it, "
+                                 f"give --out its own path")
+
+
+def check_report_path(report: Path) -> None:
+    """Validate ``--report`` before anything runs (:func:`check_writable_file`)."""
+    check_writable_file("--report", report, "JSON report")
+
+
+def _write_atomically(flag: str, path: Path, write) -> None:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it onto ``path``.
+
+    A failed or interrupted write leaves nothing partial behind (an existing file stays unchanged); an
+    ``OSError`` names ``flag`` and the path. Missing folders are created; a symlink is written through.
     """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    target = Path(os.path.realpath(out)) if out.is_symlink() else out
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        image.save(tmp, format=fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
         os.replace(tmp, target)
+    except OSError as exc:
+        raise OSError(f"{flag}: cannot write {path} ({exc.strerror or exc}); free space or choose another "
+                      f"path") from None
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def save_image(image, out: Path, fmt: str) -> None:
+    """Write ``image`` to ``out`` (``--out``) atomically: a temporary file in the same folder, then a rename."""
+    _write_atomically("--out", out, lambda tmp: image.save(tmp, format=fmt,
+                                                            **({"quality": 95} if fmt == "JPEG" else {})))
+
+
+def save_text(text: str, path: Path, flag: str) -> None:
+    """Write UTF-8 ``text`` to ``path`` (named ``flag`` in errors) atomically, as :func:`save_image`."""
+    _write_atomically(flag, path, lambda tmp: tmp.write_bytes(text.encode("utf-8")))
 
 
 # ------------------------------------------------------------------------------------------- text
@@ -149,7 +238,7 @@ def read_prompt_file(path: Path) -> str:
     if path.is_dir():
         raise ValueError(f"--prompt-file: {path} is a directory; pass a UTF-8 text file")
     if not path.exists():
-        raise FileNotFoundError(f"--prompt-file: file not found: {path}")
+        raise not_found("--prompt-file", path, "file")
     if not path.is_file():
         raise ValueError(f"--prompt-file: {path} is not a regular file; pass a UTF-8 text file")
     size = path.stat().st_size
@@ -189,7 +278,7 @@ def open_image(path: Path):
     if path.is_dir():
         raise ValueError(f"--image: {path} is a directory; pass an image file")
     if not path.exists():
-        raise FileNotFoundError(f"--image: file not found: {path}")
+        raise not_found("--image", path, "file")
     if not path.is_file():
         raise ValueError(f"--image: {path} is not a regular file; pass an image file")
     try:
@@ -213,6 +302,38 @@ def open_image(path: Path):
 
 
 # ------------------------------------------------------------------------------------------- request
+
+
+def check_kv_target_size(kv_target: str | None, config, dtype: str) -> None:
+    """``--kv-target``: parsed (a ValueError names the flag), and a size must hold at least one cached token of the
+    checkpoint (keys and values of every layer in ``dtype``), else nothing could be kept."""
+    from ..compression import parse_kv_target
+    from .accounting import kv_bytes_per_token
+    from .checkpoint.loader import parse_dtype
+
+    try:
+        target = parse_kv_target(kv_target)
+    except ValueError as exc:
+        raise ValueError(f"--kv-target: {exc}") from None
+    if isinstance(target, int):
+        row = kv_bytes_per_token(config, parse_dtype(dtype))
+        if target < row:
+            raise ValueError(f"--kv-target: {kv_target!r} is {target} bytes, less than one cached token of this "
+                             f"checkpoint ({row} bytes in {dtype}); give at least {row} bytes or a ratio (0.2, 20%)")
+
+
+def check_policy_table(args, root: Path) -> None:
+    """``--kv-method unicache``: the policy table it will use (``--policy``, else the checkpoint's own
+    ``unicache_policy.json``) is read and must cover the task, so a broken table costs no weights load."""
+    from ..compression.policy_table import CHECKPOINT_POLICY_FILE, resolve_policy_table
+    from .checkpoint.model_id import model_id_of
+
+    policy = getattr(args, "policy", None)
+    if getattr(args, "kv_method", None) != "unicache" or (policy is None and
+                                                         not (root / CHECKPOINT_POLICY_FILE).is_file()):
+        return  # the shipped paper table (its warning is logged once, by the run)
+    table, _ = resolve_policy_table(policy, str(root), model_id_of(root))
+    table.require_task("understanding" if args.command == "understand" else args.command)
 
 
 @dataclass
@@ -251,14 +372,16 @@ def request_settings(args) -> GenerationSettings | UnderstandingSettings:
     if args.command == "understand":
         return preset("understanding", max_new_tokens=UNDERSTANDING_DEFAULTS.max_new_tokens
                       if args.max_new_tokens is None else args.max_new_tokens,
-                      do_sample=args.do_sample, temperature=args.temperature, think=args.think)
+                      do_sample=args.do_sample, temperature=args.temperature, think=args.think,
+                      prompt_special_tokens=args.allow_special_tokens)
     size = dict(width=args.width, height=args.height) if args.command == "t2i" else {}
     return preset(
         args.command, num_timesteps=args.steps, timestep_shift=args.timestep_shift,
         cfg_text_scale=args.cfg_text_scale, cfg_img_scale=args.cfg_img_scale, cfg_interval=tuple(args.cfg_interval),
         cfg_renorm_min=args.cfg_renorm_min, cfg_renorm_type=args.cfg_renorm_type, think=args.think,
         think_max_new_tokens=T2I_DEFAULTS.think_max_new_tokens if args.max_new_tokens is None
-        else args.max_new_tokens, think_do_sample=args.do_sample, think_temperature=args.temperature, **size,
+        else args.max_new_tokens, think_do_sample=args.do_sample, think_temperature=args.temperature,
+        prompt_special_tokens=args.allow_special_tokens, **size,
     )
 
 
@@ -269,24 +392,31 @@ def preflight(args) -> Checked:
     """
     from .accounting import check_positions, generation_positions, understanding_positions
     from .config import load_bagel_config
-    from .tokenizer import BagelTokenizer
+    from .tokenizer import BagelTokenizer, check_bagel_tokens
 
     root = check_checkpoint_dir(args.checkpoint)
     if getattr(args, "prompt_file", None) is not None:
         prompt = read_prompt_file(args.prompt_file)
+        prompt_flag = {"prompt": f"--prompt-file {args.prompt_file}"}
     else:
         prompt = check_text_argument("--prompt", args.prompt)
+        prompt_flag = None
     out = getattr(args, "out", None)
     out_format = check_out_path(out) if out is not None else None
+    if getattr(args, "report", None) is not None:
+        check_report_path(args.report)
+    check_distinct_outputs(args)
     task = args.command
     try:
         check_prompt(prompt)
         settings = request_settings(args)
         seed = check_seed(args.seed)
     except ValueError as exc:
-        raise with_flag(exc) from None
+        raise with_flag(exc, prompt_flag) from None
     device = resolve_device(args.device)
     config = load_bagel_config(root)  # JSON only: gives the size limit and the position budget
+    check_kv_target_size(getattr(args, "kv_target", None), config, args.dtype)
+    check_policy_table(args, root)
     if task == "t2i":
         try:
             check_output_size(config, settings.width, settings.height)
@@ -295,19 +425,22 @@ def preflight(args) -> Checked:
     image_path = getattr(args, "image", None)
     image = open_image(image_path) if image_path is not None else None
     tokenizer = BagelTokenizer.from_dir(root)
+    check_bagel_tokens(tokenizer, root)
     has_image = image is not None
     try:
         if task == "understand":
-            used = understanding_positions(tokenizer, prompt, has_image=has_image, think=settings.think)
+            used = understanding_positions(tokenizer, prompt, has_image=has_image, think=settings.think,
+                                           special_tokens=settings.prompt_special_tokens)
             check_positions(config, used, 0, "prompt")
             check_positions(config, used, settings.max_new_tokens, "max_new_tokens")
         else:
-            used = generation_positions(tokenizer, prompt, has_image=has_image, think=settings.think)
+            used = generation_positions(tokenizer, prompt, has_image=has_image, think=settings.think,
+                                        special_tokens=settings.prompt_special_tokens)
             check_positions(config, used, 0, "prompt")
             if settings.think:
                 check_positions(config, used, settings.think_max_new_tokens + 2, "think_max_new_tokens")
     except ValueError as exc:
-        raise with_flag(exc) from None
+        raise with_flag(exc, prompt_flag) from None
     return Checked(prompt=prompt, image=image, out_format=out_format, device=device, settings=settings, seed=seed)
 
 
@@ -316,13 +449,21 @@ __all__ = [
     "FLAGS",
     "OUT_FORMATS",
     "check_checkpoint_dir",
+    "check_distinct_outputs",
+    "check_kv_target_size",
     "check_out_path",
+    "check_policy_table",
+    "check_report_path",
+    "check_writable_file",
+    "not_found",
     "check_text_argument",
     "open_image",
     "preflight",
     "read_prompt_file",
     "request_settings",
     "resolve_device",
+    "same_file",
     "save_image",
+    "save_text",
     "with_flag",
 ]

@@ -77,15 +77,16 @@ def _boundary_embeds(loaded: LoadedBagel) -> tuple[Tensor, Tensor]:
     return emb[:1], emb[1:]
 
 
-def text_ids(loaded: LoadedBagel, text: str) -> list[int]:
-    """``[im_start] + encode(text) + [im_end]`` (no chat template)."""
+def text_ids(loaded: LoadedBagel, text: str, *, special_tokens: bool = False) -> list[int]:
+    """``[im_start] + encode(text) + [im_end]`` (no chat template); ``special_tokens``: control-token strings in
+    ``text`` become their ids (the official parsing), else the text is plain."""
     tok = loaded.tokenizer
-    return [tok.bos_token_id, *tok.encode(text), tok.eos_token_id]
+    return [tok.bos_token_id, *tok.encode(text, special_tokens=special_tokens), tok.eos_token_id]
 
 
-def append_text(loaded: LoadedBagel, ctx: Context, text: str) -> int:
+def append_text(loaded: LoadedBagel, ctx: Context, text: str, *, special_tokens: bool = False) -> int:
     """Prefill a text block into ``ctx`` (causal, und); returns the number of tokens appended."""
-    ids = text_ids(loaded, text)
+    ids = text_ids(loaded, text, special_tokens=special_tokens)
     n = len(ids)
     device = loaded.device
     embeds = loaded.model.embed_text(torch.tensor(ids, dtype=torch.long, device=device))
@@ -239,8 +240,9 @@ def new_context(session: CacheSession, branch: str) -> Context:
 
 
 def build_understanding_context(loaded: LoadedBagel, session: CacheSession, image: Image.Image | None,
-                                prompt: str, *, think: bool = False) -> Context:
-    """``[system (think)] [ViT image] [text]`` in one ``gen`` context (docs/bagel.md §4.6)."""
+                                prompt: str, *, think: bool = False, special_tokens: bool = False) -> Context:
+    """``[system (think)] [ViT image] [text]`` in one ``gen`` context (docs/bagel.md §4.6); ``special_tokens``:
+    the prompt's control-token strings are parsed (:meth:`~.tokenizer.BagelTokenizer.encode`)."""
     ctx = new_context(session, "gen")
     if think:
         append_text(loaded, ctx, VLM_THINK_SYSTEM_PROMPT)
@@ -248,7 +250,7 @@ def build_understanding_context(loaded: LoadedBagel, session: CacheSession, imag
         transforms = ImageTransforms.from_config(loaded.config)
         resized = transforms.prepare(image, "image")
         append_vit(loaded, ctx, transforms.vit(resized))
-    append_text(loaded, ctx, prompt)
+    append_text(loaded, ctx, prompt, special_tokens=special_tokens)
     return ctx
 
 
@@ -263,6 +265,7 @@ def build_generation_contexts(
     generator: torch.Generator | None = None,
     given: GivenLatents = NO_GIVEN_LATENTS,
     vae=None,
+    special_tokens: bool = False,
 ) -> GenerationContexts:
     """Build ``gen``, ``cfg_text`` and ``cfg_img`` as ``interleave_inference`` does (image, then text).
 
@@ -270,7 +273,8 @@ def build_generation_contexts(
     source size. The source latent comes from ``given.source_latent`` (BAGEL's convention, of the
     VAE-resized source), else from ``vae``'s encode (the chosen VAE: the checkpoint's
     :class:`~.modeling.AutoEncoder`, sampling with ``given.vae_noise`` or noise drawn from
-    ``generator``, or an external :class:`~.latents.VAEAdapter`).
+    ``generator``, or an external :class:`~.latents.VAEAdapter`). ``special_tokens``: the prompt's control-token
+    strings are parsed (:meth:`~.tokenizer.BagelTokenizer.encode`).
     """
     gen = new_context(session, "gen")
     cfg_img = new_context(session, "cfg_img")
@@ -290,8 +294,8 @@ def build_generation_contexts(
         append_vit(loaded, gen, transforms.vit(resized))
     # the official deepcopy(gen) point: after the image, before the text; the session builds it from gen
     cfg_text = Context(session.fork(gen.cache, "cfg_text"), gen.rope)
-    append_text(loaded, gen, prompt)
-    append_text(loaded, cfg_img, prompt)
+    append_text(loaded, gen, prompt, special_tokens=special_tokens)
+    append_text(loaded, cfg_img, prompt, special_tokens=special_tokens)
     width, height = size
     return GenerationContexts(gen=gen, cfg_text=cfg_text, cfg_img=cfg_img, height=height, width=width,
                               session=session, source_latent=how)

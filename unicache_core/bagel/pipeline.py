@@ -174,10 +174,11 @@ class BagelPipeline:
 
     @torch.inference_mode()
     def build_understanding_context(self, image: Image.Image | None, prompt: str, *, think: bool = False,
-                                    session: CacheSession | None = None) -> Context:
+                                    session: CacheSession | None = None, special_tokens: bool = False) -> Context:
         """:func:`.contexts.build_understanding_context` in ``session`` (a new one when None)."""
         session = self.start_session("understanding") if session is None else session
-        return C.build_understanding_context(self.loaded, session, image, prompt, think=think)
+        return C.build_understanding_context(self.loaded, session, image, prompt, think=think,
+                                             special_tokens=special_tokens)
 
     @torch.inference_mode()
     def build_generation_contexts(self, task: Task, prompt: str, *, image: Image.Image | None = None,
@@ -210,13 +211,15 @@ class BagelPipeline:
         s = _checked("settings", settings, UnderstandingSettings, UNDERSTANDING_DEFAULTS, PRESET)
         hooks, _ = _call_parts(hooks, None)
         generator = None if seed is None else seeded_generator(check_seed(seed))
-        used = understanding_positions(self.loaded.tokenizer, prompt, has_image=image is not None, think=s.think)
+        used = understanding_positions(self.loaded.tokenizer, prompt, has_image=image is not None, think=s.think,
+                                       special_tokens=s.prompt_special_tokens)
         check_positions(self.loaded.config, used, 0, "prompt")
         check_positions(self.loaded.config, used, s.max_new_tokens, "max_new_tokens")
         session = self.start_session("understanding", s.max_new_tokens)
         with torch.inference_mode():
             t0 = time.perf_counter()
-            ctx = C.build_understanding_context(self.loaded, session, image, prompt, think=s.think)
+            ctx = C.build_understanding_context(self.loaded, session, image, prompt, think=s.think,
+                                                special_tokens=s.prompt_special_tokens)
             t1 = time.perf_counter()
             context_tokens = ctx.num_tokens
             text, ids = decode_text(self.loaded, ctx, max_new_tokens=s.max_new_tokens, do_sample=s.do_sample,
@@ -283,7 +286,8 @@ class BagelPipeline:
             self.resolve_vae(vae, "encode the source image")
         if decode:
             self.resolve_vae(vae, "decode the latents")
-        used = generation_positions(self.loaded.tokenizer, prompt, has_image=image is not None, think=s.think)
+        used = generation_positions(self.loaded.tokenizer, prompt, has_image=image is not None, think=s.think,
+                                    special_tokens=s.prompt_special_tokens)
         check_positions(self.loaded.config, used, 0, "prompt")
         if s.think:  # the plan is decoded (<= think_max_new_tokens positions) and then re-fed as a text block
             check_positions(self.loaded.config, used, s.think_max_new_tokens + 2, "think_max_new_tokens")
@@ -291,9 +295,12 @@ class BagelPipeline:
         session = self.start_session(task, s.num_steps)
         with torch.inference_mode():
             t0 = time.perf_counter()
-            contexts = self.build_generation_contexts(task, prompt, image=image, width=s.width, height=s.height,
-                                                      think=s.think, generator=generator, session=session,
-                                                      given=given, vae=vae)
+            # as build_generation_contexts, with the prompt read as the settings say
+            encoder = (self.resolve_vae(vae, "encode the source image")
+                       if image is not None and given.source_latent is None else None)
+            contexts = C.build_generation_contexts(self.loaded, session, prompt, image=image, size=(s.width, s.height),
+                                                   think=s.think, generator=generator, given=given, vae=encoder,
+                                                   special_tokens=s.prompt_special_tokens)
             t1 = time.perf_counter()
             think_text = None
             if s.think:
@@ -305,7 +312,8 @@ class BagelPipeline:
                 )
                 session.release("plan")
                 del plan_ctx
-                C.append_text(self.loaded, contexts.gen, think_text)
+                # the model's own plan text is re-fed as the official code does (its control tokens parsed)
+                C.append_text(self.loaded, contexts.gen, think_text, special_tokens=True)
             t2 = time.perf_counter()
             lp = self.loaded.config.latent_downsample
             shape = ((contexts.height // lp) * (contexts.width // lp), self.loaded.config.patch_latent_dim)

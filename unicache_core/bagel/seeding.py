@@ -25,6 +25,8 @@ import struct
 
 import torch
 
+from .settings import is_integer
+
 #: Largest accepted seed (torch generators take unsigned 64-bit seeds).
 MAX_SEED = 2**64 - 1
 _N = 624  # MT19937 state words
@@ -68,9 +70,9 @@ def check_seed(seed: object) -> int:
     """A request's seed: ``None`` gives a random one; else an int in ``[0, 2**64 - 1]``, or a ValueError."""
     if seed is None:
         return random.SystemRandom().randrange(0, 2**63)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+    if not is_integer(seed) or not 0 <= seed <= MAX_SEED:
         raise ValueError(f"`seed` must be an integer in [0, 2**64 - 1] or None, got {seed!r}")
-    return seed
+    return int(seed)
 
 
 def seeded_generator(seed: int) -> torch.Generator:

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ..kv.token_types import TASKS, Task
@@ -46,19 +48,25 @@ MAX_NUM_TIMESTEPS = 1000
 # ------------------------------------------------------------------------------------------ value checks
 
 
+def is_integer(value: object) -> bool:
+    """An integer of any kind (Python or numpy), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
-    """``value`` when it is an int (not a bool) in ``[minimum, maximum]``, else a ValueError naming ``name``."""
-    if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
-            or (maximum is not None and value > maximum)):
+    """``int(value)`` when it is an integer (Python or numpy, not a bool) in ``[minimum, maximum]``, else a
+    ValueError naming ``name``."""
+    if not is_integer(value) or value < minimum or (maximum is not None and value > maximum):
         bound = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
         raise ValueError(f"`{name}` must be an integer {bound}, got {value!r}")
-    return value
+    return int(value)
 
 
 def check_float(name: str, value: object, minimum: float, *, strict: bool = False,
                 maximum: float | None = None) -> float:
-    """``float(value)`` when it is a finite number ``>= minimum`` (``>`` with ``strict``) and ``<= maximum``."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """``float(value)`` when it is a finite real number (Python or numpy, not a bool) ``>= minimum`` (``>`` with
+    ``strict``) and ``<= maximum``."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
     if ok:
         ok = value > minimum if strict else value >= minimum
         ok = ok and (maximum is None or value <= maximum)
@@ -100,7 +108,7 @@ def check_output_size(config, width: object, height: object) -> tuple[int, int]:
     step = config.latent_downsample
     limit = step * config.max_latent_size
     for name, value in (("width", width), ("height", height)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % step or value > limit:
+        if not is_integer(value) or value <= 0 or value % step or value > limit:
             raise ValueError(f"`{name}` must be a positive multiple of {step} and <= {limit}, got {value!r}")
     return width, height
 
@@ -126,6 +134,8 @@ class GenerationSettings:
         think_max_new_tokens, think_do_sample, think_temperature: how the plan is decoded (checked with ``think``).
         width, height: text-to-image output size in pixels (checked against the checkpoint by
             :func:`check_output_size`); an edit's output follows its source image and ignores them.
+        prompt_special_tokens: parse control-token strings in the prompt as the official code does
+            (``<|im_end|>`` becomes the control token); off: the prompt is plain text.
     """
 
     num_timesteps: int = 50
@@ -141,9 +151,10 @@ class GenerationSettings:
     think_temperature: float = 0.3
     width: int = 1024
     height: int = 1024
+    prompt_special_tokens: bool = False
 
     def __post_init__(self) -> None:
-        check_int("num_timesteps", self.num_timesteps, 2, MAX_NUM_TIMESTEPS)
+        steps = check_int("num_timesteps", self.num_timesteps, 2, MAX_NUM_TIMESTEPS)
         lo_shift, hi_shift = TIMESTEP_SHIFT_RANGE
         shift = check_float("timestep_shift", self.timestep_shift, lo_shift, maximum=hi_shift)
         text_scale = check_float("cfg_text_scale", self.cfg_text_scale, 0.0, maximum=MAX_CFG_SCALE)
@@ -161,10 +172,11 @@ class GenerationSettings:
         timesteps, dts = timestep_schedule(self.num_timesteps, shift)
         check_finite(torch.cat([timesteps, dts]), f"the flow schedule of timestep_shift={shift:g}",
                      "choose a timestep_shift nearer 1 (official default 3.0)")
-        normalised = {"timestep_shift": shift, "cfg_text_scale": text_scale, "cfg_img_scale": img_scale,
+        normalised = {"num_timesteps": steps, "timestep_shift": shift, "cfg_text_scale": text_scale, "cfg_img_scale": img_scale,
                       "cfg_interval": (lo, hi), "cfg_renorm_min": renorm_min}
+        check_bool("prompt_special_tokens", self.prompt_special_tokens)
         if check_bool("think", self.think):
-            check_int("think_max_new_tokens", self.think_max_new_tokens, 1)
+            normalised["think_max_new_tokens"] = check_int("think_max_new_tokens", self.think_max_new_tokens, 1)
             if check_bool("think_do_sample", self.think_do_sample):
                 normalised["think_temperature"] = _check_temperature("think_temperature", self.think_temperature)
         for name, value in normalised.items():
@@ -192,15 +204,18 @@ class UnderstandingSettings:
         do_sample: sample tokens (else greedy); ``temperature`` is checked only when sampling.
         temperature: sampling temperature, within :data:`TEMPERATURE_RANGE`.
         think: the think-mode system prompt first (the answer then holds the reasoning).
+        prompt_special_tokens: parse control-token strings in the prompt as the official code does; off: plain text.
     """
 
     max_new_tokens: int = 512
     do_sample: bool = False
     temperature: float = 0.3
     think: bool = False
+    prompt_special_tokens: bool = False
 
     def __post_init__(self) -> None:
-        check_int("max_new_tokens", self.max_new_tokens, 1)
+        object.__setattr__(self, "max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1))
+        check_bool("prompt_special_tokens", self.prompt_special_tokens)
         if check_bool("do_sample", self.do_sample):
             object.__setattr__(self, "temperature", _check_temperature("temperature", self.temperature))
         check_bool("think", self.think)

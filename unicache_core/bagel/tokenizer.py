@@ -11,12 +11,18 @@ cannot drift from what the official inference code runs. Behaviour reproduced (d
 * ``<|im_start|>``, ``<|im_end|>``, ``<|vision_start|>``, ``<|vision_end|>`` added only when missing
   (BAGEL's ``add_special_tokens``), then resolved by id;
 * ``encode`` adds no special tokens; ``decode`` keeps special tokens and joins without spaces.
+
+One deliberate difference: ``encode(text)`` reads the text as plain text, so ``<|im_end|>`` typed in a
+prompt becomes the ordinary BPE tokens of those characters and user text cannot close its own turn.
+``encode(text, special_tokens=True)`` is the official parsing (the slow tokenizer splits on every added
+token, so the same text becomes the control id); the settings' ``special_tokens`` option selects it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -112,7 +118,11 @@ def read_vocab(path: Path) -> dict[str, int]:
 
 
 def read_merges(path: Path) -> list[tuple[str, str]]:
-    """``merges.txt`` → merge pairs in rank order (skips a leading ``#version`` line and blank lines)."""
+    """``merges.txt`` → merge pairs in rank order (skips a leading ``#version`` line and blank lines).
+
+    A file without any merge is refused: the BPE would split every word into single bytes, which the model
+    never saw.
+    """
     try:
         lines = _require(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
@@ -126,7 +136,14 @@ def read_merges(path: Path) -> list[tuple[str, str]]:
         if len(parts) != 2:
             raise CheckpointError(f"tokenizer file {path}, line {i + 1}: expected two tokens, got {raw!r}")
         merges.append((parts[0], parts[1]))
+    if not merges:
+        raise CheckpointError(f"tokenizer file {path} holds no merges, so every word would be split into single "
+                              f"bytes the model never saw; re-download {path.name}")
     return merges
+
+
+#: Content of an added token that would match inside ordinary text (letters, digits, spaces only).
+_ORDINARY_TEXT = re.compile(r"[\w\s]+")
 
 
 def read_added_tokens(path: Path) -> list[AddedTokenSpec]:
@@ -148,6 +165,11 @@ def read_added_tokens(path: Path) -> list[AddedTokenSpec]:
             raise CheckpointError(
                 f"tokenizer file {path}: bad added_tokens_decoder entry {key!r}: {entry!r}; keys must be ids "
                 f">= 0 and entries objects with a non-empty string 'content' (re-download the file)"
+            )
+        if len(content) == 1 or _ORDINARY_TEXT.fullmatch(content):
+            raise CheckpointError(
+                f"tokenizer file {path}: added token {token_id} has the content {content!r}, which is ordinary "
+                f"text: every {content!r} in a prompt would become token {token_id}; re-download the file"
             )
         opts = entry if isinstance(entry, dict) else {}
         specs.append(
@@ -239,6 +261,9 @@ class BagelTokenizer:
                     f"the tokenizer files are inconsistent"
                 )
         self._tok = tok
+        # The same tokenizer with its added tokens switched off in the input: plain text stays plain.
+        self._plain = Tokenizer.from_str(tok.to_str())
+        self._plain.encode_special_tokens = True
         self._vocab = vocab
         self.bos_token_id = vocab[IM_START]
         self.eos_token_id = vocab[IM_END]
@@ -264,11 +289,21 @@ class BagelTokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special-token strings in the text map to their ids; none are added."""
+    def encode(self, text: str, *, special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; none are added.
+
+        ``special_tokens=False``: plain text (``<|im_end|>`` in the text is the BPE tokens of its characters).
+        ``special_tokens=True``: the official parsing, an added token's string in the text maps to its id.
+        """
         if not isinstance(text, str):
             raise ValueError(f"`text` must be a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=False).ids
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"`text` has a lone surrogate {text[exc.start]!r} at index {exc.start}, which is no "
+                                 f"character; pass valid Unicode text") from None
+        return (self._tok if special_tokens else self._plain).encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` (special tokens kept, invalid UTF-8 replaced by U+FFFD)."""
@@ -287,4 +322,19 @@ class BagelTokenizer:
         return {s.content: self._vocab[s.content] for s in self._specs}
 
 
-__all__ = ["BagelTokenizer", "QWEN2_PRETOKENIZE_REGEX", "read_added_tokens", "read_merges", "read_vocab"]
+def check_bagel_tokens(tokenizer: BagelTokenizer, checkpoint_dir: str | Path) -> None:
+    """Refuse a checkpoint's tokenizer that lacks one of BAGEL's four control tokens.
+
+    BAGEL's tokenizer code adds a missing one at a fresh id (:attr:`BagelTokenizer.added_special_tokens`),
+    but a trained checkpoint has its own ids for them: a fresh id is another token's (or an untrained)
+    embedding row, and every prompt would be framed by the wrong tokens.
+    """
+    if tokenizer.added_special_tokens:
+        path = Path(checkpoint_dir) / TOKENIZER_CONFIG_FILE
+        raise CheckpointError(
+            f"tokenizer file {path}: its added_tokens_decoder has no {', '.join(tokenizer.added_special_tokens)}, "
+            f"so they would get new ids the model never learned; re-download {TOKENIZER_CONFIG_FILE}"
+        )
+
+
+__all__ = ["BagelTokenizer", "check_bagel_tokens", "QWEN2_PRETOKENIZE_REGEX", "read_added_tokens", "read_merges", "read_vocab"]

@@ -13,9 +13,12 @@ Resizing is PIL bicubic, exactly what ``torchvision.transforms.functional.resize
 
 Kept official behaviours (deliberately, for parity): EXIF orientation is NOT applied (the stored pixel
 grid is used, as the official code never calls ``ImageOps.exif_transpose``; transpose the image first
-if you want the displayed orientation); 16-bit and float images go through PIL's plain
-``convert("RGB")``, which clips values to 0..255 instead of rescaling; a 1x1 image is upscaled to
-512x512 by the official resize rule.
+if you want the displayed orientation); a 1x1 image is upscaled to 512x512 by the official resize rule.
+
+Where the official ``convert("RGB")`` gives a wrong image, the conversion differs: high-bit-depth
+single-band images are scaled to 8 bits instead of clipped at 255 (a 16-bit gradient gives the 8-bit
+gradient, not an all-white image; :func:`scaled_to_8bit`); every mode with an alpha band (``LA``,
+``PA``, ``RGBa``) is composited on white like RGBA, instead of dropping the alpha.
 """
 
 from __future__ import annotations
@@ -43,15 +46,46 @@ def check_image(image: object, name: str = "image") -> Image.Image:
     return image
 
 
-def pil_img2rgb(image: Image.Image, name: str = "image") -> Image.Image:
-    """Convert to RGB; RGBA images and images with a ``transparency`` entry are composited on white.
+#: Full scales a high-bit-depth single-band mode may have, smallest first: the pixels are scaled by 255 / the
+#: smallest one that holds every value. ``I;16*`` is 16-bit storage; ``I`` and ``F`` carry no range of their own
+#: (``I`` from a 32-bit file or from ``convert("I")`` of an 8-bit image; ``F`` in [0, 1] or on an integer scale).
+HIGH_BIT_DEPTH_FULL_SCALE = {"I;16": (65535,), "I;16L": (65535,), "I;16B": (65535,), "I;16N": (65535,),
+                             "I": (255, 65535), "F": (1.0, 255, 65535)}
+#: Modes with an alpha band that PIL converts to RGBA (composited on white like RGBA).
+ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa")
 
-    This is the official rule: other modes (``L``, ``LA`` without a transparency entry, ``CMYK``, ...)
-    are converted with a plain ``convert("RGB")``, which drops an alpha channel.
+
+def scaled_to_8bit(image: Image.Image, name: str = "image") -> Image.Image:
+    """A high-bit-depth single-band image (:data:`HIGH_BIT_DEPTH_FULL_SCALE`) → mode ``L``, scaled by 255 / its full
+    scale and rounded. A value outside ``[0, largest full scale]`` (or not finite) has no 8-bit meaning and is
+    refused with a ValueError.
+    """
+    scales = HIGH_BIT_DEPTH_FULL_SCALE[image.mode]
+    values = np.asarray(image, dtype=np.float64)  # [H, W]
+    finite = bool(np.isfinite(values).all())
+    lo, hi = (float(values.min()), float(values.max())) if finite else (float("nan"), float("nan"))
+    if not finite or lo < 0 or hi > scales[-1]:
+        shown = "non-finite values" if not finite else f"values in [{lo:g}, {hi:g}]"
+        raise ValueError(
+            f"`{name}` is a {image.mode!r} image with {shown}, outside its full scale [0, {scales[-1]:g}]; save it "
+            f"as an 8- or 16-bit image (or scale it into [0, {scales[-1]:g}]) first"
+        )
+    full = next(scale for scale in scales if hi <= scale)
+    return Image.fromarray(np.rint(values * (255.0 / full)).astype(np.uint8), mode="L")
+
+
+def pil_img2rgb(image: Image.Image, name: str = "image") -> Image.Image:
+    """Convert to RGB; images with an alpha band or a ``transparency`` entry are composited on white.
+
+    The official rule composites RGBA and ``transparency`` images and converts other modes with a plain
+    ``convert("RGB")``; here other alpha modes are composited too, and high-bit-depth single-band images are
+    scaled (:func:`scaled_to_8bit`) instead of clipped.
     """
     image = check_image(image, name)
+    if image.mode in HIGH_BIT_DEPTH_FULL_SCALE:
+        return scaled_to_8bit(image, name).convert("RGB")
     try:
-        if image.mode == "RGBA" or image.info.get("transparency") is not None:
+        if image.mode in ALPHA_MODES or image.info.get("transparency") is not None:
             rgba = image.convert("RGBA")
             white = Image.new("RGB", rgba.size, (255, 255, 255))
             white.paste(rgba, mask=rgba.split()[3])

@@ -31,15 +31,23 @@ def parse_kv_target(value: Any) -> float | int | None:
         text = value.strip()
         if text.endswith("%"):
             try:
-                return parse_kv_target(float(text[:-1]) / 100.0)
+                percent = float(text[:-1])
             except ValueError:
                 raise ValueError(f"`kv_target` {value!r} is not a percentage like '20%'") from None
+            if not math.isfinite(percent) or not 0.0 < percent <= 100.0:
+                raise ValueError(f"`kv_target` {value!r} is outside (0%, 100%]; give the share of the KV to keep, "
+                                 f"e.g. 20% (5x less KV)")
+            return percent / 100.0
         match = _SIZE.match(text)
         if not match:
             raise ValueError(f"`kv_target` {value!r} is neither a ratio (0.2, 20%) nor a size (150MB, 64MiB, 123456)")
         number, unit = float(match.group(1)), (match.group(2) or "").lower()
-        if unit:
-            return parse_kv_target(int(number * _UNITS[unit]))
+        if unit:  # a size is always a byte count, even when it comes out as 1
+            size = int(number * _UNITS[unit])
+            if size <= 1:
+                raise ValueError(f"`kv_target` {value!r} is {size} byte(s), which holds no KV; give a size of at "
+                                 f"least one KV row (e.g. 150MB) or a ratio (0.2, 20%)")
+            return size
         return parse_kv_target(number if "." in match.group(1) else int(match.group(1)))
     if isinstance(value, int):
         if value == 1:

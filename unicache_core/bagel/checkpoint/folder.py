@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ...errors import CheckpointError
 from ..config import AE_CONFIG_FILE, LLM_CONFIG_FILE, VIT_CONFIG_FILE, BagelConfig, load_bagel_config
-from ..tokenizer import BagelTokenizer
+from ..tokenizer import BagelTokenizer, check_bagel_tokens
 from .config_check import check_model_config, check_vae_config
 from .header import SafetensorsHeader, read_header
 from .model_id import model_id_of
@@ -64,6 +64,7 @@ def inspect_folder(root: str | Path) -> FolderCheckpoint:
     root = Path(root)
     config = load_bagel_config(root)
     tokenizer = BagelTokenizer.from_dir(root)
+    check_bagel_tokens(tokenizer, root)
     if tokenizer.vocab_size > config.llm.vocab_size:
         raise CheckpointError(
             f"the tokenizer in {root} has {tokenizer.vocab_size} ids but llm_config.json says vocab_size="

@@ -1,0 +1,81 @@
+"""Checks of node inputs that ComfyUI's own validation lets through.
+
+* :func:`check_widgets` is the body of the nodes' ``VALIDATE_INPUTS``: ComfyUI compares a FLOAT with its
+  ``min``/``max`` by ``<``/``>``, so ``nan`` passes, and it never checks an INT's ``step``. A node that declares
+  an input in ``VALIDATE_INPUTS`` also loses ComfyUI's range check for it, so the range is checked here too.
+  A failure is refused at ``/prompt`` (HTTP 400) with one line naming the input and the value.
+* :func:`check_source_latent` refuses a ``LATENT`` that is not an encoded image of this model's VAE format
+  (another model's channel count, a video latent, an empty latent, non-finite values) before anything runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: Widgets whose value must be a multiple of their ``step`` (the output size: latent tokens are ``step`` px).
+MULTIPLE_OF_STEP = ("width", "height")
+
+
+def _spec_options(node_class, name: str) -> dict:
+    inputs = node_class.INPUT_TYPES()
+    spec = {**inputs.get("required", {}), **inputs.get("optional", {})}[name]
+    return spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+
+
+def check_widgets(node_class, **values) -> bool | str:
+    """``True``, or one line naming the first widget value outside its spec: not finite, below ``min``, above
+    ``max``, or (for :data:`MULTIPLE_OF_STEP`) not a multiple of ``step``. ``None`` (a linked widget, whose
+    value is not known at validation) is left to the node's run-time check."""
+    for name, value in values.items():
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        opts = _spec_options(node_class, name)
+        lo, hi = opts.get("min"), opts.get("max")
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{name} = {value!r} is not a finite number; give a value in [{lo}, {hi}]"
+        if lo is not None and value < lo or hi is not None and value > hi:
+            return f"{name} = {value!r} is outside [{lo}, {hi}]; give a value in that range"
+        step = opts.get("step")
+        if name in MULTIPLE_OF_STEP and step and value % step:
+            low = max(step, value - value % step)
+            return (f"{name} = {value!r} is not a multiple of {step} (BAGEL's latent tokens are {step} px wide); use "
+                    f"{low} or {low + step}")
+    return True
+
+
+def check_source_latent(latent, channels: int, name: str = "latent"):
+    """The ``samples`` ``[batch, channels, h, w]`` of a ComfyUI ``LATENT`` that holds encoded images of this
+    model's VAE (``channels``: the checkpoint's ``z_channels``, 16 for BAGEL's FLUX VAE); else a ValueError.
+
+    Refused: not a LATENT dict, a video latent (5 dims), another model's channel count (4 for SD1/SDXL, 32 or
+    128 for FLUX.2), non-finite values and a constant latent (an empty latent such as EmptySD3LatentImage's
+    zeros is not an encoded image). The spatial size is not checked here.
+    """
+    import torch
+
+    samples = latent.get("samples") if isinstance(latent, dict) else None
+    if not isinstance(samples, torch.Tensor):
+        got = type(latent).__name__ if samples is None else f"samples of type {type(samples).__name__}"
+        raise ValueError(f"`{name}` must be a LATENT {{'samples': [batch, {channels}, H/8, W/8]}} from VAEEncode, "
+                         f"got {got}")
+    if samples.ndim != 4 or samples.shape[1] != channels:
+        raise ValueError(
+            f"`{name}` has shape {tuple(samples.shape)}, not a LATENT [batch, {channels}, H/8, W/8] of BAGEL's FLUX VAE "
+            f"(another model's latent?); encode the source with VAEEncode and the FLUX VAE (ae.safetensors)"
+        )
+    if samples.numel() == 0:
+        raise ValueError(f"`{name}` is empty (shape {tuple(samples.shape)}); encode the source image with VAEEncode")
+    finite = torch.isfinite(samples)
+    if not bool(finite.all()):
+        raise ValueError(f"`{name}` holds {int((~finite).sum())} NaN or infinite values; encode the source image "
+                         f"again with VAEEncode")
+    first = samples.reshape(-1)[0]
+    if bool((samples == first).all()):
+        raise ValueError(
+            f"`{name}` holds only the value {float(first):g}: an empty latent (e.g. EmptySD3LatentImage), not an "
+            f"encoded image; connect VAEEncode of the source image with the FLUX VAE"
+        )
+    return samples
+
+
+__all__ = ["MULTIPLE_OF_STEP", "check_source_latent", "check_widgets"]

@@ -1,0 +1,97 @@
+"""Node inputs ComfyUI's own validation lets through: ``nan``/``inf`` floats, sizes off the latent grid (refused by
+``VALIDATE_INPUTS``, so ``/prompt`` answers HTTP 400), and source latents of another model's format."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from nodes.kv_nodes import UniCacheKVConfig
+from nodes.task_nodes import UniCacheImageEdit, UniCacheTextToImage, UniCacheUnderstand
+from nodes.validation import check_source_latent, check_widgets
+
+T2I_OK = dict(width=64, height=48, cfg_text_scale=4.0, cfg_img_scale=1.5, cfg_interval_lo=0.4, cfg_interval_hi=1.0,
+              timestep_shift=3.0, cfg_renorm_min=0.0)
+
+
+def test_validate_inputs_takes_only_widgets_of_the_node():
+    for cls in (UniCacheTextToImage, UniCacheImageEdit, UniCacheUnderstand, UniCacheKVConfig):
+        spec = cls.INPUT_TYPES()
+        widgets = {**spec["required"], **spec.get("optional", {})}
+        names = [n for n in inspect.signature(cls.VALIDATE_INPUTS).parameters]
+        assert names and all(widgets[n][0] in ("INT", "FLOAT") for n in names), cls.__name__
+
+
+def test_defaults_and_edges_pass():
+    assert UniCacheTextToImage.VALIDATE_INPUTS(**T2I_OK) is True
+    assert UniCacheTextToImage.VALIDATE_INPUTS(**{**T2I_OK, "width": 1024, "cfg_text_scale": 0.0}) is True
+    assert UniCacheImageEdit.VALIDATE_INPUTS(**{k: v for k, v in T2I_OK.items() if "cfg" in k or "shift" in k}) is True
+    assert UniCacheUnderstand.VALIDATE_INPUTS(temperature=0.3) is True
+    assert UniCacheKVConfig.VALIDATE_INPUTS(kv_target=0.0, rho=0.0, rho_floor=-1.0) is True
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"width": 40}, "width = 40 is not a multiple of 16 (BAGEL's latent tokens are 16 px wide); use 32 or 48"),
+    ({"height": 8}, "height = 8 is outside [16, 1024]"),
+    ({"height": 1040}, "height = 1040 is outside [16, 1024]"),
+    ({"cfg_text_scale": math.nan}, "cfg_text_scale = nan is not a finite number"),
+    ({"cfg_img_scale": math.inf}, "cfg_img_scale = inf is not a finite number"),
+    ({"timestep_shift": -math.inf}, "timestep_shift = -inf is not a finite number"),
+    ({"cfg_renorm_min": 1.5}, "cfg_renorm_min = 1.5 is outside [0.0, 1.0]"),
+])
+def test_t2i_refuses_at_validation(change, message):
+    assert message in UniCacheTextToImage.VALIDATE_INPUTS(**{**T2I_OK, **change})
+
+
+def test_linked_widgets_are_left_to_run_time():
+    assert check_widgets(UniCacheTextToImage, width=None, cfg_text_scale=None) is True
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"kv_target": math.nan, "rho": 0.0, "rho_floor": -1.0}, "kv_target = nan is not a finite number"),
+    ({"kv_target": 0.0, "rho": math.nan, "rho_floor": -1.0}, "rho = nan"),
+    ({"kv_target": 0.0, "rho": 0.0, "rho_floor": math.nan}, "rho_floor = nan"),
+])
+def test_kv_config_nan_is_refused_not_read_as_unset(values, message):
+    assert message in UniCacheKVConfig.VALIDATE_INPUTS(**values)
+    with pytest.raises(ValueError, match=f"UniCache KV config: {message}"):
+        UniCacheKVConfig().build("unicache", policy="default", **values)
+    assert "temperature = nan" in UniCacheUnderstand.VALIDATE_INPUTS(temperature=math.nan)
+
+
+def _latent(*shape, fill=None):
+    samples = torch.randn(*shape) if fill is None else torch.full(shape, fill)
+    return {"samples": samples}
+
+
+@pytest.mark.parametrize("latent, message", [
+    (_latent(1, 16, 8, 8, fill=0.0), r"holds only the value 0: an empty latent \(e.g. EmptySD3LatentImage\)"),
+    (_latent(1, 4, 8, 8), r"has shape \(1, 4, 8, 8\), not a LATENT \[batch, 16, H/8, W/8\] of BAGEL's FLUX VAE"),
+    (_latent(1, 16, 1, 8, 8), r"has shape \(1, 16, 1, 8, 8\)"),
+    (_latent(1, 128, 4, 4), r"has shape \(1, 128, 4, 4\)"),
+    (_latent(1, 16, 0, 8), r"is empty"),
+    ({"samples": torch.tensor([[[[math.nan, 1.0]]]]).expand(1, 16, 1, 2)}, r"holds 16 NaN or infinite values"),
+    ({"noise": torch.zeros(1)}, r"must be a LATENT .* got dict"),
+    (torch.zeros(1, 16, 8, 8), r"must be a LATENT .* got Tensor"),
+])
+def test_source_latent_of_another_format_is_refused(latent, message):
+    with pytest.raises(ValueError, match=message):
+        check_source_latent(latent, 16)
+
+
+def test_encoded_latent_of_any_size_passes():
+    for shape in ((1, 16, 8, 8), (2, 16, 5, 13)):
+        latent = _latent(*shape)
+        assert check_source_latent(latent, 16) is latent["samples"]
+
+
+def test_image_with_nan_is_refused():
+    from nodes.convert import image_to_pils
+
+    image = torch.rand(1, 8, 8, 3)
+    image[0, 1, 2, 0] = math.nan
+    with pytest.raises(ValueError, match=r"`image` holds 1 NaN or infinite values"):
+        image_to_pils(image)
