@@ -20,6 +20,7 @@ import torch
 from ..cli import OneLineParser as _Parser, path_arg as _path
 from ..errors import UniCacheError
 from .cli_checks import preflight, save_image
+from .memory_cli import add_memory_arguments
 from .request import RunHooks
 from .settings import BUNDLED_CHECKPOINT, BUNDLED_CHECKPOINT_DIR, EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
 
@@ -42,6 +43,7 @@ def _build_parser() -> argparse.ArgumentParser:
         text.add_argument("--prompt-file", type=_path, help="read the prompt from a UTF-8 text file")
         p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="LLM/ViT dtype (VAE is fp32)")
         p.add_argument("--device", default="auto", help="torch device, or 'auto' (cuda when available)")
+        add_memory_arguments(p)
         p.add_argument("--seed", type=int, default=0, help="noise / sampling seed")
         p.add_argument("--think", action="store_true", help="think mode (system prompt + planning text)")
         p.add_argument("--do-sample", action="store_true", help="sample text instead of greedy decoding")
@@ -133,7 +135,9 @@ def _run(args: argparse.Namespace) -> int:
     from ..compression import make_cache_factory
 
     factory = make_cache_factory(kv_config, checkpoint_dir=str(args.checkpoint))
-    pipe = BagelPipeline(load_bagel(args.checkpoint, dtype=_DTYPES[args.dtype], device=checked.device), factory)
+    loaded = load_bagel(args.checkpoint, dtype=_DTYPES[args.dtype], device=checked.device,
+                        weight_dtype=args.weight_dtype, offload=args.offload)
+    pipe = BagelPipeline(loaded, factory)
     if args.command == "understand":
         bar = _progress("decoding", args.quiet)
         result = pipe.understand(checked.prompt, checked.image, checked.settings, seed=checked.seed,
