@@ -20,7 +20,7 @@ import torch
 from ..cli import OneLineParser as _Parser, path_arg as _path
 from ..errors import UniCacheError
 from .cli_checks import preflight, save_image
-from .memory_cli import add_memory_arguments
+from .memory_cli import add_memory_arguments, add_plan_parser, refuse_unfitting_run, run_plan
 from .request import RunHooks
 from .settings import BUNDLED_CHECKPOINT, BUNDLED_CHECKPOINT_DIR, EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
 
@@ -90,6 +90,7 @@ def _build_parser() -> argparse.ArgumentParser:
     common(p_edit)
     flow(p_edit, EDIT_DEFAULTS)
     p_edit.add_argument("--image", type=_path, required=True, help="source image")
+    add_plan_parser(sub)
     return parser
 
 
@@ -124,12 +125,15 @@ def _progress(label: str, quiet: bool) -> _Bar | None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "plan":
+        return run_plan(args)
     from .checkpoint.loader import load_bagel
     from .pipeline import BagelPipeline
 
     if args.checkpoint is None:
         args.checkpoint = BUNDLED_CHECKPOINT_DIR
     checked = preflight(args)  # every argument, the image and --out: before any weights load
+    refuse_unfitting_run(args, checked)  # the planned peak against the device's memory
     kv_config = _kv_config(args)  # every KV flag is checked before the model loads
     logger.info("loading %s (%s on %s)", args.checkpoint, args.dtype, checked.device)
     from ..compression import make_cache_factory
