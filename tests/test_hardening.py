@@ -338,7 +338,7 @@ def test_model_build_failure_is_a_checkpoint_error(tiny_checkpoint, monkeypatch)
     def overflow(*args, **kwargs):
         raise RuntimeError("Storage size calculation overflowed with sizes=[1099511627776, 1099511627776]")
 
-    monkeypatch.setattr(loader_module, "Bagel", overflow)
+    monkeypatch.setattr(loader_module, "build_bagel", overflow)  # the loader builds through it
     with pytest.raises(CheckpointError, match="cannot build the model described by the config files.*overflowed"):
         load_bagel(tiny_checkpoint, dtype="fp32")
 

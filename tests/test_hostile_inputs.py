@@ -158,12 +158,12 @@ def test_pickle_file_named_safetensors(tiny_checkpoint_copy, monkeypatch):
 
 
 def test_out_of_memory_is_not_reported_as_corruption(tiny_checkpoint, monkeypatch):
-    from unicache_core.bagel.checkpoint import loader as loader_module
+    from unicache_core.bagel.checkpoint.tensor_file import TensorFile
 
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(loader_module, "safe_open", no_memory)
+    monkeypatch.setattr(TensorFile, "read", no_memory)  # the loader reads every tensor through it
     with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
         load_bagel(tiny_checkpoint)
 

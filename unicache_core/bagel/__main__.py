@@ -20,6 +20,7 @@ import torch
 from ..cli import OneLineParser as _Parser, path_arg as _path
 from ..errors import UniCacheError
 from .cli_checks import preflight, save_image, save_text
+from .memory_cli import add_memory_arguments, add_plan_parser, refuse_unfitting_run, run_plan
 from .request import RunHooks
 from .settings import BUNDLED_CHECKPOINT, BUNDLED_CHECKPOINT_DIR, EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
 
@@ -42,6 +43,7 @@ def _build_parser() -> argparse.ArgumentParser:
         text.add_argument("--prompt-file", type=_path, help="read the prompt from a UTF-8 text file")
         p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="LLM/ViT dtype (VAE is fp32)")
         p.add_argument("--device", default="auto", help="torch device, or 'auto' (cuda when available)")
+        add_memory_arguments(p)
         p.add_argument("--seed", type=int, default=0, help="noise / sampling seed")
         p.add_argument("--think", action="store_true", help="think mode (system prompt + planning text)")
         p.add_argument("--allow-special-tokens", action="store_true",
@@ -91,6 +93,7 @@ def _build_parser() -> argparse.ArgumentParser:
     common(p_edit)
     flow(p_edit, EDIT_DEFAULTS)
     p_edit.add_argument("--image", type=_path, required=True, help="source image")
+    add_plan_parser(sub)
     return parser
 
 
@@ -125,18 +128,23 @@ def _progress(label: str, quiet: bool) -> _Bar | None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "plan":
+        return run_plan(args)
     from .checkpoint.loader import load_bagel
     from .pipeline import BagelPipeline
 
     if args.checkpoint is None:
         args.checkpoint = BUNDLED_CHECKPOINT_DIR
     checked = preflight(args)  # every argument, the image and --out: before any weights load
+    refuse_unfitting_run(args, checked)  # the planned peak against the device's memory
     kv_config = _kv_config(args)  # every KV flag is checked before the model loads
     logger.info("loading %s (%s on %s)", args.checkpoint, args.dtype, checked.device)
     from ..compression import make_cache_factory
 
     factory = make_cache_factory(kv_config, checkpoint_dir=str(args.checkpoint))
-    pipe = BagelPipeline(load_bagel(args.checkpoint, dtype=_DTYPES[args.dtype], device=checked.device), factory)
+    loaded = load_bagel(args.checkpoint, dtype=_DTYPES[args.dtype], device=checked.device,
+                        weight_dtype=args.weight_dtype, offload=args.offload)
+    pipe = BagelPipeline(loaded, factory)
     if args.command == "understand":
         bar = _progress("decoding", args.quiet)
         result = pipe.understand(checked.prompt, checked.image, checked.settings, seed=checked.seed,

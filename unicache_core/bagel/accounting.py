@@ -162,6 +162,11 @@ def request_memory_bytes(config: BagelConfig, dtype: torch.dtype, tokens: Reques
     full cache), plus the working memory of the largest forward: fp32 attention scores of one layer,
     the MLP activations, and the fp32 VAE decode (about six full-resolution feature maps alive).
     """
+    return int(sum(request_memory_parts(config, dtype, tokens).values()))
+
+
+def request_memory_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens) -> dict[str, int]:
+    """:func:`request_memory_bytes` by part: ``kv``, ``attention``, ``mlp`` and ``vae`` bytes."""
     llm = config.llm
     element = torch.empty((), dtype=dtype).element_size()
     kv = sum(tokens.kv_bytes(config, dtype).values())
@@ -171,7 +176,7 @@ def request_memory_bytes(config: BagelConfig, dtype: torch.dtype, tokens: Reques
     mlp = queries * (llm.intermediate_size * 3 + llm.hidden_size * 8) * max(element, 4)
     pixels = tokens.latent * config.latent_downsample ** 2
     vae = pixels * config.ae.ch * config.ae.ch_mult[0] * 4 * 6
-    return int(kv + attention + mlp + vae)
+    return {"kv": int(kv), "attention": int(attention), "mlp": int(mlp), "vae": int(vae)}
 
 
 __all__ = [
@@ -183,5 +188,6 @@ __all__ = [
     "image_tokens",
     "kv_bytes_per_token",
     "request_memory_bytes",
+    "request_memory_parts",
     "understanding_positions",
 ]

@@ -31,6 +31,7 @@ from ..kv.cache import AttentionCall, CacheSession, KVCache, Phase
 from ..kv.token_types import TokenType
 from .checkpoint.loader import LoadedBagel
 from .modeling import AutoEncoder
+from .modeling.qwen2_mot import BranchInput
 from .numerics import check_finite, check_noise
 from .request import NO_GIVEN_LATENTS, GivenLatents
 from .sampling import pack_latent
@@ -171,35 +172,45 @@ def append_vae(loaded: LoadedBagel, ctx: Context, latent: Tensor, h: int, w: int
     return n
 
 
-def latent_velocity(
+def latent_velocities(
     loaded: LoadedBagel,
-    ctx: Context,
+    contexts: dict[str, Context],
     embeds: Tensor,
     *,
     step: int,
     timestep: float,
     phase: Phase = "denoise",
-) -> Tensor:
-    """One denoising forward of the latent query block over ``ctx`` (not cached).
+) -> dict[str, Tensor]:
+    """One denoising forward of the latent query block over each context (not cached), the contexts together.
+
+    The blocks run through the decoder layer by layer (:meth:`~.modeling.Bagel.forward_llm_branches`), so a
+    low-precision or offloaded layer is upcast or copied once for all of them; each context's result equals
+    its forward alone. Each cache sees its own ``begin_call``, ``attend`` per layer and ``end_call``, in that
+    order (the caches' calls interleave by layer; a cache's stores are never modified in place by another's).
 
     Args:
-        embeds: ``[N + 2, H]`` from :func:`latent_block_embeds` (shared by all CFG branches).
+        contexts: branch name → context, in the order the branches run.
+        embeds: ``[N + 2, H]`` from :func:`latent_block_embeds` (shared by all contexts).
 
     Returns:
-        ``[N, 64]`` velocity (``llm2vae`` of the latent positions).
+        branch name → ``[N, 64]`` velocity (``llm2vae`` of the latent positions).
     """
     device = loaded.device
     n = embeds.shape[0]
-    positions = torch.full((n,), ctx.rope, dtype=torch.long, device=device)
     types = _types(
         (TokenType.BOUNDARY, 1), (TokenType.CURRENT_LATENT, n - 2), (TokenType.BOUNDARY, 1), device=device
     )
-    call = AttentionCall(
-        token_types=types, rope_positions=positions, causal=False, update=False, phase=phase, step=step,
-        timestep=timestep,
-    )
-    hidden = loaded.model.forward_llm(embeds, positions, ctx.cache, call, gen_mask=latent_gen_mask(n - 2, device))
-    return loaded.model.latent_velocity(hidden[1:-1])
+    mask = latent_gen_mask(n - 2, device)
+    blocks = []
+    for ctx in contexts.values():
+        positions = torch.full((n,), ctx.rope, dtype=torch.long, device=device)
+        call = AttentionCall(
+            token_types=types, rope_positions=positions, causal=False, update=False, phase=phase, step=step,
+            timestep=timestep,
+        )
+        blocks.append(BranchInput(embeds, positions, ctx.cache, call, mask))
+    hidden = loaded.model.forward_llm_branches(blocks)
+    return {name: loaded.model.latent_velocity(h[1:-1]) for name, h in zip(contexts, hidden)}
 
 
 def decode_step(loaded: LoadedBagel, ctx: Context, token_id: int, step: int, token_type: TokenType) -> Tensor:

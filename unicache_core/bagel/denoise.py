@@ -57,14 +57,16 @@ def branch_velocities(
     """Raw velocities ``[h*w, 64]`` (model dtype) of the listed branches for latents ``x`` ``[h*w, 64]`` at ``t``.
 
     The query embeddings are built once and shared by every branch; each branch's latent block
-    sits at its own context's rope. Caches are not modified.
+    sits at its own context's rope. The branches run through the decoder together, layer by layer
+    (:func:`~.contexts.latent_velocities`: one upcast or copy of each layer per step). Caches are not modified.
     """
     lp = loaded.config.latent_downsample
     h, w = contexts.height // lp, contexts.width // lp
     timestep = float(t)
     embeds = C.latent_block_embeds(loaded, x, h, w, timestep)
     by_name = contexts.branches()
-    return {name: C.latent_velocity(loaded, by_name[name], embeds, step=step, timestep=timestep) for name in branches}
+    return C.latent_velocities(loaded, {name: by_name[name] for name in branches}, embeds, step=step,
+                               timestep=timestep)
 
 
 @torch.inference_mode()

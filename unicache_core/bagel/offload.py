@@ -62,11 +62,11 @@ def _set_tensor(module: nn.Module, name: str, is_param: bool, value: Tensor) -> 
 class _HostLayer:
     """One decoder layer: its tensors' host copies and, while visiting, their device copies."""
 
-    layer: nn.Module
-    slots: list[tuple[nn.Module, str, bool]]
-    host: list[Tensor]
-    device_copies: list[Tensor] | None = None
-    ready: Any = None  # CUDA event recorded after the prefetch copies
+    layer: nn.Module = field(repr=False)
+    slots: list[tuple[nn.Module, str, bool]] = field(repr=False)
+    host: list[Tensor] = field(repr=False)
+    device_copies: list[Tensor] | None = field(default=None, repr=False)
+    ready: Any = field(default=None, repr=False)  # CUDA event recorded after the prefetch copies
 
 
 @dataclass
@@ -81,7 +81,7 @@ class LayerOffload:
 
     device: torch.device
     prefetch: bool
-    layers: list[_HostLayer]
+    layers: list[_HostLayer] = field(repr=False)
     stream: Any = None
     current: int | None = None
     transfers: int = 0

@@ -39,10 +39,20 @@ _PREFIX_BYTES = 9
 
 
 class TensorEntry(NamedTuple):
-    """One tensor of a header: its safetensors dtype name (``"BF16"``, ``"F32"``, ...) and shape."""
+    """One tensor of a header: its safetensors dtype name (``"BF16"``, ``"F32"``, ...), its shape and where its
+    data starts in the file (``data_start``, bytes from the file's first byte; ``numel * itemsize`` bytes)."""
 
     dtype: str
     shape: tuple[int, ...]
+    data_start: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's data in the file."""
+        count = 1
+        for d in self.shape:
+            count *= d
+        return count * DTYPE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -110,8 +120,9 @@ def _check_is_weights_file(path: Path) -> None:
         )
 
 
-def _parse_entries(header: dict, bad) -> tuple[dict[str, TensorEntry], list[tuple[int, int]]]:
-    """Every tensor entry of a parsed header, checked; and the ``(begin, end)`` byte span of each."""
+def _parse_entries(header: dict, bad, data_base: int) -> tuple[dict[str, TensorEntry], list[tuple[int, int]]]:
+    """Every tensor entry of a parsed header, checked; and the ``(begin, end)`` byte span of each (relative to the
+    data, which starts at byte ``data_base`` of the file)."""
     tensors, spans = {}, []
     for name, entry in header.items():
         ok = isinstance(entry, dict) and entry.get("dtype") in DTYPE_BYTES and isinstance(entry.get("shape"), list)
@@ -126,7 +137,7 @@ def _parse_entries(header: dict, bad) -> tuple[dict[str, TensorEntry], list[tupl
             count *= d
         if offsets[1] - offsets[0] != count * DTYPE_BYTES[entry["dtype"]] or offsets[0] < 0:
             raise bad(f"tensor {name!r}: data_offsets {offsets} do not hold a {entry['dtype']} {entry['shape']} tensor")
-        tensors[name] = TensorEntry(entry["dtype"], tuple(entry["shape"]))
+        tensors[name] = TensorEntry(entry["dtype"], tuple(entry["shape"]), data_base + offsets[0])
         spans.append((offsets[0], offsets[1]))
     return tensors, spans
 
@@ -174,7 +185,7 @@ def read_header(path: str | Path, *, check_data_size: bool = True) -> Safetensor
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise bad("__metadata__ must map strings to strings")
-    tensors, spans = _parse_entries(header, bad)
+    tensors, spans = _parse_entries(header, bad, 8 + n)
     end = 0
     for lo, hi in sorted(spans):
         if lo != end:

@@ -26,17 +26,19 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors import safe_open
 
 from ...errors import CheckpointError
 from ..config import AE_CONFIG_FILE, BagelConfig
 from ..modeling import AutoEncoder, Bagel
 from ..numerics import check_weight
+from ..offload import LayerOffload, apply_layer_offload
 from ..tokenizer import BagelTokenizer
+from ..weights import assign_checkpoint_tensor, build_bagel, checkpoint_shapes, parse_weight_dtype
 from .config_check import check_vae_config
 from .folder import inspect_folder
 from .header import SafetensorsHeader, read_header
 from .single_file import check_single_file_name, check_tokenizer, inspect_single_file
+from .tensor_file import TensorFile
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,9 @@ class LoadedBagel:
         variant: the single file's metadata ``variant`` (``None`` for a folder).
         metadata: the single file's ``comfyui_bagel`` metadata (``None`` for a folder).
         tokenizer_dir: where the tokenizer files were read (the folder itself for the folder form).
+        weight_dtype: how the Linear/Embedding weights are stored (:data:`~..weights.WEIGHT_DTYPES`; ``dtype`` is
+            the compute dtype they are upcast to).
+        offload: the layer offload handle with ``offload="layers"`` (:mod:`..offload`), else ``None``.
     """
 
     model: Bagel
@@ -71,6 +76,8 @@ class LoadedBagel:
     variant: str | None = None
     metadata: dict | None = None
     tokenizer_dir: Path | None = None
+    weight_dtype: str = "auto"
+    offload: LayerOffload | None = None
 
 
 def _listing(names: list[str]) -> str:
@@ -103,56 +110,34 @@ def _check_names_and_shapes(header: SafetensorsHeader, expected: Mapping[str, to
             )
 
 
-def _assign_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Make ``tensor`` the parameter or buffer ``name`` of ``module`` in place (no copy)."""
-    owner_name, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(owner_name)
-    result = owner.load_state_dict({leaf: tensor}, strict=False, assign=True)
-    if result.unexpected_keys:  # cannot happen after the name check
-        raise CheckpointError(f"internal error: {name!r} is not a parameter or buffer of the built model")
-
-
-def _corrupt(path: Path, exc: Exception) -> CheckpointError:
-    return CheckpointError(
-        f"cannot read {path}: {type(exc).__name__}: {exc}. The file is corrupt or truncated; re-download it"
-    )
-
-
-def _open(path: Path, device: str):
-    """``safe_open`` of ``path``; its errors (several types for corrupt or truncated files) as one message."""
-    try:
-        return safe_open(str(path), framework="pt", device=device)
-    except (MemoryError, torch.OutOfMemoryError):
-        raise  # out of memory is not file corruption: keep the real error
-    except Exception as exc:
-        raise _corrupt(path, exc) from None
-
-
-def _read_tensor(handle, path: Path, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """Tensor ``name`` of the open file, cast to ``dtype``; a non-float or non-finite tensor is refused."""
-    try:
-        stored = handle.get_tensor(name)
-    except (MemoryError, torch.OutOfMemoryError):
-        raise
-    except Exception as exc:
-        raise _corrupt(path, exc) from None
+def _read_tensor(file: TensorFile, name: str) -> torch.Tensor:
+    """Tensor ``name`` of ``file`` as stored; a non-float tensor is refused."""
+    stored = file.read(name)
     if not stored.is_floating_point():
-        raise CheckpointError(f"{path}: tensor {name!r} has non-float dtype {stored.dtype}")
-    tensor = stored.to(dtype)
-    check_weight(path, name, stored, tensor)  # NaN/inf in the file, or overflow of `dtype`
-    return tensor
+        raise CheckpointError(f"{file.header.path}: tensor {name!r} has non-float dtype {stored.dtype}")
+    return stored
 
 
-def _load_weights(module: torch.nn.Module, header: SafetensorsHeader, *, device: torch.device,
-                  dtype: torch.dtype) -> None:
-    """Check the names/shapes of ``header`` against ``module``, then read its tensors one at a time as ``dtype`` on
-    ``device``, each assigned into ``module`` as soon as it is read and checked."""
-    _check_names_and_shapes(header, {name: t.shape for name, t in module.state_dict().items()})
-    with _open(header.path, "cpu" if device.type == "meta" else str(device)) as handle:
+def _placed_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
+    owner_name, _, leaf = name.rpartition(".")
+    return getattr(module.get_submodule(owner_name), leaf)
+
+
+def _load_weights(module: torch.nn.Module, header: SafetensorsHeader, *, device: torch.device) -> None:
+    """Check the names/shapes of ``header`` against ``module`` (built on the meta device), then read its tensors
+    one at a time, each converted to the storage ``module`` declares for it, placed on ``device`` and checked
+    to be finite before the next is read (:func:`~..weights.assign_checkpoint_tensor`)."""
+    _check_names_and_shapes(header, checkpoint_shapes(module))
+    with TensorFile(header) as file:
         for name in sorted(header.tensors):
-            _assign_tensor(module, name, _read_tensor(handle, header.path, name, dtype))
-    for param in module.parameters():
-        param.requires_grad_(False)
+            stored = _read_tensor(file, name)
+            if device.type != "cpu":
+                stored = stored.to(device)  # convert (quantize) where the model will compute
+            assign_checkpoint_tensor(module, name, stored, device=device)
+            placed = _placed_tensor(module, name)
+            # NaN/inf in the file, or overflow of a float storage (e.g. fp16); fp8/int8 rows are scaled to fit
+            check_weight(header.path, name, stored, placed if placed.dtype in ALLOWED_DTYPES else stored)
+            del stored, placed
 
 
 def parse_dtype(dtype: Any) -> torch.dtype:
@@ -166,6 +151,19 @@ def parse_dtype(dtype: Any) -> torch.dtype:
     if dtype not in ALLOWED_DTYPES:
         raise ValueError(f"`dtype` {dtype!r} is not supported; allowed: {ALLOWED_DTYPES}")
     return dtype
+
+
+#: ``offload`` values of :func:`load_bagel` (and ``--offload``).
+OFFLOAD_MODES = ("none", "layers")
+
+
+def parse_offload(value: Any) -> str:
+    """An ``offload`` value (``"none"``/``"layers"``, or ``None`` for none) checked."""
+    if value is None:
+        return "none"
+    if isinstance(value, str) and value.lower() in OFFLOAD_MODES:
+        return value.lower()
+    raise ValueError(f"`offload` {value!r} is not supported; choose one of {', '.join(OFFLOAD_MODES)}")
 
 
 def parse_device(device: Any) -> torch.device:
@@ -249,33 +247,41 @@ class _Placement:
     device_map: Any
     offload_folder: Path | None
     max_memory: Mapping[Any, Any] | None
+    weight_dtype: str = "auto"
+    offload: str = "none"
 
 
 def _build_and_read(
     config: BagelConfig, ema: SafetensorsHeader, ae: SafetensorsHeader | None, placement: _Placement, where: Path
-) -> tuple[Bagel, AutoEncoder | None]:
-    """Build on the meta device, check every name/shape, read each file once and assign in place (``where``: the
-    checkpoint, named when the config cannot be built)."""
+) -> tuple[Bagel, AutoEncoder | None, LayerOffload | None]:
+    """Build on the meta device with the weight storage of ``placement``, check every name/shape, read each file
+    once tensor by tensor and assign in place (``where``: the checkpoint, named when the config cannot be
+    built); then dispatch or offload as ``placement`` says."""
     try:
+        model = build_bagel(config, weight_dtype=placement.weight_dtype, dtype=placement.dtype, device="meta")
         with torch.device("meta"):
-            model = Bagel(config)
             vae = AutoEncoder(config.ae) if ae is not None else None
     except (RuntimeError, ValueError, OverflowError) as exc:  # e.g. a width whose storage size overflows
         raise CheckpointError(
             f"cannot build the model described by the config files of {where}: {type(exc).__name__}: {exc}; "
             f"check the config JSON (re-download or re-convert the checkpoint)"
         ) from None
-    load_device = torch.device("cpu") if placement.device_map is not None else placement.device
-    _load_weights(model, ema, device=load_device, dtype=placement.dtype)
+    on_host = placement.device_map is not None or placement.offload != "none"
+    load_device = torch.device("cpu") if on_host else placement.device
+    _load_weights(model, ema, device=load_device)
     if vae is not None:
-        _load_weights(vae, ae, device=placement.device, dtype=torch.float32)
+        _load_weights(vae, ae, device=placement.device)  # built with fp32 tensors: the VAE stays fp32
+        vae.requires_grad_(False)
         vae.eval()
     model.reset_buffers(load_device)
     model.eval()
+    offload = None
     if placement.device_map is not None:
         model = _dispatch(model, placement.device_map, placement.dtype, placement.offload_folder,
                           placement.max_memory)
-    return model, vae
+    elif placement.offload == "layers":
+        offload = apply_layer_offload(model, placement.device)
+    return model, vae, offload
 
 
 def load_bagel(
@@ -288,6 +294,8 @@ def load_bagel(
     max_memory: Mapping[Any, Any] | None = None,
     tokenizer_dir: str | Path | None = None,
     vae: str | Path | None = None,
+    weight_dtype: Any = "auto",
+    offload: str = "none",
 ) -> LoadedBagel:
     """Load model, VAE, tokenizer and config from a BAGEL checkpoint folder or single ``.safetensors`` file.
 
@@ -297,7 +305,8 @@ def load_bagel(
             ``tokenizer_config.json``; ``ae_config.json`` optional), or one converted ``.safetensors``
             file (ComfyUI-BAGEL's single-file form, :mod:`.single_file`: the ``ema`` tensors with configs in
             its metadata or a sidecar; no VAE and no tokenizer inside).
-        dtype: dtype of the BAGEL weights (bf16, fp16 or fp32); the VAE is always fp32.
+        dtype: the compute dtype of BAGEL (bf16, fp16 or fp32): hidden states, norms, biases; also the
+            weights' storage with ``weight_dtype="auto"``. The VAE is always fp32.
         device: device of the model and the VAE (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...); checked to
             exist before anything is read.
         device_map: optional accelerate device map (``"auto"`` or ``{module_name: device}``) to spread
@@ -310,9 +319,14 @@ def load_bagel(
             BAGEL's special tokens must sit at the ids the checkpoint expects (checked).
         vae: single file only: a FLUX ``ae.safetensors`` to load as the VAE, or ``None`` (the result's
             ``vae`` is then ``None`` and the pipeline needs an external VAE to encode/decode).
+        weight_dtype: how BAGEL's Linear/Embedding weights are stored (``auto``, ``bf16``, ``fp16``, ``fp32``,
+            ``fp8_e4m3fn``, ``fp8_e5m2``, ``int8``; :mod:`..weights`): each is upcast to ``dtype`` at every call.
+        offload: ``"none"`` or ``"layers"``: keep the decoder layers in host memory and bring each to
+            ``device`` just before it runs (:func:`~..offload.apply_layer_offload`; needs ``accelerate``).
 
     Only headers are read before the configs are validated against them; each weight file's data is
-    read once.
+    read once, tensor by tensor with plain reads (:mod:`.tensor_file`), each converted to its storage and
+    placed before the next is read: host memory peaks near the loaded model plus one tensor.
 
     Raises:
         CheckpointError: missing/corrupt/mismatching files, pickle files instead of safetensors, a config
@@ -321,7 +335,8 @@ def load_bagel(
             sidecar of another file, no metadata and not BAGEL-7B-MoT's layout, a tokenizer whose
             special-token ids differ from the checkpoint's.
         NumericalError: a weight holds NaN/inf in the file, or overflows ``dtype`` (e.g. fp16).
-        ValueError: unsupported ``dtype``, unavailable ``device``, bad ``device_map`` arguments; a single
+        ValueError: unsupported ``dtype``/``weight_dtype``/``offload``, unavailable ``device``, bad
+            ``device_map`` arguments or a ``device_map`` with ``offload``; a single
             file without ``tokenizer_dir``, or ``tokenizer_dir``/``vae`` given with a folder.
     """
     root = Path(checkpoint)
@@ -331,8 +346,12 @@ def load_bagel(
         raise ValueError(f"`max_memory` is only used with device_map='auto', got device_map={device_map!r}")
     if max_memory is not None and not isinstance(max_memory, Mapping):
         raise ValueError(f"`max_memory` must be a mapping device -> size such as {{'cpu': '8GiB'}}, got {max_memory!r}")
+    weight_dtype = parse_weight_dtype(weight_dtype)
+    offload = parse_offload(offload)
+    if offload != "none" and device_map is not None:
+        raise ValueError(f"`offload` {offload!r} and `device_map` both place the weights; pass only one of them")
     placement = _Placement(dtype, device, device_map, Path(offload_folder) if offload_folder is not None else None,
-                           max_memory)
+                           max_memory, weight_dtype, offload)
     if root.is_file():
         return _load_single_file(root, tokenizer_dir, vae, placement)
     if not root.exists():
@@ -347,11 +366,12 @@ def load_bagel(
             f"ae.safetensors (pass an external VAE to BagelPipeline(..., vae=...) instead)"
         )
     folder = inspect_folder(root)  # headers only: the config must describe these files before anything is built
-    model, ae = _build_and_read(folder.config, folder.ema, folder.ae, placement, root)
-    logger.info("loaded BAGEL from %s (%s on %s)", root, dtype, device)
+    model, ae, handle = _build_and_read(folder.config, folder.ema, folder.ae, placement, root)
+    logger.info("loaded BAGEL from %s (%s on %s, weights %s, offload %s)", root, dtype, device, weight_dtype, offload)
     return LoadedBagel(
         model=model, vae=ae, tokenizer=folder.tokenizer, config=folder.config, checkpoint_dir=root, dtype=dtype,
-        device=device, form="folder", model_id=folder.model_id, tokenizer_dir=root,
+        device=device, form="folder", model_id=folder.model_id, tokenizer_dir=root, weight_dtype=weight_dtype,
+        offload=handle,
     )
 
 
@@ -387,14 +407,14 @@ def _load_single_file(
         has_ae = AE_CONFIG_FILE in (info.metadata.get("model_configs") or {})
         check_vae_config(config.ae, ae, source=f"{path.name}[{info.source}]:{AE_CONFIG_FILE}" if has_ae
                          else "the built-in FLUX VAE config")
-    model, vae_module = _build_and_read(config, info.header, ae, placement, path)
+    model, vae_module, handle = _build_and_read(config, info.header, ae, placement, path)
     logger.info("loaded BAGEL %s from the single file %s (%s on %s, VAE: %s)", info.variant, path, placement.dtype,
                 placement.device, ae.path if ae is not None else "none")
     return LoadedBagel(
         model=model, vae=vae_module, tokenizer=tokenizer, config=config, checkpoint_dir=path, dtype=placement.dtype,
         device=placement.device, form="single_file", model_id=info.model_id, variant=info.variant,
-        metadata=info.metadata, tokenizer_dir=tok_dir,
+        metadata=info.metadata, tokenizer_dir=tok_dir, weight_dtype=placement.weight_dtype, offload=handle,
     )
 
 
-__all__ = ["LoadedBagel", "load_bagel", "parse_device", "parse_dtype"]
+__all__ = ["OFFLOAD_MODES", "LoadedBagel", "load_bagel", "parse_device", "parse_dtype", "parse_offload"]

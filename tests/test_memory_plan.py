@@ -1,0 +1,93 @@
+"""The memory plan: its JSON, the official geometry without files, the suggestion, the CLI, and the plan's weight
+and KV figures against what a run on the bundled model holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from unicache_core.bagel.__main__ import main as cli_main
+from unicache_core.bagel.checkpoint.loader import load_bagel
+from unicache_core.bagel.memory_plan import PlanSettings, official_config, plan_config, plan_memory
+from unicache_core.bagel.pipeline import BagelPipeline
+from unicache_core.bagel.settings import T2I_DEFAULTS
+from unicache_core.bagel.weights import parameter_bytes
+
+GB = 10**9
+
+
+def _plan(**changes):
+    settings = PlanSettings(**{"task": "edit", "width": 1024, "height": 1024, "kv_method": "unicache", **changes})
+    return plan_memory(official_config(), settings, 24 * GB)
+
+
+def test_official_plan_weights_per_dtype_and_offload():
+    bf16, fp8, int8 = _plan(), _plan(weight_dtype="fp8_e4m3fn"), _plan(weight_dtype="int8")
+    assert 29.0 * GB < bf16.breakdown["weights_device_bfloat16"] < 29.5 * GB  # 14.6B parameters, two experts
+    assert fp8.breakdown["weights_device_float8_e4m3fn"] == int8.breakdown["weights_device_int8"]
+    assert 0.49 < fp8.breakdown["weights_device_float8_e4m3fn"] / bf16.breakdown["weights_device_bfloat16"] < 0.51
+    offloaded = _plan(weight_dtype="fp8_e4m3fn", offload="layers")
+    assert offloaded.breakdown["weights_host"] > 0.8 * fp8.breakdown["weights_device_float8_e4m3fn"]
+    assert offloaded.peak_bytes + offloaded.breakdown["weights_host"] == fp8.peak_bytes
+    assert bf16.breakdown["kv_compressed"] < bf16.breakdown["kv_full"]
+    assert not bf16.fits and bf16.suggestion.startswith("use --weight-dtype")
+    assert offloaded.fits and offloaded.suggestion is None
+
+
+def test_plan_json_schema(tmp_path: Path, capsys):
+    out = tmp_path / "plan.json"
+    assert cli_main(["plan", "--checkpoint", "bagel-7b-mot", "--task", "edit", "--device-memory", "8GB",
+                     "--weight-dtype", "int8", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data) == {"peak_bytes", "breakdown", "device_bytes", "fits", "suggestion", "settings"}
+    assert data["device_bytes"] == 8 * GB and data["fits"] is False and isinstance(data["suggestion"], str)
+    assert data["peak_bytes"] == sum(v for k, v in data["breakdown"].items()
+                                     if k not in ("weights_host", "kv_compressed"))
+    assert data["settings"]["weight_dtype"] == "int8"
+    assert "does not fit" in capsys.readouterr().out
+
+
+def test_cli_refuses_a_run_that_cannot_fit(tiny_checkpoint: Path, tmp_path: Path, monkeypatch, capsys):
+    monkeypatch.setattr("unicache_core.bagel.memory_plan.device_memory_bytes", lambda device: 1000)
+    code = cli_main(["t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "a cube", "--width", "64",
+                     "--height", "64", "--quiet", "--out", str(tmp_path / "x.png")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "planned" in err[0] and "--width/--height" in err[0]
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_bad_device_memory_is_one_line(capsys):
+    assert cli_main(["plan", "--checkpoint", "bagel-7b-mot", "--task", "t2i", "--device-memory", "12XB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "12XB" in err[0]
+
+
+@pytest.mark.parametrize("weight_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("task", ["und", "t2i", "edit"])
+def test_plan_matches_the_tensors_a_run_holds(tiny_checkpoint: Path, task: str, weight_dtype: str):
+    """Weights and VAE exactly the loaded tensors' bytes; the full KV within 10% of what the branches hold."""
+    loaded = load_bagel(tiny_checkpoint, weight_dtype=weight_dtype)
+    pipe = BagelPipeline(loaded)
+    prompt = "make the square red and the background dark"
+    image = Image.new("RGB", (96, 64), (200, 30, 30))
+    if task == "und":
+        result = pipe.understand(prompt, image)
+        held, size = result.info["cache_bytes"], image.size
+    elif task == "t2i":
+        settings = T2I_DEFAULTS.__class__(**{**T2I_DEFAULTS.__dict__, "width": 64, "height": 96,
+                                             "num_timesteps": 3})
+        result = pipe.text_to_image(prompt, settings, decode=False)
+        held, size = sum(result.info["cache_bytes"].values()), (64, 96)
+    else:
+        result = pipe.edit(prompt, image)
+        held, size = sum(result.info["cache_bytes"].values()), image.size
+    settings = PlanSettings(task=task, width=size[0], height=size[1], weight_dtype=weight_dtype)
+    plan = plan_memory(plan_config(tiny_checkpoint), settings, 24 * GB,
+                       prompt_tokens=len(loaded.tokenizer.encode(prompt)))
+    weights = sum(v for k, v in plan.breakdown.items() if k.startswith("weights_"))
+    assert weights == parameter_bytes(loaded.model)
+    assert plan.breakdown["vae"] == parameter_bytes(loaded.vae)
+    assert abs(plan.breakdown["kv_full"] - held) <= 0.1 * held, (plan.breakdown["kv_full"], held)
