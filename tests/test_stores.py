@@ -38,8 +38,24 @@ def test_full_store_attention_and_bytes() -> None:
     out, lse = store.attend(q)
     ref, ref_lse = attention_with_lse(q, k, v)
     assert torch.allclose(out, ref) and torch.allclose(lse, ref_lse)
-    assert store.nbytes() == store.nominal_bytes() == 2 * T * HKV * D * 4 + 4 * T
-    assert store.token_index.dtype == torch.int32
+    # an uncompressed store holds exactly its K and V: its rows are named by runs of append indices
+    assert store.nbytes() == store.nominal_bytes() == 2 * T * HKV * D * 4
+    assert store.runs == ((100, T),) and store.token_index.dtype == torch.int32
+    assert torch.equal(store.token_index.long(), pos)
+
+
+def test_full_store_runs_follow_interleaved_appends() -> None:
+    _, k, v, _ = _kv(t=12)
+    store = FullStore(k[:3], v[:3], torch.tensor([0, 1, 2]), TokenType.INSTRUCTION)
+    store.append(k[3:5], v[3:5], torch.tensor([3, 4]))  # continues the run
+    store.append(k[5:9], v[5:9], torch.tensor([9, 10, 20, 21]))  # two new runs
+    assert store.runs == ((0, 5), (9, 2), (20, 2))
+    assert store.token_index.tolist() == [0, 1, 2, 3, 4, 9, 10, 20, 21]
+    shared = store.share()
+    assert shared.runs == store.runs and shared.keys is store.keys
+    assert store.nbytes() == 2 * 9 * HKV * D * 4
+    with pytest.raises(ValueError, match="runs"):
+        FullStore.from_runs(k[:3], v[:3], ((0, 4),), TokenType.INSTRUCTION)
 
 
 def test_evicted_store_per_head_selection_is_honoured() -> None:
