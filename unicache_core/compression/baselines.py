@@ -17,8 +17,9 @@ from torch import Tensor
 
 from .allocator import allocate_integer
 from .defaults import PYRAMID_BETA, RECENT_FRACTION, SINK_TOKENS, SNAPKV_KERNEL
+from .family import QuantGeometry
 from .method import CompressionMethod, GlobalEvictionMethod, candidate_indices
-from .ops import best_kivi_setting, floor_bytes, quantize
+from .ops import best_kivi_setting, floor_bytes, quantize, quantized_bytes
 from .protocol import CompressibleBranch, MethodSession
 
 
@@ -210,7 +211,9 @@ class VLCacheMethod(GlobalEvictionMethod):
 
 class KIVIMethod(CompressionMethod):
     """KIVI (https://arxiv.org/abs/2402.02750) over all compressible KV: keys per channel, values per token;
-    the (bits, group, residual) whose real bytes are the largest at or under the target (reported)."""
+    the (bits, group, residual) whose real bytes are the largest at or under the target (reported). The
+    residual follows the pool's length (docs/compression.md §11.2); a pool that no setting would shrink
+    stays as it is (flagged)."""
 
     name = "kivi"
     needs_scores = False
@@ -226,13 +229,20 @@ class KIVIMethod(CompressionMethod):
             elem = cache.row_bytes(layer) // (2 * h * d)
             n = sum(st.stores[i].num_tokens for i in idx)
             budget = floor_bytes(ratio, cache.managed_full_bytes(layer))
-            (bits, group, residual), fits = best_kivi_setting(budget, n, h, d, elem)
             cache.state[layer].budgets = {"candidate": budget}
+            if ratio >= 1.0:
+                continue  # the target keeps everything: nothing is quantized
+            (bits, group, residual), fits = best_kivi_setting(budget, n, h, d, elem,
+                                                              session.config.quant_geometry(QuantGeometry()))
+            held = sum(st.stores[i].nbytes() for i in idx)
+            need = quantized_bytes(n, h, d, bits, group, residual, elem)
             if not fits:
+                kept = "it is used" if need < held else "the rows stay as they are (it would hold more)"
                 cache.state[layer].flags["candidate"] = (
-                    f"no KIVI setting fits {budget} B for {n} rows: the smallest "
-                    f"({bits}-bit, G{group}, R{residual}) is used")
-            quantize(st, idx, bits, group, residual)
+                    f"no KIVI setting fits {budget} B for {n} rows: the smallest is {bits}-bit, G{group}, "
+                    f"R{residual} ({need} B); {kept}")
+            if need < held:  # never a store that holds more than what it replaces
+                quantize(st, idx, bits, group, residual)
 
 
 __all__ = ["H2OMethod", "KIVIMethod", "PyramidKVMethod", "SnapKVMethod", "StreamingLLMMethod", "VLCacheMethod",

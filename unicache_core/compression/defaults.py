@@ -12,9 +12,12 @@ from __future__ import annotations
 #: KV reduction the UniCache paper matches every method at, per task: 80% understanding and editing, 60%
 #: text-to-image. A baseline without an explicit target keeps ``1 - DEFAULT_REDUCTION[task]``.
 DEFAULT_REDUCTION: dict[str, float] = {"understanding": 0.8, "t2i": 0.6, "edit": 0.8}
-#: UniCache's starting retention ``rho0`` per task. It is also the budget ratio while no attention statistics
-#: exist yet (§8.6) and the strength of a policy-table entry that names none.
-RHO0: dict[str, float] = {"understanding": 0.2, "t2i": 0.5, "edit": 0.5}
+#: UniCache's starting retention ``rho0`` per task: the paper's average retention ``1 - DEFAULT_REDUCTION``. The
+#: paper starts text-to-image and editing at 0.5 and relies on their conditional attention mass decaying
+#: to reach those averages; starting at the average itself holds the paper's reductions whatever the mass
+#: does (our choice; ``rho=0.5`` gives the paper's start). It is also the budget ratio while no attention
+#: statistics exist yet (§8.6) and the strength of a policy-table entry that names none.
+RHO0: dict[str, float] = {task: round(1.0 - reduction, 6) for task, reduction in DEFAULT_REDUCTION.items()}
 #: Lowest retention the schedule decays to, per task (understanding stays at its ``rho0``).
 RHO_FLOOR: dict[str, float] = {"understanding": 0.2, "t2i": 0.35, "edit": 0.1}
 #: Tasks whose retention stays ``rho0`` whatever the attention does.
@@ -57,8 +60,11 @@ VLCACHE_THRESHOLD = 0.01
 
 # ---------------------------------------------------------------- quantization (§6, §8.6)
 
-#: Rows kept in full precision at the end of a quantized segment.
+#: Most rows kept in full precision at the end of a quantized segment (the residual follows the segment's
+#: length: ``min(KIVI_RESIDUAL, floor(rows * KIVI_RESIDUAL_SHARE))``, docs/compression.md §11.2).
 KIVI_RESIDUAL = 32
+#: Largest share of a quantized segment's rows its full-precision residual may hold.
+KIVI_RESIDUAL_SHARE = 1 / 16
 #: The most compressed (bits, group) of UniCache's lookup: the floor of a quantized segment.
 KIVI_FLOOR = (2, 128)
 #: Group sizes and residuals the global KIVI baseline searches (bits: every supported width).
