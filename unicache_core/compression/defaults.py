@@ -70,3 +70,10 @@ KIVI_FLOOR = (2, 128)
 #: Group sizes and residuals the global KIVI baseline searches (bits: every supported width).
 KIVI_GROUPS: tuple[int, ...] = (32, 64, 128)
 KIVI_BASELINE_RESIDUALS: tuple[int, ...] = (32, 128)
+
+# ---------------------------------------------------------------- joint eviction + quantization (§11)
+
+#: Budget levels (retained byte ratios of one type) the offline sensitivity grid measures, and the bit widths
+#: it compares at each level (16 = rows kept at full precision, i.e. eviction).
+JOINT_LEVELS: tuple[float, ...] = (0.5, 0.25, 0.12, 0.06)
+JOINT_BITS: tuple[int, ...] = (16, 8, 4, 2)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..kv.quant import SUPPORTED_BITS, quantized_kv_nbytes
-from .defaults import KIVI_GROUPS, KIVI_RESIDUAL, KIVI_RESIDUAL_SHARE
+from .defaults import JOINT_BITS, JOINT_LEVELS, KIVI_GROUPS, KIVI_RESIDUAL, KIVI_RESIDUAL_SHARE
 
 #: ``bits`` of rows kept at the cache's own precision (evicted or uncompressed rows).
 FULL_BITS = 16
@@ -269,5 +269,36 @@ class JointPlan:
         return cls(tuple(pairs))
 
 
+def grid_choices(segment: Segment, geometry: QuantGeometry, levels: Sequence[float] = JOINT_LEVELS,
+                 bits: Sequence[int] = JOINT_BITS) -> dict[tuple[float, int], JointChoice]:
+    """The offline sensitivity grid of one type (docs/compression.md §11.4): at each budget level, for each bit
+    width, the most rows that fit ``level`` of the type's full bytes (matched bytes across the bit widths).
+
+    Returns ``{(level, bits): choice}``; a bit width that keeps no row at a level is left out.
+    """
+    grid = {}
+    for level in levels:
+        budget = int(math.floor(level * segment.full_bytes))
+        for b in bits:
+            choice = segment.most_rows(b, budget, geometry, segment.held_rows)
+            if choice.rows > 0:
+                grid[(float(level), int(b))] = choice
+    return grid
+
+
+def plan_from_errors(errors: Mapping[tuple[float, int], float]) -> JointPlan:
+    """Per budget level, the bit width whose measured output error is least (ties: the more rows, i.e. fewer
+    bits). ``errors``: ``{(level, bits): error}`` of the grid points that were measured."""
+    if not errors:
+        raise ValueError("no sensitivity was measured: the grid is empty")
+    best: dict[float, tuple[float, int]] = {}
+    for (level, b), err in errors.items():
+        if not math.isfinite(err):
+            raise ValueError(f"the error measured at level {level}, {b} bits is {err!r}")
+        if level not in best or (err, b) < best[level]:
+            best[level] = (err, b)
+    return JointPlan(tuple((level, b) for level, (_, b) in best.items()))
+
+
 __all__ = ["FAMILY_BITS", "FULL_BITS", "JointChoice", "JointPlan", "QuantGeometry", "Segment", "choose",
-           "least_quantized_bytes", "lookup_order"]
+           "grid_choices", "least_quantized_bytes", "lookup_order", "plan_from_errors"]
