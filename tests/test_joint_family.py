@@ -4,6 +4,7 @@ quantized rows, and the version-2 policy table that carries joint plans and quan
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,11 +26,20 @@ def _segment(n: int, elem: int = 4, d: int = D) -> Segment:
                    num_kv_heads=H, head_dim=d, elem=elem)
 
 
-def test_residual_follows_the_segment_length():
-    geometry = QuantGeometry()
-    assert [geometry.residual(n) for n in (1, 15, 16, 25, 64, 511, 512, 4096)] == [0, 0, 1, 1, 4, 31, 32, 32]
+def test_residual_follows_the_segment_and_the_budget():
+    geometry = QuantGeometry()  # at most 32 rows and at most half of the segment
+    assert [geometry.residual(n) for n in (1, 15, 16, 25, 64, 4096)] == [0, 7, 8, 12, 32, 32]
     fixed = QuantGeometry(residual_max=4, residual_share=1.0)
     assert [fixed.residual(n) for n in (1, 3, 4, 100)] == [1, 3, 4, 4]
+    seg = _segment(64)
+    rows = [seg.quantized(64, 2, 128, geometry, int(r * seg.full_bytes)) for r in (0.05, 0.1, 0.2, 0.5)]
+    assert rows[0] is None  # not even every row at 2 bits fits
+    residuals = [c.residual for c in rows[1:]]
+    assert residuals == sorted(residuals) and residuals[-1] > 20  # the residual grows into the budget
+    for ratio, choice in zip((0.1, 0.2, 0.5), rows[1:]):
+        assert seg.choice_bytes(choice) <= ratio * seg.full_bytes
+        assert seg.choice_bytes(replace(choice, residual=choice.residual + 1)) > ratio * seg.full_bytes or \
+            choice.residual == 32
     with pytest.raises(ValueError, match="residual_share"):
         QuantGeometry(residual_share=1.5)
     with pytest.raises(ValueError, match="groups"):
@@ -37,13 +47,13 @@ def test_residual_follows_the_segment_length():
 
 
 def test_a_64_token_image_is_quantized_not_kept_in_full_precision():
-    """The old fixed 32-row residual kept half of a 64-token image in full precision; now 4 rows are, and
-    the residual is dropped when only that fits."""
+    """The old fixed 32-row residual kept half of a 64-token image in full precision whatever the budget;
+    now the bits come first and the residual only takes what the budget leaves."""
     seg = _segment(64)
     choice = choose(seg, "quantize", int(0.2 * seg.full_bytes), QuantGeometry())
-    assert choice.rows == 64 and choice.bits in (2, 4) and choice.residual <= 4
+    assert choice.rows == 64 and choice.bits == 4
     tight = choose(seg, "quantize", int(0.1 * seg.full_bytes), QuantGeometry())
-    assert (tight.rows, tight.bits, tight.residual) == (64, 2, 0)
+    assert (tight.rows, tight.bits) == (64, 2) and tight.residual < 4
     assert seg.choice_bytes(tight) <= 0.1 * seg.full_bytes
 
 
@@ -116,8 +126,10 @@ def test_joint_rows_are_chosen_per_head_and_quantized_exactly_as_kept():
     out, _ = store.attend(q)
     ref, _ = attention_with_lse(q, dk, dv)
     assert torch.allclose(out, ref, atol=1e-5)
-    kept = store.token_index.long()  # the residual rows (newest per head) are exact
-    assert torch.equal(dk[-2:, 0], k[kept[0, -2:], 0]) and torch.equal(dk[-2:, 1], k[kept[1, -2:], 1])
+    kept = store.token_index.long()  # the residual rows (each head's two best-scored) are exact
+    for h in range(H):
+        assert set(kept[h, -2:].tolist()) == set(torch.topk(scores[:, h], 2).indices.tolist())
+        assert torch.equal(dk[-2:, h], k[kept[h, -2:], h]) and not torch.equal(dk[:-2, h], k[kept[h, :-2], h])
     smaller = compress_rows(layer, [0], 12, 2, 128, 0, scores)  # shrinking again keeps a subset
     assert all(set(smaller.token_index[h].tolist()) <= set(kept[h].tolist()) for h in range(H))
 

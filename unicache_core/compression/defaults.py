@@ -60,16 +60,15 @@ VLCACHE_THRESHOLD = 0.01
 
 # ---------------------------------------------------------------- quantization (§6, §8.6)
 
-#: Most rows kept in full precision at the end of a quantized segment (the residual follows the segment's
-#: length: ``min(KIVI_RESIDUAL, floor(rows * KIVI_RESIDUAL_SHARE))``, docs/compression.md §11.2).
+#: Most rows a quantized segment keeps in full precision (its residual), and the largest share of its rows
+#: the residual may hold. Within these caps the residual takes the bytes its budget leaves after every row
+#: is quantized (docs/compression.md §11.2).
 KIVI_RESIDUAL = 32
-#: Largest share of a quantized segment's rows its full-precision residual may hold.
-KIVI_RESIDUAL_SHARE = 1 / 16
+KIVI_RESIDUAL_SHARE = 0.5
 #: The most compressed (bits, group) of UniCache's lookup: the floor of a quantized segment.
 KIVI_FLOOR = (2, 128)
-#: Group sizes and residuals the global KIVI baseline searches (bits: every supported width).
+#: KIVI group sizes (key groups run over tokens, value groups over channels).
 KIVI_GROUPS: tuple[int, ...] = (32, 64, 128)
-KIVI_BASELINE_RESIDUALS: tuple[int, ...] = (32, 128)
 
 # ---------------------------------------------------------------- joint eviction + quantization (§11)
 

@@ -5,10 +5,10 @@ A type of ``n`` rows may keep ``rows <= n`` rows per KV head (chosen by its scor
 full precision is eviction, ``rows = n`` at b bits is quantization, anything between is a joint choice
 (docs/compression.md §11).
 
-Quantization geometry follows the segment (§11.2): the full-precision residual is
-``min(residual_max, floor(rows * residual_share))`` rows and is dropped when it does not fit the budget;
-key groups run over the quantized rows, so a segment shorter than its group is one group of its own
-length. Every choice is costed with the REAL bytes its store will hold (payload, fp16 scale/zero,
+Quantization geometry follows the segment and the budget (§11.2): the bits and group are the most
+precise whose every row fits the budget; the full-precision residual then takes the bytes left, up to
+``min(residual_max, floor(rows * residual_share))`` rows (the type's best-scored rows); key groups run
+over the quantized rows, so a segment shorter than its group is one group of its own length. Every choice is costed with the REAL bytes its store will hold (payload, fp16 scale/zero,
 residual, int32 indices), and a choice never holds more than the rows' uncompressed K and V.
 """
 
@@ -34,7 +34,7 @@ class QuantGeometry:
     Attributes:
         groups: the KIVI group sizes the lookup may use (key groups run over tokens, value groups over
             channels).
-        residual_max: most rows kept in full precision at the end of a quantized segment.
+        residual_max: most rows a quantized segment keeps in full precision (its residual).
         residual_share: the residual never holds more than this share of the segment's rows.
     """
 
@@ -55,7 +55,7 @@ class QuantGeometry:
             raise ValueError(f"`residual_share` must be a number in [0, 1], got {share!r}")
 
     def residual(self, rows: int) -> int:
-        """Full-precision residual rows of a quantized segment of ``rows`` rows."""
+        """The most full-precision residual rows a quantized segment of ``rows`` rows may keep."""
         return min(self.residual_max, int(math.floor(rows * self.residual_share + 1e-9)))
 
     def to_dict(self) -> dict:
@@ -130,13 +130,18 @@ class Segment:
         return quantized_kv_nbytes(choice.rows, h, d, choice.bits, choice.group, choice.residual, self.elem) + index
 
     def quantized(self, rows: int, bits: int, group: int, geometry: QuantGeometry, budget: int) -> JointChoice | None:
-        """``rows`` at ``bits``/``group`` with the geometry's residual, or without it when only that fits
-        ``budget``; ``None`` when neither fits."""
-        for residual in dict.fromkeys((geometry.residual(rows), 0)):
-            choice = JointChoice(rows, bits, group, residual)
-            if self.choice_bytes(choice) <= budget:
-                return choice
-        return None
+        """``rows`` at ``bits``/``group`` with the largest residual (up to the geometry's) that fits ``budget``;
+        ``None`` when not even the rows without a residual fit."""
+        if self.choice_bytes(JointChoice(rows, bits, group, 0)) > budget:
+            return None
+        lo, hi = 0, geometry.residual(rows)
+        while lo < hi:  # bytes grow with the residual
+            mid = (lo + hi + 1) // 2
+            if self.choice_bytes(JointChoice(rows, bits, group, mid)) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return JointChoice(rows, bits, group, lo)
 
     def most_rows(self, bits: int, budget: int, geometry: QuantGeometry, max_rows: int) -> JointChoice:
         """The most rows (``<= max_rows``) that fit ``budget`` at ``bits`` (largest group: least metadata)."""

@@ -113,27 +113,6 @@ def quantized_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, bits: int
     return quantized_kv_nbytes(num_tokens, num_kv_heads, head_dim, bits, group, residual, elem) + 4 * num_tokens
 
 
-def best_kivi_setting(budget: int, num_tokens: int, num_kv_heads: int, head_dim: int, elem: int,
-                      geometry: QuantGeometry = QuantGeometry()) -> tuple[tuple[int, int, int], bool]:
-    """Global KIVI baseline: the (bits, group, residual) whose real bytes are the largest at or under ``budget``.
-
-    Groups come from ``geometry``; the residual is the geometry's for ``num_tokens`` rows, or none.
-    Returns ``((bits, group, residual), fits)``; when nothing fits, the smallest setting and ``False``.
-    """
-    best, best_bytes, smallest = None, -1, None
-    for bits in SUPPORTED_BITS:
-        for group in geometry.groups:
-            for res in dict.fromkeys((geometry.residual(num_tokens), 0)):
-                need = quantized_bytes(num_tokens, num_kv_heads, head_dim, bits, group, res, elem)
-                if smallest is None or need < smallest[1]:
-                    smallest = ((bits, group, res), need)
-                if need <= budget and need > best_bytes:
-                    best, best_bytes = (bits, group, res), need
-    if best is None:
-        return smallest[0], False
-    return best, True
-
-
 def _per_head_rows(store: KVStore) -> tuple[Tensor, Tensor, Tensor]:
     """``(keys [Hkv, n, d], values [Hkv, n, d], token_index [Hkv, n])`` of a store (quantized rows dequantized)."""
     h = store.num_kv_heads
@@ -207,7 +186,8 @@ def compress_rows(
 ) -> KVStore:
     """Keep ``keep`` rows per KV head of the pooled stores at ``indices`` (chosen by ``scores``, as :func:`evict`)
     at ``bits`` (:data:`~unicache_core.compression.family.FULL_BITS`: an :class:`EvictedStore`; else a
-    :class:`QuantizedStore` of those rows, its ``residual`` newest rows per head in full precision).
+    :class:`QuantizedStore` of those rows whose ``residual`` best-scored rows per head stay in full precision,
+    or the newest ones without scores).
 
     Every row of a pool whose heads share their rows is quantized as one segment (one ``[T]`` index).
     ``scores``: ``[T_appended, Hkv]`` (needed only when rows are dropped).
@@ -219,23 +199,51 @@ def compress_rows(
             raise ValueError("evicting rows needs their scores")
         return evict(layer, indices, keep, scores, recent=recent)
     if keep >= total and shared_rows(stores):
-        return quantize(layer, indices, bits, group, residual)
+        return quantize(layer, indices, bits, group, residual, scores)
     keys, values, index = pool_rows(stores)
+    pooled_scores = None if scores is None else torch.gather(scores.float().t().to(index.device), 1, index)
     if keep < total:
-        if scores is None:
+        if pooled_scores is None:
             raise ValueError("dropping rows needs their scores")
-        pooled_scores = torch.gather(scores.float().t().to(index.device), 1, index)  # [Hkv, N]
         rows = select_rows(pooled_scores, keep, recent=recent)  # [Hkv, keep], ascending = append order
+        pooled_scores = torch.gather(pooled_scores, 1, rows)
         gather = rows.unsqueeze(-1).expand(-1, -1, keys.shape[2])
         keys, values, index = torch.gather(keys, 1, gather), torch.gather(values, 1, gather), torch.gather(index, 1, rows)
+    if residual and pooled_scores is not None:
+        order = residual_last(pooled_scores, residual)  # [Hkv, keep]
+        gather = order.unsqueeze(-1).expand(-1, -1, keys.shape[2])
+        keys, values, index = torch.gather(keys, 1, gather), torch.gather(values, 1, gather), torch.gather(index, 1, order)
     store = QuantizedStore.from_head_rows(keys.contiguous(), values.contiguous(), index, bits, group, residual,
                                           pooled_type(stores))
     layer.replace_many(list(indices), store)
     return store
 
 
-def quantize(layer: SegmentedLayer, indices: list[int], bits: int, group: int, residual: int) -> QuantizedStore:
-    """Quantize the (full or wholly quantized) stores at ``indices`` as one KIVI store, in append order."""
+def residual_last(scores: Tensor, residual: int) -> Tensor:
+    """Row order that puts the ``residual`` best-scored rows last (the ones a quantized store keeps in full
+    precision), each part in its original order.
+
+    Args:
+        scores: ``[..., N]`` scores of the rows (higher = more attended).
+
+    Returns:
+        ``[..., N]`` int64 permutation.
+    """
+    n = scores.shape[-1]
+    residual = max(0, min(int(residual), n))
+    top = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    if residual:
+        best = torch.topk(torch.nan_to_num(scores.float(), nan=float("-inf")), residual, dim=-1).indices
+        top.scatter_(-1, best, True)
+    position = torch.arange(n, device=scores.device).expand(scores.shape)
+    return torch.sort(top.long() * n + position, dim=-1).indices
+
+
+def quantize(layer: SegmentedLayer, indices: list[int], bits: int, group: int, residual: int,
+             scores: Tensor | None = None) -> QuantizedStore:
+    """Quantize the (full or wholly quantized) stores at ``indices`` as one KIVI store, in append order; its
+    ``residual`` full-precision rows are the best-scored ones (``scores [T_appended, Hkv]``, averaged over
+    the KV heads) or, without scores, the newest."""
     stores = [layer.stores[i] for i in indices]
     ks, vs, idx = [], [], []
     for store in stores:
@@ -253,6 +261,9 @@ def quantize(layer: SegmentedLayer, indices: list[int], bits: int, group: int, r
                              "(use compress_rows)")
     index = torch.cat(idx)
     order = torch.argsort(index)
+    if residual and scores is not None:
+        row_scores = scores.float().mean(dim=1).to(index.device)[index[order]]
+        order = order[residual_last(row_scores, residual)]
     keys, values = torch.cat(ks)[order], torch.cat(vs)[order]
     store = QuantizedStore.from_kv(keys, values, index[order], bits, group, residual, pooled_type(stores))
     layer.replace_many(list(indices), store)
@@ -264,6 +275,6 @@ def floor_bytes(ratio: float, full_bytes: int) -> int:
     return int(math.floor(ratio * full_bytes + 1e-9))
 
 
-__all__ = ["KIVI_LOOKUP", "best_kivi_setting", "compress_rows", "evict", "evicted_row_bytes", "floor_bytes",
-           "pool_rows", "pool_scores", "pooled_type", "quantize", "quantized_bytes", "rows_for_bytes", "select_rows",
-           "shared_rows", "topk_per_head"]
+__all__ = ["KIVI_LOOKUP", "compress_rows", "evict", "evicted_row_bytes", "floor_bytes",
+           "pool_rows", "pool_scores", "pooled_type", "quantize", "quantized_bytes", "residual_last", "rows_for_bytes",
+           "select_rows", "shared_rows", "topk_per_head"]
