@@ -16,7 +16,8 @@ def test_e2e_report_on_the_tiny_checkpoint(tmp_path):
     report = bagel_e2e.run(cfg)
     json.dumps(report)
     rows = {(r["task"], r["method"]): r for r in report["results"]}
-    assert set(rows) == {(t, m) for t in ("und", "t2i", "edit") for m in ("full", "unicache", "h2o", "kivi")}
+    assert set(rows) == {(t, m) for t in ("und", "t2i", "edit")
+                         for m in ("full", "unicache", bagel_e2e.JOINT_ROW, "h2o", "kivi")}
     for (task, method), row in rows.items():
         assert KEYS <= set(row), (task, method)
         assert row["full_kv_bytes"] == rows[(task, "full")]["full_kv_bytes"] > 0
