@@ -1,6 +1,7 @@
 """No method ever holds more managed (compressible) KV bytes than no compression at all.
 
-Property test over every method x task x target x segment lengths 1..5000, on the compression layer
+Property test (a seeded sweep) over every method x task x target x segment lengths 1..5000 (every length up to
+40, then edge and log-uniform lengths), on the compression layer
 itself: synthetic typed segments are appended to real branch caches of a real session, each method's own
 plan decides at which steps a cache is measured and compressed, the measurements are synthetic (random
 per-key scores and type masses, as the scorer would leave them), and after the prefill and after every
@@ -24,7 +25,7 @@ from unicache_core.kv.cache import AttentionCall, RequestInfo
 from unicache_core.kv.token_types import CANDIDATE_TYPES, TokenType as TT
 
 LAYERS, HKV, D = 2, 2, 16  # two layer chunks (layer 0 alone, then the rest)
-STEPS = 7  # denoising steps or decoded tokens: unicache compresses after steps 0 and 5
+STEPS = 6  # denoising steps or decoded tokens: unicache compresses after steps 0 and 5 (ends of chunks)
 #: kv_target per named target (None: the method's default), as the quality bench's targets
 TARGETS = {"default": {"understanding": None, "t2i": None, "edit": None},
            "paper": {"understanding": 0.2, "t2i": 0.4, "edit": 0.2},
@@ -33,9 +34,23 @@ TARGETS = {"default": {"understanding": None, "t2i": None, "edit": None},
            "none": {"understanding": 1.0, "t2i": 1.0, "edit": 1.0}}
 #: lengths where group, residual and metadata boundaries sit
 EDGE_LENGTHS = (1, 2, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 511, 512, 513, 5000)
+#: every length up to here is a segment of every method x task (short prompts, one group, the residual caps)
+DENSE_MAX = 40
 
 
-def _lengths(rng: random.Random) -> list[int]:
+def _dense_requests(task_index: int) -> list[tuple[str, list[int]]]:
+    """(target, segment lengths) that give every length 1..DENSE_MAX to the first segment of some request and,
+    for understanding and edit, to the others in another order; the target rotates over TARGETS with the
+    length, so each target sees lengths of every residue."""
+    names = list(TARGETS)
+    out = []
+    for length in range(1, DENSE_MAX + 1):
+        others = [(length * 13) % DENSE_MAX + 1, (length * 29 + 7) % DENSE_MAX + 1]
+        out.append((names[(length + task_index) % len(names)], [length, *others]))
+    return out
+
+
+def _spread_lengths(rng: random.Random) -> list[int]:
     """Three segment lengths: an edge length, then log-uniform draws over 1..5000."""
     return [rng.choice(EDGE_LENGTHS)] + [max(1, min(5000, round(10 ** rng.uniform(0, 3.7)))) for _ in range(2)]
 
@@ -125,18 +140,26 @@ def run_request(method: str, task: str, kv_target, lengths: list[int], dtype: to
         _check(caches, f"step {step}")
 
 
-CASES = [(method, task, target) for method in METHODS if method != "full"
-         for task in ("understanding", "t2i", "edit") for target in TARGETS]
+TASKS = ("understanding", "t2i", "edit")
+METHODS_UNDER_TEST = [m for m in METHODS if m != "full"]
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "full"])
+@pytest.mark.parametrize("method", METHODS_UNDER_TEST)
 def test_managed_bytes_never_exceed_full(method: str) -> None:
-    for case in [c for c in CASES if c[0] == method]:
-        seed = CASES.index(case)
-        rng = random.Random(seed)
-        _, task, target = case
-        dtype = torch.bfloat16 if seed % 2 else torch.float32
-        run_request(method, task, TARGETS[target][task], _lengths(rng), dtype, seed)
+    """Every task x target x segment length: lengths 1..40 densely (the target rotating with the length), then
+    two requests per (task, target) with an edge length and log-uniform lengths up to 5000; fp32 and bf16
+    alternate (bf16 is where 2-bit rows and their metadata save least)."""
+    seed = 1000 * METHODS_UNDER_TEST.index(method)
+    for t, task in enumerate(TASKS):
+        for target, lengths in _dense_requests(t):
+            seed += 1
+            run_request(method, task, TARGETS[target][task], lengths,
+                        torch.bfloat16 if seed % 2 else torch.float32, seed)
+        for target in TARGETS:
+            for _ in range(2):
+                seed += 1
+                run_request(method, task, TARGETS[target][task], _spread_lengths(random.Random(seed)),
+                            torch.bfloat16 if seed % 2 else torch.float32, seed)
 
 
 def test_every_edge_length_for_the_quantizing_methods() -> None:

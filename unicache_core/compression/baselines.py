@@ -151,8 +151,8 @@ class PyramidKVMethod(SnapKVMethod):
     beta = PYRAMID_BETA
 
     def layer_rows(self, cache: CompressibleBranch, budgets: list[int], rows: list[int]) -> list[int]:
-        if not rows or max(rows) == 0:
-            return budgets
+        if not rows or max(rows) == 0 or sum(budgets) == 0:
+            return budgets  # nothing to keep anywhere (a budget below one row per layer): no pyramid to shape
         total = rows[0]
         keep = sum(budgets) / len(budgets)
         window = min(cache.session.config.window, total)
