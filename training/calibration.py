@@ -1,6 +1,6 @@
 """Calibrate UniCache's policy table on the shapes model, with world samples from the training seeds.
 
-``python -m training.calibration CHECKPOINT [--prompts N] [--sensitivity]`` writes
+``python -m training.calibration CHECKPOINT [--prompts N] [--sensitivity] [--grid]`` writes
 prompt files and images for the three tasks (captions; edit instructions with their source images;
 questions with their scenes) and runs ``python -m unicache_core.bagel.calibrate`` for each task, merging into
 ``CHECKPOINT/unicache_policy.json``, the table ``unicache`` uses by default for that checkpoint.
@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=12, help="samples per task (default 12)")
     parser.add_argument("--steps", type=int, default=13, help="num_timesteps of t2i and edit (default 13)")
     parser.add_argument("--sensitivity", action="store_true", help="also compare evict vs quantize per type")
+    parser.add_argument("--grid", action="store_true",
+                        help="also measure each type's (rows kept, bits) grid and write joint entries with their plans")
     args = parser.parse_args(argv)
     if args.prompts < 1:
         parser.error(f"--prompts must be >= 1, got {args.prompts}")
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                 cmd.append("--merge")
             if args.sensitivity:
                 cmd.append("--sensitivity")
+            if args.grid:
+                cmd.append("--grid")
             code = calibrate_main(cmd)
             if code:
                 return code

@@ -3,7 +3,7 @@
 Command line::
 
     python -m unicache_core.bagel.calibrate --checkpoint DIR --task {und,t2i,edit} --prompts FILE [--images DIR]
-        --out policy.json [--sensitivity] [--steps N] [--max-new-tokens N] [--dtype fp32|bf16] [--size PX]
+        --out policy.json [--sensitivity] [--grid] [--steps N] [--max-new-tokens N] [--dtype fp32|bf16] [--size PX]
 
 Defaults: ``--steps 50`` (``num_timesteps``, as in ``python -m unicache_core.bagel``: 49 denoising steps),
 ``--max-new-tokens 64``, ``--size 512`` (the paper's resolution), ``--dtype bf16``, ``--seed 0``,
@@ -34,6 +34,14 @@ Procedure:
    matched memory (``comparable`` False: a policy held the type above the ratio, e.g. a segment
    shorter than KIVI's 32-row residual cannot be quantized).
 
+4. ``--grid``: the sensitivity grid of docs/compression.md §11.4. For each candidate type present, every prompt
+   runs again with only that type compressed at each budget level (0.5, 0.25, 0.12, 0.06 of its bytes) x
+   bits (full precision, 8, 4, 2), each bit width keeping the most rows that fit the level (matched
+   bytes); the change is measured as for ``--sensitivity``. Per level the bit width with the least mean
+   change wins (ties: fewer bits, more rows), and the type's entry becomes ``joint`` with that plan
+   (``plan: [{"budget": level, "bits": b}, ...]``); ``measurements["grid"]`` keeps every point's change
+   and the bytes the type held. The table also records the quantization geometry the grid used.
+
 The table holds the calibrated entries of this task; the other (task, type) pairs keep the entries of
 the ``--out`` table with ``--merge`` (a table of the same model; run once per task to build a full
 table), else the paper's assignment (listed in ``measurements["filled"]``), so the file can be used
@@ -58,7 +66,8 @@ import torch
 from ..errors import UniCacheError
 from ..kv.cache import CacheFactory
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
-from ..compression.defaults import DEFAULT_K90_THRESHOLD, DEFAULT_REDUCTION, SCORE_QUERIES
+from ..compression.defaults import DEFAULT_K90_THRESHOLD, DEFAULT_REDUCTION, JOINT_BITS, JOINT_LEVELS, SCORE_QUERIES
+from ..compression.family import JointPlan, plan_from_errors
 from ..compression.policy_table import PolicyTable, PolicyTableError
 from ..compression.stats import layer_chunk, step_chunk
 from ..cli import OneLineParser as _Parser, path_arg as _path
@@ -230,10 +239,13 @@ def _change(task: str, result, reference) -> dict:
     return {"latent_rel_l2": rel, "one_minus_cosine": max(0.0, 1.0 - cos), "change": rel}
 
 
-def single_type_table(task: str, ttype: TokenType, kind: str, model_id: str) -> PolicyTable:
-    """A table that applies ``kind`` to ``ttype`` in ``task`` and protects every other candidate type."""
+def single_type_table(task: str, ttype: TokenType, kind: str, model_id: str,
+                      plan: JointPlan | None = None) -> PolicyTable:
+    """A table that applies ``kind`` to ``ttype`` in ``task`` and protects every other candidate type (``plan``:
+    the bits of a ``joint`` kind)."""
     entries = {(task, t): (kind if t == ttype else "protect") for t in CANDIDATE_TYPES}
     return PolicyTable(entries=entries, model_id=model_id, source="calibrated",
+                       plans={} if plan is None else {(task, ttype): plan},
                        measurements={"purpose": f"sensitivity: {kind} {ttype.name.lower()} only"})
 
 
@@ -318,10 +330,53 @@ def sensitivity(loaded, task: str, inputs: Sequence[tuple[str, object]], referen
     return {"sensitivity": out, "sensitivity_agrees": agrees}
 
 
+def joint_grid(loaded, task: str, inputs: Sequence[tuple[str, object]], references: Sequence, types: Sequence[str],
+               model_id: str, run_kwargs: dict, progress: Callable[[str], None] | None = None) -> dict:
+    """The sensitivity grid of docs/compression.md §11.4 (see the module docstring).
+
+    Returns ``{"grid": measurements, "plans": {type: JointPlan}}``: each type alone at every (budget level,
+    bits), the rest protected, a UniCache run whose rho is fixed at the level and whose one-level plan gives
+    the bits at any budget.
+    """
+    from .pipeline import BagelPipeline
+    from ..compression import KVConfig, make_cache_factory
+
+    out: dict = {"levels": list(JOINT_LEVELS), "bits": list(JOINT_BITS),
+                 "metric": "1 - token agreement" if task == "understanding" else "latent relative L2",
+                 "reference": "the calibration run (full KV)", "types": {}}
+    plans: dict[str, JointPlan] = {}
+    for name in types:
+        ttype = TokenType.parse(name)
+        errors: dict[tuple[float, int], float] = {}
+        points = []
+        for level in JOINT_LEVELS:
+            for bits in JOINT_BITS:
+                table = single_type_table(task, ttype, "joint", model_id, JointPlan(((1.0, bits),)))
+                keep = _KeepSession(make_cache_factory(KVConfig(method="unicache", rho=level, rho_floor=level,
+                                                                policy=table)))
+                pipe = BagelPipeline(loaded, keep)
+                changes, retained = [], []
+                for (prompt, image), ref in zip(inputs, references):
+                    changes.append(_change(task, _run_one(pipe, task, prompt, image, **run_kwargs), ref)["change"])
+                    r = type_retained(keep.last, ttype)
+                    if r is not None:
+                        retained.append(r)
+                    keep.last = None
+                errors[(level, bits)] = statistics.fmean(changes)
+                points.append({"budget": level, "bits": bits, "change": round(errors[(level, bits)], 8),
+                               "type_retained": None if not retained else round(max(retained), 6)})
+                if progress is not None:
+                    progress(f"grid {name} level {level} bits {bits}: change {errors[(level, bits)]:.4g}")
+        plans[name] = plan_from_errors(errors)
+        out["types"][name] = {"points": points, "plan": plans[name].to_list()}
+    return {"grid": out, "plans": plans}
+
+
 def calibrate(loaded, task: str, prompts: Sequence[str], images: Sequence[tuple[str, object]] | None = None, *,
               num_timesteps: int = DEFAULTS["steps"], max_new_tokens: int = DEFAULTS["max_new_tokens"],
               size: int = DEFAULTS["size"], seed: int = DEFAULTS["seed"], run_sensitivity: bool = False,
-              score_queries: int = DEFAULTS["score_queries"], threshold: float = DEFAULT_K90_THRESHOLD,
+              run_grid: bool = False, score_queries: int = DEFAULTS["score_queries"],
+              threshold: float = DEFAULT_K90_THRESHOLD,
               arguments: dict | None = None, progress: Callable[[str], None] | None = None) -> PolicyTable:
     """Calibrate ``task`` (``understanding``, ``t2i`` or ``edit``) on a loaded model; returns the task's table.
 
@@ -398,8 +453,16 @@ def calibrate(loaded, task: str, prompts: Sequence[str], images: Sequence[tuple[
     if run_sensitivity:
         m.update(sensitivity(loaded, task, inputs, references, list(measured), choice, model_id, run_kwargs,
                              progress))
+    entries, plans = dict(table.entries), {}
+    if run_grid:
+        grid = joint_grid(loaded, task, inputs, references, list(measured), model_id, run_kwargs, progress)
+        m["grid"] = grid["grid"]
+        for name, plan in grid["plans"].items():
+            entries[(task, TokenType.parse(name))] = "joint"
+            plans[(task, TokenType.parse(name))] = plan
+        m["choice"] = {t: entries[(task, TokenType.parse(t))] for t in measured}
     m["seconds"] = round(time.perf_counter() - start, 3)
-    return PolicyTable(entries=table.entries, threshold=threshold, k90=table.k90, model_id=model_id,
+    return PolicyTable(entries=entries, threshold=threshold, k90=table.k90, model_id=model_id, plans=plans,
                        source="calibrated", measurements={"tool": "python -m unicache_core.bagel.calibrate",
                                                           "tasks": {task: m}})
 
@@ -413,7 +476,7 @@ def finish_table(table: PolicyTable, task: str, base: PolicyTable | None = None)
     from ..compression.policy_table import paper_policy_table
 
     paper = paper_policy_table()
-    entries, k90s, strengths = {}, {}, {}
+    entries, k90s, strengths, plans = {}, {}, {}, {}
     tasks_meas: dict = {}
     base_filled: dict = {}
     if base is not None:
@@ -426,12 +489,16 @@ def finish_table(table: PolicyTable, task: str, base: PolicyTable | None = None)
         if key in table.entries:  # measured now
             entries[key] = table.entries[key]
             k90s[key] = table.k90[key]
+            if key in table.plans:
+                plans[key] = table.plans[key]
         elif base is not None and key in base.entries:  # kept from the --merge table
             entries[key] = base.entries[key]
             if key in base.k90:
                 k90s[key] = base.k90[key]
             if key in base.strengths:
                 strengths[key] = base.strengths[key]
+            if key in base.plans:
+                plans[key] = base.plans[key]
             if label in base_filled:
                 filled[label] = base_filled[label]
             elif key not in base.k90:
@@ -445,7 +512,8 @@ def finish_table(table: PolicyTable, task: str, base: PolicyTable | None = None)
                     "filled_note": "pairs not measured by a calibration run: 'paper' = the paper's assignment "
                                    "(unicache_core/compression/tables/bagel-7b-mot.json), 'merged' = kept from the --merge table"}
     return PolicyTable(entries=entries, threshold=table.threshold, k90=k90s, model_id=table.model_id,
-                       source="calibrated", strengths=strengths, measurements=measurements)
+                       source="calibrated", strengths=strengths, plans=plans, geometry=table.geometry,
+                       measurements=measurements)
 
 
 # ------------------------------------------------------------------------------------------- CLI
@@ -468,6 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the other tasks' entries of an existing --out table (same model)")
     p.add_argument("--sensitivity", action="store_true",
                    help="also run each type evicted vs quantized alone and compare with the K90 choice")
+    p.add_argument("--grid", action="store_true",
+                   help="also measure each type's (rows kept, bits) grid at matched bytes and make it a joint entry "
+                        "with the calibrated bits per budget level (docs/compression.md §11.4)")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"],
                    help="num_timesteps of t2i / edit (steps-1 denoising steps), as in python -m unicache_core.bagel")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULTS["max_new_tokens"],
@@ -585,17 +656,20 @@ def main(argv: list[str] | None = None) -> int:
         task = checked["task"]
         arguments = {"checkpoint": str(args.checkpoint), "task": args.task, "prompts": str(args.prompts),
                      "images": None if args.images is None else str(args.images), "out": str(args.out),
-                     "merge": args.merge, "sensitivity": args.sensitivity, "steps": args.steps,
+                     "merge": args.merge, "sensitivity": args.sensitivity, "grid": args.grid, "steps": args.steps,
                      "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "size": args.size,
                      "device": checked["device"], "seed": args.seed}
         table = calibrate(loaded, task, checked["prompts"], checked["images"], num_timesteps=args.steps,
                           max_new_tokens=args.max_new_tokens, size=args.size, seed=args.seed,
-                          run_sensitivity=args.sensitivity, arguments=arguments,
+                          run_sensitivity=args.sensitivity, run_grid=args.grid, arguments=arguments,
                           progress=(lambda msg: logger.info("%s", msg)) if args.verbose else None)
         final = finish_table(table, task, checked["base"])
         _write(final, args.out)
         meas = table.measurements["tasks"][task]
         parts = [f"{t} K90 {v:.3f} -> {meas['choice'][t]}" for t, v in meas["k90"].items()]
+        for t, plan in table.plans.items():
+            parts.append(f"{TokenType(t[1]).name.lower()} plan " + ", ".join(
+                f"{level:g}: {'full' if bits == 16 else f'{bits}-bit'}" for level, bits in plan.levels))
         agree = meas.get("sensitivity_agrees")
         if agree is not None:
             parts.append("sensitivity agrees: " + ", ".join(f"{t}={v}" for t, v in agree.items()))
