@@ -9,9 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from unicache_core.compression.defaults import JOINT_BITS, JOINT_LEVELS
 from unicache_core.compression.family import (FULL_BITS, JointChoice, JointPlan, QuantGeometry, Segment, choose,
-                                              least_quantized_bytes)
-from unicache_core.compression.ops import compress_rows, quantized_bytes
+                                              grid_choices, least_quantized_bytes, lookup_order, plan_from_errors)
+from unicache_core.compression.ops import compress_rows, quantized_bytes, rows_for_bytes
 from unicache_core.compression.policy_table import PolicyTable, PolicyTableError, paper_policy_table
 from unicache_core.kv.attention import attention_with_lse
 from unicache_core.kv.segmented_cache import SegmentedLayer
@@ -161,3 +162,78 @@ def test_the_policy_table_carries_joint_plans_and_geometry(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(PolicyTableError, match="unknown keys"):
         PolicyTable.load(tmp_path / "bad.json")
+
+
+def test_the_grid_matches_bytes_across_bit_widths():
+    """At each level every bit width keeps the most rows that fit ``level`` of the full bytes: fewer bits keep
+    more rows, full precision keeps exactly the rows an eviction budget buys, and a bit width that keeps no row
+    is left out of the grid."""
+    seg = _segment(64, elem=2)
+    grid = grid_choices(seg, QuantGeometry())
+    assert {level for level, _ in grid} == set(JOINT_LEVELS)
+    for level in JOINT_LEVELS:
+        budget = int(level * seg.full_bytes)
+        row = {bits: grid[(level, bits)] for bits in JOINT_BITS if (level, bits) in grid}
+        for bits, choice in row.items():
+            assert choice.bits == bits and 0 < choice.rows <= 64
+            assert seg.choice_bytes(choice) <= budget  # matched bytes: every point within the level's budget
+            if choice.rows < 64:  # one more row would not fit
+                more = seg.quantized(choice.rows + 1, bits, max(QuantGeometry().groups), QuantGeometry(), budget) \
+                    if bits != FULL_BITS else None
+                assert more is None
+        rows = [row[b].rows for b in JOINT_BITS if b in row]
+        assert rows == sorted(rows)  # 16, 8, 4, 2 bits: more rows as the bits fall
+        if FULL_BITS in row:
+            assert row[FULL_BITS].rows == rows_for_bytes(budget, H, D, 2)
+    # one bf16 row at 6% of its bytes: no bit width keeps it
+    assert grid_choices(_segment(1, elem=2), QuantGeometry(), levels=(0.06,)) == {}
+
+
+def test_plan_from_errors_takes_each_levels_least_change():
+    errors = {(0.5, 16): 0.01, (0.5, 8): 0.02, (0.25, 16): 0.3, (0.25, 8): 0.1, (0.25, 4): 0.1,
+              (0.12, 4): 0.4, (0.12, 2): 0.2}
+    plan = plan_from_errors(errors)
+    assert plan.levels == ((0.5, 16), (0.25, 4), (0.12, 2))  # the 0.25 tie goes to fewer bits (more rows)
+    assert [plan.bits_for(r) for r in (0.9, 0.3, 0.2, 0.01)] == [16, 4, 2, 2]
+    with pytest.raises(ValueError, match="empty"):
+        plan_from_errors({})
+    with pytest.raises(ValueError, match="nan"):
+        plan_from_errors({(0.5, 8): float("nan")})
+
+
+def test_the_group_rule_most_precise_setting_first():
+    """Quantize: bits first (most precise that fits), then the smallest group of those bits that fits; joint at
+    the plan's bits: the smallest group when every row fits, else the largest group and fewer rows."""
+    seg = _segment(512)
+    order = lookup_order(QuantGeometry())
+    assert order[0] == (8, 32) and order[-1] == (2, 128) and len(order) == 9
+    for ratio in (0.3, 0.2, 0.12, 0.095):  # 2-bit G128 holds 0.09 of fp32 rows at d = 32
+        budget = int(ratio * seg.full_bytes)
+        choice = choose(seg, "quantize", budget, QuantGeometry())
+        first = next((b, g) for b, g in order if seg.quantized(512, b, g, QuantGeometry(), budget) is not None)
+        assert (choice.bits, choice.group) == first and choice.rows == 512
+    every_row = choose(seg, "joint", int(0.2 * seg.full_bytes), QuantGeometry(), plan_bits=4)
+    assert (every_row.rows, every_row.bits, every_row.group) == (512, 4, 32)  # 4-bit G32 holds 0.16 of fp32
+    subset = choose(seg, "joint", int(0.1 * seg.full_bytes), QuantGeometry(), plan_bits=8)
+    assert subset.bits == 8 and subset.group == 128 and 0 < subset.rows < 512
+    geometry = QuantGeometry(groups=(16,), residual_max=0, residual_share=0.0)
+    assert choose(seg, "quantize", int(0.3 * seg.full_bytes), geometry).group == 16
+    assert choose(seg, "quantize", int(0.3 * seg.full_bytes), geometry).residual == 0
+    assert QuantGeometry.from_dict(geometry.to_dict()) == geometry
+    assert QuantGeometry.from_dict({}) == QuantGeometry()
+
+
+def test_the_shipped_tables_load():
+    """The paper table (version 2, BAGEL-7B's geometry, the paper's routes) and the bundled model's calibrated
+    table (version 1: no geometry, so the defaults) both load."""
+    from pathlib import Path
+
+    paper = paper_policy_table()
+    assert paper.geometry == QuantGeometry(groups=(32, 64, 128), residual_max=32, residual_share=0.5)
+    assert paper.kind("edit", "instruction") == "evict" and paper.kind("edit", "source_vae") == "quantize"
+    bundled_path = Path(__file__).resolve().parent.parent / "models" / "bagel" / "unicache-shapes" / \
+        "unicache_policy.json"
+    bundled = PolicyTable.load(bundled_path)
+    assert bundled.source == "calibrated" and bundled.geometry == QuantGeometry()
+    assert {t for t, _ in bundled.entries} == {"understanding", "t2i", "edit"}
+    assert json.loads(bundled_path.read_text())["version"] in (1, 2)
