@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .attention import attention_with_lse, merge_attention
+from .index_runs import index_runs, runs_index
 from .quant import QuantizedTensor, quantize_keys, quantize_values, quantized_kv_nbytes
 from .token_types import TokenType
 
@@ -124,23 +125,6 @@ class _RowStore(KVStore):
     @property
     def device(self) -> torch.device:
         return self.keys.device
-
-
-def index_runs(token_index: Tensor) -> tuple[tuple[int, int], ...]:
-    """``((start, length), ...)``: ``token_index [T]`` as maximal runs of consecutive append indices, in order."""
-    if token_index.numel() == 0:
-        return ()
-    idx = token_index.detach().to("cpu", torch.int64)
-    breaks = torch.nonzero(idx[1:] - idx[:-1] != 1).squeeze(1) + 1
-    bounds = [0, *breaks.tolist(), idx.shape[0]]
-    return tuple((int(idx[a]), b - a) for a, b in zip(bounds, bounds[1:]))
-
-
-def runs_index(runs: tuple[tuple[int, int], ...], device: torch.device | str = "cpu") -> Tensor:
-    """The ``[T]`` int32 append indices of :func:`index_runs`' runs."""
-    if not runs:
-        return torch.zeros(0, dtype=torch.int32, device=device)
-    return torch.cat([torch.arange(a, a + n, dtype=torch.int32, device=device) for a, n in runs])
 
 
 class FullStore(_RowStore):
