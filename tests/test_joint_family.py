@@ -226,13 +226,12 @@ def test_the_group_rule_most_precise_setting_first():
 def test_the_shipped_tables_load():
     """The paper table (version 2, BAGEL-7B's geometry, the paper's routes) and the bundled model's calibrated
     table (version 1: no geometry, so the defaults) both load."""
-    from pathlib import Path
+    from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR
 
     paper = paper_policy_table()
     assert paper.geometry == QuantGeometry(groups=(32, 64, 128), residual_max=32, residual_share=0.5)
     assert paper.kind("edit", "instruction") == "evict" and paper.kind("edit", "source_vae") == "quantize"
-    bundled_path = Path(__file__).resolve().parent.parent / "models" / "bagel" / "unicache-shapes" / \
-        "unicache_policy.json"
+    bundled_path = BUNDLED_CHECKPOINT_DIR / "unicache_policy.json"
     bundled = PolicyTable.load(bundled_path)
     assert bundled.source == "calibrated" and bundled.geometry == QuantGeometry()
     assert {t for t, _ in bundled.entries} == {"understanding", "t2i", "edit"}
