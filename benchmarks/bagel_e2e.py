@@ -2,8 +2,11 @@
 
 ``python -m benchmarks.bagel_e2e [--quick] [--json PATH] [--checkpoints medium,tiny]``
 
-Per (checkpoint, task): ``full`` first, then ``unicache`` (its own schedule), then every baseline at
-UniCache's achieved steady managed bytes of the same run (``kv_target`` in bytes). Weights are random
+Per (checkpoint, task): ``full`` first, then ``unicache`` (its own schedule), ``unicache_joint`` (the same
+method with every candidate type ``joint``: rows kept by score at the bits of :data:`JOINT_PLAN` for its
+budget level, docs/compression.md §11.3; the plan is not calibrated, since these weights are random: the
+row measures the mode's bytes, attended rows and overhead), then every baseline at UniCache's achieved
+steady managed bytes of the same run (``kv_target`` in bytes). Weights are random
 (no trained BAGEL runs here), so fidelity shows each method's distortion, not task quality; bytes and
 time do not depend on the values. Clocks come from the caches' own reports:
 
@@ -37,13 +40,26 @@ from PIL import Image
 
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from training.tiny import write_tiny_checkpoint
-from unicache_core.compression import METHODS, make_cache_factory
+from unicache_core.compression import METHODS, PolicyTable, make_cache_factory, paper_policy_table
+from unicache_core.compression.family import JointPlan
 
 from .medium import write_medium_checkpoint
 
 logger = logging.getLogger("benchmarks.bagel_e2e")
 TASKS = ("und", "t2i", "edit")
 _PIPE_TASK = {"und": "understanding", "t2i": "t2i", "edit": "edit"}
+#: The joint row's bits per budget level (every candidate type): 8-bit rows while a type keeps at least a
+#: quarter of its bytes, 4-bit down to 12%, 2-bit below.
+JOINT_PLAN = JointPlan(((0.25, 8), (0.12, 4), (0.06, 2)))
+JOINT_ROW = "unicache_joint"
+
+
+def joint_table() -> PolicyTable:
+    """The paper table's (task, type) pairs, every one ``joint`` with :data:`JOINT_PLAN`, for any model."""
+    paper = paper_policy_table()
+    return PolicyTable(entries={key: "joint" for key in paper.entries}, plans={key: JOINT_PLAN for key in paper.entries},
+                       geometry=paper.geometry, source="calibrated",
+                       measurements={"purpose": "benchmarks.bagel_e2e: the joint mode with a fixed plan"})
 
 
 @dataclass
@@ -135,7 +151,7 @@ def _row(checkpoint: str, task: str, method: str, result, report: dict, full: di
         "achieved_ratio": summ["achieved_ratio"], "flags": summ["flags"],
         "budget_met": None, "fidelity": {},
     }
-    if method == "unicache" and summ["rho_mean"]:
+    if method in ("unicache", JOINT_ROW) and summ["rho_mean"]:
         row["budget_met"] = summ["full_managed_bytes"] / max(1, summ["steady_managed_bytes"]) >= 0.98 / summ["rho_mean"]
     elif method != "full" and summ.get("target_ratio"):
         row["budget_met"] = summ["achieved_ratio"] <= summ["target_ratio"] + 1e-9
@@ -181,12 +197,17 @@ def run(cfg: E2EConfig) -> dict:
                 full_result, full_logits = None, None
                 full_row = None
                 unicache_steady = None
-                order = ["full", "unicache"] + [m for m in cfg.methods if m not in ("full", "unicache")]
-                for method in [m for m in order if m in cfg.methods or m == "full"]:
+                order = ["full", "unicache", JOINT_ROW] + [m for m in cfg.methods if m not in ("full", "unicache")]
+                runs = [m for m in order if m in cfg.methods or m == "full" or (m == JOINT_ROW and "unicache" in cfg.methods)]
+                for method in runs:
                     kw = {}
-                    if method not in ("full", "unicache") and unicache_steady:
+                    if method not in ("full", "unicache", JOINT_ROW) and unicache_steady:
                         kw["kv_target"] = int(unicache_steady)  # memory matched to UniCache in this run
-                    pipe = BagelPipeline(loaded, make_cache_factory(method, checkpoint_dir=str(path), **kw))
+                    if method == JOINT_ROW:
+                        kw["policy"] = joint_table()
+                    factory = make_cache_factory("unicache" if method == JOINT_ROW else method,
+                                                 checkpoint_dir=str(path), **kw)
+                    pipe = BagelPipeline(loaded, factory)
                     t0 = time.perf_counter()
                     result, logits = _run(pipe, task, cfg, image)
                     report = result.kv_report
@@ -212,7 +233,7 @@ def run(cfg: E2EConfig) -> dict:
 
 
 def format_table(report: dict) -> str:
-    head = (f"{'ckpt':7s} {'task':5s} {'method':13s} {'full/steady':>11s} {'peak MB':>8s} {'rho':>5s} "
+    head = (f"{'ckpt':7s} {'task':5s} {'method':14s} {'full/steady':>11s} {'peak MB':>8s} {'rho':>5s} "
             f"{'attn x':>7s} {'rows x':>7s} {'step x':>7s} {'ceil':>6s} {'ovh':>6s}  fidelity")
     lines = [head]
     for r in report["results"]:
@@ -220,7 +241,7 @@ def format_table(report: dict) -> str:
         fid = ", ".join(f"{k}={v:.4g}" for k, v in r["fidelity"].items() if isinstance(v, (int, float))) if r["fidelity"] else ""
         rho = "" if r["rho_mean"] is None else f"{r['rho_mean']:.2f}"
         flag = " [flagged]" if r["flags"] else ""
-        lines.append(f"{r['checkpoint']:7s} {r['task']:5s} {r['method']:13s} {ratio:11.2f} {r['kv_bytes_peak'] / 1e6:8.2f} "
+        lines.append(f"{r['checkpoint']:7s} {r['task']:5s} {r['method']:14s} {ratio:11.2f} {r['kv_bytes_peak'] / 1e6:8.2f} "
                      f"{rho:>5s} {r['attention_speedup_vs_full']:7.2f} {r['attended_ratio_vs_full']:7.2f} "
                      f"{r['speedup_vs_full']:7.2f} {r['step_ceiling']:6.2f} {r['overhead_fraction']:6.3f}  {fid}{flag}")
     return "\n".join(lines)

@@ -34,11 +34,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from unicache_core.compression import make_cache_factory, paper_policy_table
+from unicache_core.compression import PolicyTable, make_cache_factory, paper_policy_table
 from unicache_core.compression.baselines import pyramid_layer_budgets, sink_recency_scores
 from unicache_core.compression.defaults import (KIVI_FLOOR, KIVI_RESIDUAL, RECENT_FRACTION, SINK_TOKENS, SNAPKV_KERNEL,
                                                 WINDOW)
-from unicache_core.compression.ops import quantized_bytes, select_rows
+from unicache_core.compression.family import FULL_BITS, Segment, grid_choices, plan_from_errors
+from unicache_core.compression.ops import compress_rows, quantized_bytes, select_rows
 from unicache_core.compression.scoring import key_scores
 from unicache_core.kv.attention import attention_with_lse
 from unicache_core.kv.cache import AttentionCall, RequestInfo
@@ -305,21 +306,60 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
     info["kivi"] = kivi
 
     methods["unicache"] = [_unicache_layer(ctx, sc, budget, info)]
+    joint = _joint_table(ctx, sc, elem, info)
+    methods["unicache_joint"] = [_unicache_layer(ctx, sc, budget, info, table=joint, key="unicache_joint")]
     methods["unicache_engine"] = [layer(*_unicache_engine_stores(cfg, ctx, sc))]
     return methods, info
 
 
-def _unicache_layer(ctx: Context, sc: Scoring, budget: int, info: dict) -> SegmentedLayer:
-    """The library's UniCache (:class:`unicache_core.compression.unicache.UniCacheMethod`) on this branch.
+def _joint_table(ctx: Context, sc: Scoring, elem: int, info: dict) -> PolicyTable:
+    """Every candidate type ``joint``, its bits per budget level calibrated on this context: the offline
+    sensitivity grid of docs/compression.md §11.4 (rows kept x bits at matched bytes, one type compressed
+    at a time), measured as the relative attention-output error of the SCORING step's queries (an
+    independent draw; the timed queries never calibrate anything)."""
+    bnd = _rows(ctx, TT.BOUNDARY)
+    stores = {t: _full(ctx, _rows(ctx, t), t) for t in CANDIDATE_TYPES}
+    reference = SegmentedLayer()
+    reference.stores = [_full(ctx, bnd, TT.BOUNDARY), *stores.values()]
+    ref, _ = reference.attend(ctx.score_queries, ctx.score_k_new, ctx.score_v_new, fused=True)
+    ref = ref.float()
+    geometry = paper_policy_table().geometry
+    h, d = ctx.keys.shape[1], ctx.keys.shape[2]
+    plans, measured = {}, {}
+    for t, store in stores.items():
+        segment = Segment(full_rows=store.num_tokens, held_rows=store.num_tokens, held_bits=FULL_BITS,
+                          held_bytes=store.nbytes(), shared_rows=True, num_kv_heads=h, head_dim=d, elem=elem)
+        errors = {}
+        for (level, bits), choice in grid_choices(segment, geometry).items():
+            trial = reference.share()
+            index = trial.find(t)
+            compress_rows(trial, index, choice.rows, choice.bits, choice.group, choice.residual,
+                          sc.accumulated.float(), recent=recent_rows(choice.rows))
+            out, _ = trial.attend(ctx.score_queries, ctx.score_k_new, ctx.score_v_new, fused=True)
+            errors[(level, bits)] = float((out.float() - ref).norm() / ref.norm())
+        plans[t] = plan_from_errors(errors)
+        measured[t.name.lower()] = {f"{level}/{bits}": round(err, 5) for (level, bits), err in errors.items()}
+    info["unicache_joint_calibration"] = {"errors": measured,
+                                          "plans": {t.name.lower(): p.to_list() for t, p in plans.items()}}
+    return PolicyTable(entries={("edit", t): "joint" for t in CANDIDATE_TYPES},
+                       plans={("edit", t): p for t, p in plans.items()}, geometry=geometry, source="calibrated")
+
+
+def _unicache_layer(ctx: Context, sc: Scoring, budget: int, info: dict, table: PolicyTable | None = None,
+                    key: str = "unicache") -> SegmentedLayer:
+    """The library's UniCache (:class:`unicache_core.compression.unicache.UniCacheMethod`) on this branch, with
+    the paper's table (or ``table``).
 
     The synthetic context is appended to a real :class:`~unicache_core.compression.compressing_cache.CompressingKVCache`;
     the scoring step's pre-eviction masses and accumulated per-key scores are its observation (what a
     pipeline run measures at its first, full-KV step), and one compression runs with the candidate byte
     budget as ``kv_target``: the mass-proportional capped allocation over the types, H2O eviction for
-    instruction and source-ViT (25% recent), the KIVI lookup row whose real bytes fit for source-VAE
-    (residual 32), bytes the quantized segment leaves unused going to the evicted types.
+    instruction and source-ViT (25% recent), the most precise KIVI setting whose real bytes fit for
+    source-VAE (residual and groups by docs/compression.md §11.2), bytes the quantized segment leaves unused
+    going to the evicted types. With a joint ``table`` each type keeps its best-scored rows at its
+    calibrated bits.
     """
-    session = make_cache_factory("unicache", kv_target=int(budget), policy=paper_policy_table()).start(
+    session = make_cache_factory("unicache", kv_target=int(budget), policy=table or paper_policy_table()).start(
         RequestInfo(task="edit", num_layers=1, num_steps=2))
     cache = session.new_cache("gen")
     rope = torch.zeros(ctx.types.shape[0], dtype=torch.long)
@@ -333,7 +373,7 @@ def _unicache_layer(ctx: Context, sc: Scoring, budget: int, info: dict) -> Segme
                           phase="denoise", step=0)
     session.compress(cache, step0)
     layer = cache.layer(0)
-    info["unicache"] = {
+    info[key] = {
         "type_masses": {t.name.lower(): round(sc.masses.get(t, 0.0), 4) for t in CANDIDATE_TYPES},
         "budget_bytes": {k: int(v) for k, v in cache.state[0].budgets.items()},
         "stores": [{"type": st.token_type.name.lower(), "kind": st.kind, "rows_per_head": st.num_tokens,
@@ -401,9 +441,10 @@ def _run(cfg: BenchConfig) -> dict:
         # attended rows (KIVI keeps every row visible) bounds the speedup on compute-bound hardware.
         r["attended_tokens"] = attended[r["method"]]
         r["attended_ratio_vs_full"] = attended["full"] / attended[r["method"]]
-    for uni in (r for r in results if r["method"] in ("unicache", "unicache_engine")):
+    ours = ("unicache", "unicache_joint", "unicache_engine")
+    for uni in (r for r in results if r["method"] in ours):
         for r in results:
-            if r["method"] not in ("unicache", "unicache_engine", "full"):
+            if r["method"] not in (*ours, "full"):
                 uni[f"speedup_vs_{r['method']}"] = r["step_seconds_median"] / uni["step_seconds_median"]
                 uni[f"error_ratio_vs_{r['method']}"] = uni["rel_error_vs_full"] / max(r["rel_error_vs_full"], 1e-12)
     config = asdict(cfg)

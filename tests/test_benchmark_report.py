@@ -6,7 +6,7 @@ import sys
 
 from benchmarks import kv_attention
 
-METHODS = ["full", "h2o", "snapkv", "pyramidkv", "streamingllm", "kivi", "vlcache", "unicache"]
+METHODS = ["full", "h2o", "snapkv", "pyramidkv", "streamingllm", "kivi", "vlcache", "unicache", "unicache_joint"]
 KEYS = {"method", "kv_bytes", "full_kv_bytes", "step_seconds_median", "speedup_vs_full", "rel_error_vs_full"}
 
 
@@ -31,6 +31,11 @@ def test_quick_benchmark_report(tmp_path):
     # at equal memory, UniCache's typed plan is more accurate than every single-policy baseline
     for name in ("h2o", "snapkv", "pyramidkv", "streamingllm", "kivi", "vlcache"):
         assert rows["unicache"]["rel_error_vs_full"] < rows[name]["rel_error_vs_full"], name
+        assert rows["unicache_joint"]["rel_error_vs_full"] < rows[name]["rel_error_vs_full"], name
+    # the joint row's plan was calibrated on the context: bits per budget level for every candidate type
+    plans = report["config"]["unicache_joint_calibration"]["plans"]
+    assert set(plans) == {"instruction", "source_vit", "source_vae"}
+    assert all(entry["bits"] in (16, 8, 4, 2) for plan in plans.values() for entry in plan)
     attended = report["config"]["attended_tokens_per_kv_head"]
     assert attended["unicache"] < attended["full"]
     assert attended["kivi"] == attended["full"]  # quantization keeps every token visible

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -15,7 +16,10 @@ from unicache_core.bagel.calibration import (CalibrationJob, CalibrationOptions,
                                              synthetic_image)
 from unicache_core.bagel.calibration.cli import main as calibrate_main
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
+from unicache_core.compression import make_cache_factory
 from unicache_core.compression.calibration import CalibrationCacheFactory
+from unicache_core.compression.defaults import JOINT_BITS, JOINT_LEVELS
+from unicache_core.compression.family import QuantGeometry
 from unicache_core.bagel.checkpoint.model_id import model_id_of
 from unicache_core.kv.token_types import TokenType
 from unicache_core.compression.policy_table import PolicyTable
@@ -112,6 +116,44 @@ def test_t2i_and_edit_tables_with_sensitivity_and_merge(tiny_checkpoint, prompts
     assert "edit/instruction" not in filled and "t2i/instruction" not in filled
     assert filled["understanding/instruction"] == "paper"
     assert "synthetic" in table.measurements["tasks"]["edit"]["images"]
+
+
+def test_the_grid_writes_joint_entries_with_their_plans_and_geometry(tiny_checkpoint, prompts, tmp_path, capsys,
+                                                                    loaded):
+    """--grid (docs/compression.md §11.4): every (level, bits) point measured with the type alone at matched bytes,
+    the plan takes each level's least change, the table is version 2 with its geometry, and a later --merge of
+    another task keeps the plan."""
+    out = tmp_path / "grid.json"
+    one = tmp_path / "one.txt"
+    one.write_text("a red circle on the left\n", encoding="utf-8")  # 16 grid points x prompts runs: keep one
+    code, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--task", "t2i", "--prompts", one, "--out", out,
+                     "--grid", *COMMON)
+    assert code == 0, err
+    assert len(err.strip().splitlines()) == 1 and "instruction plan 0.5:" in err
+    data = json.loads(out.read_text())
+    assert data["version"] == 2 and data["quantization"] == QuantGeometry().to_dict()
+    table = PolicyTable.load(out, model_id=model_id_of(tiny_checkpoint))
+    key = ("t2i", TokenType.INSTRUCTION)
+    assert table.kind(*key) == "joint"
+    grid = table.measurements["tasks"]["t2i"]["grid"]["types"]["instruction"]
+    points = {(p["budget"], p["bits"]): p for p in grid["points"]}
+    assert set(points) == {(level, bits) for level in JOINT_LEVELS for bits in JOINT_BITS}
+    for (level, bits), point in points.items():
+        assert point["change"] >= 0.0 and point["type_retained"] <= level + 1e-9, point  # matched bytes
+    best = {level: min(JOINT_BITS, key=lambda b: (points[(level, b)]["change"], b)) for level in JOINT_LEVELS}
+    assert table.plan_for(*key).levels == tuple(sorted(best.items(), reverse=True))
+    assert any(p["change"] > 0 for p in points.values())  # compressing the prompt changes the latents
+    # the calibrated table runs: its joint entry holds the instruction at or under the budget of every step
+    res = BagelPipeline(loaded, make_cache_factory("unicache", policy=table, kv_target=0.25)).text_to_image(
+        "a red circle", preset("t2i", width=32, height=32, num_timesteps=3), seed=0)
+    assert res.kv_report["summary"]["achieved_ratio"] <= 0.25 + 1e-9
+    # merging another task (no grid) keeps the joint entry and its plan
+    code, err = _run(capsys, "--checkpoint", tiny_checkpoint, "--task", "edit", "--prompts", prompts, "--out", out,
+                     "--merge", *COMMON)
+    assert code == 0, err
+    merged = PolicyTable.load(out, model_id=model_id_of(tiny_checkpoint))
+    assert merged.kind(*key) == "joint" and merged.plan_for(*key) == table.plan_for(*key)
+    assert merged.kind("edit", "source_vae") in ("evict", "quantize")
 
 
 def test_understanding_with_an_image_folder(tiny_checkpoint, prompts, tmp_path, capsys):

@@ -8,6 +8,7 @@ import torch
 from unicache_core.kv.attention import attention_with_lse
 from oracles import KIVIPolicy
 from unicache_core.kv.token_types import TokenType
+from unicache_core.kv.quant import quantized_kv_nbytes
 from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore
 import unicache_core.kv.stores as stores_module
 
@@ -38,8 +39,24 @@ def test_full_store_attention_and_bytes() -> None:
     out, lse = store.attend(q)
     ref, ref_lse = attention_with_lse(q, k, v)
     assert torch.allclose(out, ref) and torch.allclose(lse, ref_lse)
-    assert store.nbytes() == store.nominal_bytes() == 2 * T * HKV * D * 4 + 4 * T
-    assert store.token_index.dtype == torch.int32
+    # an uncompressed store holds exactly its K and V: its rows are named by runs of append indices
+    assert store.nbytes() == store.nominal_bytes() == 2 * T * HKV * D * 4
+    assert store.runs == ((100, T),) and store.token_index.dtype == torch.int32
+    assert torch.equal(store.token_index.long(), pos)
+
+
+def test_full_store_runs_follow_interleaved_appends() -> None:
+    _, k, v, _ = _kv(t=12)
+    store = FullStore(k[:3], v[:3], torch.tensor([0, 1, 2]), TokenType.INSTRUCTION)
+    store.append(k[3:5], v[3:5], torch.tensor([3, 4]))  # continues the run
+    store.append(k[5:9], v[5:9], torch.tensor([9, 10, 20, 21]))  # two new runs
+    assert store.runs == ((0, 5), (9, 2), (20, 2))
+    assert store.token_index.tolist() == [0, 1, 2, 3, 4, 9, 10, 20, 21]
+    shared = store.share()
+    assert shared.runs == store.runs and shared.keys is store.keys
+    assert store.nbytes() == 2 * 9 * HKV * D * 4
+    with pytest.raises(ValueError, match="runs"):
+        FullStore.from_runs(k[:3], v[:3], ((0, 4),), TokenType.INSTRUCTION)
 
 
 def test_evicted_store_per_head_selection_is_honoured() -> None:
@@ -236,3 +253,54 @@ def test_large_magnitudes_switch_scales_to_fp32_and_stay_exactly_accounted():
                                    TokenType.SOURCE_VAE)
     assert small.qkeys.scale.dtype == torch.float16  # the fp16 convention otherwise
     assert small.nbytes() < store.nbytes()
+
+
+def test_quantized_store_from_head_rows_per_head_and_shared() -> None:
+    """Rows chosen per KV head (``token_index [Hkv, T]``) are quantized head by head, charged one int32 index per
+    row and head, and attended as their dequantized rows; a shared ``[T]`` index gives the store from_kv makes."""
+    q, k, v, _ = _kv(t=40)
+    chosen = torch.stack([torch.arange(0, 40, 2), torch.arange(1, 40, 2)])  # head 0 even rows, head 1 odd
+    hk = torch.stack([k[chosen[h], h] for h in range(HKV)])  # [Hkv, 20, d]
+    hv = torch.stack([v[chosen[h], h] for h in range(HKV)])
+    store = QuantizedStore.from_head_rows(hk, hv, chosen, 4, 32, 3, TokenType.SOURCE_VIT)
+    assert store.per_head_rows and store.num_tokens == 20 and store.num_quantized == 17
+    assert torch.equal(store.token_index.long(), chosen)
+    assert store.nbytes() == store.nominal_bytes() == quantized_kv_nbytes(20, HKV, D, 4, 32, 3, 4) + 4 * 20 * HKV
+    dk, dv = store.dequantize()  # [T, Hkv, d]: row i of head h is chosen[h, i]
+    for h in range(HKV):
+        assert torch.equal(dk[-3:, h], k[chosen[h, -3:], h])  # the residual rows are exact
+        assert torch.allclose(dk[:, h], k[chosen[h], h], atol=0.3) and not torch.equal(dk[:-3, h], k[chosen[h, :-3], h])
+    out, lse = store.attend(q)
+    g = HQ // HKV
+    for h in range(HKV):  # each query head attends to its KV head's own rows
+        ref, ref_lse = attention_with_lse(q[:, h * g:(h + 1) * g], dk[:, h:h + 1], dv[:, h:h + 1])
+        assert torch.allclose(out[:, h * g:(h + 1) * g], ref, atol=1e-5)
+        assert torch.allclose(lse[:, h * g:(h + 1) * g], ref_lse, atol=1e-5)
+    shared = QuantizedStore.from_head_rows(k.transpose(0, 1), v.transpose(0, 1), torch.arange(40), 2, 128, 0,
+                                           TokenType.SOURCE_VAE)
+    ref_store = QuantizedStore.from_kv(k, v, torch.arange(40), 2, 128, 0, TokenType.SOURCE_VAE)
+    assert not shared.per_head_rows and shared.nbytes() == ref_store.nbytes()
+    assert all(torch.equal(a, b) for a, b in zip(shared.dequantize(), ref_store.dequantize()))
+
+
+def test_a_segment_shorter_than_its_group_is_one_group_of_its_own_length() -> None:
+    """A 25-row instruction at G=128: one key group per channel over its 25 rows (nothing padded), value groups
+    over the channels; the bytes are the formula's and less than the rows uncompressed even in bf16."""
+    _, k, v, _ = _kv(torch.bfloat16, t=25)
+    store = QuantizedStore.from_kv(k, v, torch.arange(25), 2, 128, 0, TokenType.INSTRUCTION)
+    assert store.nbytes() == quantized_kv_nbytes(25, HKV, D, 2, 128, 0, 2) + 4 * 25
+    key_meta = HKV * 1 * D * 4  # one group per channel and head, fp16 scale + zero
+    value_meta = HKV * 25 * 1 * 4  # one group per row and head (d = 32 <= G)
+    assert store.nbytes() == HKV * 2 * 25 * D * 2 // 8 + key_meta + value_meta + 4 * 25
+    assert store.nbytes() < 2 * 25 * HKV * D * 2
+
+
+def test_from_head_rows_bad_arguments() -> None:
+    _, k, v, _ = _kv(t=8)
+    hk, hv = k.transpose(0, 1), v.transpose(0, 1)
+    with pytest.raises(ValueError, match=r"token_index.*\[Hkv, T\]"):
+        QuantizedStore.from_head_rows(hk, hv, torch.zeros(3, 8, dtype=torch.long), 2, 32, 0, TokenType.SOURCE_VIT)
+    with pytest.raises(ValueError, match="residual"):
+        QuantizedStore.from_head_rows(hk, hv, torch.arange(8), 2, 32, -1, TokenType.SOURCE_VIT)
+    with pytest.raises(ValueError, match=r"\[Hkv, T, d\]"):
+        QuantizedStore.from_head_rows(k, v[:4], torch.arange(8), 2, 32, 0, TokenType.SOURCE_VIT)

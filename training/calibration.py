@@ -1,6 +1,6 @@
 """Calibrate UniCache's policy table on the shapes model, with world samples from the training seeds.
 
-``python -m training.calibration CHECKPOINT [--prompts N] [--sensitivity]`` writes
+``python -m training.calibration CHECKPOINT [--prompts N] [--sensitivity] [--grid]`` writes
 prompt files and images for the three tasks (captions; edit instructions with their source images;
 questions with their scenes) and calibrates each task (:func:`unicache_core.bagel.calibration.cli.run_job`, what
 ``python -m unicache_core.bagel.calibrate`` runs), merging into ``CHECKPOINT/unicache_policy.json``, the table
@@ -54,11 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=12, help="samples per task (default 12)")
     parser.add_argument("--steps", type=int, default=13, help="num_timesteps of t2i and edit (default 13)")
     parser.add_argument("--sensitivity", action="store_true", help="also compare evict vs quantize per type")
+    parser.add_argument("--grid", action="store_true",
+                        help="also measure each type's (rows kept, bits) grid and write joint entries with their plans")
     args = parser.parse_args(argv)
     if args.prompts < 1:
         parser.error(f"--prompts must be >= 1, got {args.prompts}")
     out = Path(args.checkpoint) / CHECKPOINT_POLICY_FILE
-    options = CalibrationOptions(num_timesteps=args.steps, max_new_tokens=4, size=128, sensitivity=args.sensitivity)
+    options = CalibrationOptions(num_timesteps=args.steps, max_new_tokens=4, size=128,
+                                 sensitivity=args.sensitivity, grid=args.grid)
     configure_logging(verbose=False)
     with tempfile.TemporaryDirectory() as tmp:
         for i, task in enumerate(("und", "t2i", "edit")):

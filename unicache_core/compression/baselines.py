@@ -15,10 +15,12 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ..kv.quant import SUPPORTED_BITS
 from .allocator import allocate_integer
 from .defaults import PYRAMID_BETA, RECENT_FRACTION, SINK_TOKENS, SNAPKV_KERNEL
+from .family import FULL_BITS, JointChoice, QuantGeometry, Segment, lookup_order
 from .method import CompressionMethod, GlobalEvictionMethod, candidate_indices
-from .ops import best_kivi_setting, floor_bytes, quantize
+from .ops import floor_bytes, quantize, shared_rows
 from .protocol import CompressibleBranch, MethodSession
 
 
@@ -149,8 +151,8 @@ class PyramidKVMethod(SnapKVMethod):
     beta = PYRAMID_BETA
 
     def layer_rows(self, cache: CompressibleBranch, budgets: list[int], rows: list[int]) -> list[int]:
-        if not rows or max(rows) == 0:
-            return budgets
+        if not rows or max(rows) == 0 or sum(budgets) == 0:
+            return budgets  # nothing to keep anywhere (a budget below one row per layer): no pyramid to shape
         total = rows[0]
         keep = sum(budgets) / len(budgets)
         window = min(cache.session.config.window, total)
@@ -210,29 +212,43 @@ class VLCacheMethod(GlobalEvictionMethod):
 
 class KIVIMethod(CompressionMethod):
     """KIVI (https://arxiv.org/abs/2402.02750) over all compressible KV: keys per channel, values per token;
-    the (bits, group, residual) whose real bytes are the largest at or under the target (reported)."""
+    every row at the most precise (bits, group) whose real bytes fit the target, the newest rows in full
+    precision with the bytes left (docs/compression.md §11.2: the same settings UniCache's quantize route
+    takes, without scores). A pool that no setting fits is quantized at the smallest one when that still
+    shrinks it, else left as it is (flagged either way)."""
 
     name = "kivi"
     needs_scores = False
 
     def compress_layers(self, session: MethodSession, cache: CompressibleBranch) -> None:
         ratio = session.resolve_target()
+        geometry = session.config.quant_geometry(QuantGeometry())
         for layer in range(cache.num_layers):
             st = cache.layer(layer)
             idx = candidate_indices(cache, layer)
             if not idx or st._kv_meta is None:
                 continue
             h, d, _, _ = st._kv_meta
-            elem = cache.row_bytes(layer) // (2 * h * d)
-            n = sum(st.stores[i].num_tokens for i in idx)
+            stores = [st.stores[i] for i in idx]
+            n = sum(s.num_tokens for s in stores)
+            segment = Segment(full_rows=n, held_rows=n, held_bits=FULL_BITS, held_bytes=sum(s.nbytes() for s in stores),
+                              shared_rows=shared_rows(stores), num_kv_heads=h, head_dim=d,
+                              elem=cache.row_bytes(layer) // (2 * h * d))
             budget = floor_bytes(ratio, cache.managed_full_bytes(layer))
-            (bits, group, residual), fits = best_kivi_setting(budget, n, h, d, elem)
             cache.state[layer].budgets = {"candidate": budget}
-            if not fits:
+            if ratio >= 1.0:
+                continue  # the target keeps everything: nothing is quantized
+            choice = next((c for bits, group in lookup_order(geometry)
+                           if (c := segment.quantized(n, bits, group, geometry, budget)) is not None), None)
+            if choice is None:
+                choice = JointChoice(n, min(SUPPORTED_BITS), max(geometry.groups), 0)
+                need = segment.choice_bytes(choice)
+                kept = "it is used" if need < segment.held_bytes else "the rows stay as they are (it would hold more)"
                 cache.state[layer].flags["candidate"] = (
-                    f"no KIVI setting fits {budget} B for {n} rows: the smallest "
-                    f"({bits}-bit, G{group}, R{residual}) is used")
-            quantize(st, idx, bits, group, residual)
+                    f"no KIVI setting fits {budget} B for {n} rows: the smallest is {choice.bits}-bit, "
+                    f"G{choice.group}, R0 ({need} B); {kept}")
+            if segment.choice_bytes(choice) < segment.held_bytes:  # never a store that holds more
+                quantize(st, idx, choice.bits, choice.group, choice.residual)
 
 
 __all__ = ["H2OMethod", "KIVIMethod", "PyramidKVMethod", "SnapKVMethod", "StreamingLLMMethod", "VLCacheMethod",

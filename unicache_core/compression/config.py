@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .defaults import DEFAULT_REDUCTION, KIVI_RESIDUAL, RECENT_FRACTION, SCORE_QUERIES, WINDOW
+from .defaults import DEFAULT_REDUCTION, RECENT_FRACTION, SCORE_QUERIES, WINDOW
+from .family import QuantGeometry
 from .policy_table import PolicyTable
 
 #: Every method selectable by name (``full`` = no compression).
@@ -96,7 +97,9 @@ class KVConfig:
         score_queries: most queries a call scores keys with (strided for latents, the last ones for text).
         window: observation window of SnapKV / PyramidKV (64).
         recent_fraction: recent share of an eviction budget (H2O-style; 0.25).
-        kivi_residual: full-precision residual rows of quantized segments (32).
+        kivi_residual: a fixed number of full-precision residual rows for the quantized segments of unicache
+            and kivi (at most the segment; dropped when it does not fit the budget). ``None`` (default):
+            the residual follows the segment's length (docs/compression.md §11.2).
         fused: on calls that gather no statistics (the fast path), attend through one temporary head-major
             workspace per layer (resident rows, dequantized ones included, plus the new block) in a single
             exact attention call, instead of one call per store and an LSE merge (default on: measured
@@ -112,7 +115,7 @@ class KVConfig:
     score_queries: int = SCORE_QUERIES
     window: int = WINDOW
     recent_fraction: float = RECENT_FRACTION
-    kivi_residual: int = KIVI_RESIDUAL
+    kivi_residual: int | None = None
     fused: bool = True
     sync_timing: bool = False
     extra: dict = field(default_factory=dict)
@@ -136,11 +139,18 @@ class KVConfig:
             raise ValueError(f"`policy` must be a policy-table path or PolicyTable, got {type(self.policy).__name__}")
         _positive_int("score_queries", self.score_queries)
         _positive_int("window", self.window)
-        _positive_int("kivi_residual", self.kivi_residual, 0)
+        if self.kivi_residual is not None:
+            _positive_int("kivi_residual", self.kivi_residual, 0)
         _ratio("recent_fraction", self.recent_fraction, allow_zero=True)
         for name in ("fused", "sync_timing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
+
+    def quant_geometry(self, base: QuantGeometry) -> QuantGeometry:
+        """``base`` (a table's or the default geometry) with the fixed residual of ``kivi_residual`` when set."""
+        if self.kivi_residual is None:
+            return base
+        return replace(base, residual_max=self.kivi_residual, residual_share=1.0)
 
     def target_ratio(self, task: str) -> float | int:
         """The explicit target, or ``1 - DEFAULT_REDUCTION[task]``."""

@@ -12,9 +12,12 @@ from __future__ import annotations
 #: KV reduction the UniCache paper matches every method at, per task: 80% understanding and editing, 60%
 #: text-to-image. A baseline without an explicit target keeps ``1 - DEFAULT_REDUCTION[task]``.
 DEFAULT_REDUCTION: dict[str, float] = {"understanding": 0.8, "t2i": 0.6, "edit": 0.8}
-#: UniCache's starting retention ``rho0`` per task. It is also the budget ratio while no attention statistics
-#: exist yet (§8.6) and the strength of a policy-table entry that names none.
-RHO0: dict[str, float] = {"understanding": 0.2, "t2i": 0.5, "edit": 0.5}
+#: UniCache's starting retention ``rho0`` per task: the paper's average retention ``1 - DEFAULT_REDUCTION``. The
+#: paper starts text-to-image and editing at 0.5 and relies on their conditional attention mass decaying
+#: to reach those averages; starting at the average itself holds the paper's reductions whatever the mass
+#: does (our choice; ``rho=0.5`` gives the paper's start). It is also the budget ratio while no attention
+#: statistics exist yet (§8.6) and the strength of a policy-table entry that names none.
+RHO0: dict[str, float] = {task: round(1.0 - reduction, 6) for task, reduction in DEFAULT_REDUCTION.items()}
 #: Lowest retention the schedule decays to, per task (understanding stays at its ``rho0``).
 RHO_FLOOR: dict[str, float] = {"understanding": 0.2, "t2i": 0.35, "edit": 0.1}
 #: Tasks whose retention stays ``rho0`` whatever the attention does.
@@ -57,10 +60,19 @@ VLCACHE_THRESHOLD = 0.01
 
 # ---------------------------------------------------------------- quantization (§6, §8.6)
 
-#: Rows kept in full precision at the end of a quantized segment.
+#: Most rows a quantized segment keeps in full precision (its residual), and the largest share of its rows
+#: the residual may hold. Within these caps the residual takes the bytes its budget leaves after every row
+#: is quantized (docs/compression.md §11.2).
 KIVI_RESIDUAL = 32
+KIVI_RESIDUAL_SHARE = 0.5
 #: The most compressed (bits, group) of UniCache's lookup: the floor of a quantized segment.
 KIVI_FLOOR = (2, 128)
-#: Group sizes and residuals the global KIVI baseline searches (bits: every supported width).
+#: KIVI group sizes (key groups run over tokens, value groups over channels).
 KIVI_GROUPS: tuple[int, ...] = (32, 64, 128)
-KIVI_BASELINE_RESIDUALS: tuple[int, ...] = (32, 128)
+
+# ---------------------------------------------------------------- joint eviction + quantization (§11)
+
+#: Budget levels (retained byte ratios of one type) the offline sensitivity grid measures, and the bit widths
+#: it compares at each level (16 = rows kept at full precision, i.e. eviction).
+JOINT_LEVELS: tuple[float, ...] = (0.5, 0.25, 0.12, 0.06)
+JOINT_BITS: tuple[int, ...] = (16, 8, 4, 2)

@@ -159,6 +159,11 @@ class GlobalEvictionMethod(CompressionMethod):
             idx = candidate_indices(cache, layer)
             if not idx or keep >= pool_rows[layer]:
                 continue  # the target keeps everything: the segment stays as it is
+            st = cache.layer(layer)
+            h, d, _, _ = st._kv_meta
+            if keep * evicted_row_bytes(h, d, cache.row_bytes(layer) // (2 * h * d)) >= \
+                    sum(st.stores[i].nbytes() for i in idx):
+                continue  # the kept rows and their indices would hold as much as the rows do now
             scores = self.layer_scores(cache, layer)
             if scores is None:
                 raise RuntimeError(f"{self.name}: layer {layer} of branch {cache.branch} was never scored")

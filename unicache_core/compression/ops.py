@@ -18,7 +18,7 @@ from ..kv.quant import SUPPORTED_BITS, quantized_kv_nbytes
 from ..kv.segmented_cache import SegmentedLayer
 from ..kv.stores import EvictedStore, FullStore, KVStore, QuantizedStore
 from ..kv.token_types import TokenType
-from .defaults import KIVI_BASELINE_RESIDUALS, KIVI_FLOOR, KIVI_GROUPS
+from .family import FULL_BITS, QuantGeometry
 
 #: UniCache's bits/group lookup (docs/compression.md §8.6): (nominal retained ratio, bits, group size).
 KIVI_LOOKUP: tuple[tuple[float, int, int], ...] = (
@@ -113,58 +113,28 @@ def quantized_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, bits: int
     return quantized_kv_nbytes(num_tokens, num_kv_heads, head_dim, bits, group, residual, elem) + 4 * num_tokens
 
 
-def kivi_setting_for(ratio: float, budget: int, num_tokens: int, num_kv_heads: int, head_dim: int, elem: int,
-                     residual: int) -> tuple[tuple[int, int] | None, bool]:
-    """The lookup row (bits, group) of docs/compression.md §8.6 for a retained ``ratio`` whose REAL bytes fit.
-
-    Rows with nominal ratio <= ``ratio`` are tried from the highest down; the first whose measured bytes
-    (payload, scale/zero, residual, indices) fit ``budget`` wins. ``ratio >= 1`` → ``(None, True)``: keep
-    the segment uncompressed. When nothing fits, the 2-bit / G128 floor is returned with ``False``
-    (the budget is unreachable for this segment: residual and metadata dominate).
-    """
-    if ratio >= 1.0:
-        return None, True
-    for nominal, bits, group in reversed(KIVI_LOOKUP):
-        if nominal > ratio + 1e-12:
-            continue
-        if quantized_bytes(num_tokens, num_kv_heads, head_dim, bits, group, residual, elem) <= budget:
-            return (bits, group), True
-    return KIVI_FLOOR, False
-
-
-def best_kivi_setting(budget: int, num_tokens: int, num_kv_heads: int, head_dim: int, elem: int,
-                      residuals: tuple[int, ...] = KIVI_BASELINE_RESIDUALS) -> tuple[tuple[int, int, int], bool]:
-    """Global KIVI baseline: the (bits, group, residual) whose real bytes are the largest at or under ``budget``.
-
-    Returns ``((bits, group, residual), fits)``; when nothing fits, the smallest setting and ``False``.
-    """
-    best, best_bytes, smallest = None, -1, None
-    for bits in SUPPORTED_BITS:
-        for group in KIVI_GROUPS:
-            for res in residuals:
-                need = quantized_bytes(num_tokens, num_kv_heads, head_dim, bits, group, res, elem)
-                if smallest is None or need < smallest[1]:
-                    smallest = ((bits, group, res), need)
-                if need <= budget and need > best_bytes:
-                    best, best_bytes = (bits, group, res), need
-    if best is None:
-        return smallest[0], False
-    return best, True
-
-
 def _per_head_rows(store: KVStore) -> tuple[Tensor, Tensor, Tensor]:
-    """``(keys [Hkv, n, d], values [Hkv, n, d], token_index [Hkv, n])`` of a full or evicted store."""
+    """``(keys [Hkv, n, d], values [Hkv, n, d], token_index [Hkv, n])`` of a store (quantized rows dequantized)."""
+    h = store.num_kv_heads
     if isinstance(store, FullStore):
-        h = store.num_kv_heads
         return (store.keys.transpose(0, 1), store.values.transpose(0, 1),
                 store.token_index.long().unsqueeze(0).expand(h, -1))
     if isinstance(store, EvictedStore):
         return store.keys, store.values, store.keep_idx.long()
-    raise ValueError(f"a {store.kind} store cannot be evicted from (quantized rows are never scored)")
+    if isinstance(store, QuantizedStore):
+        k, v = store.dequantize()
+        index = store.token_index.long()
+        return k.transpose(0, 1), v.transpose(0, 1), index if index.dim() == 2 else index.unsqueeze(0).expand(h, -1)
+    raise ValueError(f"a {store.kind} store cannot be pooled")
+
+
+def shared_rows(stores: list[KVStore]) -> bool:
+    """Every KV head of ``stores`` holds the same rows (uncompressed or wholly quantized segments)."""
+    return all(isinstance(s, FullStore) or (isinstance(s, QuantizedStore) and not s.per_head_rows) for s in stores)
 
 
 def pool_rows(stores: list[KVStore]) -> tuple[Tensor, Tensor, Tensor]:
-    """Rows of several full/evicted stores, per KV head, sorted by append index: ``[Hkv, N, d]`` x2, ``[Hkv, N]``."""
+    """Rows of several stores, per KV head, sorted by append index: ``[Hkv, N, d]`` x2, ``[Hkv, N]``."""
     parts = [_per_head_rows(s) for s in stores]
     keys = torch.cat([p[0] for p in parts], dim=1)
     values = torch.cat([p[1] for p in parts], dim=1)
@@ -210,8 +180,70 @@ def evict(
     return store
 
 
-def quantize(layer: SegmentedLayer, indices: list[int], bits: int, group: int, residual: int) -> QuantizedStore:
-    """Quantize the (full or already quantized) stores at ``indices`` as one KIVI store, in append order."""
+def compress_rows(
+    layer: SegmentedLayer, indices: list[int], keep: int, bits: int, group: int, residual: int,
+    scores: Tensor | None, *, recent: int = 0,
+) -> KVStore:
+    """Keep ``keep`` rows per KV head of the pooled stores at ``indices`` (chosen by ``scores``, as :func:`evict`)
+    at ``bits`` (:data:`~unicache_core.compression.family.FULL_BITS`: an :class:`EvictedStore`; else a
+    :class:`QuantizedStore` of those rows whose ``residual`` best-scored rows per head stay in full precision,
+    or the newest ones without scores).
+
+    Every row of a pool whose heads share their rows is quantized as one segment (one ``[T]`` index).
+    ``scores``: ``[T_appended, Hkv]`` (needed only when rows are dropped).
+    """
+    stores = [layer.stores[i] for i in indices]
+    total = sum(s.num_tokens for s in stores)
+    if bits == FULL_BITS:
+        if scores is None:
+            raise ValueError("evicting rows needs their scores")
+        return evict(layer, indices, keep, scores, recent=recent)
+    if keep >= total and shared_rows(stores):
+        return quantize(layer, indices, bits, group, residual, scores)
+    keys, values, index = pool_rows(stores)
+    pooled_scores = None if scores is None else torch.gather(scores.float().t().to(index.device), 1, index)
+    if keep < total:
+        if pooled_scores is None:
+            raise ValueError("dropping rows needs their scores")
+        rows = select_rows(pooled_scores, keep, recent=recent)  # [Hkv, keep], ascending = append order
+        pooled_scores = torch.gather(pooled_scores, 1, rows)
+        gather = rows.unsqueeze(-1).expand(-1, -1, keys.shape[2])
+        keys, values, index = torch.gather(keys, 1, gather), torch.gather(values, 1, gather), torch.gather(index, 1, rows)
+    if residual and pooled_scores is not None:
+        order = residual_last(pooled_scores, residual)  # [Hkv, keep]
+        gather = order.unsqueeze(-1).expand(-1, -1, keys.shape[2])
+        keys, values, index = torch.gather(keys, 1, gather), torch.gather(values, 1, gather), torch.gather(index, 1, order)
+    store = QuantizedStore.from_head_rows(keys.contiguous(), values.contiguous(), index, bits, group, residual,
+                                          pooled_type(stores))
+    layer.replace_many(list(indices), store)
+    return store
+
+
+def residual_last(scores: Tensor, residual: int) -> Tensor:
+    """Row order that puts the ``residual`` best-scored rows last (the ones a quantized store keeps in full
+    precision), each part in its original order.
+
+    Args:
+        scores: ``[..., N]`` scores of the rows (higher = more attended).
+
+    Returns:
+        ``[..., N]`` int64 permutation.
+    """
+    n = scores.shape[-1]
+    residual = max(0, min(int(residual), n))
+    top = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    if residual:
+        best = torch.topk(torch.nan_to_num(scores.float(), nan=float("-inf")), residual, dim=-1).indices
+        top.scatter_(-1, best, True)
+    position = torch.arange(n, device=scores.device).expand(scores.shape)
+    return torch.sort(top.long() * n + position, dim=-1).indices
+
+
+def quantize(layer: SegmentedLayer, indices: list[int], bits: int, group: int, residual: int,
+             scores: Tensor | None = None) -> QuantizedStore:
+    """Quantize the (full or wholly quantized) stores at ``indices`` as one KIVI store, in append order; its
+    ``residual`` full-precision rows are the best-scored ones (``scores [T_appended, Hkv]``, averaged over
+    the KV heads) or, without scores, the newest."""
     stores = [layer.stores[i] for i in indices]
     ks, vs, idx = [], [], []
     for store in stores:
@@ -219,15 +251,19 @@ def quantize(layer: SegmentedLayer, indices: list[int], bits: int, group: int, r
             ks.append(store.keys)
             vs.append(store.values)
             idx.append(store.token_index.long())
-        elif isinstance(store, QuantizedStore):
+        elif isinstance(store, QuantizedStore) and not store.per_head_rows:
             k, v = store.dequantize()
             ks.append(k)
             vs.append(v)
             idx.append(store.token_index.long())
         else:
-            raise ValueError("evicted rows differ per KV head and cannot be quantized as one segment")
+            raise ValueError("rows that differ per KV head cannot be quantized as one shared segment "
+                             "(use compress_rows)")
     index = torch.cat(idx)
     order = torch.argsort(index)
+    if residual and scores is not None:
+        row_scores = scores.float().mean(dim=1).to(index.device)[index[order]]
+        order = order[residual_last(row_scores, residual)]
     keys, values = torch.cat(ks)[order], torch.cat(vs)[order]
     store = QuantizedStore.from_kv(keys, values, index[order], bits, group, residual, pooled_type(stores))
     layer.replace_many(list(indices), store)
@@ -239,6 +275,6 @@ def floor_bytes(ratio: float, full_bytes: int) -> int:
     return int(math.floor(ratio * full_bytes + 1e-9))
 
 
-__all__ = ["KIVI_LOOKUP", "best_kivi_setting", "evict", "evicted_row_bytes", "floor_bytes", "kivi_setting_for",
-           "pool_rows", "pool_scores", "pooled_type", "quantize", "quantized_bytes", "rows_for_bytes", "select_rows",
-           "topk_per_head"]
+__all__ = ["KIVI_LOOKUP", "compress_rows", "evict", "evicted_row_bytes", "floor_bytes",
+           "pool_rows", "pool_scores", "pooled_type", "quantize", "quantized_bytes", "residual_last", "rows_for_bytes",
+           "select_rows", "shared_rows", "topk_per_head"]

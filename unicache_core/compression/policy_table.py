@@ -1,5 +1,7 @@
-"""The policy table: which policy family (evict / quantize / protect) each (task, token type) gets, with
-a default strength, read from and written to JSON (``format: unicache-policy-table``).
+"""The policy table: which policy (evict / quantize / joint / protect) each (task, token type) gets, with a
+default strength, the calibrated bits per budget level of joint entries and the model's quantization
+geometry, read from and written to JSON (``format: unicache-policy-table``, version 2; version 1 tables,
+which have neither joint entries nor geometry, still load).
 
 The paper's assignment ships as ``tables/bagel-7b-mot.json``; calibration (:mod:`unicache_core.bagel.calibrate`)
 writes a checkpoint's own ``unicache_policy.json``. :func:`resolve_policy_table` picks the table of a run.
@@ -19,6 +21,7 @@ from typing import Mapping, Sequence
 
 from ..kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, TASKS, TokenType
 from .defaults import DEFAULT_K90_THRESHOLD, RHO0
+from .family import JointPlan, QuantGeometry
 from .routing import POLICY_KINDS, PolicyKind, route
 
 logger = logging.getLogger(__name__)
@@ -29,6 +32,9 @@ CHECKPOINT_POLICY_FILE = "unicache_policy.json"
 PAPER_TABLE = "bagel-7b-mot.json"
 #: Deepest nesting of a table's free ``measurements`` JSON (calibration writes a few levels).
 MAX_MEASUREMENT_DEPTH = 64
+#: The version :meth:`PolicyTable.save` writes, and every version :meth:`PolicyTable.from_dict` reads.
+TABLE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class PolicyTableError(ValueError):
@@ -75,6 +81,8 @@ class PolicyTable:
         source: ``"paper"`` (the UniCache paper's assignment) or ``"calibrated"``.
         strengths: ``{(task, type): retained ratio}`` default strength of each entry.
         measurements: free JSON of what the table was derived from (calibration runs, sensitivity).
+        plans: ``{(task, type): JointPlan}``, the bits per budget level of every ``joint`` entry.
+        geometry: the model's quantization geometry (groups, residual rule; docs/compression.md §11.2).
         origin: where the table was read from (its file), named by errors; ``""`` for a table built in code.
     """
 
@@ -85,6 +93,8 @@ class PolicyTable:
     source: str = "paper"
     strengths: Mapping[tuple[str, TokenType], float] = field(default_factory=dict)
     measurements: Mapping = field(default_factory=dict)
+    plans: Mapping[tuple[str, TokenType], JointPlan] = field(default_factory=dict)
+    geometry: QuantGeometry = field(default_factory=QuantGeometry)
     origin: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +103,9 @@ class PolicyTable:
             if kind not in POLICY_KINDS:
                 raise ValueError(f"policy kind for ({task}, {TokenType(ttype).name}) must be one of "
                                  f"{POLICY_KINDS}, got {kind!r}")
+            if kind == "joint" and (task, ttype) not in self.plans:
+                raise ValueError(f"the joint entry ({task}, {TokenType(ttype).name.lower()}) needs its plan "
+                                 "(bits per budget level)")
         if self.source not in ("paper", "calibrated"):
             raise ValueError(f"`source` must be 'paper' or 'calibrated', got {self.source!r}")
 
@@ -132,6 +145,10 @@ class PolicyTable:
         """Default retained ratio of an entry (its table value, else the task's starting rho)."""
         key = (_check_task(task), TokenType.parse(token_type))
         return float(self.strengths.get(key, RHO0[task]))
+
+    def plan_for(self, task: str, token_type: TokenType | str | int) -> JointPlan | None:
+        """The bits per budget level of a ``joint`` entry (``None`` for the other kinds)."""
+        return self.plans.get((_check_task(task), TokenType.parse(token_type)))
 
     def tasks(self) -> set[str]:
         """The tasks the table has entries for."""
@@ -176,9 +193,12 @@ class PolicyTable:
                    "strength": self.strength(task, ttype)}
             if (task, ttype) in self.k90:
                 row["k90"] = self.k90[(task, ttype)]
+            if (task, ttype) in self.plans:
+                row["plan"] = self.plans[(task, ttype)].to_list()
             rows.append(row)
-        return {"format": "unicache-policy-table", "version": 1, "model_id": self.model_id, "source": self.source,
-                "threshold": self.threshold, "entries": rows, "measurements": dict(self.measurements)}
+        return {"format": "unicache-policy-table", "version": TABLE_VERSION, "model_id": self.model_id,
+                "source": self.source, "threshold": self.threshold, "quantization": self.geometry.to_dict(),
+                "entries": rows, "measurements": dict(self.measurements)}
 
     @classmethod
     def from_dict(cls, data: Mapping, origin: str = "policy table") -> "PolicyTable":
@@ -191,8 +211,9 @@ class PolicyTable:
             raise bad(f"expected a JSON object, got {type(data).__name__}")
         if data.get("format") != "unicache-policy-table":
             raise bad(f"`format` must be 'unicache-policy-table', got {data.get('format')!r}")
-        if data.get("version") != 1:
-            raise bad(f"unsupported `version` {data.get('version')!r} (this library reads version 1)")
+        if data.get("version") not in READABLE_VERSIONS:
+            raise bad(f"unsupported `version` {data.get('version')!r} (this library reads versions "
+                      f"{', '.join(map(str, READABLE_VERSIONS))})")
         model_id = data.get("model_id", "")
         if not isinstance(model_id, str):
             raise bad(f"`model_id` must be a string, got {model_id!r}")
@@ -208,6 +229,11 @@ class PolicyTable:
         entries: dict[tuple[str, TokenType], str] = {}
         k90s: dict[tuple[str, TokenType], float] = {}
         strengths: dict[tuple[str, TokenType], float] = {}
+        plans: dict[tuple[str, TokenType], JointPlan] = {}
+        try:
+            geometry = QuantGeometry.from_dict(data.get("quantization", {}))
+        except ValueError as exc:
+            raise bad(f"`quantization`: {exc}") from None
         for i, row in enumerate(rows):
             if not isinstance(row, Mapping):
                 raise bad(f"`entries[{i}]` must be an object, got {row!r}")
@@ -236,13 +262,20 @@ class PolicyTable:
                             or not 0.0 <= value <= 1.0:
                         raise bad(f"`entries[{i}].{name}` must be a number in [0, 1], got {value!r}")
                     target[key] = float(value)
+            if "plan" in row:
+                try:
+                    plans[key] = JointPlan.from_list(row["plan"])
+                except ValueError as exc:
+                    raise bad(f"`entries[{i}].plan`: {exc}") from None
+            elif kind == "joint":
+                raise bad(f"`entries[{i}]` is joint but has no `plan` (its bits per budget level)")
         measurements = data.get("measurements", {})
         if not isinstance(measurements, Mapping):
             raise bad("`measurements` must be an object")
         if _nesting_depth(measurements) > MAX_MEASUREMENT_DEPTH:
             raise bad(f"`measurements` nests more than {MAX_MEASUREMENT_DEPTH} levels deep")
         return cls(entries=entries, threshold=float(threshold), k90=k90s, model_id=model_id, source=source,
-                   strengths=strengths, measurements=dict(measurements))
+                   strengths=strengths, measurements=dict(measurements), plans=plans, geometry=geometry)
 
     def save(self, path: str | Path) -> None:
         """Write the table as JSON (``policy_table.json``)."""
@@ -314,4 +347,4 @@ def resolve_policy_table(policy, checkpoint_dir: str, model_id: str) -> tuple[Po
 
 
 __all__ = ["CHECKPOINT_POLICY_FILE", "MAX_MEASUREMENT_DEPTH", "PAPER_TABLE", "PolicyTable", "PolicyTableError",
-           "paper_policy_table", "resolve_policy_table"]
+           "READABLE_VERSIONS", "TABLE_VERSION", "paper_policy_table", "resolve_policy_table"]

@@ -15,8 +15,10 @@ from torch import Tensor
 
 from .defaults import DEFAULT_K90_THRESHOLD, K90_COVERAGE
 
-PolicyKind = Literal["evict", "quantize", "protect"]
-POLICY_KINDS: tuple[str, ...] = ("evict", "quantize", "protect")
+PolicyKind = Literal["evict", "quantize", "joint", "protect"]
+#: ``joint``: rows kept by score at calibrated bits per budget level (docs/compression.md §11); K90 routing
+#: itself only ever gives ``evict`` or ``quantize``.
+POLICY_KINDS: tuple[str, ...] = ("evict", "quantize", "joint", "protect")
 
 
 def k90(mass: Tensor, coverage: float = K90_COVERAGE) -> float:

@@ -7,10 +7,13 @@ step; for understanding before the first decoded token, then every chunk of deco
    rho schedule (``rho_j = clip(rho0 * m_j / m_0, floor, rho0)``, never rising again);
 2. ``rho * sum(capacity)`` token-equivalents are shared among the types in proportion to their mass,
    capped by each type's size, with redistribution (§8.6);
-3. each type gets its table's policy: eviction (H2O scores accumulated over the observed steps, 25%
-   recent, keep sets that only shrink) or KIVI quantization (the lookup row whose REAL bytes fit,
-   residual 32; bits only ever go down). Bytes a quantized segment leaves unused go to the evicted
-   types of the same layer. Budgets are bytes and round down, indices included.
+3. each type takes the (rows kept, bits) of its table's policy that fits its bytes (docs/compression.md
+   §11): ``evict`` keeps its best-scored rows at full precision (H2O scores accumulated over the observed
+   steps, 25% recent), ``quantize`` keeps every row at the most precise KIVI setting whose REAL bytes fit
+   (below its 2-bit floor: a subset of its rows at 2 bits), ``joint`` keeps its best-scored rows at the
+   bits calibrated for its budget level. Residual and groups follow the segment (§11.2). Rows and bits
+   only ever go down. Bytes a type leaves unused go to the joint and evicted types of the same layer.
+   Budgets are bytes and round down, indices included; no type ever holds more than its full K and V.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ from __future__ import annotations
 import logging
 import math
 
+from dataclasses import replace
+
 from ..kv.cache import AttentionCall
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
 from .allocator import allocate_types
-from .defaults import KIVI_FLOOR
+from .family import FULL_BITS, Segment, choose, least_quantized_bytes
 from .method import CompressionMethod
-from .ops import evict, floor_bytes, kivi_setting_for, quantize, quantized_bytes, rows_for_bytes
+from .ops import compress_rows, floor_bytes, shared_rows
 from .policy_table import PolicyTable
 from .protocol import CallPlan, CompressibleBranch, MethodSession
 from .schedule import RetentionSchedule
@@ -117,81 +122,91 @@ class UniCacheMethod(CompressionMethod):
                 ratio = min(rho, fallback_budget_ratio(task))
                 ratios = {t: ratio for t in types}
             else:
-                floors = {t: self._floor_ratio(session, cache, layers[0], t, rows[t]) for t in types
+                floors = {t: self._floor_ratio(session, cache, layers[0], t) for t in types
                           if self.table.kind(task, t) == "quantize"}
                 ratios = _allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
             for layer in layers:
                 self._apply(session, cache, layer, ratios)
 
-    def _floor_ratio(self, session: MethodSession, cache: CompressibleBranch, layer: int,
-                     token_type: TokenType, rows: int) -> float:
-        """The least retained ratio a quantized type can hold: its 2-bit/G128 bytes (or its uncompressed bytes,
-        when quantizing would not shrink it), over its full K+V bytes."""
+    def geometry(self, session: MethodSession):
+        """The quantization geometry: the table's, with the config's fixed residual when it sets one."""
+        return session.config.quant_geometry(self.table.geometry)
+
+    def _segment(self, cache: CompressibleBranch, layer: int, token_type: TokenType) -> tuple[Segment, list[int]]:
+        """The rows of ``token_type`` in ``layer`` as a family choice sees them, and their store indices."""
         st = cache.layer(layer)
+        idx = st.find(token_type)
+        stores = [st.stores[i] for i in idx]
         h, d, _, _ = st._kv_meta
-        elem = cache.row_bytes(layer) // (2 * h * d)
-        full = rows * cache.row_bytes(layer)
-        least = min(quantized_bytes(rows, h, d, *KIVI_FLOOR, session.config.kivi_residual, elem), full + 4 * rows)
-        return least / full if full else 0.0
+        row = cache.row_bytes(layer)
+        bits = min((s.bits if s.kind == "quantized" else FULL_BITS for s in stores), default=FULL_BITS)
+        return Segment(full_rows=cache.type_rows(layer).get(token_type, 0),
+                       held_rows=sum(s.num_tokens for s in stores), held_bits=bits,
+                       held_bytes=sum(s.nbytes() for s in stores), shared_rows=shared_rows(stores),
+                       num_kv_heads=h, head_dim=d, elem=row // (2 * h * d)), idx
+
+    def _floor_ratio(self, session: MethodSession, cache: CompressibleBranch, layer: int,
+                     token_type: TokenType) -> float:
+        """The least retained ratio a quantized type holds with every row kept: all rows at the lowest bits and
+        largest group without residual (or its uncompressed bytes, when quantizing would not shrink it), over
+        its full K+V bytes."""
+        segment, _ = self._segment(cache, layer, token_type)
+        whole = replace(segment, held_rows=segment.full_rows, held_bits=FULL_BITS, shared_rows=True)
+        full = whole.full_bytes
+        return least_quantized_bytes(whole, self.geometry(session)) / full if full else 0.0
 
     def _apply(self, session: MethodSession, cache: CompressibleBranch, layer: int,
                ratios: dict[TokenType, float]) -> None:
+        """Give each type its (rows, bits) for its bytes (docs/compression.md §11.3), never more rows or bits than
+        it holds. Types are served coarsest first (quantize, joint, evict): what a type leaves of its budget
+        goes to the joint and evicted types after it, in proportion to their budgets."""
         st = cache.layer(layer)
         ls = cache.state[layer]
-        h, d, _, _ = st._kv_meta
-        elem = cache.row_bytes(layer) // (2 * h * d)
-        rows = cache.type_rows(layer)
         task = session.request.task
+        geometry = self.geometry(session)
+        rows = cache.type_rows(layer)
         budgets = {t: floor_bytes(r, rows[t] * cache.row_bytes(layer)) for t, r in ratios.items()}
+        order = sorted(ratios, key=lambda t: _SERVE_ORDER[self.table.kind(task, t)])
         leftover = 0
-        residual = session.config.kivi_residual
-        for t in [t for t in ratios if self.table.kind(task, t) == "quantize"]:
-            idx = st.find(t)
-            if not idx:
-                continue
-            current = st.stores[idx[0]] if len(idx) == 1 else None
-            n = sum(st.stores[i].num_tokens for i in idx)
-            setting, fits = kivi_setting_for(ratios[t], budgets[t], n, h, d, elem, residual)
+        for position, t in enumerate(order):
+            kind = self.table.kind(task, t)
+            if kind != "quantize" and leftover:
+                takers = [u for u in order[position:] if self.table.kind(task, u) != "quantize"]
+                share = sum(budgets[u] for u in takers)
+                extra = leftover if share == 0 else math.floor(leftover * budgets[t] / share)
+                budgets[t] += extra
+                leftover -= extra
+            segment, idx = self._segment(cache, layer, t)
             ls.flags.pop(t, None)
-            if not fits:
-                ls.flags[t] = (f"{n} rows cannot fit {budgets[t]} B even at 2-bit/G128 with a {residual}-row "
-                               "full-precision residual and fp16 scales (the 2-bit floor is used)")
-            if setting is not None:
-                bits, group = setting
-                need = quantized_bytes(n, h, d, bits, group, residual, elem)
-                held = sum(st.stores[i].nbytes() for i in idx)
-                lower_bits = current is None or current.kind != "quantized" or bits <= current.bits
-                if need < held and lower_bits:  # never a store that holds more than the current one
-                    quantize(st, idx, bits, group, residual)
-            held = sum(s.nbytes() for s in st.stores if s.token_type == t)
-            leftover += max(0, budgets[t] - held)
-        evicted = [t for t in ratios if self.table.kind(task, t) == "evict"]
-        share = sum(budgets[t] for t in evicted)
-        # What quantized segments leave unused goes to the evicted types (their floors were already charged
-        # to the evicted types by the allocator; a segment still over budget here is flagged).
-        for t in evicted:
-            if share > 0 and leftover:
-                budgets[t] += math.floor(leftover * budgets[t] / share)
-            idx = st.find(t)
             if not idx:
                 continue
-            held_rows = sum(st.stores[i].num_tokens for i in idx)
-            keep = rows_for_bytes(budgets[t], h, d, elem)
-            if keep >= held_rows:
-                continue  # monotonic: a budget never brings rows back; an unchanged segment stays as is
-            scores = ls.scores
-            if scores is None:
-                raise RuntimeError(f"unicache: layer {layer} of branch {cache.branch} was never scored")
-            recent = min(keep, int(keep * session.config.recent_fraction + 0.5))
-            evict(st, idx, keep, scores, recent=recent)
+            plan = self.table.plan_for(task, t)
+            choice = choose(segment, kind, budgets[t], geometry, plan.bits_for(ratios[t]) if plan else None)
+            fewer = choice.rows < segment.held_rows or choice.bits < segment.held_bits
+            if fewer or (segment.held_bytes > budgets[t] and segment.choice_bytes(choice) < segment.held_bytes):
+                if choice.rows < segment.held_rows and ls.scores is None:
+                    raise RuntimeError(f"unicache: layer {layer} of branch {cache.branch} was never scored")
+                recent = min(choice.rows, int(choice.rows * session.config.recent_fraction + 0.5))
+                compress_rows(st, idx, choice.rows, choice.bits, choice.group, choice.residual, ls.scores,
+                              recent=recent)
+            held = sum(s.nbytes() for s in st.stores if s.token_type == t)
+            if held > budgets[t]:
+                ls.flags[t] = (f"{segment.held_rows} rows held ({held} B) exceed their budget of {budgets[t]} B: "
+                               "rows and bits never grow back, and nothing smaller fits this policy")
+            leftover += max(0, budgets[t] - held)
         ls.budgets = {t.name.lower(): b for t, b in budgets.items()}
+
+
+#: Which types are served first when a layer's budgets are applied: the coarse quantized settings, whose
+#: unused bytes then go to the types that can use any number of bytes.
+_SERVE_ORDER = {"quantize": 0, "joint": 1, "evict": 2}
 
 
 def _allocate_with_floors(caps: dict, weights: dict, total: float, floors: dict) -> dict:
     """Mass-proportional, capped shares of ``total`` (docs/compression.md §8.6) in which no quantized type gets
-    less than its floor ratio (the 2-bit floor; below it the budget is unreachable and the segment would
-    overshoot). What the floors take is taken from the other types. When the floors alone exceed the
-    total, the plain shares are kept (the quantized segment is then flagged as unreachable)."""
+    less than its floor ratio (every row at 2 bits; below it the type must drop rows). What the floors take
+    is taken from the other types. When the floors alone exceed the total, the plain shares are kept and
+    the quantized types keep a subset of their rows at 2 bits."""
     fixed: dict = {}
     while True:
         free = {t: c for t, c in caps.items() if t not in fixed}

@@ -8,8 +8,9 @@ are always fully visible, so no store takes a mask.
 ``token_index`` is the APPEND INDEX of a row in its context (0 for the first token ever cached, ...,
 int32), never a RoPE position (RoPE ids live in :class:`~unicache_core.kv.cache.AttentionCall`; keys are
 stored already rotated). ``nbytes()`` is the sum of ``.nbytes`` of every tensor a store holds (payload,
-scales/zeros, residual and index tensors); ``nominal_bytes()`` is the same quantity from the
-closed-form formula of docs/compression.md §1.
+scales/zeros, residual and the int32 index of compressed stores; an uncompressed store names its rows by
+a few runs of consecutive indices and holds exactly its K and V); ``nominal_bytes()`` is the same
+quantity from the closed-form formula of docs/compression.md §1.
 
 All stores share one interface (:class:`KVStore`): ``kind``, ``token_type``, ``num_tokens``,
 ``num_kv_heads``, ``head_dim``, ``dtype``, ``device``, ``attend``, ``write_kv``, ``score_keys``,
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .attention import attention_with_lse, merge_attention
+from .index_runs import index_runs, runs_index
 from .quant import QuantizedTensor, quantize_keys, quantize_values, quantized_kv_nbytes
 from .token_types import TokenType
 
@@ -125,26 +127,43 @@ class _RowStore(KVStore):
         return self.keys.device
 
 
-@dataclass(eq=False)
 class FullStore(_RowStore):
     """Uncompressed (protected or not yet compressed) rows.
 
+    Rows are named by their append indices as a few runs of consecutive indices (``runs``: one per
+    contiguous stretch the layer appended, a handful of integers per segment, like the cache's per-row
+    type map), not by a per-row tensor: an uncompressed segment holds exactly its K and V bytes, the
+    same as no compression at all. ``token_index`` builds the ``[T]`` int32 indices from them on demand.
+
     Attributes:
         keys, values: ``[T, Hkv, d]`` in the cache dtype.
-        token_index: ``[T]`` int32 append indices.
+        runs: ``((first append index, length), ...)`` in row order.
         token_type: type of every row.
     """
 
-    keys: Tensor
-    values: Tensor
-    token_index: Tensor
-    token_type: TokenType
     kind: ClassVar[StoreKind] = "full"
 
-    def __post_init__(self) -> None:
-        _check_kv(self.keys, self.values, self.token_index)
-        self.token_index = self.token_index.to(torch.int32)
-        self.token_type = TokenType(self.token_type)
+    def __init__(self, keys: Tensor, values: Tensor, token_index: Tensor, token_type: TokenType):
+        """``keys/values [T, Hkv, d]``, ``token_index [T]`` append indices of the rows."""
+        _check_kv(keys, values, token_index)
+        self.keys, self.values = keys, values
+        self.runs = index_runs(token_index)
+        self.token_type = TokenType(token_type)
+
+    @classmethod
+    def from_runs(cls, keys: Tensor, values: Tensor, runs: tuple[tuple[int, int], ...],
+                  token_type: TokenType) -> "FullStore":
+        """A store over ``keys/values [T, Hkv, d]`` whose rows are named by ``runs`` (no index tensor is built)."""
+        store = object.__new__(cls)
+        store.keys, store.values, store.runs, store.token_type = keys, values, tuple(runs), TokenType(token_type)
+        if sum(n for _, n in store.runs) != keys.shape[0]:
+            raise ValueError(f"`runs` name {sum(n for _, n in store.runs)} rows but `keys` holds {keys.shape[0]}")
+        return store
+
+    @property
+    def token_index(self) -> Tensor:
+        """``[T]`` int32 append indices (built from ``runs``)."""
+        return runs_index(self.runs, self.keys.device)
 
     @property
     def num_tokens(self) -> int:
@@ -165,14 +184,14 @@ class FullStore(_RowStore):
         return self.keys
 
     def tensors(self) -> list[Tensor]:
-        return [self.keys, self.values, self.token_index]
+        return [self.keys, self.values]
 
     def nominal_bytes(self) -> int:
         t, h, d = self.keys.shape
-        return 2 * t * h * d * self.keys.element_size() + 4 * t
+        return 2 * t * h * d * self.keys.element_size()
 
     def share(self) -> "FullStore":
-        return FullStore(self.keys, self.values, self.token_index, self.token_type)
+        return FullStore.from_runs(self.keys, self.values, self.runs, self.token_type)
 
     def append(self, keys: Tensor, values: Tensor, token_index: Tensor) -> None:
         """Append ``[Tn, Hkv, d]`` rows; new tensors are built (``torch.cat``), the old ones are left untouched
@@ -185,7 +204,13 @@ class FullStore(_RowStore):
             raise ValueError(f"appended rows are on {keys.device}, this store on {self.device}")
         self.keys = torch.cat([self.keys, keys.to(self.keys.dtype)])
         self.values = torch.cat([self.values, values.to(self.values.dtype)])
-        self.token_index = torch.cat([self.token_index, token_index.to(torch.int32)])
+        runs = list(self.runs)
+        for start, length in index_runs(token_index):
+            if runs and runs[-1][0] + runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], runs[-1][1] + length)
+            else:
+                runs.append((start, length))
+        self.runs = tuple(runs)
 
 
 @dataclass(eq=False)
@@ -306,10 +331,14 @@ class EvictedStore(_RowStore):
 class QuantizedStore(KVStore):
     """KIVI store: keys per-channel, values per-token, ``bits``-bit packed; the last ``residual`` rows in full precision.
 
+    The rows are the same for every KV head (``token_index [T]``: a whole segment quantized) or chosen per
+    KV head (``token_index [Hkv, T]``: the rows a joint eviction kept, then quantized; row ``i`` of head
+    ``h`` is ``token_index[h, i]``). The layout is head-major either way.
+
     Attributes:
         qkeys, qvalues: quantized rows ``[0, T - R)`` (head-major, see :mod:`unicache_core.kv.quant`).
         res_keys, res_values: ``[Hkv, R, d]`` residual rows in the cache dtype.
-        token_index: ``[T]`` int32 append indices (quantized rows first, then the residual).
+        token_index: ``[T]`` or ``[Hkv, T]`` int32 append indices (quantized rows first, then the residual).
         cache_dtype: the cache dtype (dequantization target and residual dtype).
     """
 
@@ -332,21 +361,44 @@ class QuantizedStore(KVStore):
     ) -> "QuantizedStore":
         """Quantize ``keys/values [T, Hkv, d]``; the last ``min(residual, T)`` rows stay exact."""
         _check_kv(keys, values, token_index)
+        return cls.from_head_rows(keys.transpose(0, 1), values.transpose(0, 1), token_index, bits, group_size,
+                                  residual, token_type)
+
+    @classmethod
+    def from_head_rows(
+        cls, keys: Tensor, values: Tensor, token_index: Tensor, bits: int, group_size: int, residual: int,
+        token_type: TokenType,
+    ) -> "QuantizedStore":
+        """Quantize head-major ``keys/values [Hkv, T, d]`` whose rows are ``token_index`` (``[T]`` shared by the
+        heads, or ``[Hkv, T]`` per head, ascending); the last ``min(residual, T)`` rows of each head stay exact."""
+        if keys.dim() != 3 or keys.shape != values.shape:
+            raise ValueError(f"`keys`/`values` must both be [Hkv, T, d]; got {tuple(keys.shape)}, {tuple(values.shape)}")
+        if keys.dtype != values.dtype or not keys.dtype.is_floating_point or keys.device != values.device:
+            raise ValueError(f"`keys` ({keys.dtype}, {keys.device}) and `values` ({values.dtype}, {values.device}) "
+                             "must share one floating dtype and device")
+        h, t, _ = keys.shape
+        if tuple(token_index.shape) not in ((t,), (h, t)):
+            raise ValueError(f"`token_index` must be [T]=({t},) or [Hkv, T]=({h}, {t}), got {tuple(token_index.shape)}")
         if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
             raise ValueError(f"`residual` must be an int >= 0, got {residual!r}")
-        t = keys.shape[0]
         r = min(residual, t)
-        kh, vh = keys.transpose(0, 1), values.transpose(0, 1)  # [Hkv, T, d]
         return cls(
-            quantize_keys(kh[:, : t - r], bits, group_size), quantize_values(vh[:, : t - r], bits, group_size),
-            kh[:, t - r :].clone(memory_format=torch.contiguous_format),
-            vh[:, t - r :].clone(memory_format=torch.contiguous_format), token_index.to(torch.int32).clone(),
+            quantize_keys(keys[:, : t - r], bits, group_size), quantize_values(values[:, : t - r], bits, group_size),
+            keys[:, t - r :].clone(memory_format=torch.contiguous_format),
+            values[:, t - r :].clone(memory_format=torch.contiguous_format),
+            token_index.to(device=keys.device, dtype=torch.int32).clone(),
             TokenType(token_type), bits, group_size, residual, keys.dtype,
         )
 
     @property
+    def per_head_rows(self) -> bool:
+        """The KV heads hold different rows (``token_index [Hkv, T]``)."""
+        return self.token_index.dim() == 2
+
+    @property
     def num_tokens(self) -> int:
-        return int(self.token_index.shape[0])
+        """Rows held (per KV head)."""
+        return int(self.token_index.shape[-1])
 
     @property
     def num_quantized(self) -> int:
@@ -369,7 +421,8 @@ class QuantizedStore(KVStore):
         return self.res_keys.device
 
     def dequantize(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-        """All rows as ``(keys, values)`` ``[T, Hkv, d]`` in ``dtype`` (default: the cache dtype), in ``token_index`` order."""
+        """All rows as ``(keys, values)`` ``[T, Hkv, d]`` in ``dtype`` (default: the cache dtype): row ``i`` of head
+        ``h`` is ``token_index[i]`` (or ``token_index[h, i]`` when the heads hold different rows)."""
         dtype = self.cache_dtype if dtype is None else dtype
         k = torch.cat([self.qkeys.dequantize(dtype), self.res_keys.to(dtype)], dim=1)
         v = torch.cat([self.qvalues.dequantize(dtype), self.res_values.to(dtype)], dim=1)
@@ -427,7 +480,7 @@ class QuantizedStore(KVStore):
             self.num_tokens, h, d, self.bits, self.group_size, self.residual, elem,
             key_group_bytes=2 * self.qkeys.scale.element_size(),
             value_group_bytes=2 * self.qvalues.scale.element_size(),
-        ) + 4 * self.num_tokens
+        ) + 4 * self.token_index.numel()
 
     def share(self) -> "QuantizedStore":
         return QuantizedStore(self.qkeys, self.qvalues, self.res_keys, self.res_values, self.token_index,
@@ -437,4 +490,5 @@ class QuantizedStore(KVStore):
 #: Any physical store.
 Store = KVStore
 
-__all__ = ["DEQUANT_CHUNK", "EvictedStore", "FullStore", "KVStore", "QuantizedStore", "Store", "StoreKind"]
+__all__ = ["DEQUANT_CHUNK", "EvictedStore", "FullStore", "KVStore", "QuantizedStore", "Store", "StoreKind", "index_runs",
+           "runs_index"]

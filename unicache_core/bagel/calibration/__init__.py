@@ -2,7 +2,7 @@
 
 Modules: :mod:`.options` (task names, :class:`CalibrationOptions`), :mod:`.inputs` (prompts file, image
 folder, synthetic images), :mod:`.requests` (one request through the pipeline), :mod:`.run`
-(:func:`calibrate`), :mod:`.aggregate`, :mod:`.sensitivity`, :mod:`.tables` (completing, checking and writing
+(:func:`calibrate`), :mod:`.aggregate`, :mod:`.sensitivity`, :mod:`.grid`, :mod:`.tables` (completing, checking and writing
 tables), :mod:`.job` (:class:`CalibrationJob`: files in, table file out) and :mod:`.cli` (the command line,
 ``python -m unicache_core.bagel.calibrate``). Functions, not argv, are the interface::
 
@@ -36,6 +36,13 @@ Procedure:
    the smaller change is the K90 choice; ``None`` on an exact tie or when the comparison is not at
    matched memory (``comparable`` False: a policy held the type above the ratio, e.g. a segment
    shorter than KIVI's 32-row residual cannot be quantized).
+4. ``--grid``: the sensitivity grid of docs/compression.md §11.4. For each candidate type present, every prompt
+   runs again with only that type compressed at each budget level (0.5, 0.25, 0.12, 0.06 of its bytes) x
+   bits (full precision, 8, 4, 2), each bit width keeping the most rows that fit the level (matched
+   bytes); the change is measured as for ``--sensitivity``. Per level the bit width with the least mean
+   change wins (ties: fewer bits, more rows), and the type's entry becomes ``joint`` with that plan
+   (``plan: [{"budget": level, "bits": b}, ...]``); ``measurements["grid"]`` keeps every point's change
+   and the bytes the type held. The table also records the quantization geometry the grid used.
 
 The table holds the calibrated entries of this task; the other (task, type) pairs keep the entries of
 the ``--out`` table with ``--merge`` (a table of the same model; run once per task to build a full
@@ -44,6 +51,7 @@ as ``<checkpoint>/unicache_policy.json`` for every task.
 """
 
 from .aggregate import aggregate
+from .grid import joint_grid
 from .inputs import pair_inputs, read_images, read_prompts, synthetic_image
 from .job import CalibrationJob, calibrate_job, check_job
 from .options import SENSITIVITY_RATIO, TASK_NAMES, CalibrationOptions
@@ -61,6 +69,7 @@ __all__ = [
     "calibrate_job",
     "check_job",
     "finish_table",
+    "joint_grid",
     "pair_inputs",
     "read_images",
     "read_prompts",

@@ -3,7 +3,7 @@
 Usage::
 
     python -m unicache_core.bagel.calibrate --checkpoint DIR --task {und,t2i,edit} --prompts FILE [--images DIR]
-        --out policy.json [--sensitivity] [--steps N] [--max-new-tokens N] [--dtype fp32|bf16] [--size PX]
+        --out policy.json [--sensitivity] [--grid] [--steps N] [--max-new-tokens N] [--dtype fp32|bf16] [--size PX]
 
 Defaults: ``--steps 50`` (``num_timesteps``, as in ``python -m unicache_core.bagel``: 49 denoising steps),
 ``--max-new-tokens 64``, ``--size 512`` (the paper's resolution), ``--dtype bf16``, ``--seed 0``,
@@ -23,6 +23,7 @@ import torch
 
 from ...cli import OneLineParser, path_arg
 from ...errors import UniCacheError
+from ...kv.token_types import TokenType
 from .job import CalibrationJob, calibrate_job
 from .options import DTYPES, TASK_NAMES, CalibrationOptions
 
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the other tasks' entries of an existing --out table (same model)")
     p.add_argument("--sensitivity", action="store_true",
                    help="also run each type evicted vs quantized alone and compare with the K90 choice")
+    p.add_argument("--grid", action="store_true",
+                   help="also measure each type's (rows kept, bits) grid at matched bytes and make it a joint entry "
+                        "with the calibrated bits per budget level (docs/compression.md §11.4)")
     p.add_argument("--steps", type=int, default=defaults.num_timesteps,
                    help="num_timesteps of t2i / edit (steps-1 denoising steps), as in python -m unicache_core.bagel")
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
@@ -63,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 def job_from_args(args: argparse.Namespace) -> CalibrationJob:
     """The :class:`CalibrationJob` parsed command-line arguments ask for."""
     options = CalibrationOptions(num_timesteps=args.steps, max_new_tokens=args.max_new_tokens, size=args.size,
-                                 seed=args.seed, sensitivity=args.sensitivity)
+                                 seed=args.seed, sensitivity=args.sensitivity, grid=args.grid)
     return CalibrationJob(checkpoint=args.checkpoint, task=args.task, prompts=args.prompts, out=args.out,
                           images=args.images, merge=args.merge, options=options, dtype=args.dtype,
                           device=args.device)
@@ -83,6 +87,10 @@ def _fail(message: str) -> None:
 def _summary(job: CalibrationJob, table) -> str:
     meas = table.measurements["tasks"][TASK_NAMES[job.task]]
     parts = [f"{t} K90 {v:.3f} -> {meas['choice'][t]}" for t, v in meas["k90"].items()]
+    for key, plan in table.plans.items():
+        if key[0] == TASK_NAMES[job.task]:
+            parts.append(f"{TokenType(key[1]).name.lower()} plan " + ", ".join(
+                f"{level:g}: {'full' if bits == 16 else f'{bits}-bit'}" for level, bits in plan.levels))
     agree = meas.get("sensitivity_agrees")
     if agree is not None:
         parts.append("sensitivity agrees: " + ", ".join(f"{t}={v}" for t, v in agree.items()))

@@ -26,7 +26,7 @@ class CalibrationJob:
         out: policy-table JSON to write.
         images: folder of input images for edit / understanding (``None`` = synthetic images).
         merge: keep the other tasks' entries of an existing ``out`` table (same model).
-        options: how the requests run (steps, size, seed, sensitivity, ...).
+        options: how the requests run (steps, size, seed, sensitivity, grid, ...).
         dtype: ``bf16`` or ``fp32`` (LLM/ViT; the VAE is fp32).
         device: torch device, or ``auto`` (cuda when available).
     """
@@ -46,7 +46,7 @@ class CalibrationJob:
         o = self.options
         return {"checkpoint": str(self.checkpoint), "task": self.task, "prompts": str(self.prompts),
                 "images": None if self.images is None else str(self.images), "out": str(self.out),
-                "merge": self.merge, "sensitivity": o.sensitivity, "steps": o.num_timesteps,
+                "merge": self.merge, "sensitivity": o.sensitivity, "grid": o.grid, "steps": o.num_timesteps,
                 "max_new_tokens": o.max_new_tokens, "dtype": self.dtype, "size": o.size, "device": device,
                 "seed": o.seed}
 

@@ -28,6 +28,8 @@ class CalibrationOptions:
         size: t2i output side and synthetic input image width in px (a multiple of 16).
         seed: noise seed of every run.
         sensitivity: also run each candidate type evicted vs quantized alone (:mod:`.sensitivity`).
+        grid: also measure each candidate type's (rows kept, bits) grid at matched bytes and make it a
+            ``joint`` entry with the calibrated bits per budget level (:mod:`.grid`).
         score_queries: queries scored per cache read by the observe-only method.
         threshold: K90 at or under which a type is evicted, above which it is quantized.
     """
@@ -37,6 +39,7 @@ class CalibrationOptions:
     size: int = 512
     seed: int = 0
     sensitivity: bool = False
+    grid: bool = False
     score_queries: int = SCORE_QUERIES
     threshold: float = DEFAULT_K90_THRESHOLD
 

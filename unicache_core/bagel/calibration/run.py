@@ -7,10 +7,12 @@ import time
 from typing import Callable, Sequence
 
 from ...compression.policy_table import PolicyTable
+from ...kv.token_types import TokenType
 from .aggregate import aggregate, median
 from .inputs import pair_inputs
 from .options import SENSITIVITY_RATIO, CalibrationOptions
 from .requests import run_request
+from .grid import joint_grid
 from .sensitivity import sensitivity
 
 #: The command that writes calibrated tables, as their measurements name it.
@@ -44,7 +46,7 @@ def calibrate(loaded, task: str, prompts: Sequence[str], images: Sequence[tuple[
             = synthetic images.
         options: run options (``None`` = :class:`CalibrationOptions` defaults).
         arguments: what the run was asked with, kept in the measurements.
-        progress: called with one line per request (and per sensitivity measurement).
+        progress: called with one line per request (and per sensitivity or grid measurement).
 
     The returned table holds only this task's measured entries (see
     :func:`~unicache_core.bagel.calibration.tables.finish_table`).
@@ -102,8 +104,16 @@ def calibrate(loaded, task: str, prompts: Sequence[str], images: Sequence[tuple[
     }
     if options.sensitivity:
         m.update(sensitivity(loaded, task, inputs, references, choice, model_id, options, progress))
+    entries, plans = dict(table.entries), {}
+    if options.grid:
+        grid = joint_grid(loaded, task, inputs, references, list(measured), model_id, options, progress)
+        m["grid"] = grid["grid"]
+        for name, plan in grid["plans"].items():
+            entries[(task, TokenType.parse(name))] = "joint"
+            plans[(task, TokenType.parse(name))] = plan
+        m["choice"] = {t: entries[(task, TokenType.parse(t))] for t in measured}
     m["seconds"] = round(time.perf_counter() - start, 3)
-    return PolicyTable(entries=table.entries, threshold=options.threshold, k90=table.k90, model_id=model_id,
+    return PolicyTable(entries=entries, threshold=options.threshold, k90=table.k90, model_id=model_id, plans=plans,
                        source="calibrated", measurements={"tool": TOOL, "tasks": {task: m}})
 
 

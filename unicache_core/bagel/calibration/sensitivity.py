@@ -10,6 +10,7 @@ import torch
 
 from ...kv.cache import CacheFactory
 from ...kv.token_types import CANDIDATE_TYPES, TokenType
+from ...compression.family import JointPlan
 from ...compression.policy_table import PolicyTable
 from .options import SENSITIVITY_RATIO, CalibrationOptions
 from .requests import run_request
@@ -33,14 +34,17 @@ def output_change(task: str, result, reference) -> dict:
     return {"latent_rel_l2": rel, "one_minus_cosine": max(0.0, 1.0 - cos), "change": rel}
 
 
-def single_type_table(task: str, ttype: TokenType, kind: str, model_id: str) -> PolicyTable:
-    """A table that applies ``kind`` to ``ttype`` in ``task`` and protects every other candidate type."""
+def single_type_table(task: str, ttype: TokenType, kind: str, model_id: str,
+                      plan: JointPlan | None = None) -> PolicyTable:
+    """A table that applies ``kind`` to ``ttype`` in ``task`` and protects every other candidate type (``plan``:
+    the bits of a ``joint`` kind)."""
     entries = {(task, t): (kind if t == ttype else "protect") for t in CANDIDATE_TYPES}
     return PolicyTable(entries=entries, model_id=model_id, source="calibrated",
+                       plans={} if plan is None else {(task, ttype): plan},
                        measurements={"purpose": f"sensitivity: {kind} {ttype.name.lower()} only"})
 
 
-class _KeepSession(CacheFactory):
+class KeepSession(CacheFactory):
     """Wraps a cache factory and keeps the last session it started (to measure what a run held)."""
 
     def __init__(self, inner: CacheFactory):
@@ -73,7 +77,7 @@ def _one_policy(loaded, task: str, ttype: TokenType, kind: str, model_id: str, i
 
     ratio = SENSITIVITY_RATIO[task]
     table = single_type_table(task, ttype, kind, model_id)
-    keep = _KeepSession(make_cache_factory(KVConfig(method="unicache", rho=ratio, rho_floor=ratio, policy=table)))
+    keep = KeepSession(make_cache_factory(KVConfig(method="unicache", rho=ratio, rho_floor=ratio, policy=table)))
     pipe = BagelPipeline(loaded, keep)
     changes, flags, retained = [], {}, []
     for (prompt, image), ref in zip(inputs, references):
@@ -137,4 +141,4 @@ def sensitivity(loaded, task: str, inputs: Sequence[tuple[str, object]], referen
     return {"sensitivity": out, "sensitivity_agrees": agrees}
 
 
-__all__ = ["output_change", "sensitivity", "single_type_table", "type_retained"]
+__all__ = ["KeepSession", "output_change", "sensitivity", "single_type_table", "type_retained"]

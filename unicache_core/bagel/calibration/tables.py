@@ -16,12 +16,13 @@ def finish_table(table: PolicyTable, task: str, base: PolicyTable | None = None)
     """``table`` (this task's measured entries) completed with every other (task, type) pair.
 
     Pairs come from ``base`` (a ``--merge`` table of the same model) where it has them, else from the paper's
-    assignment; ``measurements["filled"]`` names each pair that was not measured in this run.
+    assignment; ``measurements["filled"]`` names each pair that was not measured in this run. Joint plans
+    travel with their entries; the geometry is this run's.
     """
     from ...compression.policy_table import paper_policy_table
 
     paper = paper_policy_table()
-    entries, k90s, strengths = {}, {}, {}
+    entries, k90s, strengths, plans = {}, {}, {}, {}
     tasks_meas: dict = {}
     base_filled: dict = {}
     if base is not None:
@@ -34,12 +35,16 @@ def finish_table(table: PolicyTable, task: str, base: PolicyTable | None = None)
         if key in table.entries:  # measured now
             entries[key] = table.entries[key]
             k90s[key] = table.k90[key]
+            if key in table.plans:
+                plans[key] = table.plans[key]
         elif base is not None and key in base.entries:  # kept from the --merge table
             entries[key] = base.entries[key]
             if key in base.k90:
                 k90s[key] = base.k90[key]
             if key in base.strengths:
                 strengths[key] = base.strengths[key]
+            if key in base.plans:
+                plans[key] = base.plans[key]
             if label in base_filled:
                 filled[label] = base_filled[label]
             elif key not in base.k90:
@@ -53,7 +58,8 @@ def finish_table(table: PolicyTable, task: str, base: PolicyTable | None = None)
                     "filled_note": "pairs not measured by a calibration run: 'paper' = the paper's assignment "
                                    "(unicache_core/compression/tables/bagel-7b-mot.json), 'merged' = kept from the --merge table"}
     return PolicyTable(entries=entries, threshold=table.threshold, k90=k90s, model_id=table.model_id,
-                       source="calibrated", strengths=strengths, measurements=measurements)
+                       source="calibrated", strengths=strengths, plans=plans, geometry=table.geometry,
+                       measurements=measurements)
 
 
 def check_out(out: Path, merge: bool, model_id: str) -> PolicyTable | None:

@@ -1,0 +1,309 @@
+"""The (rows kept, bits) family of one token type: eviction and quantization are its two ends.
+
+A type of ``n`` rows may keep ``rows <= n`` rows per KV head (chosen by its scores) at ``bits`` in
+{2, 4, 8} (KIVI layout, docs/compression.md §6) or at full precision (:data:`FULL_BITS`). ``rows < n`` at
+full precision is eviction, ``rows = n`` at b bits is quantization, anything between is a joint choice
+(docs/compression.md §11).
+
+Quantization geometry follows the segment and the budget (§11.2): the bits and group are the most
+precise whose every row fits the budget; the full-precision residual then takes the bytes left, up to
+``min(residual_max, floor(rows * residual_share))`` rows (the type's best-scored rows); key groups run
+over the quantized rows, so a segment shorter than its group is one group of its own length. Every choice is costed with the REAL bytes its store will hold (payload, fp16 scale/zero,
+residual, int32 indices), and a choice never holds more than the rows' uncompressed K and V.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ..kv.quant import SUPPORTED_BITS, quantized_kv_nbytes
+from .defaults import JOINT_BITS, JOINT_LEVELS, KIVI_GROUPS, KIVI_RESIDUAL, KIVI_RESIDUAL_SHARE
+
+#: ``bits`` of rows kept at the cache's own precision (evicted or uncompressed rows).
+FULL_BITS = 16
+#: Every bit width of the family, most precise first.
+FAMILY_BITS: tuple[int, ...] = (FULL_BITS, *sorted(SUPPORTED_BITS, reverse=True))
+
+
+@dataclass(frozen=True)
+class QuantGeometry:
+    """How quantized rows are laid out for one model (a policy table may carry its own, §11.2).
+
+    Attributes:
+        groups: the KIVI group sizes the lookup may use (key groups run over tokens, value groups over
+            channels).
+        residual_max: most rows a quantized segment keeps in full precision (its residual).
+        residual_share: the residual never holds more than this share of the segment's rows.
+    """
+
+    groups: tuple[int, ...] = KIVI_GROUPS
+    residual_max: int = KIVI_RESIDUAL
+    residual_share: float = KIVI_RESIDUAL_SHARE
+
+    def __post_init__(self) -> None:
+        groups = tuple(self.groups)
+        if not groups or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in groups):
+            raise ValueError(f"`groups` must be a non-empty list of ints >= 1, got {self.groups!r}")
+        object.__setattr__(self, "groups", tuple(sorted(set(groups))))
+        if isinstance(self.residual_max, bool) or not isinstance(self.residual_max, int) or self.residual_max < 0:
+            raise ValueError(f"`residual_max` must be an int >= 0, got {self.residual_max!r}")
+        share = self.residual_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not math.isfinite(share) \
+                or not 0.0 <= share <= 1.0:
+            raise ValueError(f"`residual_share` must be a number in [0, 1], got {share!r}")
+
+    def residual(self, rows: int) -> int:
+        """The most full-precision residual rows a quantized segment of ``rows`` rows may keep."""
+        return min(self.residual_max, int(math.floor(rows * self.residual_share + 1e-9)))
+
+    def to_dict(self) -> dict:
+        return {"groups": list(self.groups), "residual_max": self.residual_max,
+                "residual_share": self.residual_share}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "QuantGeometry":
+        """Parse ``{"groups": [...], "residual_max": R, "residual_share": s}`` (missing keys: the defaults)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"quantization geometry must be an object, got {type(data).__name__}")
+        unknown = set(data) - {"groups", "residual_max", "residual_share"}
+        if unknown:
+            raise ValueError(f"quantization geometry has unknown keys {sorted(unknown)} "
+                             "(known: groups, residual_max, residual_share)")
+        groups = data.get("groups", list(KIVI_GROUPS))
+        if not isinstance(groups, list):
+            raise ValueError(f"`groups` must be a list of ints, got {groups!r}")
+        return cls(groups=tuple(groups), residual_max=data.get("residual_max", KIVI_RESIDUAL),
+                   residual_share=data.get("residual_share", KIVI_RESIDUAL_SHARE))
+
+
+@dataclass(frozen=True)
+class JointChoice:
+    """What one type holds: ``rows`` per KV head at ``bits`` (:data:`FULL_BITS`: full precision)."""
+
+    rows: int
+    bits: int = FULL_BITS
+    group: int = 0  # quantized choices only
+    residual: int = 0  # quantized choices only
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits != FULL_BITS
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The rows of one type in one layer as a choice sees them.
+
+    Attributes:
+        full_rows: ``n``, rows the type had uncompressed.
+        held_rows: rows per KV head it holds now; held_bits: their bits (:data:`FULL_BITS` when full/evicted);
+            held_bytes: the bytes its stores hold now.
+        shared_rows: every KV head holds the same rows (an uncompressed or wholly quantized segment).
+        num_kv_heads, head_dim, elem: geometry of a row (``elem``: bytes per element of the cache dtype).
+    """
+
+    full_rows: int
+    held_rows: int
+    held_bits: int
+    held_bytes: int
+    shared_rows: bool
+    num_kv_heads: int
+    head_dim: int
+    elem: int
+
+    @property
+    def full_bytes(self) -> int:
+        """K and V of the ``full_rows`` rows uncompressed."""
+        return 2 * self.full_rows * self.num_kv_heads * self.head_dim * self.elem
+
+    def choice_bytes(self, choice: JointChoice) -> int:
+        """Bytes the store of ``choice`` holds (indices included; an unchanged full segment holds its K+V)."""
+        h, d = self.num_kv_heads, self.head_dim
+        per_head_index = not (self.shared_rows and choice.rows == self.held_rows)
+        if not choice.quantized:
+            if self.shared_rows and choice.rows == self.held_rows and self.held_bits == FULL_BITS:
+                return 2 * choice.rows * h * d * self.elem  # kept as it is: no index tensor
+            return choice.rows * h * (2 * d * self.elem + 4)
+        index = 4 * choice.rows * (h if per_head_index else 1)
+        return quantized_kv_nbytes(choice.rows, h, d, choice.bits, choice.group, choice.residual, self.elem) + index
+
+    def quantized(self, rows: int, bits: int, group: int, geometry: QuantGeometry, budget: int) -> JointChoice | None:
+        """``rows`` at ``bits``/``group`` with the largest residual (up to the geometry's) that fits ``budget``;
+        ``None`` when not even the rows without a residual fit."""
+        if self.choice_bytes(JointChoice(rows, bits, group, 0)) > budget:
+            return None
+        lo, hi = 0, geometry.residual(rows)
+        while lo < hi:  # bytes grow with the residual
+            mid = (lo + hi + 1) // 2
+            if self.choice_bytes(JointChoice(rows, bits, group, mid)) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return JointChoice(rows, bits, group, lo)
+
+    def most_rows(self, bits: int, budget: int, geometry: QuantGeometry, max_rows: int) -> JointChoice:
+        """The most rows (``<= max_rows``) that fit ``budget`` at ``bits`` (largest group: least metadata)."""
+        if bits == FULL_BITS:
+            lo, hi = 0, max_rows
+            while lo < hi:  # bytes grow with the rows
+                mid = (lo + hi + 1) // 2
+                if self.choice_bytes(JointChoice(mid)) <= budget:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return JointChoice(lo)
+        group = max(geometry.groups)
+        lo, hi = 0, max_rows
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.quantized(mid, bits, group, geometry, budget) is not None:
+                lo = mid
+            else:
+                hi = mid - 1
+        found = self.quantized(lo, bits, group, geometry, budget)
+        return found if found is not None else JointChoice(0, bits, group, 0)
+
+
+def lookup_order(geometry: QuantGeometry) -> list[tuple[int, int]]:
+    """Every (bits, group) of the geometry, most precise first (more bits, then smaller groups): the order of
+    docs/compression.md §8.6's lookup, read from its top."""
+    return [(bits, group) for bits in sorted(SUPPORTED_BITS, reverse=True) for group in geometry.groups]
+
+
+def choose(segment: Segment, kind: str, budget: int, geometry: QuantGeometry,
+           plan_bits: int | None = None) -> JointChoice:
+    """The (rows, bits) of one type for ``budget`` bytes, never more rows or bits than it holds now.
+
+    - ``evict``: the most full-precision rows that fit (the paper's H2O route);
+    - ``quantize``: every row at the most precise lookup setting that fits (the paper's KIVI route); when
+      even the least one does not fit, whichever keeps more rows of: a subset at the lowest bits, or
+      full-precision rows;
+    - ``joint``: ``plan_bits`` (the calibrated bits for this budget level) and the most rows that fit.
+
+    A budget that covers the segment as it is held keeps it unchanged (the returned choice has its rows and
+    bits); a choice is applied only when it holds fewer rows or bits.
+    """
+    held = JointChoice(segment.held_rows, segment.held_bits)
+    if segment.held_bytes <= budget:
+        return held
+    max_rows = segment.held_rows
+    allowed = [b for b in FAMILY_BITS if b <= segment.held_bits]
+    if kind == "evict":
+        return segment.most_rows(FULL_BITS, budget, geometry, max_rows) if FULL_BITS in allowed else \
+            segment.most_rows(min(allowed), budget, geometry, max_rows)
+    if kind == "joint":
+        if plan_bits is None:
+            raise ValueError("a joint entry needs the bits of its budget level (`plan_bits`)")
+        bits = max(b for b in allowed if b <= plan_bits) if any(b <= plan_bits for b in allowed) else min(allowed)
+        if bits == FULL_BITS:
+            return segment.most_rows(FULL_BITS, budget, geometry, max_rows)
+        for b, group in lookup_order(geometry):  # every row fits: the smallest group that does
+            if b == bits:
+                found = segment.quantized(max_rows, b, group, geometry, budget)
+                if found is not None:
+                    return found
+        return segment.most_rows(bits, budget, geometry, max_rows)
+    if kind != "quantize":
+        raise ValueError(f"`kind` must be 'evict', 'quantize' or 'joint', got {kind!r}")
+    for bits, group in lookup_order(geometry):
+        if bits in allowed:
+            found = segment.quantized(max_rows, bits, group, geometry, budget)
+            if found is not None:
+                return found
+    subset = segment.most_rows(min(allowed), budget, geometry, max_rows)
+    if FULL_BITS in allowed:
+        evicted = segment.most_rows(FULL_BITS, budget, geometry, max_rows)
+        if evicted.rows >= subset.rows:
+            return evicted
+    return subset
+
+
+def least_quantized_bytes(segment: Segment, geometry: QuantGeometry) -> int:
+    """Bytes of every row at the least lookup setting (lowest bits, largest group, no residual): the floor
+    of a quantized type, or its uncompressed bytes when quantizing would not shrink it."""
+    least = segment.choice_bytes(JointChoice(segment.full_rows, min(SUPPORTED_BITS), max(geometry.groups), 0))
+    return min(least, segment.full_bytes)
+
+
+@dataclass(frozen=True)
+class JointPlan:
+    """Calibrated bits per budget level of one (task, type): ``levels`` = ``((retained ratio, bits), ...)``.
+
+    For a type budget of ratio ``r`` (its bytes over its full bytes) the bits are those of the largest level
+    ``<= r`` (the smallest level's below every level).
+    """
+
+    levels: tuple[tuple[float, int], ...]
+
+    def __post_init__(self) -> None:
+        if not self.levels:
+            raise ValueError("a joint plan needs at least one (budget level, bits) pair")
+        levels = []
+        for level, bits in self.levels:
+            if isinstance(level, bool) or not isinstance(level, (int, float)) or not math.isfinite(level) \
+                    or not 0.0 < level <= 1.0:
+                raise ValueError(f"a joint plan's budget level must be a number in (0, 1], got {level!r}")
+            if bits not in FAMILY_BITS:
+                raise ValueError(f"a joint plan's bits must be one of {FAMILY_BITS} ({FULL_BITS} = full precision), "
+                                 f"got {bits!r}")
+            levels.append((float(level), int(bits)))
+        if len({lv for lv, _ in levels}) != len(levels):
+            raise ValueError(f"a joint plan repeats a budget level: {self.levels!r}")
+        object.__setattr__(self, "levels", tuple(sorted(levels, reverse=True)))
+
+    def bits_for(self, ratio: float) -> int:
+        for level, bits in self.levels:
+            if level <= ratio + 1e-12:
+                return bits
+        return self.levels[-1][1]
+
+    def to_list(self) -> list[dict]:
+        return [{"budget": level, "bits": bits} for level, bits in self.levels]
+
+    @classmethod
+    def from_list(cls, rows: Sequence) -> "JointPlan":
+        if not isinstance(rows, (list, tuple)):
+            raise ValueError(f"a joint plan must be a list of {{budget, bits}} objects, got {rows!r}")
+        pairs = []
+        for row in rows:
+            if not isinstance(row, Mapping) or set(row) != {"budget", "bits"}:
+                raise ValueError(f"a joint plan row must be {{\"budget\": r, \"bits\": b}}, got {row!r}")
+            pairs.append((row["budget"], row["bits"]))
+        return cls(tuple(pairs))
+
+
+def grid_choices(segment: Segment, geometry: QuantGeometry, levels: Sequence[float] = JOINT_LEVELS,
+                 bits: Sequence[int] = JOINT_BITS) -> dict[tuple[float, int], JointChoice]:
+    """The offline sensitivity grid of one type (docs/compression.md §11.4): at each budget level, for each bit
+    width, the most rows that fit ``level`` of the type's full bytes (matched bytes across the bit widths).
+
+    Returns ``{(level, bits): choice}``; a bit width that keeps no row at a level is left out.
+    """
+    grid = {}
+    for level in levels:
+        budget = int(math.floor(level * segment.full_bytes))
+        for b in bits:
+            choice = segment.most_rows(b, budget, geometry, segment.held_rows)
+            if choice.rows > 0:
+                grid[(float(level), int(b))] = choice
+    return grid
+
+
+def plan_from_errors(errors: Mapping[tuple[float, int], float]) -> JointPlan:
+    """Per budget level, the bit width whose measured output error is least (ties: the more rows, i.e. fewer
+    bits). ``errors``: ``{(level, bits): error}`` of the grid points that were measured."""
+    if not errors:
+        raise ValueError("no sensitivity was measured: the grid is empty")
+    best: dict[float, tuple[float, int]] = {}
+    for (level, b), err in errors.items():
+        if not math.isfinite(err):
+            raise ValueError(f"the error measured at level {level}, {b} bits is {err!r}")
+        if level not in best or (err, b) < best[level]:
+            best[level] = (err, b)
+    return JointPlan(tuple((level, b) for level, (_, b) in best.items()))
+
+
+__all__ = ["FAMILY_BITS", "FULL_BITS", "JointChoice", "JointPlan", "QuantGeometry", "Segment", "choose",
+           "grid_choices", "least_quantized_bytes", "lookup_order", "plan_from_errors"]
