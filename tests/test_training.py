@@ -20,7 +20,7 @@ SMALL = dict(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64, vit_hidd
 def _cfg(**kw):
     # eager: compiling the layers costs ~30 s a run (test_compiled_bf16_step_matches_eager_fp32 covers that path)
     base = dict(model=SMALL, vae_steps=4, vae_batch=2, pool_size=8, steps=4, stop_at=0, batch={"t2i": 2, "edit": 2, "und": 2},
-                save_every=2, warmup=2, compile=False)
+                save_every=2, warmup=2, compile=False, und_warmup=0)
     base.update(kw)
     return TrainConfig(**base)
 

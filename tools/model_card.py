@@ -38,7 +38,8 @@ def _und_questions(cfg: dict) -> str:
 def card(training: dict, quality: dict | None, notes: list[str] | None = None) -> str:
     cfg = training["config"]
     sec = training["seconds"]
-    total_min = (sec["vae_s"] + sec["pool_s"] + sec["bagel_s"]) / 60
+    warmup_steps = cfg.get("und_warmup", 0)
+    total_min = (sec["vae_s"] + sec["pool_s"] + sec.get("und_warmup_s", 0.0) + sec["bagel_s"]) / 60
     params = training["parameters"]
     rec = training.get("vae_reconstruction", {})
     stop = min(cfg["steps"], cfg.get("stop_at") or cfg["steps"])
@@ -67,6 +68,12 @@ def card(training: dict, quality: dict | None, notes: list[str] | None = None) -
     if cfg.get("gen_lr_scale", 1.0) != 1.0:
         run_notes.append(f"- The generation path (the gen expert of every layer, `vae2llm`, `llm2vae`, the timestep "
                          f"embedder) at {cfg['gen_lr_scale']:g}x the learning rate.")
+    if warmup_steps:
+        run_notes.append(f"- Before the BAGEL steps, {warmup_steps} understanding-only warm-up steps: "
+                         f"{cfg['und_warmup_batch']} one-object scenes a step, each asked where its object "
+                         f"is; the understanding path alone, its own AdamW at lr {cfg['und_warmup_lr']:g} "
+                         "(same warmup and cosine); the BAGEL steps then start from these weights with a "
+                         "fresh AdamW.")
     if cfg.get("ema_decay"):
         run_notes.append(f"- `ema.safetensors` holds an exponential moving average of the BAGEL weights (decay "
                          f"{cfg['ema_decay']}, ramped up as (1 + step) / (10 + step)).")
@@ -112,6 +119,8 @@ def card(training: dict, quality: dict | None, notes: list[str] | None = None) -
         *run_notes,
         f"- {training['threads']} torch threads on the project's 2-core CPU machine, over {sec['sessions']} session(s).",
         f"- VAE: {cfg['vae_steps']} steps in {sec['vae_s'] / 60:.1f} min. Pool encoding: {sec['pool_s'] / 60:.1f} min.",
+        *([f"  Understanding warm-up: {warmup_steps} steps in {sec['und_warmup_s'] / 60:.1f} min."]
+          if warmup_steps else []),
         f"  BAGEL: {stop} steps in {sec['bagel_s'] / 60:.1f} min. Total: {total_min:.1f} min.",
         f"- AdamW with lr {cfg['lr']}, {cfg['warmup']} warmup steps, cosine decay to {cfg['min_lr_ratio']} of lr,",
         f"  weight decay {cfg['weight_decay']}, gradient clip {cfg['grad_clip']}.",

@@ -1,8 +1,8 @@
 """``python -m training OUT_DIR``: train the shapes model and write its checkpoint.
 
 The state is saved under ``--work`` (default ``OUT_DIR.work``) every ``--save-every`` steps; running
-the same command again resumes. ``--steps``/``--vae-steps``/``--pool`` shrink a run (a smoke run:
-``--vae-steps 20 --steps 20 --pool 64``).
+the same command again resumes. ``--steps``/``--vae-steps``/``--und-warmup``/``--pool`` shrink a run (a smoke
+run: ``--vae-steps 20 --und-warmup 20 --steps 20 --pool 64``).
 """
 
 from __future__ import annotations
@@ -74,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated question kinds held back until --und-late-from ('' = none; default "
                              f"{','.join(defaults.und_late_kinds)})")
     parser.add_argument("--und-late-from", type=int, default=defaults.und_late_from, metavar="STEP")
+    parser.add_argument("--und-warmup", type=int, default=defaults.und_warmup, metavar="STEPS",
+                        help="understanding warm-up before stage 2: STEPS steps of one-object scenes with "
+                             "position questions only, the understanding path alone (0 = none; default "
+                             f"{defaults.und_warmup})")
+    parser.add_argument("--und-warmup-lr", type=float, default=defaults.und_warmup_lr,
+                        help=f"peak learning rate of the warm-up (default {defaults.und_warmup_lr:g})")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate")
     parser.add_argument("--gen-lr-scale", type=float, default=defaults.gen_lr_scale,
                         help="learning rate of the generation path (gen expert, latent in/out) over --lr")
@@ -96,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--lr must be > 0 and --gen-lr-scale >= 0, got {args.lr} and {args.gen_lr_scale}")
     if not 0.0 <= args.ema_decay < 1.0:
         parser.error(f"--ema-decay must be in [0, 1), got {args.ema_decay}")
+    if args.und_warmup < 0 or args.und_warmup_lr <= 0:
+        parser.error(f"--und-warmup must be >= 0 and --und-warmup-lr > 0, got {args.und_warmup} and "
+                     f"{args.und_warmup_lr}")
     if args.und_batch < 0 or args.und_late_from < 0:
         parser.error(f"--und-batch and --und-late-from must be >= 0, got {args.und_batch} and {args.und_late_from}")
     late = [k for k in args.und_late.split(",") if k]
@@ -113,12 +122,17 @@ def main(argv: list[str] | None = None) -> int:
                       save_every=args.save_every, threads=args.threads,
                       vae_from=str(args.vae_from or ""), unit_input_init=unit_init,
                       batch=dict(defaults.batch, und=args.und_batch), und_questions=args.und_questions,
-                      und_late_kinds=late, und_late_from=args.und_late_from, ema_decay=args.ema_decay, lr=args.lr,
+                      und_late_kinds=late, und_late_from=args.und_late_from, und_warmup=args.und_warmup,
+                      und_warmup_lr=args.und_warmup_lr, ema_decay=args.ema_decay, lr=args.lr,
                       gen_lr_scale=args.gen_lr_scale, precision=args.precision, compile=args.compile)
     out = Path(args.out_dir)
     work = Path(args.work) if args.work else out.with_name(out.name + ".work")
-    from .trainer import run
+    from .trainer import check_und_warmup_resume, run
 
+    try:
+        check_und_warmup_resume(work, cfg)
+    except ValueError as exc:
+        parser.error(str(exc))
     t = time.perf_counter()
     try:
         info = run(out, work, cfg, _Progress())

@@ -1,5 +1,7 @@
 """Stage 2: BAGEL (the MoT LLM, ViT and connector) on text-to-image, edit and understanding samples drawn
-from the pool of encoded edit pairs (:class:`SampleMaker`), one masked forward per step (:func:`bagel_loss`)."""
+from the pool of encoded edit pairs (:class:`SampleMaker`), one masked forward per step (:func:`bagel_loss`);
+and the understanding warm-up that may precede it (:func:`train_und_warmup`: one-object scenes, position
+questions only, the understanding path alone at a low rate)."""
 
 from __future__ import annotations
 
@@ -86,11 +88,28 @@ class SampleMaker:
             p, side = rng.randrange(size), rng.randrange(2)
             edit = self.pool.pairs[p]
             scene = edit.source if side == 0 else edit.target
-            blocks = [self.vit(scene)]
-            for q in self.questions(scene, kinds, rng):
-                blocks += [self.text(q.question), self.text(q.answer, loss=True)]
-            out["und"].append(Sample("und", blocks))
+            out["und"].append(self.und_sample(scene, self.questions(scene, kinds, rng)))
         return out
+
+    def und_sample(self, scene: world.Scene, questions: list[world.Question]) -> Sample:
+        """An understanding sample: the scene's ViT image, then each question and its answer (the loss), as
+        turns."""
+        blocks = [self.vit(scene)]
+        for q in questions:
+            blocks += [self.text(q.question), self.text(q.answer, loss=True)]
+        return Sample("und", blocks)
+
+    def und_warmup_questions(self, step: int) -> list[tuple[world.Scene, world.Question]]:
+        """The ``und_warmup_batch`` questions of warm-up step ``step``: one-object training scenes (not from
+        the pool), each asked where its object is."""
+        first = (self.cfg.seed * 1_000_003 + step) * self.cfg.und_warmup_batch
+        return [world.understanding_sample((first + i) % world.TRAIN_SEEDS.stop, "position", max_objects=1)
+                for i in range(self.cfg.und_warmup_batch)]
+
+    def und_warmup_draw(self, step: int) -> dict[str, list[Sample]]:
+        """The samples of warm-up step ``step`` (:meth:`und_warmup_questions`, one question per image)."""
+        und = [self.und_sample(scene, [q]) for scene, q in self.und_warmup_questions(step)]
+        return {"t2i": [], "edit": [], "und": und}
 
     def und_kinds(self, step: int) -> tuple[str, ...]:
         """The question kinds trained at ``step`` (``und_late_kinds`` join at ``und_late_from``)."""
@@ -159,17 +178,21 @@ def bagel_loss(model: Bagel, batch, cfg: TrainConfig) -> tuple[Tensor, float, fl
     return mse + cfg.ce_weight * ce, float(mse.detach()), float(ce.detach())
 
 
-def train_bagel(model: Bagel, maker: SampleMaker, cfg: TrainConfig, work: Path,
-                progress: Callable | None = None, snapshot: Callable[[int, list], None] | None = None,
-                average: WeightAverage | None = None) -> list:
-    """Stage 2; returns the loss log ``[[step, loss, mse, ce], ...]`` (means over logging windows).
+#: The state files of the understanding warm-up and of stage 2 in a run's work folder.
+UND_WARMUP_STATE = "und_warmup_state.safetensors"
+BAGEL_STATE = "bagel_state.safetensors"
 
-    ``snapshot(step, log)`` runs after each saved state (the run exports a usable checkpoint there);
-    ``average`` (a :class:`WeightAverage` of ``model``) is updated after every step and saved with the state.
-    """
-    path = work / "bagel_state.safetensors"
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
+
+def trainable_parameters(model: Bagel, generation: bool = True) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(name, parameter)`` of every trained parameter, in the model's order (``generation=False``: without
+    the generation path)."""
+    return [(n, p) for n, p in model.named_parameters()
+            if p.requires_grad and (generation or not is_generation_parameter(n))]
+
+
+def adamw(named: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
+    """A fresh AdamW over ``named``: weight decay on matrices only, each group's ``lr_scale`` the rate
+    multiplier (``gen_lr_scale`` for the generation path, 1 elsewhere)."""
     groups = []
     for gen in (False, True):
         for decays in (True, False):
@@ -177,27 +200,43 @@ def train_bagel(model: Bagel, maker: SampleMaker, cfg: TrainConfig, work: Path,
             if chosen:
                 groups.append({"params": chosen, "weight_decay": cfg.weight_decay if decays else 0.0,
                                "lr_scale": cfg.gen_lr_scale if gen else 1.0})
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98))
+
+
+def compile_layers(model: Bagel) -> None:
+    """Compile the LLM's decoder layers in place (dynamic shapes; parameter names stay as they are)."""
+    for layer in model.language_model.model.layers:
+        layer.compile(dynamic=True)
+
+
+def optimise(model: Bagel, opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], path: Path,
+             draw: Callable[[int], dict[str, list[Sample]]], rate: Callable[[int], float], last: int,
+             cfg: TrainConfig, tokenizer, *, stage: str, progress: Callable | None = None,
+             snapshot: Callable[[int, list], None] | None = None,
+             average: WeightAverage | None = None) -> list:
+    """Optimise ``model`` on the batches ``draw(step)`` (packed with ``tokenizer``'s image markers) up to step
+    ``last``; returns the loss log ``[[step, loss, mse, ce], ...]`` (means over 25-step windows).
+
+    Each group of ``opt`` runs at ``rate(step)`` times its ``lr_scale``; the gradient norm of ``params`` is
+    clipped to ``cfg.grad_clip``. The state (weights, ``opt``'s moments, ``average``) resumes from ``path`` and
+    is saved there every ``cfg.save_every`` steps and at ``last``; ``snapshot(step, log)`` runs after each save
+    before ``last``; ``average`` is updated after every step; ``progress(stage, step, last)`` after every step.
+    """
     step, log = (load_state(path, model, opt, average) if path.exists() else (0, []))
-    tok = maker.tok
     model.train()
-    if cfg.compile and step < cfg.last_step:
-        for layer in model.language_model.model.layers:  # in place: parameter names stay as they are
-            layer.compile(dynamic=True)
     window: list[tuple[float, float, float]] = []
     t0 = time.perf_counter()
-    last = cfg.last_step
 
     # the batch is drawn on this thread between steps (a helper thread drawing the next one during the step
     # takes a core from torch's threads on a small machine: docs/shapes.md)
     while step < last:
-        batch = pack(maker.draw(step), start_id=tok.start_of_image, end_id=tok.end_of_image,
+        batch = pack(draw(step), start_id=tokenizer.start_of_image, end_id=tokenizer.end_of_image,
                      vit_patch=model.config.vit.patch_size, max_latent_size=model.config.max_latent_size)
         for g in opt.param_groups:
-            g["lr"] = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio) * g["lr_scale"]
+            g["lr"] = rate(step) * g["lr_scale"]
         with autocast(cfg, model.device):
             loss, mse, ce = bagel_loss(model, batch, cfg)
-        opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
@@ -209,10 +248,10 @@ def train_bagel(model: Bagel, maker: SampleMaker, cfg: TrainConfig, work: Path,
             m = [round(sum(w[i] for w in window) / len(window), 5) for i in range(3)]
             log.append([step, *m])
             window.clear()
-            logger.info("bagel step %d/%d loss %.4f mse %.4f ce %.4f (%.1fs)", step, last, *m,
+            logger.info("%s step %d/%d loss %.4f mse %.4f ce %.4f (%.1fs)", stage, step, last, *m,
                         time.perf_counter() - t0)
         if progress is not None:
-            progress("bagel", step, last)
+            progress(stage, step, last)
         if step % cfg.save_every == 0 or step == last:
             save_state(path, model, opt, step, log, average)
             if snapshot is not None and step < last:
@@ -221,3 +260,45 @@ def train_bagel(model: Bagel, maker: SampleMaker, cfg: TrainConfig, work: Path,
                 model.train()
     model.eval()
     return log
+
+
+def train_und_warmup(model: Bagel, maker: SampleMaker, cfg: TrainConfig, work: Path,
+                     progress: Callable | None = None,
+                     snapshot: Callable[[int, list], None] | None = None) -> list:
+    """The understanding warm-up (``cfg.und_warmup`` steps of :meth:`SampleMaker.und_warmup_draw`); returns
+    its loss log (``mse`` is 0).
+
+    Only the understanding path trains (the generation path gets no gradient from these samples and keeps its
+    initial values), with its own AdamW, at ``learning_rate(step, und_warmup, und_warmup_lr, warmup,
+    min_lr_ratio)``; its state is ``work/und_warmup_state.safetensors``. ``snapshot(step, log)`` runs after
+    each save before the end.
+    """
+    if cfg.und_warmup_batch < 1:
+        raise ValueError(f"und_warmup_batch must be >= 1 for a warm-up of {cfg.und_warmup} steps, got "
+                         f"{cfg.und_warmup_batch}")
+    named = trainable_parameters(model, generation=False)
+    def rate(step: int) -> float:
+        return learning_rate(step, cfg.und_warmup, cfg.und_warmup_lr, cfg.warmup, cfg.min_lr_ratio)
+
+    return optimise(model, adamw(named, cfg), [p for _, p in named], work / UND_WARMUP_STATE,
+                    maker.und_warmup_draw, rate, cfg.und_warmup, cfg, maker.tok, stage="und_warmup",
+                    progress=progress, snapshot=snapshot)
+
+
+def train_bagel(model: Bagel, maker: SampleMaker, cfg: TrainConfig, work: Path,
+                progress: Callable | None = None, snapshot: Callable[[int, list], None] | None = None,
+                average: WeightAverage | None = None) -> list:
+    """Stage 2 (``cfg.last_step`` steps of :meth:`SampleMaker.draw`, a fresh AdamW at ``learning_rate(step,
+    steps, lr, warmup, min_lr_ratio)``, the generation path at ``gen_lr_scale`` times that); returns the loss
+    log ``[[step, loss, mse, ce], ...]`` (means over logging windows).
+
+    ``snapshot(step, log)`` runs after each saved state (the run exports a usable checkpoint there);
+    ``average`` (a :class:`WeightAverage` of ``model``) is updated after every step and saved with the state.
+    """
+    named = trainable_parameters(model)
+    def rate(step: int) -> float:
+        return learning_rate(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
+
+    return optimise(model, adamw(named, cfg), [p for _, p in named], work / BAGEL_STATE, maker.draw, rate,
+                    cfg.last_step, cfg, maker.tok, stage="bagel", progress=progress, snapshot=snapshot,
+                    average=average)

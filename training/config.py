@@ -44,6 +44,15 @@ class TrainConfig:
     # at the prior")
     und_late_kinds: list = field(default_factory=lambda: ["background", "exists"])
     und_late_from: int = 800
+    # the understanding warm-up that runs before stage 2 (0 = none): ``und_warmup`` steps of understanding
+    # only, ``und_warmup_batch`` one-object scenes a step, each asked where its object is; the understanding
+    # path alone trains, at peak rate ``und_warmup_lr`` (linear over ``warmup`` steps, then a cosine to
+    # ``min_lr_ratio`` at ``und_warmup``); stage 2 then starts from these weights with a fresh optimiser. The
+    # defaults are the pilot that taught the model where things are (docs/shapes.md, "The understanding
+    # warm-up")
+    und_warmup: int = 600
+    und_warmup_lr: float = 2e-4
+    und_warmup_batch: int = 16
     lr: float = 1.5e-3
     # learning rate of the generation path (bagel_stage.is_generation_parameter) over ``lr`` (the pilots that
     # chose it: docs/shapes.md, "The recipe")

@@ -41,12 +41,19 @@ def save_state(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, 
     _atomic_save(tensors, path, {"step": step, "adam_steps": steps, "log": log})
 
 
+def _saved_meta(path: Path) -> dict:
+    with safe_open(str(path), "pt") as f:
+        return json.loads(f.metadata()["state"])
+
+
 def saved_step(path: Path) -> int:
     """The step of a saved state (0 when there is none)."""
-    if not path.is_file():
-        return 0
-    with safe_open(str(path), "pt") as f:
-        return int(json.loads(f.metadata()["state"])["step"])
+    return int(_saved_meta(path)["step"]) if path.is_file() else 0
+
+
+def saved_log(path: Path) -> list:
+    """The loss log of a saved state (``[]`` when there is none)."""
+    return list(_saved_meta(path)["log"]) if path.is_file() else []
 
 
 def load_state(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer,

@@ -5,6 +5,10 @@ images, with a small KL term; the latent's shift and scale are then measured on 
 sees unit-variance latents (``ae_config.json``'s ``shift_factor``/``scale_factor``, as BAGEL's FLUX VAE uses
 them).
 
+Before stage 2 an understanding warm-up may run (``und_warmup`` steps, :func:`.bagel_stage.train_und_warmup`):
+one-object scenes asked where their object is, the understanding path alone at a low rate, its own AdamW;
+stage 2 then starts from its weights with a fresh optimiser, its step count and schedule unchanged.
+
 Stage 2 (BAGEL, :mod:`.bagel_stage`): a pool of edit pairs from the training seeds is encoded once with the
 frozen VAE; every step draws text-to-image, edit and understanding samples from it (:mod:`.batches`) and
 minimises ``mse(velocity) + ce_weight * ce(answer tokens)``. Flow matching as the pipeline samples:
@@ -36,11 +40,12 @@ import torch
 from unicache_core.bagel.config import BagelConfig
 from unicache_core.bagel.modeling import AutoEncoder, Bagel
 from unicache_core.shapes import world
-from .bagel_stage import SampleMaker, train_bagel
+from .bagel_stage import (BAGEL_STATE, UND_WARMUP_STATE, SampleMaker, compile_layers, train_bagel,
+                          train_und_warmup)
 from .checkpoint_files import model_parts, write_parts
 from .config import TrainConfig
 from .model import VARIANT, ShapesGeometry, build_models, shapes_config, shapes_tokenizer, shapes_tokenizer_files
-from .state import WeightAverage, saved_step
+from .state import WeightAverage, saved_log, saved_step
 from .vae_stage import Pool, build_pool, latent_statistics, reconstruction_quality, train_vae, vae_from_run
 
 logger = logging.getLogger(__name__)
@@ -55,8 +60,27 @@ def export_checkpoint(model: Bagel, vae: AutoEncoder, bagel_cfg: BagelConfig, ou
     return out
 
 
+def check_und_warmup_resume(work: Path, cfg: TrainConfig) -> None:
+    """Raise ``ValueError`` if the states in ``work`` come from a run with another ``und_warmup`` than
+    ``cfg``'s (a warm-up may be lengthened only while stage 2 has not begun)."""
+    warmup_path, stage2_begun = work / UND_WARMUP_STATE, (work / BAGEL_STATE).is_file()
+    if not warmup_path.is_file():
+        if stage2_begun and cfg.und_warmup:
+            raise ValueError(f"{work} holds a stage 2 begun without the understanding warm-up, but this run "
+                             f"asks for --und-warmup {cfg.und_warmup}; resume with --und-warmup 0 or use a new "
+                             "--work folder")
+        return
+    done = saved_step(warmup_path)
+    if done > cfg.und_warmup or (stage2_begun and done != cfg.und_warmup):
+        raise ValueError(f"{work} holds an understanding warm-up of {done} steps, but this run asks for "
+                         f"--und-warmup {cfg.und_warmup}; resume with --und-warmup {done} or use a new --work "
+                         "folder")
+
+
 def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = None) -> dict:
-    """Both stages (resuming from ``work``), then export; returns the run record."""
+    """The VAE, the understanding warm-up and stage 2 (each resuming from ``work``), then export; returns the
+    run record."""
+    check_und_warmup_resume(work, cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     work.mkdir(parents=True, exist_ok=True)
@@ -67,7 +91,7 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
     model, vae = build_models(bagel_cfg, cfg.seed, unit_input_init=cfg.unit_input_init)
     # seconds per stage over every session of this run (a resumed run adds to them)
     times_path = work / "times.json"
-    times = {"vae_s": 0.0, "pool_s": 0.0, "bagel_s": 0.0, "sessions": 0}
+    times = {"vae_s": 0.0, "pool_s": 0.0, "und_warmup_s": 0.0, "bagel_s": 0.0, "sessions": 0}
     if times_path.is_file():
         times.update(json.loads(times_path.read_text(encoding="utf-8")))
     times["sessions"] += 1
@@ -86,7 +110,7 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
         p.requires_grad_(False)
     vae_quality = reconstruction_quality(vae)
     logger.info("vae reconstructions: %s", vae_quality)
-    done = saved_step(work / "bagel_state.safetensors") >= cfg.last_step
+    done = saved_step(work / BAGEL_STATE) >= cfg.last_step
     t = time.perf_counter()
     pairs_for_stats = [world.edit_sample(seed) for seed in range(256)]
     shift, scale = latent_statistics(vae, pairs_for_stats, cfg)
@@ -101,13 +125,26 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
     pool = Pool([], torch.zeros(0), torch.zeros(0)) if done else build_pool(vae, cfg.pool_size, progress, cfg)
     add_time("pool_s", t)
     maker = SampleMaker(cfg, bagel_cfg, pool, shapes_tokenizer(), vae)
-    t = time.perf_counter()
-    bagel_before = times["bagel_s"]
 
-    def count_bagel_time() -> None:
-        # at every save, so that a session stopped later still counts the stage-2 time up to its last state
-        times["bagel_s"] = round(bagel_before + time.perf_counter() - t, 1)
-        times_path.write_text(json.dumps(times, indent=2) + "\n", encoding="utf-8")
+    def stage_clock(stage: str) -> Callable[[], None]:
+        # a counter called at every save, so that a session stopped later still counts the stage's time up to
+        # its last state
+        before, start = times[stage], time.perf_counter()
+
+        def count() -> None:
+            times[stage] = round(before + time.perf_counter() - start, 1)
+            times_path.write_text(json.dumps(times, indent=2) + "\n", encoding="utf-8")
+
+        return count
+
+    if cfg.compile and not done:
+        compile_layers(model)
+    if cfg.und_warmup and not (work / BAGEL_STATE).is_file():
+        count_warmup_time = stage_clock("und_warmup_s")
+        train_und_warmup(model, maker, cfg, work, progress, lambda step, log: count_warmup_time())
+        count_warmup_time()
+    und_warmup_log = saved_log(work / UND_WARMUP_STATE)
+    count_bagel_time = stage_clock("bagel_s")
 
     def record(bagel_log: list, final: bool) -> dict:
         return {
@@ -119,11 +156,13 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
             "seconds": dict(times),
             "threads": torch.get_num_threads(),
             "vae_log": vae_log,
+            "und_warmup_log": und_warmup_log,
             "bagel_log": bagel_log,
             "parameters": {"bagel": sum(p.numel() for p in model.parameters()),
                            "vae": sum(p.numel() for p in vae.parameters())},
         }
 
+    # made after the warm-up: a fresh stage 2 averages from the warm-up's weights
     average = WeightAverage(model, cfg.ema_decay) if cfg.ema_decay else None
 
     def snapshot(step: int, log: list) -> None:

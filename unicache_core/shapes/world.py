@@ -275,11 +275,12 @@ def edit_sample(seed: int, kind: str | None = None) -> Edit:
             return edit
 
 
-def understanding_sample(seed: int, kind: str | None = None) -> tuple[Scene, Question]:
-    """The question sample of ``seed``: a scene with 1..3 objects and one question about it."""
+def understanding_sample(seed: int, kind: str | None = None, *,
+                         max_objects: int = MAX_OBJECTS) -> tuple[Scene, Question]:
+    """The question sample of ``seed``: a scene with 1..``max_objects`` objects and one question about it."""
     rng = random.Random(_check_seed(seed) * 4 + 3)
     while True:
-        scene = random_scene(rng)
+        scene = random_scene(rng, max_objects=max_objects)
         q = ask(scene, kind or rng.choice(QUESTION_KINDS), rng)
         if q is not None:
             return scene, q
