@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import time
 
 import numpy as np
 import pytest
@@ -294,7 +293,7 @@ def no_model_build(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("a module was built before the config was checked against the headers")
 
-    monkeypatch.setattr(loader_module, "Bagel", boom)
+    monkeypatch.setattr(loader_module, "build_bagel", boom)
     monkeypatch.setattr(loader_module, "AutoEncoder", boom)
 
 
@@ -321,10 +320,8 @@ def no_model_build(monkeypatch):
 def test_config_is_checked_against_the_headers_before_building(tiny_checkpoint_copy, no_model_build, file, changes,
                                                                match):
     edit_json(tiny_checkpoint_copy / file, **changes)
-    start = time.perf_counter()
-    with pytest.raises(CheckpointError, match=match) as info:
+    with pytest.raises(CheckpointError, match=match) as info:  # no_model_build: refused before any build
         load_bagel(tiny_checkpoint_copy, dtype="fp32")
-    assert time.perf_counter() - start < 5
     assert "do not belong to these weights" in str(info.value) and file in str(info.value)
 
 

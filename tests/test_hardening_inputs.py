@@ -370,12 +370,13 @@ def test_calibration_advice_names_only_flags_the_tool_has():
     """Every ``python -m unicache_core.bagel.calibrate --flag`` that a message advises is a flag of that tool."""
     import inspect as inspect_module
 
-    from unicache_core.bagel import calibrate
+    from unicache_core.bagel import calibration
+    from unicache_core.bagel.calibration import cli, job, run, tables
     from unicache_core.compression import policy_table
 
-    flags = {s for action in calibrate.build_parser()._actions for s in action.option_strings}
+    flags = {s for action in cli.build_parser()._actions for s in action.option_strings}
     advised = set()
-    for module in (calibrate, policy_table):
+    for module in (calibration, cli, job, run, tables, policy_table):
         for command in re.findall(r"unicache_core\.bagel\.calibrate((?: --?[a-z][a-z-]*(?: <[^>]+>)?)*)",
                                   inspect_module.getsource(module)):
             advised |= set(re.findall(r"--?[a-z][a-z-]*", command))
