@@ -1,12 +1,33 @@
-"""Shared fixtures: a tiny random BAGEL checkpoint in the official folder layout."""
+"""Shared fixtures: a tiny random BAGEL checkpoint in the official folder layout, and one torch thread per
+unit-test process."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from training.tiny import write_tiny_checkpoint
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Unit tests run torch's CPU kernels on one thread, from their fixtures' setup to their teardown.
+
+    ``make test`` runs one pytest process per core, so more threads per process only oversubscribe the
+    cores: on this 2-core machine two threads per worker cost several times the CPU of one (the threads
+    spin waiting on each other) for the same results. Host and browser tests keep torch's default thread
+    count: they compare what their ComfyUI servers compute bit for bit across thread-count-matched runs.
+    """
+    if item.get_closest_marker("host") or item.get_closest_marker("browser"):
+        return (yield)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return (yield)
+    finally:
+        torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="session")
