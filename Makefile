@@ -13,7 +13,8 @@ setup: .venv/.installed
 	$(PY) -m pip install -q -e '.[test,offload,batch,ray]'
 	touch $@
 
-# The unit suite on TEST_WORKERS processes (pytest-xdist; tests of one xdist_group share a worker).
+# The unit suite on TEST_WORKERS processes (pytest-xdist; tests of one xdist_group share a worker), each running
+# torch on one thread (tests/conftest.py): one process per core.
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadgroup
 test: setup

@@ -1,12 +1,40 @@
-"""Shared fixtures: a tiny random BAGEL checkpoint in the official folder layout."""
+"""Shared fixtures: a tiny random BAGEL checkpoint in the official folder layout, and one torch thread per
+unit-test process."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from training.tiny import write_tiny_checkpoint
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Unit tests run torch's CPU kernels on one thread, from their fixtures' setup to their teardown, and so
+    do the processes they start (``OMP_NUM_THREADS=1``: the CLI, fresh interpreters).
+
+    ``make test`` runs one pytest process per core, so more threads per process only oversubscribe the
+    cores: on this 2-core machine two threads per worker cost several times the CPU of one (the threads
+    spin waiting on each other) for the same results. Host and browser tests keep torch's default thread
+    count: they compare what their ComfyUI servers compute bit for bit across thread-count-matched runs.
+    """
+    if item.get_closest_marker("host") or item.get_closest_marker("browser"):
+        return (yield)
+    saved_threads, saved_env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        return (yield)
+    finally:
+        torch.set_num_threads(saved_threads)
+        if saved_env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_env
 
 
 @pytest.fixture(scope="session")

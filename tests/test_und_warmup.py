@@ -26,7 +26,7 @@ WARMUP_STEPS, STAGE2_STEPS = 5, 3
 def _config(**overrides) -> TrainConfig:
     base = dict(model=GEOMETRY, vae_steps=2, vae_batch=2, pool_size=4, steps=STAGE2_STEPS,
                 batch={"t2i": 1, "edit": 1, "und": 2}, save_every=2, warmup=2, compile=False,
-                und_warmup=WARMUP_STEPS, und_warmup_batch=2)
+                und_warmup=WARMUP_STEPS, und_warmup_batch=2, vae_eval_scenes=4, latent_stat_pairs=8)
     base.update(overrides)
     return TrainConfig(**base)
 

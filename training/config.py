@@ -27,6 +27,11 @@ class TrainConfig:
     vae_lr: float = 2e-3
     vae_kl: float = 1e-6
     pool_size: int = 4000
+    # held-out scenes whose VAE reconstructions are scored after stage 1 (the record's "vae_reconstruction")
+    vae_eval_scenes: int = 64
+    # edit pairs (training seeds 0..n-1, source and target images) whose posterior means set the latent
+    # shift and scale
+    latent_stat_pairs: int = 256
     # a finished run's checkpoint folder whose VAE stands in for stage 1 (its config must match this one's VAE
     # stage; its recorded VAE seconds and log carry over); "" = train the VAE
     vae_from: str = ""

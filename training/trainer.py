@@ -108,11 +108,11 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
         add_time("vae_s", t)
     for p in vae.parameters():
         p.requires_grad_(False)
-    vae_quality = reconstruction_quality(vae)
+    vae_quality = reconstruction_quality(vae, cfg.vae_eval_scenes)
     logger.info("vae reconstructions: %s", vae_quality)
     done = saved_step(work / BAGEL_STATE) >= cfg.last_step
     t = time.perf_counter()
-    pairs_for_stats = [world.edit_sample(seed) for seed in range(256)]
+    pairs_for_stats = [world.edit_sample(seed) for seed in range(cfg.latent_stat_pairs)]
     shift, scale = latent_statistics(vae, pairs_for_stats, cfg)
     if not done:  # encoding for stage 2, like the pool (a finished run only re-exports; the check above is no training)
         add_time("pool_s", t)
