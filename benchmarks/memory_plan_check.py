@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from benchmarks.report_file import write_json_report
 from benchmarks.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.checkpoint.tensor_file import release_freed_host_memory
@@ -143,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = check({"bundled": (BUNDLED, 128), "medium": (medium, 512)}, rss=not args.no_rss)
     sys.stdout.write(format_table(rows) + "\n")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"tolerance": TOLERANCE, "results": rows}, indent=1) + "\n", encoding="utf-8")
+        write_json_report(args.json, {"tolerance": TOLERANCE, "results": rows})
     worst = max(max(abs(r["tensor_error"]), abs(r["rss_error"] or 0.0)) for r in rows)
     return 0 if worst <= TOLERANCE else 1
 

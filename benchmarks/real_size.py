@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from benchmarks.report_file import write_json_report
 from benchmarks.rss import peak_rss_bytes
 from training.tiny import write_tiny_checkpoint
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
@@ -159,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     report["seconds"] = round(time.perf_counter() - start, 1)
     sys.stdout.write(json.dumps(report, indent=1) + "\n")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        write_json_report(args.json, report)
     return 0
 
 

@@ -18,7 +18,6 @@ JSON: ``{"config": {...}, "results": [{"weight_dtype", "kv_method", "param_bytes
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.quality import DEFAULT_CHECKPOINT, QUICK, QualityConfig, run_task
+from benchmarks.report_file import write_json_report
 from benchmarks.rss import measure_load_in_subprocess
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.request import RunHooks
@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(cfg)
     sys.stdout.write(format_table(report) + "\n")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        write_json_report(args.json, report)
     return 0
 
 
