@@ -12,6 +12,8 @@ Token counts follow the blocks of :mod:`.contexts`: a text block is its tokens p
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -156,27 +158,73 @@ def count_request(config: BagelConfig, tokenizer, task: Task, prompt: str,
 
 
 def request_memory_bytes(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens) -> int:
-    """Upper estimate of the device memory one request needs besides the weights.
+    """Estimate of the device memory one request needs besides the weights (:func:`request_memory_parts`).
 
-    The uncompressed KV of every branch (compression starts after the first step, so the peak is the
-    full cache), plus the working memory of the largest forward: fp32 attention scores of one layer,
-    the MLP activations, and the fp32 VAE decode (about six full-resolution feature maps alive).
+    The uncompressed KV of every branch (compression starts after the first step, so the peak holds the
+    full cache), plus the larger of the two phases' working memory: the LLM's largest forward
+    (``attention`` + ``mlp``) or the fp32 VAE encode/decode (``vae``); they never run at the same time.
     """
-    return int(sum(request_memory_parts(config, dtype, tokens).values()))
+    parts = request_memory_parts(config, dtype, tokens)
+    return int(parts["kv"] + max(parts["attention"] + parts["mlp"], parts["vae"]))
 
 
 def request_memory_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens) -> dict[str, int]:
-    """:func:`request_memory_bytes` by part: ``kv``, ``attention``, ``mlp`` and ``vae`` bytes."""
+    """The parts of :func:`request_memory_bytes`: ``kv``, ``attention``, ``mlp`` and ``vae`` bytes.
+
+    For the largest block of ``T`` tokens (:meth:`RequestTokens.largest_block`) in the compute dtype of ``e``
+    bytes, hidden size ``H``, MLP width ``I``, ``Hq`` query heads of dimension ``d``:
+
+    * ``attention = T * 2 * Hq * d * 4``: the fp32 partial outputs of the cached and the new keys and their
+      log-sum-exp merge. Scores are never materialised whole: on the CPU every block this estimate covers
+      (image and latent blocks, decoding) goes through the flash kernel, which streams the keys in tiles; a
+      text block after a cached context takes the chunked reference path, whose scores are bounded by
+      :data:`~unicache_core.kv.attention.REFERENCE_SCORE_ELEMENTS` and are small beside a prompt's other
+      memory; on a GPU the fused SDPA kernels hold no scores either.
+    * ``mlp = T * (3 * I + (4 + B) * H) * e``: gate, up and their product alive together, four hidden-size
+      tensors of the layer (residual, norm, attention output, projection) and the ``B`` blocks of a step's
+      branches run together through each layer (1 for understanding, 3 for generation).
+    * ``vae``: the peak of the fp32 VAE encoding the source or decoding the output, found by running the VAE
+      on meta tensors under a :class:`~.memory_trace.TensorMemoryTracker` (:func:`vae_working_bytes`).
+
+    Checked against a tensor-accounting run on CPU by ``benchmarks/memory_plan_check.py``.
+    """
     llm = config.llm
     element = torch.empty((), dtype=dtype).element_size()
     kv = sum(tokens.kv_bytes(config, dtype).values())
     queries = tokens.largest_block()
-    keys = max(tokens.branches().values()) + queries
-    attention = queries * keys * llm.num_attention_heads * 4
-    mlp = queries * (llm.intermediate_size * 3 + llm.hidden_size * 8) * max(element, 4)
-    pixels = tokens.latent * config.latent_downsample ** 2
-    vae = pixels * config.ae.ch * config.ae.ch_mult[0] * 4 * 6
+    branches = 1 if tokens.task == "understanding" else 3
+    attention = queries * 2 * llm.num_attention_heads * llm.head_dim * 4
+    mlp = queries * (3 * llm.intermediate_size + (4 + branches) * llm.hidden_size) * element
+    vae = max(vae_working_bytes(config, tokens.vae, decode=False), vae_working_bytes(config, tokens.latent, decode=True))
     return {"kv": int(kv), "attention": int(attention), "mlp": int(mlp), "vae": int(vae)}
+
+
+def _latent_grid(latent_tokens: int, latent_downsample: int, vae_downsample: int) -> tuple[int, int]:
+    """A ``(height, width)`` in VAE latent cells holding ``latent_tokens`` BAGEL latent tokens, as square as the
+    count allows (a convolution's memory depends on the area only)."""
+    rows = max(d for d in range(1, math.isqrt(latent_tokens) + 1) if latent_tokens % d == 0)
+    cells = latent_downsample // vae_downsample
+    return rows * cells, (latent_tokens // rows) * cells
+
+
+@functools.lru_cache(maxsize=64)
+def vae_working_bytes(config: BagelConfig, latent_tokens: int, *, decode: bool) -> int:
+    """Peak bytes of the fp32 tensors the VAE creates decoding (or encoding) an image of ``latent_tokens``
+    BAGEL latent tokens (``16 x 16`` pixels each), measured on meta tensors (nothing is allocated)."""
+    from .memory_trace import meta_peak_bytes
+    from .modeling import AutoEncoder
+
+    if latent_tokens <= 0:
+        return 0
+    ae = config.ae
+    height, width = _latent_grid(latent_tokens, config.latent_downsample, ae.downsample)
+    with torch.device("meta"):
+        vae = AutoEncoder(ae)
+    if decode:
+        latent = torch.zeros(1, ae.z_channels, height, width, device="meta")
+        return meta_peak_bytes(lambda: vae.decode(latent))
+    image = torch.zeros(1, ae.in_channels, height * ae.downsample, width * ae.downsample, device="meta")
+    return meta_peak_bytes(lambda: vae.encode(image, sample=False))
 
 
 __all__ = [
@@ -190,4 +238,5 @@ __all__ = [
     "request_memory_bytes",
     "request_memory_parts",
     "understanding_positions",
+    "vae_working_bytes",
 ]

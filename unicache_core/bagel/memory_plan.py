@@ -7,14 +7,16 @@
   with ``offload="layers"`` only two decoder layers (the running one and the prefetched one) are there and
   the rest is ``weights_host``;
 - ``vae``: the fp32 VAE's weights;
-- ``upcast``: with low-precision storage, the largest weights upcast at once to the compute dtype (one decoder
-  layer inside :func:`~.modeling.operations.shared_upcasts`, or ``lm_head``);
 - ``kv_full``: the uncompressed KV of every branch (:mod:`.accounting`): compression runs after the first step
   (or the prompt), so the peak holds it; ``kv_compressed`` (not in the peak) is what the method keeps after;
-- ``attention``, ``mlp``, ``vae_decode``: the working memory of the largest forward and of the decode
-  (:func:`~.accounting.request_memory_parts`).
+- ``working``: the larger of the two phases that never overlap: the LLM's largest forward (``upcast`` +
+  ``attention`` + ``mlp``) and the VAE's encode or decode (``vae_working``)
+  (:func:`~.accounting.request_memory_parts`). ``upcast`` is, with low-precision storage, the largest weights
+  upcast at once to the compute dtype (one decoder layer inside :func:`~.modeling.operations.shared_upcasts`,
+  or ``lm_head``).
 
-The peak is their sum (an upper estimate: the decode runs after the denoising's working memory is freed).
+The peak is the sum of the parts not in :data:`NOT_IN_PEAK`. On CPU it is within 10% of a run's tensor
+accounting and resident set on the bundled and the medium checkpoints (``python -m benchmarks.memory_plan_check``).
 ``bagel-7b-mot`` plans BAGEL-7B-MoT's geometry without any file (:data:`OFFICIAL_CHECKPOINT`).
 """
 
@@ -39,6 +41,8 @@ logger = logging.getLogger(__name__)
 OFFICIAL_CHECKPOINT = "bagel-7b-mot"
 #: Prompt tokens a plan assumes (a long instruction; the prompt is small beside the image tokens).
 PLAN_PROMPT_TOKENS = 64
+#: Breakdown entries that detail the peak's parts or lie outside it (the rest add up to ``peak_bytes``).
+NOT_IN_PEAK = ("weights_host", "kv_compressed", "upcast", "attention", "mlp", "vae_working")
 #: Tasks a plan accepts (the CLI's names).
 PLAN_TASKS = {"und": "understanding", "understand": "understanding", "t2i": "t2i", "edit": "edit"}
 #: Weight dtypes tried, in order, when the chosen settings do not fit (cheapest in quality first).
@@ -112,14 +116,15 @@ class MemoryPlan:
 
 
 def request_tokens(config: BagelConfig, task: str, width: int, height: int,
-                   prompt_tokens: int = PLAN_PROMPT_TOKENS) -> RequestTokens:
+                   prompt_tokens: int = PLAN_PROMPT_TOKENS, answer_tokens: int | None = None) -> RequestTokens:
     """The tokens of a plan's request: a ``prompt_tokens`` prompt and a ``width x height`` image (the input of
-    ``und``/``edit``, none for an ``und`` of size 0, the output of ``t2i``), default settings (no think mode)."""
+    ``und``/``edit``, none for an ``und`` of size 0, the output of ``t2i``), default settings (no think mode);
+    an ``und`` answer of ``answer_tokens`` (default: the most the default settings decode)."""
     vae, vit = image_tokens(config, (width, height)) if width and height else (0, 0)
     step = config.latent_downsample
     if task == "understanding":
         return RequestTokens(task="understanding", prompt=prompt_tokens, vit=vit,
-                             decoded=UNDERSTANDING_DEFAULTS.max_new_tokens)
+                             decoded=UNDERSTANDING_DEFAULTS.max_new_tokens if answer_tokens is None else answer_tokens)
     if task == "edit":
         return RequestTokens(task="edit", prompt=prompt_tokens, vit=vit, vae=vae, latent=vae)
     return RequestTokens(task="t2i", prompt=prompt_tokens, latent=(width // step) * (height // step))
@@ -158,33 +163,34 @@ def _weights(config: BagelConfig, weight_dtype: str, dtype: torch.dtype, offload
 
 
 def plan_memory(config: BagelConfig, settings: PlanSettings, device_bytes: int, *,
-                prompt_tokens: int = PLAN_PROMPT_TOKENS) -> MemoryPlan:
+                prompt_tokens: int = PLAN_PROMPT_TOKENS, answer_tokens: int | None = None) -> MemoryPlan:
     """Predict the peak device memory of ``settings`` on a model of ``config`` (see the module docstring) and,
-    when it does not fit ``device_bytes``, the cheapest setting that does (``suggestion``)."""
+    when it does not fit ``device_bytes``, the cheapest setting that does (``suggestion``). ``prompt_tokens`` and
+    ``answer_tokens`` (understanding) size the text (:func:`request_tokens`)."""
     import dataclasses
 
-    plan = _predict(config, settings, device_bytes, prompt_tokens)
+    plan = _predict(config, settings, device_bytes, prompt_tokens, answer_tokens)
     if plan.fits:
         return plan
     return dataclasses.replace(plan, suggestion=_suggest(config, settings, device_bytes))
 
 
 def _predict(config: BagelConfig, settings: PlanSettings, device_bytes: int,
-             prompt_tokens: int = PLAN_PROMPT_TOKENS) -> MemoryPlan:
+             prompt_tokens: int = PLAN_PROMPT_TOKENS, answer_tokens: int | None = None) -> MemoryPlan:
     """:func:`plan_memory` without the suggestion."""
     from ..compression import KVConfig
     from .checkpoint.loader import parse_dtype
 
     task = PLAN_TASKS[settings.task]
     dtype = parse_dtype(settings.dtype)
-    tokens = request_tokens(config, task, settings.width, settings.height, prompt_tokens)
+    tokens = request_tokens(config, task, settings.width, settings.height, prompt_tokens, answer_tokens)
     parts, _ = _weights(config, settings.weight_dtype, dtype, settings.offload)
     kv_branches = tokens.kv_bytes(config, dtype)
     parts["kv_full"] = sum(kv_branches.values())
     work = request_memory_parts(config, dtype, tokens)
-    parts.update(attention=work["attention"], mlp=work["mlp"], vae_decode=work["vae"])
-    in_peak = {k: v for k, v in parts.items() if k != "weights_host"}
-    peak = sum(in_peak.values())
+    parts.update(attention=work["attention"], mlp=work["mlp"], vae_working=work["vae"])
+    parts["working"] = max(parts["upcast"] + work["attention"] + work["mlp"], work["vae"])
+    peak = sum(v for k, v in parts.items() if k not in NOT_IN_PEAK)
     if settings.kv_method != "full":
         target = KVConfig(method=settings.kv_method).target_ratio(task)
         ratio = float(target) if isinstance(target, float) else 1.0
@@ -221,5 +227,5 @@ def describe(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["MemoryPlan", "OFFICIAL_CHECKPOINT", "PlanSettings", "describe", "device_memory_bytes",
+__all__ = ["MemoryPlan", "NOT_IN_PEAK", "OFFICIAL_CHECKPOINT", "PlanSettings", "describe", "device_memory_bytes",
            "official_config", "parse_memory_size", "plan_config", "plan_memory", "request_tokens"]

@@ -1,0 +1,31 @@
+"""benchmarks.real_size's code path at tiny dimensions: an fp8 file written tensor by tensor, loaded as int8, run."""
+
+import json
+
+import torch
+
+from benchmarks.real_size import DISK_DTYPE_NAME, run
+from unicache_core.bagel.checkpoint.header import read_header
+
+TWIN_LLM = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_window_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=640)
+TWIN_VIT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
+def test_small_geometry_twin_writes_fp8_loads_and_runs(tmp_path):
+    report = run(tmp_path / "twin", weight_dtype="int8", llm=TWIN_LLM, vit=TWIN_VIT, full_vae=False)
+    header = read_header(tmp_path / "twin" / "ema.safetensors")
+    assert {entry.dtype for entry in header.tensors.values()} == {DISK_DTYPE_NAME}
+    assert json.loads((tmp_path / "twin" / "llm_config.json").read_text())["hidden_size"] == 64
+    assert report["weight_dtype"] == "int8" and report["load_seconds"] > 0 and report["peak_rss_bytes"] > 0
+    full, unicache = report["runs"]
+    assert (full["kv_method"], unicache["kv_method"]) == ("full", "unicache")
+    for row in report["runs"]:
+        assert len(row["edit_step_seconds"]) == 2 and row["seconds_per_step"] > 0
+        assert set(row["edit_kv_bytes_per_branch"]) == {"gen", "cfg_text", "cfg_img"}
+        assert 0 < row["attention_share_of_step"] < 1
+    # the compressed caches hold fewer bytes than the full ones, branch by branch
+    for branch, held in full["edit_kv_bytes_per_branch"].items():
+        assert unicache["edit_kv_bytes_per_branch"][branch] < held
+    assert unicache["und_kv_bytes"] < full["und_kv_bytes"]
+    assert torch.float8_e4m3fn.itemsize == 1

@@ -1,0 +1,89 @@
+"""Bytes of the tensors alive while code runs, and their peak: the tensor accounting of a run or a dry run.
+
+:class:`TensorMemoryTracker` is a :class:`~torch.utils._python_dispatch.TorchDispatchMode`: every tensor an
+operator returns while it is active is counted by its storage (views and in-place results share one) until
+the last Python tensor on that storage is freed. It works on any device, ``meta`` included, so a plan can run a
+module on meta tensors and read the peak its activations would reach without allocating them
+(:func:`meta_peak_bytes`). What it does not see: tensors created before it was entered (the weights) and the
+scratch space fused kernels allocate and free inside one operator (the CPU flash attention's blocks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class TensorMemoryTracker(TorchDispatchMode):
+    """Live and peak bytes of the storages created while active (``with TensorMemoryTracker() as t: ...``).
+
+    Attributes:
+        live_bytes: bytes of the tracked storages alive now.
+        peak_bytes: the most ``live_bytes`` reached since entry or the last :meth:`reset_peak`.
+        phase_peaks: ``{name: peak}`` of the spans opened with :meth:`phase`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._storage_bytes: dict[int, int] = {}
+        self._tensor_counts: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.phase_peaks: dict[str, int] = {}
+
+    def _forget(self, key: int) -> None:
+        remaining = self._tensor_counts[key] - 1
+        if remaining:
+            self._tensor_counts[key] = remaining
+            return
+        del self._tensor_counts[key]
+        self.live_bytes -= self._storage_bytes.pop(key)
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata  # the storage's own address: shared by every view of it, on any device
+        if key not in self._storage_bytes:
+            self._storage_bytes[key] = storage.nbytes()
+            self._tensor_counts[key] = 0
+            self.live_bytes += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._tensor_counts[key] += 1
+        weakref.finalize(tensor, self._forget, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for value in tree_flatten(result)[0]:
+            if isinstance(value, torch.Tensor):
+                self._track(value)
+        return result
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is alive now."""
+        self.peak_bytes = self.live_bytes
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Record in ``phase_peaks[name]`` the peak reached inside this span (the overall peak is kept)."""
+        overall = self.peak_bytes
+        self.peak_bytes = self.live_bytes
+        try:
+            yield
+        finally:
+            self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.peak_bytes)
+            self.peak_bytes = max(overall, self.peak_bytes)
+
+
+def meta_peak_bytes(run: Callable[[], object]) -> int:
+    """Peak bytes of the tensors ``run`` creates (its result included), run under a tracker, e.g. on meta tensors."""
+    with torch.inference_mode(), TensorMemoryTracker() as tracker:
+        result = run()
+        del result
+    return tracker.peak_bytes
+
+
+__all__ = ["TensorMemoryTracker", "meta_peak_bytes"]
