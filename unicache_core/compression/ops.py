@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kv.quant import SUPPORTED_BITS, quantized_kv_nbytes
+from ..kv.quant import SCALE_DTYPE, SUPPORTED_BITS, quantize_keys, quantize_values, quantized_kv_nbytes
 from ..kv.segmented_cache import SegmentedLayer
 from ..kv.stores import EvictedStore, FullStore, KVStore, QuantizedStore
 from ..kv.token_types import TokenType
@@ -200,6 +200,8 @@ def compress_rows(
         return evict(layer, indices, keep, scores, recent=recent)
     if keep >= total and shared_rows(stores):
         return quantize(layer, indices, bits, group, residual, scores)
+    if len(stores) == 1 and keeps_value_codes(stores[0], bits, group):
+        return _shrink_quantized(layer, indices[0], keep, group, residual, scores, recent=recent)
     keys, values, index = pool_rows(stores)
     pooled_scores = None if scores is None else torch.gather(scores.float().t().to(index.device), 1, index)
     if keep < total:
@@ -217,6 +219,68 @@ def compress_rows(
                                           pooled_type(stores))
     layer.replace_many(list(indices), store)
     return store
+
+
+def keeps_value_codes(store: KVStore, bits: int, group: int) -> bool:
+    """Re-laying ``store`` out at ``bits``/``group`` leaves its quantized value rows as they are: it is quantized at
+    ``bits`` already, its values' channel groups stay the same and its scales are fp16 (values are quantized per
+    row, so re-quantizing a dequantized value row at its own bits returns its codes)."""
+    if not isinstance(store, QuantizedStore) or store.bits != bits or store.num_quantized == 0:
+        return False
+    qv = store.qvalues
+    same_groups = -(-qv.head_dim // group) == qv.scale.shape[-1] and (qv.scale.shape[-1] == 1 or group == qv.group_size)
+    return same_groups and qv.scale.dtype == SCALE_DTYPE
+
+
+def _shrink_quantized(layer: SegmentedLayer, index: int, keep: int, group: int, residual: int,
+                      scores: Tensor | None, *, recent: int = 0) -> QuantizedStore:
+    """:func:`compress_rows` of one quantized store at its own bits (:func:`keeps_value_codes`): the same rows, order
+    and store, but the value rows that stay quantized keep their codes and scales (no dequantize + quantize);
+    only the keys (whose groups span rows) are quantized again."""
+    store = layer.stores[index]
+    h, d = store.num_kv_heads, store.head_dim
+    held = store.token_index.long()
+    held = held if held.dim() == 2 else held.unsqueeze(0).expand(h, -1)  # [Hkv, T] in store order
+    position = torch.argsort(held, dim=1)  # [Hkv, T] store rows in append order (the pooled order)
+    pooled_scores = None if scores is None else torch.gather(scores.float().t().to(held.device), 1,
+                                                            torch.gather(held, 1, position))
+    if keep < store.num_tokens:
+        if pooled_scores is None:
+            raise ValueError("dropping rows needs their scores")
+        rows = select_rows(pooled_scores, keep, recent=recent)  # [Hkv, keep], ascending = append order
+        pooled_scores = torch.gather(pooled_scores, 1, rows)
+        position = torch.gather(position, 1, rows)
+    if residual and pooled_scores is not None:
+        position = torch.gather(position, 1, residual_last(pooled_scores, residual))
+    n = position.shape[1]
+    body = n - min(residual, n)  # rows quantized in the new store; the rest is its residual
+    all_keys = torch.cat([store.qkeys.dequantize(store.cache_dtype), store.res_keys.to(store.cache_dtype)], dim=1)
+    keys = torch.gather(all_keys, 1, position.unsqueeze(-1).expand(-1, -1, d))  # [Hkv, n, d]
+    quantized = store.num_quantized
+    kept_body = position[:, :body]
+    if body and bool((kept_body < quantized).all()):
+        qvalues = store.qvalues.select_tokens(kept_body, group)
+    else:
+        qvalues = quantize_values(_value_rows(store, kept_body), store.bits, group)
+    new = QuantizedStore(quantize_keys(keys[:, :body], store.bits, group), qvalues,
+                         keys[:, body:].clone(memory_format=torch.contiguous_format),
+                         _value_rows(store, position[:, body:]).contiguous(),
+                         torch.gather(held, 1, position).to(torch.int32), store.token_type, store.bits, group, residual,
+                         store.cache_dtype)
+    layer.replace_many([index], new)
+    return new
+
+
+def _value_rows(store: QuantizedStore, position: Tensor) -> Tensor:
+    """``[Hkv, m, d]`` values (cache dtype) of the store rows ``position [Hkv, m]``: dequantized or residual."""
+    quantized = store.num_quantized
+    rows = store.qvalues.select_tokens(position.clamp(max=quantized - 1)).dequantize(store.cache_dtype)
+    if store.res_values.shape[1] == 0:
+        return rows
+    d = store.head_dim
+    exact = torch.gather(store.res_values.to(store.cache_dtype), 1,
+                         (position - quantized).clamp(min=0).unsqueeze(-1).expand(-1, -1, d))
+    return torch.where((position < quantized).unsqueeze(-1), rows, exact)
 
 
 def residual_last(scores: Tensor, residual: int) -> Tensor:
@@ -275,6 +339,6 @@ def floor_bytes(ratio: float, full_bytes: int) -> int:
     return int(math.floor(ratio * full_bytes + 1e-9))
 
 
-__all__ = ["KIVI_LOOKUP", "compress_rows", "evict", "evicted_row_bytes", "floor_bytes",
+__all__ = ["KIVI_LOOKUP", "compress_rows", "evict", "evicted_row_bytes", "floor_bytes", "keeps_value_codes",
            "pool_rows", "pool_scores", "pooled_type", "quantize", "quantized_bytes", "residual_last", "rows_for_bytes",
            "select_rows", "shared_rows", "topk_per_head"]

@@ -214,6 +214,24 @@ class QuantizedTensor:
         self.dequantize_into(out, start, stop)
         return out
 
+    def select_tokens(self, rows: Tensor, group_size: int | None = None) -> "QuantizedTensor":
+        """The rows ``rows [Hkv, m]`` (positions per head) of a per-token tensor (values), codes and scales as they
+        are: dropping rows of a per-token tensor needs no re-quantization. ``group_size`` relabels the channel
+        groups when the new size groups the channels the same way (one group per row: any size >= d)."""
+        if self.axis != "token":
+            raise ValueError("only per-token (value) rows can be selected without re-quantizing; key groups span "
+                             "several rows")
+        group = self.group_size if group_size is None else group_size
+        if -(-self.head_dim // group) != self.scale.shape[-1] or (self.scale.shape[-1] > 1 and group != self.group_size):
+            raise ValueError(f"channel groups of {group} do not match the stored groups of {self.group_size}")
+        rows = rows.long()
+
+        def pick(t: Tensor) -> Tensor:
+            return torch.gather(t, 1, rows.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+
+        return QuantizedTensor(pick(self.packed), pick(self.scale), pick(self.zero), self.bits, group,
+                               self.head_dim, self.axis)
+
     def _span(self, start: int, stop: int | None) -> tuple[int, int]:
         t = self.num_tokens
         stop = t if stop is None else min(stop, t)
