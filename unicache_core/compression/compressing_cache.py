@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..kv.cache import AttentionCall, CacheSession, KVCache, RequestInfo, StepInfo, unique_nbytes
 from ..kv.segmented_cache import LayerAttention, SegmentedKVCache
-from ..kv.token_types import CANDIDATE_TYPES, TokenType
+from ..kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, TokenType
 from .config import KVConfig
 from .method import CompressionMethod
 from .protocol import CallPlan, LayerState
@@ -167,6 +167,8 @@ class CompressingKVCache(SegmentedKVCache):
             keys = store.score_keys()
             if keys is None or store.num_tokens == 0:
                 continue
+            if thresholds is None and store.token_type in PROTECTED_TYPES:
+                continue  # never compressed: its rows' scores would never be read (sparsity counts every row)
             scores, c = key_scores(qs, keys, lse, count_above=thresholds)
             index = store.token_index.long().to(q.device)
             index = index.unsqueeze(1).expand(-1, hkv) if index.dim() == 1 else index.t()
