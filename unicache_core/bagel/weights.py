@@ -34,6 +34,7 @@ from .modeling import Bagel
 from .modeling.operations import (
     TorchOperations,
     check_compute_dtype,
+    check_operations,
     is_low_precision,
     low_precision_operations,
     shared_upcasts,
@@ -75,8 +76,22 @@ def weight_operations(weight_dtype: Any, compute_dtype: torch.dtype) -> type:
     return low_precision_operations(storage)
 
 
+def plain_storage_dtype(weight_dtype: Any, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a foreign operations namespace (one that stores and casts weights itself, e.g. ComfyUI's
+    ``comfy.ops``) is given as ``dtype=`` for ``weight_dtype``: that dtype as a plain cast, ``auto`` = the compute
+    dtype. ``int8`` needs a per-channel scale, which only :func:`low_precision_operations` keeps: refused."""
+    name = parse_weight_dtype(weight_dtype)
+    check_compute_dtype(compute_dtype, "dtype")
+    if name == "int8":
+        plain = ", ".join(n for n in WEIGHT_DTYPES if n != "int8")
+        raise ValueError(f"`weight_dtype` 'int8' keeps a scale per output channel, which only the library's own "
+                         f"layers store; with `operations` choose one of {plain}, or leave `operations` None")
+    storage = WEIGHT_DTYPES[name]
+    return compute_dtype if storage is None else storage
+
+
 def build_bagel(config: BagelConfig, *, weight_dtype: Any = "auto", dtype: torch.dtype = torch.bfloat16,
-                device: torch.device | str | None = "meta") -> Bagel:
+                device: torch.device | str | None = "meta", operations: Any = None) -> Bagel:
     """BAGEL with its Linear/Embedding weights stored as ``weight_dtype``, computing in ``dtype``.
 
     Args:
@@ -86,12 +101,19 @@ def build_bagel(config: BagelConfig, *, weight_dtype: Any = "auto", dtype: torch
         device: where to allocate; ``"meta"`` (the default) allocates nothing, for a loader that assigns
             every tensor with :func:`assign_checkpoint_tensor` and then calls ``model.reset_buffers(device)``
             (the RoPE frequencies are not in checkpoints).
+        operations: ``None`` (the library's layers for ``weight_dtype``: :func:`weight_operations`), or a namespace
+            that stores and casts weights itself, such as a ComfyUI host's ``comfy.ops.pick_operations(...)``:
+            every layer is then built from it with ``dtype=`` :func:`plain_storage_dtype` (fp8 as a plain cast,
+            as ComfyUI stores it) and ``compute_dtype=dtype``.
 
     Returns:
-        the model in eval mode with no parameter requiring gradients. Inside ComfyUI, build
-        ``Bagel(config, operations=<the host's operations>, dtype=..., compute_dtype=..., device=...)`` instead.
+        the model in eval mode with no parameter requiring gradients.
     """
-    model = Bagel(config, operations=weight_operations(weight_dtype, dtype), dtype=dtype, device=device)
+    if operations is None:
+        model = Bagel(config, operations=weight_operations(weight_dtype, dtype), dtype=dtype, device=device)
+    else:
+        model = Bagel(config, operations=check_operations(operations), dtype=plain_storage_dtype(weight_dtype, dtype),
+                      compute_dtype=dtype, device=device)
     model.requires_grad_(False)
     return model.eval()
 
@@ -184,6 +206,7 @@ __all__ = [
     "parameter_bytes",
     "parameter_bytes_by_dtype",
     "parse_weight_dtype",
+    "plain_storage_dtype",
     "shared_upcasts",
     "store_weight",
     "weight_operations",

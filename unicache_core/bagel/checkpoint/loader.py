@@ -33,7 +33,10 @@ from ..modeling import AutoEncoder, Bagel
 from ..numerics import check_weight
 from ..offload import LayerOffload, apply_layer_offload
 from ..tokenizer import BagelTokenizer
-from ..weights import assign_checkpoint_tensor, build_bagel, checkpoint_shapes, parse_weight_dtype
+from ..modeling.operations import check_operations
+from ..weights import (
+    assign_checkpoint_tensor, build_bagel, checkpoint_shapes, parse_weight_dtype, plain_storage_dtype,
+)
 from .config_check import check_vae_config
 from .folder import inspect_folder
 from .header import SafetensorsHeader, read_header
@@ -249,6 +252,7 @@ class _Placement:
     max_memory: Mapping[Any, Any] | None
     weight_dtype: str = "auto"
     offload: str = "none"
+    operations: Any = None
 
 
 def _build_and_read(
@@ -258,9 +262,13 @@ def _build_and_read(
     once tensor by tensor and assign in place (``where``: the checkpoint, named when the config cannot be
     built); then dispatch or offload as ``placement`` says."""
     try:
-        model = build_bagel(config, weight_dtype=placement.weight_dtype, dtype=placement.dtype, device="meta")
+        model = build_bagel(config, weight_dtype=placement.weight_dtype, dtype=placement.dtype, device="meta",
+                            operations=placement.operations)
         with torch.device("meta"):
-            vae = AutoEncoder(config.ae) if ae is not None else None
+            vae = None
+            if ae is not None:  # fp32 in any namespace: the VAE always computes in fp32
+                vae = AutoEncoder(config.ae, operations=placement.operations,
+                                  dtype=None if placement.operations is None else torch.float32)
     except (RuntimeError, ValueError, OverflowError) as exc:  # e.g. a width whose storage size overflows
         raise CheckpointError(
             f"cannot build the model described by the config files of {where}: {type(exc).__name__}: {exc}; "
@@ -296,6 +304,7 @@ def load_bagel(
     vae: str | Path | None = None,
     weight_dtype: Any = "auto",
     offload: str = "none",
+    operations: Any = None,
 ) -> LoadedBagel:
     """Load model, VAE, tokenizer and config from a BAGEL checkpoint folder or single ``.safetensors`` file.
 
@@ -323,6 +332,11 @@ def load_bagel(
             ``fp8_e4m3fn``, ``fp8_e5m2``, ``int8``; :mod:`..weights`): each is upcast to ``dtype`` at every call.
         offload: ``"none"`` or ``"layers"``: keep the decoder layers in host memory and bring each to
             ``device`` just before it runs (:func:`~..offload.apply_layer_offload`; needs ``accelerate``).
+        operations: the namespace every weight-bearing layer of BAGEL and its VAE is built from
+            (:mod:`..modeling.operations`); ``None``: the library's layers for ``weight_dtype``. A host passes its
+            own, e.g. ComfyUI's ``comfy.ops.pick_operations(...)``, whose layers store weights as
+            ``weight_dtype`` by a plain cast (``auto``: ``dtype``; ``int8`` refused) and cast them per call; the
+            VAE's are built in fp32. ``unicache_core`` never imports the host: the namespace comes from the caller.
 
     Only headers are read before the configs are validated against them; each weight file's data is
     read once, tensor by tensor with plain reads (:mod:`.tensor_file`), each converted to its storage and
@@ -337,7 +351,8 @@ def load_bagel(
         NumericalError: a weight holds NaN/inf in the file, or overflows ``dtype`` (e.g. fp16).
         ValueError: unsupported ``dtype``/``weight_dtype``/``offload``, unavailable ``device``, bad
             ``device_map`` arguments or a ``device_map`` with ``offload``; a single
-            file without ``tokenizer_dir``, or ``tokenizer_dir``/``vae`` given with a folder.
+            file without ``tokenizer_dir``, or ``tokenizer_dir``/``vae`` given with a folder; an ``operations``
+            namespace lacking a layer class, or given with ``weight_dtype="int8"``.
     """
     root = Path(checkpoint)
     dtype = parse_dtype(dtype)
@@ -350,8 +365,11 @@ def load_bagel(
     offload = parse_offload(offload)
     if offload != "none" and device_map is not None:
         raise ValueError(f"`offload` {offload!r} and `device_map` both place the weights; pass only one of them")
+    if operations is not None:
+        check_operations(operations)
+        plain_storage_dtype(weight_dtype, dtype)  # int8 refused before any file is read
     placement = _Placement(dtype, device, device_map, Path(offload_folder) if offload_folder is not None else None,
-                           max_memory, weight_dtype, offload)
+                           max_memory, weight_dtype, offload, operations)
     if root.is_file():
         return _load_single_file(root, tokenizer_dir, vae, placement)
     if not root.exists():
