@@ -128,12 +128,12 @@ def host_operations(weight_dtype: str, compute_dtype: str, load_device):
     carries ``comfy_cast_weights``, so ComfyUI's lowvram loading may leave any layer on the offload device.
 
     Returns:
-        ``(operations, weight_dtype)``: the namespace for :func:`unicache_core.bagel.load_bagel`'s ``operations``
-        and the library's name of the storage dtype for its ``weight_dtype``.
+        the :class:`~unicache_core.bagel.HostOperations` to give :func:`unicache_core.bagel.load_bagel` as its
+        ``weight_dtype``: the picked namespace and the library's name of the storage dtype.
     """
     import comfy.ops
     from unicache_core.bagel.checkpoint.loader import parse_dtype
-    from unicache_core.bagel.weights import plain_storage_dtype
+    from unicache_core.bagel.weights import HostOperations, plain_storage_dtype
 
     if weight_dtype not in _LIBRARY_WEIGHT_DTYPES:
         raise ValueError(f"`weight_dtype` must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
@@ -144,7 +144,7 @@ def host_operations(weight_dtype: str, compute_dtype: str, load_device):
                                            fp8_optimizations=weight_dtype == "fp8_e4m3fn_fast")
     logger.info("BAGEL weights %s (%s), computing in %s: ComfyUI operations %s", weight_dtype, storage, compute,
                 getattr(operations, "__name__", operations))
-    return operations, name
+    return HostOperations(operations, name)
 
 
 # ------------------------------------------------------------------------------ model management

@@ -200,11 +200,10 @@ def clear_cache() -> None:
 
 
 def load_checkpoint(path: Path, *, dtype: str, device: torch.device, tokenizer_dir: Callable[[], Path],
-                    operations: Any = None, weight_dtype: str = "auto") -> LoadedBagel:
+                    weight_dtype: Any = "auto") -> LoadedBagel:
     """:func:`~unicache_core.bagel.load_bagel` on a folder or a single ``.safetensors`` file (whose tokenizer is
-    ``tokenizer_dir()``), built from ``operations`` (the host's, :func:`nodes.host.host_operations`) with the
-    weights stored as ``weight_dtype`` (a library name)."""
-    options = dict(dtype=dtype, device=device, operations=operations, weight_dtype=weight_dtype)
+    ``tokenizer_dir()``); ``weight_dtype``: the host's layers and storage (:func:`nodes.host.host_operations`)."""
+    options = dict(dtype=dtype, device=device, weight_dtype=weight_dtype)
     if path.is_file():
         return load_bagel(path, tokenizer_dir=tokenizer_dir(), **options)
     return load_bagel(path, **options)

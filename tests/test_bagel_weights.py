@@ -22,6 +22,7 @@ from unicache_core.bagel.modeling.operations import (
 from unicache_core.bagel.modeling.qwen2_mot import BranchInput
 from unicache_core.bagel.weights import (
     WEIGHT_DTYPES,
+    HostOperations,
     assign_checkpoint_tensor,
     build_bagel,
     checkpoint_shapes,
@@ -297,9 +298,10 @@ class CastingOperations:
 
 
 def test_load_bagel_builds_from_a_host_namespace(tiny_checkpoint: Path, reference):
-    """``operations=``: every weight-bearing layer of BAGEL and its VAE comes from the caller's namespace, the
+    """``weight_dtype=HostOperations(...)``: every weight-bearing layer of BAGEL and its VAE comes from the caller's namespace, the
     weights stored as ``weight_dtype`` by a plain cast (no scale), the VAE in fp32; outputs close to bf16."""
-    loaded = load_bagel(tiny_checkpoint, dtype=torch.bfloat16, operations=CastingOperations, weight_dtype="fp8_e4m3fn")
+    loaded = load_bagel(tiny_checkpoint, dtype=torch.bfloat16,
+                        weight_dtype=HostOperations(CastingOperations, "fp8_e4m3fn"))
     up = loaded.model.language_model.model.layers[0].mlp.up_proj
     assert type(up) is CastingOperations.Linear and up.weight.dtype == torch.float8_e4m3fn
     assert not any(name.endswith("weight_scale") for name, _ in loaded.model.named_parameters())
@@ -310,9 +312,9 @@ def test_load_bagel_builds_from_a_host_namespace(tiny_checkpoint: Path, referenc
     got = outputs(loaded.model)
     errors = {k: float((got[k] - reference[k]).norm() / reference[k].norm()) for k in reference}
     assert 1e-4 < max(errors.values()) <= RELATIVE_BOUNDS["fp8_e4m3fn"], errors  # unscaled fp8: still close
-    same = load_bagel(tiny_checkpoint, dtype=torch.bfloat16, operations=CastingOperations)  # auto: stored in bf16
+    same = load_bagel(tiny_checkpoint, dtype=torch.bfloat16, weight_dtype=HostOperations(CastingOperations))  # bf16
     assert all(torch.equal(a, b) for a, b in zip(outputs(same.model).values(), reference.values()))
     with pytest.raises(ValueError, match="`weight_dtype` 'int8' keeps a scale per output channel.*fp8_e4m3fn"):
-        load_bagel(tiny_checkpoint, operations=CastingOperations, weight_dtype="int8")
+        load_bagel(tiny_checkpoint, weight_dtype=HostOperations(CastingOperations, "int8"))
     with pytest.raises(ValueError, match="lacks the layer class\\(es\\) Conv2d, GroupNorm, LayerNorm, Embedding"):
-        load_bagel(tiny_checkpoint, operations=type("OnlyLinear", (), {"Linear": torch.nn.Linear}))
+        load_bagel(tiny_checkpoint, weight_dtype=HostOperations(type("OnlyLinear", (), {"Linear": torch.nn.Linear})))

@@ -104,9 +104,10 @@ def real_geometry_model_sizes() -> dict:
     config, cpu = official_config(), torch.device("cpu")
     sizes = {}
     for weight_dtype in ("default", "fp8_e4m3fn"):
-        operations, storage = host.host_operations(weight_dtype, "bf16", cpu)
-        model = build_bagel(config, weight_dtype=storage, dtype=torch.bfloat16, device="meta", operations=operations)
-        vae = AutoEncoder(config.ae, operations=operations, dtype=torch.float32, device="meta")
+        picked = host.host_operations(weight_dtype, "bf16", cpu)
+        model = build_bagel(config, weight_dtype=picked.weight_dtype, dtype=torch.bfloat16, device="meta",
+                            operations=picked.operations)
+        vae = AutoEncoder(config.ae, operations=picked.operations, dtype=torch.float32, device="meta")
         modules = BagelModules(SimpleNamespace(model=model, vae=vae, device=cpu, dtype=torch.bfloat16))
         sizes[weight_dtype] = host.make_patcher(modules, cpu, cpu).model_size()
     return sizes

@@ -24,6 +24,7 @@ which converts it to the layer's storage and places it: the checkpoint is never 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,6 +77,18 @@ def weight_operations(weight_dtype: Any, compute_dtype: torch.dtype) -> type:
     return low_precision_operations(storage)
 
 
+@dataclass(frozen=True)
+class HostOperations:
+    """A ``weight_dtype`` for :func:`~.checkpoint.loader.load_bagel` whose layers come from a host: every
+    weight-bearing layer of BAGEL and its VAE is built from ``operations`` (e.g. ComfyUI's
+    ``comfy.ops.pick_operations(...)``, which stores weights and casts them per call itself), with the weights
+    stored as ``weight_dtype`` by a plain cast (:func:`plain_storage_dtype`). ``unicache_core`` never imports
+    the host: the namespace comes from the caller."""
+
+    operations: Any
+    weight_dtype: str = "auto"
+
+
 def plain_storage_dtype(weight_dtype: Any, compute_dtype: torch.dtype) -> torch.dtype:
     """The dtype a foreign operations namespace (one that stores and casts weights itself, e.g. ComfyUI's
     ``comfy.ops``) is given as ``dtype=`` for ``weight_dtype``: that dtype as a plain cast, ``auto`` = the compute
@@ -85,7 +98,8 @@ def plain_storage_dtype(weight_dtype: Any, compute_dtype: torch.dtype) -> torch.
     if name == "int8":
         plain = ", ".join(n for n in WEIGHT_DTYPES if n != "int8")
         raise ValueError(f"`weight_dtype` 'int8' keeps a scale per output channel, which only the library's own "
-                         f"layers store; with `operations` choose one of {plain}, or leave `operations` None")
+                         f"layers store; with a host's operations (HostOperations) choose one of {plain}, or pass "
+                         f"'int8' alone for the library's layers")
     storage = WEIGHT_DTYPES[name]
     return compute_dtype if storage is None else storage
 
@@ -199,6 +213,7 @@ def parameter_bytes_by_dtype(module: nn.Module) -> dict[str, int]:
 
 
 __all__ = [
+    "HostOperations",
     "WEIGHT_DTYPES",
     "assign_checkpoint_tensor",
     "build_bagel",

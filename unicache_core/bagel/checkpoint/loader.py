@@ -35,7 +35,8 @@ from ..offload import LayerOffload, apply_layer_offload
 from ..tokenizer import BagelTokenizer
 from ..modeling.operations import check_operations
 from ..weights import (
-    assign_checkpoint_tensor, build_bagel, checkpoint_shapes, parse_weight_dtype, plain_storage_dtype,
+    HostOperations, assign_checkpoint_tensor, build_bagel, checkpoint_shapes, parse_weight_dtype,
+    plain_storage_dtype,
 )
 from .config_check import check_vae_config
 from .folder import inspect_folder
@@ -304,7 +305,6 @@ def load_bagel(
     vae: str | Path | None = None,
     weight_dtype: Any = "auto",
     offload: str = "none",
-    operations: Any = None,
 ) -> LoadedBagel:
     """Load model, VAE, tokenizer and config from a BAGEL checkpoint folder or single ``.safetensors`` file.
 
@@ -330,13 +330,11 @@ def load_bagel(
             ``vae`` is then ``None`` and the pipeline needs an external VAE to encode/decode).
         weight_dtype: how BAGEL's Linear/Embedding weights are stored (``auto``, ``bf16``, ``fp16``, ``fp32``,
             ``fp8_e4m3fn``, ``fp8_e5m2``, ``int8``; :mod:`..weights`): each is upcast to ``dtype`` at every call.
+            Or a :class:`~..weights.HostOperations`: the layers of BAGEL and its VAE are then the host's (e.g.
+            ComfyUI's ``comfy.ops.pick_operations(...)``), storing the weights as its ``weight_dtype`` by a plain
+            cast (``auto``: ``dtype``; ``int8`` refused) and casting them per call; the VAE's in fp32.
         offload: ``"none"`` or ``"layers"``: keep the decoder layers in host memory and bring each to
             ``device`` just before it runs (:func:`~..offload.apply_layer_offload`; needs ``accelerate``).
-        operations: the namespace every weight-bearing layer of BAGEL and its VAE is built from
-            (:mod:`..modeling.operations`); ``None``: the library's layers for ``weight_dtype``. A host passes its
-            own, e.g. ComfyUI's ``comfy.ops.pick_operations(...)``, whose layers store weights as
-            ``weight_dtype`` by a plain cast (``auto``: ``dtype``; ``int8`` refused) and cast them per call; the
-            VAE's are built in fp32. ``unicache_core`` never imports the host: the namespace comes from the caller.
 
     Only headers are read before the configs are validated against them; each weight file's data is
     read once, tensor by tensor with plain reads (:mod:`.tensor_file`), each converted to its storage and
@@ -351,8 +349,8 @@ def load_bagel(
         NumericalError: a weight holds NaN/inf in the file, or overflows ``dtype`` (e.g. fp16).
         ValueError: unsupported ``dtype``/``weight_dtype``/``offload``, unavailable ``device``, bad
             ``device_map`` arguments or a ``device_map`` with ``offload``; a single
-            file without ``tokenizer_dir``, or ``tokenizer_dir``/``vae`` given with a folder; an ``operations``
-            namespace lacking a layer class, or given with ``weight_dtype="int8"``.
+            file without ``tokenizer_dir``, or ``tokenizer_dir``/``vae`` given with a folder; a
+            :class:`~..weights.HostOperations` whose namespace lacks a layer class, or with ``int8``.
     """
     root = Path(checkpoint)
     dtype = parse_dtype(dtype)
@@ -361,13 +359,14 @@ def load_bagel(
         raise ValueError(f"`max_memory` is only used with device_map='auto', got device_map={device_map!r}")
     if max_memory is not None and not isinstance(max_memory, Mapping):
         raise ValueError(f"`max_memory` must be a mapping device -> size such as {{'cpu': '8GiB'}}, got {max_memory!r}")
+    operations = None
+    if isinstance(weight_dtype, HostOperations):
+        operations, weight_dtype = check_operations(weight_dtype.operations), weight_dtype.weight_dtype
+        plain_storage_dtype(weight_dtype, dtype)  # int8 refused before any file is read
     weight_dtype = parse_weight_dtype(weight_dtype)
     offload = parse_offload(offload)
     if offload != "none" and device_map is not None:
         raise ValueError(f"`offload` {offload!r} and `device_map` both place the weights; pass only one of them")
-    if operations is not None:
-        check_operations(operations)
-        plain_storage_dtype(weight_dtype, dtype)  # int8 refused before any file is read
     placement = _Placement(dtype, device, device_map, Path(offload_folder) if offload_folder is not None else None,
                            max_memory, weight_dtype, offload, operations)
     if root.is_file():
