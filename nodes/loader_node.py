@@ -75,13 +75,13 @@ class UniCacheBagelLoader:
         path = resolve_checkpoint(checkpoint, host.bagel_folders())
         load_device, offload_device = host.resolve_devices(device)
         dtype_name = host.resolve_dtype(dtype, load_device)
-        storage = host.host_operations(weight_dtype, dtype_name, load_device)
+        host_weights = host.host_operations(weight_dtype, dtype_name, load_device)
         identity = file_identity(path)
         key = (*identity, dtype_name, str(load_device), weight_dtype)
         model = cached_model(key)
         if model is None:
             loaded = load_checkpoint(path, dtype=dtype_name, device=offload_device, tokenizer_dir=host.qwen_tokenizer_dir,
-                                     weight_dtype=storage)
+                                     weight_dtype=host_weights)
             patcher = host.make_patcher(BagelModules(loaded), load_device, offload_device)
             model = BagelModel(loaded=loaded, patcher=patcher, name=checkpoint, identity=identity, dtype=dtype_name,
                                device=str(load_device), weight_dtype=weight_dtype)

@@ -334,9 +334,12 @@ def given_latent_size(loaded: LoadedBagel, z: object) -> tuple[int, int] | None:
         return None
     channels = loaded.config.ae.z_channels
     if not isinstance(z, Tensor) or not z.is_floating_point() or z.ndim != 4 or tuple(z.shape[:2]) != (1, channels):
-        got = tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__
+        if not isinstance(z, Tensor):
+            got = type(z).__name__
+        else:
+            got = tuple(z.shape) if z.is_floating_point() else z.dtype
         raise ValueError(f"`source_latent` must be one floating-point latent [1, {channels}, H/8, W/8] in BAGEL's "
-                         f"convention, got {got if not isinstance(z, Tensor) or z.is_floating_point() else z.dtype}")
+                         f"convention, got {got}")
     return source_latent_size(loaded.config, z.shape[2], z.shape[3])
 
 
