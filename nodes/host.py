@@ -110,6 +110,43 @@ def resolve_dtype(choice: str, device) -> str:
     return "fp32"
 
 
+# ------------------------------------------------------------------------------ weight dtypes
+
+#: The loader's ``weight_dtype`` choices: core ``UNETLoader``'s.
+WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")
+#: Each choice as the library's ``weight_dtype`` name (``auto``: stored in the compute dtype).
+_LIBRARY_WEIGHT_DTYPES = {"default": "auto", "fp8_e4m3fn": "fp8_e4m3fn", "fp8_e4m3fn_fast": "fp8_e4m3fn",
+                          "fp8_e5m2": "fp8_e5m2"}
+
+
+def host_operations(weight_dtype: str, compute_dtype: str, load_device):
+    """ComfyUI's layer operations for the loader's ``weight_dtype``, picked as core ``UNETLoader`` has them picked.
+
+    ``default`` stores the weights in the compute dtype (``comfy.ops.disable_weight_init``); the fp8 choices store
+    Linear/Embedding/conv/norm weights in fp8 and cast them to ``compute_dtype`` per call (``manual_cast``), and
+    ``fp8_e4m3fn_fast`` asks for fp8 matrix multiplication where the device has it (``fp8_ops``). Every family
+    carries ``comfy_cast_weights``, so ComfyUI's lowvram loading may leave any layer on the offload device.
+
+    Returns:
+        the :class:`~unicache_core.bagel.HostOperations` to give :func:`unicache_core.bagel.load_bagel` as its
+        ``weight_dtype``: the picked namespace and the library's name of the storage dtype.
+    """
+    import comfy.ops
+    from unicache_core.bagel.checkpoint.loader import parse_dtype
+    from unicache_core.bagel.weights import HostOperations, plain_storage_dtype
+
+    if weight_dtype not in _LIBRARY_WEIGHT_DTYPES:
+        raise ValueError(f"`weight_dtype` must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    name = _LIBRARY_WEIGHT_DTYPES[weight_dtype]
+    compute = parse_dtype(compute_dtype)
+    storage = plain_storage_dtype(name, compute)
+    operations = comfy.ops.pick_operations(storage, compute, load_device=load_device,
+                                           fp8_optimizations=weight_dtype == "fp8_e4m3fn_fast")
+    logger.info("BAGEL weights %s (%s), computing in %s: ComfyUI operations %s", weight_dtype, storage, compute,
+                getattr(operations, "__name__", operations))
+    return HostOperations(operations, name)
+
+
 # ------------------------------------------------------------------------------ model management
 
 
@@ -118,7 +155,9 @@ def _patcher_class():
     import comfy.model_patcher
 
     class BagelModelPatcher(comfy.model_patcher.ModelPatcher):
-        """A ModelPatcher for BAGEL (model + VAE in one container); ComfyUI loads and offloads it whole."""
+        """A ModelPatcher for BAGEL (model + VAE in one container, built from ComfyUI's operations): ComfyUI loads
+        it whole or, short of memory, partially (lowvram: the layers left on the offload device bring their
+        weights per call)."""
 
         def model_dtype(self):
             return getattr(self.model, "dtype", None)
@@ -127,18 +166,20 @@ def _patcher_class():
 
 
 def make_patcher(module, load_device, offload_device):
-    """Wrap ``module`` (a :class:`nodes.model.BagelModules`) for ComfyUI's memory manager."""
+    """Wrap ``module`` (a :class:`nodes.model.BagelModules`) for ComfyUI's memory manager; its size is the bytes
+    of the tensors as stored (fp8 weights count one byte each)."""
     from .model import module_bytes
 
     return _patcher_class()(module, load_device=load_device, offload_device=offload_device, size=module_bytes(module))
 
 
 def load_to_device(patcher, memory_required: int) -> None:
-    """Have ComfyUI load the model (all of it: BAGEL's modules cannot run split) and keep
-    ``memory_required`` bytes free for the request's activations and KV cache."""
+    """Have ComfyUI load the model, keeping ``memory_required`` bytes (the request's KV cache and working memory,
+    :mod:`unicache_core.bagel.accounting`) free: all of it when it fits, else as much as fits (ComfyUI's lowvram
+    partial load; the rest is cast to the load device layer by layer as it runs)."""
     import comfy.model_management as mm
 
-    mm.load_models_gpu([patcher], memory_required=int(memory_required), force_full_load=True)
+    mm.load_models_gpu([patcher], memory_required=int(memory_required))
 
 
 # ------------------------------------------------------------------------------ progress, interrupts
@@ -197,7 +238,7 @@ def interrupt_exception_type():
 
 
 __all__ = [
-    "BAGEL_FOLDER", "PACK_BAGEL_DIR", "POLICY_FOLDER", "SHIPPED_POLICY_DIR", "bagel_folders", "interrupted",
-    "load_to_device", "make_patcher", "policy_files", "policy_path", "progress_callback", "qwen_tokenizer_dir",
+    "BAGEL_FOLDER", "PACK_BAGEL_DIR", "POLICY_FOLDER", "SHIPPED_POLICY_DIR", "WEIGHT_DTYPES", "bagel_folders",
+    "host_operations", "interrupted", "load_to_device", "make_patcher", "policy_files", "policy_path", "progress_callback", "qwen_tokenizer_dir",
     "raise_interrupt", "register_folders", "resolve_devices", "resolve_dtype",
 ]

@@ -36,8 +36,12 @@ CACHE_SIZE = 1
 
 
 class BagelModules(torch.nn.Module):
-    """BAGEL and its VAE in one module, so ComfyUI's ModelPatcher moves both (``device`` is a plain attribute,
-    as ModelPatcher sets it)."""
+    """BAGEL and its VAE in one module, so ComfyUI's ModelPatcher moves both.
+
+    ``device`` is where the model computes, set by ModelPatcher when it loads the model. It is also BAGEL's
+    ``execution_device``: after a partial (lowvram) load some layers stay on the offload device and bring their
+    weights per call, so BAGEL's inputs go to ``device``, not to where its first parameter happens to be.
+    """
 
     def __init__(self, loaded: LoadedBagel):
         super().__init__()
@@ -46,6 +50,14 @@ class BagelModules(torch.nn.Module):
             self.vae = loaded.vae
         self.device = loaded.device
         self.dtype = loaded.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.bagel.execution_device
+
+    @device.setter
+    def device(self, value) -> None:
+        self.bagel.execution_device = torch.device(value)
 
 
 def module_bytes(module: torch.nn.Module) -> int:
@@ -63,6 +75,7 @@ class BagelModel:
     identity: tuple  # (path, size, mtime_ns)
     dtype: str
     device: str
+    weight_dtype: str = "default"  # the loader's choice (core UNETLoader's names)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -186,12 +199,14 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def load_checkpoint(path: Path, *, dtype: str, device: torch.device, tokenizer_dir: Callable[[], Path]) -> LoadedBagel:
+def load_checkpoint(path: Path, *, dtype: str, device: torch.device, tokenizer_dir: Callable[[], Path],
+                    weight_dtype: Any = "auto") -> LoadedBagel:
     """:func:`~unicache_core.bagel.load_bagel` on a folder or a single ``.safetensors`` file (whose tokenizer is
-    ``tokenizer_dir()``)."""
+    ``tokenizer_dir()``); ``weight_dtype``: the host's layers and storage (:func:`nodes.host.host_operations`)."""
+    options = dict(dtype=dtype, device=device, weight_dtype=weight_dtype)
     if path.is_file():
-        return load_bagel(path, dtype=dtype, device=device, tokenizer_dir=tokenizer_dir())
-    return load_bagel(path, dtype=dtype, device=device)
+        return load_bagel(path, tokenizer_dir=tokenizer_dir(), **options)
+    return load_bagel(path, **options)
 
 
 __all__ = ["BagelModel", "BagelModules", "CACHE_SIZE", "NO_CHECKPOINT", "cached_model", "clear_cache",

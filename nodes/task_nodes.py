@@ -26,7 +26,7 @@ from unicache_core.errors import CancelledError
 from . import host
 from .convert import ComfyVAEAdapter, from_comfy_latent, image_to_pils, pils_to_image, to_comfy_latent
 from .model import BagelModel
-from .validation import check_source_latent, check_widgets
+from .validation import check_source_latent, check_widgets, fit_source_latent
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +134,13 @@ def _hooks(progress: _Progress, *, preview: bool) -> RunHooks:
     return RunHooks(progress=progress, cancel=host.interrupted, preview=progress.preview if preview else None)
 
 
-def _memory(model: BagelModel, task: str, prompt: str, settings, source_size=None) -> int:
-    """The request's device memory besides the weights (KV of every branch and working memory)."""
+def _memory(model: BagelModel, task: str, prompt: str, settings, source_size=None, vae_size=None) -> int:
+    """The request's device memory besides the weights (KV of every branch and working memory); ``vae_size``: an
+    edit's output size set by its source latent."""
     check_prompt(prompt)  # before the tokenizer sees it (a lone surrogate can arrive in a /prompt JSON)
     loaded = model.loaded
-    tokens = count_request(loaded.config, loaded.tokenizer, task, prompt, settings, source_size=source_size)
+    tokens = count_request(loaded.config, loaded.tokenizer, task, prompt, settings, source_size=source_size,
+                           vae_size=vae_size)
     return request_memory_bytes(loaded.config, loaded.dtype, tokens)
 
 
@@ -161,14 +163,14 @@ def _encode_sources(vae, loaded, sources) -> list:
     return [adapter.encode(transforms.vae(transforms.prepare(s, "image")).unsqueeze(0)) for s in sources]
 
 
-def _source_latents(latent, count: int, loaded) -> list:
-    """The ``LATENT`` input (core VAEEncode, ComfyUI's FLUX convention) → one BAGEL latent per source image."""
-    if latent is None:
-        return [None] * count
+def _source_latents(latent, count: int, loaded) -> tuple[list, tuple[int, int]]:
+    """The ``LATENT`` input (core VAEEncode, ComfyUI's FLUX convention, any size) → one BAGEL latent per source
+    image, on BAGEL's grid (:func:`~.validation.fit_source_latent`), and the edit's output ``(width, height)``."""
     samples = check_source_latent(latent, loaded.config.ae.z_channels)
     if samples.shape[0] not in (1, count):
         raise ValueError(f"`latent` holds {samples.shape[0]} latents for {count} images; encode the same batch")
-    return [from_comfy_latent(samples[min(i, samples.shape[0] - 1):][:1], loaded) for i in range(count)]
+    samples, size = fit_source_latent(samples, loaded.config)
+    return [from_comfy_latent(samples[min(i, samples.shape[0] - 1):][:1], loaded) for i in range(count)], size
 
 
 def _merge_reports(reports: list[dict]) -> dict:
@@ -251,8 +253,10 @@ class UniCacheTextToImage:
 
 class UniCacheImageEdit:
     DESCRIPTION = ("Edits image(s) following the prompt with BAGEL (each image of a batch is edited on its own; "
-                   "item i uses seed + i). The output size is the source resized by the checkpoint's VAE rule. The KV "
-                   "cache is compressed by the connected UniCache KV Config (full when none).")
+                   "item i uses seed + i). The output size is the source resized by the checkpoint's VAE rule, or, "
+                   "with a `latent` connected, the latent's size (any size up to 1024 px per side, rounded down to "
+                   "BAGEL's 16-px grid). The KV cache is compressed by the connected UniCache KV Config (full when "
+                   "none).")
     CATEGORY = "UniCache/BAGEL"
     FUNCTION = "edit"
     RETURN_TYPES = OUTPUTS
@@ -271,8 +275,11 @@ class UniCacheImageEdit:
             **_generation_inputs(EDIT_DEFAULTS),
         }, "optional": {
             "kv": KV_INPUT, "vae": VAE_INPUT,
-            "latent": ("LATENT", {"tooltip": "Optional source latent from core VAEEncode (its posterior mean is used "
-                                             "instead of encoding the image with the checkpoint's VAE)."}),
+            "latent": ("LATENT", {"tooltip": "Optional source latent from core VAEEncode of any size (its posterior "
+                                             "mean is used instead of encoding the image with the checkpoint's VAE). "
+                                             "The output follows its size, rounded down to BAGEL's 16-px grid (an odd "
+                                             "last latent row or column is dropped); the image is resized to that "
+                                             "size for BAGEL's ViT. At most 1024 px per side."}),
         }}
 
     @classmethod
@@ -288,13 +295,12 @@ class UniCacheImageEdit:
                                         cfg_interval_hi, timestep_shift, cfg_renorm_min, cfg_renorm_type, think)
         sources = image_to_pils(image, "image")
         _check_model(model)
-        memory = _memory(model, "edit", prompt, settings, source_size=sources[0].size)
+        latents, size = [None] * len(sources), None
         if latent is not None:
-            latents = _source_latents(latent, len(sources), model.loaded)
-        elif vae is not None:
+            latents, size = _source_latents(latent, len(sources), model.loaded)
+        memory = _memory(model, "edit", prompt, settings, source_size=sources[0].size, vae_size=size)
+        if latent is None and vae is not None:
             latents = _encode_sources(vae, model.loaded, sources)
-        else:
-            latents = [None] * len(sources)
         external = _external_vae(model.loaded, vae)
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(len(sources), steps - 1, model.loaded)

@@ -6,6 +6,8 @@
   A failure is refused at ``/prompt`` (HTTP 400) with one line naming the input and the value.
 * :func:`check_source_latent` refuses a ``LATENT`` that is not an encoded image of this model's VAE format
   (another model's channel count, a video latent, an empty latent, non-finite values) before anything runs.
+* :func:`fit_source_latent` puts a ``VAEEncode`` latent of any size on BAGEL's grid (or refuses one larger than
+  BAGEL's latent position table).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def check_source_latent(latent, channels: int, name: str = "latent"):
 
     Refused: not a LATENT dict, a video latent (5 dims), another model's channel count (4 for SD1/SDXL, 32 or
     128 for FLUX.2), non-finite values and a constant latent (an empty latent such as EmptySD3LatentImage's
-    zeros is not an encoded image). The spatial size is not checked here.
+    zeros is not an encoded image). The spatial size is :func:`fit_source_latent`'s.
     """
     import torch
 
@@ -78,4 +80,33 @@ def check_source_latent(latent, channels: int, name: str = "latent"):
     return samples
 
 
-__all__ = ["MULTIPLE_OF_STEP", "check_source_latent", "check_widgets"]
+#: What to do with a latent larger than BAGEL's position table (ComfyUI's own nodes).
+TOO_LARGE_LATENT_FIX = ("scale the image down before VAEEncode (e.g. core ImageScaleToTotalPixels at 1.0 megapixels, "
+                        "or ImageScale to at most 1024 px per side), or disconnect `latent` so that BAGEL resizes "
+                        "the image itself")
+
+
+def fit_source_latent(samples, config, name: str = "latent"):
+    """A ``VAEEncode`` latent ``[batch, C, rows, cols]`` of any size on BAGEL's grid: an odd last row or column
+    is dropped (BAGEL packs 2x2 latent cells, 16 px, into one token, and ComfyUI's VAEEncode makes 8-px cells),
+    so a 400x300 image (VAEEncode: 400x296, 50x37 cells) edits at 400x288. A latent with more cells per side than
+    BAGEL's latent position table (1024 px) is refused with one line saying how to scale it
+    (:func:`~unicache_core.bagel.settings.source_latent_size`).
+
+    Returns:
+        ``(samples[..., :rows', :cols'], (width, height))``: the cropped latent and the edit's output size in px.
+    """
+    from unicache_core.bagel.settings import source_latent_size
+
+    patch = config.latent_patch_size
+    rows, cols = samples.shape[-2] - samples.shape[-2] % patch, samples.shape[-1] - samples.shape[-1] % patch
+    if rows == 0 or cols == 0:
+        cell = config.ae.downsample
+        raise ValueError(f"`{name}` is {samples.shape[-2]}x{samples.shape[-1]} latent cells, smaller than one BAGEL "
+                         f"token ({patch}x{patch} cells, {patch * cell} px); encode an image at least "
+                         f"{patch * cell} px on each side")
+    size = source_latent_size(config, rows, cols, name=name, fix=TOO_LARGE_LATENT_FIX)
+    return samples[..., :rows, :cols], size
+
+
+__all__ = ["MULTIPLE_OF_STEP", "TOO_LARGE_LATENT_FIX", "check_source_latent", "check_widgets", "fit_source_latent"]

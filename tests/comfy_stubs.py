@@ -1,6 +1,7 @@
 """ComfyUI stubbed in ``sys.modules`` for the node tests: ``folder_paths``, ``comfy.utils`` (a progress bar that
-records its updates), ``comfy.model_management`` (records ``load_models_gpu`` calls, an interrupt flag) and
-``comfy.model_patcher``; the tiny checkpoint is linked into the stub's ``models/bagel`` as ``bagel-tiny``."""
+records its updates), ``comfy.model_management`` (records ``load_models_gpu`` calls, an interrupt flag),
+``comfy.ops`` (``pick_operations`` for weights stored in the compute dtype only: the real host's fp8 operations
+are tested in tests/host) and ``comfy.model_patcher``; the tiny checkpoint is linked into the stub's ``models/bagel`` as ``bagel-tiny``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from unicache_core.bagel.modeling.operations import TorchOperations
 
 TINY_NAME = "bagel-tiny"
 
@@ -90,9 +93,17 @@ def _make_stubs(base: Path) -> dict[str, types.ModuleType]:
             self.model, self.load_device, self.offload_device, self.size = model, load_device, offload_device, size
 
     patcher.ModelPatcher = ModelPatcher
-    comfy.utils, comfy.model_management, comfy.model_patcher = utils, mm, patcher
+    ops = types.ModuleType("comfy.ops")
+
+    def pick_operations(weight_dtype, compute_dtype, load_device=None, fp8_optimizations=False, **kwargs):
+        if weight_dtype != compute_dtype:
+            raise NotImplementedError(f"the stub host has no operations storing {weight_dtype} for {compute_dtype}")
+        return TorchOperations
+
+    ops.pick_operations = pick_operations
+    comfy.utils, comfy.model_management, comfy.model_patcher, comfy.ops = utils, mm, patcher, ops
     return {"folder_paths": fp, "comfy": comfy, "comfy.utils": utils, "comfy.model_management": mm,
-            "comfy.model_patcher": patcher}
+            "comfy.model_patcher": patcher, "comfy.ops": ops}
 
 
 @pytest.fixture

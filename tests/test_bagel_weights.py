@@ -22,6 +22,7 @@ from unicache_core.bagel.modeling.operations import (
 from unicache_core.bagel.modeling.qwen2_mot import BranchInput
 from unicache_core.bagel.weights import (
     WEIGHT_DTYPES,
+    HostOperations,
     assign_checkpoint_tensor,
     build_bagel,
     checkpoint_shapes,
@@ -265,3 +266,55 @@ def test_weight_dtype_names_and_errors(tiny_checkpoint: Path):
         assign_checkpoint_tensor(model, "llm2vae.bias", torch.ones(3))
     with pytest.raises(ValueError, match="cannot store a torch.int64 tensor as torch.int8"):
         store_weight(torch.ones(2, 2, dtype=torch.long), torch.int8)
+
+
+class CastingOperations:
+    """A host-style namespace (as ComfyUI's ``comfy.ops.manual_cast``): each layer keeps its tensors in the dtype
+    it was built with and casts them to the input's dtype at every call."""
+
+    class Linear(torch.nn.Linear):
+        def forward(self, x):
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
+
+    class Conv2d(torch.nn.Conv2d):
+        def forward(self, x):
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return self._conv_forward(x, self.weight.to(x.dtype), bias)
+
+    class GroupNorm(torch.nn.GroupNorm):
+        def forward(self, x):
+            return torch.nn.functional.group_norm(x, self.num_groups, self.weight.to(x.dtype), self.bias.to(x.dtype),
+                                                  self.eps)
+
+    class LayerNorm(torch.nn.LayerNorm):
+        def forward(self, x):
+            return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype),
+                                                  self.bias.to(x.dtype), self.eps)
+
+    class Embedding(torch.nn.Embedding):
+        def forward(self, ids, out_dtype=None):
+            return torch.nn.functional.embedding(ids, self.weight).to(out_dtype)
+
+
+def test_load_bagel_builds_from_a_host_namespace(tiny_checkpoint: Path, reference):
+    """``weight_dtype=HostOperations(...)``: every weight-bearing layer of BAGEL and its VAE comes from the caller's namespace, the
+    weights stored as ``weight_dtype`` by a plain cast (no scale), the VAE in fp32; outputs close to bf16."""
+    loaded = load_bagel(tiny_checkpoint, dtype=torch.bfloat16,
+                        weight_dtype=HostOperations(CastingOperations, "fp8_e4m3fn"))
+    up = loaded.model.language_model.model.layers[0].mlp.up_proj
+    assert type(up) is CastingOperations.Linear and up.weight.dtype == torch.float8_e4m3fn
+    assert not any(name.endswith("weight_scale") for name, _ in loaded.model.named_parameters())
+    assert loaded.model.dtype == torch.bfloat16 and loaded.weight_dtype == "fp8_e4m3fn"
+    vae_layers = [m for m in loaded.vae.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.GroupNorm))]
+    assert vae_layers and all(type(m).__qualname__.startswith("CastingOperations.") for m in vae_layers)
+    assert all(t.dtype == torch.float32 for t in loaded.vae.parameters())
+    got = outputs(loaded.model)
+    errors = {k: float((got[k] - reference[k]).norm() / reference[k].norm()) for k in reference}
+    assert 1e-4 < max(errors.values()) <= RELATIVE_BOUNDS["fp8_e4m3fn"], errors  # unscaled fp8: still close
+    same = load_bagel(tiny_checkpoint, dtype=torch.bfloat16, weight_dtype=HostOperations(CastingOperations))  # bf16
+    assert all(torch.equal(a, b) for a, b in zip(outputs(same.model).values(), reference.values()))
+    with pytest.raises(ValueError, match="`weight_dtype` 'int8' keeps a scale per output channel.*fp8_e4m3fn"):
+        load_bagel(tiny_checkpoint, weight_dtype=HostOperations(CastingOperations, "int8"))
+    with pytest.raises(ValueError, match="lacks the layer class\\(es\\) Conv2d, GroupNorm, LayerNorm, Embedding"):
+        load_bagel(tiny_checkpoint, weight_dtype=HostOperations(type("OnlyLinear", (), {"Linear": torch.nn.Linear})))

@@ -146,7 +146,8 @@ def test_text_to_image_end_to_end(host_stubs):
     assert latent["samples"].shape == (1, 16, 6, 8)
     assert thinking == "" and report["format"] == "unicache-kv-report" and report["method"] == "unicache"
     mm = host_stubs["comfy.model_management"]
-    assert mm.loads and mm.loads[-1][0] == [model.patcher] and mm.loads[-1][1] > 0 and mm.loads[-1][2]
+    # ComfyUI decides how much of the model to load (no forced full load: lowvram partial loading applies)
+    assert mm.loads and mm.loads[-1][0] == [model.patcher] and mm.loads[-1][1] > 0 and not mm.loads[-1][2]
     assert host_stubs["comfy.utils"].progress[-1] == (2, 2)
 
     out = nodes.NODE_CLASS_MAPPINGS["UniCacheKVReport"]().show(report)

@@ -383,9 +383,10 @@ def test_edit_with_a_given_latent_skips_the_encode(single_loaded, source_image, 
     assert given.info["source_latent"] == "given"
     assert torch.equal(given.latents, ref.latents)  # same seed → same later noise, same result
     assert np.array_equal(_pixels(given.image), _pixels(ref.image))
-    with pytest.raises(ValueError, match=r"resized to 64x64 .* whose latent is \(1, 16, 8, 8\)"):
+    # a latent of another size sets the output size; one off BAGEL's 2x2-cell grid is refused
+    with pytest.raises(ValueError, match=r"`source_latent` is 5x4 latent cells .* crop it to 4x4"):
         pipe.edit("x", source_image, preset("edit", num_timesteps=3), seed=seed,
-                  given=GivenLatents(source_latent=torch.zeros(1, 16, 4, 4)))
+                  given=GivenLatents(source_latent=torch.zeros(1, 16, 5, 4)))
     with pytest.raises(ValueError, match="text-to-image takes none"):
         pipe.text_to_image("x", FAST, seed=1, given=GivenLatents(source_latent=z))
     from unicache_core.errors import NumericalError

@@ -106,8 +106,9 @@ def build(graph: list[dict]) -> tuple[dict, dict]:
 
 
 def _loader(node_id=1, pos=(40, 80)):
-    return {"id": node_id, "type": "UniCacheBagelLoader", "pos": pos, "size": (320, 110),
-            "widgets": {"checkpoint": BUNDLED_CHECKPOINT, "dtype": "auto", "device": "auto"}}
+    return {"id": node_id, "type": "UniCacheBagelLoader", "pos": pos, "size": (320, 134),
+            "widgets": {"checkpoint": BUNDLED_CHECKPOINT, "dtype": "auto", "device": "auto",
+                        "weight_dtype": "default"}}
 
 
 def _kv(node_id, method="unicache", pos=(40, 260), title=None):

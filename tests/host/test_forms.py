@@ -124,3 +124,31 @@ def test_mismatching_checkpoint_is_an_execution_error_and_the_host_goes_on(forms
     graph["1"]["inputs"]["checkpoint"] = "bagel-tiny"
     again = comfy.run(graph)
     assert again["status"]["status_str"] == "success", describe(again)
+
+
+def test_edit_takes_a_vae_encode_latent_of_any_size(forms):
+    """A 4:3 photo-like source through core LoadImage -> VAEEncode (the FLUX VAE): the edit follows the latent's
+    size. 400x300 px: VAEEncode crops to 400x296 (37x50 cells of 8 px), the edit drops the odd last row and makes
+    400x288 (BAGEL's own resize of the image on this checkpoint would be 128x96)."""
+    from PIL import Image
+
+    comfy, info = forms
+    name = "forms_source_4x3.png"
+    (comfy.base / "input").mkdir(exist_ok=True)
+    source = Image.new("RGB", (400, 300))
+    source.putdata([(x * 255 // 400, y * 255 // 300, (3 * x + 5 * y) % 256) for y in range(300) for x in range(400)])
+    source.save(comfy.base / "input" / name)
+    graph = {
+        "1": node(info, "UniCacheBagelLoader", checkpoint=FOLDER, dtype="fp32"),
+        "2": node(info, "LoadImage", image=name),
+        "9": _vae_loader(info),
+        "5": node(info, "VAEEncode", {"pixels": ["2", 0], "vae": ["9", 0]}),
+        "3": node(info, "UniCacheImageEdit", {"model": ["1", 0], "image": ["2", 0], "latent": ["5", 0]},
+                  prompt="make it blue", steps=2, seed=7),
+        "4": node(info, "SaveImage", {"images": ["3", 0]}, filename_prefix="forms_edit_4x3"),
+    }
+    entry = comfy.run(graph)
+    assert entry["status"]["status_str"] == "success", describe(entry)
+    edited = _image(comfy, entry, "4")
+    assert edited.shape == (288, 400, 3)
+    assert edited.std() > 1.0, "a flat image: nothing was generated"

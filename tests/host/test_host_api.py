@@ -27,7 +27,7 @@ CORRUPT_NAME = "corrupt-tiny"
 
 #: docs/nodepack-contract.md: node id -> (inputs, output types, output node?).
 CONTRACT = {
-    "UniCacheBagelLoader": ({"checkpoint", "dtype", "device"}, ["BAGEL_MODEL"], False),
+    "UniCacheBagelLoader": ({"checkpoint", "dtype", "device", "weight_dtype"}, ["BAGEL_MODEL"], False),
     "UniCacheKVConfig": ({"method", "kv_target", "rho", "rho_floor", "policy", "score_queries"}, ["UNICACHE_KV"],
                          False),
     "UniCacheTextToImage": (

@@ -26,6 +26,7 @@ from .request import GivenLatents, RunHooks
 from .sampling import RENORM_TYPES, combine_cfg, timestep_schedule
 from .settings import GenerationSettings, UnderstandingSettings, preset
 from .tokenizer import BagelTokenizer
+from .weights import HostOperations
 from .transforms import (
     OFFICIAL_TRANSFORMS,
     VAE_TRANSFORM,
@@ -47,6 +48,7 @@ __all__ = [
     "GenerationResult",
     "GenerationSettings",
     "GivenLatents",
+    "HostOperations",
     "ImageTransform",
     "ImageTransforms",
     "LLMConfig",

@@ -124,11 +124,13 @@ def kv_bytes_per_token(config: BagelConfig, dtype: torch.dtype) -> int:
     return 2 * llm.num_hidden_layers * llm.num_key_value_heads * llm.head_dim * element
 
 
-def image_tokens(config: BagelConfig, source_size: tuple[int, int]) -> tuple[int, int]:
+def image_tokens(config: BagelConfig, source_size: tuple[int, int], *,
+                 vae_size: tuple[int, int] | None = None) -> tuple[int, int]:
     """``(vae, vit)`` content tokens of an input image of ``(width, height)`` pixels after the checkpoint's resize
-    rules (every input image is resized by the VAE rule first, then the ViT's)."""
+    rules (every input image is resized by the VAE rule first, then the ViT's); ``vae_size``: the size an edit's
+    given source latent sets instead of the VAE rule."""
     transforms = ImageTransforms.from_config(config)
-    width, height = transforms.vae.resize.size_for(*source_size)
+    width, height = vae_size if vae_size is not None else transforms.vae.resize.size_for(*source_size)
     vit_width, vit_height = transforms.vit.resize.size_for(width, height)
     step, patch = config.latent_downsample, config.vit.patch_size
     return (width // step) * (height // step), (vit_width // patch) * (vit_height // patch)
@@ -136,11 +138,13 @@ def image_tokens(config: BagelConfig, source_size: tuple[int, int]) -> tuple[int
 
 def count_request(config: BagelConfig, tokenizer, task: Task, prompt: str,
                   settings: GenerationSettings | UnderstandingSettings, *,
-                  source_size: tuple[int, int] | None = None) -> RequestTokens:
-    """The :class:`RequestTokens` of a request (``source_size``: the input image's ``(width, height)``)."""
+                  source_size: tuple[int, int] | None = None,
+                  vae_size: tuple[int, int] | None = None) -> RequestTokens:
+    """The :class:`RequestTokens` of a request (``source_size``: the input image's ``(width, height)``;
+    ``vae_size``: an edit's output size set by a given source latent, :func:`image_tokens`)."""
     vae = vit = latent = 0
     if source_size is not None:
-        vae, vit = image_tokens(config, source_size)
+        vae, vit = image_tokens(config, source_size, vae_size=vae_size)
     if task == "understanding":
         system_prompt, decoded = VLM_THINK_SYSTEM_PROMPT, settings.max_new_tokens
         vae = 0

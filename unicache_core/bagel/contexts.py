@@ -35,7 +35,8 @@ from .modeling.qwen2_mot import BranchInput
 from .numerics import check_finite, check_noise
 from .request import NO_GIVEN_LATENTS, GivenLatents
 from .sampling import pack_latent
-from .transforms import ImageTransforms
+from .settings import source_latent_size
+from .transforms import ImageTransforms, pil_img2rgb, to_tensor
 
 #: System prompt prefilled before an understanding request in think mode (prompt text of inferencer.py).
 VLM_THINK_SYSTEM_PROMPT = (
@@ -136,9 +137,16 @@ def encode_vae_latent(
         ds = loaded.config.ae.downsample
         shape = (1, loaded.config.ae.z_channels, x.shape[2] // ds, x.shape[3] // ds)
         noise = torch.randn(shape, generator=generator, dtype=torch.float32)
-    vae_device = next(vae.parameters()).device
-    z = vae.encode(x.to(vae_device), noise=noise.to(device=vae_device, dtype=torch.float32))
+    device = vae_device(loaded, vae)
+    z = vae.encode(x.to(device), noise=noise.to(device=device, dtype=torch.float32))
     return pack_latent(z[0].float(), loaded.config.latent_patch_size)
+
+
+def vae_device(loaded: LoadedBagel, vae: AutoEncoder) -> torch.device:
+    """Where ``vae`` runs: the checkpoint's own VAE runs where the model computes (``loaded.device``; a host may
+    leave some of its layers on another device and bring their weights per call), another one where its first
+    parameter is."""
+    return loaded.device if vae is loaded.vae else next(vae.parameters()).device
 
 
 def latent_block_embeds(loaded: LoadedBagel, x: Tensor, h: int, w: int, timestep: float) -> Tensor:
@@ -281,8 +289,9 @@ def build_generation_contexts(
     """Build ``gen``, ``cfg_text`` and ``cfg_img`` as ``interleave_inference`` does (image, then text).
 
     Without ``image`` the output ``size`` is ``(width, height)``; for an edit it is the VAE-resized
-    source size. The source latent comes from ``given.source_latent`` (BAGEL's convention, of the
-    VAE-resized source), else from ``vae``'s encode (the chosen VAE: the checkpoint's
+    source size, or the size of ``given.source_latent`` when one is given (BAGEL's convention, any size on
+    BAGEL's grid: :func:`given_latent_size`; the ViT then sees the image resized to it). Without a given
+    latent the source latent comes from ``vae``'s encode (the chosen VAE: the checkpoint's
     :class:`~.modeling.AutoEncoder`, sampling with ``given.vae_noise`` or noise drawn from
     ``generator``, or an external :class:`~.latents.VAEAdapter`). ``special_tokens``: the prompt's control-token
     strings are parsed (:meth:`~.tokenizer.BagelTokenizer.encode`).
@@ -296,8 +305,13 @@ def build_generation_contexts(
     if image is not None:
         transforms = ImageTransforms.from_config(loaded.config)
         resized = transforms.prepare(image, "image")
-        size = resized.size
         vae_input = transforms.vae(resized)
+        latent_size = given_latent_size(loaded, given.source_latent)
+        if latent_size not in (None, resized.size):
+            # the output follows the given latent; the ViT sees the image resized to the latent's pixel size
+            resized = pil_img2rgb(image, "image").resize(latent_size, Image.BICUBIC)
+            vae_input = to_tensor(resized)
+        size = resized.size
         lp = loaded.config.latent_downsample
         h, w = vae_input.shape[1] // lp, vae_input.shape[2] // lp
         latent, how = source_latent(loaded, vae_input, vae=vae, given=given, generator=generator)
@@ -310,6 +324,23 @@ def build_generation_contexts(
     width, height = size
     return GenerationContexts(gen=gen, cfg_text=cfg_text, cfg_img=cfg_img, height=height, width=width,
                               session=session, source_latent=how)
+
+
+def given_latent_size(loaded: LoadedBagel, z: object) -> tuple[int, int] | None:
+    """Output ``(width, height)`` of an edit given the source latent ``z`` ``[1, C, H/8, W/8]`` (``None`` when
+    ``z`` is None): its cells times ``ae.downsample``, checked against BAGEL's grid
+    (:func:`~.settings.source_latent_size`)."""
+    if z is None:
+        return None
+    channels = loaded.config.ae.z_channels
+    if not isinstance(z, Tensor) or not z.is_floating_point() or z.ndim != 4 or tuple(z.shape[:2]) != (1, channels):
+        if not isinstance(z, Tensor):
+            got = type(z).__name__
+        else:
+            got = tuple(z.shape) if z.is_floating_point() else z.dtype
+        raise ValueError(f"`source_latent` must be one floating-point latent [1, {channels}, H/8, W/8] in BAGEL's "
+                         f"convention, got {got}")
+    return source_latent_size(loaded.config, z.shape[2], z.shape[3])
 
 
 def _check_latent_tensor(name: str, z: object, shape: tuple[int, ...], width: int, height: int) -> Tensor:

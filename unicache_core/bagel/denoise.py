@@ -159,7 +159,7 @@ def decode_latents(loaded: LoadedBagel, x: Tensor, height: int, width: int,
     if vae is None:
         return latent, None
     if isinstance(vae, AutoEncoder):
-        pixels = vae.decode(latent.to(next(vae.parameters()).device))
+        pixels = vae.decode(latent.to(C.vae_device(loaded, vae)))
         advice = "check ae.safetensors (re-download it); the VAE always runs in fp32"
     else:
         pixels = vae.decode(latent.detach().cpu().clone())

@@ -259,7 +259,8 @@ class BagelPipeline:
     def edit(self, prompt: str, image: Image.Image, settings: GenerationSettings | None = None, *,
              seed: int | None = 0, hooks: RunHooks | None = None, given: GivenLatents | None = None, vae=None,
              decode: bool = True, return_step0_velocity: bool = False) -> GenerationResult:
-        """Edit ``image`` following ``prompt`` (docs/bagel.md §5.4); output size = the VAE-resized source size.
+        """Edit ``image`` following ``prompt`` (docs/bagel.md §5.4); output size = the VAE-resized source size, or
+        that of ``given.source_latent``.
 
         The source goes through the VAE (clean latents, gen expert) and the ViT (und expert); the
         ``cfg_text`` branch sees the image without the text, ``cfg_img`` the text without the image.
@@ -267,7 +268,8 @@ class BagelPipeline:
         ``given``: ``vae_noise`` (``[1, 16, H/8, W/8]`` noise of the stochastic VAE encode, drawn first
         from the seeded generator when not given) and ``source_latent`` (the source's ``[1, 16, H/8, W/8]``
         latent in BAGEL's convention, e.g. :func:`~.latents.from_comfy_latent` of ComfyUI's ``VAEEncode``;
-        the encode is skipped and ``image`` still feeds the ViT).
+        the encode is skipped and ``image`` still feeds the ViT; any size on BAGEL's grid, the output follows it
+        and the ViT sees ``image`` resized to it).
         """
         check_prompt(prompt)
         check_image(image, "image")

@@ -43,7 +43,9 @@ class GivenLatents:
         initial_noise: ``[h*w, 64]`` packed latent noise the flow starts from (else drawn from the seed).
         vae_noise: ``[1, 16, H/8, W/8]`` sampling noise of the built-in VAE's encode of an edit's source.
         source_latent: an edit's source latent ``[1, 16, H/8, W/8]`` in BAGEL's convention (e.g.
-            :func:`~.latents.from_comfy_latent` of ComfyUI's ``VAEEncode``); the encode is skipped.
+            :func:`~.latents.from_comfy_latent` of ComfyUI's ``VAEEncode``); the encode is skipped. Any size on
+            BAGEL's grid (even cell counts, at most 128 per side): the output is ``W x H`` and the ViT sees the
+            image resized to it (:func:`~.settings.source_latent_size`).
     """
 
     initial_noise: Tensor | None = None

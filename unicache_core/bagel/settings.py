@@ -113,6 +113,33 @@ def check_output_size(config, width: object, height: object) -> tuple[int, int]:
     return width, height
 
 
+def source_latent_size(config, rows: int, cols: int, *, name: str = "source_latent",
+                       fix: str = "encode a smaller image, or leave it None to encode the image here") -> tuple[int, int]:
+    """Output ``(width, height)`` in pixels of an edit whose source latent is ``[1, C, rows, cols]``.
+
+    Each latent cell is ``ae.downsample`` px (8 for BAGEL) and BAGEL packs ``latent_patch_size``² cells
+    (2x2) into one token, so ``rows`` and ``cols`` must be positive multiples of ``latent_patch_size`` and at
+    most ``latent_patch_size * max_latent_size`` (the latent position table: 128 cells, 1024 px). Otherwise a
+    ValueError naming ``name``, its size and what to do (``fix`` for a latent that is too large).
+    """
+    patch, cell = config.latent_patch_size, config.ae.downsample
+    limit = patch * config.max_latent_size
+    for side, value in (("height", rows), ("width", cols)):
+        if not is_integer(value) or value < patch or value % patch:
+            raise ValueError(
+                f"`{name}` is {rows}x{cols} latent cells (rows x columns); BAGEL packs {patch}x{patch} cells into "
+                f"a token, so its {side} must be a positive multiple of {patch} ({patch * cell} px): crop it to "
+                f"{max(patch, rows - rows % patch)}x{max(patch, cols - cols % patch)} or encode an image whose sides "
+                f"are multiples of {patch * cell} px"
+            )
+        if value > limit:
+            raise ValueError(
+                f"`{name}` is {rows}x{cols} latent cells ({cols * cell}x{rows * cell} px); BAGEL's latent position "
+                f"table holds at most {limit} cells ({limit * cell} px) per side: {fix}"
+            )
+    return cols * cell, rows * cell
+
+
 # ------------------------------------------------------------------------------------------ settings
 
 
@@ -262,4 +289,5 @@ __all__ = [
     "check_output_size",
     "check_prompt",
     "preset",
+    "source_latent_size",
 ]

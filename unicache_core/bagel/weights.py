@@ -24,6 +24,7 @@ which converts it to the layer's storage and places it: the checkpoint is never 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from .modeling import Bagel
 from .modeling.operations import (
     TorchOperations,
     check_compute_dtype,
+    check_operations,
     is_low_precision,
     low_precision_operations,
     shared_upcasts,
@@ -75,8 +77,35 @@ def weight_operations(weight_dtype: Any, compute_dtype: torch.dtype) -> type:
     return low_precision_operations(storage)
 
 
+@dataclass(frozen=True)
+class HostOperations:
+    """A ``weight_dtype`` for :func:`~.checkpoint.loader.load_bagel` whose layers come from a host: every
+    weight-bearing layer of BAGEL and its VAE is built from ``operations`` (e.g. ComfyUI's
+    ``comfy.ops.pick_operations(...)``, which stores weights and casts them per call itself), with the weights
+    stored as ``weight_dtype`` by a plain cast (:func:`plain_storage_dtype`). ``unicache_core`` never imports
+    the host: the namespace comes from the caller."""
+
+    operations: Any
+    weight_dtype: str = "auto"
+
+
+def plain_storage_dtype(weight_dtype: Any, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a foreign operations namespace (one that stores and casts weights itself, e.g. ComfyUI's
+    ``comfy.ops``) is given as ``dtype=`` for ``weight_dtype``: that dtype as a plain cast, ``auto`` = the compute
+    dtype. ``int8`` needs a per-channel scale, which only :func:`low_precision_operations` keeps: refused."""
+    name = parse_weight_dtype(weight_dtype)
+    check_compute_dtype(compute_dtype, "dtype")
+    if name == "int8":
+        plain = ", ".join(n for n in WEIGHT_DTYPES if n != "int8")
+        raise ValueError(f"`weight_dtype` 'int8' keeps a scale per output channel, which only the library's own "
+                         f"layers store; with a host's operations (HostOperations) choose one of {plain}, or pass "
+                         f"'int8' alone for the library's layers")
+    storage = WEIGHT_DTYPES[name]
+    return compute_dtype if storage is None else storage
+
+
 def build_bagel(config: BagelConfig, *, weight_dtype: Any = "auto", dtype: torch.dtype = torch.bfloat16,
-                device: torch.device | str | None = "meta") -> Bagel:
+                device: torch.device | str | None = "meta", operations: Any = None) -> Bagel:
     """BAGEL with its Linear/Embedding weights stored as ``weight_dtype``, computing in ``dtype``.
 
     Args:
@@ -86,12 +115,19 @@ def build_bagel(config: BagelConfig, *, weight_dtype: Any = "auto", dtype: torch
         device: where to allocate; ``"meta"`` (the default) allocates nothing, for a loader that assigns
             every tensor with :func:`assign_checkpoint_tensor` and then calls ``model.reset_buffers(device)``
             (the RoPE frequencies are not in checkpoints).
+        operations: ``None`` (the library's layers for ``weight_dtype``: :func:`weight_operations`), or a namespace
+            that stores and casts weights itself, such as a ComfyUI host's ``comfy.ops.pick_operations(...)``:
+            every layer is then built from it with ``dtype=`` :func:`plain_storage_dtype` (fp8 as a plain cast,
+            as ComfyUI stores it) and ``compute_dtype=dtype``.
 
     Returns:
-        the model in eval mode with no parameter requiring gradients. Inside ComfyUI, build
-        ``Bagel(config, operations=<the host's operations>, dtype=..., compute_dtype=..., device=...)`` instead.
+        the model in eval mode with no parameter requiring gradients.
     """
-    model = Bagel(config, operations=weight_operations(weight_dtype, dtype), dtype=dtype, device=device)
+    if operations is None:
+        model = Bagel(config, operations=weight_operations(weight_dtype, dtype), dtype=dtype, device=device)
+    else:
+        model = Bagel(config, operations=check_operations(operations), dtype=plain_storage_dtype(weight_dtype, dtype),
+                      compute_dtype=dtype, device=device)
     model.requires_grad_(False)
     return model.eval()
 
@@ -177,6 +213,7 @@ def parameter_bytes_by_dtype(module: nn.Module) -> dict[str, int]:
 
 
 __all__ = [
+    "HostOperations",
     "WEIGHT_DTYPES",
     "assign_checkpoint_tensor",
     "build_bagel",
@@ -184,6 +221,7 @@ __all__ = [
     "parameter_bytes",
     "parameter_bytes_by_dtype",
     "parse_weight_dtype",
+    "plain_storage_dtype",
     "shared_upcasts",
     "store_weight",
     "weight_operations",

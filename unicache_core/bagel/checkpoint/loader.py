@@ -33,7 +33,11 @@ from ..modeling import AutoEncoder, Bagel
 from ..numerics import check_weight
 from ..offload import LayerOffload, apply_layer_offload
 from ..tokenizer import BagelTokenizer
-from ..weights import assign_checkpoint_tensor, build_bagel, checkpoint_shapes, parse_weight_dtype
+from ..modeling.operations import check_operations
+from ..weights import (
+    HostOperations, assign_checkpoint_tensor, build_bagel, checkpoint_shapes, parse_weight_dtype,
+    plain_storage_dtype,
+)
 from .config_check import check_vae_config
 from .folder import inspect_folder
 from .header import SafetensorsHeader, read_header
@@ -249,6 +253,7 @@ class _Placement:
     max_memory: Mapping[Any, Any] | None
     weight_dtype: str = "auto"
     offload: str = "none"
+    operations: Any = None
 
 
 def _build_and_read(
@@ -258,9 +263,13 @@ def _build_and_read(
     once tensor by tensor and assign in place (``where``: the checkpoint, named when the config cannot be
     built); then dispatch or offload as ``placement`` says."""
     try:
-        model = build_bagel(config, weight_dtype=placement.weight_dtype, dtype=placement.dtype, device="meta")
+        model = build_bagel(config, weight_dtype=placement.weight_dtype, dtype=placement.dtype, device="meta",
+                            operations=placement.operations)
         with torch.device("meta"):
-            vae = AutoEncoder(config.ae) if ae is not None else None
+            vae = None
+            if ae is not None:  # fp32 in any namespace: the VAE always computes in fp32
+                vae = AutoEncoder(config.ae, operations=placement.operations,
+                                  dtype=None if placement.operations is None else torch.float32)
     except (RuntimeError, ValueError, OverflowError) as exc:  # e.g. a width whose storage size overflows
         raise CheckpointError(
             f"cannot build the model described by the config files of {where}: {type(exc).__name__}: {exc}; "
@@ -321,6 +330,9 @@ def load_bagel(
             ``vae`` is then ``None`` and the pipeline needs an external VAE to encode/decode).
         weight_dtype: how BAGEL's Linear/Embedding weights are stored (``auto``, ``bf16``, ``fp16``, ``fp32``,
             ``fp8_e4m3fn``, ``fp8_e5m2``, ``int8``; :mod:`..weights`): each is upcast to ``dtype`` at every call.
+            Or a :class:`~..weights.HostOperations`: the layers of BAGEL and its VAE are then the host's (e.g.
+            ComfyUI's ``comfy.ops.pick_operations(...)``), storing the weights as its ``weight_dtype`` by a plain
+            cast (``auto``: ``dtype``; ``int8`` refused) and casting them per call; the VAE's in fp32.
         offload: ``"none"`` or ``"layers"``: keep the decoder layers in host memory and bring each to
             ``device`` just before it runs (:func:`~..offload.apply_layer_offload`; needs ``accelerate``).
 
@@ -337,7 +349,8 @@ def load_bagel(
         NumericalError: a weight holds NaN/inf in the file, or overflows ``dtype`` (e.g. fp16).
         ValueError: unsupported ``dtype``/``weight_dtype``/``offload``, unavailable ``device``, bad
             ``device_map`` arguments or a ``device_map`` with ``offload``; a single
-            file without ``tokenizer_dir``, or ``tokenizer_dir``/``vae`` given with a folder.
+            file without ``tokenizer_dir``, or ``tokenizer_dir``/``vae`` given with a folder; a
+            :class:`~..weights.HostOperations` whose namespace lacks a layer class, or with ``int8``.
     """
     root = Path(checkpoint)
     dtype = parse_dtype(dtype)
@@ -346,12 +359,16 @@ def load_bagel(
         raise ValueError(f"`max_memory` is only used with device_map='auto', got device_map={device_map!r}")
     if max_memory is not None and not isinstance(max_memory, Mapping):
         raise ValueError(f"`max_memory` must be a mapping device -> size such as {{'cpu': '8GiB'}}, got {max_memory!r}")
+    operations = None
+    if isinstance(weight_dtype, HostOperations):
+        operations, weight_dtype = check_operations(weight_dtype.operations), weight_dtype.weight_dtype
+        plain_storage_dtype(weight_dtype, dtype)  # int8 refused before any file is read
     weight_dtype = parse_weight_dtype(weight_dtype)
     offload = parse_offload(offload)
     if offload != "none" and device_map is not None:
         raise ValueError(f"`offload` {offload!r} and `device_map` both place the weights; pass only one of them")
     placement = _Placement(dtype, device, device_map, Path(offload_folder) if offload_folder is not None else None,
-                           max_memory, weight_dtype, offload)
+                           max_memory, weight_dtype, offload, operations)
     if root.is_file():
         return _load_single_file(root, tokenizer_dir, vae, placement)
     if not root.exists():
