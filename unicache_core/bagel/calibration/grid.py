@@ -3,36 +3,13 @@ at matched bytes; the least mean change per level becomes the type's ``joint`` p
 
 from __future__ import annotations
 
-import statistics
 from typing import Callable, Sequence
 
 from ...compression.defaults import JOINT_BITS, JOINT_LEVELS
 from ...compression.family import JointPlan, plan_from_errors
 from ...kv.token_types import TokenType
 from .options import CalibrationOptions
-from .requests import run_request
-from .sensitivity import KeepSession, output_change, single_type_table, type_retained
-
-
-def _grid_point(loaded, task: str, ttype: TokenType, level: float, bits: int, model_id: str,
-                inputs: Sequence[tuple[str, object]], references: Sequence,
-                options: CalibrationOptions) -> tuple[float, float | None]:
-    """Mean output change and most bytes held of ``ttype`` alone at (``level``, ``bits``), the rest protected."""
-    from ..pipeline import BagelPipeline
-    from ...compression import KVConfig, make_cache_factory
-
-    # A one-level plan gives these bits at any budget; rho fixed at the level sets the budget.
-    table = single_type_table(task, ttype, "joint", model_id, JointPlan(((1.0, bits),)))
-    keep = KeepSession(make_cache_factory(KVConfig(method="unicache", rho=level, rho_floor=level, policy=table)))
-    pipe = BagelPipeline(loaded, keep)
-    changes, retained = [], []
-    for (prompt, image), ref in zip(inputs, references):
-        changes.append(output_change(task, run_request(pipe, task, prompt, image, options), ref)["change"])
-        held = type_retained(keep.last, ttype)
-        if held is not None:
-            retained.append(held)
-        keep.last = None
-    return statistics.fmean(changes), (None if not retained else max(retained))
+from .sensitivity import single_type_table, type_alone
 
 
 def joint_grid(loaded, task: str, inputs: Sequence[tuple[str, object]], references: Sequence, types: Sequence[str],
@@ -52,10 +29,12 @@ def joint_grid(loaded, task: str, inputs: Sequence[tuple[str, object]], referenc
         points = []
         for level in JOINT_LEVELS:
             for bits in JOINT_BITS:
-                change, held = _grid_point(loaded, task, ttype, level, bits, model_id, inputs, references, options)
-                errors[(level, bits)] = change
+                # A one-level plan gives these bits at any budget; rho fixed at the level sets the budget.
+                table = single_type_table(task, ttype, "joint", model_id, JointPlan(((1.0, bits),)))
+                measured = type_alone(loaded, task, ttype, table, level, inputs, references, options)
+                change = errors[(level, bits)] = measured["change"]
                 points.append({"budget": level, "bits": bits, "change": round(change, 8),
-                               "type_retained": None if held is None else round(held, 6)})
+                               "type_retained": measured["type_retained"]})
                 if progress is not None:
                     progress(f"grid {name} level {level} bits {bits}: change {change:.4g}")
         plans[name] = plan_from_errors(errors)

@@ -44,7 +44,7 @@ def single_type_table(task: str, ttype: TokenType, kind: str, model_id: str,
                        measurements={"purpose": f"sensitivity: {kind} {ttype.name.lower()} only"})
 
 
-class KeepSession(CacheFactory):
+class _KeepSession(CacheFactory):
     """Wraps a cache factory and keeps the last session it started (to measure what a run held)."""
 
     def __init__(self, inner: CacheFactory):
@@ -69,15 +69,15 @@ def type_retained(session, ttype: TokenType) -> float | None:
     return None if full == 0 else held / full
 
 
-def _one_policy(loaded, task: str, ttype: TokenType, kind: str, model_id: str, inputs: Sequence[tuple[str, object]],
-                references: Sequence, options: CalibrationOptions) -> dict:
-    """Every input run with only ``ttype`` handled by ``kind`` (the rest protected): change, retained, flags."""
+def type_alone(loaded, task: str, ttype: TokenType, table: PolicyTable, ratio: float,
+               inputs: Sequence[tuple[str, object]], references: Sequence, options: CalibrationOptions) -> dict:
+    """Every input run under ``table`` (``ttype`` compressed alone, :func:`single_type_table`) with rho fixed at
+    ``ratio``: mean output change against ``references``, per-prompt metrics, the most bytes of ``ttype`` held
+    (``type_retained``) and the report's flags."""
     from ..pipeline import BagelPipeline
     from ...compression import KVConfig, make_cache_factory
 
-    ratio = SENSITIVITY_RATIO[task]
-    table = single_type_table(task, ttype, kind, model_id)
-    keep = KeepSession(make_cache_factory(KVConfig(method="unicache", rho=ratio, rho_floor=ratio, policy=table)))
+    keep = _KeepSession(make_cache_factory(KVConfig(method="unicache", rho=ratio, rho_floor=ratio, policy=table)))
     pipe = BagelPipeline(loaded, keep)
     changes, flags, retained = [], {}, []
     for (prompt, image), ref in zip(inputs, references):
@@ -91,6 +91,13 @@ def _one_policy(loaded, task: str, ttype: TokenType, kind: str, model_id: str, i
     metrics = {k: [round(c[k], 8) for c in changes] for k in changes[0] if k != "change"}
     return {"change": statistics.fmean(c["change"] for c in changes), "per_prompt": metrics,
             "type_retained": None if not retained else round(max(retained), 6), "flags": flags}
+
+
+def _one_policy(loaded, task: str, ttype: TokenType, kind: str, model_id: str, inputs: Sequence[tuple[str, object]],
+                references: Sequence, options: CalibrationOptions) -> dict:
+    """Every input run with only ``ttype`` handled by ``kind`` at the task's sensitivity ratio."""
+    return type_alone(loaded, task, ttype, single_type_table(task, ttype, kind, model_id), SENSITIVITY_RATIO[task],
+                      inputs, references, options)
 
 
 def sensitivity(loaded, task: str, inputs: Sequence[tuple[str, object]], references: Sequence,
@@ -141,4 +148,4 @@ def sensitivity(loaded, task: str, inputs: Sequence[tuple[str, object]], referen
     return {"sensitivity": out, "sensitivity_agrees": agrees}
 
 
-__all__ = ["KeepSession", "output_change", "sensitivity", "single_type_table", "type_retained"]
+__all__ = ["output_change", "sensitivity", "single_type_table", "type_alone", "type_retained"]
