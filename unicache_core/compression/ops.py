@@ -204,21 +204,31 @@ def compress_rows(
         return _shrink_quantized(layer, indices[0], keep, group, residual, scores, recent=recent)
     keys, values, index = pool_rows(stores)
     pooled_scores = None if scores is None else torch.gather(scores.float().t().to(index.device), 1, index)
-    if keep < total:
-        if pooled_scores is None:
-            raise ValueError("dropping rows needs their scores")
-        rows = select_rows(pooled_scores, keep, recent=recent)  # [Hkv, keep], ascending = append order
-        pooled_scores = torch.gather(pooled_scores, 1, rows)
-        gather = rows.unsqueeze(-1).expand(-1, -1, keys.shape[2])
-        keys, values, index = torch.gather(keys, 1, gather), torch.gather(values, 1, gather), torch.gather(index, 1, rows)
-    if residual and pooled_scores is not None:
-        order = residual_last(pooled_scores, residual)  # [Hkv, keep]
-        gather = order.unsqueeze(-1).expand(-1, -1, keys.shape[2])
-        keys, values, index = torch.gather(keys, 1, gather), torch.gather(values, 1, gather), torch.gather(index, 1, order)
+    position = _kept_positions(pooled_scores, keep, total, residual, recent)
+    if position is not None:
+        gather = position.unsqueeze(-1).expand(-1, -1, keys.shape[2])
+        keys, values = torch.gather(keys, 1, gather), torch.gather(values, 1, gather)
+        index = torch.gather(index, 1, position)
     store = QuantizedStore.from_head_rows(keys.contiguous(), values.contiguous(), index, bits, group, residual,
                                           pooled_type(stores))
     layer.replace_many(list(indices), store)
     return store
+
+
+def _kept_positions(pooled_scores: Tensor | None, keep: int, total: int, residual: int, recent: int) -> Tensor | None:
+    """``[Hkv, n]`` positions (into ``total`` pooled rows in append order) of the rows a re-laid-out store holds, in
+    store order: the ``keep`` best by ``pooled_scores [Hkv, total]`` (:func:`select_rows`), then its ``residual``
+    best-scored rows last (:func:`residual_last`); ``None``: every row, in append order."""
+    position = None
+    if keep < total:
+        if pooled_scores is None:
+            raise ValueError("dropping rows needs their scores")
+        position = select_rows(pooled_scores, keep, recent=recent)  # [Hkv, keep], ascending = append order
+        pooled_scores = torch.gather(pooled_scores, 1, position)
+    if residual and pooled_scores is not None:
+        order = residual_last(pooled_scores, residual)
+        position = order if position is None else torch.gather(position, 1, order)
+    return position
 
 
 def keeps_value_codes(store: KVStore, bits: int, group: int) -> bool:
@@ -244,14 +254,9 @@ def _shrink_quantized(layer: SegmentedLayer, index: int, keep: int, group: int, 
     position = torch.argsort(held, dim=1)  # [Hkv, T] store rows in append order (the pooled order)
     pooled_scores = None if scores is None else torch.gather(scores.float().t().to(held.device), 1,
                                                             torch.gather(held, 1, position))
-    if keep < store.num_tokens:
-        if pooled_scores is None:
-            raise ValueError("dropping rows needs their scores")
-        rows = select_rows(pooled_scores, keep, recent=recent)  # [Hkv, keep], ascending = append order
-        pooled_scores = torch.gather(pooled_scores, 1, rows)
-        position = torch.gather(position, 1, rows)
-    if residual and pooled_scores is not None:
-        position = torch.gather(position, 1, residual_last(pooled_scores, residual))
+    kept = _kept_positions(pooled_scores, keep, store.num_tokens, residual, recent)
+    if kept is not None:
+        position = torch.gather(position, 1, kept)
     n = position.shape[1]
     body = n - min(residual, n)  # rows quantized in the new store; the rest is its residual
     all_keys = torch.cat([store.qkeys.dequantize(store.cache_dtype), store.res_keys.to(store.cache_dtype)], dim=1)
