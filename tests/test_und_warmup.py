@@ -244,3 +244,26 @@ def test_model_card_states_the_warmup():
     assert "warm-up" not in before  # the bundled model's record predates the option
     total = lambda t: float(t.split("Total: ")[1].split(" min")[0])  # noqa: E731
     assert total(text) == pytest.approx(total(before) + 2.0, abs=0.051)
+
+
+def test_warmup_kinds_are_taken_in_turn_and_checked_by_the_cli(tmp_path, capsys):
+    """``und_warmup_kinds=["position", "shape"]``: sample i of a step asks kind i % 2 about its one object; the
+    CLI refuses an unknown kind before any work."""
+    import pytest
+
+    from training.__main__ import main
+
+    cfg = _config(und_warmup_batch=4, und_warmup_kinds=["position", "shape"])
+    bagel_cfg = shapes_config(shapes_tokenizer_files()[2], ShapesGeometry(**GEOMETRY))
+    _, vae = build_models(bagel_cfg, 0)
+    maker = SampleMaker(cfg, bagel_cfg, Pool([], torch.zeros(0), torch.zeros(0)), shapes_tokenizer(), vae)
+    for step in range(3):
+        asked = maker.und_warmup_questions(step)
+        assert [q.kind for _, q in asked] == ["position", "shape", "position", "shape"]
+        for scene, q in asked:
+            (obj,) = scene.objects
+            assert q.answer == (obj.position if q.kind == "position" else obj.shape)
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "out"), "--und-warmup-kinds", "position,colour"])
+    assert exc.value.code == 2 and "--und-warmup-kinds: got 'position,colour'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -101,9 +101,11 @@ class SampleMaker:
 
     def und_warmup_questions(self, step: int) -> list[tuple[world.Scene, world.Question]]:
         """The ``und_warmup_batch`` questions of warm-up step ``step``: one-object training scenes (not from
-        the pool), each asked where its object is."""
+        the pool), sample ``i`` asked a question of kind ``und_warmup_kinds[i % len(und_warmup_kinds)]``."""
         first = (self.cfg.seed * 1_000_003 + step) * self.cfg.und_warmup_batch
-        return [world.understanding_sample((first + i) % world.TRAIN_SEEDS.stop, "position", max_objects=1)
+        kinds = self.cfg.und_warmup_kinds
+        return [world.understanding_sample((first + i) % world.TRAIN_SEEDS.stop, kinds[i % len(kinds)],
+                                           max_objects=1)
                 for i in range(self.cfg.und_warmup_batch)]
 
     def und_warmup_draw(self, step: int) -> dict[str, list[Sample]]:

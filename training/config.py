@@ -40,7 +40,7 @@ class TrainConfig:
     unit_input_init: bool | str | list = "und"
     timestep_shift: float = 2.0  # t = s u / (1 + (s - 1) u), u = sigmoid(N(0, 1)): more weight on noisy steps
     steps: int = 3200  # the length the learning-rate schedule is laid out for
-    stop_at: int = 0  # stop (and export) at this step; 0 = ``steps``
+    stop_at: int = 2800  # stop (and export) at this step; 0 = ``steps``
     batch: dict = field(default_factory=lambda: {"t2i": 16, "edit": 12, "und": 16})
     # understanding: questions asked about each image, as turns of one sequence (each of another kind); a
     # question adds a few text tokens to the image's ViT tokens
@@ -58,6 +58,8 @@ class TrainConfig:
     und_warmup: int = 600
     und_warmup_lr: float = 2e-4
     und_warmup_batch: int = 16
+    # the question kinds of the warm-up, taken in turn by the samples of a step
+    und_warmup_kinds: list = field(default_factory=lambda: ["position"])
     lr: float = 1.5e-3
     # learning rate of the generation path (bagel_stage.is_generation_parameter) over ``lr`` (the pilots that
     # chose it: docs/shapes.md, "The recipe")
