@@ -35,6 +35,13 @@ def _und_questions(cfg: dict) -> str:
     return text
 
 
+def _warmup_question(kinds: list[str]) -> str:
+    """What the warm-up asks each scene, in words."""
+    if kinds == ["position"]:
+        return "where its object is"
+    return "a question of kind " + " or ".join(kinds) + " in turn"
+
+
 def card(training: dict, quality: dict | None, notes: list[str] | None = None) -> str:
     cfg = training["config"]
     sec = training["seconds"]
@@ -70,8 +77,8 @@ def card(training: dict, quality: dict | None, notes: list[str] | None = None) -
                          f"embedder) at {cfg['gen_lr_scale']:g}x the learning rate.")
     if warmup_steps:
         run_notes.append(f"- Before the BAGEL steps, {warmup_steps} understanding-only warm-up steps: "
-                         f"{cfg['und_warmup_batch']} one-object scenes a step, each asked where its object "
-                         f"is; the understanding path alone, its own AdamW at lr {cfg['und_warmup_lr']:g} "
+                         f"{cfg['und_warmup_batch']} one-object scenes a step, each asked "
+                         f"{_warmup_question(cfg.get('und_warmup_kinds', ['position']))}; the understanding path alone, its own AdamW at lr {cfg['und_warmup_lr']:g} "
                          "(same warmup and cosine); the BAGEL steps then start from these weights with a "
                          "fresh AdamW.")
     if cfg.get("ema_decay"):

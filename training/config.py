@@ -40,7 +40,7 @@ class TrainConfig:
     unit_input_init: bool | str | list = "und"
     timestep_shift: float = 2.0  # t = s u / (1 + (s - 1) u), u = sigmoid(N(0, 1)): more weight on noisy steps
     steps: int = 3200  # the length the learning-rate schedule is laid out for
-    stop_at: int = 2800  # stop (and export) at this step; 0 = ``steps``
+    stop_at: int = 2000  # stop (and export) at this step; 0 = ``steps``
     batch: dict = field(default_factory=lambda: {"t2i": 16, "edit": 12, "und": 16})
     # understanding: questions asked about each image, as turns of one sequence (each of another kind); a
     # question adds a few text tokens to the image's ViT tokens
