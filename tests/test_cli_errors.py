@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 from checkpoint_edits import edit_json, rewrite_tensors, set_value
+from cli_runs import exit_status, forbid_weight_loading, run_bagel_cli
 
 from unicache_core.bagel import __main__ as cli
 from unicache_core.bagel import denoise as denoise_module
@@ -38,18 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def no_weights(monkeypatch):
-    def boom(*args, **kwargs):
-        raise AssertionError("weights were loaded before the arguments were checked")
-
-    monkeypatch.setattr(loader_module, "load_bagel", boom)
+    forbid_weight_loading(monkeypatch)
 
 
 def _exit_code(argv) -> int:
-    """``cli.main(argv)``; argparse mistakes raise SystemExit, whose code is returned instead."""
-    try:
-        return cli.main(argv)
-    except SystemExit as exc:
-        return exc.code
+    """``cli.main(argv)``'s exit status (an argparse mistake's ``SystemExit`` code included)."""
+    return exit_status(cli.main, argv)
 
 
 def _one_line_error(capsys) -> str:
@@ -154,6 +149,43 @@ def test_cli_checkpoint_path_mistakes(tmp_path, no_weights, capsys):
                          (str(tmp_path / "missing"), r"--checkpoint: folder not found: .*missing")]:
         assert _exit_code(["understand", "--checkpoint", value, "--prompt", "x", "-q"]) == 2
         assert re.search(match, _one_line_error(capsys))
+
+
+def _assert_one_line_in_process(capsys, argv, *needles: str) -> None:
+    """``main(argv)`` exits 2 with exactly one ``error: ...`` line holding every needle, and nothing on stdout
+    (the ``no_weights`` fixture fails the test if any weights load first)."""
+    code, out, err = run_bagel_cli(capsys, *argv)
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err and out == "", err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def test_invalid_utf8_prompt_file(tiny_checkpoint, tmp_path, no_weights, capsys):
+    (tmp_path / "p.txt").write_bytes(b"a red \xff cube")
+    _assert_one_line_in_process(capsys, ["t2i", "--checkpoint", str(tiny_checkpoint), "--prompt-file",
+                                         str(tmp_path / "p.txt"), "-q"],
+                                "--prompt-file: ", "p.txt is not valid UTF-8 (byte 0xff at offset 6)")
+
+
+@pytest.mark.parametrize("case", ["empty checkpoint", "checkpoint is a file", "image is a directory",
+                                  "out is a directory"])
+def test_path_mistakes(tiny_checkpoint, tmp_path, no_weights, capsys, case):
+    ckpt = str(tiny_checkpoint)
+    args = {
+        "empty checkpoint": ("understand", "--checkpoint", "", "--prompt", "x"),
+        "checkpoint is a file": ("understand", "--checkpoint", str(tiny_checkpoint / "vocab.json"), "--prompt", "x"),
+        "image is a directory": ("edit", "--checkpoint", ckpt, "--prompt", "x", "--image", str(tmp_path),
+                                 "--out", str(tmp_path / "o.png")),
+        "out is a directory": ("t2i", "--checkpoint", ckpt, "--prompt", "x", "--out", str(tmp_path)),
+    }[case]
+    needle = {
+        "empty checkpoint": "argument --checkpoint: empty path ''",
+        "checkpoint is a file": f"{tiny_checkpoint / 'vocab.json'} is a file, not a folder",
+        "image is a directory": f"--image: {tmp_path} is a directory",
+        "out is a directory": f"--out: {tmp_path} is a directory",
+    }[case]
+    _assert_one_line_in_process(capsys, args, needle)
 
 
 # ------------------------------------------------------------------------------------ CLI: run-time failures
@@ -262,32 +294,6 @@ def _assert_one_line(proc: subprocess.CompletedProcess, *needles: bytes) -> byte
 def test_subprocess_invalid_utf8_prompt_argument(tiny_checkpoint):
     proc = _cli_proc(b"understand", b"--checkpoint", os.fsencode(tiny_checkpoint), b"--prompt", b"caf\xe9 \xff", b"-q")
     _assert_one_line(proc, b"--prompt: the text is not valid UTF-8 (byte 0xe9 at character 3)")
-
-
-def test_subprocess_invalid_utf8_prompt_file(tiny_checkpoint, tmp_path):
-    (tmp_path / "p.txt").write_bytes(b"a red \xff cube")
-    proc = _cli_proc("t2i", "--checkpoint", str(tiny_checkpoint), "--prompt-file", str(tmp_path / "p.txt"), "-q")
-    _assert_one_line(proc, b"--prompt-file: ", b"p.txt is not valid UTF-8 (byte 0xff at offset 6)")
-
-
-@pytest.mark.parametrize("case", ["empty checkpoint", "checkpoint is a file", "image is a directory",
-                                  "out is a directory"])
-def test_subprocess_path_mistakes(tiny_checkpoint, tmp_path, case):
-    ckpt = str(tiny_checkpoint)
-    args = {
-        "empty checkpoint": ("understand", "--checkpoint", "", "--prompt", "x"),
-        "checkpoint is a file": ("understand", "--checkpoint", str(tiny_checkpoint / "vocab.json"), "--prompt", "x"),
-        "image is a directory": ("edit", "--checkpoint", ckpt, "--prompt", "x", "--image", str(tmp_path),
-                                 "--out", str(tmp_path / "o.png")),
-        "out is a directory": ("t2i", "--checkpoint", ckpt, "--prompt", "x", "--out", str(tmp_path)),
-    }[case]
-    needle = {
-        "empty checkpoint": b"argument --checkpoint: empty path ''",
-        "checkpoint is a file": os.fsencode(tiny_checkpoint / "vocab.json") + b" is a file, not a folder",
-        "image is a directory": b"--image: " + os.fsencode(tmp_path) + b" is a directory",
-        "out is a directory": b"--out: " + os.fsencode(tmp_path) + b" is a directory",
-    }[case]
-    _assert_one_line(_cli_proc(*args), needle)
 
 
 def test_subprocess_ctrl_c_during_denoising_exits_130(tiny_checkpoint, tmp_path):

@@ -8,10 +8,7 @@ length is 0x80 modulo 256 the first byte is 0x80, the same byte a raw pickle str
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,13 +17,12 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from cli_runs import run_bagel_cli
 from unicache_core.bagel.checkpoint.header import read_header
 from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.checkpoint.single_file import inspect_single_file
 from training.tiny import write_tiny_single_file
 from unicache_core.errors import CheckpointError
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def resave_with_low_byte(path: Path, low_byte: int = 0x80) -> None:
@@ -59,17 +55,14 @@ def test_folder_with_0x80_header_lengths_loads_like_the_original(tiny_checkpoint
         assert torch.equal(a, b), name
 
 
-def test_cli_runs_on_a_0x80_header_checkpoint(tiny_checkpoint_copy, tmp_path):
+def test_cli_runs_on_a_0x80_header_checkpoint(tiny_checkpoint_copy, tmp_path, capsys):
     resave_with_low_byte(tiny_checkpoint_copy / "ema.safetensors")
     image = tmp_path / "src.png"
     Image.fromarray(np.full((32, 32, 3), 200, dtype=np.uint8)).save(image)
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "unicache_core.bagel", "understand", "--checkpoint", str(tiny_checkpoint_copy),
-         "--image", str(image), "--prompt", "what is this?", "--max-new-tokens", "2", "--dtype", "fp32", "--quiet"],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = run_bagel_cli(capsys, "understand", "--checkpoint", str(tiny_checkpoint_copy), "--image",
+                                 str(image), "--prompt", "what is this?", "--max-new-tokens", "2", "--dtype", "fp32",
+                                 "--quiet")
+    assert code == 0, err
 
 
 def test_single_file_with_a_0x80_header_length_loads(tmp_path):
