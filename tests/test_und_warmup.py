@@ -1,6 +1,7 @@
 """The understanding warm-up before stage 2: its samples, its rate, resuming inside it, the fresh stage-2
 optimiser after it, and a run without it (``und_warmup=0``) trained exactly as before it existed."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,7 +10,7 @@ from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from training import TrainConfig, run, trainer
-from training.bagel_stage import BAGEL_STATE, UND_WARMUP_STATE, SampleMaker, is_generation_parameter
+from training.bagel_stage import BAGEL_STATE, UND_WARMUP_STATE, SampleMaker, is_generation_parameter, train_und_warmup
 from training.config import learning_rate
 from training.model import (ShapesGeometry, build_models, shapes_config, shapes_tokenizer,
                             shapes_tokenizer_files)
@@ -268,4 +269,6 @@ def test_warmup_kinds_are_taken_in_turn_and_checked_by_the_cli(tmp_path, capsys)
     with pytest.raises(SystemExit) as exc:
         main([str(tmp_path / "out"), "--und-warmup-kinds", "position,colour"])
     assert exc.value.code == 2 and "--und-warmup-kinds: got 'position,colour'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="one or more of"):  # the API path: the warm-up itself refuses none
+        train_und_warmup(None, maker, dataclasses.replace(cfg, und_warmup_kinds=[]), tmp_path)
     assert not (tmp_path / "out").exists()

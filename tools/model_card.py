@@ -78,7 +78,8 @@ def card(training: dict, quality: dict | None, notes: list[str] | None = None) -
     if warmup_steps:
         run_notes.append(f"- Before the BAGEL steps, {warmup_steps} understanding-only warm-up steps: "
                          f"{cfg['und_warmup_batch']} one-object scenes a step, each asked "
-                         f"{_warmup_question(cfg.get('und_warmup_kinds', ['position']))}; the understanding path alone, its own AdamW at lr {cfg['und_warmup_lr']:g} "
+                         f"{_warmup_question(cfg.get('und_warmup_kinds', ['position']))}; the understanding "
+                         f"path alone, its own AdamW at lr {cfg['und_warmup_lr']:g} "
                          "(same warmup and cosine); the BAGEL steps then start from these weights with a "
                          "fresh AdamW.")
     if cfg.get("ema_decay"):

@@ -46,9 +46,7 @@ def _init_spec(value) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from .model import unit_init_modules
-    from unicache_core.shapes import world
-
-    from .config import PRECISIONS, TrainConfig, check_und_late_kinds
+    from .config import PRECISIONS, TrainConfig, check_und_late_kinds, check_und_warmup_kinds
 
     defaults = TrainConfig()
     parser = OneLineParser(description="Train the bundled shapes BAGEL (VAE, then LLM+ViT) and export it.")
@@ -77,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{','.join(defaults.und_late_kinds)})")
     parser.add_argument("--und-late-from", type=int, default=defaults.und_late_from, metavar="STEP")
     parser.add_argument("--und-warmup", type=int, default=defaults.und_warmup, metavar="STEPS",
-                        help="understanding warm-up before stage 2: STEPS steps of one-object scenes with "
-                             "position questions only, the understanding path alone (0 = none; default "
+                        help="understanding warm-up before stage 2: STEPS steps of one-object scenes asked "
+                             "--und-warmup-kinds questions, the understanding path alone (0 = none; default "
                              f"{defaults.und_warmup})")
     parser.add_argument("--und-warmup-kinds", default=",".join(defaults.und_warmup_kinds), metavar="KINDS",
                         help="comma-separated question kinds of the warm-up, taken in turn (default "
@@ -114,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--und-batch and --und-late-from must be >= 0, got {args.und_batch} and {args.und_late_from}")
     late = [k for k in args.und_late.split(",") if k]
     warmup_kinds = [k for k in args.und_warmup_kinds.split(",") if k]
-    unknown = [k for k in warmup_kinds if k not in world.QUESTION_KINDS]
-    if not warmup_kinds or unknown:
-        parser.error(f"--und-warmup-kinds: got {args.und_warmup_kinds!r}; use a comma list of "
-                     f"{list(world.QUESTION_KINDS)}")
+    try:
+        check_und_warmup_kinds(warmup_kinds)
+    except ValueError as exc:
+        parser.error(f"--und-warmup-kinds: got {args.und_warmup_kinds!r}: {exc}")
     try:
         unit_init_modules(args.unit_input_init)
     except ValueError as exc:
@@ -133,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                       vae_from=str(args.vae_from or ""), unit_input_init=unit_init,
                       batch=dict(defaults.batch, und=args.und_batch), und_questions=args.und_questions,
                       und_late_kinds=late, und_late_from=args.und_late_from, und_warmup=args.und_warmup,
-                      und_warmup_kinds=warmup_kinds, und_warmup_lr=args.und_warmup_lr, ema_decay=args.ema_decay, lr=args.lr,
+                      und_warmup_kinds=warmup_kinds, und_warmup_lr=args.und_warmup_lr, ema_decay=args.ema_decay,
+                      lr=args.lr,
                       gen_lr_scale=args.gen_lr_scale, precision=args.precision, compile=args.compile)
     out = Path(args.out_dir)
     work = Path(args.work) if args.work else out.with_name(out.name + ".work")

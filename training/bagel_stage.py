@@ -24,7 +24,7 @@ from unicache_core.kv.cache import AttentionCall
 from unicache_core.shapes import world
 from .attention import MaskedAttention
 from .batches import Block, Sample, pack
-from .config import TrainConfig, autocast, check_und_late_kinds, learning_rate
+from .config import TrainConfig, autocast, check_und_late_kinds, check_und_warmup_kinds, learning_rate
 from .state import WeightAverage, load_state, save_state
 from .vae_stage import Pool
 
@@ -275,6 +275,7 @@ def train_und_warmup(model: Bagel, maker: SampleMaker, cfg: TrainConfig, work: P
     min_lr_ratio)``; its state is ``work/und_warmup_state.safetensors``. ``snapshot(step, log)`` runs after
     each save before the end.
     """
+    check_und_warmup_kinds(cfg.und_warmup_kinds)
     if cfg.und_warmup_batch < 1:
         raise ValueError(f"und_warmup_batch must be >= 1 for a warm-up of {cfg.und_warmup} steps, got "
                          f"{cfg.und_warmup_batch}")

@@ -120,9 +120,21 @@ VAE_STAGE_FIELDS = ("seed", "precision", "vae_steps", "vae_batch", "vae_crop", "
 ALWAYS_ASKABLE: tuple[str, ...] = ("count", "exists", "background")
 
 
+def _unknown_kinds(kinds: list[str]) -> list[str]:
+    return [k for k in kinds if k not in world.QUESTION_KINDS]
+
+
+def check_und_warmup_kinds(kinds: list[str]) -> None:
+    """Raise ``ValueError`` unless ``kinds`` is a non-empty list of question kinds (the warm-up asks them in
+    turn)."""
+    if not kinds or _unknown_kinds(kinds):
+        raise ValueError(f"the warm-up's question kinds must be one or more of {list(world.QUESTION_KINDS)}, got "
+                         f"{kinds}")
+
+
 def check_und_late_kinds(kinds: list[str]) -> None:
     """Raise ``ValueError`` unless ``kinds`` are question kinds and leave an always-askable kind in play."""
-    unknown = [k for k in kinds if k not in world.QUESTION_KINDS]
+    unknown = _unknown_kinds(kinds)
     if unknown:
         raise ValueError(f"unknown question kind(s) {unknown} to hold back; use some of {list(world.QUESTION_KINDS)}")
     if all(k in kinds for k in ALWAYS_ASKABLE):
