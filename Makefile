@@ -17,8 +17,10 @@ setup: .venv/.installed
 # torch on one thread (tests/conftest.py): one process per core.
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadgroup
+# The slowest tests are listed at the end of each run (where the suite's time goes, in every CI log).
+DURATIONS = --durations=12
 test: setup
-	$(PY) -m pytest $(PYTEST_PARALLEL) tests
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(DURATIONS) tests
 
 bench: setup
 	$(PY) -m benchmarks.kv_attention --json out/kv_attention.json
@@ -51,13 +53,13 @@ browser-deps:
 
 # Host and browser tests only (a real ComfyUI server per session).
 test-host: host bundled browser-deps
-	$(PY) -m pytest tests/host -m "host or browser"
+	$(PY) -m pytest $(DURATIONS) tests/host -m "host or browser"
 
-# Everything: the unit suite (in parallel) plus the host and browser tests (in one process: each of their
-# modules starts a ComfyUI server) (the README's test command; .ci/run).
+# Everything: the unit suite (in parallel) plus the host and browser tests (in one process: one shared ComfyUI
+# server, and the modules that need other host options start their own) (the README's test command; .ci/run).
 test-all: host bundled browser-deps
-	$(PY) -m pytest $(PYTEST_PARALLEL) tests; unit=$$?; \
-	$(PY) -m pytest tests/host -m "host or browser"; hosted=$$?; \
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(DURATIONS) tests; unit=$$?; \
+	$(PY) -m pytest $(DURATIONS) tests/host -m "host or browser"; hosted=$$?; \
 	if [ $$unit -ne 0 ]; then exit $$unit; fi; exit $$hosted
 
 # Main job: every shipped API workflow in a headless host on the bundled default checkpoint;

@@ -4,8 +4,9 @@
 
 The checkpoint folder (``out/real_size`` by default, ignored by git) gets the official LLM/ViT configs
 (:data:`~unicache_core.bagel.checkpoint.single_file.OFFICIAL_LLM_CONFIG`: 28 layers, hidden 3584, 28/4 heads,
-MLP 18944, vocab 152,064, both experts; SigLIP 27 layers of 1152), the real FLUX VAE (fp32, random) and the tiny
-tokenizer with BAGEL's special tokens at their real ids. ``ema.safetensors`` is written tensor by tensor in
+MLP 18944, vocab 152,064, both experts; SigLIP 27 layers of 1152), the real FLUX VAE (fp32, random), the tiny
+tokenizer with BAGEL's special tokens at their real ids and a ``transform_config.json`` that edits a 256 px source
+at 256 px (:func:`write_edit_transforms`). ``ema.safetensors`` is written tensor by tensor in
 ``float8_e4m3fn`` (N(0, 0.02) weights, unit norms, zero biases): the header first, then each tensor generated,
 converted and appended, so the process never holds more than one tensor (14.6 GB on disk). The run then loads
 it with ``--weight-dtype`` (int8 by default: CPU decoding reads int8 weights directly), runs a 256 px edit
@@ -38,6 +39,7 @@ from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.checkpoint.single_file import OFFICIAL_LLM_CONFIG, OFFICIAL_VIT_CONFIG
 from unicache_core.bagel.config import bagel_config_from_dicts
 from unicache_core.bagel.request import RunHooks
+from unicache_core.bagel.transform_config import TRANSFORM_CONFIG_FILE
 from unicache_core.bagel.weights import build_bagel, checkpoint_shapes
 from unicache_core.compression import make_cache_factory
 
@@ -92,6 +94,15 @@ def write_streamed_weights(path: Path, shapes: dict[str, tuple[int, ...]], *, se
     return 8 + len(text) + offset
 
 
+def write_edit_transforms(out: Path) -> None:
+    """``transform_config.json`` for the run: the official ViT rule and a VAE rule that keeps the
+    :data:`SOURCE_SIZE` source at its size (the official VAE rule would enlarge it to 512 px), so the edit runs
+    at :data:`SOURCE_SIZE` px."""
+    rules = {"vae": {"max_size": SOURCE_SIZE, "min_size": SOURCE_SIZE // 2, "stride": 16},
+             "vit": {"max_size": 980, "min_size": 224, "stride": 14}}
+    (out / TRANSFORM_CONFIG_FILE).write_text(json.dumps(rules, indent=1) + "\n", encoding="utf-8")
+
+
 def write_real_size_checkpoint(out: Path, *, llm: dict | None = None, vit: dict | None = None,
                                full_vae: bool = True) -> Path:
     """The folder described in the module docstring (``llm``/``vit``: config overrides for a smaller twin)."""
@@ -100,8 +111,10 @@ def write_real_size_checkpoint(out: Path, *, llm: dict | None = None, vit: dict 
     marker = out / "real_size.json"
     wanted = {"llm": llm_config, "vit": vit_config, "full_vae": full_vae, "version": 1}
     if marker.is_file() and json.loads(marker.read_text()) == wanted:
+        write_edit_transforms(out)  # a folder written before the file existed gets it too
         return out
     write_tiny_checkpoint(out, force=True, full_vocab=llm_config["vocab_size"] >= 151654, full_vae=full_vae)
+    write_edit_transforms(out)
     for file_name, config in (("llm_config.json", llm_config), ("vit_config.json", vit_config)):
         (out / file_name).write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
     config = bagel_config_from_dicts(llm_config, vit_config, source=str(out))
@@ -138,7 +151,8 @@ def run(out: Path, *, weight_dtype: str = "int8", llm: dict | None = None, vit: 
         answer = pipe.understand("What is in the image?", Image.new("RGB", (SOURCE_SIZE, SOURCE_SIZE), (9, 9, 9)),
                                  preset("understanding", max_new_tokens=ANSWER_TOKENS))
         report["runs"].append({
-            "kv_method": kv_method, "edit_step_seconds": [round(s, 3) for s in steps],
+            "kv_method": kv_method, "edit_size": list(result.image.size),
+            "edit_step_seconds": [round(s, 3) for s in steps],
             "seconds_per_step": round(statistics.median(steps[1:] or steps), 3),
             "edit_kv_bytes_per_branch": result.info["cache_bytes"],
             "attention_share_of_step": round(sum(attention) / sum(steps), 4) if steps and attention else None,

@@ -21,6 +21,7 @@ def test_small_geometry_twin_writes_fp8_loads_and_runs(tmp_path):
     full, unicache = report["runs"]
     assert (full["kv_method"], unicache["kv_method"]) == ("full", "unicache")
     for row in report["runs"]:
+        assert row["edit_size"] == [256, 256]  # the source's size, not the official VAE rule's 512
         assert len(row["edit_step_seconds"]) == 2 and row["seconds_per_step"] > 0
         assert set(row["edit_kv_bytes_per_branch"]) == {"gen", "cfg_text", "cfg_img"}
         assert 0 < row["attention_share_of_step"] < 1
