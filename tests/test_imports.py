@@ -1,86 +1,94 @@
 """unicache_core must import without ComfyUI and without side effects."""
 
+import json
 import subprocess
 import sys
+
+import pytest
+
+# the module's tests share one probe interpreter: keep them on one xdist worker (make test's --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("import_probe")
 
 FORBIDDEN = ("comfy", "folder_paths", "server", "nodes", "execution")
 
 
-def _modules_after_import(module: str) -> set[str]:
-    code = (
-        "import sys, json\n"
-        f"import {module}\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    import json
+#: One fresh interpreter runs the import steps below in order and reports what each step left loaded (a fresh
+#: interpreter costs ~3 s of a test core; five of them were the suite's slowest import checks). Each step's module
+#: set contains the earlier steps' modules, so its checks are at least as strict as in a fresh interpreter of its
+#: own. What the imports printed (stdout and stderr, at the file-descriptor level) ends at a marker line written
+#: after the third step; the report goes to a file, not to stdout.
+_PROBE = """
+import importlib, json, os, pkgutil, sys
+report = {}
+import unicache_core
+report['core'] = sorted(sys.modules)
+def walk(pkg):
+    for info in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + '.'):
+        if info.name.startswith('unicache_core.bagel'):
+            continue  # walk_packages would import it to recurse
+        mod = importlib.import_module(info.name)
+        if info.ispkg:
+            walk(mod)
+walk(unicache_core)
+report['compression_core_bagel'] = sorted(m for m in sys.modules if m.startswith('unicache_core.bagel'))
+import unicache_core.bagel
+report['engine'] = sorted(sys.modules)
+sys.stdout.flush(); sys.stderr.flush()
+os.write(1, b'<marker>\\n'); os.write(2, b'<marker>\\n')
+import benchmarks
+names = []
+for pkg in (unicache_core, benchmarks):
+    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):
+        if info.name.endswith('__main__'):
+            continue
+        importlib.import_module(info.name)
+        names.append(info.name)
+report['every'] = [names, sorted(sys.modules)]
+with open(sys.argv[1], 'w') as f:
+    json.dump(report, f)
+"""
 
-    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory) -> dict:
+    """The import steps of :data:`_PROBE` in one fresh interpreter: ``{step: modules}`` plus what the first
+    three steps printed (``"printed"``: ``(stdout, stderr)`` before the marker)."""
+    path = tmp_path_factory.mktemp("imports") / "report.json"
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(path)], capture_output=True, text=True, check=True)
+    report = json.loads(path.read_text())
+    report["printed"] = (out.stdout.split("<marker>")[0], out.stderr.split("<marker>")[0])
+    return report
 
 
-def test_core_imports_without_comfyui():
-    loaded = _modules_after_import("unicache_core")
-    leaked = [m for m in loaded if m.split(".")[0] in FORBIDDEN]
-    assert leaked == [], f"importing unicache_core pulled in {leaked}"
+def _leaked(modules: list[str]) -> list[str]:
+    return [m for m in modules if m.split(".")[0] in FORBIDDEN]
 
 
-def test_bagel_engine_imports_without_comfyui():
-    loaded = _modules_after_import("unicache_core.bagel")
-    leaked = [m for m in loaded if m.split(".")[0] in FORBIDDEN]
-    assert leaked == [], f"importing unicache_core.bagel pulled in {leaked}"
+def test_core_imports_without_comfyui(probe):
+    assert _leaked(probe["core"]) == [], f"importing unicache_core pulled in {_leaked(probe['core'])}"
 
 
-def test_every_module_imports_without_comfyui():
+def test_bagel_engine_imports_without_comfyui(probe):
+    assert _leaked(probe["engine"]) == [], f"importing unicache_core.bagel pulled in {_leaked(probe['engine'])}"
+
+
+def test_every_module_imports_without_comfyui(probe):
     """Walk the whole package (compression, stores, quant, segmented, bagel.*) and the benchmarks."""
-    code = (
-        "import importlib, json, pkgutil, sys\n"
-        "import unicache_core, benchmarks\n"
-        "names = []\n"
-        "for pkg in (unicache_core, benchmarks):\n"
-        "    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
-        "        if info.name.endswith('__main__'):\n"
-        "            continue\n"
-        "        importlib.import_module(info.name)\n"
-        "        names.append(info.name)\n"
-        "print(json.dumps([names, sorted(sys.modules)]))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    import json
-
-    names, loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    names, loaded = probe["every"]
     for expected in ("unicache_core.compression.baselines", "unicache_core.compression.schedule", "unicache_core.kv.stores",
                      "unicache_core.kv.segmented_cache", "unicache_core.bagel.pipeline", "benchmarks.kv_attention"):
         assert expected in names
-    leaked = [m for m in loaded if m.split(".")[0] in FORBIDDEN]
-    assert leaked == [], f"importing the whole package pulled in {leaked}"
+    assert _leaked(loaded) == [], f"importing the whole package pulled in {_leaked(loaded)}"
 
 
-def test_import_prints_nothing():
-    out = subprocess.run(
-        [sys.executable, "-c", "import unicache_core, unicache_core.bagel"], capture_output=True, text=True, check=True
-    )
-    assert out.stdout == "" and out.stderr == ""
+def test_import_prints_nothing(probe):
+    """Importing unicache_core, every model-agnostic module and unicache_core.bagel writes nothing at all."""
+    assert probe["printed"] == ("", "")
 
 
-def test_compression_core_never_imports_the_bagel_engine():
+def test_compression_core_never_imports_the_bagel_engine(probe):
     """Everything outside unicache_core.bagel (KV core, compression methods, ...) is model-agnostic."""
-    code = (
-        "import importlib, json, pkgutil, sys\n"
-        "def walk(pkg):\n"
-        "    for info in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + '.'):\n"
-        "        if info.name.startswith('unicache_core.bagel'):\n"
-        "            continue  # walk_packages would import it to recurse\n"
-        "        mod = importlib.import_module(info.name)\n"
-        "        if info.ispkg:\n"
-        "            walk(mod)\n"
-        "import unicache_core\n"
-        "walk(unicache_core)\n"
-        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('unicache_core.bagel'))))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    import json
-
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    assert probe["compression_core_bagel"] == []
 
 
 def test_pack_entry_imports_as_a_plain_module():

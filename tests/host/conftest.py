@@ -4,7 +4,8 @@ Every test here carries the ``host`` marker (the browser test also ``browser``);
 them, ``make test-host`` / ``.ci/run`` run them. Nothing is skipped silently: if the host cannot be
 installed or started, or the bundled checkpoint cannot be written, the tests fail with the log tail.
 
-One server per test module, started with ``--base-directory`` in a throw-away folder that holds, before the
+One shared server for the modules that use the ``comfy`` fixture (modules that need a host started with other
+options start their own), started with ``--base-directory`` in a throw-away folder that holds, before the
 start (ComfyUI lists model combos from what is on disk): the pack link, a corrupt copy of the tiny
 checkpoint (``models/bagel/corrupt-tiny``, for the run-time error test) and the input images that the
 shipped workflows name. The bundled default checkpoint is the pack's ``models/bagel/bagel-tiny``
@@ -30,6 +31,20 @@ CORRUPT = "corrupt-tiny"
 
 
 # ------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session", autouse=True)
+def passive_openmp_waits():
+    """Every host, Ray node and tool these tests start waits for work asleep (``OMP_WAIT_POLICY=PASSIVE``).
+
+    The batch tests run two or three hosts of 2 torch threads each on this 2-core machine; OpenMP's default
+    spin-waiting then lets each host's idle threads take the cores the other host's busy ones need (the two
+    Ray host tests took 174 s with spinning and 86 s without). The policy changes how threads wait, never
+    how work is split, so results stay bit for bit those of a host alone."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    yield
+    patch.undo()
 
 
 @pytest.fixture(scope="session")
@@ -94,9 +109,11 @@ def _corrupt_checkpoint(base: Path, bundled: Path) -> None:
         ema.write_bytes(data[: len(data) // 2])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def comfy(host_install, bundled_checkpoint, tmp_path_factory) -> Comfy:
-    """One server per test module (stopped when the module ends, so no host idles beside the unit suite)."""
+    """One server for the whole host session (each start costs 10-20 s of a 2-core machine); the tests that share
+    it never depend on what an earlier one left cached. It stops when the session ends; the host tests run in
+    their own pytest process, after the unit suite, so it never idles beside it."""
     base = comfyhost.prepare_base(tmp_path_factory.mktemp("comfybase"))
     _corrupt_checkpoint(base, bundled_checkpoint)
     _input_images(base)
