@@ -6,7 +6,10 @@ For the bundled model (``models/bagel/unicache-shapes``, 128 px) and the medium 
 (:mod:`benchmarks.medium`, written to ``out/medium`` when missing; 512 px), and each task (understanding with a
 16-token answer, text-to-image and edit with 3 timesteps), bf16 compute:
 
-- ``plan_bytes``: :func:`~unicache_core.bagel.memory_plan.plan_memory`'s peak for that request;
+- ``plan_bytes``: :func:`~unicache_core.bagel.memory_plan.plan_memory`'s peak for that request on the CPU
+  (with the CPU runtime's own memory, ``cpu_kernel_cache`` and ``cpu_freed_heap``), compared with the RSS;
+- ``plan_tensor_bytes``: the same plan without those parts
+  (:func:`~unicache_core.bagel.memory_plan.tensor_peak_bytes`), compared with the tensors;
 - ``tensor_bytes``: tensor accounting: the loaded model's and VAE's parameter bytes plus the peak of the tensors
   alive during the run (:class:`~unicache_core.bagel.memory_trace.TensorMemoryTracker`);
 - ``rss_bytes``: the whole process in a fresh subprocess: ``VmHWM`` over the load and the run minus the resident
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +36,7 @@ from benchmarks.report_file import write_json_report
 from benchmarks.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.checkpoint.tensor_file import release_freed_host_memory
-from unicache_core.bagel.memory_plan import PlanSettings, plan_config, plan_memory
+from unicache_core.bagel.memory_plan import PlanSettings, plan_config, plan_memory, tensor_peak_bytes
 from unicache_core.bagel.memory_trace import TensorMemoryTracker
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT
 from unicache_core.bagel.weights import parameter_bytes
@@ -46,6 +50,7 @@ PROMPT = "make the square red and the background dark"
 ANSWER_TOKENS = 16
 TIMESTEPS = 3
 TOLERANCE = 0.10
+logger = logging.getLogger("benchmarks.memory_plan_check")
 
 
 def run_request(loaded, task: str, size: int) -> None:
@@ -60,21 +65,23 @@ def run_request(loaded, task: str, size: int) -> None:
         pipe.edit(PROMPT, image, preset("edit", num_timesteps=TIMESTEPS))
 
 
-def planned_bytes(checkpoint: Path, task: str, size: int, tokenizer) -> int:
-    """The plan's peak for :func:`run_request`'s request (its prompt and answer lengths)."""
-    settings = PlanSettings(task=task, width=size, height=size)
+def planned_bytes(checkpoint: Path, task: str, size: int, tokenizer) -> tuple[int, int]:
+    """``(peak, tensor peak)`` of the CPU plan of :func:`run_request`'s request (its prompt and answer lengths)."""
+    settings = PlanSettings(task=task, width=size, height=size, device="cpu")
     plan = plan_memory(plan_config(checkpoint), settings, 1 << 40, prompt_tokens=len(tokenizer.encode(PROMPT)),
                        answer_tokens=ANSWER_TOKENS)
-    return plan.peak_bytes
+    return plan.peak_bytes, tensor_peak_bytes(plan)
 
 
-def tensor_accounting(checkpoint: Path, task: str, size: int) -> tuple[int, int]:
-    """``(measured, planned)``: parameter bytes + the run's peak of live tensors, and the plan's peak."""
+def tensor_accounting(checkpoint: Path, task: str, size: int) -> tuple[int, int, int]:
+    """``(measured, planned tensors, planned peak)``: parameter bytes + the run's peak of live tensors, and the
+    CPU plan's tensor peak and whole peak (:func:`planned_bytes`)."""
     loaded = load_bagel(checkpoint)
     params = parameter_bytes(loaded.model) + parameter_bytes(loaded.vae)
     with torch.inference_mode(), TensorMemoryTracker() as tracker:
         run_request(loaded, task, size)
-    return params + tracker.peak_bytes, planned_bytes(checkpoint, task, size, loaded.tokenizer)
+    peak, tensors = planned_bytes(checkpoint, task, size, loaded.tokenizer)
+    return params + tracker.peak_bytes, tensors, peak
 
 
 def _rss_of_run(checkpoint: Path, task: str, size: int) -> int:
@@ -104,25 +111,28 @@ def check(checkpoints: dict[str, tuple[Path, int]], *, rss: bool = True, tasks=T
     rows = []
     for name, (checkpoint, size) in checkpoints.items():
         for task in tasks:
-            measured, planned = tensor_accounting(checkpoint, task, size)
-            row = {"checkpoint": name, "task": task, "size": size, "plan_bytes": planned, "tensor_bytes": measured,
-                   "tensor_error": round(planned / measured - 1, 4), "rss_bytes": None, "rss_error": None}
+            measured, planned_tensors, planned = tensor_accounting(checkpoint, task, size)
+            row = {"checkpoint": name, "task": task, "size": size, "plan_bytes": planned,
+                   "plan_tensor_bytes": planned_tensors, "tensor_bytes": measured,
+                   "tensor_error": round(planned_tensors / measured - 1, 4), "rss_bytes": None, "rss_error": None}
             if rss:
                 row["rss_bytes"] = rss_in_subprocess(checkpoint, task, size)
                 row["rss_error"] = round(planned / row["rss_bytes"] - 1, 4)
+            logger.info("%s", format_table([row]).splitlines()[-1])
             rows.append(row)
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
     mb = 1e6
-    lines = [f"{'checkpoint':10s} {'task':5s} {'px':>4s} {'plan MB':>9s} {'tensors MB':>11s} {'err':>7s} "
-             f"{'RSS MB':>9s} {'err':>7s}"]
+    lines = [f"{'checkpoint':10s} {'task':5s} {'px':>4s} {'plan MB':>9s} {'tensors':>9s} {'measured':>9s} "
+             f"{'err':>7s} {'RSS MB':>9s} {'err':>7s}"]
     for r in rows:
         rss = "-" if r["rss_bytes"] is None else f"{r['rss_bytes'] / mb:9.2f}"
         rss_err = "-" if r["rss_error"] is None else f"{r['rss_error']:+7.1%}"
         lines.append(f"{r['checkpoint']:10s} {r['task']:5s} {r['size']:4d} {r['plan_bytes'] / mb:9.2f} "
-                     f"{r['tensor_bytes'] / mb:11.2f} {r['tensor_error']:+7.1%} {rss:>9s} {rss_err:>7s}")
+                     f"{r['plan_tensor_bytes'] / mb:9.2f} {r['tensor_bytes'] / mb:9.2f} {r['tensor_error']:+7.1%} "
+                     f"{rss:>9s} {rss_err:>7s}")
     return "\n".join(lines)
 
 
@@ -138,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(f"{_rss_of_run(Path(checkpoint), task, int(size))}\n")
         return 0
     from benchmarks.medium import write_medium_checkpoint
+
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logger.setLevel(logging.INFO)
 
     medium = write_medium_checkpoint(args.medium)
     rows = check({"bundled": (BUNDLED, 128), "medium": (medium, 512)}, rss=not args.no_rss)

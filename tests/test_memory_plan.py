@@ -1,5 +1,6 @@
-"""The memory plan: its JSON, the official geometry without files, the suggestion, the CLI, and the plan's weight
-and KV figures against what a run on the bundled model holds."""
+"""The memory plan: its JSON, the official geometry without files, the suggestion, the CLI, the CPU runtime's own
+terms (and GPU plans without them), and the plan's weight and KV figures against what a run on the bundled model
+holds."""
 
 from __future__ import annotations
 
@@ -7,13 +8,16 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from unicache_core.bagel.__main__ import main as cli_main
 from unicache_core.bagel.checkpoint.loader import load_bagel
-from unicache_core.bagel.memory_plan import NOT_IN_PEAK, PlanSettings, official_config, plan_config, plan_memory
+from unicache_core.bagel.memory_plan import (CPU_MATMUL_KERNEL_BYTES, GLIBC_MMAP_THRESHOLD_MAX, NOT_IN_PEAK,
+                                             PlanSettings, cpu_runtime_parts, matmul_shapes, official_config,
+                                             plan_config, plan_memory, request_tokens, tensor_peak_bytes)
 from unicache_core.bagel.pipeline import BagelPipeline
-from unicache_core.bagel.settings import T2I_DEFAULTS
+from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR, T2I_DEFAULTS
 from unicache_core.bagel.weights import parameter_bytes
 
 GB = 10**9
@@ -110,3 +114,47 @@ def test_official_plan_attention_holds_no_whole_score_matrix():
     scores = 4098 * 13000 * config.llm.num_attention_heads * 4
     assert plan.breakdown["attention"] < scores / 20
     assert plan.fits  # fp8 weights, resident: fits 24 GB now that the phases are not added up
+
+
+GPU_PLAN_KEYS = {"weights_device_bfloat16", "weights_host", "vae", "upcast", "kv_full", "attention", "mlp",
+                 "vae_working", "working", "kv_compressed"}
+
+
+def test_cuda_plan_is_unchanged_by_the_cpu_terms():
+    """A GPU plan keeps its breakdown (no CPU term); the CPU plan adds both and keeps the same tensor peak."""
+    cuda, default = _plan(device="cuda"), _plan()
+    assert set(cuda.breakdown) == GPU_PLAN_KEYS and cuda == default
+    assert cuda.peak_bytes == sum(v for k, v in cuda.breakdown.items() if k not in NOT_IN_PEAK)
+    cpu = _plan(device="cpu")
+    assert set(cpu.breakdown) == GPU_PLAN_KEYS | {"cpu_kernel_cache", "cpu_freed_heap", "cpu_vae_heap"}
+    assert tensor_peak_bytes(cpu) == cuda.peak_bytes == tensor_peak_bytes(cuda)
+    assert cpu.peak_bytes == cuda.peak_bytes + cpu.breakdown["cpu_kernel_cache"] + (
+        cpu.breakdown["working"] - cuda.breakdown["working"])
+
+
+def test_cpu_terms_of_a_known_request():
+    """BAGEL-7B-MoT, a 1024x1024 understanding: the kernels of its linear shapes and the heap its forward keeps; the
+    bundled model's 128 px text-to-image: its VAE heap, two of its largest activations under glibc's mmap threshold."""
+    config = official_config()
+    tokens = request_tokens(config, "understanding", 1024, 1024, prompt_tokens=64, answer_tokens=16)
+    assert tokens.vit == 4900 and tokens.decoded == 16  # 70 x 70 patches of 14 px (the ViT's 980 px resize)
+    # row counts 66 (prompt), 4902 (ViT block), 1 (answer); 5 decoder shapes each (q with a bias, o without, both
+    # 3584 x 3584; k/v; gate/up; down); 6 ViT/connector shapes at 4900 rows; lm_head at 1 row
+    assert len(matmul_shapes(config, tokens)) == 3 * 5 + 6 + 1
+    parts = cpu_runtime_parts(config, torch.bfloat16, tokens)
+    assert parts["kernel_cache"] == 22 * CPU_MATMUL_KERNEL_BYTES and parts["vae_heap"] == 0  # no VAE here
+    # 4902 rows: fp32 attention outputs 4902*3584*4 = 70 MB and the 18944-wide MLP tensors 186 MB are mapped
+    # apart (>= 32 MiB); the 4 + 1 hidden-size tensors of 4902*3584*2 = 35.1 MB are too
+    assert parts["freed_heap"] == 0
+    small = request_tokens(config, "understanding", 448, 448, prompt_tokens=64, answer_tokens=16)
+    rows = small.largest_block()
+    hidden = rows * 3584 * 2
+    assert hidden < GLIBC_MMAP_THRESHOLD_MAX
+    assert cpu_runtime_parts(config, torch.bfloat16, small)["freed_heap"] == sum(
+        size * count for size, count in ((rows * 28 * 128 * 4, 2), (rows * 18944 * 2, 3), (hidden, 5))
+        if size < GLIBC_MMAP_THRESHOLD_MAX)
+    assert cpu_runtime_parts(config, torch.float32, tokens)["kernel_cache"] == 0  # fp32 products: MKL, no cache
+    bundled = plan_config(BUNDLED_CHECKPOINT_DIR)
+    t2i = request_tokens(bundled, "t2i", 128, 128)
+    # the bundled VAE decodes 128 px through 64-channel fp32 maps; the largest, 64 x 128 x 128 x 4 = 4 MiB, is heap
+    assert cpu_runtime_parts(bundled, torch.bfloat16, t2i)["vae_heap"] == 2 * 64 * 128 * 128 * 4

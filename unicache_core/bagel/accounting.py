@@ -211,24 +211,53 @@ def _latent_grid(latent_tokens: int, latent_downsample: int, vae_downsample: int
     return rows * cells, (latent_tokens // rows) * cells
 
 
-@functools.lru_cache(maxsize=64)
-def vae_working_bytes(config: BagelConfig, latent_tokens: int, *, decode: bool) -> int:
-    """Peak bytes of the fp32 tensors the VAE creates decoding (or encoding) an image of ``latent_tokens``
-    BAGEL latent tokens (``16 x 16`` pixels each), measured on meta tensors (nothing is allocated)."""
-    from .memory_trace import meta_peak_bytes
+def _meta_vae_call(config: BagelConfig, latent_tokens: int, decode: bool):
+    """A function running the VAE's decode (or encode) of ``latent_tokens`` BAGEL latent tokens on meta tensors."""
     from .modeling import AutoEncoder
 
-    if latent_tokens <= 0:
-        return 0
     ae = config.ae
     height, width = _latent_grid(latent_tokens, config.latent_downsample, ae.downsample)
     with torch.device("meta"):
         vae = AutoEncoder(ae)
     if decode:
         latent = torch.zeros(1, ae.z_channels, height, width, device="meta")
-        return meta_peak_bytes(lambda: vae.decode(latent))
+        return lambda: vae.decode(latent)
     image = torch.zeros(1, ae.in_channels, height * ae.downsample, width * ae.downsample, device="meta")
-    return meta_peak_bytes(lambda: vae.encode(image, sample=False))
+    return lambda: vae.encode(image, sample=False)
+
+
+@functools.lru_cache(maxsize=64)
+def vae_working_bytes(config: BagelConfig, latent_tokens: int, *, decode: bool) -> int:
+    """Peak bytes of the fp32 tensors the VAE creates decoding (or encoding) an image of ``latent_tokens``
+    BAGEL latent tokens (``16 x 16`` pixels each), measured on meta tensors (nothing is allocated)."""
+    from .memory_trace import meta_peak_bytes
+
+    if latent_tokens <= 0:
+        return 0
+    return meta_peak_bytes(_meta_vae_call(config, latent_tokens, decode))
+
+
+@functools.lru_cache(maxsize=64)
+def vae_activation_below(config: BagelConfig, latent_tokens: int, limit: int, *, decode: bool) -> int:
+    """Bytes of the largest tensor under ``limit`` bytes that the VAE's decode (or encode) of ``latent_tokens``
+    BAGEL latent tokens creates (recorded on meta tensors; 0 without any)."""
+    from .memory_trace import meta_tensor_sizes
+
+    if latent_tokens <= 0:
+        return 0
+    return max((size for size in meta_tensor_sizes(_meta_vae_call(config, latent_tokens, decode)) if size < limit),
+               default=0)
+
+
+@functools.lru_cache(maxsize=64)
+def vae_convolution_shapes(config: BagelConfig, latent_tokens: int, *, decode: bool) -> frozenset:
+    """The distinct convolutions (input shape, weight shape, stride, padding) of the VAE's decode (or encode) of
+    ``latent_tokens`` BAGEL latent tokens, recorded on meta tensors."""
+    from .memory_trace import meta_convolution_shapes
+
+    if latent_tokens <= 0:
+        return frozenset()
+    return frozenset(meta_convolution_shapes(_meta_vae_call(config, latent_tokens, decode)))
 
 
 __all__ = [
@@ -242,5 +271,7 @@ __all__ = [
     "request_memory_bytes",
     "request_memory_parts",
     "understanding_positions",
+    "vae_activation_below",
+    "vae_convolution_shapes",
     "vae_working_bytes",
 ]

@@ -33,7 +33,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--kv-method", default="full")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--device", default="auto", help="the device whose memory is planned for ('auto': cuda if any)")
+    p.add_argument("--device", default="auto",
+                   help="the device whose memory is planned for ('auto': cuda if any, and with --device-memory a GPU; "
+                        "cpu adds the CPU runtime's own memory)")
     p.add_argument("--device-memory", default=None, help="plan for a device of this size instead (e.g. 24GB)")
     p.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
     p.add_argument("-q", "--quiet", action="store_true", help="no log output")
@@ -79,12 +81,15 @@ def _plan_of(args, checkpoint, task: str, width: int, height: int, device_memory
     if width < 0 or height < 0:
         raise ValueError(f"--width/--height must be positive, got {width}x{height}")
     config = plan_config(checkpoint if checkpoint is not None else BUNDLED_CHECKPOINT_DIR)
-    if device_memory is not None:
+    if device_memory is not None:  # a device that need not be here: a GPU unless --device names the CPU
         total = parse_memory_size(device_memory)
+        planned = torch.device(device if device is not None else "cuda" if args.device == "auto" else args.device)
     else:
-        total = device_memory_bytes(torch.device(device if device is not None else resolve_device(args.device)))
+        planned = torch.device(device if device is not None else resolve_device(args.device))
+        total = device_memory_bytes(planned)
     settings = PlanSettings(task=task, width=width, height=height, kv_method=args.kv_method,
-                            weight_dtype=args.weight_dtype, dtype=args.dtype, offload=args.offload)
+                            weight_dtype=args.weight_dtype, dtype=args.dtype, offload=args.offload,
+                            device=planned.type)
     return plan_memory(config, settings, total)
 
 

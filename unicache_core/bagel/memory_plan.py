@@ -15,8 +15,19 @@
   upcast at once to the compute dtype (one decoder layer inside :func:`~.modeling.operations.shared_upcasts`,
   or ``lm_head``).
 
-The peak is the sum of the parts not in :data:`NOT_IN_PEAK`. On CPU it is within 10% of a run's tensor
-accounting and resident set on the bundled and the medium checkpoints (``python -m benchmarks.memory_plan_check``).
+On the CPU (``device="cpu"``) two parts the tensors do not show are added (:func:`cpu_runtime_parts`):
+
+- ``cpu_kernel_cache``: oneDNN, which runs the bf16 matrix products and the VAE's convolutions on the CPU,
+  compiles and keeps a kernel for every new operand shape (:data:`CPU_MATMUL_KERNEL_BYTES` each product
+  shape, :data:`CPU_CONV_KERNEL_BYTES` each convolution shape), counted from the request's shapes;
+- ``cpu_freed_heap`` and ``cpu_vae_heap`` (inside ``working``, detailed apart): glibc keeps memory that is freed
+  resident when its blocks are under its largest mmap threshold (:data:`GLIBC_MMAP_THRESHOLD_MAX`), and a new
+  tensor seldom fits the holes: an LLM forward's resident set holds its activations about twice, a VAE pass
+  holds about two of its largest such activations more than its tensors.
+
+The peak is the sum of the parts not in :data:`NOT_IN_PEAK`; :func:`tensor_peak_bytes` is the peak without the
+CPU parts. ``python -m benchmarks.memory_plan_check`` checks both on the CPU, on the bundled and the medium
+checkpoints, against a run's tensor accounting and the process's resident set.
 ``bagel-7b-mot`` plans BAGEL-7B-MoT's geometry without any file (:data:`OFFICIAL_CHECKPOINT`).
 """
 
@@ -31,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .accounting import RequestTokens, image_tokens, kv_bytes_per_token, request_memory_parts
+from .accounting import BOUNDARY_TOKENS, RequestTokens, image_tokens, kv_bytes_per_token, request_memory_parts
 from .config import BagelConfig, bagel_config_from_dicts, load_bagel_config
 from .settings import UNDERSTANDING_DEFAULTS
 
@@ -42,7 +53,17 @@ OFFICIAL_CHECKPOINT = "bagel-7b-mot"
 #: Prompt tokens a plan assumes (a long instruction; the prompt is small beside the image tokens).
 PLAN_PROMPT_TOKENS = 64
 #: Breakdown entries that detail the peak's parts or lie outside it (the rest add up to ``peak_bytes``).
-NOT_IN_PEAK = ("weights_host", "kv_compressed", "upcast", "attention", "mlp", "vae_working")
+NOT_IN_PEAK = ("weights_host", "kv_compressed", "upcast", "attention", "mlp", "vae_working", "cpu_freed_heap",
+               "cpu_vae_heap")
+#: Bytes oneDNN keeps per bf16 matrix-product shape it has run (its compiled kernel): 0.55-0.61 MB measured
+#: for 40 row counts each of four weight shapes (64x128 to 1792x896), 0.15-1.1 MB for row counts near 1300.
+CPU_MATMUL_KERNEL_BYTES = 600_000
+#: Bytes oneDNN keeps per fp32 convolution shape it has run: 0.36 MB (32 channels) and 0.10 MB (64 channels)
+#: measured over 16 image sizes each.
+CPU_CONV_KERNEL_BYTES = 250_000
+#: glibc's largest dynamic mmap threshold on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``): blocks at least
+#: this large are always mapped apart and given back when freed; smaller ones come from the heap, which keeps them.
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
 #: Tasks a plan accepts (the CLI's names).
 PLAN_TASKS = {"und": "understanding", "understand": "understanding", "t2i": "t2i", "edit": "edit"}
 #: Weight dtypes tried, in order, when the chosen settings do not fit (cheapest in quality first).
@@ -92,6 +113,8 @@ class PlanSettings:
     weight_dtype: str = "auto"
     dtype: str = "bf16"
     offload: str = "none"
+    #: the device type planned for; ``"cpu"`` adds the CPU runtime's own memory (:func:`cpu_runtime_parts`)
+    device: str = "cuda"
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -189,7 +212,14 @@ def _predict(config: BagelConfig, settings: PlanSettings, device_bytes: int,
     parts["kv_full"] = sum(kv_branches.values())
     work = request_memory_parts(config, dtype, tokens)
     parts.update(attention=work["attention"], mlp=work["mlp"], vae_working=work["vae"])
-    parts["working"] = max(parts["upcast"] + work["attention"] + work["mlp"], work["vae"])
+    freed_heap = vae_heap = 0
+    if settings.device == "cpu":
+        cpu = cpu_runtime_parts(config, dtype, tokens)
+        parts["cpu_kernel_cache"] = cpu["kernel_cache"]
+        freed_heap = parts["cpu_freed_heap"] = cpu["freed_heap"]
+        vae_heap = parts["cpu_vae_heap"] = cpu["vae_heap"]
+    parts["working"] = max(parts["upcast"] + work["attention"] + work["mlp"] + freed_heap,
+                           work["vae"] + vae_heap if work["vae"] else 0)
     peak = sum(v for k, v in parts.items() if k not in NOT_IN_PEAK)
     if settings.kv_method != "full":
         target = KVConfig(method=settings.kv_method).target_ratio(task)
@@ -197,6 +227,90 @@ def _predict(config: BagelConfig, settings: PlanSettings, device_bytes: int,
         parts["kv_compressed"] = int(parts["kv_full"] * ratio)
     return MemoryPlan(peak_bytes=int(peak), breakdown=parts, device_bytes=int(device_bytes),
                       fits=peak <= device_bytes, suggestion=None, settings=settings, kv_branches=kv_branches)
+
+
+def tensor_peak_bytes(plan: MemoryPlan) -> int:
+    """The plan's peak without the CPU runtime's own memory: what the tensors alone should reach."""
+    parts = plan.breakdown
+    if "cpu_kernel_cache" not in parts:
+        return plan.peak_bytes
+    tensor_working = max(parts["upcast"] + parts["attention"] + parts["mlp"], parts["vae_working"])
+    return plan.peak_bytes - parts["cpu_kernel_cache"] - (parts["working"] - tensor_working)
+
+
+def matmul_shapes(config: BagelConfig, tokens: RequestTokens) -> set[tuple[int, int, int, bool]]:
+    """The distinct ``(rows, in_features, out_features, bias)`` of the linear layers a request runs (oneDNN keeps
+    one kernel for each).
+
+    Each context block runs every decoder layer's projections at its own row count (the CFG branches one after
+    the other, each block's und tokens and gen tokens apart); the ViT and the connector run at the ViT's token
+    count, the latent heads and the timestep embedder at the latent count, ``lm_head`` at one row per answer
+    token.
+    """
+    llm, vit = config.llm, config.vit
+    hidden, q_out, kv_out = llm.hidden_size, llm.num_attention_heads * llm.head_dim, llm.num_key_value_heads * llm.head_dim
+    decoder = {(hidden, q_out, True), (hidden, kv_out, True), (q_out, hidden, False),
+               (hidden, llm.intermediate_size, False), (llm.intermediate_size, hidden, False)}
+    rows = {tokens.prompt + BOUNDARY_TOKENS}
+    if tokens.system:
+        rows.add(tokens.system + BOUNDARY_TOKENS)
+    if tokens.vit:
+        rows.add(tokens.vit + BOUNDARY_TOKENS)
+    for gen_tokens in (tokens.vae, tokens.latent):
+        if gen_tokens:
+            rows.update((gen_tokens, BOUNDARY_TOKENS))
+    if tokens.decoded:
+        rows.add(1)
+    shapes = {(n, k, o, bias) for n in rows for k, o, bias in decoder}
+    if tokens.vit:
+        patch = 3 * vit.patch_size ** 2
+        shapes.update((tokens.vit, k, o, True) for k, o in ((patch, vit.hidden_size), (vit.hidden_size, vit.hidden_size),
+                                                       (vit.hidden_size, vit.intermediate_size),
+                                                       (vit.intermediate_size, vit.hidden_size),
+                                                       (vit.hidden_size, hidden), (hidden, hidden)))
+    for gen_tokens in {tokens.vae, tokens.latent} - {0}:
+        shapes.add((gen_tokens, config.patch_latent_dim, hidden, True))
+    if tokens.latent:
+        shapes.update((tokens.latent, k, o, True) for k, o in ((hidden, config.patch_latent_dim), (256, hidden),
+                                                          (hidden, hidden)))
+    if tokens.decoded:
+        shapes.add((1, hidden, llm.vocab_size, False))
+    return shapes
+
+
+def cpu_runtime_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens) -> dict[str, int]:
+    """The CPU runtime's own memory beside the tensors (module docstring): ``kernel_cache``, ``freed_heap`` and
+    ``vae_heap``.
+
+    ``kernel_cache`` = :data:`CPU_MATMUL_KERNEL_BYTES` x :func:`matmul_shapes` (bf16/fp16 compute: fp32 products
+    go to MKL, which keeps none) + :data:`CPU_CONV_KERNEL_BYTES` x the VAE's distinct convolutions
+    (:func:`~.accounting.vae_convolution_shapes`). ``freed_heap``: the LLM forward's activations
+    (:func:`~.accounting.request_memory_parts`) whose single tensors stay under :data:`GLIBC_MMAP_THRESHOLD_MAX`.
+    ``vae_heap``: two of the VAE pass's largest activations under that threshold
+    (:func:`~.accounting.vae_activation_below`).
+
+    Measured on the medium checkpoint's 512 px understanding (1298-token ViT block): the first decoder layer
+    raised the resident set by 47-66 MB and the next by 4-15 MB for 35 MB of planned activations; every new
+    shape of the bundled model's understanding added its kernel (+2.9 MB for the prompt block's 5 shapes); a VAE
+    decode alone raised it 7-12 MB above its tensors on the bundled model (4.2 MB activations at 128-256 px) and
+    10 MB on the medium one at 512 px (33.5 MB full-size activations, mapped apart; 8.4 MB at half size).
+    """
+    from .accounting import vae_activation_below, vae_convolution_shapes
+
+    products = len(matmul_shapes(config, tokens)) if dtype != torch.float32 else 0
+    convolutions = len(vae_convolution_shapes(config, tokens.vae, decode=False)
+                       | vae_convolution_shapes(config, tokens.latent, decode=True))
+    llm = config.llm
+    element = torch.empty((), dtype=dtype).element_size()
+    queries = tokens.largest_block()
+    branches = 1 if tokens.task == "understanding" else 3
+    blocks = [(2, queries * llm.num_attention_heads * llm.head_dim * 4),
+              (3, queries * llm.intermediate_size * element), (4 + branches, queries * llm.hidden_size * element)]
+    freed_heap = sum(count * size for count, size in blocks if size < GLIBC_MMAP_THRESHOLD_MAX)
+    vae_heap = 2 * max(vae_activation_below(config, tokens.vae, GLIBC_MMAP_THRESHOLD_MAX, decode=False),
+                       vae_activation_below(config, tokens.latent, GLIBC_MMAP_THRESHOLD_MAX, decode=True))
+    return {"kernel_cache": products * CPU_MATMUL_KERNEL_BYTES + convolutions * CPU_CONV_KERNEL_BYTES,
+            "freed_heap": int(freed_heap), "vae_heap": int(vae_heap)}
 
 
 def _suggest(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> str:
@@ -227,5 +341,6 @@ def describe(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["MemoryPlan", "NOT_IN_PEAK", "OFFICIAL_CHECKPOINT", "PlanSettings", "describe", "device_memory_bytes",
-           "official_config", "parse_memory_size", "plan_config", "plan_memory", "request_tokens"]
+__all__ = ["CPU_CONV_KERNEL_BYTES", "CPU_MATMUL_KERNEL_BYTES", "GLIBC_MMAP_THRESHOLD_MAX", "MemoryPlan", "NOT_IN_PEAK",
+           "OFFICIAL_CHECKPOINT", "PlanSettings", "cpu_runtime_parts", "describe", "device_memory_bytes", "matmul_shapes",
+           "official_config", "parse_memory_size", "plan_config", "plan_memory", "request_tokens", "tensor_peak_bytes"]

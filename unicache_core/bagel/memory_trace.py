@@ -26,6 +26,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         live_bytes: bytes of the tracked storages alive now.
         peak_bytes: the most ``live_bytes`` reached since entry or the last :meth:`reset_peak`.
         phase_peaks: ``{name: peak}`` of the spans opened with :meth:`phase`.
+        storage_sizes: the distinct byte sizes of the storages tracked.
     """
 
     def __init__(self) -> None:
@@ -35,6 +36,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self.phase_peaks: dict[str, int] = {}
+        self.storage_sizes: set[int] = set()
 
     def _forget(self, key: int) -> None:
         remaining = self._tensor_counts[key] - 1
@@ -49,6 +51,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         key = storage._cdata  # the storage's own address: shared by every view of it, on any device
         if key not in self._storage_bytes:
             self._storage_bytes[key] = storage.nbytes()
+            self.storage_sizes.add(storage.nbytes())
             self._tensor_counts[key] = 0
             self.live_bytes += storage.nbytes()
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
@@ -86,4 +89,33 @@ def meta_peak_bytes(run: Callable[[], object]) -> int:
     return tracker.peak_bytes
 
 
-__all__ = ["TensorMemoryTracker", "meta_peak_bytes"]
+def meta_tensor_sizes(run: Callable[[], object]) -> set[int]:
+    """The distinct byte sizes of the tensors ``run`` creates (run under a tracker, e.g. on meta tensors)."""
+    with torch.inference_mode(), TensorMemoryTracker() as tracker:
+        run()
+    return tracker.storage_sizes
+
+
+class ConvolutionShapes(TorchDispatchMode):
+    """The distinct convolutions run while active (``shapes``: ``(input shape, weight shape, stride, padding)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution.default:
+            image, weight, _, stride, padding = args[:5]
+            self.shapes.add((tuple(image.shape), tuple(weight.shape), tuple(stride), tuple(padding)))
+        return func(*args, **(kwargs or {}))
+
+
+def meta_convolution_shapes(run: Callable[[], object]) -> set[tuple]:
+    """The distinct convolutions ``run`` performs (:class:`ConvolutionShapes`), e.g. on meta tensors."""
+    with torch.inference_mode(), ConvolutionShapes() as recorder:
+        run()
+    return recorder.shapes
+
+
+__all__ = ["ConvolutionShapes", "TensorMemoryTracker", "meta_convolution_shapes", "meta_peak_bytes",
+           "meta_tensor_sizes"]
