@@ -100,10 +100,10 @@ def test_plan_matches_the_tensors_a_run_holds(tiny_checkpoint: Path, task: str, 
 
 @pytest.mark.parametrize("task", ["und", "t2i", "edit"])
 def test_plan_peak_matches_the_tensor_accounting_of_a_run(task: str):
-    """The plan's peak within 10% of parameter bytes + the peak of the tensors alive during a CPU run."""
+    """The CPU plan's tensor peak within 10% of parameter bytes + the peak of the tensors alive during a CPU run."""
     from benchmarks.memory_plan_check import BUNDLED, TOLERANCE, tensor_accounting
 
-    measured, planned = tensor_accounting(BUNDLED, task, 128)
+    measured, planned, _ = tensor_accounting(BUNDLED, task, 128)
     assert abs(planned / measured - 1) <= TOLERANCE, (task, planned, measured)
 
 
@@ -116,17 +116,13 @@ def test_official_plan_attention_holds_no_whole_score_matrix():
     assert plan.fits  # fp8 weights, resident: fits 24 GB now that the phases are not added up
 
 
-GPU_PLAN_KEYS = {"weights_device_bfloat16", "weights_host", "vae", "upcast", "kv_full", "attention", "mlp",
-                 "vae_working", "working", "kv_compressed"}
-
-
 def test_cuda_plan_is_unchanged_by_the_cpu_terms():
     """A GPU plan keeps its breakdown (no CPU term); the CPU plan adds both and keeps the same tensor peak."""
     cuda, default = _plan(device="cuda"), _plan()
-    assert set(cuda.breakdown) == GPU_PLAN_KEYS and cuda == default
+    assert not any(name.startswith("cpu_") for name in cuda.breakdown) and cuda == default
     assert cuda.peak_bytes == sum(v for k, v in cuda.breakdown.items() if k not in NOT_IN_PEAK)
     cpu = _plan(device="cpu")
-    assert set(cpu.breakdown) == GPU_PLAN_KEYS | {"cpu_kernel_cache", "cpu_freed_heap", "cpu_vae_heap"}
+    assert set(cpu.breakdown) == set(cuda.breakdown) | {"cpu_kernel_cache", "cpu_freed_heap", "cpu_vae_heap"}
     assert tensor_peak_bytes(cpu) == cuda.peak_bytes == tensor_peak_bytes(cuda)
     assert cpu.peak_bytes == cuda.peak_bytes + cpu.breakdown["cpu_kernel_cache"] + (
         cpu.breakdown["working"] - cuda.breakdown["working"])

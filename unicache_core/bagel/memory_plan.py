@@ -23,7 +23,8 @@ On the CPU (``device="cpu"``) two parts the tensors do not show are added (:func
 - ``cpu_freed_heap`` and ``cpu_vae_heap`` (inside ``working``, detailed apart): glibc keeps memory that is freed
   resident when its blocks are under its largest mmap threshold (:data:`GLIBC_MMAP_THRESHOLD_MAX`), and a new
   tensor seldom fits the holes: an LLM forward's resident set holds its activations about twice, a VAE pass
-  holds about two of its largest such activations more than its tensors.
+  holds about two of its largest such activations more than its tensors (an edit's decode also those of its
+  encode).
 
 The peak is the sum of the parts not in :data:`NOT_IN_PEAK`; :func:`tensor_peak_bytes` is the peak without the
 CPU parts. ``python -m benchmarks.memory_plan_check`` checks both on the CPU, on the bundled and the medium
@@ -286,14 +287,17 @@ def cpu_runtime_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTo
     go to MKL, which keeps none) + :data:`CPU_CONV_KERNEL_BYTES` x the VAE's distinct convolutions
     (:func:`~.accounting.vae_convolution_shapes`). ``freed_heap``: the LLM forward's activations
     (:func:`~.accounting.request_memory_parts`) whose single tensors stay under :data:`GLIBC_MMAP_THRESHOLD_MAX`.
-    ``vae_heap``: two of the VAE pass's largest activations under that threshold
-    (:func:`~.accounting.vae_activation_below`).
+    ``vae_heap``: two of the VAE decode's largest activations under that threshold
+    (:func:`~.accounting.vae_activation_below`), and for an edit two of its encode's as well.
 
     Measured on the medium checkpoint's 512 px understanding (1298-token ViT block): the first decoder layer
     raised the resident set by 47-66 MB and the next by 4-15 MB for 35 MB of planned activations; every new
     shape of the bundled model's understanding added its kernel (+2.9 MB for the prompt block's 5 shapes); a VAE
     decode alone raised it 7-12 MB above its tensors on the bundled model (4.2 MB activations at 128-256 px) and
-    10 MB on the medium one at 512 px (33.5 MB full-size activations, mapped apart; 8.4 MB at half size).
+    10 MB on the medium one at 512 px (33.5 MB full-size activations, mapped apart; 8.4 MB at half size). An
+    edit's process entered its decode holding 31 MB more than a text-to-image's (medium, 512 px; 9 MB of it the
+    larger KV) and its decode then raised it 48 MB more: the plan without the encode's term fell 6-16% short of
+    the edit's resident set in four runs, with it the error is -5.5 to +8% (the table in README.md).
     """
     from .accounting import vae_activation_below, vae_convolution_shapes
 
@@ -307,8 +311,10 @@ def cpu_runtime_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTo
     blocks = [(2, queries * llm.num_attention_heads * llm.head_dim * 4),
               (3, queries * llm.intermediate_size * element), (4 + branches, queries * llm.hidden_size * element)]
     freed_heap = sum(count * size for count, size in blocks if size < GLIBC_MMAP_THRESHOLD_MAX)
-    vae_heap = 2 * max(vae_activation_below(config, tokens.vae, GLIBC_MMAP_THRESHOLD_MAX, decode=False),
-                       vae_activation_below(config, tokens.latent, GLIBC_MMAP_THRESHOLD_MAX, decode=True))
+    # the decode's own heap, plus what an edit's encode left resident under it (long-lived tensors made after the
+    # encode, the source latent and the prefill's KV, sit between its freed blocks)
+    vae_heap = 2 * (vae_activation_below(config, tokens.vae, GLIBC_MMAP_THRESHOLD_MAX, decode=False)
+                    + vae_activation_below(config, tokens.latent, GLIBC_MMAP_THRESHOLD_MAX, decode=True))
     return {"kernel_cache": products * CPU_MATMUL_KERNEL_BYTES + convolutions * CPU_CONV_KERNEL_BYTES,
             "freed_heap": int(freed_heap), "vae_heap": int(vae_heap)}
 

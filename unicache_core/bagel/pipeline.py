@@ -38,7 +38,6 @@ from torch import Tensor
 from ..kv.cache import CacheFactory, CacheSession, RequestInfo, Task, as_cache_factory, full_cache_factory
 from . import contexts as C
 from .accounting import check_positions, generation_positions, understanding_positions
-from .checkpoint.tensor_file import release_freed_host_memory
 from .checkpoint.loader import LoadedBagel
 from .checkpoint.model_id import model_id_of
 from .contexts import Context, GenerationContexts
@@ -108,18 +107,6 @@ def _check_vae(vae):
         f"`vae` must be an object with encode(image [1,3,H,W] in [-1,1]) -> latent [1,16,H/8,W/8] and decode(latent) "
         f"-> image (unicache_core.bagel.latents.VAEAdapter), got {type(vae).__name__}"
     )
-
-
-def _release_between_phases(loaded: LoadedBagel) -> None:
-    """On the CPU, give the memory the phase just finished has freed back to the system before the next one.
-
-    The phases of a request (VAE encode, prefill, denoising, VAE decode) free activations of different sizes;
-    glibc keeps much of that freed memory resident, and the next phase's tensors seldom fit in the holes, so the
-    process's peak grows by what was kept (measured on the medium checkpoint's 512 px edit with freed memory given
-    back after every phase: 408 MB peak RSS without, 368 MB with).
-    """
-    if loaded.device.type == "cpu":
-        release_freed_host_memory()
 
 
 def _checked(name: str, value, kind: type, default, how: str):
@@ -233,7 +220,7 @@ class BagelPipeline:
             t0 = time.perf_counter()
             ctx = C.build_understanding_context(self.loaded, session, image, prompt, think=s.think,
                                                 special_tokens=s.prompt_special_tokens)
-            _release_between_phases(self.loaded)
+            C.release_between_phases(self.loaded)
             t1 = time.perf_counter()
             context_tokens = ctx.num_tokens
             text, ids = decode_text(self.loaded, ctx, max_new_tokens=s.max_new_tokens, do_sample=s.do_sample,
@@ -317,7 +304,7 @@ class BagelPipeline:
             contexts = C.build_generation_contexts(self.loaded, session, prompt, image=image, size=(s.width, s.height),
                                                    think=s.think, generator=generator, given=given, vae=encoder,
                                                    special_tokens=s.prompt_special_tokens)
-            _release_between_phases(self.loaded)
+            C.release_between_phases(self.loaded)
             t1 = time.perf_counter()
             think_text = None
             if s.think:
@@ -340,7 +327,7 @@ class BagelPipeline:
                 x = check_noise("initial_noise", given.initial_noise, shape).float().clone()
             x, forwards, step0 = denoise(self.loaded, contexts, x.to(self.loaded.device), s, hooks=hooks,
                                          return_step0_velocity=return_step0_velocity)
-            _release_between_phases(self.loaded)
+            C.release_between_phases(self.loaded)
             t3 = time.perf_counter()
             chosen = self.resolve_vae(vae, "decode the latents") if decode else None
             latent, picture = decode_latents(self.loaded, x, contexts.height, contexts.width, chosen)
