@@ -75,6 +75,22 @@ def ok_history(prompt_id: str, outputs: dict | None = None) -> dict:
     }
 
 
+def _client_closes(data: bytes) -> bool:
+    """Whether the client frames in ``data`` (masked, RFC 6455 §5.2) include a close frame (opcode 8)."""
+    at = 0
+    while at + 2 <= len(data):
+        opcode, size = data[at] & 0x0F, data[at + 1] & 0x7F
+        header = 2 + {126: 2, 127: 8}.get(size, 0)
+        if at + header > len(data):
+            return False
+        if size >= 126:
+            size = int.from_bytes(data[at + 2: at + header], "big")
+        if opcode == 8:
+            return True
+        at += header + (4 if data[at + 1] & 0x80 else 0) + size
+    return False
+
+
 def ok_ws(prompt_id: str) -> list[bytes]:
     """The websocket messages ComfyUI sends for a prompt: progress, then ``executing`` with node None."""
     events = [
@@ -203,8 +219,14 @@ class FakeHost:
                 host.sockets.append(self.connection)
                 self.connection.settimeout(None)
                 try:
-                    while self.connection.recv(4096):  # until the client closes (its frames are ignored)
-                        pass
+                    # the client's frames are ignored until its close frame, which is answered as a real server
+                    # (ComfyUI's aiohttp) answers it: the client's close() would otherwise wait for its timeout
+                    pending = b""
+                    while chunk := self.connection.recv(4096):
+                        pending += chunk
+                        if _client_closes(pending):
+                            self.connection.sendall(bytes([0x88, 0x00]))
+                            break
                 except OSError:
                     pass
                 self.close_connection = True
