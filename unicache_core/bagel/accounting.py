@@ -211,8 +211,11 @@ def _latent_grid(latent_tokens: int, latent_downsample: int, vae_downsample: int
     return rows * cells, (latent_tokens // rows) * cells
 
 
-def _meta_vae_call(config: BagelConfig, latent_tokens: int, decode: bool):
-    """A function running the VAE's decode (or encode) of ``latent_tokens`` BAGEL latent tokens on meta tensors."""
+@functools.lru_cache(maxsize=64)
+def _vae_trace(config: BagelConfig, latent_tokens: int, decode: bool):
+    """The VAE's decode (or encode) of ``latent_tokens`` (> 0) BAGEL latent tokens, run once on meta tensors
+    (:func:`~.memory_trace.meta_trace`: nothing is allocated)."""
+    from .memory_trace import meta_trace
     from .modeling import AutoEncoder
 
     ae = config.ae
@@ -221,43 +224,29 @@ def _meta_vae_call(config: BagelConfig, latent_tokens: int, decode: bool):
         vae = AutoEncoder(ae)
     if decode:
         latent = torch.zeros(1, ae.z_channels, height, width, device="meta")
-        return lambda: vae.decode(latent)
+        return meta_trace(lambda: vae.decode(latent))
     image = torch.zeros(1, ae.in_channels, height * ae.downsample, width * ae.downsample, device="meta")
-    return lambda: vae.encode(image, sample=False)
+    return meta_trace(lambda: vae.encode(image, sample=False))
 
 
-@functools.lru_cache(maxsize=64)
 def vae_working_bytes(config: BagelConfig, latent_tokens: int, *, decode: bool) -> int:
     """Peak bytes of the fp32 tensors the VAE creates decoding (or encoding) an image of ``latent_tokens``
     BAGEL latent tokens (``16 x 16`` pixels each), measured on meta tensors (nothing is allocated)."""
-    from .memory_trace import meta_peak_bytes
-
-    if latent_tokens <= 0:
-        return 0
-    return meta_peak_bytes(_meta_vae_call(config, latent_tokens, decode))
+    return _vae_trace(config, latent_tokens, decode).peak_bytes if latent_tokens > 0 else 0
 
 
-@functools.lru_cache(maxsize=64)
 def vae_activation_below(config: BagelConfig, latent_tokens: int, limit: int, *, decode: bool) -> int:
     """Bytes of the largest tensor under ``limit`` bytes that the VAE's decode (or encode) of ``latent_tokens``
     BAGEL latent tokens creates (recorded on meta tensors; 0 without any)."""
-    from .memory_trace import meta_tensor_sizes
-
     if latent_tokens <= 0:
         return 0
-    return max((size for size in meta_tensor_sizes(_meta_vae_call(config, latent_tokens, decode)) if size < limit),
-               default=0)
+    return max((size for size in _vae_trace(config, latent_tokens, decode).storage_sizes if size < limit), default=0)
 
 
-@functools.lru_cache(maxsize=64)
 def vae_convolution_shapes(config: BagelConfig, latent_tokens: int, *, decode: bool) -> frozenset:
     """The distinct convolutions (input shape, weight shape, stride, padding) of the VAE's decode (or encode) of
     ``latent_tokens`` BAGEL latent tokens, recorded on meta tensors."""
-    from .memory_trace import meta_convolution_shapes
-
-    if latent_tokens <= 0:
-        return frozenset()
-    return frozenset(meta_convolution_shapes(_meta_vae_call(config, latent_tokens, decode)))
+    return _vae_trace(config, latent_tokens, decode).convolutions if latent_tokens > 0 else frozenset()
 
 
 __all__ = [

@@ -219,8 +219,7 @@ def _predict(config: BagelConfig, settings: PlanSettings, device_bytes: int,
         parts["cpu_kernel_cache"] = cpu["kernel_cache"]
         freed_heap = parts["cpu_freed_heap"] = cpu["freed_heap"]
         vae_heap = parts["cpu_vae_heap"] = cpu["vae_heap"]
-    parts["working"] = max(parts["upcast"] + work["attention"] + work["mlp"] + freed_heap,
-                           work["vae"] + vae_heap if work["vae"] else 0)
+    parts["working"] = _working(parts, freed_heap, vae_heap)
     peak = sum(v for k, v in parts.items() if k not in NOT_IN_PEAK)
     if settings.kv_method != "full":
         target = KVConfig(method=settings.kv_method).target_ratio(task)
@@ -230,13 +229,18 @@ def _predict(config: BagelConfig, settings: PlanSettings, device_bytes: int,
                       fits=peak <= device_bytes, suggestion=None, settings=settings, kv_branches=kv_branches)
 
 
+def _working(parts: dict[str, int], freed_heap: int = 0, vae_heap: int = 0) -> int:
+    """The working memory of the larger phase: a decoder layer's (upcast weights, attention, MLP, and on the CPU
+    the heap its forward keeps) or a VAE pass's (and on the CPU its heap)."""
+    return max(parts["upcast"] + parts["attention"] + parts["mlp"] + freed_heap, parts["vae_working"] + vae_heap)
+
+
 def tensor_peak_bytes(plan: MemoryPlan) -> int:
     """The plan's peak without the CPU runtime's own memory: what the tensors alone should reach."""
     parts = plan.breakdown
     if "cpu_kernel_cache" not in parts:
         return plan.peak_bytes
-    tensor_working = max(parts["upcast"] + parts["attention"] + parts["mlp"], parts["vae_working"])
-    return plan.peak_bytes - parts["cpu_kernel_cache"] - (parts["working"] - tensor_working)
+    return plan.peak_bytes - parts["cpu_kernel_cache"] - (parts["working"] - _working(parts))
 
 
 def matmul_shapes(config: BagelConfig, tokens: RequestTokens) -> set[tuple[int, int, int, bool]]:

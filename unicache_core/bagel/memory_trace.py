@@ -4,7 +4,7 @@
 operator returns while it is active is counted by its storage (views and in-place results share one) until
 the last Python tensor on that storage is freed. It works on any device, ``meta`` included, so a plan can run a
 module on meta tensors and read the peak its activations would reach without allocating them
-(:func:`meta_peak_bytes`). What it does not see: tensors created before it was entered (the weights) and the
+(:func:`meta_trace`). What it does not see: tensors created before it was entered (the weights) and the
 scratch space fused kernels allocate and free inside one operator (the CPU flash attention's blocks).
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -81,21 +82,6 @@ class TensorMemoryTracker(TorchDispatchMode):
             self.peak_bytes = max(overall, self.peak_bytes)
 
 
-def meta_peak_bytes(run: Callable[[], object]) -> int:
-    """Peak bytes of the tensors ``run`` creates (its result included), run under a tracker, e.g. on meta tensors."""
-    with torch.inference_mode(), TensorMemoryTracker() as tracker:
-        result = run()
-        del result
-    return tracker.peak_bytes
-
-
-def meta_tensor_sizes(run: Callable[[], object]) -> set[int]:
-    """The distinct byte sizes of the tensors ``run`` creates (run under a tracker, e.g. on meta tensors)."""
-    with torch.inference_mode(), TensorMemoryTracker() as tracker:
-        run()
-    return tracker.storage_sizes
-
-
 class ConvolutionShapes(TorchDispatchMode):
     """The distinct convolutions run while active (``shapes``: ``(input shape, weight shape, stride, padding)``)."""
 
@@ -110,12 +96,23 @@ class ConvolutionShapes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def meta_convolution_shapes(run: Callable[[], object]) -> set[tuple]:
-    """The distinct convolutions ``run`` performs (:class:`ConvolutionShapes`), e.g. on meta tensors."""
-    with torch.inference_mode(), ConvolutionShapes() as recorder:
-        run()
-    return recorder.shapes
+@dataclass(frozen=True)
+class MetaTrace:
+    """What one run did (:func:`meta_trace`): the peak bytes of the tensors it created (its result included),
+    their distinct storage sizes and its distinct convolutions (:class:`ConvolutionShapes`)."""
+
+    peak_bytes: int
+    storage_sizes: frozenset
+    convolutions: frozenset
 
 
-__all__ = ["ConvolutionShapes", "TensorMemoryTracker", "meta_convolution_shapes", "meta_peak_bytes",
-           "meta_tensor_sizes"]
+def meta_trace(run: Callable[[], object]) -> MetaTrace:
+    """Run ``run`` once (e.g. on meta tensors) under a :class:`TensorMemoryTracker` and a
+    :class:`ConvolutionShapes` recorder."""
+    with torch.inference_mode(), TensorMemoryTracker() as tracker, ConvolutionShapes() as convolutions:
+        result = run()
+        del result
+    return MetaTrace(tracker.peak_bytes, frozenset(tracker.storage_sizes), frozenset(convolutions.shapes))
+
+
+__all__ = ["ConvolutionShapes", "MetaTrace", "TensorMemoryTracker", "meta_trace"]
