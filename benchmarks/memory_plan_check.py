@@ -90,8 +90,8 @@ def _rss_of_run(checkpoint: Path, task: str, size: int) -> int:
         run_request(load_bagel(TINY), task, 64)  # imports, kernels, thread pools: see the module docstring
     gc.collect()
     release_freed_host_memory()
+    reset_peak_rss()  # before the base is read (benchmarks/rss.py:_measure_load says why)
     base = current_rss_bytes()
-    reset_peak_rss()
     with torch.inference_mode():
         run_request(load_bagel(checkpoint), task, size)
     return peak_rss_bytes() - base

@@ -51,8 +51,10 @@ def _measure_load(checkpoint: Path, weight_dtype: str, dtype: str) -> dict:
 
     load_bagel(BUNDLED_CHECKPOINT_DIR, dtype=dtype, weight_dtype=weight_dtype)  # the one-time imports, see above
     gc.collect()
-    base = current_rss_bytes()
+    # the mark first, then the base: the resident set can drop a page between the two reads, and a base taken
+    # before the reset could then stand above the reset mark (a load that allocates nothing new read as -4096)
     reset_peak_rss()
+    base = current_rss_bytes()
     start = time.perf_counter()
     loaded = load_bagel(checkpoint, dtype=dtype, weight_dtype=weight_dtype)
     seconds = time.perf_counter() - start

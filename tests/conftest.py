@@ -37,6 +37,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
             os.environ["OMP_NUM_THREADS"] = saved_env
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``heavy`` run first, the others in their usual order.
+
+    pytest-xdist hands tests (or ``xdist_group``s) to its workers in collection order; a minute-long test
+    collected last would run on one worker while the other sits idle (longest first evens the load out).
+    """
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Path of a tiny BAGEL checkpoint folder (written once per test session, seed 0).

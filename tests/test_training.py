@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -260,15 +261,18 @@ def test_masked_attention_equals_sdpa_per_sample():
     assert torch.equal(MaskedAttention(1, groups).attend(0, q, k2, v, None)[0], out[0])
 
 
+@pytest.mark.heavy
 def test_compiled_bf16_step_matches_eager_fp32():
     """The shipped training path (decoder layers compiled, bf16 autocast) computes the eager fp32 loss within bf16
     rounding, and its gradients reach every expert of every layer.
 
     The layers are compiled as training compiles them (:func:`~training.bagel_stage.compile_layers`: dynamic
-    shapes, inductor, forward and backward graphs), with one difference: inductor writes scalar C++ kernels
-    instead of SIMD ones. Generating and compiling the SIMD kernels of a decoder layer's dynamic-shape forward
-    and backward took 148 CPU seconds on a machine that never compiled them (the slowest test of the suite by
-    far), the scalar ones 82; what the test checks (capture, autograd, lowering, bf16 numerics) is the same."""
+    shapes, inductor, forward and backward graphs), with two differences: inductor writes scalar C++ kernels
+    instead of SIMD ones, and compiles them in this process instead of a pool of compile workers. Generating and
+    compiling the SIMD kernels of a decoder layer's dynamic-shape forward and backward took 148 CPU seconds on a
+    machine that never compiled them (the slowest test of the suite by far), the scalar ones 82-93; the workers'
+    start and their contention with the other xdist worker added ~50 CPU s to the suite. What the test checks
+    (capture, autograd, lowering, bf16 numerics) is the same. Marked ``heavy``: it runs first."""
     import torch._inductor.config as inductor_config
 
     from training.bagel_stage import bagel_loss, compile_layers
@@ -281,14 +285,13 @@ def test_compiled_bf16_step_matches_eager_fp32():
     ref, ref_mse, ref_ce = bagel_loss(model, batch, _cfg(precision="fp32"))
     fast_cfg = _cfg(precision="bf16", compile=True)
     compile_layers(model)
-    with inductor_config.patch({"cpp.vec_isa_ok": False}), autocast(fast_cfg):
+    with inductor_config.patch({"cpp.vec_isa_ok": False, "compile_threads": 1}), autocast(fast_cfg):
         loss, mse, ce = bagel_loss(model, batch, fast_cfg)
         assert loss.dtype == torch.float32
         assert abs(mse - ref_mse) < 0.02 * ref_mse and abs(ce - ref_ce) < 0.02 * ref_ce
         loss.backward()
     for name, p in model.language_model.model.layers.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
-    import pytest
 
     with pytest.raises(ValueError, match="fp16"):
         autocast(_cfg(precision="fp16"))

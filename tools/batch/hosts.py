@@ -25,23 +25,33 @@ logger = logging.getLogger("unicache.batch")
 class _Batch:
     """State the host threads share: the run queue, the finished count, the hosts seen gone."""
 
-    def __init__(self, workflow: dict, runs: list[Run], out: Path, retries: int, deadline: float):
-        self.workflow, self.runs, self.out = workflow, runs, Path(out)
+    def __init__(self, workflow: dict, runs: list[Run], out: Path, retries: int, deadline: float, hosts: int):
+        self.workflow, self.runs, self.out, self.hosts = workflow, runs, Path(out), hosts
         self.report_ids = report_node_ids(workflow)
         self.retries, self.deadline = retries, deadline
-        self.pending: queue.Queue[Run] = queue.Queue()
+        self.pending: queue.Queue[Run | None] = queue.Queue()
         for run in runs:
             self.pending.put(run)
         self.lock = threading.Lock()
         self.finished = 0
         self.gone: dict[str, str] = {}  # host url -> why it is considered gone
+        # set once every run has finished or every host is gone: the batch's thread waits on it, not on a clock
+        self.settled = threading.Event()
 
     def over(self) -> bool:
         return self.finished == len(self.runs) or time.monotonic() > self.deadline
 
+    def host_gone(self, url: str, reason: str) -> None:
+        with self.lock:
+            self.gone.setdefault(url, reason)
+            if len(self.gone) == self.hosts:  # with every host gone the queue has nowhere to go
+                self.settled.set()
+
     def finish(self, run: Run) -> None:
         with self.lock:
             self.finished += 1
+            if self.finished == len(self.runs):
+                self.settled.set()
         logger.info(
             "run %d (seed %d) %s on %s%s",
             run.index,
@@ -61,6 +71,8 @@ def _serve(host_url: str, batch: _Batch, poll: float) -> None:
                 run = batch.pending.get(timeout=0.2)
             except queue.Empty:
                 continue
+            if run is None:  # the batch has settled (run_on_hosts wakes each thread with one None)
+                return
             _run_one(client, run, batch)
     finally:
         client.close_socket()
@@ -84,7 +96,7 @@ def _run_one(client: HostClient, run: Run, batch: _Batch) -> None:
         )
     except HostGone as e:
         reason = one_line(e)
-        batch.gone.setdefault(client.url, reason)
+        batch.host_gone(client.url, reason)
         if run.attempts > batch.retries:
             run.status, run.error = "failed", f"host went away: {reason}; {run.attempts} attempts"
             batch.finish(run)
@@ -117,8 +129,8 @@ def run_on_hosts(
     poll: float = 1.0,
 ) -> None:
     """Run every run of ``runs`` on ``hosts`` (URLs); each run ends success, error or failed."""
-    batch = _Batch(workflow, runs, out, retries, time.monotonic() + timeout)
     urls = list(dict.fromkeys(h.rstrip("/") for h in hosts))
+    batch = _Batch(workflow, runs, out, retries, time.monotonic() + timeout, len(urls))
     threads = [
         threading.Thread(target=_serve, args=(url, batch, poll), name=f"host {url} #{k}", daemon=True)
         for url in urls
@@ -126,10 +138,9 @@ def run_on_hosts(
     ]
     for t in threads:
         t.start()
-    while not batch.over() and len(batch.gone) < len(
-        urls
-    ):  # with every host gone the queue has nowhere to go
-        time.sleep(0.2)
+    batch.settled.wait(timeout=max(batch.deadline - time.monotonic(), 0.0))
+    for _ in threads:
+        batch.pending.put(None)
     for t in threads:
         t.join(timeout=30.0)
     last = "; ".join(f"{url}: {why}" for url, why in batch.gone.items()) or "no result"
