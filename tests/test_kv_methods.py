@@ -262,3 +262,17 @@ def test_default_policy_is_the_checkpoints_table_else_the_paper_one(loaded, tiny
     res = BagelPipeline(local, make_cache_factory("unicache", checkpoint_dir=str(tiny_checkpoint_copy))) \
         .text_to_image("x", preset("t2i", width=32, height=32, num_timesteps=3))
     assert res.kv_report["policy"]["source"] == "calibrated" and res.kv_report["policy"]["warning"] is None
+
+
+@pytest.mark.parametrize("steps, last_compressed", [(6, False), (7, True)])
+def test_no_recompression_after_the_last_denoising_step(loaded, source, steps, last_compressed):
+    """UniCache re-compresses at the last step of each step chunk (steps 5, 10, ...), except after the request's
+    last step, which no step reads: 6 timesteps = steps 0-5 (step 5 ends the chunk and the request); with 7
+    the chunk's end, step 5, is followed by step 6 and compresses for it."""
+    result = _edit(_pipe(loaded, "unicache"), source, steps=steps + 1)
+    records = {s["step"]: s for s in result.kv_report["steps"]}
+    assert max(records) == steps - 1
+    assert all(b["compressed_after"] for b in records[0]["branches"].values())
+    at_five = records[5]
+    assert all(b["compressed_after"] is last_compressed for b in at_five["branches"].values())
+    assert (at_five["alloc_s"] > 0) is last_compressed and (at_five["stats_s"] > 0) is last_compressed

@@ -76,11 +76,14 @@ class CompressionMethod(ABC):
             if call.phase == "decode":
                 if cache.compressions == 0:  # the first decoded token already reads compressed KV
                     return CallPlan(observe=True, compress_before=True)
+                if _recompresses_unread_cache(cache, int(call.step or 0)):
+                    return CallPlan()
                 return self.plan_decode(cache, call)
             return CallPlan()
         if call.phase != "denoise":
             return CallPlan()
-        if self.is_compression_step(cache, int(call.step or 0)):
+        step = int(call.step or 0)
+        if self.is_compression_step(cache, step) and not _recompresses_unread_cache(cache, step):
             return CallPlan(observe=True, score=self.needs_scores, last_queries=self.window_queries,
                             num_queries=self._queries(session), sparsity=self.needs_sparsity, compress_after=True)
         return CallPlan()  # the fast path: nothing is measured on the steps that do not compress
@@ -174,4 +177,18 @@ class GlobalEvictionMethod(CompressionMethod):
                   forced=self.forced_rows(cache, layer), smooth_kernel=self.smooth_kernel)
 
 
+def _recompresses_unread_cache(cache: CompressibleBranch, step: int) -> bool:
+    """Whether a re-compression at ``step`` would come after the request's last denoising step or last possible
+    decoded token (``max_new_tokens``): no call reads the cache it would shrink.
+
+    The first compression still runs (the report's figures are those of a compressed cache); later ones,
+    with their statistics, are skipped there: on the e2e bench's 6-step run the last step ends a step chunk,
+    and its compression cost 10% of a tiny model's step time for nothing.
+    """
+    info = cache.session.step
+    return cache.compressions > 0 and info is not None and info.phase in ("denoise", "decode") and \
+        step >= info.total - 1
+
+
 __all__ = ["CompressionMethod", "GlobalEvictionMethod", "candidate_indices"]
+

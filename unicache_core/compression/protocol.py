@@ -16,7 +16,7 @@ from torch import Tensor
 from .defaults import SCORE_QUERIES
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..kv.cache import RequestInfo
+    from ..kv.cache import RequestInfo, StepInfo
     from ..kv.segmented_cache import SegmentedLayer
     from .config import KVConfig
     from .stats import ChunkedAttentionStats
@@ -103,6 +103,7 @@ class MethodSession(Protocol):
     config: "KVConfig"
     stats: "ChunkedAttentionStats"
     schedules: dict
+    step: "StepInfo | None"  # the step (denoising or decoded token) running now; None before the first
 
     def resolve_target(self) -> float:
         """The memory target as a ratio of the full managed bytes."""
