@@ -325,3 +325,20 @@ def test_refused_connection_is_host_gone():
         url = fake.url
     with pytest.raises(client.HostGone):
         client.HostClient(url, request_timeout=2).execute(GRAPH, None, 5)
+
+
+@pytest.mark.parametrize("runs, hosts", [(0, ["http://127.0.0.1:9"]), (1, [])])
+def test_a_batch_with_nothing_to_run_or_nowhere_to_run_it_returns_at_once(tmp_path, runs, hosts):
+    """The batch waits for an event, not a clock: with no run (or no host) that event must already be set,
+    or the call would sit until its deadline (an hour by default)."""
+    import threading
+
+    from tools.batch.hosts import run_on_hosts
+    from tools.batch.work import Run
+
+    batch = [Run(index=i, seed=i, prompt_text=None) for i in range(runs)]
+    call = threading.Thread(target=run_on_hosts, args=({}, batch, tmp_path, hosts), daemon=True)
+    call.start()
+    call.join(timeout=30)
+    assert not call.is_alive()
+    assert all(run.status == "failed" for run in batch)

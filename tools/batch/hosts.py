@@ -37,6 +37,8 @@ class _Batch:
         self.gone: dict[str, str] = {}  # host url -> why it is considered gone
         # set once every run has finished or every host is gone: the batch's thread waits on it, not on a clock
         self.settled = threading.Event()
+        if not runs or not hosts:  # nothing to run, or nowhere to run it
+            self.settled.set()
 
     def over(self) -> bool:
         return self.finished == len(self.runs) or time.monotonic() > self.deadline
