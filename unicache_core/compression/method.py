@@ -191,4 +191,3 @@ def _recompresses_unread_cache(cache: CompressibleBranch, step: int) -> bool:
 
 
 __all__ = ["CompressionMethod", "GlobalEvictionMethod", "candidate_indices"]
-
