@@ -33,7 +33,7 @@ import torch
 from PIL import Image
 
 from benchmarks.report_file import write_json_report
-from benchmarks.rss import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from benchmarks.rss import peak_rss_bytes, start_peak_window
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.checkpoint.tensor_file import release_freed_host_memory
 from unicache_core.bagel.memory_plan import PlanSettings, plan_config, plan_memory, tensor_peak_bytes
@@ -90,8 +90,7 @@ def _rss_of_run(checkpoint: Path, task: str, size: int) -> int:
         run_request(load_bagel(TINY), task, 64)  # imports, kernels, thread pools: see the module docstring
     gc.collect()
     release_freed_host_memory()
-    reset_peak_rss()  # before the base is read (benchmarks/rss.py:_measure_load says why)
-    base = current_rss_bytes()
+    base = start_peak_window()
     with torch.inference_mode():
         run_request(load_bagel(checkpoint), task, size)
     return peak_rss_bytes() - base

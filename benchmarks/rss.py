@@ -34,8 +34,16 @@ def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+def start_peak_window() -> int:
+    """Reset the resident high-water mark, then return the resident set: the base that :func:`peak_rss_bytes`
+    is measured against. In that order: the resident set can drop a page between the two reads, and a base
+    read before the reset could stand above the mark (a load that allocates nothing new read as -4096)."""
+    reset_peak_rss()
+    return current_rss_bytes()
+
+
 def peak_rss_bytes() -> int:
-    """This process's resident high-water mark since the last :func:`reset_peak_rss` (``VmHWM``)."""
+    """This process's resident high-water mark since the last :func:`start_peak_window` (``VmHWM``)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
@@ -51,10 +59,7 @@ def _measure_load(checkpoint: Path, weight_dtype: str, dtype: str) -> dict:
 
     load_bagel(BUNDLED_CHECKPOINT_DIR, dtype=dtype, weight_dtype=weight_dtype)  # the one-time imports, see above
     gc.collect()
-    # the mark first, then the base: the resident set can drop a page between the two reads, and a base taken
-    # before the reset could then stand above the reset mark (a load that allocates nothing new read as -4096)
-    reset_peak_rss()
-    base = current_rss_bytes()
+    base = start_peak_window()
     start = time.perf_counter()
     loaded = load_bagel(checkpoint, dtype=dtype, weight_dtype=weight_dtype)
     seconds = time.perf_counter() - start
