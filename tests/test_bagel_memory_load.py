@@ -44,7 +44,8 @@ def test_loaded_weights_are_the_stored_checkpoint_tensors(tiny_checkpoint: Path,
             assert torch.equal(module.weight.view(torch.uint8), data.view(torch.uint8)), name
             assert torch.equal(module.weight_scale, scale), name
             low += 1
-    assert low >= 50  # every Linear and Embedding of the LLM, ViT, connector and heads
+    assert low >= 49  # every Linear and Embedding of the LLM, ViT, connector and heads but lm_head (16-bit)
+    assert loaded.model.language_model.lm_head.weight.dtype == torch.bfloat16
     for name, tensor in loaded.model.named_parameters():
         if name in reference_tensors and tensor.dtype == torch.bfloat16:
             assert torch.equal(tensor, reference_tensors[name]), name

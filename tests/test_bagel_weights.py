@@ -26,6 +26,7 @@ from unicache_core.bagel.weights import (
     assign_checkpoint_tensor,
     build_bagel,
     checkpoint_shapes,
+    head_storage_dtype,
     parameter_bytes,
     parameter_bytes_by_dtype,
     parse_weight_dtype,
@@ -85,8 +86,12 @@ def test_weight_dtype_bytes_and_outputs(tiny_checkpoint: Path, reference, weight
     bf16 = load_into(build_bagel(load_bagel_config(tiny_checkpoint), weight_dtype="bf16"), tiny_checkpoint)
     model = load_into(build_bagel(load_bagel_config(tiny_checkpoint), weight_dtype=weight_dtype), tiny_checkpoint)
     storage = WEIGHT_DTYPES[weight_dtype] or torch.bfloat16
-    # every Linear/Embedding weight of the bf16 build, and the same layers of this build
-    names = [n for n, m in bf16.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+    head = head_storage_dtype(weight_dtype, torch.bfloat16)
+    assert head == (torch.bfloat16 if storage.itemsize == 1 else None)
+    assert model.language_model.lm_head.weight.dtype == (head or storage)
+    # every Linear/Embedding weight of the bf16 build but the head, and the same layers of this build
+    names = [n for n, m in bf16.named_modules()
+             if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and n != "language_model.lm_head"]
     plain_bytes = sum(bf16.get_submodule(n).weight.numel() * 2 for n in names)
     stored = [model.get_submodule(n) for n in names]
     assert all(m.weight.dtype == storage for m in stored)
@@ -96,8 +101,11 @@ def test_weight_dtype_bytes_and_outputs(tiny_checkpoint: Path, reference, weight
     scale_bytes = sum(m.weight_scale.numel() * 4 for m in stored if getattr(m, "weight_scale", None) is not None)
     rows = sum(m.weight.shape[0] for m in stored)
     assert scale_bytes == (4 * rows if storage in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2) else 0)
-    others = parameter_bytes(bf16) - plain_bytes  # norms, biases, sin-cos tables: the compute dtype in both
-    assert parameter_bytes(model) == others + weight_bytes + scale_bytes
+    def head_bytes(m: Bagel) -> int:
+        return m.language_model.lm_head.weight.numel() * m.language_model.lm_head.weight.element_size()
+
+    others = parameter_bytes(bf16) - plain_bytes - head_bytes(bf16)  # norms, biases, sin-cos tables: bf16 in both
+    assert parameter_bytes(model) == others + weight_bytes + scale_bytes + head_bytes(model)
     by_dtype = parameter_bytes_by_dtype(model)
     assert sum(by_dtype.values()) == parameter_bytes(model)
     assert by_dtype.get(str(storage).removeprefix("torch."), 0) >= weight_bytes
@@ -115,12 +123,32 @@ def test_low_precision_linear_weights_halve_bf16(tiny_checkpoint: Path):
     cfg = load_bagel_config(tiny_checkpoint)
     plain = load_into(build_bagel(cfg, weight_dtype="bf16"), tiny_checkpoint)
     linear_bytes = sum(m.weight.numel() * 2 for m in plain.modules() if isinstance(m, torch.nn.Linear))
+    linear_bytes -= plain.language_model.lm_head.weight.numel() * 2  # the head stays at 16 bits
     for name in ("int8", "fp8_e4m3fn", "fp8_e5m2"):
         model = load_into(build_bagel(cfg, weight_dtype=name), tiny_checkpoint)
         linears = [m for m in model.modules() if isinstance(m, LowPrecisionLinear)]
         assert sum(m.weight.numel() * m.weight.element_size() for m in linears) * 2 == linear_bytes
         assert sum(m.weight_scale.numel() * m.weight_scale.element_size() for m in linears) == 4 * sum(
             m.out_features for m in linears)
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.float16])
+def test_an_8_bit_build_keeps_the_output_head_at_16_bits(tiny_checkpoint: Path, compute: torch.dtype):
+    """Under int8/fp8 only ``lm_head`` keeps 16 bits (bf16 for an fp32 compute, else the compute dtype): its logits
+    are those of the 16-bit head on the same hidden states, while the decoder's weights really are 8-bit."""
+    cfg = load_bagel_config(tiny_checkpoint)
+    sixteen = torch.bfloat16 if compute == torch.float32 else compute
+    plain = load_into(build_bagel(cfg, weight_dtype=sixteen, dtype=compute), tiny_checkpoint)
+    for name in ("int8", "fp8_e4m3fn", "fp8_e5m2"):
+        assert head_storage_dtype(name, compute) == sixteen
+        model = load_into(build_bagel(cfg, weight_dtype=name, dtype=compute), tiny_checkpoint)
+        assert model.language_model.lm_head.weight.dtype == sixteen
+        assert model.language_model.model.layers[0].mlp.up_proj.weight.dtype == WEIGHT_DTYPES[name]
+        assert model.language_model.model.embed_tokens.weight.dtype == WEIGHT_DTYPES[name]
+        hidden = torch.randn(5, cfg.llm.hidden_size, dtype=compute, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(model.language_model(hidden), plain.language_model(hidden))
+    for name in ("auto", "bf16", "fp16", "fp32"):
+        assert head_storage_dtype(name, compute) is None
 
 
 @pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, torch.float16])
@@ -304,6 +332,8 @@ def test_load_bagel_builds_from_a_host_namespace(tiny_checkpoint: Path, referenc
                         weight_dtype=HostOperations(CastingOperations, "fp8_e4m3fn"))
     up = loaded.model.language_model.model.layers[0].mlp.up_proj
     assert type(up) is CastingOperations.Linear and up.weight.dtype == torch.float8_e4m3fn
+    head = loaded.model.language_model.lm_head  # the output head stays at 16 bits, from the same namespace
+    assert type(head) is CastingOperations.Linear and head.weight.dtype == torch.bfloat16
     assert not any(name.endswith("weight_scale") for name, _ in loaded.model.named_parameters())
     assert loaded.model.dtype == torch.bfloat16 and loaded.weight_dtype == "fp8_e4m3fn"
     vae_layers = [m for m in loaded.vae.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.GroupNorm))]

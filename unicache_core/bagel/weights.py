@@ -16,6 +16,13 @@ fp8_e5m2   fp8 with one fp32 scale per output channel (row absmax → 57344)    
 int8       int8 weight-only, one fp32 scale per output channel (absmax → 127)    1 (+4 per row)
 ========== ===================================================================== ======================
 
+The output head (``language_model.lm_head``) is the exception: under an 8-bit ``weight_dtype`` it keeps a
+16-bit storage (:func:`head_storage_dtype`), as weight-only LLM quantization usually does (LLM.int8(), GPTQ,
+AWQ leave ``lm_head`` alone). It decides which token wins, often by a thin margin: on the bundled model with
+the head at 8 bits, 7 (int8), 15 (fp8_e4m3fn) and 41 (fp8_e5m2) of 120 understanding answers changed
+against bf16; with the head at 16 bits, none did. At the real geometry the head is 545M of 14.7B
+parameters: 0.55 GB more than an all-8-bit model.
+
 A loader builds the model on the meta device (:func:`build_bagel`), checks the checkpoint's names and shapes
 against :func:`checkpoint_shapes` and hands each tensor, as it reads it, to :func:`assign_checkpoint_tensor`,
 which converts it to the layer's storage and places it: the checkpoint is never held whole.
@@ -77,6 +84,16 @@ def weight_operations(weight_dtype: Any, compute_dtype: torch.dtype) -> type:
     return low_precision_operations(storage)
 
 
+def head_storage_dtype(weight_dtype: Any, compute_dtype: torch.dtype) -> torch.dtype | None:
+    """The storage of the output head for ``weight_dtype``: ``None`` (the same as every other layer) unless
+    ``weight_dtype`` stores under 16 bits; then the compute dtype when it is 16-bit, else bf16."""
+    storage = WEIGHT_DTYPES[parse_weight_dtype(weight_dtype)]
+    check_compute_dtype(compute_dtype, "dtype")
+    if storage is None or storage.itemsize >= 2:
+        return None
+    return compute_dtype if compute_dtype.itemsize == 2 else torch.bfloat16
+
+
 @dataclass(frozen=True)
 class HostOperations:
     """A ``weight_dtype`` for :func:`~.checkpoint.loader.load_bagel` whose layers come from a host: every
@@ -120,14 +137,18 @@ def build_bagel(config: BagelConfig, *, weight_dtype: Any = "auto", dtype: torch
             every layer is then built from it with ``dtype=`` :func:`plain_storage_dtype` (fp8 as a plain cast,
             as ComfyUI stores it) and ``compute_dtype=dtype``.
 
+        Either way the output head is stored as :func:`head_storage_dtype` under an 8-bit ``weight_dtype``.
+
     Returns:
         the model in eval mode with no parameter requiring gradients.
     """
+    head = head_storage_dtype(weight_dtype, dtype)
     if operations is None:
-        model = Bagel(config, operations=weight_operations(weight_dtype, dtype), dtype=dtype, device=device)
+        model = Bagel(config, operations=weight_operations(weight_dtype, dtype), dtype=dtype, device=device,
+                      head_operations=None if head is None else weight_operations(head, dtype))
     else:
         model = Bagel(config, operations=check_operations(operations), dtype=plain_storage_dtype(weight_dtype, dtype),
-                      compute_dtype=dtype, device=device)
+                      compute_dtype=dtype, device=device, head_dtype=head)
     model.requires_grad_(False)
     return model.eval()
 
@@ -218,6 +239,7 @@ __all__ = [
     "assign_checkpoint_tensor",
     "build_bagel",
     "checkpoint_shapes",
+    "head_storage_dtype",
     "parameter_bytes",
     "parameter_bytes_by_dtype",
     "parse_weight_dtype",

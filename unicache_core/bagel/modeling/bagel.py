@@ -55,12 +55,16 @@ class Bagel(nn.Module):
         device: where everything is allocated (``"meta"`` builds without memory).
         compute_dtype: dtype of the hidden states and of BAGEL's own tensors (RMSNorm weights, sin-cos
             tables); ``None`` = ``dtype``. Needed when ``dtype`` is a storage-only dtype (fp8).
+        head_operations, head_dtype: the namespace and ``dtype=`` of the output head ``language_model.lm_head``
+            alone (``None``: ``operations`` / ``dtype``). An 8-bit build keeps the head at 16 bits with them
+            (:func:`~..weights.build_bagel`).
     """
 
     def __init__(self, config: BagelConfig, *, operations: Any = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, compute_dtype: torch.dtype | None = None):
+                 device: torch.device | str | None = None, compute_dtype: torch.dtype | None = None,
+                 head_operations: Any = None, head_dtype: torch.dtype | None = None):
         super().__init__()
-        layers = LayerBuilder.create(operations, dtype, device, compute_dtype)
+        layers = LayerBuilder.create(operations, dtype, device, compute_dtype).with_head(head_operations, head_dtype)
         self.config = config
         hidden = config.llm.hidden_size
         self.language_model = Qwen2ForCausalLM(config.llm, layers)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 import torch
@@ -104,12 +104,15 @@ class LayerBuilder:
             dtype of the biases and norms (the weight storage is the namespace's).
         device: passed as ``device=`` to every layer and used for BAGEL's own tensors.
         compute_dtype: dtype of BAGEL's own tensors (RMSNorm weights, sin-cos tables); ``None`` = ``dtype``.
+        head: the builder of the output head (:meth:`output_head`); ``None`` = this one. An 8-bit build keeps
+            the head at 16 bits (:func:`~..weights.head_storage_dtype`).
     """
 
     operations: Any = TorchOperations
     dtype: torch.dtype | None = None
     device: torch.device | str | None = None
     compute_dtype: torch.dtype | None = None
+    head: "LayerBuilder | None" = None
 
     @classmethod
     def create(cls, operations: Any = None, dtype: torch.dtype | None = None,
@@ -120,6 +123,14 @@ class LayerBuilder:
             check_compute_dtype(own, "compute_dtype" if compute_dtype is not None else "dtype")
         return cls(check_operations(operations), dtype, device, compute_dtype)
 
+    def with_head(self, operations: Any = None, dtype: torch.dtype | None = None) -> "LayerBuilder":
+        """This builder with an output head built from ``operations`` (``None``: this namespace) and ``dtype``
+        (``None``: this dtype); unchanged when both are ``None``."""
+        if operations is None and dtype is None:
+            return self
+        head = LayerBuilder.create(operations or self.operations, dtype or self.dtype, self.device, self.compute_dtype)
+        return replace(self, head=head)
+
     @property
     def own_dtype(self) -> torch.dtype:
         """Dtype of BAGEL's own parameters."""
@@ -128,6 +139,10 @@ class LayerBuilder:
 
     def linear(self, in_features: int, out_features: int, bias: bool = True) -> nn.Module:
         return self.operations.Linear(in_features, out_features, bias=bias, device=self.device, dtype=self.dtype)
+
+    def output_head(self, in_features: int, out_features: int) -> nn.Module:
+        """The language model's ``lm_head`` (no bias), from :attr:`head` when set."""
+        return (self.head or self).linear(in_features, out_features, bias=False)
 
     def conv2d(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
                padding: int = 0) -> nn.Module:

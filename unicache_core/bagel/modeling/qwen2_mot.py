@@ -332,7 +332,7 @@ class Qwen2ForCausalLM(nn.Module):
         layers = layers or LayerBuilder()
         self.config = config
         self.model = Qwen2Model(config, layers)
-        self.lm_head = layers.linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = layers.output_head(config.hidden_size, config.vocab_size)
 
     def forward(self, hidden: Tensor) -> Tensor:
         """Final-normed ``hidden [n, H]`` → logits ``[n, V]``."""
