@@ -16,7 +16,7 @@ from unicache_core.compression import METHODS, KVConfig, make_cache_factory
 from unicache_core.compression import ops
 from unicache_core.compression.compressing_cache import CompressingKVCache
 from unicache_core.kv.token_types import TokenType as TT
-from unicache_core.compression.policy_table import PolicyTable, PolicyTableError
+from unicache_core.compression.policy_table import PolicyTable, PolicyTableError, paper_policy_table
 
 STEPS = 13  # 12 denoising steps: compressions after step 0, 5 and 10 (step chunks of 5)
 
@@ -276,3 +276,27 @@ def test_no_recompression_after_the_last_denoising_step(loaded, source, steps, l
     at_five = records[5]
     assert all(b["compressed_after"] is last_compressed for b in at_five["branches"].values())
     assert (at_five["alloc_s"] > 0) is last_compressed and (at_five["stats_s"] > 0) is last_compressed
+
+
+@pytest.mark.parametrize("route", ["evict", "quantize"])
+@pytest.mark.parametrize("target", [0.4, 0.25, 0.15])
+def test_unicache_fills_its_budget_to_within_one_row(loaded, target, route):
+    """What a layer leaves of its budget goes to the next layer, so a branch holds its budget to within one row
+    of one layer (the stores' granularity), never above it. Without the carry each layer may leave up to a row:
+    measured up to 1.84 rows here."""
+    routes = {key: route for key in paper_policy_table().entries}  # every candidate type on one route
+    table = PolicyTable(entries=routes, model_id=loaded.model_id, source="calibrated")
+    pipe = _pipe(loaded, "unicache", kv_target=target, policy=table)
+    prompts = ("a red circle on the left",
+               "a large green triangle in the upper right corner above a small blue square on a grey background")
+    for prompt in prompts:
+        report = pipe.text_to_image(prompt, preset("t2i", width=32, height=32, num_timesteps=8), seed=1).kv_report
+        for step in report["steps"]:
+            for record in step["branches"].values():
+                if not record["full_managed_bytes"] or not record["compressed"]:
+                    continue
+                rows = sum(t["full_rows"] for name, t in record["types"].items() if name != "boundary")
+                one_row = record["full_managed_bytes"] / rows / loaded.model.num_layers
+                budget = record["rho"] * record["full_managed_bytes"]
+                assert record["managed_bytes"] <= budget + 1, (prompt, step["step"], record)
+                assert budget - record["managed_bytes"] < one_row, (prompt, step["step"], record)

@@ -12,7 +12,9 @@ step; for understanding before the first decoded token, then every chunk of deco
    steps, 25% recent), ``quantize`` keeps every row at the most precise KIVI setting whose REAL bytes fit
    (below its 2-bit floor: a subset of its rows at 2 bits), ``joint`` keeps its best-scored rows at the
    bits calibrated for its budget level. Residual and groups follow the segment (§11.2). Rows and bits
-   only ever go down. Bytes a type leaves unused go to the joint and evicted types of the same layer.
+   only ever go down. Bytes a type leaves unused go to the joint and evicted types of the same layer;
+   what the whole layer leaves goes to the next layer's types (in layer order, across layer chunks), so a
+   branch holds as close to its budget as its stores' granularity allows, never above it.
    Budgets are bytes and round down, indices included; no type ever holds more than its full K and V.
 """
 
@@ -99,6 +101,7 @@ class UniCacheMethod(CompressionMethod):
         initial = cache.compressions == 0
         step = int(call.step) if call is not None and call.step is not None else 0
         chunk_now = step_chunk(step)
+        carry = 0  # bytes the previous layers left unused
         for c, layers in layer_chunks(cache.num_layers).items():
             rows = cache.type_rows(layers[0])
             types = [t for t in CANDIDATE_TYPES if rows.get(t, 0) and self.table.kind(task, t) != "protect"]
@@ -126,7 +129,7 @@ class UniCacheMethod(CompressionMethod):
                           if self.table.kind(task, t) == "quantize"}
                 ratios = _allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
             for layer in layers:
-                self._apply(session, cache, layer, ratios)
+                carry = self._apply(session, cache, layer, ratios, carry)
 
     def geometry(self, session: MethodSession):
         """The quantization geometry: the table's, with the config's fixed residual when it sets one."""
@@ -156,16 +159,25 @@ class UniCacheMethod(CompressionMethod):
         return least_quantized_bytes(whole, self.geometry(session)) / full if full else 0.0
 
     def _apply(self, session: MethodSession, cache: CompressibleBranch, layer: int,
-               ratios: dict[TokenType, float]) -> None:
+               ratios: dict[TokenType, float], carry: int = 0) -> int:
         """Give each type its (rows, bits) for its bytes (docs/compression.md §11.3), never more rows or bits than
-        it holds. Types are served coarsest first (quantize, joint, evict): what a type leaves of its budget
-        goes to the joint and evicted types after it, in proportion to their budgets."""
+        it holds. ``carry`` (bytes earlier layers left unused) is added to the types' budgets in proportion to
+        them. Types are served coarsest first (quantize, joint, evict): what a type leaves of its budget goes to
+        the joint and evicted types after it, in proportion to their budgets.
+
+        Returns:
+            the bytes this layer leaves unused, for the next layer.
+        """
         st = cache.layer(layer)
         ls = cache.state[layer]
         task = session.request.task
         geometry = self.geometry(session)
         rows = cache.type_rows(layer)
         budgets = {t: floor_bytes(r, rows[t] * cache.row_bytes(layer)) for t, r in ratios.items()}
+        base = sum(budgets.values())
+        for t in budgets:
+            budgets[t] += math.floor(carry * (budgets[t] / base if base else 1 / len(budgets)))
+        held_all = 0
         order = sorted(ratios, key=lambda t: _SERVE_ORDER[self.table.kind(task, t)])
         leftover = 0
         for position, t in enumerate(order):
@@ -194,7 +206,9 @@ class UniCacheMethod(CompressionMethod):
                 ls.flags[t] = (f"{segment.held_rows} rows held ({held} B) exceed their budget of {budgets[t]} B: "
                                "rows and bits never grow back, and nothing smaller fits this policy")
             leftover += max(0, budgets[t] - held)
+            held_all += held
         ls.budgets = {t.name.lower(): b for t, b in budgets.items()}
+        return max(0, base + carry - held_all)  # a type over its budget (flagged) uses up what others left
 
 
 #: Which types are served first when a layer's budgets are applied: the coarse quantized settings, whose
