@@ -56,8 +56,19 @@ class CompressingKVCache(SegmentedKVCache):
 
     # ------------------------------------------------------------------ branch copies
 
+    @property
+    def types(self) -> Tensor:
+        """``[T]`` int8 :class:`TokenType` of each append index (assigned whole; only ever grows)."""
+        return self._types
+
+    @types.setter
+    def types(self, value: Tensor) -> None:
+        self._types = value
+        self._type_rows: dict[int, dict[TokenType, int]] = {}  # prefix length -> its row count per type
+
     def clone(self, *, branch: str | None = None) -> "CompressingKVCache":
         other = super().clone(branch=branch)
+        other.types = self.types  # shared prefix, its own memo of type_rows
         other.state = [state.copy() for state in self.state]
         other.rho = dict(self.rho)
         other._plan = CallPlan()
@@ -199,8 +210,10 @@ class CompressingKVCache(SegmentedKVCache):
     def type_rows(self, layer: int) -> dict[TokenType, int]:
         """Uncompressed row count per type in ``layer`` (every appended row, compressed or not)."""
         n = self.layer(layer).appended_tokens
-        counts = torch.bincount(self.types[:n].long(), minlength=len(TokenType)).tolist()
-        return {TokenType(i): c for i, c in enumerate(counts) if c}
+        if n not in self._type_rows:
+            counts = torch.bincount(self.types[:n].long(), minlength=len(TokenType)).tolist()
+            self._type_rows[n] = {TokenType(i): c for i, c in enumerate(counts) if c}
+        return dict(self._type_rows[n])
 
     def row_bytes(self, layer: int) -> int:
         """Bytes of one uncompressed row (K+V over the KV heads) in ``layer``; 0 while empty."""
