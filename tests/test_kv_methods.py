@@ -300,3 +300,21 @@ def test_unicache_fills_its_budget_to_within_one_row(loaded, target, route):
                 budget = record["rho"] * record["full_managed_bytes"]
                 assert record["managed_bytes"] <= budget + 1, (prompt, step["step"], record)
                 assert budget - record["managed_bytes"] < one_row, (prompt, step["step"], record)
+
+
+def test_a_settled_branch_is_neither_measured_nor_compressed_again(loaded, source):
+    """Understanding's rho is fixed, and an edit at an explicit target starts at its floor: after the first
+    compression no budget can go down, so no later step measures or re-allocates (a re-split at the same budget
+    could only drop rows). The paper's schedule (rho 0.5 -> 0.1) still re-allocates at the end of a step chunk."""
+    pipe = _pipe(loaded, "unicache")
+    und = pipe.understand("What colour is the square?", source, preset("understanding", max_new_tokens=12))
+    fixed_edit = _edit(_pipe(loaded, "unicache", kv_target=0.1), source, steps=STEPS)
+    for report in (und.kv_report, fixed_edit.kv_report):
+        steps = report["steps"]
+        first = report["summary"]["first_compressed_step"]
+        later = [s for s in steps if s["step"] > first and "plan" not in s["branches"]]
+        assert len(later) >= 10
+        assert all(s["stats_s"] == 0 and s["alloc_s"] == 0 for s in later), report["task"]
+        assert not any(b["compressed_after"] for s in later for b in s["branches"].values())
+    decaying = _edit(_pipe(loaded, "unicache", rho=0.5, rho_floor=0.1), source, steps=STEPS).kv_report
+    assert any(b["compressed_after"] for s in decaying["steps"] if s["step"] == 5 for b in s["branches"].values())

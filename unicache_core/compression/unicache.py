@@ -16,6 +16,11 @@ step; for understanding before the first decoded token, then every chunk of deco
    what the whole layer leaves goes to the next layer's types (in layer order, across layer chunks), so a
    branch holds as close to its budget as its stores' granularity allows, never above it.
    Budgets are bytes and round down, indices included; no type ever holds more than its full K and V.
+
+A re-allocation runs only when some layer chunk's rho went down since the branch's last compression: at an
+unchanged budget a new split could only drop rows (a type given more could not take rows back). Once every
+chunk's rho is fixed (understanding, or a target at the floor) or at its floor, the branch is settled and is
+neither measured nor compressed again.
 """
 
 from __future__ import annotations
@@ -78,9 +83,21 @@ class UniCacheMethod(CompressionMethod):
 
     # ------------------------------------------------------------------ when
 
+    def settled(self, session: MethodSession, cache: CompressibleBranch) -> bool:
+        """Whether ``cache``'s budget can no longer go down: compressed, and every layer chunk's schedule fixed or
+        at its floor. Re-allocating a budget that stays can only lose rows (what one type would gain it could not
+        take back: rows and bits never grow), so a settled branch is neither measured nor compressed again."""
+        if cache.compressions == 0:
+            return False
+        keys = [key for key in session.schedules if key[0] == cache.branch]
+        return bool(keys) and all(session.schedules[key].fixed or session.schedules[key].rho <= session.schedules[key].floor
+                                  for key in keys)
+
     def is_compression_step(self, cache: CompressibleBranch, step: int) -> bool:
         if cache.compressions == 0:
             return True
+        if self.settled(cache.session, cache):
+            return False
         return step_chunk(step + 1) != step_chunk(step)  # the last step of a chunk
 
     def plan_decode(self, cache: CompressibleBranch, call: AttentionCall) -> CallPlan:
@@ -89,7 +106,7 @@ class UniCacheMethod(CompressionMethod):
         # H2O scores of the prompt rows: one decoded query adds little to them and would cost a scoring pass
         # over every resident key (the decoded tokens themselves are protected).
         step = int(call.step or 0)
-        if step_chunk(step + 1) != step_chunk(step):
+        if step_chunk(step + 1) != step_chunk(step) and not self.settled(cache.session, cache):
             return CallPlan(observe=True, compress_after=True)
         return CallPlan()
 
@@ -101,7 +118,8 @@ class UniCacheMethod(CompressionMethod):
         initial = cache.compressions == 0
         step = int(call.step) if call is not None and call.step is not None else 0
         chunk_now = step_chunk(step)
-        carry = 0  # bytes the previous layers left unused
+        shares: list[tuple[list[int], dict]] = []
+        lowered = initial
         for c, layers in layer_chunks(cache.num_layers).items():
             rows = cache.type_rows(layers[0])
             types = [t for t in CANDIDATE_TYPES if rows.get(t, 0) and self.table.kind(task, t) != "protect"]
@@ -120,6 +138,7 @@ class UniCacheMethod(CompressionMethod):
                 elif not initial:
                     sched.observe(max(1, chunk_now), mass)
             rho = sched.rho
+            lowered = lowered or c not in cache.rho or rho < cache.rho[c]
             cache.rho[c] = rho
             if weights is None or sum(weights.values()) <= 0:
                 ratio = min(rho, fallback_budget_ratio(task))
@@ -128,6 +147,11 @@ class UniCacheMethod(CompressionMethod):
                 floors = {t: self._floor_ratio(session, cache, layers[0], t) for t in types
                           if self.table.kind(task, t) == "quantize"}
                 ratios = _allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
+            shares.append((layers, ratios))
+        if not lowered:
+            return  # no budget went down: the branch already holds at most it, and a re-split could only lose rows
+        carry = 0  # bytes the previous layers left unused
+        for layers, ratios in shares:
             for layer in layers:
                 carry = self._apply(session, cache, layer, ratios, carry)
 
