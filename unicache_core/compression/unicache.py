@@ -89,9 +89,8 @@ class UniCacheMethod(CompressionMethod):
         take back: rows and bits never grow), so a settled branch is neither measured nor compressed again."""
         if cache.compressions == 0:
             return False
-        keys = [key for key in session.schedules if key[0] == cache.branch]
-        return bool(keys) and all(session.schedules[key].fixed or session.schedules[key].rho <= session.schedules[key].floor
-                                  for key in keys)
+        schedules = [sched for (branch, _), sched in session.schedules.items() if branch == cache.branch]
+        return bool(schedules) and all(sched.fixed or sched.rho <= sched.floor for sched in schedules)
 
     def is_compression_step(self, cache: CompressibleBranch, step: int) -> bool:
         if cache.compressions == 0:
@@ -118,14 +117,13 @@ class UniCacheMethod(CompressionMethod):
         initial = cache.compressions == 0
         step = int(call.step) if call is not None and call.step is not None else 0
         chunk_now = step_chunk(step)
-        shares: list[tuple[list[int], dict]] = []
+        chunks: list[tuple[list[int], dict, dict | None, float]] = []  # (layers, caps, masses, rho) per chunk
         lowered = initial
         for c, layers in layer_chunks(cache.num_layers).items():
             rows = cache.type_rows(layers[0])
             types = [t for t in CANDIDATE_TYPES if rows.get(t, 0) and self.table.kind(task, t) != "protect"]
             if not types:
                 continue
-            caps = {t: rows[t] for t in types}
             if task == "understanding" and initial:
                 weights = _mean_masses(cache, layers, types)  # the prompt's (post-modality) observation
             else:
@@ -140,20 +138,25 @@ class UniCacheMethod(CompressionMethod):
             rho = sched.rho
             lowered = lowered or c not in cache.rho or rho < cache.rho[c]
             cache.rho[c] = rho
-            if weights is None or sum(weights.values()) <= 0:
-                ratio = min(rho, fallback_budget_ratio(task))
-                ratios = {t: ratio for t in types}
-            else:
-                floors = {t: self._floor_ratio(session, cache, layers[0], t) for t in types
-                          if self.table.kind(task, t) == "quantize"}
-                ratios = _allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
-            shares.append((layers, ratios))
+            chunks.append((layers, {t: rows[t] for t in types}, weights, rho))
         if not lowered:
             return  # no budget went down: the branch already holds at most it, and a re-split could only lose rows
         carry = 0  # bytes the previous layers left unused
-        for layers, ratios in shares:
+        for layers, caps, weights, rho in chunks:
+            ratios = self._type_ratios(session, cache, layers[0], caps, weights, rho)
             for layer in layers:
                 carry = self._apply(session, cache, layer, ratios, carry)
+
+    def _type_ratios(self, session: MethodSession, cache: CompressibleBranch, layer: int, caps: dict,
+                     weights: dict | None, rho: float) -> dict[TokenType, float]:
+        """Each type's retained ratio for a layer chunk (``layer``: its first): ``rho * sum(caps)`` shared by mass,
+        no quantized type under its floor (§8.6); without masses, every type at ``rho`` (at most the fallback)."""
+        task = session.request.task
+        if weights is None or sum(weights.values()) <= 0:
+            ratio = min(rho, fallback_budget_ratio(task))
+            return {t: ratio for t in caps}
+        floors = {t: self._floor_ratio(session, cache, layer, t) for t in caps if self.table.kind(task, t) == "quantize"}
+        return _allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
 
     def geometry(self, session: MethodSession):
         """The quantization geometry: the table's, with the config's fixed residual when it sets one."""
