@@ -31,7 +31,7 @@ from .config import KVConfig
 from .method import CompressionMethod
 from .protocol import CallPlan, LayerState
 from .report import ReportBuilder, type_name
-from .scoring import key_scores, mass_from_lse, query_subsample, row_max_logits
+from .scoring import key_scores, masses_from_lse, query_subsample, row_max_logits
 from .stats import ChunkedAttentionStats
 
 logger = logging.getLogger(__name__)
@@ -123,13 +123,12 @@ class CompressingKVCache(SegmentedKVCache):
                  plan: CallPlan) -> None:
         st = self.layer(layer)
         ls = self.state[layer]
-        masses: dict[TokenType, float] = {}
-        for store, lse in zip(st.stores, res.store_lse):
-            if store.num_tokens:
-                masses[store.token_type] = masses.get(store.token_type, 0.0) + mass_from_lse(lse, res.lse)
+        parts = [(store.token_type, lse) for store, lse in zip(st.stores, res.store_lse) if store.num_tokens]
         if res.new_lse is not None:
-            masses[TokenType.CURRENT_LATENT if call.phase == "denoise" else TokenType.UNKNOWN] = \
-                mass_from_lse(res.new_lse, res.lse)
+            parts.append((TokenType.CURRENT_LATENT if call.phase == "denoise" else TokenType.UNKNOWN, res.new_lse))
+        masses: dict[TokenType, float] = {}
+        for (token_type, _), mass in zip(parts, masses_from_lse([lse for _, lse in parts], res.lse)):
+            masses[token_type] = masses.get(token_type, 0.0) + mass
         if plan.score:
             dense, n_q = self._score(layer, q, k_new, res, call, plan)
             if call.phase == "prefill" and call.update:
@@ -162,32 +161,32 @@ class CompressingKVCache(SegmentedKVCache):
                 visible = call.new_block_mask.to(q.device).index_select(0, idx)
             elif call.causal:
                 visible = torch.arange(tn, device=q.device)[None, :] <= idx[:, None]
+        # every resident row that can be scored, in one pass (protected rows only for the sparsity count)
+        scored = [store for store in st.stores if store.num_tokens and store.score_keys() is not None
+                  and (plan.sparsity or store.token_type not in PROTECTED_TYPES)]
+        keys, index = _scored_rows(scored, hkv)
+        merged = call.update and visible is None and tn > 0
+        if merged:  # every query sees the whole new block: its keys are scored in the same pass
+            new_index = torch.arange(st.appended_tokens, total, device=q.device).unsqueeze(1).expand(-1, hkv)
+            keys = k_new if keys is None else torch.cat([keys, k_new.to(keys.dtype)])
+            index = new_index if index is None else torch.cat([index.to(q.device), new_index])
         thresholds = None
         if plan.sparsity:
             rowmax = torch.full(lse.shape, float("-inf"), device=q.device)
-            for store in st.stores:
-                keys = store.score_keys()
-                if keys is not None and store.num_tokens:
-                    rowmax = torch.maximum(rowmax, row_max_logits(qs, keys))
-            if call.update:
+            if keys is not None:
+                rowmax = torch.maximum(rowmax, row_max_logits(qs, keys))
+            if call.update and not merged:
                 rowmax = torch.maximum(rowmax, row_max_logits(qs, k_new, visible=visible))
             thresholds = rowmax + math.log(self.session.method.sparsity_threshold)
         counts = torch.zeros(q.shape[1], dtype=torch.int64, device=q.device)
         valid = 0
-        for store in st.stores:
-            keys = store.score_keys()
-            if keys is None or store.num_tokens == 0:
-                continue
-            if thresholds is None and store.token_type in PROTECTED_TYPES:
-                continue  # never compressed: its rows' scores would never be read (sparsity counts every row)
+        if keys is not None:
             scores, c = key_scores(qs, keys, lse, count_above=thresholds)
-            index = store.token_index.long().to(q.device)
-            index = index.unsqueeze(1).expand(-1, hkv) if index.dim() == 1 else index.t()
-            dense.scatter_add_(0, index, scores)
+            dense.scatter_add_(0, index.to(q.device), scores)
             if c is not None:
                 counts += c
-                valid += qs.shape[0] * store.num_tokens
-        if call.update:
+                valid += qs.shape[0] * keys.shape[0]
+        if call.update and not merged:
             scores, c = key_scores(qs, k_new, lse, visible=visible, count_above=thresholds)
             dense[st.appended_tokens:] += scores
             if c is not None:
@@ -221,7 +220,7 @@ class CompressingKVCache(SegmentedKVCache):
         if meta is None:
             return 0
         h, d, dtype, _ = meta
-        return 2 * h * d * torch.empty(0, dtype=dtype).element_size()
+        return 2 * h * d * dtype.itemsize
 
     def managed_full_bytes(self, layer: int | None = None) -> int:
         """K+V bytes the compressible (candidate) rows would hold uncompressed (no index tensors)."""
@@ -369,6 +368,21 @@ class CompressionSession(CacheSession):
     def finish(self) -> dict:
         """The request's KV report (:mod:`.report`)."""
         return self.report.build()
+
+
+def _scored_rows(stores: list, num_kv_heads: int) -> tuple[Tensor | None, Tensor | None]:
+    """The rows of ``stores`` that scoring reads, as one key set: ``(keys [N, Hkv, d], append index [N, Hkv] int64)``
+    (row ``i`` of head ``h`` is the key of append index ``index[i, h]``), or ``(None, None)`` without stores."""
+    if not stores:
+        return None, None
+    keys, index = [], []
+    for store in stores:
+        keys.append(store.score_keys())
+        rows = store.token_index.long()
+        index.append(rows.unsqueeze(1).expand(-1, num_kv_heads) if rows.dim() == 1 else rows.t())
+    if len(stores) == 1:
+        return keys[0], index[0]
+    return torch.cat(keys), torch.cat(index)
 
 
 __all__ = ["CompressingKVCache", "CompressionSession", "MANAGED_TYPES"]

@@ -89,11 +89,17 @@ def select_rows(scores: Tensor, keep: int, *, recent: int = 0, forced: Tensor | 
     keep = max(0, min(int(keep), n))
     if smooth_kernel > 1:
         scores = pool_scores(scores, smooth_kernel, "avgpool")
+    if forced is None:
+        # the recent window alone is forced: it never exceeds ``keep``, so ranking its rows above every score
+        # (+inf) keeps the same rows as forcing them (NaN still ranks lowest; ties still go to the newer row)
+        ranked = torch.nan_to_num(scores.float(), nan=float("-inf"))
+        if recent > 0 and keep > 0:
+            ranked[:, max(0, n - min(recent, keep)):] = float("inf")
+        return topk_per_head(ranked.t(), keep)
     mask = torch.zeros(h, n, dtype=torch.bool, device=scores.device)
     if recent > 0:
         mask[:, max(0, n - min(recent, keep)):] = True
-    if forced is not None:
-        mask |= forced
+    mask |= forced
     return topk_per_head(scores.t(), keep, mask.t())
 
 
@@ -167,6 +173,17 @@ def evict(
         The new store (one :class:`EvictedStore`, typed when all pooled stores share a type).
     """
     stores = [layer.stores[i] for i in indices]
+    if len(stores) == 1 and isinstance(stores[0], EvictedStore) and forced is None and smooth_kernel == 1:
+        # one evicted store (a later re-allocation): its rows are already per head in append order
+        store = stores[0]
+        index = store.keep_idx.long()
+        pooled_scores = torch.gather(scores.float().t().to(index.device), 1, index)  # [Hkv, n]
+        rows = select_rows(pooled_scores, keep, recent=recent)  # [Hkv, keep], ascending
+        gather = rows.unsqueeze(-1).expand(-1, -1, store.keys.shape[2])
+        store = EvictedStore(torch.gather(store.keys, 1, gather), torch.gather(store.values, 1, gather),
+                             torch.gather(store.keep_idx, 1, rows.to(store.keep_idx.device)), store.token_type)
+        layer.replace_many(list(indices), store)
+        return store
     keys, values, index = pool_rows(stores)
     pooled_scores = torch.gather(scores.float().t().to(index.device), 1, index)  # [Hkv, N]
     pooled_forced = None if forced is None else forced.to(index.device)[index]

@@ -9,6 +9,7 @@ scores are computed over a subsample of the queries, chunked so that at most
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,9 +29,31 @@ def mass_from_lse(part_lse: Tensor, total_lse: Tensor) -> float:
     return float(torch.nan_to_num(share, nan=0.0).mean())
 
 
+def masses_from_lse(part_lses: list[Tensor], total_lse: Tensor) -> list[float]:
+    """:func:`mass_from_lse` of several key sets of one call at once (one exp and one mean for all of them,
+    one host sync).
+
+    Args:
+        part_lses: ``k`` tensors ``[Tq, Hq]`` fp32; total_lse: ``[Tq, Hq]`` fp32.
+
+    Returns:
+        ``k`` masses, in the order given.
+    """
+    if not part_lses:
+        return []
+    share = torch.exp(torch.stack(part_lses).float() - total_lse.float())  # [k, Tq, Hq]
+    return torch.nan_to_num(share, nan=0.0).mean(dim=(1, 2)).tolist()
+
+
 def query_subsample(num_queries: int, limit: int, *, last: bool, device: torch.device) -> Tensor:
     """``[n]`` indices of at most ``limit`` queries: the last ones (``last``: an observation window) or an
     evenly strided subset (denoising latents, all alike)."""
+    return _query_subsample(num_queries, limit, last, torch.device(device)).clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _query_subsample(num_queries: int, limit: int, last: bool, device: torch.device) -> Tensor:
+    # a call's query count repeats at every observed layer and step: computed once per (count, limit, device)
     if limit <= 0 or num_queries <= limit:
         return torch.arange(num_queries, device=device)
     if last:
@@ -65,7 +88,8 @@ def key_scores(
         return scores.t().contiguous(), counts
     kf = keys.float().permute(1, 2, 0)  # [Hkv, d, T]
     rows = max(1, SCORE_ELEMENTS // max(1, hq * t))
-    for start in range(0, tq, rows):
+    chunks = range(0, tq, rows)
+    for start in chunks:
         stop = min(tq, start + rows)
         n = stop - start
         qh = q[start:stop].float().permute(1, 0, 2).reshape(hkv, group * n, d)
@@ -80,7 +104,10 @@ def key_scores(
         probs = torch.exp(logits.sub_(lse_c))
         if visible is not None:
             probs.masked_fill_(~visible[start:stop].to(keys.device), 0.0)
-        scores += torch.nan_to_num(probs, nan=0.0).sum(dim=2).mean(dim=1)
+        part = torch.nan_to_num(probs, nan=0.0).sum(dim=2).mean(dim=1)  # [Hkv, T]
+        if len(chunks) == 1:
+            return part.t().contiguous(), counts  # one chunk: nothing to add it to
+        scores += part
     return scores.t().contiguous(), counts
 
 
@@ -106,4 +133,4 @@ def row_max_logits(q: Tensor, keys: Tensor, *, scale: float | None = None, visib
     return out
 
 
-__all__ = ["SCORE_ELEMENTS", "key_scores", "mass_from_lse", "query_subsample", "row_max_logits"]
+__all__ = ["SCORE_ELEMENTS", "key_scores", "mass_from_lse", "masses_from_lse", "query_subsample", "row_max_logits"]

@@ -126,7 +126,7 @@ class ChunkedAttentionStats:
         """
         for name, values in (("mass", masses), ("k90", k90s or {})):
             for ttype, value in values.items():
-                if not math.isfinite(float(value)) or float(value) < 0:
+                if not (math.isfinite(value) and value >= 0):
                     raise ValueError(f"attention {name} of {TokenType(ttype).name.lower()} at layer {layer}, step "
                                      f"{step} ({branch}) is {value!r}; the attention produced non-finite values "
                                      "(check the model dtype for overflow)")

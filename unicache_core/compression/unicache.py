@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import logging
 import math
-
 from dataclasses import replace
+from typing import Iterable
 
 from ..kv.cache import AttentionCall
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
@@ -155,32 +155,40 @@ class UniCacheMethod(CompressionMethod):
         if weights is None or sum(weights.values()) <= 0:
             ratio = min(rho, fallback_budget_ratio(task))
             return {t: ratio for t in caps}
-        floors = {t: self._floor_ratio(session, cache, layer, t) for t in caps if self.table.kind(task, t) == "quantize"}
+        quantized = [t for t in caps if self.table.kind(task, t) == "quantize"]
+        floors = {t: self._floor_ratio(session, seg) for t, (seg, _) in self._segments(cache, layer, quantized).items()}
         return _allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
 
     def geometry(self, session: MethodSession):
         """The quantization geometry: the table's, with the config's fixed residual when it sets one."""
         return session.config.quant_geometry(self.table.geometry)
 
-    def _segment(self, cache: CompressibleBranch, layer: int, token_type: TokenType) -> tuple[Segment, list[int]]:
-        """The rows of ``token_type`` in ``layer`` as a family choice sees them, and their store indices."""
+    def _segments(self, cache: CompressibleBranch, layer: int,
+                  types: Iterable[TokenType]) -> dict[TokenType, tuple[Segment, list[int]]]:
+        """The rows of each of ``types`` in ``layer`` as a family choice sees them, and their store indices (one
+        pass over the layer's stores)."""
         st = cache.layer(layer)
-        idx = st.find(token_type)
-        stores = [st.stores[i] for i in idx]
+        wanted = set(types)
+        found: dict[TokenType, list[int]] = {t: [] for t in wanted}
+        for i, store in enumerate(st.stores):
+            if store.token_type in wanted:
+                found[store.token_type].append(i)
         h, d, _, _ = st._kv_meta
-        row = cache.row_bytes(layer)
-        bits = min((s.bits if s.kind == "quantized" else FULL_BITS for s in stores), default=FULL_BITS)
-        return Segment(full_rows=cache.type_rows(layer).get(token_type, 0),
-                       held_rows=sum(s.num_tokens for s in stores), held_bits=bits,
-                       held_bytes=sum(s.nbytes() for s in stores), shared_rows=shared_rows(stores),
-                       num_kv_heads=h, head_dim=d, elem=row // (2 * h * d)), idx
+        elem = cache.row_bytes(layer) // (2 * h * d)
+        full_rows = cache.type_rows(layer)
+        out = {}
+        for t, idx in found.items():
+            stores = [st.stores[i] for i in idx]
+            bits = min((s.bits if s.kind == "quantized" else FULL_BITS for s in stores), default=FULL_BITS)
+            out[t] = (Segment(full_rows=full_rows.get(t, 0), held_rows=sum(s.num_tokens for s in stores),
+                              held_bits=bits, held_bytes=sum(s.nbytes() for s in stores),
+                              shared_rows=shared_rows(stores), num_kv_heads=h, head_dim=d, elem=elem), idx)
+        return out
 
-    def _floor_ratio(self, session: MethodSession, cache: CompressibleBranch, layer: int,
-                     token_type: TokenType) -> float:
-        """The least retained ratio a quantized type holds with every row kept: all rows at the lowest bits and
-        largest group without residual (or its uncompressed bytes, when quantizing would not shrink it), over
-        its full K+V bytes."""
-        segment, _ = self._segment(cache, layer, token_type)
+    def _floor_ratio(self, session: MethodSession, segment: Segment) -> float:
+        """The least retained ratio a quantized type (``segment``) holds with every row kept: all rows at the lowest
+        bits and largest group without residual (or its uncompressed bytes, when quantizing would not shrink it),
+        over its full K+V bytes."""
         whole = replace(segment, held_rows=segment.full_rows, held_bits=FULL_BITS, shared_rows=True)
         full = whole.full_bytes
         return least_quantized_bytes(whole, self.geometry(session)) / full if full else 0.0
@@ -205,17 +213,19 @@ class UniCacheMethod(CompressionMethod):
         for t in budgets:
             budgets[t] += math.floor(carry * (budgets[t] / base if base else 1 / len(budgets)))
         held_all = 0
-        order = sorted(ratios, key=lambda t: _SERVE_ORDER[self.table.kind(task, t)])
+        kinds = {t: self.table.kind(task, t) for t in ratios}
+        order = sorted(ratios, key=lambda t: _SERVE_ORDER[kinds[t]])
+        segments = self._segments(cache, layer, order)
         leftover = 0
         for position, t in enumerate(order):
-            kind = self.table.kind(task, t)
+            kind = kinds[t]
             if kind != "quantize" and leftover:
-                takers = [u for u in order[position:] if self.table.kind(task, u) != "quantize"]
+                takers = [u for u in order[position:] if kinds[u] != "quantize"]
                 share = sum(budgets[u] for u in takers)
                 extra = leftover if share == 0 else math.floor(leftover * budgets[t] / share)
                 budgets[t] += extra
                 leftover -= extra
-            segment, idx = self._segment(cache, layer, t)
+            segment, idx = segments[t]
             ls.flags.pop(t, None)
             if not idx:
                 continue
@@ -226,8 +236,11 @@ class UniCacheMethod(CompressionMethod):
                 if choice.rows < segment.held_rows and ls.scores is None:
                     raise RuntimeError(f"unicache: layer {layer} of branch {cache.branch} was never scored")
                 recent = min(choice.rows, int(choice.rows * session.config.recent_fraction + 0.5))
+                stores_before = len(st.stores)
                 compress_rows(st, idx, choice.rows, choice.bits, choice.group, choice.residual, ls.scores,
                               recent=recent)
+                if len(st.stores) != stores_before:  # pooled stores became one: the later types' indices moved
+                    segments = self._segments(cache, layer, order[position + 1:])
             held = sum(s.nbytes() for s in st.stores if s.token_type == t)
             if held > budgets[t]:
                 ls.flags[t] = (f"{segment.held_rows} rows held ({held} B) exceed their budget of {budgets[t]} B: "
