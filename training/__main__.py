@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=defaults.steps,
                         help="BAGEL optimiser steps the learning-rate schedule is laid out for")
     parser.add_argument("--stop-at", type=int, default=defaults.stop_at,
-                        help=f"stop and export at this BAGEL step (default {defaults.stop_at}, the last save inside "
-                             "the hour on this machine; 0 = --steps)")
+                        help=f"stop and export at this BAGEL step (default {defaults.stop_at}; 0 = --steps): on a "
+                             "slower machine, the last save inside the hour")
     parser.add_argument("--pool", type=int, default=defaults.pool_size, help="edit pairs encoded for training")
     parser.add_argument("--vae-from", type=path_arg, default=None,
                         help="a finished run's checkpoint folder whose VAE is stage 1 (same VAE settings; its VAE "
