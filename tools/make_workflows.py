@@ -1,6 +1,6 @@
 """Write the shipped example workflows: ``workflows/<name>.json`` (UI format, drag-and-drop, frontend 1.32) and
 ``workflows/api/<name>.json`` (API format, for ``POST /prompt`` and ``python -m tools.batch``), plus the example
-input image ``workflows/assets/unicache_example.png``.
+input images ``workflows/assets/unicache_example.png`` and ``unicache_position.png``.
 
 Run from the repo root after changing a node's inputs: ``.venv/bin/python tools/make_workflows.py``.
 Widget order and socket lists come from the nodes' own ``INPUT_TYPES``; tests/test_nodes.py checks the result.
@@ -21,10 +21,12 @@ from unicache_core.compression.defaults import SCORE_QUERIES  # noqa: E402
 
 WIDGET_KINDS = {"INT", "FLOAT", "STRING", "BOOLEAN"}
 EXAMPLE_IMAGE = "unicache_example.png"
+#: The understanding workflow's input: one object, asked where it is (``position_scene()``).
+POSITION_IMAGE = "unicache_position.png"
 #: Prompts in the bundled model's language; the example image is ``example_scene()``.
 T2I_PROMPT = "a large red circle at the top left and a small blue square at the center on a white background"
 EDIT_PROMPT = "change the background to black"
-QUESTION = "how many shapes are there?"
+QUESTION = "where is the red circle?"
 # core nodes: (socket inputs [(name, type)], widget names, outputs [(name, type)])
 CORE = {
     "LoadImage": ([], ["image", "upload"], [("IMAGE", "IMAGE"), ("MASK", "MASK")]),
@@ -123,8 +125,8 @@ def _flow(steps, seed, edit: bool):
             "cfg_renorm_min": 0.0, "cfg_renorm_type": "text_channel" if edit else "global", "think": False}
 
 
-def _load_image(node_id, pos=(40, 480)):
-    return {"id": node_id, "type": "LoadImage", "pos": pos, "size": (320, 320), "widgets": {"image": EXAMPLE_IMAGE}}
+def _load_image(node_id, pos=(40, 480), image=EXAMPLE_IMAGE):
+    return {"id": node_id, "type": "LoadImage", "pos": pos, "size": (320, 320), "widgets": {"image": image}}
 
 
 def _report(node_id, src, pos, title=None):
@@ -156,7 +158,7 @@ def workflows() -> dict[str, list[dict]]:
          "widgets": {}},
     ]
     und = [
-        _loader(), _kv(2), _load_image(3),
+        _loader(), _kv(2), _load_image(3, image=POSITION_IMAGE),
         {"id": 4, "type": "UniCacheUnderstand", "pos": (420, 80), "size": (360, 360),
          "links": {"model": (1, 0), "image": (3, 0), "kv": (2, 0)},
          "widgets": {"prompt": QUESTION, "max_new_tokens": 8, "do_sample": False, "temperature": 0.3,
@@ -193,9 +195,18 @@ def example_scene():
                            Shape("triangle", "yellow", "large", 8)))
 
 
-def example_image(path: Path) -> None:
+def position_scene():
+    """The understanding example: one object off-centre, so its answer ("top right") needs where it is. The bundled
+    model answers every cell of a one-object scene right; with three objects it is right about half the time
+    (models/bagel/unicache-shapes/README.md)."""
+    from unicache_core.shapes import Scene, Shape
+
+    return Scene("white", (Shape("circle", "red", "large", 2),))
+
+
+def example_image(path: Path, scene=None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    example_scene().render().save(path, optimize=True)
+    (scene or example_scene()).render().save(path, optimize=True)
 
 
 def main() -> int:
@@ -206,7 +217,8 @@ def main() -> int:
         (out / f"{name}.json").write_text(json.dumps(ui, indent=1) + "\n")
         (out / "api" / f"{name}.json").write_text(json.dumps(api, indent=1) + "\n")
     example_image(out / "assets" / EXAMPLE_IMAGE)
-    print(f"wrote {len(workflows())} workflows (UI + API) and the example image under {out}")
+    example_image(out / "assets" / POSITION_IMAGE, position_scene())
+    print(f"wrote {len(workflows())} workflows (UI + API) and the example images under {out}")
     return 0
 
 
