@@ -178,10 +178,7 @@ def evict(
         store = stores[0]
         index = store.keep_idx.long()
         pooled_scores = torch.gather(scores.float().t().to(index.device), 1, index)  # [Hkv, n]
-        rows = select_rows(pooled_scores, keep, recent=recent)  # [Hkv, keep], ascending
-        gather = rows.unsqueeze(-1).expand(-1, -1, store.keys.shape[2])
-        store = EvictedStore(torch.gather(store.keys, 1, gather), torch.gather(store.values, 1, gather),
-                             torch.gather(store.keep_idx, 1, rows.to(store.keep_idx.device)), store.token_type)
+        store = store.take(select_rows(pooled_scores, keep, recent=recent))  # [Hkv, keep], ascending
         layer.replace_many(list(indices), store)
         return store
     keys, values, index = pool_rows(stores)

@@ -25,8 +25,7 @@ def mass_from_lse(part_lse: Tensor, total_lse: Tensor) -> float:
     Args:
         part_lse, total_lse: ``[Tq, Hq]`` fp32.
     """
-    share = torch.exp(part_lse.float() - total_lse.float())
-    return float(torch.nan_to_num(share, nan=0.0).mean())
+    return masses_from_lse([part_lse], total_lse)[0]
 
 
 def masses_from_lse(part_lses: list[Tensor], total_lse: Tensor) -> list[float]:

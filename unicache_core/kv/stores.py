@@ -320,10 +320,15 @@ class EvictedStore(_RowStore):
         keep_sub = torch.sort(keep_sub.long().to(self.device), dim=1).values
         if keep_sub.shape[1] > 1 and bool((keep_sub[:, 1:] == keep_sub[:, :-1]).any()):
             raise ValueError("`keep_sub` must not repeat a row within a head")
-        idx = keep_sub.unsqueeze(-1).expand(h, keep_sub.shape[1], d)
+        return self.take(keep_sub)
+
+    def take(self, rows: Tensor) -> "EvictedStore":
+        """A new store of ``rows [Hkv, n_new]`` int64: positions into this store's rows, ascending and distinct per
+        head (not checked: :meth:`shrink` checks them; an eviction's own selection is built that way)."""
+        idx = rows.unsqueeze(-1).expand(-1, -1, self.keys.shape[2])
         return EvictedStore(
             torch.gather(self.keys, 1, idx), torch.gather(self.values, 1, idx),
-            torch.gather(self.keep_idx, 1, keep_sub.to(self.keep_idx.device)), self.token_type,
+            torch.gather(self.keep_idx, 1, rows.to(self.keep_idx.device)), self.token_type,
         )
 
 
