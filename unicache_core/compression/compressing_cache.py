@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 #: Types a method may compress; ``UNKNOWN`` marks a pooled store of several of them (global baselines).
 MANAGED_TYPES = frozenset(CANDIDATE_TYPES) | {TokenType.UNKNOWN}
+#: Marks the store a method pooled several candidate types into (``LayerState.pooled``) while masses are summed.
+_POOLED = object()
 
 
 class CompressingKVCache(SegmentedKVCache):
@@ -123,12 +125,17 @@ class CompressingKVCache(SegmentedKVCache):
                  plan: CallPlan) -> None:
         st = self.layer(layer)
         ls = self.state[layer]
-        parts = [(store.token_type, lse) for store, lse in zip(st.stores, res.store_lse) if store.num_tokens]
+        parts = [(_POOLED if ls.pooled and store.token_type == TokenType.UNKNOWN and store.kind != "full"
+                  else store.token_type, lse) for store, lse in zip(st.stores, res.store_lse) if store.num_tokens]
         if res.new_lse is not None:
             parts.append((TokenType.CURRENT_LATENT if call.phase == "denoise" else TokenType.UNKNOWN, res.new_lse))
         masses: dict[TokenType, float] = {}
         for (token_type, _), mass in zip(parts, masses_from_lse([lse for _, lse in parts], res.lse)):
-            masses[token_type] = masses.get(token_type, 0.0) + mass
+            if token_type is _POOLED:  # one store of several types: its mass in the shares they had when pooled
+                for member, share in ls.pooled.items():
+                    masses[member] = masses.get(member, 0.0) + mass * share
+            else:
+                masses[token_type] = masses.get(token_type, 0.0) + mass
         if plan.score:
             dense, n_q = self._score(layer, q, k_new, res, call, plan)
             if call.phase == "prefill" and call.update:

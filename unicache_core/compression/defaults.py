@@ -69,6 +69,10 @@ KIVI_RESIDUAL_SHARE = 0.5
 KIVI_FLOOR = (2, 128)
 #: KIVI group sizes (key groups run over tokens, value groups over channels).
 KIVI_GROUPS: tuple[int, ...] = (32, 64, 128)
+#: UniCache quantizes a layer's quantized types as one store while their budgets together cannot hold every
+#: row at this many bits (or one type's budget is under its own 2-bit floor): below it only key groups are left
+#: to share out, and one store pays for one set of them (docs/compression.md §11.7).
+POOL_BELOW_BITS = 4
 
 # ---------------------------------------------------------------- joint eviction + quantization (§11)
 

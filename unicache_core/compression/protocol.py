@@ -50,11 +50,14 @@ class LayerState:
     masses: dict = field(default_factory=dict)  # {TokenType: mass} of the last observed call
     budgets: dict = field(default_factory=dict)  # {type name: budget bytes} set at the last compression
     flags: dict = field(default_factory=dict)  # {TokenType or type name: reason} for budgets out of reach
+    #: {TokenType: share} of the candidate types quantized as one store (UniCache, docs/compression.md §11.7): the
+    #: store's attention mass is theirs in these shares (their masses when they were pooled); empty: no pool
+    pooled: dict = field(default_factory=dict)
 
     def copy(self) -> "LayerState":
         """A copy whose dicts are new (the score tensors are shared: they are replaced, never edited)."""
         return LayerState(self.scores, self.last_scores, self.last_score_queries, self.sparsity, dict(self.masses),
-                          dict(self.budgets), dict(self.flags))
+                          dict(self.budgets), dict(self.flags), dict(self.pooled))
 
 
 class NamedMethod(Protocol):

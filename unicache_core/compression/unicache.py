@@ -11,10 +11,12 @@ step; for understanding before the first decoded token, then every chunk of deco
    §11): ``evict`` keeps its best-scored rows at full precision (H2O scores accumulated over the observed
    steps, 25% recent), ``quantize`` keeps every row at the most precise KIVI setting whose REAL bytes fit
    (below its 2-bit floor: a subset of its rows at 2 bits), ``joint`` keeps its best-scored rows at the
-   bits calibrated for its budget level. Residual and groups follow the segment (§11.2). Rows and bits
-   only ever go down. Bytes a type leaves unused go to the joint and evicted types of the same layer;
-   what the whole layer leaves goes to the next layer's types (in layer order, across layer chunks), so a
-   branch holds as close to its budget as its stores' granularity allows, never above it.
+   bits calibrated for its budget level. Residual and groups follow the segment (§11.2). Where the budget
+   cannot hold the quantized types at 4 bits (or one under its own 2-bit floor), they share one store with
+   their budgets summed (§11.7; decided once, at the first compression). Rows and bits only ever go down.
+   Bytes a type leaves unused go to the joint and evicted types of the same layer; what the whole layer
+   leaves goes to the next layer's types (in layer order, across layer chunks), so a branch holds as close
+   to its budget as its stores' granularity allows, never above it.
    Budgets are bytes and round down, indices included; no type ever holds more than its full K and V.
 
 A re-allocation runs only when some layer chunk's rho went down since the branch's last compression: at an
@@ -33,10 +35,12 @@ from typing import Iterable
 from ..kv.cache import AttentionCall
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
 from .allocator import allocate_types
-from .family import FULL_BITS, Segment, choose, least_quantized_bytes
+from .defaults import POOL_BELOW_BITS
+from .family import FULL_BITS, JointChoice, Segment, choose, least_quantized_bytes
 from .method import CompressionMethod
 from .ops import compress_rows, floor_bytes, shared_rows
 from .policy_table import PolicyTable
+from .report import type_name
 from .protocol import CallPlan, CompressibleBranch, MethodSession
 from .schedule import RetentionSchedule
 from .stats import fallback_budget_ratio, layer_chunks, step_chunk
@@ -117,7 +121,7 @@ class UniCacheMethod(CompressionMethod):
         initial = cache.compressions == 0
         step = int(call.step) if call is not None and call.step is not None else 0
         chunk_now = step_chunk(step)
-        chunks: list[tuple[list[int], dict, dict | None, float]] = []  # (layers, caps, masses, rho) per chunk
+        chunks: list[tuple[list[int], dict, dict | None, float, float]] = []  # (layers, caps, masses, rho, floor)
         lowered = initial
         for c, layers in layer_chunks(cache.num_layers).items():
             rows = cache.type_rows(layers[0])
@@ -138,14 +142,15 @@ class UniCacheMethod(CompressionMethod):
             rho = sched.rho
             lowered = lowered or c not in cache.rho or rho < cache.rho[c]
             cache.rho[c] = rho
-            chunks.append((layers, {t: rows[t] for t in types}, weights, rho))
+            least = rho if sched.fixed else min(sched.floor, rho)  # the least retention the schedule can reach
+            chunks.append((layers, {t: rows[t] for t in types}, weights, rho, least))
         if not lowered:
             return  # no budget went down: the branch already holds at most it, and a re-split could only lose rows
         carry = 0  # bytes the previous layers left unused
-        for layers, caps, weights, rho in chunks:
+        for layers, caps, weights, rho, floor in chunks:
             ratios = self._type_ratios(session, cache, layers[0], caps, weights, rho)
             for layer in layers:
-                carry = self._apply(session, cache, layer, ratios, carry)
+                carry = self._apply(session, cache, layer, ratios, carry, floor / rho if rho > 0 else 1.0)
 
     def _type_ratios(self, session: MethodSession, cache: CompressibleBranch, layer: int, caps: dict,
                      weights: dict | None, rho: float) -> dict[TokenType, float]:
@@ -163,19 +168,23 @@ class UniCacheMethod(CompressionMethod):
         """The quantization geometry: the table's, with the config's fixed residual when it sets one."""
         return session.config.quant_geometry(self.table.geometry)
 
-    def _segments(self, cache: CompressibleBranch, layer: int,
-                  types: Iterable[TokenType]) -> dict[TokenType, tuple[Segment, list[int]]]:
+    def _segments(self, cache: CompressibleBranch, layer: int, types: Iterable[TokenType],
+                  pool: frozenset = frozenset()) -> dict[TokenType, tuple[Segment, list[int]]]:
         """The rows of each of ``types`` in ``layer`` as a family choice sees them, and their store indices (one
-        pass over the layer's stores)."""
+        pass over the layer's stores). :data:`POOL` stands for the quantized types ``pool`` shares one store
+        among: its rows are those of its members and of the pooled store."""
         st = cache.layer(layer)
         wanted = set(types)
         found: dict[TokenType, list[int]] = {t: [] for t in wanted}
         for i, store in enumerate(st.stores):
-            if store.token_type in wanted:
-                found[store.token_type].append(i)
+            unit = _unit(store, pool)
+            if unit in wanted:
+                found[unit].append(i)
         h, d, _, _ = st._kv_meta
         elem = cache.row_bytes(layer) // (2 * h * d)
         full_rows = cache.type_rows(layer)
+        if POOL in wanted:
+            full_rows[POOL] = sum(full_rows.get(t, 0) for t in pool)
         out = {}
         for t, idx in found.items():
             stores = [st.stores[i] for i in idx]
@@ -186,19 +195,56 @@ class UniCacheMethod(CompressionMethod):
         return out
 
     def _floor_ratio(self, session: MethodSession, segment: Segment) -> float:
-        """The least retained ratio a quantized type (``segment``) holds with every row kept: all rows at the lowest
-        bits and largest group without residual (or its uncompressed bytes, when quantizing would not shrink it),
+        """The least retained ratio a quantized type (``segment``) holds with every row kept (:meth:`_floor_bytes`)
         over its full K+V bytes."""
+        full = segment.full_bytes
+        return self._floor_bytes(session, segment) / full if full else 0.0
+
+    def _floor_bytes(self, session: MethodSession, segment: Segment) -> int:
+        """Bytes of every row of a quantized type (``segment``) at the lowest bits and largest group without
+        residual, in a store of its own (or its uncompressed bytes, when quantizing would not shrink it)."""
         whole = replace(segment, held_rows=segment.full_rows, held_bits=FULL_BITS, shared_rows=True)
-        full = whole.full_bytes
-        return least_quantized_bytes(whole, self.geometry(session)) / full if full else 0.0
+        return least_quantized_bytes(whole, self.geometry(session))
+
+    def _pool(self, session: MethodSession, cache: CompressibleBranch, layer: int, budgets: dict[TokenType, int],
+              kinds: dict[TokenType, str], at_floor: float) -> frozenset:
+        """The quantized types of ``layer`` that share one store (docs/compression.md §11.7), decided once, at the
+        branch's first compression, for the least budget its schedule can reach (``budgets`` x ``at_floor``, the
+        schedule's floor over its rho): with two or more quantized types present, all of them when their budgets
+        together cannot hold every row at :data:`~unicache_core.compression.defaults.POOL_BELOW_BITS` bits or one's
+        budget is under its own floor (every row at the lowest bits in a store of its own).
+
+        Below that budget no type can take more bits: a split by type can only buy finer key groups for the types
+        with more mass, and every store of its own pays for its own groups (the scale and zero of every channel).
+        Under its floor a type drops rows, all of them when its budget is below one row (a short instruction).
+        One store for all of them pays for one set of groups, keeps every row at the lowest bits where separate
+        stores could not, spends what is left on every row alike, and what it cannot keep it drops by score
+        across the types."""
+        if cache.compressions:  # decided at the branch's first compression, while every row is at full precision
+            return frozenset(cache.state[layer].pooled)
+        budgets = {t: math.floor(b * at_floor) for t, b in budgets.items()}
+        quantized = [t for t in budgets if kinds[t] == "quantize"]
+        if len(quantized) < 2:
+            return frozenset()
+        segments = {t: segment for t, (segment, idx) in self._segments(cache, layer, quantized).items() if idx}
+        if len(segments) < 2:
+            return frozenset()
+        rows = sum(segment.full_rows for segment in segments.values())
+        shared = replace(next(iter(segments.values())), full_rows=rows, held_rows=rows, held_bits=FULL_BITS,
+                         shared_rows=True)
+        finer = shared.choice_bytes(JointChoice(rows, POOL_BELOW_BITS, max(self.geometry(session).groups), 0))
+        if sum(budgets[t] for t in segments) >= finer and \
+                all(budgets[t] >= self._floor_bytes(session, segment) for t, segment in segments.items()):
+            return frozenset()
+        return frozenset(quantized)
 
     def _apply(self, session: MethodSession, cache: CompressibleBranch, layer: int,
-               ratios: dict[TokenType, float], carry: int = 0) -> int:
+               ratios: dict[TokenType, float], carry: int = 0, at_floor: float = 1.0) -> int:
         """Give each type its (rows, bits) for its bytes (docs/compression.md §11.3), never more rows or bits than
         it holds. ``carry`` (bytes earlier layers left unused) is added to the types' budgets in proportion to
         them. Types are served coarsest first (quantize, joint, evict): what a type leaves of its budget goes to
-        the joint and evicted types after it, in proportion to their budgets.
+        the joint and evicted types after it, in proportion to their budgets. Quantized types may share one store
+        (:meth:`_pool`; ``at_floor``: the schedule's floor over its current rho).
 
         Returns:
             the bytes this layer leaves unused, for the next layer.
@@ -214,8 +260,14 @@ class UniCacheMethod(CompressionMethod):
             budgets[t] += math.floor(carry * (budgets[t] / base if base else 1 / len(budgets)))
         held_all = 0
         kinds = {t: self.table.kind(task, t) for t in ratios}
-        order = sorted(ratios, key=lambda t: _SERVE_ORDER[kinds[t]])
-        segments = self._segments(cache, layer, order)
+        pool = self._pool(session, cache, layer, budgets, kinds, at_floor)
+        if pool:  # the pooled types are one unit: their budgets summed, quantized together
+            if not ls.pooled:
+                ls.pooled = _shares({t: ls.masses.get(t, 0.0) for t in pool}, {t: rows[t] for t in pool})
+            budgets[POOL] = sum(budgets.pop(t) for t in pool if t in budgets)
+            kinds = {t: kind for t, kind in kinds.items() if t not in pool} | {POOL: "quantize"}
+        order = sorted(budgets, key=lambda t: _SERVE_ORDER[kinds[t]])
+        segments = self._segments(cache, layer, order, pool)
         leftover = 0
         for position, t in enumerate(order):
             kind = kinds[t]
@@ -229,7 +281,7 @@ class UniCacheMethod(CompressionMethod):
             ls.flags.pop(t, None)
             if not idx:
                 continue
-            plan = self.table.plan_for(task, t)
+            plan = self.table.plan_for(task, t) if kind == "joint" else None
             choice = choose(segment, kind, budgets[t], geometry, plan.bits_for(ratios[t]) if plan else None)
             fewer = choice.rows < segment.held_rows or choice.bits < segment.held_bits
             if fewer or (segment.held_bytes > budgets[t] and segment.choice_bytes(choice) < segment.held_bytes):
@@ -240,15 +292,36 @@ class UniCacheMethod(CompressionMethod):
                 compress_rows(st, idx, choice.rows, choice.bits, choice.group, choice.residual, ls.scores,
                               recent=recent)
                 if len(st.stores) != stores_before:  # pooled stores became one: the later types' indices moved
-                    segments = self._segments(cache, layer, order[position + 1:])
-            held = sum(s.nbytes() for s in st.stores if s.token_type == t)
+                    segments = self._segments(cache, layer, order[position + 1:], pool)
+            held = sum(s.nbytes() for s in st.stores if _unit(s, pool) == t)
             if held > budgets[t]:
                 ls.flags[t] = (f"{segment.held_rows} rows held ({held} B) exceed their budget of {budgets[t]} B: "
                                "rows and bits never grow back, and nothing smaller fits this policy")
             leftover += max(0, budgets[t] - held)
             held_all += held
-        ls.budgets = {t.name.lower(): b for t, b in budgets.items()}
+        ls.budgets = {type_name(t): b for t, b in budgets.items()}
         return max(0, base + carry - held_all)  # a type over its budget (flagged) uses up what others left
+
+
+#: The unit of the quantized types that share one store (:meth:`UniCacheMethod._pool`): the type a store of
+#: several candidate types has (:func:`~unicache_core.compression.ops.pooled_type`).
+POOL = TokenType.UNKNOWN
+
+
+def _unit(store, pool: frozenset) -> TokenType:
+    """What ``store`` belongs to in a layer whose ``pool`` types share one store: :data:`POOL` for a member's
+    store or the pooled one, else its own type."""
+    if pool and (store.token_type in pool or (store.token_type == POOL and store.kind != "full")):
+        return POOL
+    return store.token_type
+
+
+def _shares(masses: dict, rows: dict) -> dict:
+    """Each type's share of a pooled store's attention mass: of their ``masses``, or of their ``rows`` without."""
+    total = sum(masses.values())
+    weights = masses if total > 0 else rows
+    total = sum(weights.values())
+    return {t: w / total for t, w in weights.items()}
 
 
 #: Which types are served first when a layer's budgets are applied: the coarse quantized settings, whose
