@@ -46,14 +46,24 @@ def topk_per_head(scores: Tensor, n: int, forced: Tensor | None = None) -> Tenso
     Returns:
         ``[Hkv, n]`` int64 indices, ascending per head.
     """
-    t, hkv = scores.shape
     s = torch.nan_to_num(scores.t().float(), nan=float("-inf"))  # [Hkv, T]
-    flipped = torch.flip(s, dims=[1])
-    order = (t - 1) - torch.sort(flipped, dim=1, descending=True, stable=True).indices
-    if forced is not None:
-        flags = forced.t().gather(1, order).to(torch.int8)
-        order = order.gather(1, torch.sort(flags, dim=1, descending=True, stable=True).indices)
-    return order[:, :n].sort(dim=1).values.to(torch.long)
+    if forced is None:
+        return _top_rows(s, n)
+    t = s.shape[1]
+    order = (t - 1) - torch.sort(torch.flip(s, dims=[1]), dim=1, descending=True, stable=True).indices
+    flags = forced.t().gather(1, order).to(torch.int8)
+    order = order.gather(1, torch.sort(flags, dim=1, descending=True, stable=True).indices)
+    return order[:, :n].sort(dim=1).values
+
+
+def _top_rows(ranked: Tensor, n: int) -> Tensor:
+    """``[Hkv, n]`` int64 positions of the ``n`` highest of ``ranked [Hkv, T]`` (no NaN) per head, ascending; on
+    ties the higher position wins. An ascending stable sort keeps tied rows in position order, so its last ``n``
+    are the highest values with the later rows of a tie."""
+    t = ranked.shape[1]
+    n = max(0, min(int(n), t))
+    order = torch.sort(ranked, dim=1, stable=True).indices[:, t - n:]
+    return order.sort(dim=1).values
 
 
 def pool_scores(scores: Tensor, kernel_size: int, pooling: str = "avgpool") -> Tensor:
@@ -95,7 +105,7 @@ def select_rows(scores: Tensor, keep: int, *, recent: int = 0, forced: Tensor | 
         ranked = torch.nan_to_num(scores.float(), nan=float("-inf"))
         if recent > 0 and keep > 0:
             ranked[:, max(0, n - min(recent, keep)):] = float("inf")
-        return topk_per_head(ranked.t(), keep)
+        return _top_rows(ranked, keep)
     mask = torch.zeros(h, n, dtype=torch.bool, device=scores.device)
     if recent > 0:
         mask[:, max(0, n - min(recent, keep)):] = True

@@ -27,6 +27,7 @@ neither measured nor compressed again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import replace
@@ -36,7 +37,7 @@ from ..kv.cache import AttentionCall
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
 from .allocator import allocate_types
 from .defaults import POOL_BELOW_BITS
-from .family import FULL_BITS, JointChoice, Segment, choose, least_quantized_bytes
+from .family import FULL_BITS, JointChoice, QuantGeometry, Segment, choose, least_quantized_bytes
 from .method import CompressionMethod
 from .ops import compress_rows, floor_bytes, shared_rows
 from .policy_table import PolicyTable
@@ -160,8 +161,10 @@ class UniCacheMethod(CompressionMethod):
         if weights is None or sum(weights.values()) <= 0:
             ratio = min(rho, fallback_budget_ratio(task))
             return {t: ratio for t in caps}
-        quantized = [t for t in caps if self.table.kind(task, t) == "quantize"]
-        floors = {t: self._floor_ratio(session, seg) for t, (seg, _) in self._segments(cache, layer, quantized).items()}
+        h, d, dtype, _ = cache.layer(layer)._kv_meta
+        geometry = self.geometry(session)
+        floors = {t: _floor_ratio(n, h, d, dtype.itemsize, geometry) for t, n in caps.items()
+                  if self.table.kind(task, t) == "quantize"}
         return _allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
 
     def geometry(self, session: MethodSession):
@@ -193,12 +196,6 @@ class UniCacheMethod(CompressionMethod):
                               held_bits=bits, held_bytes=sum(s.nbytes() for s in stores),
                               shared_rows=shared_rows(stores), num_kv_heads=h, head_dim=d, elem=elem), idx)
         return out
-
-    def _floor_ratio(self, session: MethodSession, segment: Segment) -> float:
-        """The least retained ratio a quantized type (``segment``) holds with every row kept (:meth:`_floor_bytes`)
-        over its full K+V bytes."""
-        full = segment.full_bytes
-        return self._floor_bytes(session, segment) / full if full else 0.0
 
     def _floor_bytes(self, session: MethodSession, segment: Segment) -> int:
         """Bytes of every row of a quantized type (``segment``) at the lowest bits and largest group without
@@ -314,6 +311,17 @@ def _unit(store, pool: frozenset) -> TokenType:
     if pool and (store.token_type in pool or (store.token_type == POOL and store.kind != "full")):
         return POOL
     return store.token_type
+
+
+@functools.lru_cache(maxsize=4096)
+def _floor_ratio(rows: int, num_kv_heads: int, head_dim: int, elem: int, geometry: QuantGeometry) -> float:
+    """The least retained ratio a quantized type of ``rows`` rows holds with every row kept (every row at the lowest
+    bits and largest group without residual in a store of its own, or its uncompressed bytes when quantizing would
+    not shrink it) over its full K+V bytes. Pure, so cached: a layer's rows per type stay fixed once appended."""
+    whole = Segment(full_rows=rows, held_rows=rows, held_bits=FULL_BITS, held_bytes=0, shared_rows=True,
+                    num_kv_heads=num_kv_heads, head_dim=head_dim, elem=elem)
+    full = whole.full_bytes
+    return least_quantized_bytes(whole, geometry) / full if full else 0.0
 
 
 def _shares(masses: dict, rows: dict) -> dict:
