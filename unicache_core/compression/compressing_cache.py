@@ -205,6 +205,8 @@ class CompressingKVCache(SegmentedKVCache):
         ls.last_score_queries = int(qs.shape[0])
         if ls.scores is None:
             ls.scores = dense.clone()
+        elif ls.scores.shape == dense.shape:  # nothing appended since: a new tensor (forks share the old one)
+            ls.scores = ls.scores + dense
         else:
             grown = torch.zeros_like(dense)
             grown[: ls.scores.shape[0]] = ls.scores
