@@ -63,6 +63,12 @@ def _joint_table() -> PolicyTable:
                        source="calibrated")
 
 
+def _quantize_table() -> PolicyTable:
+    """Every candidate type quantized (the bundled model's calibrated routes): several quantized types per layer,
+    so the pooled store of docs/compression.md §11.7 is exercised."""
+    return PolicyTable(entries={key: "quantize" for key in paper_policy_table().entries}, source="calibrated")
+
+
 def _context(task: str, lengths: list[int]) -> list[tuple[TT, int]]:
     a, b, c = lengths
     if task == "understanding":
@@ -144,22 +150,25 @@ TASKS = ("understanding", "t2i", "edit")
 METHODS_UNDER_TEST = [m for m in METHODS if m != "full"]
 
 
-@pytest.mark.parametrize("method", METHODS_UNDER_TEST)
+@pytest.mark.parametrize("method", METHODS_UNDER_TEST + ["unicache_all_quantized"])
 def test_managed_bytes_never_exceed_full(method: str) -> None:
     """Every task x target x segment length: lengths 1..40 densely (the target rotating with the length), then
     two requests per (task, target) with an edge length and log-uniform lengths up to 5000; fp32 and bf16
-    alternate (bf16 is where 2-bit rows and their metadata save least)."""
-    seed = 1000 * METHODS_UNDER_TEST.index(method)
+    alternate (bf16 is where 2-bit rows and their metadata save least). ``unicache_all_quantized``: UniCache
+    with every type quantized, where its types may share one pooled store."""
+    policy = _quantize_table() if method == "unicache_all_quantized" else None
+    seed = 1000 * (METHODS_UNDER_TEST + ["unicache_all_quantized"]).index(method)
+    method = "unicache" if policy is not None else method
     for t, task in enumerate(TASKS):
         for target, lengths in _dense_requests(t):
             seed += 1
             run_request(method, task, TARGETS[target][task], lengths,
-                        torch.bfloat16 if seed % 2 else torch.float32, seed)
+                        torch.bfloat16 if seed % 2 else torch.float32, seed, policy)
         for target in TARGETS:
             for _ in range(2):
                 seed += 1
                 run_request(method, task, TARGETS[target][task], _spread_lengths(random.Random(seed)),
-                            torch.bfloat16 if seed % 2 else torch.float32, seed)
+                            torch.bfloat16 if seed % 2 else torch.float32, seed, policy)
 
 
 def test_every_edge_length_for_the_quantizing_methods() -> None:
@@ -168,6 +177,6 @@ def test_every_edge_length_for_the_quantizing_methods() -> None:
     pool of that length (t2i: the instruction alone); task and target rotate."""
     for i, length in enumerate(EDGE_LENGTHS):
         task, target = ("understanding", "t2i", "edit")[i % 3], ("default", "robust", "extreme")[(i // 3) % 3]
-        for policy in (None, _joint_table()):
+        for policy in (None, _joint_table(), _quantize_table()):
             run_request("unicache", task, TARGETS[target][task], [length, length, length], torch.bfloat16, i, policy)
         run_request("kivi", "t2i", TARGETS[target]["t2i"], [length, length, length], torch.bfloat16, i)
