@@ -97,7 +97,7 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
     times["sessions"] += 1
 
     def add_time(stage: str, start: float) -> None:
-        times[stage] = round(times[stage] + time.perf_counter() - start, 1)
+        times[stage] = round(times[stage] + time.perf_counter() - start, 3)
         times_path.write_text(json.dumps(times, indent=2) + "\n", encoding="utf-8")
 
     if cfg.vae_from:
@@ -132,7 +132,7 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
         before, start = times[stage], time.perf_counter()
 
         def count() -> None:
-            times[stage] = round(before + time.perf_counter() - start, 1)
+            times[stage] = round(before + time.perf_counter() - start, 3)
             times_path.write_text(json.dumps(times, indent=2) + "\n", encoding="utf-8")
 
         return count

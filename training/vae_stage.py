@@ -168,6 +168,6 @@ def vae_from_run(vae: AutoEncoder, cfg: TrainConfig, folder: Path, times: dict) 
         raise ValueError(f"--vae-from {folder}: its VAE stage differs from this run's: {'; '.join(diffs)}")
     vae.load_state_dict(load_file(str(folder / "ae.safetensors")))
     if not times.get("vae_from"):
-        times["vae_s"] = round(times["vae_s"] + float(record["seconds"]["vae_s"]), 1)
+        times["vae_s"] = round(times["vae_s"] + float(record["seconds"]["vae_s"]), 3)
         times["vae_from"] = str(folder)
     return list(record.get("vae_log", []))
