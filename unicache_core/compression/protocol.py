@@ -53,11 +53,13 @@ class LayerState:
     #: {TokenType: share} of the candidate types quantized as one store (UniCache, docs/compression.md §11.7): the
     #: store's attention mass is theirs in these shares (their masses when they were pooled); empty: no pool
     pooled: dict = field(default_factory=dict)
+    #: bytes this layer's budget gets (> 0) or gives (< 0) so every branch can keep its quantized floor (UniCache)
+    grant: int = 0
 
     def copy(self) -> "LayerState":
         """A copy whose dicts are new (the score tensors are shared: they are replaced, never edited)."""
         return LayerState(self.scores, self.last_scores, self.last_score_queries, self.sparsity, dict(self.masses),
-                          dict(self.budgets), dict(self.flags), dict(self.pooled))
+                          dict(self.budgets), dict(self.flags), dict(self.pooled), self.grant)
 
 
 class NamedMethod(Protocol):

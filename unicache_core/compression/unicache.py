@@ -147,11 +147,63 @@ class UniCacheMethod(CompressionMethod):
             chunks.append((layers, {t: rows[t] for t in types}, weights, rho, least))
         if not lowered:
             return  # no budget went down: the branch already holds at most it, and a re-split could only lose rows
+        if initial:
+            for layer, grant in self._floor_grants(session, cache).items():
+                cache.state[layer].grant = grant
         carry = 0  # bytes the previous layers left unused
         for layers, caps, weights, rho, floor in chunks:
             ratios = self._type_ratios(session, cache, layers[0], caps, weights, rho)
             for layer in layers:
-                carry = self._apply(session, cache, layer, ratios, carry, floor / rho if rho > 0 else 1.0)
+                carry = self._apply(session, cache, layer, ratios, carry + cache.state[layer].grant,
+                                    floor / rho if rho > 0 else 1.0)
+
+    def _least_budgets(self, session: MethodSession, cache: CompressibleBranch) -> dict[int, tuple[int, int]]:
+        """Per layer of ``cache``: ``(budget, floor)`` bytes at the least retention its schedule can reach: the
+        candidate rows' budget, and what its quantized rows need to keep every row at 2 bits (one store when two
+        or more types are quantized, :meth:`_pool`)."""
+        task = session.request.task
+        geometry = self.geometry(session)
+        out = {}
+        for c, layers in layer_chunks(cache.num_layers).items():
+            sched = self.schedule(session, cache.branch, c)
+            least = sched.rho if sched.fixed else min(sched.floor, sched.rho)
+            for layer in layers:
+                meta = cache.layer(layer)._kv_meta
+                rows = {t: n for t, n in cache.type_rows(layer).items() if t in CANDIDATE_TYPES
+                        and self.table.kind(task, t) != "protect"}
+                if meta is None or not rows:
+                    continue
+                h, d, dtype, _ = meta
+                quantized = [n for t, n in rows.items() if self.table.kind(task, t) == "quantize"]
+                need = 0
+                if quantized:
+                    ratio = _floor_ratio(sum(quantized), h, d, dtype.itemsize, geometry)
+                    need = math.ceil(ratio * sum(quantized) * cache.row_bytes(layer))
+                out[layer] = (floor_bytes(least, sum(rows.values()) * cache.row_bytes(layer)), need)
+        return out
+
+    def _floor_grants(self, session: MethodSession, cache: CompressibleBranch) -> dict[int, int]:
+        """Bytes each layer of ``cache`` receives (> 0) or gives (< 0) so that every live branch's quantized rows
+        can keep their 2-bit floor (docs/compression.md §11.8), decided at the branch's first compression.
+
+        A branch whose whole budget is under the floor of its quantized rows (an edit's image-free CFG branch
+        holds only its instruction: 5 rows at 2 bits need 476 B a layer where 10% gives 256 B) would otherwise
+        drop them; the other branches' bytes above their floors pay for it, in proportion to what they have
+        above, so the request's total stays within its budget. Every branch computes the same plan from the
+        same live branches at the same retention, so what one branch is given the others give."""
+        plans = {c.branch: self._least_budgets(session, c) for c in session.live_caches()
+                 if c.num_layers == cache.num_layers}
+        deficit = {(b, layer): max(0, need - budget) for b, plan in plans.items() for layer, (budget, need) in
+                   plan.items()}
+        surplus = {(b, layer): max(0, budget - need) for b, plan in plans.items() for layer, (budget, need) in
+                   plan.items()}
+        short, spare = sum(deficit.values()), sum(surplus.values())
+        moved = min(short, spare)
+        if moved == 0:
+            return {}
+        mine = plans.get(cache.branch, {})
+        return {layer: (deficit[(cache.branch, layer)] * moved) // short
+                - -((-surplus[(cache.branch, layer)] * moved) // spare) for layer in mine}
 
     def _type_ratios(self, session: MethodSession, cache: CompressibleBranch, layer: int, caps: dict,
                      weights: dict | None, rho: float) -> dict[TokenType, float]:
