@@ -27,16 +27,20 @@ def bundled():
 
 @pytest.fixture
 def caches(monkeypatch):
-    """Every branch cache the next requests create, in creation order."""
+    """Every branch cache the next requests create (new and forked), in creation order."""
     made = []
-    new_cache = compressing_cache.CompressionSession.new_cache
+    new_cache, fork = compressing_cache.CompressionSession.new_cache, compressing_cache.CompressionSession.fork
 
-    def spy(self, branch):
-        cache = new_cache(self, branch)
-        made.append(cache)
-        return cache
+    def spy_new(self, branch):
+        made.append(new_cache(self, branch))
+        return made[-1]
 
-    monkeypatch.setattr(compressing_cache.CompressionSession, "new_cache", spy)
+    def spy_fork(self, parent, branch):
+        made.append(fork(self, parent, branch))
+        return made[-1]
+
+    monkeypatch.setattr(compressing_cache.CompressionSession, "new_cache", spy_new)
+    monkeypatch.setattr(compressing_cache.CompressionSession, "fork", spy_fork)
     return made
 
 
@@ -115,3 +119,25 @@ def test_a_fork_keeps_its_parents_pool(bundled, caches):
     assert all(clone.state[layer].pooled for layer in range(cache.num_layers))
     clone.state[0].pooled.clear()
     assert cache.state[0].pooled  # the copy is its own
+
+
+def test_a_branch_under_its_floor_is_paid_for_by_the_others(bundled, caches):
+    """An edit at 10%: the image-free CFG branch holds only the instruction, whose 2-bit floor is above that
+    branch's own budget; the other branches' bytes above their floors pay for it, so it keeps every row in
+    every layer and the request stays within its budget (docs/compression.md §11.8)."""
+    edit = edit_sample(5)
+    factory = make_cache_factory("unicache", checkpoint_dir=str(BUNDLED_CHECKPOINT_DIR), kv_target=0.1)
+    report = BagelPipeline(bundled, factory).edit(edit.instruction, edit.source.render(),
+                                                  preset("edit", num_timesteps=6), seed=5).kv_report
+    branches = {c.branch: c for c in caches}
+    cfg_img = branches["cfg_img"]
+    for layer in range(cfg_img.num_layers):
+        rows = cfg_img.type_rows(layer)[TT.INSTRUCTION]
+        own_budget = int(0.1 * rows * cfg_img.row_bytes(layer))
+        (store,) = [s for s in cfg_img.layer(layer).stores if s.token_type == TT.INSTRUCTION]
+        assert store.kind == "quantized" and store.bits == 2 and store.num_tokens == rows
+        assert store.nbytes() > own_budget and cfg_img.state[layer].grant >= store.nbytes() - own_budget
+    grants = [c.state[layer].grant for c in branches.values() for layer in range(c.num_layers)]
+    assert sum(grants) <= 0 and min(grants) < 0  # given = taken (rounding keeps the rest)
+    summary = report["summary"]
+    assert summary["achieved_ratio"] <= 0.1 and summary["within_budget"] and not summary.get("flags"), summary

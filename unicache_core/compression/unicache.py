@@ -13,7 +13,9 @@ step; for understanding before the first decoded token, then every chunk of deco
    (below its 2-bit floor: a subset of its rows at 2 bits), ``joint`` keeps its best-scored rows at the
    bits calibrated for its budget level. Residual and groups follow the segment (§11.2). Where the budget
    cannot hold the quantized types at 4 bits (or one under its own 2-bit floor), they share one store with
-   their budgets summed (§11.7; decided once, at the first compression). Rows and bits only ever go down.
+   their budgets summed (§11.7; decided once, at the first compression), and a branch whose quantized rows
+   cannot keep their 2-bit floor in its own budget is paid for by the other branches' bytes above theirs
+   (§11.8). Rows and bits only ever go down.
    Bytes a type leaves unused go to the joint and evicted types of the same layer; what the whole layer
    leaves goes to the next layer's types (in layer order, across layer chunks), so a branch holds as close
    to its budget as its stores' granularity allows, never above it.
