@@ -56,6 +56,11 @@ class RetentionSchedule:
         """The scheduled retention ratio now."""
         return self._rho
 
+    @property
+    def least(self) -> float:
+        """The least retention the schedule can still reach: ``rho`` when fixed, else its floor (at most ``rho``)."""
+        return self._rho if self.fixed else min(self.floor, self._rho)
+
     def ratio_for(self, mass: float) -> float:
         """``clip(rho0 * (mass / m0) ** gamma, floor, rho0)``; ``rho0`` when ``m0`` is unknown or ~0."""
         if self.fixed or self.m0 is None or self.m0 <= 1e-12:

@@ -145,8 +145,7 @@ class UniCacheMethod(CompressionMethod):
             rho = sched.rho
             lowered = lowered or c not in cache.rho or rho < cache.rho[c]
             cache.rho[c] = rho
-            least = rho if sched.fixed else min(sched.floor, rho)  # the least retention the schedule can reach
-            chunks.append((layers, {t: rows[t] for t in types}, weights, rho, least))
+            chunks.append((layers, {t: rows[t] for t in types}, weights, rho, sched.least))
         if not lowered:
             return  # no budget went down: the branch already holds at most it, and a re-split could only lose rows
         if initial:
@@ -167,8 +166,7 @@ class UniCacheMethod(CompressionMethod):
         geometry = self.geometry(session)
         out = {}
         for c, layers in layer_chunks(cache.num_layers).items():
-            sched = self.schedule(session, cache.branch, c)
-            least = sched.rho if sched.fixed else min(sched.floor, sched.rho)
+            least = self.schedule(session, cache.branch, c).least
             for layer in layers:
                 meta = cache.layer(layer)._kv_meta
                 rows = {t: n for t, n in cache.type_rows(layer).items() if t in CANDIDATE_TYPES
