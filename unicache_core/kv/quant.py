@@ -22,6 +22,7 @@ Layout is head-major: codes ``[Hkv, T, ceil(d*b/8)]``; key scales ``[Hkv, ceil(T
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -348,12 +349,18 @@ class QuantizedTensor:
                     dst.copy_(buf)
 
 
-def _check_finite(name: str, x: Tensor) -> None:
-    """Min-max quantization spreads one NaN/inf over its whole group: refuse such input up front."""
-    if x.numel() and not bool(torch.isfinite(x).all()):
+def _checked_scale_dtype(name: str, x: Tensor) -> torch.dtype:
+    """:func:`scale_dtype_for` ``x``, refusing non-finite input in the same pass (one reduction, one host sync):
+    min-max quantization spreads one NaN/inf over its whole group. ``max`` of ``|x|`` is NaN or inf exactly when
+    ``x`` holds one."""
+    if not x.numel():
+        return SCALE_DTYPE
+    largest = float(x.abs().max())
+    if not math.isfinite(largest):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"`{name}` has {bad} non-finite (NaN/inf) values; they cannot be quantized. "
                          "Check the model's dtype/overflow before compressing this segment.")
+    return torch.float32 if largest > _FP16_SAFE else SCALE_DTYPE
 
 
 def quantize_keys(keys: Tensor, bits: int, group_size: int) -> QuantizedTensor:
@@ -363,32 +370,21 @@ def quantize_keys(keys: Tensor, bits: int, group_size: int) -> QuantizedTensor:
         raise ValueError(f"`keys` must be [Hkv, T, d], got shape {tuple(keys.shape)}")
     h, t, d = keys.shape
     x = keys.float()
-    _check_finite("keys", x)
-    meta_dtype = scale_dtype_for(x)
-    full = t // g
-    scales, zeros, codes = [], [], []
-    if full:
-        body = x[:, : full * g].reshape(h, full, g, d)
-        s, z = _minmax_params(body.amin(dim=2), body.amax(dim=2), bits, meta_dtype)  # [H, full, d]
-        codes.append(_quantize(body, s.unsqueeze(2), z.unsqueeze(2), bits).reshape(h, full * g, d))
-        scales.append(s)
-        zeros.append(z)
-    if t > full * g:
-        tail = x[:, full * g :]
-        s, z = _minmax_params(tail.amin(dim=1, keepdim=True), tail.amax(dim=1, keepdim=True), bits, meta_dtype)
-        codes.append(_quantize(tail, s, z, bits))
-        scales.append(s)
-        zeros.append(z)
-    if not codes:
+    meta_dtype = _checked_scale_dtype("keys", x)
+    if not t:
         empty = torch.empty(h, 0, d, dtype=meta_dtype, device=keys.device)
         return QuantizedTensor(
             pack_bits(torch.empty(h, 0, d, dtype=torch.uint8, device=keys.device), bits), empty, empty.clone(),
             bits, g, d, "channel",
         )
-    return QuantizedTensor(
-        pack_bits(torch.cat(codes, dim=1), bits), torch.cat(scales, dim=1), torch.cat(zeros, dim=1),
-        bits, g, d, "channel",
-    )
+    groups = -(-t // g)
+    pad = groups * g - t
+    if pad:  # the short last group is padded with copies of its last row: its min and max are unchanged
+        x = torch.cat([x, x[:, -1:].expand(h, pad, d)], dim=1)
+    grouped = x.reshape(h, groups, g, d)
+    s, z = _minmax_params(grouped.amin(dim=2), grouped.amax(dim=2), bits, meta_dtype)  # [H, groups, d]
+    codes = _quantize(grouped, s.unsqueeze(2), z.unsqueeze(2), bits).reshape(h, groups * g, d)
+    return QuantizedTensor(pack_bits(codes[:, :t] if pad else codes, bits), s, z, bits, g, d, "channel")
 
 
 def quantize_values(values: Tensor, bits: int, group_size: int) -> QuantizedTensor:
@@ -398,8 +394,7 @@ def quantize_values(values: Tensor, bits: int, group_size: int) -> QuantizedTens
         raise ValueError(f"`values` must be [Hkv, T, d], got shape {tuple(values.shape)}")
     h, t, d = values.shape
     x = values.float()
-    _check_finite("values", x)
-    meta_dtype = scale_dtype_for(x)
+    meta_dtype = _checked_scale_dtype("values", x)
     ng = -(-d // g)
     pad = ng * g - d
     if pad:  # pad with a copy of the last channel so min/max of the short group are unchanged
