@@ -177,8 +177,7 @@ class UniCacheMethod(CompressionMethod):
                 quantized = [n for t, n in rows.items() if self.table.kind(task, t) == "quantize"]
                 need = 0
                 if quantized:
-                    ratio = _floor_ratio(sum(quantized), h, d, dtype.itemsize, geometry)
-                    need = math.ceil(ratio * sum(quantized) * cache.row_bytes(layer))
+                    need = _floor_bytes(sum(quantized), h, d, dtype.itemsize, geometry)
                 out[layer] = (floor_bytes(least, sum(rows.values()) * cache.row_bytes(layer)), need)
         return out
 
@@ -215,7 +214,8 @@ class UniCacheMethod(CompressionMethod):
             return {t: ratio for t in caps}
         h, d, dtype, _ = cache.layer(layer)._kv_meta
         geometry = self.geometry(session)
-        floors = {t: _floor_ratio(n, h, d, dtype.itemsize, geometry) for t, n in caps.items()
+        full_row = 2 * h * d * dtype.itemsize
+        floors = {t: _floor_bytes(n, h, d, dtype.itemsize, geometry) / (n * full_row) for t, n in caps.items()
                   if self.table.kind(task, t) == "quantize"}
         return _allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
 
@@ -249,12 +249,6 @@ class UniCacheMethod(CompressionMethod):
                               shared_rows=shared_rows(stores), num_kv_heads=h, head_dim=d, elem=elem), idx)
         return out
 
-    def _floor_bytes(self, session: MethodSession, segment: Segment) -> int:
-        """Bytes of every row of a quantized type (``segment``) at the lowest bits and largest group without
-        residual, in a store of its own (or its uncompressed bytes, when quantizing would not shrink it)."""
-        whole = replace(segment, held_rows=segment.full_rows, held_bits=FULL_BITS, shared_rows=True)
-        return least_quantized_bytes(whole, self.geometry(session))
-
     def _pool(self, session: MethodSession, cache: CompressibleBranch, layer: int, budgets: dict[TokenType, int],
               kinds: dict[TokenType, str], at_floor: float) -> frozenset:
         """The quantized types of ``layer`` that share one store (docs/compression.md §11.7), decided once, at the
@@ -283,7 +277,8 @@ class UniCacheMethod(CompressionMethod):
                          shared_rows=True)
         finer = shared.choice_bytes(JointChoice(rows, POOL_BELOW_BITS, max(self.geometry(session).groups), 0))
         if sum(budgets[t] for t in segments) >= finer and \
-                all(budgets[t] >= self._floor_bytes(session, segment) for t, segment in segments.items()):
+                all(budgets[t] >= _floor_bytes(segment.full_rows, segment.num_kv_heads, segment.head_dim, segment.elem,
+                                   self.geometry(session)) for t, segment in segments.items()):
             return frozenset()
         return frozenset(quantized)
 
@@ -366,14 +361,13 @@ def _unit(store, pool: frozenset) -> TokenType:
 
 
 @functools.lru_cache(maxsize=4096)
-def _floor_ratio(rows: int, num_kv_heads: int, head_dim: int, elem: int, geometry: QuantGeometry) -> float:
-    """The least retained ratio a quantized type of ``rows`` rows holds with every row kept (every row at the lowest
-    bits and largest group without residual in a store of its own, or its uncompressed bytes when quantizing would
-    not shrink it) over its full K+V bytes. Pure, so cached: a layer's rows per type stay fixed once appended."""
+def _floor_bytes(rows: int, num_kv_heads: int, head_dim: int, elem: int, geometry: QuantGeometry) -> int:
+    """The floor of a quantized type of ``rows`` rows: the bytes of every row at the lowest bits and largest group
+    without residual in a store of its own, or its uncompressed bytes when quantizing would not shrink it. Pure,
+    so cached: a layer's rows per type stay fixed once appended."""
     whole = Segment(full_rows=rows, held_rows=rows, held_bits=FULL_BITS, held_bytes=0, shared_rows=True,
                     num_kv_heads=num_kv_heads, head_dim=head_dim, elem=elem)
-    full = whole.full_bytes
-    return least_quantized_bytes(whole, geometry) / full if full else 0.0
+    return least_quantized_bytes(whole, geometry)
 
 
 def _shares(masses: dict, rows: dict) -> dict:
