@@ -19,6 +19,10 @@ setting at its default; every baseline then runs at the bytes UniCache achieved 
 (``kv_target = 1 - UniCache's achieved reduction``), so each row compares methods at equal memory; without
 a unicache row the baselines take the target itself. ``full`` runs once per task. ``achieved_reduction`` is
 ``1 - mean(steady managed bytes / full managed bytes)`` over the samples.
+Every row keeps its per-sample scores (``metrics["per_sample"]``, in seed order); UniCache's row at a target
+carries ``unicache_minus_full`` and every other row at that target ``unicache_minus_this``: the paired
+difference over the same samples with its 95% interval and a verdict (ahead / behind / tie,
+:mod:`benchmarks.paired`), so the table says which gaps the samples can tell apart.
 The report also says whether the checkpoint's calibrated policy table routes the types as the paper
 does (instruction and ViT evicted, VAE quantized).
 """
@@ -45,6 +49,8 @@ from unicache_core.cli import OneLineParser, path_arg
 from unicache_core.compression import DEFAULT_REDUCTION, METHODS, make_cache_factory
 from unicache_core.shapes import analyse, edit_sample, judge_t2i, psnr, scenes_match, t2i_sample, unchanged_mask
 from unicache_core.shapes.world import EVAL_SEEDS, image_array, understanding_sample
+
+from .paired import paired_difference
 
 logger = logging.getLogger("benchmarks.quality")
 REPO = Path(__file__).resolve().parent.parent
@@ -107,7 +113,7 @@ def _reduction(reports: list[dict]) -> float:
 def run_task(pipe: BagelPipeline, task: str, cfg: QualityConfig, full_outputs: dict | None) -> tuple[dict, dict, list]:
     """Score one method on one task; returns ``(metrics, outputs by seed, kv reports)``."""
     n = cfg.samples[task]
-    outputs, reports = {}, []
+    outputs, reports, per_sample = {}, [], []
     if task == "und":
         by_kind = defaultdict(list)
         for seed in _seeds(task, n):
@@ -115,11 +121,13 @@ def run_task(pipe: BagelPipeline, task: str, cfg: QualityConfig, full_outputs: d
             res = pipe.understand(q.question, scene.render(), preset("understanding", max_new_tokens=4))
             ok = res.text.strip().lower() == q.answer
             by_kind[q.kind].append(ok)
+            per_sample.append(float(ok))
             outputs[seed] = res.text.strip()
             reports.append(res.kv_report)
         flat = [v for vs in by_kind.values() for v in vs]
         metrics = {"accuracy": sum(flat) / len(flat),
-                   "by_kind": {k: round(sum(v) / len(v), 4) for k, v in sorted(by_kind.items())}}
+                   "by_kind": {k: round(sum(v) / len(v), 4) for k, v in sorted(by_kind.items())},
+                   "per_sample": per_sample}
         if full_outputs is not None:
             metrics["agreement_with_full"] = sum(outputs[s] == full_outputs[s] for s in outputs) / len(outputs)
         return metrics, outputs, reports
@@ -147,6 +155,7 @@ def run_task(pipe: BagelPipeline, task: str, cfg: QualityConfig, full_outputs: d
         outputs[seed] = image_array(res.image)
         reports.append(res.kv_report)
     metrics = {k: round(statistics.fmean(v), 4) for k, v in sorted(judged.items())}
+    metrics["per_sample"] = [round(v, 4) for v in judged["correct" if task == "t2i" else "psnr_target"]]
     if task == "t2i":
         metrics["accuracy"] = metrics.pop("correct")
     if full_outputs is not None:
@@ -202,6 +211,7 @@ def run(cfg: QualityConfig) -> dict:
                     runs.remove("unicache")
                     runs[:0] = ["unicache", PAPER_ROW] if cfg.paper_table_row else ["unicache"]
                 matched = reduction
+                unicache_samples = None  # UniCache's per-sample scores at this target: the other rows pair with them
                 for method in runs:
                     t0 = time.perf_counter()
                     kw = {"policy": paper_table_for(checkpoint)} if method == PAPER_ROW else {}
@@ -214,6 +224,11 @@ def run(cfg: QualityConfig) -> dict:
                            "metrics": metrics, "seconds": round(time.perf_counter() - t0, 1)}
                     if method == "unicache" and cfg.match_unicache_bytes:
                         matched = row["achieved_reduction"]
+                    if method == "unicache":
+                        unicache_samples = metrics["per_sample"]
+                        row["unicache_minus_full"] = paired_difference(unicache_samples, full_metrics["per_sample"])
+                    elif unicache_samples is not None:
+                        row["unicache_minus_this"] = paired_difference(unicache_samples, metrics["per_sample"])
                     results.append(row)
                     logger.info("%s %s @%.0f%%: score %.4f, achieved %.1f%% (%.0fs)", task, method, 100 * reduction,
                                 row["score"], 100 * row["achieved_reduction"], row["seconds"])
@@ -264,6 +279,7 @@ def format_table(report: dict) -> str:
                 else:
                     cells.append(f"{r['score']:8.3f} {ach:>6s}")
             lines.append(f"{method:21s} " + " ".join(cells) + " " + " ".join(detail))
+        lines.extend(_paired_lines(rows, methods, reductions))
         lines.append("")
     if "edit" in full:
         lines.append(f"edit reference: the unedited source scores {full['edit']['metrics']['psnr_source_as_output']:.2f} dB "
@@ -276,6 +292,27 @@ def format_table(report: dict) -> str:
     else:
         lines.append(f"calibration: {cal.get('note', 'not checked')}")
     return "\n".join(lines)
+
+
+def _paired_lines(rows: list[dict], methods: list[str], reductions: dict) -> list[str]:
+    """UniCache minus every other row of one target, paired over the same samples (:mod:`.paired`)."""
+    def at_target(task: str, method: str) -> dict | None:
+        return next((x for x in rows if x["task"] == task and x["method"] == method
+                     and math.isclose(x.get("target_reduction", 0.0), reductions[task])), None)
+
+    lines = []
+    for method in methods:
+        cells = []
+        for task in ("und", "t2i", "edit"):
+            r = at_target(task, method)
+            d = None if r is None else r.get("unicache_minus_full" if method == "unicache" else "unicache_minus_this")
+            cells.append(f"{'-':>23s}" if d is None else f"{d['mean']:+8.3f} +-{d['ci95']:6.3f} {d['verdict']:6s}")
+        if any(c.strip() != "-" for c in cells):
+            vs = "full" if method == "unicache" else method
+            lines.append(f"  unicache - {vs:20s}" + " ".join(cells))
+    if lines:
+        lines.insert(0, "  paired over the same samples: unicache minus each row, mean +- 95% interval (und, t2i, edit dB)")
+    return lines
 
 
 def _items(parser, name: str, value: str, allowed) -> tuple[str, ...]:

@@ -20,6 +20,16 @@ def test_quality_report_schema_and_scores(tmp_path):
             assert r["target_reduction"] == 0.0 and r["achieved_reduction"] == 0.0
         else:
             assert r["target_reduction"] == {"und": 0.8, "t2i": 0.6, "edit": 0.8}[r["task"]]
+    for r in rows:  # one score per held-out sample, paired with UniCache's at the same target
+        assert len(r["metrics"]["per_sample"]) == cfg.samples[r["task"]]
+        if r["method"] == "unicache":
+            assert r["unicache_minus_full"]["n"] == cfg.samples[r["task"]]
+        elif r["method"] != "full":
+            d = r["unicache_minus_this"]
+            mine = next(x for x in rows if x["task"] == r["task"] and x["method"] == "unicache")
+            expected = sum(mine["metrics"]["per_sample"]) - sum(r["metrics"]["per_sample"])
+            assert abs(d["mean"] * d["n"] - expected) < 1e-3 and d["verdict"] in ("ahead", "behind", "tie")
+    assert "unicache - h2o" in format_table(report)
     h2o_edit = next(r for r in rows if r["task"] == "edit" and r["method"] == "h2o")
     assert 0.75 <= h2o_edit["achieved_reduction"] <= 0.85  # the baseline meets its memory target
     assert report["config"]["calibration"]["agrees_with_paper"] is not None  # the shipped table is checked
@@ -34,3 +44,17 @@ def test_cli_rejects_bad_arguments(tmp_path, capsys):
     assert exc.value.code == 2 and "not a BAGEL checkpoint folder" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--methods", "nope"])
+
+
+def test_paired_difference_verdicts():
+    from benchmarks.paired import paired_difference
+
+    ahead = paired_difference([1.0, 1.2, 0.9, 1.1], [0.0, 0.1, 0.0, 0.2])
+    assert ahead["verdict"] == "ahead" and ahead["n"] == 4 and abs(ahead["mean"] - 0.975) < 1e-9
+    assert paired_difference([0.0, 0.1], [1.0, 1.0])["verdict"] == "behind"
+    tie = paired_difference([1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0])  # mean 0, spread both ways
+    assert tie["verdict"] == "tie" and tie["mean"] == 0.0 and tie["ci95"] > 0
+    import pytest
+
+    with pytest.raises(ValueError, match="same non-zero number"):
+        paired_difference([1.0], [1.0, 2.0])
