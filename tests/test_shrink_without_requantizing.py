@@ -78,3 +78,47 @@ def test_values_are_not_requantized_as_rows_drop_at_the_same_bits(monkeypatch):
     assert calls == [100]
     compress_rows(layer, [0], 9, 2, 128, 0, scores)  # residual rows rejoin the quantized part: quantized again
     assert calls == [100, 9]
+
+
+# a store every head of which holds all 128 rows: (bits, group, residual) -> (group, residual), same bits
+SHARED_CASES = [((2, 32, 1), (32, 0)), ((4, 64, 0), (128, 0)), ((4, 32, 6), (64, 2)), ((8, 128, 2), (128, 8)),
+                ((2, 128, 8), (32, 3))]
+
+
+@pytest.mark.parametrize("with_scores", [True, False])
+@pytest.mark.parametrize("first,then", SHARED_CASES)
+def test_requantizing_a_shared_store_at_its_bits_equals_quantize(first, then, with_scores, monkeypatch):
+    bits, group, residual = first
+    stores = []
+    for reuse in (True, False):
+        layer, scores = _layer(128, seed=bits + group)
+        compress_rows(layer, [0], 128, bits, group, residual, scores)  # every row kept: heads share their rows
+        assert not layer.stores[0].per_head_rows
+        scores = scores + torch.rand(scores.shape, generator=torch.Generator().manual_seed(2))
+        if not reuse:
+            monkeypatch.setattr(ops, "keeps_value_codes", lambda *a: False)  # the dequantize + quantize route
+        stores.append(compress_rows(layer, [0], 128, bits, then[0], then[1], scores if with_scores else None))
+        monkeypatch.undo()
+    fast, slow = stores
+    assert not fast.per_head_rows and (fast.group_size, fast.residual) == (slow.group_size, slow.residual)
+    for a, b in zip(_fields(fast), _fields(slow)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_only_rows_leaving_the_residual_have_their_values_quantized(monkeypatch):
+    calls = []
+    real = quant.quantize_values
+
+    def counting(values, bits, group):
+        calls.append(values.shape[1])
+        return real(values, bits, group)
+
+    monkeypatch.setattr(ops, "quantize_values", counting)
+    monkeypatch.setattr("unicache_core.kv.stores.quantize_values", counting)
+    layer, scores = _layer(96, seed=5)
+    compress_rows(layer, [0], 96, 4, 32, 6, scores)
+    assert calls == [90]
+    compress_rows(layer, [0], 96, 4, 64, 2, scores)  # four residual rows join the quantized part
+    assert calls == [90, 4] and layer.stores[0].num_quantized == 94
+    compress_rows(layer, [0], 96, 4, 128, 5, scores)  # rows move into the residual: no value is quantized
+    assert calls == [90, 4]

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kv.quant import SCALE_DTYPE, SUPPORTED_BITS, quantize_keys, quantize_values, quantized_kv_nbytes
+from ..kv.quant import (SCALE_DTYPE, SUPPORTED_BITS, QuantizedTensor, quantize_keys, quantize_values,
+                        quantized_kv_nbytes)
 from ..kv.segmented_cache import SegmentedLayer
 from ..kv.stores import EvictedStore, FullStore, KVStore, QuantizedStore
 from ..kv.token_types import TokenType
@@ -222,6 +223,8 @@ def compress_rows(
         if scores is None:
             raise ValueError("evicting rows needs their scores")
         return evict(layer, indices, keep, scores, recent=recent)
+    if keep >= total and len(stores) == 1 and shared_rows(stores) and keeps_value_codes(stores[0], bits, group):
+        return _requantize_shared(layer, indices[0], group, residual, scores)
     if keep >= total and shared_rows(stores):
         return quantize(layer, indices, bits, group, residual, scores)
     if len(stores) == 1 and keeps_value_codes(stores[0], bits, group):
@@ -298,6 +301,52 @@ def _shrink_quantized(layer: SegmentedLayer, index: int, keep: int, group: int, 
                          store.cache_dtype)
     layer.replace_many([index], new)
     return new
+
+
+def _requantize_shared(layer: SegmentedLayer, index: int, group: int, residual: int,
+                       scores: Tensor | None) -> QuantizedStore:
+    """:func:`quantize` of one quantized store whose heads share their rows, at its own bits
+    (:func:`keeps_value_codes`): the same rows, order and store as :func:`quantize` gives, but the value rows that
+    were quantized keep their codes and scales; only the keys (whose groups span rows) and the values of rows
+    that leave the residual are quantized. Falls back to :func:`quantize` when those rows would need wider
+    scales than the store's."""
+    store = layer.stores[index]
+    h, d = store.num_kv_heads, store.head_dim
+    held = store.token_index.long()  # [T] store order: the quantized rows, then the residual
+    order = torch.argsort(held)  # store positions in append order, as quantize() lays them out
+    if residual and scores is not None:
+        row_scores = scores.float().mean(dim=1).to(held.device)[held[order]]
+        order = order[residual_last(row_scores, residual)]
+    n = order.shape[0]
+    body = n - min(residual, n)
+    quantized = store.num_quantized
+    kept = order[:body]
+    joining = torch.sort(kept[kept >= quantized]).values  # store positions of residual rows entering the body
+    qvalues = store.qvalues
+    if joining.numel():  # residual rows that join the quantized part: their values alone are quantized
+        rows = store.res_values[:, joining - quantized].to(store.cache_dtype)  # [Hkv, m, d]
+        extra = quantize_values(rows, store.bits, group)
+        if extra.scale.dtype != qvalues.scale.dtype:
+            return quantize(layer, [index], store.bits, group, residual, scores)
+        qvalues = _append_rows(qvalues, extra, group)
+        kept = torch.where(kept >= quantized, quantized + torch.searchsorted(joining, kept), kept)
+    all_keys = torch.cat([store.qkeys.dequantize(store.cache_dtype), store.res_keys.to(store.cache_dtype)], dim=1)
+    keys = all_keys[:, order]  # [Hkv, n, d]
+    tail = order[body:].unsqueeze(0).expand(h, -1)
+    new = QuantizedStore(quantize_keys(keys[:, :body], store.bits, group),
+                         qvalues.select_tokens(kept.unsqueeze(0).expand(h, -1), group),
+                         keys[:, body:].clone(memory_format=torch.contiguous_format),
+                         _value_rows(store, tail).contiguous(), held[order].to(torch.int32), store.token_type,
+                         store.bits, group, residual, store.cache_dtype)
+    layer.replace_many([index], new)
+    return new
+
+
+def _append_rows(first: QuantizedTensor, second: QuantizedTensor, group: int) -> QuantizedTensor:
+    """Per-token quantized rows ``first`` then ``second`` (same bits and channel groups) as one tensor labelled
+    with ``group``."""
+    return QuantizedTensor(torch.cat([first.packed, second.packed], dim=1), torch.cat([first.scale, second.scale], dim=1),
+                       torch.cat([first.zero, second.zero], dim=1), first.bits, group, first.head_dim, first.axis)
 
 
 def _value_rows(store: QuantizedStore, position: Tensor) -> Tensor:
