@@ -184,7 +184,9 @@ def calibration_check(checkpoint: Path) -> dict:
             routes.setdefault(entry["task"], {})[entry["type"]] = entry["kind"]
     mismatches = [f"{task}/{t}: {p} (paper: {paper[t]})" for task, types in routes.items()
                   for t, p in types.items() if t in paper and p != paper[t]]
-    return {"table": str(path), "routing": routes, "agrees_with_paper": not mismatches, "mismatches": mismatches}
+    shown = path.resolve()
+    shown = shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown  # the repository's own: no machine path
+    return {"table": str(shown), "routing": routes, "agrees_with_paper": not mismatches, "mismatches": mismatches}
 
 
 def run(cfg: QualityConfig) -> dict:
