@@ -26,6 +26,20 @@ def _layer(t: int, seed: int) -> tuple[SegmentedLayer, torch.Tensor]:
     return layer, torch.rand(t, H, generator=gen)
 
 
+def _count_value_quantizations(monkeypatch) -> list[int]:
+    """Rows of every value quantization from now on (the store's own and the compression ops'), in call order."""
+    calls = []
+    real = quant.quantize_values
+
+    def counting(values, bits, group):
+        calls.append(values.shape[1])
+        return real(values, bits, group)
+
+    monkeypatch.setattr(ops, "quantize_values", counting)
+    monkeypatch.setattr("unicache_core.kv.stores.quantize_values", counting)
+    return calls
+
+
 def _fields(store: QuantizedStore) -> list[torch.Tensor]:
     return [store.qkeys.packed, store.qkeys.scale, store.qkeys.zero, store.qvalues.packed, store.qvalues.scale,
             store.qvalues.zero, store.res_keys, store.res_values, store.token_index]
@@ -58,15 +72,7 @@ def test_shrinking_at_the_same_bits_equals_requantizing(first, then, monkeypatch
 
 
 def test_values_are_not_requantized_as_rows_drop_at_the_same_bits(monkeypatch):
-    calls = []
-    real = quant.quantize_values
-
-    def counting(values, bits, group):
-        calls.append(values.shape[1])
-        return real(values, bits, group)
-
-    monkeypatch.setattr(ops, "quantize_values", counting)
-    monkeypatch.setattr("unicache_core.kv.stores.quantize_values", counting)
+    calls = _count_value_quantizations(monkeypatch)
     layer, scores = _layer(128, seed=3)
     compress_rows(layer, [0], 100, 2, 32, 0, scores)  # full rows -> quantized: one quantization
     assert calls == [100]
@@ -106,15 +112,7 @@ def test_requantizing_a_shared_store_at_its_bits_equals_quantize(first, then, wi
 
 
 def test_only_rows_leaving_the_residual_have_their_values_quantized(monkeypatch):
-    calls = []
-    real = quant.quantize_values
-
-    def counting(values, bits, group):
-        calls.append(values.shape[1])
-        return real(values, bits, group)
-
-    monkeypatch.setattr(ops, "quantize_values", counting)
-    monkeypatch.setattr("unicache_core.kv.stores.quantize_values", counting)
+    calls = _count_value_quantizations(monkeypatch)
     layer, scores = _layer(96, seed=5)
     compress_rows(layer, [0], 96, 4, 32, 6, scores)
     assert calls == [90]

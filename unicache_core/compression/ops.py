@@ -286,8 +286,7 @@ def _shrink_quantized(layer: SegmentedLayer, index: int, keep: int, group: int, 
         position = torch.gather(position, 1, kept)
     n = position.shape[1]
     body = n - min(residual, n)  # rows quantized in the new store; the rest is its residual
-    all_keys = torch.cat([store.qkeys.dequantize(store.cache_dtype), store.res_keys.to(store.cache_dtype)], dim=1)
-    keys = torch.gather(all_keys, 1, position.unsqueeze(-1).expand(-1, -1, d))  # [Hkv, n, d]
+    keys = torch.gather(_head_keys(store), 1, position.unsqueeze(-1).expand(-1, -1, d))  # [Hkv, n, d]
     quantized = store.num_quantized
     kept_body = position[:, :body]
     if body and bool((kept_body < quantized).all()):
@@ -311,7 +310,7 @@ def _requantize_shared(layer: SegmentedLayer, index: int, group: int, residual: 
     that leave the residual are quantized. Falls back to :func:`quantize` when those rows would need wider
     scales than the store's."""
     store = layer.stores[index]
-    h, d = store.num_kv_heads, store.head_dim
+    h = store.num_kv_heads
     held = store.token_index.long()  # [T] store order: the quantized rows, then the residual
     order = torch.argsort(held)  # store positions in append order, as quantize() lays them out
     if residual and scores is not None:
@@ -330,8 +329,7 @@ def _requantize_shared(layer: SegmentedLayer, index: int, group: int, residual: 
             return quantize(layer, [index], store.bits, group, residual, scores)
         qvalues = _append_rows(qvalues, extra, group)
         kept = torch.where(kept >= quantized, quantized + torch.searchsorted(joining, kept), kept)
-    all_keys = torch.cat([store.qkeys.dequantize(store.cache_dtype), store.res_keys.to(store.cache_dtype)], dim=1)
-    keys = all_keys[:, order]  # [Hkv, n, d]
+    keys = _head_keys(store)[:, order]  # [Hkv, n, d]
     tail = order[body:].unsqueeze(0).expand(h, -1)
     new = QuantizedStore(quantize_keys(keys[:, :body], store.bits, group),
                          qvalues.select_tokens(kept.unsqueeze(0).expand(h, -1), group),
@@ -342,11 +340,20 @@ def _requantize_shared(layer: SegmentedLayer, index: int, group: int, residual: 
     return new
 
 
+def _head_keys(store: QuantizedStore) -> Tensor:
+    """``[Hkv, T, d]`` every key of ``store`` in store order (the quantized rows dequantized, then the residual), in
+    its cache dtype."""
+    return torch.cat([store.qkeys.dequantize(store.cache_dtype), store.res_keys.to(store.cache_dtype)], dim=1)
+
+
 def _append_rows(first: QuantizedTensor, second: QuantizedTensor, group: int) -> QuantizedTensor:
     """Per-token quantized rows ``first`` then ``second`` (same bits and channel groups) as one tensor labelled
     with ``group``."""
-    return QuantizedTensor(torch.cat([first.packed, second.packed], dim=1), torch.cat([first.scale, second.scale], dim=1),
-                       torch.cat([first.zero, second.zero], dim=1), first.bits, group, first.head_dim, first.axis)
+    def rows(a: Tensor, b: Tensor) -> Tensor:
+        return torch.cat([a, b], dim=1)
+
+    return QuantizedTensor(rows(first.packed, second.packed), rows(first.scale, second.scale),
+                           rows(first.zero, second.zero), first.bits, group, first.head_dim, first.axis)
 
 
 def _value_rows(store: QuantizedStore, position: Tensor) -> Tensor:

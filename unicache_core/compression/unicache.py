@@ -214,8 +214,8 @@ class UniCacheMethod(CompressionMethod):
             return {t: ratio for t in caps}
         h, d, dtype, _ = cache.layer(layer)._kv_meta
         geometry = self.geometry(session)
-        full_row = 2 * h * d * dtype.itemsize
-        floors = {t: _floor_bytes(n, h, d, dtype.itemsize, geometry) / (n * full_row) for t, n in caps.items()
+        row = cache.row_bytes(layer)
+        floors = {t: _floor_bytes(n, h, d, dtype.itemsize, geometry) / (n * row) for t, n in caps.items()
                   if self.table.kind(task, t) == "quantize"}
         return _allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
 
@@ -275,10 +275,11 @@ class UniCacheMethod(CompressionMethod):
         rows = sum(segment.full_rows for segment in segments.values())
         shared = replace(next(iter(segments.values())), full_rows=rows, held_rows=rows, held_bits=FULL_BITS,
                          shared_rows=True)
-        finer = shared.choice_bytes(JointChoice(rows, POOL_BELOW_BITS, max(self.geometry(session).groups), 0))
+        geometry = self.geometry(session)
+        finer = shared.choice_bytes(JointChoice(rows, POOL_BELOW_BITS, max(geometry.groups), 0))
         if sum(budgets[t] for t in segments) >= finer and \
                 all(budgets[t] >= _floor_bytes(segment.full_rows, segment.num_kv_heads, segment.head_dim, segment.elem,
-                                   self.geometry(session)) for t, segment in segments.items()):
+                                               geometry) for t, segment in segments.items()):
             return frozenset()
         return frozenset(quantized)
 

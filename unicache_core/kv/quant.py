@@ -39,9 +39,12 @@ _FP16_SAFE = torch.finfo(torch.float16).max / 2
 
 def scale_dtype_for(x: Tensor) -> torch.dtype:
     """fp16 (the convention) unless ``x`` holds magnitudes fp16 scales/zeros could not represent."""
-    if x.numel() and float(x.abs().max()) > _FP16_SAFE:
-        return torch.float32
-    return SCALE_DTYPE
+    return _scale_dtype_for_largest(float(x.abs().max())) if x.numel() else SCALE_DTYPE
+
+
+def _scale_dtype_for_largest(largest: float) -> torch.dtype:
+    """The scale/zero dtype for values whose largest magnitude is ``largest``: fp16 unless it cannot hold them."""
+    return torch.float32 if largest > _FP16_SAFE else SCALE_DTYPE
 
 
 def _check_bits(bits: int) -> int:
@@ -360,7 +363,7 @@ def _checked_scale_dtype(name: str, x: Tensor) -> torch.dtype:
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"`{name}` has {bad} non-finite (NaN/inf) values; they cannot be quantized. "
                          "Check the model's dtype/overflow before compressing this segment.")
-    return torch.float32 if largest > _FP16_SAFE else SCALE_DTYPE
+    return _scale_dtype_for_largest(largest)
 
 
 def quantize_keys(keys: Tensor, bits: int, group_size: int) -> QuantizedTensor:
