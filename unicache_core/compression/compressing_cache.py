@@ -156,8 +156,11 @@ class CompressingKVCache(SegmentedKVCache):
                plan: CallPlan) -> tuple[Tensor, int]:
         st = self.layer(layer)
         ls = self.state[layer]
-        idx = query_subsample(q.shape[0], plan.num_queries, last=plan.last_queries, device=q.device)
-        qs, lse = q.index_select(0, idx), res.lse.index_select(0, idx)
+        if 0 < plan.num_queries < q.shape[0]:
+            idx = query_subsample(q.shape[0], plan.num_queries, last=plan.last_queries, device=q.device)
+            qs, lse = q.index_select(0, idx), res.lse.index_select(0, idx)
+        else:  # every query is scored: no subsample to gather
+            idx, qs, lse = None, q, res.lse
         tn = k_new.shape[0] if call.update else 0
         total = st.appended_tokens + tn
         hkv = k_new.shape[1]
@@ -165,9 +168,11 @@ class CompressingKVCache(SegmentedKVCache):
         visible = None
         if call.update:
             if call.new_block_mask is not None:
-                visible = call.new_block_mask.to(q.device).index_select(0, idx)
+                visible = call.new_block_mask.to(q.device)
+                visible = visible if idx is None else visible.index_select(0, idx)
             elif call.causal:
-                visible = torch.arange(tn, device=q.device)[None, :] <= idx[:, None]
+                rows = torch.arange(q.shape[0], device=q.device) if idx is None else idx
+                visible = torch.arange(tn, device=q.device)[None, :] <= rows[:, None]
         # every resident row that can be scored, in one pass (protected rows only for the sparsity count)
         scored = [store for store in st.stores if store.num_tokens and store.score_keys() is not None
                   and (plan.sparsity or store.token_type not in PROTECTED_TYPES)]
@@ -185,7 +190,7 @@ class CompressingKVCache(SegmentedKVCache):
             if call.update and not merged:
                 rowmax = torch.maximum(rowmax, row_max_logits(qs, k_new, visible=visible))
             thresholds = rowmax + math.log(self.session.method.sparsity_threshold)
-        counts = torch.zeros(q.shape[1], dtype=torch.int64, device=q.device)
+        counts = torch.zeros(q.shape[1], dtype=torch.int64, device=q.device) if plan.sparsity else None
         valid = 0
         if keys is not None:
             scores, c = key_scores(qs, keys, lse, count_above=thresholds)

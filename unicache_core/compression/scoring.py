@@ -81,18 +81,17 @@ def key_scores(
     t, hkv = keys.shape[0], keys.shape[1]
     group = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    scores = torch.zeros(hkv, t, dtype=torch.float32, device=keys.device)
     counts = None if count_above is None else torch.zeros(hq, dtype=torch.int64, device=keys.device)
     if t == 0 or tq == 0:
-        return scores.t().contiguous(), counts
+        return torch.zeros(t, hkv, dtype=torch.float32, device=keys.device), counts
     kf = keys.float().permute(1, 2, 0)  # [Hkv, d, T]
     rows = max(1, SCORE_ELEMENTS // max(1, hq * t))
-    chunks = range(0, tq, rows)
-    for start in chunks:
+    scores = None
+    for start in range(0, tq, rows):
         stop = min(tq, start + rows)
         n = stop - start
         qh = q[start:stop].float().permute(1, 0, 2).reshape(hkv, group * n, d)
-        logits = torch.matmul(qh, kf).mul_(scale).reshape(hkv, group, n, t)  # [Hkv, g, n, T]
+        logits = torch.bmm(qh, kf).mul_(scale).reshape(hkv, group, n, t)  # [Hkv, g, n, T]
         lse_c = lse[start:stop].float().t().reshape(hkv, group, n, 1)
         if counts is not None:
             thr = count_above[start:stop].float().t().reshape(hkv, group, n, 1)
@@ -104,9 +103,7 @@ def key_scores(
         if visible is not None:
             probs.masked_fill_(~visible[start:stop].to(keys.device), 0.0)
         part = torch.nan_to_num(probs, nan=0.0).sum(dim=2).mean(dim=1)  # [Hkv, T]
-        if len(chunks) == 1:
-            return part.t().contiguous(), counts  # one chunk: nothing to add it to
-        scores += part
+        scores = part if scores is None else scores.add_(part)  # the first chunk's sums start the total
     return scores.t().contiguous(), counts
 
 
@@ -125,7 +122,7 @@ def row_max_logits(q: Tensor, keys: Tensor, *, scale: float | None = None, visib
         stop = min(tq, start + rows)
         n = stop - start
         qh = q[start:stop].float().permute(1, 0, 2).reshape(hkv, group * n, d)
-        logits = torch.matmul(qh, kf).mul_(scale).reshape(hkv, group, n, t)
+        logits = torch.bmm(qh, kf).mul_(scale).reshape(hkv, group, n, t)
         if visible is not None:
             logits.masked_fill_(~visible[start:stop].to(keys.device), float("-inf"))
         out[start:stop] = logits.amax(dim=-1).reshape(hq, n).t()

@@ -22,6 +22,7 @@ Layout is head-major: codes ``[Hkv, T, ceil(d*b/8)]``; key scales ``[Hkv, ceil(T
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -80,10 +81,14 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     if pad:
         codes = torch.nn.functional.pad(codes, (0, pad))
     grouped = codes.reshape(*codes.shape[:-1], (n + pad) // per, per)
-    packed = grouped[..., 0].clone()
-    for i in range(1, per):
-        packed |= grouped[..., i] << (bits * i)
-    return packed
+    # the codes of one byte occupy disjoint bits, so their sum is their bitwise or (and stays below 256)
+    return (grouped << _shifts(bits, codes.device)).sum(dim=-1, dtype=torch.uint8)
+
+
+@functools.lru_cache(maxsize=16)
+def _shifts(bits: int, device: torch.device) -> Tensor:
+    """``[8 // bits]`` uint8 bit offsets of the codes packed in one byte (first code in the low bits)."""
+    return torch.arange(8 // bits, dtype=torch.uint8, device=device) * bits
 
 
 def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
@@ -167,13 +172,18 @@ def _minmax_params(lo: Tensor, hi: Tensor, bits: int, dtype: torch.dtype) -> tup
     """``(scale, zero)`` in ``dtype`` with zero rounded down and scale rounded up, so codes stay in range."""
     zero = lo.to(dtype)
     too_high = zero.float() > lo
-    zero = torch.where(too_high, torch.nextafter(zero, torch.full_like(zero, float("-inf"))), zero)
+    zero = torch.where(too_high, torch.nextafter(zero, _infinity(-1, dtype, zero.device)), zero)
     scale32 = (hi - zero.float()) / ((1 << bits) - 1)
     scale = scale32.to(dtype)
     too_low = scale.float() < scale32
-    scale = torch.where(too_low, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # constant group: any scale works
-    return scale, zero
+    scale = torch.where(too_low, torch.nextafter(scale, _infinity(1, dtype, scale.device)), scale)
+    return scale.masked_fill_(scale == 0, 1.0), zero  # constant group: any scale works
+
+
+@functools.lru_cache(maxsize=16)
+def _infinity(sign: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 0-d ``sign * inf`` of ``dtype`` (the direction :func:`torch.nextafter` rounds towards)."""
+    return torch.tensor(sign * float("inf"), dtype=dtype, device=device)
 
 
 def _quantize(x: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:
@@ -399,14 +409,15 @@ def quantize_values(values: Tensor, bits: int, group_size: int) -> QuantizedTens
     x = values.float()
     meta_dtype = _checked_scale_dtype("values", x)
     ng = -(-d // g)
-    pad = ng * g - d
+    span = d if ng == 1 else g  # one group per row: its min and max are the row's (nothing to pad)
+    pad = ng * span - d
     if pad:  # pad with a copy of the last channel so min/max of the short group are unchanged
         xp = torch.cat([x, x[..., -1:].expand(h, t, pad)], dim=-1)
     else:
         xp = x
-    grouped = xp.reshape(h, t, ng, g) if t else xp.new_zeros(h, 0, ng, g)
+    grouped = xp.reshape(h, t, ng, span) if t else xp.new_zeros(h, 0, ng, span)
     s, z = _minmax_params(grouped.amin(dim=-1), grouped.amax(dim=-1), bits, meta_dtype)  # [H, T, ng]
-    codes = _quantize(grouped, s.unsqueeze(-1), z.unsqueeze(-1), bits).reshape(h, t, ng * g)[..., :d]
+    codes = _quantize(grouped, s.unsqueeze(-1), z.unsqueeze(-1), bits).reshape(h, t, ng * span)[..., :d]
     return QuantizedTensor(pack_bits(codes.contiguous(), bits), s, z, bits, g, d, "token")
 
 

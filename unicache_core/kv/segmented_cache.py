@@ -216,7 +216,8 @@ class SegmentedLayer:
         self._check_meta(store.num_kv_heads, store.head_dim, store.dtype, store.device, "the replacing store")
         first = min(indices)
         removed = [self.stores[i] for i in indices]
-        kept = [s for i, s in enumerate(self.stores) if i not in set(indices) or i == first]
+        dropped = set(indices)
+        kept = [s for i, s in enumerate(self.stores) if i not in dropped or i == first]
         kept[kept.index(self.stores[first])] = store
         self.stores = kept
         return removed
