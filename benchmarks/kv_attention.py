@@ -14,7 +14,7 @@ keys (large but spread mass), i.e. the attention shape the UniCache paper report
 bytes do not depend on the values; the error column only shows each method's behaviour on that shape.
 Every method scores with the library's scorer (:func:`unicache_core.compression.scoring.key_scores`) on an
 earlier step's latent queries (an independent draw), never on the queries that are timed and measured,
-and selects rows with the library's eviction rule (:func:`unicache_core.compression.ops.select_rows`).
+and selects rows with the library's eviction rule (:func:`unicache_core.compression.selection.select_rows`).
 
 Memory matching (docs/compression.md §1): the byte budget of the candidate (compressible) KV is
 ``min(keep * candidate_bytes, keep * full_kv_bytes - protected_bytes)`` so the *whole* branch, protected
@@ -39,7 +39,8 @@ from unicache_core.compression.baselines import pyramid_layer_budgets, sink_rece
 from unicache_core.compression.defaults import (KIVI_FLOOR, KIVI_RESIDUAL, RECENT_FRACTION, SINK_TOKENS, SNAPKV_KERNEL,
                                                 WINDOW)
 from unicache_core.compression.family import FULL_BITS, Segment, grid_choices, plan_from_errors
-from unicache_core.compression.ops import compress_rows, quantized_bytes, select_rows
+from unicache_core.compression.ops import compress_rows, quantized_bytes
+from unicache_core.compression.selection import select_rows
 from unicache_core.compression.scoring import key_scores
 from unicache_core.kv.attention import attention_with_lse
 from unicache_core.kv.cache import AttentionCall, RequestInfo

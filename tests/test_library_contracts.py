@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unicache_core.compression.ops import topk_per_head
+from unicache_core.compression.selection import topk_per_head
 from unicache_core.kv.segmented_cache import SegmentedLayer
 from unicache_core.kv.token_types import TokenType as TT
 from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore

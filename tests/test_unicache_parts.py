@@ -232,6 +232,23 @@ def test_schedule_endpoints_and_monotone():
     assert t2i.observe(2, 0.0) == pytest.approx(0.35)
 
 
+def test_schedule_falls_in_steps_of_at_least_five_percent():
+    sched = RetentionSchedule(rho0=0.2, floor=0.1)
+    sched.observe(0, 1.0)
+    assert sched.observe(1, 0.97) == 0.2  # 0.194 is 3% below 0.2: not worth a re-layout
+    assert sched.observe(2, 0.96) == 0.2  # measured against the rho in force, not the last formula
+    assert sched.observe(3, 0.94) == pytest.approx(0.188)  # 6% below: acted on
+    assert sched.observe(4, 0.91) == pytest.approx(0.188)  # 0.182 is 3.2% below 0.188
+    assert sched.observe(5, 0.51) == pytest.approx(0.102)
+    assert sched.observe(6, 0.505) == pytest.approx(0.102)  # 0.101: 1% below and above the floor, kept
+    assert sched.observe(7, 0.3) == pytest.approx(0.1)  # the floor is always reached, however small the step
+    paper = RetentionSchedule(rho0=0.2, floor=0.1, min_fall=0.0)  # the paper's schedule acts on every fall
+    paper.observe(0, 1.0)
+    assert paper.observe(1, 0.97) == pytest.approx(0.194)
+    with pytest.raises(ValueError, match="min_fall"):
+        RetentionSchedule(min_fall=1.0)
+
+
 def test_schedule_degenerate_and_understanding():
     sched = RetentionSchedule.for_task("t2i")
     sched.observe(0, 0.0)

@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from unicache_core.compression.ops import topk_per_head
+from unicache_core.compression.selection import topk_per_head
 
 
 def _is_int(value: object) -> bool:

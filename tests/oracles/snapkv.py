@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from unicache_core.compression.ops import pool_scores
+from unicache_core.compression.selection import pool_scores
 
 from .base import EvictionPolicy, ScoreInputs, observation_attention, recent_mask
 

@@ -10,7 +10,9 @@ Timeline shared by every method (docs/compression.md §8.1, §8.6, §8.10):
 - generation / editing: prefill at full KV; the first denoising step of each branch runs at full KV
   and is observed (its real latent queries score the keys before anything is evicted); the cache is
   compressed right after it. Baselines compress once (selection frozen afterwards); UniCache
-  re-allocates at the end of every step chunk.
+  re-allocates at the end of every step chunk, where it measures the type masses only: per-key scores are
+  gathered once, at the branch's first observation (the paper's engine freezes its H2O selection after the
+  first scoring, and understanding's decoded tokens already measured masses only).
 - understanding: the prompt prefill is observed (the question's queries: the post-modality window);
   the cache is compressed before the first decoded token, so every decoded token reads compressed KV.
 - protected types (boundary, current latent, decoded text) are never touched; the think-mode ``plan``
@@ -84,7 +86,9 @@ class CompressionMethod(ABC):
             return CallPlan()
         step = int(call.step or 0)
         if self.is_compression_step(cache, step) and not _recompresses_unread_cache(cache, step):
-            return CallPlan(observe=True, score=self.needs_scores, last_queries=self.window_queries,
+            # keys are scored at the branch's first observation only (module docstring)
+            return CallPlan(observe=True, score=self.needs_scores and cache.compressions == 0,
+                            last_queries=self.window_queries,
                             num_queries=self._queries(session), sparsity=self.needs_sparsity, compress_after=True)
         return CallPlan()  # the fast path: nothing is measured on the steps that do not compress
 

@@ -6,7 +6,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from .defaults import FIXED_RHO_TASKS, RHO0, RHO_FLOOR, RHO_GAMMA
+from .defaults import FIXED_RHO_TASKS, RHO0, RHO_FLOOR, RHO_GAMMA, RHO_MIN_FALL
 
 logger = logging.getLogger(__name__)
 
@@ -19,18 +19,23 @@ class RetentionSchedule:
     reference mass ``m0``. For every later observation of chunk ``j``:
     ``rho_j = clip(rho0 * (m_j / m0) ** gamma, floor, rho0)`` and the scheduled ``rho`` is the minimum
     over all observations so far: it never rises. ``m0 ~ 0`` (or not observed yet) keeps ``rho0``.
+    A ``rho_j`` less than ``min_fall`` (relative) below the ``rho`` in force, and above the floor, is not acted
+    on: the schedule falls in steps of at least 5%, or straight to its floor.
 
     Attributes:
         rho0: starting ratio (0.5 gen/edit; 0.2 understanding).
         floor: lowest ratio (0.35 t2i, 0.1 edit).
         gamma: exponent (1).
         fixed: ``rho`` stays ``rho0`` whatever is observed (understanding).
+        min_fall: least relative fall acted on (:data:`~unicache_core.compression.defaults.RHO_MIN_FALL`; 0: every
+            fall, the paper's schedule).
     """
 
     rho0: float = RHO0["t2i"]
     floor: float = RHO_FLOOR["t2i"]
     gamma: float = RHO_GAMMA
     fixed: bool = False
+    min_fall: float = RHO_MIN_FALL
     m0: float | None = field(default=None, init=False)
     _rho: float = field(default=0.0, init=False, repr=False)
 
@@ -41,6 +46,8 @@ class RetentionSchedule:
             raise ValueError(f"`floor` must be in [0, rho0={self.rho0}], got {self.floor!r}")
         if not (math.isfinite(self.gamma) and self.gamma > 0):
             raise ValueError(f"`gamma` must be > 0, got {self.gamma!r}")
+        if not 0.0 <= self.min_fall < 1.0:
+            raise ValueError(f"`min_fall` must be in [0, 1), got {self.min_fall!r}")
         self._rho = self.rho0
 
     @classmethod
@@ -83,5 +90,7 @@ class RetentionSchedule:
             logger.debug("retention schedule: chunk %d observed before the reference chunk 0; rho unchanged",
                          step_chunk)
             return self._rho
-        self._rho = min(self._rho, self.ratio_for(mass))
+        proposed = self.ratio_for(mass)
+        if proposed <= self.floor or proposed <= self._rho * (1.0 - self.min_fall):
+            self._rho = min(self._rho, proposed)
         return self._rho
