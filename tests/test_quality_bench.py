@@ -29,7 +29,14 @@ def test_quality_report_schema_and_scores(tmp_path):
             mine = next(x for x in rows if x["task"] == r["task"] and x["method"] == "unicache")
             expected = sum(mine["metrics"]["per_sample"]) - sum(r["metrics"]["per_sample"])
             assert abs(d["mean"] * d["n"] - expected) < 1e-3 and d["verdict"] in ("ahead", "behind", "tie")
-    assert "unicache - h2o" in format_table(report)
+            f = r["unicache_to_full_minus_this"]  # fidelity to full KV's outputs, paired the same way
+            to_full = sum(mine["metrics"]["per_sample_to_full"]) - sum(r["metrics"]["per_sample_to_full"])
+            assert f["n"] == cfg.samples[r["task"]] and abs(f["mean"] * f["n"] - to_full) < 1e-3
+        if r["method"] != "full":
+            fid = r["metrics"]["per_sample_to_full"]
+            assert len(fid) == cfg.samples[r["task"]] and all(0.0 <= v <= (1.0 if r["task"] == "und" else 100.0)
+                                                              for v in fid)
+    assert "unicache - h2o" in format_table(report) and "fidelity to full KV's outputs" in format_table(report)
     h2o_edit = next(r for r in rows if r["task"] == "edit" and r["method"] == "h2o")
     assert 0.75 <= h2o_edit["achieved_reduction"] <= 0.85  # the baseline meets its memory target
     assert report["config"]["calibration"]["agrees_with_paper"] is not None  # the shipped table is checked
