@@ -144,8 +144,6 @@ def compress_rows(
         if scores is None:
             raise ValueError("evicting rows needs their scores")
         return evict(layer, indices, keep, scores, recent=recent)
-    if keep >= total and len(stores) == 1 and streams_residual(stores[0], bits, group, residual):
-        return _stream_residual(layer, indices[0], residual, scores)
     if keep >= total and len(stores) == 1 and shared_rows(stores) and keeps_value_codes(stores[0], bits, group):
         return _requantize_shared(layer, indices[0], group, residual, scores)
     if keep >= total and shared_rows(stores):
@@ -190,74 +188,6 @@ def keeps_value_codes(store: KVStore, bits: int, group: int) -> bool:
     qv = store.qvalues
     same_groups = -(-qv.head_dim // group) == qv.scale.shape[-1] and (qv.scale.shape[-1] == 1 or group == qv.group_size)
     return same_groups and qv.scale.dtype == SCALE_DTYPE
-
-
-def streams_residual(store: KVStore, bits: int, group: int, residual: int) -> bool:
-    """Whether re-laying every row of ``store`` out at ``bits``/``group`` with ``residual`` full-precision rows only
-    moves rows out of its residual (:func:`_stream_residual`): it is quantized at ``bits`` with key groups of ``group``
-    rows and value codes that stay (:func:`keeps_value_codes`), and holds at least ``residual`` residual rows."""
-    return (keeps_value_codes(store, bits, group) and store.qkeys.group_size == group
-            and residual <= store.res_keys.shape[1])
-
-
-def _stream_residual(layer: SegmentedLayer, index: int, residual: int, scores: Tensor | None) -> QuantizedStore:
-    """Shrink the residual of the quantized store at ``index`` to ``residual`` rows the way KIVI's streaming cache
-    moves rows out of its residual: the rows that leave (the lowest-scored residual rows, or the oldest without
-    ``scores``) are quantized and appended after the quantized rows. Every complete key group keeps its codes and
-    scales; only the last, partial key group is quantized again, together with the rows that join it; the value
-    rows (quantized per row) that were quantized keep their codes.
-
-    Quantized rows are never scored again (:meth:`~unicache_core.kv.stores.KVStore.score_keys`), so the residual
-    kept is the one a re-quantization from scratch would keep; only the quantized rows' order differs (no longer
-    append order, which nothing reads: attention does not depend on the order of resident rows). Falls back to
-    :func:`quantize` / :func:`compress_rows`' re-layout when the rows that join would need wider scales."""
-    store = layer.stores[index]
-    h, d = store.num_kv_heads, store.head_dim
-    held_residual = store.res_keys.shape[1]
-    leaving = held_residual - residual
-    if leaving <= 0:
-        return store  # already at most this residual: nothing to move
-    quantized = store.num_quantized
-    held = store.token_index.long()  # [T] or [Hkv, T], store order: the quantized rows, then the residual
-    res_index = held[..., quantized:]  # [R] or [Hkv, R]
-    if scores is None:
-        rank = res_index.float()  # the newest rows stay
-    elif store.per_head_rows:
-        rank = torch.gather(scores.float().t().to(held.device), 1, res_index)  # [Hkv, R] per head
-    else:
-        rank = scores.float().mean(dim=1).to(held.device)[res_index]  # [R]: the heads' mean, as quantize() ranks
-    order = residual_last(rank, residual)  # the rows that leave first, each part in store order
-    order = order if order.dim() == 2 else order.unsqueeze(0).expand(h, -1)  # [Hkv, R]
-
-    def rows(t: Tensor, position: Tensor) -> Tensor:
-        return torch.gather(t, 1, position.unsqueeze(-1).expand(-1, -1, d))
-
-    joining, staying = order[:, :leaving], order[:, leaving:]
-    join_keys = rows(store.res_keys, joining).to(store.cache_dtype)  # [Hkv, m, d]
-    extra_values = quantize_values(rows(store.res_values, joining).to(store.cache_dtype), store.bits, store.group_size)
-    group = store.qkeys.group_size
-    start = quantized // group * group  # the last, partial key group starts here
-    tail = quantize_keys(torch.cat([store.qkeys.dequantize(store.cache_dtype, start), join_keys], dim=1), store.bits,
-                         group)
-    qkeys, qvalues = store.qkeys, store.qvalues
-    if tail.scale.dtype != qkeys.scale.dtype or extra_values.scale.dtype != qvalues.scale.dtype:
-        return quantize(layer, [index], store.bits, group, residual, scores) if not store.per_head_rows else \
-            _shrink_quantized(layer, index, store.num_tokens, group, residual, scores)
-    kept_groups = start // group
-    qkeys = QuantizedTensor(torch.cat([qkeys.packed[:, :start], tail.packed], dim=1),
-                            torch.cat([qkeys.scale[:, :kept_groups], tail.scale], dim=1),
-                            torch.cat([qkeys.zero[:, :kept_groups], tail.zero], dim=1), qkeys.bits, group,
-                            qkeys.head_dim, qkeys.axis)
-    if store.per_head_rows:
-        index_rows = torch.cat([held[:, :quantized], torch.gather(res_index, 1, order)], dim=1)
-    else:
-        index_rows = torch.cat([held[:quantized], res_index[order[0]]])
-    new = QuantizedStore(qkeys, _append_rows(qvalues, extra_values, qvalues.group_size),
-                         rows(store.res_keys, staying).contiguous(), rows(store.res_values, staying).contiguous(),
-                         index_rows.to(torch.int32), store.token_type, store.bits, store.group_size, residual,
-                         store.cache_dtype)
-    layer.replace_many([index], new)
-    return new
 
 
 def _shrink_quantized(layer: SegmentedLayer, index: int, keep: int, group: int, residual: int,
@@ -399,4 +329,4 @@ def floor_bytes(ratio: float, full_bytes: int) -> int:
 
 
 __all__ = ["KIVI_LOOKUP", "compress_rows", "evict", "evicted_row_bytes", "floor_bytes", "keeps_value_codes",
-           "pool_rows", "pooled_type", "quantize", "quantized_bytes", "rows_for_bytes", "shared_rows", "streams_residual"]
+           "pool_rows", "pooled_type", "quantize", "quantized_bytes", "rows_for_bytes", "shared_rows"]
