@@ -219,8 +219,8 @@ def run(cfg: QualityConfig) -> dict:
                     runs.remove("unicache")
                     runs[:0] = ["unicache", PAPER_ROW] if cfg.paper_table_row else ["unicache"]
                 matched = reduction
-                unicache_samples = unicache_to_full = None  # UniCache's per-sample scores at this target: the
-                # other rows pair with them
+                # UniCache's per-sample scores and fidelity at this target: the other rows pair with them
+                unicache_samples = unicache_to_full = None
                 for method in runs:
                     t0 = time.perf_counter()
                     kw = {"policy": paper_table_for(checkpoint)} if method == PAPER_ROW else {}

@@ -286,7 +286,7 @@ def _value_rows(store: QuantizedStore, position: Tensor) -> Tensor:
     d = store.head_dim
     exact = torch.gather(store.res_values.to(store.cache_dtype), 1,
                          (position - quantized).clamp(min=0).unsqueeze(-1).expand(-1, -1, d))
-    if quantized == 0 or not bool(in_body.any()):  # every row from the residual: nothing to dequantize
+    if not bool(in_body.any()):  # every row from the residual: nothing to dequantize
         return exact
     rows = store.qvalues.select_tokens(position.clamp(max=quantized - 1)).dequantize(store.cache_dtype)
     return torch.where(in_body.unsqueeze(-1), rows, exact)

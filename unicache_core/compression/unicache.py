@@ -8,8 +8,8 @@ step; for understanding before the first decoded token, then every chunk of deco
 2. ``rho * sum(capacity)`` token-equivalents are shared among the types in proportion to their mass,
    capped by each type's size, with redistribution (§8.6);
 3. each type takes the (rows kept, bits) of its table's policy that fits its bytes (docs/compression.md
-   §11): ``evict`` keeps its best-scored rows at full precision (H2O scores of the branch's first observation
-   steps, 25% recent), ``quantize`` keeps every row at the most precise KIVI setting whose REAL bytes fit
+   §11): ``evict`` keeps its best-scored rows at full precision (H2O scores of the branch's first
+   observation, 25% recent), ``quantize`` keeps every row at the most precise KIVI setting whose REAL bytes fit
    (below its 2-bit floor: a subset of its rows at 2 bits), ``joint`` keeps its best-scored rows at the
    bits calibrated for its budget level. Residual and groups follow the segment (§11.2). Where the budget
    cannot hold the quantized types at 4 bits (or one under its own 2-bit floor), they share one store with

@@ -108,7 +108,7 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
         raise ValueError(f"`packed` last dim {packed.shape[-1]} does not hold n={n} codes of {bits} bits")
     if bits == 8:
         return packed.clone()
-    shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
+    shifts = _shifts(bits, packed.device)
     codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return codes.reshape(*packed.shape[:-1], -1)[..., :n]
 
@@ -118,7 +118,7 @@ def _unpack(packed: Tensor, bits: int, n: int) -> Tensor:
     if bits == 8:
         return packed
     per = 8 // bits
-    shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
+    shifts = _shifts(bits, packed.device)
     codes = ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(*packed.shape[:-1], -1)
     return codes if codes.shape[-1] == n else codes[..., :n].contiguous()
 
