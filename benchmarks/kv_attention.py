@@ -36,8 +36,8 @@ from torch import Tensor
 
 from unicache_core.compression import PolicyTable, make_cache_factory, paper_policy_table
 from unicache_core.compression.baselines import pyramid_layer_budgets, sink_recency_scores
-from unicache_core.compression.defaults import (KIVI_FLOOR, KIVI_RESIDUAL, RECENT_FRACTION, SINK_TOKENS, SNAPKV_KERNEL,
-                                                WINDOW)
+from unicache_core.compression.defaults import (FIT_VALUE_RANGES, KIVI_FLOOR, KIVI_RESIDUAL, RECENT_FRACTION,
+                                                SINK_TOKENS, SNAPKV_KERNEL, WINDOW)
 from unicache_core.compression.family import FULL_BITS, Segment, grid_choices, plan_from_errors
 from unicache_core.compression.ops import compress_rows, quantized_bytes
 from unicache_core.compression.selection import select_rows
@@ -335,7 +335,7 @@ def _joint_table(ctx: Context, sc: Scoring, elem: int, info: dict) -> PolicyTabl
             trial = reference.share()
             index = trial.find(t)
             compress_rows(trial, index, choice.rows, choice.bits, choice.group, choice.residual,
-                          sc.accumulated.float(), recent=recent_rows(choice.rows))
+                          sc.accumulated.float(), recent=recent_rows(choice.rows), fit_values=FIT_VALUE_RANGES)
             out, _ = trial.attend(ctx.score_queries, ctx.score_k_new, ctx.score_v_new, fused=True)
             errors[(level, bits)] = float((out.float() - ref).norm() / ref.norm())
         plans[t] = plan_from_errors(errors)
@@ -392,7 +392,7 @@ def _unicache_engine_stores(cfg: BenchConfig, ctx: Context, sc: Scoring) -> list
     extra row, not matched."""
     r_vae = _rows(ctx, TT.SOURCE_VAE)
     stores = [QuantizedStore.from_kv(ctx.keys[r_vae], ctx.values[r_vae], r_vae, *KIVI_FLOOR, KIVI_RESIDUAL,
-                                     TT.SOURCE_VAE)]
+                                     TT.SOURCE_VAE, fit_values=FIT_VALUE_RANGES)]
     for t in (TT.INSTRUCTION, TT.SOURCE_VIT):
         r = _rows(ctx, t)
         n = int(cfg.keep * r.numel())

@@ -26,7 +26,10 @@ difference over the same samples with its 95% interval and a verdict (ahead / be
 The same pairing on fidelity to full KV (``metrics["per_sample_to_full"]``: the answer agrees with full KV's,
 0/1, or the image's PSNR to full KV's, dB, capped at 100) gives every non-full row ``unicache_to_full_minus_this``:
 how much closer to what full KV outputs UniCache stays than that row, at the same bytes. When a task's score is
-already at full KV's level, this is the comparison that can still tell the methods apart.
+already at full KV's level, this is the comparison that can still tell the methods apart. Free-running outputs
+drift apart chaotically, though, so every non-full row also runs its requests again forced along full KV's path
+(teacher forcing, :mod:`.step_path`): ``metrics["per_sample_step_fidelity"]`` (dB: velocity error of every
+step for t2i and edit, the answer tokens' KL for und) and ``unicache_steps_minus_this``, paired the same way.
 The report also says whether the checkpoint's calibrated policy table routes the types as the paper
 does (instruction and ViT evicted, VAE quantized).
 """
@@ -47,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from unicache_core.bagel import BagelPipeline, load_bagel, preset
+from unicache_core.bagel import BagelPipeline, RunHooks, load_bagel, preset
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT
 from unicache_core.cli import OneLineParser, path_arg
 from unicache_core.compression import DEFAULT_REDUCTION, METHODS, make_cache_factory
@@ -55,6 +58,7 @@ from unicache_core.shapes import analyse, edit_sample, judge_t2i, psnr, scenes_m
 from unicache_core.shapes.world import EVAL_SEEDS, image_array, understanding_sample
 
 from .paired import paired_difference
+from .step_path import StepPath, fidelity_db
 
 logger = logging.getLogger("benchmarks.quality")
 REPO = Path(__file__).resolve().parent.parent
@@ -97,9 +101,13 @@ class QualityConfig:
     paper_table_row: bool = True  # also run unicache with the paper's policy table (next to the calibrated one)
     #: baselines run at the bytes UniCache achieved (False: at the named target, like UniCache)
     match_unicache_bytes: bool = True
+    #: every non-full row runs its requests again forced along full KV's path (:mod:`.step_path`)
+    step_fidelity: bool = True
 
 
-QUICK = dict(samples={"und": 36, "t2i": 8, "edit": 8}, num_timesteps=12, targets=("paper", "robust"))
+#: --quick: fewer samples and steps, two targets, no teacher-forced pass (it doubles the run; --step-fidelity adds it)
+QUICK = dict(samples={"und": 36, "t2i": 8, "edit": 8}, num_timesteps=12, targets=("paper", "robust"),
+             step_fidelity=False)
 #: UniCache rows, run first at each target: the baselines are matched to the first one's achieved bytes.
 UNICACHE_ROWS = ("unicache", PAPER_ROW)
 
@@ -114,20 +122,54 @@ def _reduction(reports: list[dict]) -> float:
     return 0.0 if not ratios else round(1.0 - statistics.fmean(ratios), 4)
 
 
-def run_task(pipe: BagelPipeline, task: str, cfg: QualityConfig, full_outputs: dict | None) -> tuple[dict, dict, list]:
-    """Score one method on one task; returns ``(metrics, outputs by seed, kv reports)``."""
-    n = cfg.samples[task]
-    outputs, reports, per_sample = {}, [], []
+def _request(pipe: BagelPipeline, task: str, seed: int, cfg: QualityConfig, hooks: RunHooks):
+    """One bench request: ``(pipeline result, the world sample it was drawn from)``."""
     if task == "und":
-        by_kind = defaultdict(list)
-        for seed in _seeds(task, n):
-            scene, q = understanding_sample(seed)
-            res = pipe.understand(q.question, scene.render(), preset("understanding", max_new_tokens=4))
+        scene, q = understanding_sample(seed)
+        return pipe.understand(q.question, scene.render(), preset("understanding", max_new_tokens=4),
+                               hooks=hooks), (scene, q)
+    if task == "t2i":
+        scene = t2i_sample(seed)
+        return pipe.text_to_image(scene.caption(), preset("t2i", width=128, height=128,
+                                                          num_timesteps=cfg.num_timesteps),
+                                  seed=seed % (1 << 32), hooks=hooks), scene
+    edit = edit_sample(seed)
+    return pipe.edit(edit.instruction, edit.source.render(), preset("edit", num_timesteps=cfg.num_timesteps),
+                     seed=seed % (1 << 32), hooks=hooks), edit
+
+
+def run_task(pipe: BagelPipeline, task: str, cfg: QualityConfig,
+             full_outputs: dict | None) -> tuple[dict, dict, list, dict]:
+    """Score one method on one task; returns ``(metrics, outputs by seed, kv reports, step paths by seed)``."""
+    n = cfg.samples[task]
+    outputs, reports, per_sample, paths = {}, [], [], {}
+    judged, by_kind = defaultdict(list), defaultdict(list)
+    for seed in _seeds(task, n):
+        paths[seed] = StepPath()
+        res, sample = _request(pipe, task, seed, cfg, RunHooks(steer=paths[seed]))
+        reports.append(res.kv_report)
+        if task == "und":
+            scene, q = sample
             ok = res.text.strip().lower() == q.answer
             by_kind[q.kind].append(ok)
             per_sample.append(float(ok))
             outputs[seed] = res.text.strip()
-            reports.append(res.kv_report)
+        elif task == "t2i":
+            j = judge_t2i(res.image, sample)
+            for name in ("correct", "color", "shape", "position", "background", "count"):
+                judged[name].append(float(getattr(j, name)))
+            outputs[seed] = image_array(res.image)
+        else:
+            src, tgt = image_array(sample.source.render()), image_array(sample.target.render())
+            out = image_array(res.image)
+            judged["psnr_target"].append(psnr(out, tgt))
+            judged["psnr_source_as_output"].append(psnr(src, tgt))  # the do-nothing reference
+            judged["psnr_unchanged"].append(psnr(out, tgt, unchanged_mask(src, tgt)))
+            success = float(scenes_match(analyse(out), sample.target))
+            judged["success"].append(success)
+            judged[f"success_{sample.kind}"].append(success)
+            outputs[seed] = out
+    if task == "und":
         flat = [v for vs in by_kind.values() for v in vs]
         metrics = {"accuracy": sum(flat) / len(flat),
                    "by_kind": {k: round(sum(v) / len(v), 4) for k, v in sorted(by_kind.items())},
@@ -135,30 +177,7 @@ def run_task(pipe: BagelPipeline, task: str, cfg: QualityConfig, full_outputs: d
         if full_outputs is not None:
             metrics["per_sample_to_full"] = [float(outputs[s] == full_outputs[s]) for s in outputs]
             metrics["agreement_with_full"] = statistics.fmean(metrics["per_sample_to_full"])
-        return metrics, outputs, reports
-    judged = defaultdict(list)
-    for seed in _seeds(task, n):
-        if task == "t2i":
-            scene = t2i_sample(seed)
-            res = pipe.text_to_image(scene.caption(), preset("t2i", width=128, height=128,
-                                                             num_timesteps=cfg.num_timesteps), seed=seed % (1 << 32))
-            j = judge_t2i(res.image, scene)
-            for name in ("correct", "color", "shape", "position", "background", "count"):
-                judged[name].append(float(getattr(j, name)))
-        else:
-            edit = edit_sample(seed)
-            src, tgt = edit.source.render(), image_array(edit.target.render())
-            res = pipe.edit(edit.instruction, src, preset("edit", num_timesteps=cfg.num_timesteps),
-                            seed=seed % (1 << 32))
-            out = image_array(res.image)
-            judged["psnr_target"].append(psnr(out, tgt))
-            judged["psnr_source_as_output"].append(psnr(image_array(src), tgt))  # the do-nothing reference
-            judged["psnr_unchanged"].append(psnr(out, tgt, unchanged_mask(image_array(src), tgt)))
-            success = float(scenes_match(analyse(out), edit.target))
-            judged["success"].append(success)
-            judged[f"success_{edit.kind}"].append(success)
-        outputs[seed] = image_array(res.image)
-        reports.append(res.kv_report)
+        return metrics, outputs, reports, paths
     metrics = {k: round(statistics.fmean(v), 4) for k, v in sorted(judged.items())}
     metrics["per_sample"] = [round(v, 4) for v in judged["correct" if task == "t2i" else "psnr_target"]]
     if task == "t2i":
@@ -166,7 +185,18 @@ def run_task(pipe: BagelPipeline, task: str, cfg: QualityConfig, full_outputs: d
     if full_outputs is not None:
         metrics["per_sample_to_full"] = [round(psnr(outputs[s], full_outputs[s]), 4) for s in outputs]
         metrics["psnr_to_full"] = round(statistics.fmean(metrics["per_sample_to_full"]), 3)
-    return metrics, outputs, reports
+    return metrics, outputs, reports, paths
+
+
+def step_fidelity(pipe: BagelPipeline, task: str, cfg: QualityConfig, full_paths: dict) -> list[float]:
+    """Per-sample step fidelity to full KV in dB (:mod:`.step_path`): every request again, forced along full KV's
+    path, in seed order."""
+    per_sample = []
+    for seed in _seeds(task, cfg.samples[task]):
+        path = StepPath(forced=full_paths[seed])
+        _request(pipe, task, seed, cfg, RunHooks(steer=path))
+        per_sample.append(round(fidelity_db(task, path, full_paths[seed]), 4))
+    return per_sample
 
 
 def _score(task: str, metrics: dict) -> float:
@@ -206,8 +236,8 @@ def run(cfg: QualityConfig) -> dict:
     try:
         for task in cfg.tasks:
             t0 = time.perf_counter()
-            full_metrics, full_out, full_reports = run_task(BagelPipeline(loaded, make_cache_factory("full")), task,
-                                                            cfg, None)
+            full_metrics, full_out, full_reports, full_paths = run_task(
+                BagelPipeline(loaded, make_cache_factory("full")), task, cfg, None)
             results.append({"task": task, "method": "full", "target_reduction": 0.0,
                             "achieved_reduction": _reduction(full_reports), "score": _score(task, full_metrics),
                             "metrics": full_metrics, "seconds": round(time.perf_counter() - t0, 1)})
@@ -220,14 +250,18 @@ def run(cfg: QualityConfig) -> dict:
                     runs[:0] = ["unicache", PAPER_ROW] if cfg.paper_table_row else ["unicache"]
                 matched = reduction
                 # UniCache's per-sample scores and fidelity at this target: the other rows pair with them
-                unicache_samples = unicache_to_full = None
+                unicache_samples = unicache_to_full = unicache_steps = None
                 for method in runs:
                     t0 = time.perf_counter()
                     kw = {"policy": paper_table_for(checkpoint)} if method == PAPER_ROW else {}
                     run_at = reduction if method in UNICACHE_ROWS else matched
                     factory = make_cache_factory("unicache" if method == PAPER_ROW else method,
                                                  checkpoint_dir=str(checkpoint), kv_target=round(1.0 - run_at, 6), **kw)
-                    metrics, _, reports = run_task(BagelPipeline(loaded, factory), task, cfg, full_out)
+                    pipe = BagelPipeline(loaded, factory)
+                    metrics, _, reports, _ = run_task(pipe, task, cfg, full_out)
+                    if cfg.step_fidelity:
+                        metrics["per_sample_step_fidelity"] = step_fidelity(pipe, task, cfg, full_paths)
+                        metrics["step_fidelity_db"] = round(statistics.fmean(metrics["per_sample_step_fidelity"]), 3)
                     row = {"task": task, "method": method, "target_reduction": reduction, "run_at_reduction": run_at,
                            "achieved_reduction": _reduction(reports), "score": _score(task, metrics),
                            "metrics": metrics, "seconds": round(time.perf_counter() - t0, 1)}
@@ -236,11 +270,15 @@ def run(cfg: QualityConfig) -> dict:
                     if method == "unicache":
                         unicache_samples = metrics["per_sample"]
                         unicache_to_full = metrics["per_sample_to_full"]
+                        unicache_steps = metrics.get("per_sample_step_fidelity")
                         row["unicache_minus_full"] = paired_difference(unicache_samples, full_metrics["per_sample"])
                     elif unicache_samples is not None:
                         row["unicache_minus_this"] = paired_difference(unicache_samples, metrics["per_sample"])
                         row["unicache_to_full_minus_this"] = paired_difference(unicache_to_full,
                                                                                metrics["per_sample_to_full"])
+                        if unicache_steps is not None:
+                            row["unicache_steps_minus_this"] = paired_difference(
+                                unicache_steps, metrics["per_sample_step_fidelity"])
                     results.append(row)
                     logger.info("%s %s @%.0f%%: score %.4f, achieved %.1f%% (%.0fs)", task, method, 100 * reduction,
                                 row["score"], 100 * row["achieved_reduction"], row["seconds"])
@@ -330,7 +368,9 @@ def _paired_lines(rows: list[dict], methods: list[str], reductions: dict) -> lis
                    lambda m: "unicache_minus_full" if m == "unicache" else "unicache_minus_this")
     fidelity = block("  fidelity to full KV's outputs, paired: unicache minus each row (und agreement, t2i dB, edit dB)",
                      lambda m: None if m == "unicache" else "unicache_to_full_minus_this")
-    return scores + fidelity
+    steps = block("  step fidelity on full KV's path (teacher-forced, dB), paired: unicache minus each row",
+                  lambda m: None if m == "unicache" else "unicache_steps_minus_this")
+    return scores + fidelity + steps
 
 
 def _items(parser, name: str, value: str, allowed) -> tuple[str, ...]:
@@ -344,7 +384,8 @@ def _items(parser, name: str, value: str, allowed) -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m benchmarks.quality", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="fewer samples and steps, paper and robust targets (under 5 min on an idle machine)")
+                        help="fewer samples and steps, paper and robust targets, no teacher-forced pass (under 5 "
+                             "min on an idle machine)")
     parser.add_argument("--targets", default=None,
                         help=f"comma list of {', '.join(TARGET_NAMES)} (default paper,robust)")
     parser.add_argument("--json", type=path_arg, default=None, help="write the JSON report here")
@@ -355,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=None, help="held-out samples per task (und gets 3x)")
     parser.add_argument("--timesteps", type=int, default=None, help="num_timesteps of t2i and edit")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--step-fidelity", action=argparse.BooleanOptionalAction, default=None,
+                        help="run every row again forced along full KV's path (default: on, off with --quick)")
     args = parser.parse_args(argv)
     if not (Path(args.checkpoint) / "llm_config.json").is_file():
         parser.error(f"--checkpoint {args.checkpoint} is not a BAGEL checkpoint folder (no llm_config.json)")
@@ -371,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.samples < 1:
             parser.error(f"--samples must be >= 1, got {args.samples}")
         kw["samples"] = {"und": 3 * args.samples, "t2i": args.samples, "edit": args.samples}
+    if args.step_fidelity is not None:
+        kw["step_fidelity"] = args.step_fidelity
     if args.timesteps is not None:
         if args.timesteps < 2:
             parser.error(f"--timesteps must be >= 2, got {args.timesteps}")

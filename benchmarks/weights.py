@@ -69,7 +69,7 @@ def quality_metrics(pipe: BagelPipeline, cfg: QualityConfig, und_reference: dict
     found: dict[str, float] = {}
     answers: dict = {}
     for task in cfg.tasks:
-        metrics, outputs, _ = run_task(pipe, task, cfg, None)
+        metrics, outputs, _, _ = run_task(pipe, task, cfg, None)
         if task == "und":
             answers = outputs
             found["und_accuracy"] = round(metrics["accuracy"], 4)

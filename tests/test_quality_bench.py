@@ -36,7 +36,18 @@ def test_quality_report_schema_and_scores(tmp_path):
             fid = r["metrics"]["per_sample_to_full"]
             assert len(fid) == cfg.samples[r["task"]] and all(0.0 <= v <= (1.0 if r["task"] == "und" else 100.0)
                                                               for v in fid)
-    assert "unicache - h2o" in format_table(report) and "fidelity to full KV's outputs" in format_table(report)
+            steps = r["metrics"]["per_sample_step_fidelity"]  # teacher-forced on full KV's path, dB
+            assert len(steps) == cfg.samples[r["task"]] and all(v <= 100.0 for v in steps)
+            if r["method"] != "unicache":
+                mine = next(x for x in rows if x["task"] == r["task"] and x["method"] == "unicache")
+                gap = sum(mine["metrics"]["per_sample_step_fidelity"]) - sum(steps)
+                assert abs(r["unicache_steps_minus_this"]["mean"] * len(steps) - gap) < 1e-3
+    # eviction of the paper's routes is measurably further from full KV on every step than UniCache's table
+    for task in ("t2i", "edit"):
+        paper_row = next(r for r in rows if r["task"] == task and r["method"] == PAPER_ROW)
+        assert paper_row["unicache_steps_minus_this"]["mean"] > 0
+    table = format_table(report)
+    assert "unicache - h2o" in table and "fidelity to full KV's outputs" in table and "step fidelity" in table
     h2o_edit = next(r for r in rows if r["task"] == "edit" and r["method"] == "h2o")
     assert 0.75 <= h2o_edit["achieved_reduction"] <= 0.85  # the baseline meets its memory target
     assert report["config"]["calibration"]["agrees_with_paper"] is not None  # the shipped table is checked

@@ -31,9 +31,9 @@ def _count_value_quantizations(monkeypatch) -> list[int]:
     calls = []
     real = quant.quantize_values
 
-    def counting(values, bits, group):
+    def counting(values, bits, group, fit=False):
         calls.append(values.shape[1])
-        return real(values, bits, group)
+        return real(values, bits, group, fit=fit)
 
     monkeypatch.setattr(ops, "quantize_values", counting)
     monkeypatch.setattr("unicache_core.kv.stores.quantize_values", counting)

@@ -307,3 +307,29 @@ def test_keep_set_random_sequences_are_monotone():
         prev = mask
     with pytest.raises(ValueError, match="selection"):
         ks.update(torch.tensor([[0, 99]] * 3))
+
+
+def test_unicache_fits_its_value_ranges_at_the_same_bytes(tiny_checkpoint):
+    """``fit_ranges`` (default on) changes UniCache's value codes, not its layout or bytes; KIVI keeps min-max."""
+    from unicache_core.bagel.checkpoint.loader import load_bagel
+    from unicache_core.bagel.pipeline import BagelPipeline
+    from unicache_core.bagel.settings import preset
+    from unicache_core.compression import KVConfig, make_cache_factory
+
+    from PIL import Image
+
+    loaded = load_bagel(tiny_checkpoint, dtype=torch.float32)
+    source = Image.new("RGB", (32, 32), (200, 30, 40))
+    runs = {}
+    for fit in (None, True, False):  # the tiny checkpoint has no table: the paper's, source-VAE quantized
+        pipe = BagelPipeline(loaded, make_cache_factory("unicache", kv_target=0.1, fit_ranges=fit))
+        runs[fit] = pipe.edit("make it blue", source, preset("edit", num_timesteps=4), seed=5)
+    held = {fit: r.kv_report["summary"]["steady_managed_bytes"] for fit, r in runs.items()}
+    assert held[None] == held[True] == held[False] > 0
+    assert runs[None].kv_report["config"]["fit_ranges"] is None and runs[False].kv_report["config"]["fit_ranges"] is False
+    assert torch.equal(runs[None].latents, runs[True].latents)  # on by default
+    assert not torch.equal(runs[True].latents, runs[False].latents)
+    with pytest.raises(ValueError, match="`fit_ranges` applies to the unicache method only, not to 'kivi'"):
+        KVConfig(method="kivi", fit_ranges=True)
+    with pytest.raises(ValueError, match="`fit_ranges` must be True, False or None, got 'yes'"):
+        KVConfig(method="unicache", fit_ranges="yes")

@@ -37,7 +37,7 @@ def decode_text(
     ``draw_discarded_sample``: when sampling stops at the length limit, consume the one extra
     multinomial draw the official loop makes (and discards) from ``generator``, so that later draws
     from the same generator (the latent noise after a think plan) match the official RNG stream.
-    ``hooks``: progress after every token, cancel polled before every token.
+    ``hooks``: progress and ``steer`` (the next token id) after every token, cancel polled before every token.
     ``session``/``branch``: the cache session is told where each decoded token begins and ends.
 
     Returns:
@@ -60,7 +60,8 @@ def decode_text(
                 session.end_step(info)
         check_logits(logits, step=step, max_new_tokens=max_new_tokens, dtype=loaded.dtype)
         vocab = logits.shape[-1]
-        current = next_token(logits, do_sample=do_sample, temperature=temperature, generator=generator)
+        current = hooks.steered(step, logits, next_token(logits, do_sample=do_sample, temperature=temperature,
+                                                          generator=generator))
         current_type = TokenType.DECODED_TEXT
         hooks.report(step + 1, max_new_tokens)
         if current == tok.eos_token_id:

@@ -102,9 +102,9 @@ def denoise(
 ) -> tuple[Tensor, dict[str, int], dict[str, Tensor] | None]:
     """Euler flow from noise ``x`` ``[h*w, 64]`` (fp32): ``x -= v * dt`` for ``num_timesteps - 1`` steps.
 
-    ``hooks``: cancel polled before each step, progress after it, and ``preview(done, total, x0)`` with
-    the flow's current estimate of the clean latent, ``x0 = x_t - t * v`` unpacked to
-    ``[1, 16, H/8, W/8]`` (BAGEL's convention), for a live preview.
+    ``hooks``: cancel polled before each step, progress and ``steer`` (the next latent) after it, and
+    ``preview(done, total, x0)`` with the flow's current estimate of the clean latent, ``x0 = x_t - t * v``
+    unpacked to ``[1, 16, H/8, W/8]`` (BAGEL's convention), for a live preview.
 
     Returns:
         ``(x0 [h*w, 64] fp32, forwards per branch, step-0 velocities or None)``.
@@ -139,7 +139,7 @@ def denoise(
                                                       cfg.latent_channel, cfg.latent_patch_size))
         # Official order: the velocity (model dtype) times the fp32 0-dim dt stays in the velocity
         # dtype, then it is subtracted from the fp32 latent.
-        x = x - v.to(x.device) * dts[i].to(x.device)
+        x = hooks.steered(i, v, x - v.to(x.device) * dts[i].to(x.device))
         hooks.report(i + 1, total)
     return x, forwards, step0
 

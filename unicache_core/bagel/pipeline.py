@@ -119,7 +119,8 @@ def _checked(name: str, value, kind: type, default, how: str):
 
 
 def _call_parts(hooks, given) -> tuple[RunHooks, GivenLatents]:
-    return (_checked("hooks", hooks, RunHooks, NO_HOOKS, "unicache_core.bagel.RunHooks(progress=, cancel=, preview=)"),
+    return (_checked("hooks", hooks, RunHooks, NO_HOOKS,
+                     "unicache_core.bagel.RunHooks(progress=, cancel=, preview=, steer=)"),
             _checked("given", given, GivenLatents, NO_GIVEN_LATENTS, "unicache_core.bagel.GivenLatents"))
 
 

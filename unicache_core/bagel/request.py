@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 from torch import Tensor
+
+_Next = TypeVar("_Next", Tensor, int)
 
 #: ``progress(done, total)``: called after every decoded token (understanding; in think mode first for
 #: the plan tokens, ``total = think_max_new_tokens``) and after every denoising step (``total = steps``).
@@ -14,15 +16,22 @@ ProgressFn = Callable[[int, int], None]
 CancelFn = Callable[[], bool]
 #: ``preview(done, total, x0)``: the current clean-latent estimate ``[1, 16, H/8, W/8]`` after each denoising step.
 PreviewFn = Callable[[int, int, Tensor], None]
+#: ``steer(step, output, proposed) -> next``: after every denoising step (``output`` the guided velocity
+#: ``[h*w, 64]``, ``proposed`` the next latent ``[h*w, 64]`` fp32) and every decoded token, a think plan's included
+#: (``output`` the logits ``[vocab]``, ``proposed`` the next token id): what the loop continues from. Returning
+#: ``proposed`` observes a run; returning another run's recorded value forces this one along that run's path
+#: (teacher forcing: the quality benchmark measures a compressed cache's outputs on full KV's path with it).
+SteerFn = Callable[[int, Tensor, _Next], _Next]
 
 
 @dataclass(frozen=True)
 class RunHooks:
-    """Callbacks of one request (each optional): progress, cancellation, live preview."""
+    """Callbacks of one request (each optional): progress, cancellation, live preview, steering."""
 
     progress: ProgressFn | None = None
     cancel: CancelFn | None = None
     preview: PreviewFn | None = None
+    steer: SteerFn | None = None
 
     def cancelled(self) -> bool:
         return self.cancel is not None and bool(self.cancel())
@@ -30,6 +39,21 @@ class RunHooks:
     def report(self, done: int, total: int) -> None:
         if self.progress is not None:
             self.progress(done, total)
+
+    def steered(self, step: int, output: Tensor, proposed: _Next) -> _Next:
+        """What the loop continues from after ``step``: ``proposed``, or what :attr:`steer` returns instead."""
+        if self.steer is None:
+            return proposed
+        chosen = self.steer(step, output, proposed)
+        if isinstance(proposed, Tensor):
+            if not isinstance(chosen, Tensor) or chosen.shape != proposed.shape or not chosen.is_floating_point():
+                got = tuple(chosen.shape) if isinstance(chosen, Tensor) else type(chosen).__name__
+                raise ValueError(f"`steer` must return the next latent as a float tensor of shape "
+                                 f"{tuple(proposed.shape)}, got {got}")
+            return chosen.to(device=proposed.device, dtype=proposed.dtype)
+        if isinstance(chosen, bool) or not isinstance(chosen, int) or chosen < 0:
+            raise ValueError(f"`steer` must return the next token id as an int >= 0, got {chosen!r}")
+        return chosen
 
 
 NO_HOOKS = RunHooks()
@@ -55,4 +79,4 @@ class GivenLatents:
 
 NO_GIVEN_LATENTS = GivenLatents()
 
-__all__ = ["CancelFn", "GivenLatents", "NO_GIVEN_LATENTS", "NO_HOOKS", "PreviewFn", "ProgressFn", "RunHooks"]
+__all__ = ["CancelFn", "GivenLatents", "NO_GIVEN_LATENTS", "NO_HOOKS", "PreviewFn", "ProgressFn", "RunHooks", "SteerFn"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .defaults import DEFAULT_REDUCTION, RECENT_FRACTION, SCORE_QUERIES, WINDOW
+from .defaults import DEFAULT_REDUCTION, FIT_VALUE_RANGES, RECENT_FRACTION, SCORE_QUERIES, WINDOW
 from .family import QuantGeometry
 from .policy_table import PolicyTable
 
@@ -100,6 +100,8 @@ class KVConfig:
         kivi_residual: a fixed number of full-precision residual rows for the quantized segments of unicache
             and kivi (at most the segment; dropped when it does not fit the budget). ``None`` (default):
             the residual follows the segment's length (docs/compression.md §11.2).
+        fit_ranges: unicache only: least-squares ranges for its quantized values (``None``, default: True,
+            docs/compression.md §11.10); False quantizes them with KIVI's min-max, as the KIVI baseline does.
         fused: on calls that gather no statistics (the fast path), attend through one temporary head-major
             workspace per layer (resident rows, dequantized ones included, plus the new block) in a single
             exact attention call, instead of one call per store and an LSE merge (default on: measured
@@ -116,6 +118,7 @@ class KVConfig:
     window: int = WINDOW
     recent_fraction: float = RECENT_FRACTION
     kivi_residual: int | None = None
+    fit_ranges: bool | None = None
     fused: bool = True
     sync_timing: bool = False
     extra: dict = field(default_factory=dict)
@@ -142,6 +145,11 @@ class KVConfig:
         if self.kivi_residual is not None:
             _positive_int("kivi_residual", self.kivi_residual, 0)
         _ratio("recent_fraction", self.recent_fraction, allow_zero=True)
+        if self.fit_ranges is not None:
+            if not isinstance(self.fit_ranges, bool):
+                raise ValueError(f"`fit_ranges` must be True, False or None, got {self.fit_ranges!r}")
+            if self.method != "unicache":
+                raise ValueError(f"`fit_ranges` applies to the unicache method only, not to {self.method!r}")
         for name in ("fused", "sync_timing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
@@ -151,6 +159,11 @@ class KVConfig:
         if self.kivi_residual is None:
             return base
         return replace(base, residual_max=self.kivi_residual, residual_share=1.0)
+
+    @property
+    def fits_value_ranges(self) -> bool:
+        """UniCache's values get least-squares ranges (``fit_ranges``, default :data:`FIT_VALUE_RANGES`)."""
+        return FIT_VALUE_RANGES if self.fit_ranges is None else self.fit_ranges
 
     def target_ratio(self, task: str) -> float | int:
         """The explicit target, or ``1 - DEFAULT_REDUCTION[task]``."""
@@ -166,7 +179,7 @@ class KVConfig:
         return {"method": self.method, "kv_target": self.kv_target, "rho": self.rho, "rho_floor": self.rho_floor,
                 "policy": None if policy is None else str(policy), "score_queries": self.score_queries,
                 "window": self.window, "recent_fraction": self.recent_fraction,
-                "kivi_residual": self.kivi_residual, "fused": self.fused}
+                "kivi_residual": self.kivi_residual, "fit_ranges": self.fit_ranges, "fused": self.fused}
 
 
 __all__ = ["KVConfig", "METHODS", "parse_kv_target"]

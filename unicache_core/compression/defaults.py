@@ -69,6 +69,9 @@ VLCACHE_THRESHOLD = 0.01
 #: is quantized (docs/compression.md §11.2).
 KIVI_RESIDUAL = 32
 KIVI_RESIDUAL_SHARE = 0.5
+#: UniCache fits each value row's quantization range by least squares instead of taking its min and max (same
+#: bytes; docs/compression.md §11.10); the KIVI baseline keeps its paper's min-max.
+FIT_VALUE_RANGES = True
 #: The most compressed (bits, group) of UniCache's lookup: the floor of a quantized segment.
 KIVI_FLOOR = (2, 128)
 #: KIVI group sizes (key groups run over tokens, value groups over channels).

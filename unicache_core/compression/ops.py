@@ -128,7 +128,7 @@ def evict(
 
 def compress_rows(
     layer: SegmentedLayer, indices: list[int], keep: int, bits: int, group: int, residual: int,
-    scores: Tensor | None, *, recent: int = 0,
+    scores: Tensor | None, *, recent: int = 0, fit_values: bool = False,
 ) -> KVStore:
     """Keep ``keep`` rows per KV head of the pooled stores at ``indices`` (chosen by ``scores``, as :func:`evict`)
     at ``bits`` (:data:`~unicache_core.compression.family.FULL_BITS`: an :class:`EvictedStore`; else a
@@ -136,7 +136,8 @@ def compress_rows(
     or the newest ones without scores).
 
     Every row of a pool whose heads share their rows is quantized as one segment (one ``[T]`` index).
-    ``scores``: ``[T_appended, Hkv]`` (needed only when rows are dropped).
+    ``scores``: ``[T_appended, Hkv]`` (needed only when rows are dropped). ``fit_values``: values quantized from
+    here on get least-squares ranges (:func:`~unicache_core.kv.quant.quantize_values`); codes kept stay as they are.
     """
     stores = [layer.stores[i] for i in indices]
     total = sum(s.num_tokens for s in stores)
@@ -145,11 +146,12 @@ def compress_rows(
             raise ValueError("evicting rows needs their scores")
         return evict(layer, indices, keep, scores, recent=recent)
     if keep >= total and len(stores) == 1 and shared_rows(stores) and keeps_value_codes(stores[0], bits, group):
-        return _requantize_shared(layer, indices[0], group, residual, scores)
+        return _requantize_shared(layer, indices[0], group, residual, scores, fit_values)
     if keep >= total and shared_rows(stores):
-        return quantize(layer, indices, bits, group, residual, scores)
+        return quantize(layer, indices, bits, group, residual, scores, fit_values=fit_values)
     if len(stores) == 1 and keeps_value_codes(stores[0], bits, group):
-        return _shrink_quantized(layer, indices[0], keep, group, residual, scores, recent=recent)
+        return _shrink_quantized(layer, indices[0], keep, group, residual, scores, recent=recent,
+                                 fit_values=fit_values)
     keys, values, index = pool_rows(stores)
     pooled_scores = None if scores is None else torch.gather(scores.float().t().to(index.device), 1, index)
     position = _kept_positions(pooled_scores, keep, total, residual, recent)
@@ -158,7 +160,7 @@ def compress_rows(
         keys, values = torch.gather(keys, 1, gather), torch.gather(values, 1, gather)
         index = torch.gather(index, 1, position)
     store = QuantizedStore.from_head_rows(keys.contiguous(), values.contiguous(), index, bits, group, residual,
-                                          pooled_type(stores))
+                                          pooled_type(stores), fit_values)
     layer.replace_many(list(indices), store)
     return store
 
@@ -191,7 +193,7 @@ def keeps_value_codes(store: KVStore, bits: int, group: int) -> bool:
 
 
 def _shrink_quantized(layer: SegmentedLayer, index: int, keep: int, group: int, residual: int,
-                      scores: Tensor | None, *, recent: int = 0) -> QuantizedStore:
+                      scores: Tensor | None, *, recent: int = 0, fit_values: bool = False) -> QuantizedStore:
     """:func:`compress_rows` of one quantized store at its own bits (:func:`keeps_value_codes`): the same rows, order
     and store, but the value rows that stay quantized keep their codes and scales (no dequantize + quantize);
     only the keys (whose groups span rows) are quantized again."""
@@ -213,7 +215,7 @@ def _shrink_quantized(layer: SegmentedLayer, index: int, keep: int, group: int, 
     if body and bool((kept_body < quantized).all()):
         qvalues = store.qvalues.select_tokens(kept_body, group)
     else:
-        qvalues = quantize_values(_value_rows(store, kept_body), store.bits, group)
+        qvalues = quantize_values(_value_rows(store, kept_body), store.bits, group, fit=fit_values)
     new = QuantizedStore(quantize_keys(keys[:, :body], store.bits, group), qvalues,
                          keys[:, body:].clone(memory_format=torch.contiguous_format),
                          _value_rows(store, position[:, body:]).contiguous(),
@@ -224,7 +226,7 @@ def _shrink_quantized(layer: SegmentedLayer, index: int, keep: int, group: int, 
 
 
 def _requantize_shared(layer: SegmentedLayer, index: int, group: int, residual: int,
-                       scores: Tensor | None) -> QuantizedStore:
+                       scores: Tensor | None, fit_values: bool = False) -> QuantizedStore:
     """:func:`quantize` of one quantized store whose heads share their rows, at its own bits
     (:func:`keeps_value_codes`): the same rows, order and store as :func:`quantize` gives, but the value rows that
     were quantized keep their codes and scales; only the keys (whose groups span rows) and the values of rows
@@ -245,9 +247,9 @@ def _requantize_shared(layer: SegmentedLayer, index: int, group: int, residual: 
     qvalues = store.qvalues
     if joining.numel():  # residual rows that join the quantized part: their values alone are quantized
         rows = store.res_values[:, joining - quantized].to(store.cache_dtype)  # [Hkv, m, d]
-        extra = quantize_values(rows, store.bits, group)
+        extra = quantize_values(rows, store.bits, group, fit=fit_values)
         if extra.scale.dtype != qvalues.scale.dtype:
-            return quantize(layer, [index], store.bits, group, residual, scores)
+            return quantize(layer, [index], store.bits, group, residual, scores, fit_values=fit_values)
         qvalues = _append_rows(qvalues, extra, group)
         kept = torch.where(kept >= quantized, quantized + torch.searchsorted(joining, kept), kept)
     keys = _head_keys(store)[:, order]  # [Hkv, n, d]
@@ -293,10 +295,10 @@ def _value_rows(store: QuantizedStore, position: Tensor) -> Tensor:
 
 
 def quantize(layer: SegmentedLayer, indices: list[int], bits: int, group: int, residual: int,
-             scores: Tensor | None = None) -> QuantizedStore:
+             scores: Tensor | None = None, *, fit_values: bool = False) -> QuantizedStore:
     """Quantize the (full or wholly quantized) stores at ``indices`` as one KIVI store, in append order; its
     ``residual`` full-precision rows are the best-scored ones (``scores [T_appended, Hkv]``, averaged over
-    the KV heads) or, without scores, the newest."""
+    the KV heads) or, without scores, the newest. ``fit_values``: least-squares value ranges instead of min-max."""
     stores = [layer.stores[i] for i in indices]
     ks, vs, idx = [], [], []
     for store in stores:
@@ -318,7 +320,8 @@ def quantize(layer: SegmentedLayer, indices: list[int], bits: int, group: int, r
         row_scores = scores.float().mean(dim=1).to(index.device)[index[order]]
         order = order[residual_last(row_scores, residual)]
     keys, values = torch.cat(ks)[order], torch.cat(vs)[order]
-    store = QuantizedStore.from_kv(keys, values, index[order], bits, group, residual, pooled_type(stores))
+    store = QuantizedStore.from_kv(keys, values, index[order], bits, group, residual, pooled_type(stores),
+                                   fit_values)
     layer.replace_many(list(indices), store)
     return store
 

@@ -335,7 +335,7 @@ class UniCacheMethod(CompressionMethod):
                 recent = min(choice.rows, int(choice.rows * session.config.recent_fraction + 0.5))
                 stores_before = len(st.stores)
                 compress_rows(st, idx, choice.rows, choice.bits, choice.group, choice.residual, ls.scores,
-                              recent=recent)
+                              recent=recent, fit_values=session.config.fits_value_ranges)
                 if len(st.stores) != stores_before:  # pooled stores became one: the later types' indices moved
                     segments = self._segments(cache, layer, order[position + 1:], pool)
             held = sum(s.nbytes() for s in st.stores if _unit(s, pool) == t)

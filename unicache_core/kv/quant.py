@@ -6,6 +6,9 @@ split into groups of ``G`` channels). Both use asymmetric min-max quantization::
 
     s = (max - min) / (2^b - 1),  z = min,  q = clamp(round((x - z) / s), 0, 2^b - 1),  x_hat = q * s + z
 
+Values may instead be quantized with **fitted ranges** (``quantize_values(..., fit=True)``, UniCache's choice):
+each group's ``(s, z)`` is fitted to its values by least squares (:mod:`.ranges`, docs/compression.md §11.10).
+
 Storage convention (used by every byte formula in this project):
 
 * codes are packed ``8 // b`` per byte along the channel axis (``b`` in {2, 4, 8});
@@ -28,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .ranges import codes_for, fit_ranges, minmax_ranges
 
 SUPPORTED_BITS = (2, 4, 8)
 SCALE_DTYPE = torch.float16
@@ -166,29 +171,6 @@ def unpack_into(packed: Tensor, bits: int, out: Tensor) -> Tensor:
 
 #: Rows (tokens x heads) per fp32 block in the per-token (value) dequantization.
 VALUE_BLOCK_ROWS = 8192
-
-
-def _minmax_params(lo: Tensor, hi: Tensor, bits: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``(scale, zero)`` in ``dtype`` with zero rounded down and scale rounded up, so codes stay in range."""
-    zero = lo.to(dtype)
-    too_high = zero.float() > lo
-    zero = torch.where(too_high, torch.nextafter(zero, _infinity(-1, dtype, zero.device)), zero)
-    scale32 = (hi - zero.float()) / ((1 << bits) - 1)
-    scale = scale32.to(dtype)
-    too_low = scale.float() < scale32
-    scale = torch.where(too_low, torch.nextafter(scale, _infinity(1, dtype, scale.device)), scale)
-    return scale.masked_fill_(scale == 0, 1.0), zero  # constant group: any scale works
-
-
-@functools.lru_cache(maxsize=16)
-def _infinity(sign: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A 0-d ``sign * inf`` of ``dtype`` (the direction :func:`torch.nextafter` rounds towards)."""
-    return torch.tensor(sign * float("inf"), dtype=dtype, device=device)
-
-
-def _quantize(x: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:
-    q = torch.round((x - zero.float()) / scale.float())
-    return q.clamp_(0, (1 << bits) - 1).to(torch.uint8)
 
 
 @dataclass
@@ -395,13 +377,14 @@ def quantize_keys(keys: Tensor, bits: int, group_size: int) -> QuantizedTensor:
     if pad:  # the short last group is padded with copies of its last row: its min and max are unchanged
         x = torch.cat([x, x[:, -1:].expand(h, pad, d)], dim=1)
     grouped = x.reshape(h, groups, g, d)
-    s, z = _minmax_params(grouped.amin(dim=2), grouped.amax(dim=2), bits, meta_dtype)  # [H, groups, d]
-    codes = _quantize(grouped, s.unsqueeze(2), z.unsqueeze(2), bits).reshape(h, groups * g, d)
+    s, z = minmax_ranges(grouped.amin(dim=2), grouped.amax(dim=2), bits, meta_dtype)  # [H, groups, d]
+    codes = codes_for(grouped, s.unsqueeze(2), z.unsqueeze(2), bits).reshape(h, groups * g, d)
     return QuantizedTensor(pack_bits(codes[:, :t] if pad else codes, bits), s, z, bits, g, d, "channel")
 
 
-def quantize_values(values: Tensor, bits: int, group_size: int) -> QuantizedTensor:
-    """Per-token quantization of ``[Hkv, T, d]`` values: each token's channels in groups of ``group_size``."""
+def quantize_values(values: Tensor, bits: int, group_size: int, fit: bool = False) -> QuantizedTensor:
+    """Per-token quantization of ``[Hkv, T, d]`` values: each token's channels in groups of ``group_size``;
+    ``fit``: least-squares ranges (module docstring) instead of min-max."""
     bits, g = _check_bits(bits), _check_group(group_size)
     if values.dim() != 3:
         raise ValueError(f"`values` must be [Hkv, T, d], got shape {tuple(values.shape)}")
@@ -416,8 +399,15 @@ def quantize_values(values: Tensor, bits: int, group_size: int) -> QuantizedTens
     else:
         xp = x
     grouped = xp.reshape(h, t, ng, span) if t else xp.new_zeros(h, 0, ng, span)
-    s, z = _minmax_params(grouped.amin(dim=-1), grouped.amax(dim=-1), bits, meta_dtype)  # [H, T, ng]
-    codes = _quantize(grouped, s.unsqueeze(-1), z.unsqueeze(-1), bits).reshape(h, t, ng * span)[..., :d]
+    s, z = minmax_ranges(grouped.amin(dim=-1), grouped.amax(dim=-1), bits, meta_dtype)  # [H, T, ng]
+    if fit and grouped.numel():
+        real = None
+        if pad:  # the padding channels must not pull the fit towards the last channel
+            real = (torch.arange(ng * span, device=x.device) < d).to(x.dtype).view(1, 1, ng, span)
+        s, z, codes = fit_ranges(grouped, -1, s, z, bits, real)
+    else:
+        codes = codes_for(grouped, s.unsqueeze(-1), z.unsqueeze(-1), bits)
+    codes = codes.reshape(h, t, ng * span)[..., :d]
     return QuantizedTensor(pack_bits(codes.contiguous(), bits), s, z, bits, g, d, "token")
 
 

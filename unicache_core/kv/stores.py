@@ -362,20 +362,20 @@ class QuantizedStore(KVStore):
     @classmethod
     def from_kv(
         cls, keys: Tensor, values: Tensor, token_index: Tensor, bits: int = 2, group_size: int = 32,
-        residual: int = 128, token_type: TokenType = TokenType.SOURCE_VAE,
+        residual: int = 128, token_type: TokenType = TokenType.SOURCE_VAE, fit_values: bool = False,
     ) -> "QuantizedStore":
         """Quantize ``keys/values [T, Hkv, d]``; the last ``min(residual, T)`` rows stay exact."""
         _check_kv(keys, values, token_index)
         return cls.from_head_rows(keys.transpose(0, 1), values.transpose(0, 1), token_index, bits, group_size,
-                                  residual, token_type)
+                                  residual, token_type, fit_values)
 
     @classmethod
     def from_head_rows(
         cls, keys: Tensor, values: Tensor, token_index: Tensor, bits: int, group_size: int, residual: int,
-        token_type: TokenType,
+        token_type: TokenType, fit_values: bool = False,
     ) -> "QuantizedStore":
-        """Quantize head-major ``keys/values [Hkv, T, d]`` whose rows are ``token_index`` (``[T]`` shared by the
-        heads, or ``[Hkv, T]`` per head, ascending); the last ``min(residual, T)`` rows of each head stay exact."""
+        """Quantize head-major ``keys/values [Hkv, T, d]``, rows ``token_index`` (``[T]`` shared or ``[Hkv, T]`` per
+        head, ascending); each head's last ``min(residual, T)`` rows stay exact; ``fit_values``: :mod:`.ranges`."""
         if keys.dim() != 3 or keys.shape != values.shape:
             raise ValueError(f"`keys`/`values` must both be [Hkv, T, d]; got {tuple(keys.shape)}, {tuple(values.shape)}")
         if keys.dtype != values.dtype or not keys.dtype.is_floating_point or keys.device != values.device:
@@ -387,8 +387,9 @@ class QuantizedStore(KVStore):
         if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
             raise ValueError(f"`residual` must be an int >= 0, got {residual!r}")
         r = min(residual, t)
+        qvalues = quantize_values(values[:, : t - r], bits, group_size, fit=fit_values)
         return cls(
-            quantize_keys(keys[:, : t - r], bits, group_size), quantize_values(values[:, : t - r], bits, group_size),
+            quantize_keys(keys[:, : t - r], bits, group_size), qvalues,
             keys[:, t - r :].clone(memory_format=torch.contiguous_format),
             values[:, t - r :].clone(memory_format=torch.contiguous_format),
             token_index.to(device=keys.device, dtype=torch.int32).clone(),
