@@ -3,7 +3,8 @@
 ``python -m benchmarks.gpu_check [--json PATH] [--device cuda] [--steps 8]``
 
 Per task and method: agreement of the CUDA bf16 result with CPU fp32 full KV (latent cosine / token
-agreement), the peak CUDA memory of the run (``torch.cuda.max_memory_allocated``), the KV report's steady
+agreement), the peak CUDA memory of the run (``torch.cuda.max_memory_allocated``) next to the memory plan's
+peak for the same request (``planned_peak_bytes``), the KV report's steady
 and peak bytes, and the median step and attention time (clocks synchronised). On CUDA, attention over
 compressed caches uses the fused kernels that return the LSE (flash for bf16), so KIVI-style segments
 are dequantized chunk-wise and attended there. ``--device cpu --checkpoint tiny`` is a dry run of the
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
+from unicache_core.bagel.memory_plan import PlanSettings, plan_config, plan_memory
 from training.tiny import write_tiny_checkpoint
 from unicache_core.compression import METHODS, KVConfig, make_cache_factory
 
@@ -33,14 +35,29 @@ from .medium import write_medium_checkpoint
 logger = logging.getLogger("benchmarks.gpu_check")
 
 
+PROMPTS = {"und": "Describe the objects in this picture.", "t2i": "a red circle above a blue square",
+           "edit": "make the red circle green"}
+ANSWER_TOKENS = 16
+T2I_SIZE = 256
+
+
 def _task(pipe, task, image, steps):
     if task == "und":
-        return pipe.understand("Describe the objects in this picture.", image,
-                               preset("understanding", max_new_tokens=16))
+        return pipe.understand(PROMPTS[task], image, preset("understanding", max_new_tokens=ANSWER_TOKENS))
     if task == "t2i":
-        return pipe.text_to_image("a red circle above a blue square",
-                                  preset("t2i", width=256, height=256, num_timesteps=steps + 1), seed=42)
-    return pipe.edit("make the red circle green", image, preset("edit", num_timesteps=steps + 1), seed=42)
+        return pipe.text_to_image(PROMPTS[task], preset("t2i", width=T2I_SIZE, height=T2I_SIZE,
+                                                        num_timesteps=steps + 1), seed=42)
+    return pipe.edit(PROMPTS[task], image, preset("edit", num_timesteps=steps + 1), seed=42)
+
+
+def _planned_peak(path, loaded, task: str, method: str, image) -> int:
+    """The memory plan's peak (``python -m unicache_core.bagel plan``) for this request on CUDA in bf16."""
+    width, height = (T2I_SIZE, T2I_SIZE) if task == "t2i" else image.size
+    settings = PlanSettings(task=task, width=width, height=height,
+                            kv_method=method, dtype="bf16", device="cuda")
+    plan = plan_memory(plan_config(path), settings, 1 << 40, prompt_tokens=len(loaded.tokenizer.encode(PROMPTS[task])),
+                       answer_tokens=ANSWER_TOKENS if task == "und" else None)
+    return plan.peak_bytes
 
 
 def _agreement(task, result, ref) -> float:
@@ -87,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 "task": task, "method": method, "device": args.device, "dtype": str(dtype).replace("torch.", ""),
                 "agreement_vs_cpu_fp32_full": _agreement(task, result, ref),
                 "cuda_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                "planned_peak_bytes": _planned_peak(path, dev, task, method, image),
                 "kv_bytes_steady": report["summary"]["steady_managed_bytes"],
                 "kv_bytes_peak": report["summary"]["peak_bytes"],
                 "full_kv_bytes": report["summary"]["full_managed_bytes"],
