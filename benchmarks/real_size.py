@@ -94,27 +94,28 @@ def write_streamed_weights(path: Path, shapes: dict[str, tuple[int, ...]], *, se
     return 8 + len(text) + offset
 
 
-def write_edit_transforms(out: Path) -> None:
-    """``transform_config.json`` for the run: the official ViT rule and a VAE rule that keeps the
-    :data:`SOURCE_SIZE` source at its size (the official VAE rule would enlarge it to 512 px), so the edit runs
-    at :data:`SOURCE_SIZE` px."""
-    rules = {"vae": {"max_size": SOURCE_SIZE, "min_size": SOURCE_SIZE // 2, "stride": 16},
+def write_edit_transforms(out: Path, source_size: int = SOURCE_SIZE) -> None:
+    """``transform_config.json`` for the run: the official ViT rule and a VAE rule that keeps a ``source_size``
+    source at its size (the official VAE rule would take a 256 px source to 512 px), so the edit runs at
+    ``source_size`` px."""
+    rules = {"vae": {"max_size": source_size, "min_size": source_size // 2, "stride": 16},
              "vit": {"max_size": 980, "min_size": 224, "stride": 14}}
     (out / TRANSFORM_CONFIG_FILE).write_text(json.dumps(rules, indent=1) + "\n", encoding="utf-8")
 
 
 def write_real_size_checkpoint(out: Path, *, llm: dict | None = None, vit: dict | None = None,
-                               full_vae: bool = True) -> Path:
-    """The folder described in the module docstring (``llm``/``vit``: config overrides for a smaller twin)."""
+                               full_vae: bool = True, source_size: int = SOURCE_SIZE) -> Path:
+    """The folder described in the module docstring (``llm``/``vit``: config overrides for a smaller twin;
+    ``source_size``: the edit size its transform rule keeps)."""
     llm_config = {**OFFICIAL_LLM_CONFIG, **(llm or {})}
     vit_config = {**OFFICIAL_VIT_CONFIG, **(vit or {})}
     marker = out / "real_size.json"
     wanted = {"llm": llm_config, "vit": vit_config, "full_vae": full_vae, "version": 1}
     if marker.is_file() and json.loads(marker.read_text()) == wanted:
-        write_edit_transforms(out)  # a folder written before the file existed gets it too
+        write_edit_transforms(out, source_size)  # a folder written before the file existed gets it too
         return out
     write_tiny_checkpoint(out, force=True, full_vocab=llm_config["vocab_size"] >= 151654, full_vae=full_vae)
-    write_edit_transforms(out)
+    write_edit_transforms(out, source_size)
     for file_name, config in (("llm_config.json", llm_config), ("vit_config.json", vit_config)):
         (out / file_name).write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
     config = bagel_config_from_dicts(llm_config, vit_config, source=str(out))

@@ -55,7 +55,8 @@ def test_plan_json_schema(tmp_path: Path, capsys):
     assert data["device_bytes"] == 8 * GB and data["fits"] is False and isinstance(data["suggestion"], str)
     assert data["peak_bytes"] == sum(v for k, v in data["breakdown"].items() if k not in NOT_IN_PEAK)
     parts = data["breakdown"]
-    assert parts["working"] == max(parts["upcast"] + parts["attention"] + parts["mlp"], parts["vae_working"])
+    assert parts["working"] == max(parts["kv_full"] + parts["upcast"] + parts["attention"] + parts["mlp"],
+                                   parts["vae_working"])
     assert data["settings"]["weight_dtype"] == "int8"
     assert "does not fit" in capsys.readouterr().out
 

@@ -30,3 +30,24 @@ def test_small_geometry_twin_writes_fp8_loads_and_runs(tmp_path):
         assert unicache["edit_kv_bytes_per_branch"][branch] < held
     assert unicache["und_kv_bytes"] < full["und_kv_bytes"]
     assert torch.float8_e4m3fn.itemsize == 1
+
+
+def test_phase_meter_on_the_twin_sees_the_caches_freed_before_the_decode(tmp_path):
+    """benchmarks.gpu_real_size's dry run: every phase is metered, the request's KV is gone when the VAE decode
+    begins (it starts lower than the denoising did, by at least the caches' bytes), nothing but the latent
+    is left on the decode's live-tensor list, and the plan is within 10% of the metered peak."""
+    from benchmarks.gpu_real_size import format_table, run as run_phases
+
+    report = run_phases(tmp_path / "twin", size=256, weight_dtype="int8", offloads=("none",), device="cpu",
+                        llm=TWIN_LLM, vit=TWIN_VIT, full_vae=False)
+    rows = report["results"]
+    assert [r["kv_method"] for r in rows] == ["full", "unicache"]
+    for row in rows:
+        entry, peak = row["phase_entry_bytes"], row["phase_peak_bytes"]
+        assert set(entry) == set(peak) == {"contexts", "denoise", "decode"}
+        assert all(peak[p] >= entry[p] for p in peak) and row["peak_bytes"] == max(peak.values())
+        assert abs(row["plan_error"]) <= 0.10, row["plan_error"]
+        assert max(t["bytes"] for t in row["decode_entry_tensors"]) <= 256 * 64 * 4  # the packed latent
+    full_kv = sum(rows[0]["kv_bytes_per_branch"].values())
+    assert rows[0]["phase_entry_bytes"]["denoise"] - rows[0]["phase_entry_bytes"]["decode"] >= full_kv
+    assert len(format_table(rows).splitlines()) == 3

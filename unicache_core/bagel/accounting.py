@@ -164,12 +164,13 @@ def count_request(config: BagelConfig, tokenizer, task: Task, prompt: str,
 def request_memory_bytes(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens) -> int:
     """Estimate of the device memory one request needs besides the weights (:func:`request_memory_parts`).
 
-    The uncompressed KV of every branch (compression starts after the first step, so the peak holds the
-    full cache), plus the larger of the two phases' working memory: the LLM's largest forward
-    (``attention`` + ``mlp``) or the fp32 VAE encode/decode (``vae``); they never run at the same time.
+    The larger of the two phases, which never run at the same time: the LLM's (the uncompressed KV of every
+    branch, which compression starts from after the first step, plus its largest forward, ``attention`` +
+    ``mlp``) or the fp32 VAE encode/decode (``vae``: the source is encoded before anything is cached and the
+    pipeline releases the caches before it decodes).
     """
     parts = request_memory_parts(config, dtype, tokens)
-    return int(parts["kv"] + max(parts["attention"] + parts["mlp"], parts["vae"]))
+    return int(max(parts["kv"] + parts["attention"] + parts["mlp"], parts["vae"]))
 
 
 def request_memory_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens) -> dict[str, int]:

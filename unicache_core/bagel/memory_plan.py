@@ -7,13 +7,14 @@
   with ``offload="layers"`` only two decoder layers (the running one and the prefetched one) are there and
   the rest is ``weights_host``;
 - ``vae``: the fp32 VAE's weights;
-- ``kv_full``: the uncompressed KV of every branch (:mod:`.accounting`): compression runs after the first step
-  (or the prompt), so the peak holds it; ``kv_compressed`` (not in the peak) is what the method keeps after;
-- ``working``: the larger of the two phases that never overlap: the LLM's largest forward (``upcast`` +
-  ``attention`` + ``mlp``) and the VAE's encode or decode (``vae_working``)
-  (:func:`~.accounting.request_memory_parts`). ``upcast`` is, with low-precision storage, the largest weights
-  upcast at once to the compute dtype (one decoder layer inside :func:`~.modeling.operations.shared_upcasts`,
-  or ``lm_head``).
+- ``working``: the larger of the two phases that never overlap (:func:`~.accounting.request_memory_parts`):
+  - the LLM's: ``kv_full``, the uncompressed KV of every branch (:mod:`.accounting`; compression runs after
+    the first step or the prompt, so the LLM phase's peak holds it), plus its largest forward (``upcast`` +
+    ``attention`` + ``mlp``). ``upcast`` is, with low-precision storage, the largest weights upcast at once to
+    the compute dtype (one decoder layer inside :func:`~.modeling.operations.shared_upcasts`, or ``lm_head``);
+  - the VAE's encode or decode (``vae_working``): an edit's source is encoded before any image or prompt
+    token is cached, and the pipeline releases the caches before it decodes, so no KV is held beside it.
+  ``kv_compressed`` (a detail) is what the method keeps after its first compression.
 
 On the CPU (``device="cpu"``) two parts the tensors do not show are added (:func:`cpu_runtime_parts`):
 
@@ -54,8 +55,8 @@ OFFICIAL_CHECKPOINT = "bagel-7b-mot"
 #: Prompt tokens a plan assumes (a long instruction; the prompt is small beside the image tokens).
 PLAN_PROMPT_TOKENS = 64
 #: Breakdown entries that detail the peak's parts or lie outside it (the rest add up to ``peak_bytes``).
-NOT_IN_PEAK = ("weights_host", "kv_compressed", "upcast", "attention", "mlp", "vae_working", "cpu_freed_heap",
-               "cpu_vae_heap")
+NOT_IN_PEAK = ("weights_host", "kv_full", "kv_compressed", "upcast", "attention", "mlp", "vae_working",
+               "cpu_freed_heap", "cpu_vae_heap")
 #: Bytes oneDNN keeps per bf16 matrix-product shape it has run (its compiled kernel): 0.55-0.61 MB measured
 #: for 40 row counts each of four weight shapes (64x128 to 1792x896), 0.15-1.1 MB for row counts near 1300.
 CPU_MATMUL_KERNEL_BYTES = 600_000
@@ -230,9 +231,10 @@ def _predict(config: BagelConfig, settings: PlanSettings, device_bytes: int,
 
 
 def _working(parts: dict[str, int], freed_heap: int = 0, vae_heap: int = 0) -> int:
-    """The working memory of the larger phase: a decoder layer's (upcast weights, attention, MLP, and on the CPU
-    the heap its forward keeps) or a VAE pass's (and on the CPU its heap)."""
-    return max(parts["upcast"] + parts["attention"] + parts["mlp"] + freed_heap, parts["vae_working"] + vae_heap)
+    """The working memory of the larger phase: the LLM's (the full KV and a decoder layer's upcast weights,
+    attention and MLP, and on the CPU the heap its forward keeps) or a VAE pass's (and on the CPU its heap)."""
+    return max(parts["kv_full"] + parts["upcast"] + parts["attention"] + parts["mlp"] + freed_heap,
+               parts["vae_working"] + vae_heap)
 
 
 def tensor_peak_bytes(plan: MemoryPlan) -> int:
@@ -347,7 +349,8 @@ def describe(plan: MemoryPlan) -> str:
              f" (compute {plan.settings.dtype}), KV {plan.settings.kv_method}, offload {plan.settings.offload}:",
              f"  peak {plan.peak_bytes / gb:.2f} GB of {plan.device_bytes / gb:.2f} GB -> "
              + ("fits" if plan.fits else f"does not fit: {plan.suggestion}")]
-    lines += [f"  {name:<28} {size / gb:8.3f} GB" for name, size in plan.breakdown.items()]
+    lines += [f"  {name:<28} {size / gb:8.3f} GB" + ("  (detail, not added)" if name in NOT_IN_PEAK else "")
+              for name, size in plan.breakdown.items()]
     return "\n".join(lines)
 
 

@@ -219,11 +219,13 @@ class BagelPipeline:
         session = self.start_session("understanding", s.max_new_tokens)
         with torch.inference_mode():
             t0 = time.perf_counter()
+            hooks.enter("contexts")
             ctx = C.build_understanding_context(self.loaded, session, image, prompt, think=s.think,
                                                 special_tokens=s.prompt_special_tokens)
             C.release_between_phases(self.loaded)
             t1 = time.perf_counter()
             context_tokens = ctx.num_tokens
+            hooks.enter("answer")
             text, ids = decode_text(self.loaded, ctx, max_new_tokens=s.max_new_tokens, do_sample=s.do_sample,
                                     temperature=s.temperature, generator=generator, hooks=hooks, session=session)
             t2 = time.perf_counter()
@@ -299,6 +301,7 @@ class BagelPipeline:
         session = self.start_session(task, s.num_steps)
         with torch.inference_mode():
             t0 = time.perf_counter()
+            hooks.enter("contexts")
             # as build_generation_contexts, with the prompt read as the settings say
             encoder = (self.resolve_vae(vae, "encode the source image")
                        if image is not None and given.source_latent is None else None)
@@ -309,6 +312,7 @@ class BagelPipeline:
             t1 = time.perf_counter()
             think_text = None
             if s.think:
+                hooks.enter("think")
                 plan_ctx = Context(session.fork(contexts.gen.cache, "plan"), contexts.gen.rope)
                 think_text, _ = decode_text(
                     self.loaded, plan_ctx, max_new_tokens=s.think_max_new_tokens, do_sample=s.think_do_sample,
@@ -326,27 +330,34 @@ class BagelPipeline:
                 x = torch.randn(shape, generator=generator, dtype=torch.float32)
             else:
                 x = check_noise("initial_noise", given.initial_noise, shape).float().clone()
+            hooks.enter("denoise")
             x, forwards, step0 = denoise(self.loaded, contexts, x.to(self.loaded.device), s, hooks=hooks,
                                          return_step0_velocity=return_step0_velocity)
-            C.release_between_phases(self.loaded)
             t3 = time.perf_counter()
+            width, height, branches = contexts.width, contexts.height, contexts.branches()
+            info = {"context_tokens": {name: ctx.num_tokens for name, ctx in branches.items()},
+                    "cache_bytes": {name: ctx.cache.nbytes() for name, ctx in branches.items()},
+                    "forwards": forwards, "source_latent": contexts.source_latent}
+            kv_report = session.finish()
+            # The caches are done with: free them before the VAE decode, the largest activation of a large image
+            # (a 1024 px decode needs 4.3 GB; BAGEL-7B's full KV of that edit is 1.0 GB).
+            for name in branches:
+                session.release(name)
+            del contexts, branches
+            C.release_between_phases(self.loaded)
+            hooks.enter("decode")
             chosen = self.resolve_vae(vae, "decode the latents") if decode else None
-            latent, picture = decode_latents(self.loaded, x, contexts.height, contexts.width, chosen)
+            latent, picture = decode_latents(self.loaded, x, height, width, chosen)
             t4 = time.perf_counter()
         scale, shift = latent_factors(self.loaded.config)
-        branches = contexts.branches().items()
-        info = {
+        info.update({
             "prefill_s": t1 - t0, "think_s": t2 - t1, "denoise_s": t3 - t2, "decode_s": t4 - t3,
-            "context_tokens": {name: ctx.num_tokens for name, ctx in branches},
-            "cache_bytes": {name: ctx.cache.nbytes() for name, ctx in branches},
-            "forwards": forwards,
             "vae": None if chosen is None else ("checkpoint" if chosen is self.loaded.vae else "external"),
-            "source_latent": contexts.source_latent,
             "latent_format": {"convention": "bagel", "scale_factor": scale, "shift_factor": shift},
-        }
-        logger.info("%s %dx%d: %d steps in %.2fs", task, contexts.width, contexts.height, s.num_steps, t3 - t2)
+        })
+        logger.info("%s %dx%d: %d steps in %.2fs", task, width, height, s.num_steps, t3 - t2)
         return GenerationResult(image=picture, latents=latent, num_steps=s.num_steps, seed=seed, info=info,
-                                think_text=think_text, step0_velocity=step0, kv_report=session.finish())
+                                think_text=think_text, step0_velocity=step0, kv_report=kv_report)
 
 
 __all__ = ["BagelPipeline", "GenerationResult", "UnderstandingResult"]

@@ -22,16 +22,26 @@ PreviewFn = Callable[[int, int, Tensor], None]
 #: ``proposed`` observes a run; returning another run's recorded value forces this one along that run's path
 #: (teacher forcing: the quality benchmark measures a compressed cache's outputs on full KV's path with it).
 SteerFn = Callable[[int, Tensor, _Next], _Next]
+#: ``phase(name)``: called as each phase of a request begins: ``"contexts"`` (VAE encode and prefill), then
+#: ``"answer"`` (understanding), or ``"think"`` (a think plan), ``"denoise"`` and ``"decode"`` (the VAE decode; the
+#: request's KV caches are released before it). A memory meter reads each phase's peak with it.
+PhaseFn = Callable[[str], None]
 
 
 @dataclass(frozen=True)
 class RunHooks:
-    """Callbacks of one request (each optional): progress, cancellation, live preview, steering."""
+    """Callbacks of one request (each optional): progress, cancellation, live preview, steering, phases."""
 
     progress: ProgressFn | None = None
     cancel: CancelFn | None = None
     preview: PreviewFn | None = None
     steer: SteerFn | None = None
+    phase: PhaseFn | None = None
+
+    def enter(self, name: str) -> None:
+        """The request begins phase ``name`` (see :data:`PhaseFn`)."""
+        if self.phase is not None:
+            self.phase(name)
 
     def cancelled(self) -> bool:
         return self.cancel is not None and bool(self.cancel())

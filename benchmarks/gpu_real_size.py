@@ -1,0 +1,209 @@
+"""The memory plan against a real run at BAGEL-7B-MoT's geometry on a GPU, phase by phase.
+
+``python -m benchmarks.gpu_real_size [--out DIR] [--size 1024] [--weight-dtype fp8_e4m3fn] [--offload none,layers]
+[--methods full,unicache] [--json PATH] [--device cuda]``
+
+The checkpoint is :mod:`benchmarks.real_size`'s (random weights at the official geometry, written in fp8, 14.6 GB;
+its transform rule keeps the ``--size`` source at its size). For each offload mode the model is loaded on the
+device with ``--weight-dtype``, and each KV method edits a ``--size`` px source (3 timesteps, CFG on). A
+:class:`PhaseMeter` on :attr:`RunHooks.phase <unicache_core.bagel.request.RunHooks.phase>` reads, for each
+phase of the request (``contexts``: VAE encode and prefill; ``denoise``; ``decode``: the VAE decode), the bytes
+allocated when it begins and the most reached inside it (CUDA: ``torch.cuda.memory_allocated`` and
+``max_memory_allocated``). Each row puts the run's peak beside :func:`~unicache_core.bagel.memory_plan.plan_memory`'s
+peak and breakdown for the same request, and (``decode_entry_tensors``) the largest tensors Python still
+references when the decode begins, so a gap can be traced to what holds it.
+
+``--device cpu`` with twin dimensions (:func:`run`'s ``llm``/``vit``) is the unit test's dry run: there the meter
+counts the loaded parameters plus the tensors a :class:`~unicache_core.bagel.memory_trace.TensorMemoryTracker`
+sees alive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from benchmarks.real_size import DEFAULT_OUT, write_real_size_checkpoint
+from benchmarks.report_file import write_json_report
+from unicache_core.bagel import BagelPipeline, load_bagel, preset
+from unicache_core.bagel.memory_plan import PlanSettings, plan_config, plan_memory, tensor_peak_bytes
+from unicache_core.bagel.memory_trace import TensorMemoryTracker
+from unicache_core.bagel.request import RunHooks
+from unicache_core.bagel.weights import parameter_bytes
+from unicache_core.compression import make_cache_factory
+
+logger = logging.getLogger("benchmarks.gpu_real_size")
+PROMPT = "make the background red"
+TIMESTEPS = 3
+#: How many of the largest live tensors a row lists at the decode's start.
+LISTED_TENSORS = 8
+
+
+class PhaseMeter:
+    """Bytes allocated at the start of each request phase and the most reached inside it.
+
+    On CUDA: the caching allocator's counters (``base`` ignored). On the CPU: ``base`` (the loaded parameters)
+    plus what ``tracker`` (active around the request) sees alive.
+    """
+
+    def __init__(self, device: torch.device, tracker: TensorMemoryTracker | None = None, base: int = 0):
+        self.device, self.tracker, self.base = device, tracker, base
+        self.entry: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.current_phase: str | None = None
+        self.decode_entry_tensors: list[dict] = []
+
+    def _allocated(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return self.base + self.tracker.live_bytes
+
+    def _max(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return self.base + self.tracker.peak_bytes
+
+    def _reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.tracker.reset_peak()
+
+    def __call__(self, name: str) -> None:
+        """``RunHooks.phase``: close the running phase, open ``name``."""
+        self.close()
+        if name == "decode":
+            self.decode_entry_tensors = live_tensors(self.device)
+        self.entry[name] = self._allocated()
+        self._reset()
+        self.current_phase = name
+
+    def close(self) -> None:
+        if self.current_phase is not None:
+            self.peak[self.current_phase] = self._max()
+            self.current_phase = None
+
+    @property
+    def overall_peak(self) -> int:
+        return max(self.peak.values())
+
+
+def live_tensors(device: torch.device, top: int = LISTED_TENSORS) -> list[dict]:
+    """The ``top`` largest (shape, dtype) groups of tensors on ``device`` that Python objects still reference."""
+    sizes: Counter = Counter()
+    counts: Counter = Counter()
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.device.type != device.type or isinstance(obj, torch.nn.Parameter):
+                continue
+            key = (tuple(obj.shape), str(obj.dtype).removeprefix("torch."))
+            sizes[key] += obj.untyped_storage().nbytes()
+            counts[key] += 1
+        except (RuntimeError, ReferenceError):  # a tensor without storage (meta, sparse) or a dead weak proxy
+            continue
+    return [{"shape": list(k[0]), "dtype": k[1], "count": counts[k], "bytes": b} for k, b in sizes.most_common(top)]
+
+
+def _plan(checkpoint: Path, size: int, method: str, weight_dtype: str, offload: str, device: torch.device,
+          prompt_tokens: int):
+    settings = PlanSettings(task="edit", width=size, height=size, kv_method=method, weight_dtype=weight_dtype,
+                            dtype="bf16", offload=offload, device=device.type)
+    return plan_memory(plan_config(checkpoint), settings, 1 << 50, prompt_tokens=prompt_tokens)
+
+
+def measure_edit(loaded, checkpoint: Path, size: int, method: str, *, weight_dtype: str, offload: str) -> dict:
+    """One edit of a ``size`` px source with ``method``: phase bytes, the run's peak and the plan's."""
+    device = loaded.device
+    pipe = BagelPipeline(loaded, make_cache_factory(method, checkpoint_dir=str(checkpoint)))
+    image = Image.new("RGB", (size, size), (40, 120, 200))
+    gc.collect()
+    tracker = None if device.type == "cuda" else TensorMemoryTracker()
+    meter = PhaseMeter(device, tracker, parameter_bytes(loaded.model) + parameter_bytes(loaded.vae))
+    start = time.perf_counter()
+    if tracker is None:
+        result = pipe.edit(PROMPT, image, preset("edit", num_timesteps=TIMESTEPS), hooks=RunHooks(phase=meter))
+        meter.close()
+    else:
+        with torch.inference_mode(), tracker:
+            result = pipe.edit(PROMPT, image, preset("edit", num_timesteps=TIMESTEPS), hooks=RunHooks(phase=meter))
+            meter.close()
+    seconds = time.perf_counter() - start
+    plan = _plan(checkpoint, size, method, weight_dtype, offload, device, len(loaded.tokenizer.encode(PROMPT)))
+    planned = tensor_peak_bytes(plan)  # on the CPU without the runtime's own memory, which the meter cannot see
+    return {"kv_method": method, "weight_dtype": weight_dtype, "offload": offload, "size": list(result.image.size),
+            "peak_bytes": meter.overall_peak, "plan_bytes": planned,
+            "plan_error": round(planned / meter.overall_peak - 1, 4),
+            "phase_entry_bytes": meter.entry, "phase_peak_bytes": meter.peak,
+            "kv_bytes_per_branch": result.info["cache_bytes"], "plan_breakdown": plan.breakdown,
+            "decode_entry_tensors": meter.decode_entry_tensors, "seconds": round(seconds, 2)}
+
+
+def run(out: Path, *, size: int = 1024, weight_dtype: str = "fp8_e4m3fn", offloads=("none", "layers"),
+        methods=("full", "unicache"), device: str = "cuda", llm: dict | None = None, vit: dict | None = None,
+        full_vae: bool = True) -> dict:
+    """Write (if needed) the checkpoint, then one row per (offload, method); see the module docstring."""
+    checkpoint = write_real_size_checkpoint(out, llm=llm, vit=vit, full_vae=full_vae, source_size=size)
+    rows = []
+    for offload in offloads:
+        start = time.perf_counter()
+        loaded = load_bagel(checkpoint, device=device, weight_dtype=weight_dtype, offload=offload)
+        load_seconds = round(time.perf_counter() - start, 2)
+        for method in methods:
+            row = measure_edit(loaded, checkpoint, size, method, weight_dtype=weight_dtype, offload=offload)
+            row["load_seconds"] = load_seconds
+            logger.info("%s", format_table([row]).splitlines()[-1])
+            rows.append(row)
+        del loaded
+        gc.collect()
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+    info = {"device": device, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else None}
+    return {"config": info, "results": rows}
+
+
+def format_table(rows: list[dict]) -> str:
+    gb = 1e9
+    lines = [f"{'weights':11s} {'offload':7s} {'method':9s} {'px':>5s} {'peak GB':>8s} {'plan GB':>8s} {'err':>7s} "
+             f"{'ctx GB':>7s} {'denoise':>8s} {'decode':>7s} {'dec in':>7s}"]
+    for r in rows:
+        p, e = r["phase_peak_bytes"], r["phase_entry_bytes"]
+        lines.append(f"{r['weight_dtype']:11s} {r['offload']:7s} {r['kv_method']:9s} {r['size'][0]:5d} "
+                     f"{r['peak_bytes'] / gb:8.2f} {r['plan_bytes'] / gb:8.2f} {r['plan_error']:+7.1%} "
+                     f"{p.get('contexts', 0) / gb:7.2f} {p.get('denoise', 0) / gb:8.2f} {p.get('decode', 0) / gb:7.2f} "
+                     f"{e.get('decode', 0) / gb:7.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_real_size", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint folder (about 15 GB)")
+    parser.add_argument("--size", type=int, default=1024, help="edit size in pixels (the source's)")
+    parser.add_argument("--weight-dtype", default="fp8_e4m3fn", choices=("bf16", "fp8_e4m3fn", "fp8_e5m2", "int8"))
+    parser.add_argument("--offload", default="none,layers", help="comma-separated offload modes")
+    parser.add_argument("--methods", default="full,unicache", help="comma-separated KV methods")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.stderr.write("error: --device cuda but no CUDA device is visible; run it on the GPU machine\n")
+        return 2
+    report = run(args.out, size=args.size, weight_dtype=args.weight_dtype, offloads=tuple(args.offload.split(",")),
+                 methods=tuple(args.methods.split(",")), device=args.device)
+    sys.stdout.write(format_table(report["results"]) + "\n")
+    if args.json is not None:
+        write_json_report(args.json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
