@@ -11,7 +11,8 @@ phase of the request (``contexts``: VAE encode and prefill; ``denoise``; ``decod
 allocated when it begins and the most reached inside it (CUDA: ``torch.cuda.memory_allocated`` and
 ``max_memory_allocated``). Each row puts the run's peak beside :func:`~unicache_core.bagel.memory_plan.plan_memory`'s
 peak and breakdown for the same request, and (``decode_entry_tensors``) the largest tensors Python still
-references when the decode begins, so a gap can be traced to what holds it.
+references when the decode begins, so a gap can be traced to what holds it. ``--replan REPORT`` plans a stored
+report's rows again with the current plan (the measured bytes stay; no GPU needed).
 
 ``--device cpu`` with twin dimensions (:func:`run`'s ``llm``/``vit``) is the unit test's dry run: there the meter
 counts the loaded parameters plus the tensors a :class:`~unicache_core.bagel.memory_trace.TensorMemoryTracker`
@@ -21,7 +22,9 @@ sees alive.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import json
 import logging
 import sys
 import time
@@ -31,10 +34,12 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from benchmarks.real_size import DEFAULT_OUT, write_real_size_checkpoint
+from benchmarks.real_size import DEFAULT_OUT, edit_transform_rules, write_real_size_checkpoint
 from benchmarks.report_file import write_json_report
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
-from unicache_core.bagel.memory_plan import PlanSettings, plan_config, plan_memory, tensor_peak_bytes
+from unicache_core.bagel.config import BagelConfig
+from unicache_core.bagel.memory_plan import PlanSettings, official_config, plan_config, plan_memory, tensor_peak_bytes
+from unicache_core.bagel.transform_config import TRANSFORM_CONFIG_FILE, parse_transform_config
 from unicache_core.bagel.memory_trace import TensorMemoryTracker
 from unicache_core.bagel.request import RunHooks
 from unicache_core.bagel.weights import parameter_bytes
@@ -102,7 +107,8 @@ def live_tensors(device: torch.device, top: int = LISTED_TENSORS) -> list[dict]:
     counts: Counter = Counter()
     for obj in gc.get_objects():
         try:
-            if not isinstance(obj, torch.Tensor) or obj.device.type != device.type or isinstance(obj, torch.nn.Parameter):
+            kind = type(obj)  # not isinstance: that asks deprecated module proxies for __class__, which warns
+            if not issubclass(kind, torch.Tensor) or issubclass(kind, torch.nn.Parameter) or obj.device.type != device.type:
                 continue
             key = (tuple(obj.shape), str(obj.dtype).removeprefix("torch."))
             sizes[key] += obj.untyped_storage().nbytes()
@@ -112,11 +118,17 @@ def live_tensors(device: torch.device, top: int = LISTED_TENSORS) -> list[dict]:
     return [{"shape": list(k[0]), "dtype": k[1], "count": counts[k], "bytes": b} for k, b in sizes.most_common(top)]
 
 
-def _plan(checkpoint: Path, size: int, method: str, weight_dtype: str, offload: str, device: torch.device,
+def _plan(config: BagelConfig, size: int, method: str, weight_dtype: str, offload: str, device: torch.device,
           prompt_tokens: int):
     settings = PlanSettings(task="edit", width=size, height=size, kv_method=method, weight_dtype=weight_dtype,
                             dtype="bf16", offload=offload, device=device.type)
-    return plan_memory(plan_config(checkpoint), settings, 1 << 50, prompt_tokens=prompt_tokens)
+    return plan_memory(config, settings, 1 << 50, prompt_tokens=prompt_tokens)
+
+
+def real_size_config(size: int) -> BagelConfig:
+    """BAGEL-7B-MoT's configuration with the transform rule :mod:`benchmarks.real_size` writes for ``size``."""
+    rules = parse_transform_config(edit_transform_rules(size), Path(TRANSFORM_CONFIG_FILE))
+    return dataclasses.replace(official_config(), transforms=rules)
 
 
 def measure_edit(loaded, checkpoint: Path, size: int, method: str, *, weight_dtype: str, offload: str) -> dict:
@@ -136,10 +148,12 @@ def measure_edit(loaded, checkpoint: Path, size: int, method: str, *, weight_dty
             result = pipe.edit(PROMPT, image, preset("edit", num_timesteps=TIMESTEPS), hooks=RunHooks(phase=meter))
             meter.close()
     seconds = time.perf_counter() - start
-    plan = _plan(checkpoint, size, method, weight_dtype, offload, device, len(loaded.tokenizer.encode(PROMPT)))
+    plan = _plan(plan_config(checkpoint), size, method, weight_dtype, offload, device,
+                 len(loaded.tokenizer.encode(PROMPT)))
     planned = tensor_peak_bytes(plan)  # on the CPU without the runtime's own memory, which the meter cannot see
     return {"kv_method": method, "weight_dtype": weight_dtype, "offload": offload, "size": list(result.image.size),
-            "peak_bytes": meter.overall_peak, "plan_bytes": planned,
+            "prompt_tokens": len(loaded.tokenizer.encode(PROMPT)), "peak_bytes": meter.overall_peak,
+            "plan_bytes": planned,
             "plan_error": round(planned / meter.overall_peak - 1, 4),
             "phase_entry_bytes": meter.entry, "phase_peak_bytes": meter.peak,
             "kv_bytes_per_branch": result.info["cache_bytes"], "plan_breakdown": plan.breakdown,
@@ -170,6 +184,32 @@ def run(out: Path, *, size: int = 1024, weight_dtype: str = "fp8_e4m3fn", offloa
     return {"config": info, "results": rows}
 
 
+def _prompt_tokens(row: dict) -> int:
+    """The row's prompt length; rows written before it was recorded: the length whose plan holds the stored
+    plan's full KV (the KV grows by one row per token, so exactly one length matches)."""
+    if "prompt_tokens" in row:
+        return int(row["prompt_tokens"])
+    for tokens in range(1, 257):
+        plan = _plan(real_size_config(row["size"][0]), row["size"][0], row["kv_method"], row["weight_dtype"],
+                     row["offload"], torch.device("cuda"), tokens)
+        if plan.breakdown["kv_full"] == row["plan_breakdown"]["kv_full"]:
+            return tokens
+    raise ValueError(f"no prompt length gives the stored plan's full KV ({row['plan_breakdown']['kv_full']} B)")
+
+
+def replan(report: dict) -> dict:
+    """``report`` (a CUDA run at BAGEL-7B-MoT's geometry) with every row's plan made again by the current
+    :func:`~unicache_core.bagel.memory_plan.plan_memory`; the measured bytes are kept as they were."""
+    rows = []
+    for row in report["results"]:
+        tokens = _prompt_tokens(row)
+        plan = _plan(real_size_config(row["size"][0]), row["size"][0], row["kv_method"], row["weight_dtype"],
+                     row["offload"], torch.device("cuda"), tokens)
+        rows.append({**row, "prompt_tokens": tokens, "plan_bytes": plan.peak_bytes, "plan_breakdown": plan.breakdown,
+                     "plan_error": round(plan.peak_bytes / row["peak_bytes"] - 1, 4)})
+    return {**report, "results": rows, "replanned": True}
+
+
 def format_table(rows: list[dict]) -> str:
     gb = 1e9
     lines = [f"{'weights':11s} {'offload':7s} {'method':9s} {'px':>5s} {'peak GB':>8s} {'plan GB':>8s} {'err':>7s} "
@@ -192,8 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default="full,unicache", help="comma-separated KV methods")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--replan", type=Path, default=None, metavar="REPORT",
+                        help="plan a stored report's rows again with the current plan (no GPU needed) and print them")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.replan is not None:
+        report = replan(json.loads(args.replan.read_text(encoding="utf-8")))
+        sys.stdout.write(format_table(report["results"]) + "\n")
+        if args.json is not None:
+            write_json_report(args.json, report)
+        return 0
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.stderr.write("error: --device cuda but no CUDA device is visible; run it on the GPU machine\n")
         return 2

@@ -94,12 +94,16 @@ def write_streamed_weights(path: Path, shapes: dict[str, tuple[int, ...]], *, se
     return 8 + len(text) + offset
 
 
+def edit_transform_rules(source_size: int = SOURCE_SIZE) -> dict:
+    """The official ViT rule and a VAE rule that keeps a ``source_size`` source at its size (the official VAE rule
+    would take a 256 px source to 512 px), so the edit runs at ``source_size`` px."""
+    return {"vae": {"max_size": source_size, "min_size": source_size // 2, "stride": 16},
+            "vit": {"max_size": 980, "min_size": 224, "stride": 14}}
+
+
 def write_edit_transforms(out: Path, source_size: int = SOURCE_SIZE) -> None:
-    """``transform_config.json`` for the run: the official ViT rule and a VAE rule that keeps a ``source_size``
-    source at its size (the official VAE rule would take a 256 px source to 512 px), so the edit runs at
-    ``source_size`` px."""
-    rules = {"vae": {"max_size": source_size, "min_size": source_size // 2, "stride": 16},
-             "vit": {"max_size": 980, "min_size": 224, "stride": 14}}
+    """``transform_config.json`` of :func:`edit_transform_rules` in ``out``."""
+    rules = edit_transform_rules(source_size)
     (out / TRANSFORM_CONFIG_FILE).write_text(json.dumps(rules, indent=1) + "\n", encoding="utf-8")
 
 

@@ -27,8 +27,16 @@ On the CPU (``device="cpu"``) two parts the tensors do not show are added (:func
   holds about two of its largest such activations more than its tensors (an edit's decode also those of its
   encode).
 
+On CUDA (``device="cuda"``) two parts measured on an H200 are added (:func:`cuda_runtime_parts`):
+
+- ``cuda_runtime``: what CUDA allocates beside the request's tensors (cuBLAS's and cuBLASLt's workspaces, which
+  PyTorch takes from its caching allocator), :data:`CUDA_RUNTIME_BYTES`;
+- ``cuda_vae_workspace`` (inside ``working``, detailed apart): the fp32 VAE's convolution workspaces,
+  :data:`CUDA_VAE_WORKSPACE_PER_PIXEL` per pixel of the largest image it encodes or decodes.
+
 The peak is the sum of the parts not in :data:`NOT_IN_PEAK`; :func:`tensor_peak_bytes` is the peak without the
-CPU parts. ``python -m benchmarks.memory_plan_check`` checks both on the CPU, on the bundled and the medium
+runtime's parts (CPU or CUDA). ``python -m benchmarks.gpu_real_size`` checks the CUDA plan phase by phase at
+BAGEL-7B-MoT's geometry. ``python -m benchmarks.memory_plan_check`` checks both on the CPU, on the bundled and the medium
 checkpoints, against a run's tensor accounting and the process's resident set.
 ``bagel-7b-mot`` plans BAGEL-7B-MoT's geometry without any file (:data:`OFFICIAL_CHECKPOINT`).
 """
@@ -56,7 +64,7 @@ OFFICIAL_CHECKPOINT = "bagel-7b-mot"
 PLAN_PROMPT_TOKENS = 64
 #: Breakdown entries that detail the peak's parts or lie outside it (the rest add up to ``peak_bytes``).
 NOT_IN_PEAK = ("weights_host", "kv_full", "kv_compressed", "upcast", "attention", "mlp", "vae_working",
-               "cpu_freed_heap", "cpu_vae_heap")
+               "cpu_freed_heap", "cpu_vae_heap", "cuda_vae_workspace")
 #: Bytes oneDNN keeps per bf16 matrix-product shape it has run (its compiled kernel): 0.55-0.61 MB measured
 #: for 40 row counts each of four weight shapes (64x128 to 1792x896), 0.15-1.1 MB for row counts near 1300.
 CPU_MATMUL_KERNEL_BYTES = 600_000
@@ -66,6 +74,14 @@ CPU_CONV_KERNEL_BYTES = 250_000
 #: glibc's largest dynamic mmap threshold on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``): blocks at least
 #: this large are always mapped apart and given back when freed; smaller ones come from the heap, which keeps them.
 GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
+#: Bytes CUDA allocates for a request beside its tensors (cuBLAS's and cuBLASLt's workspaces, taken from
+#: PyTorch's caching allocator): at the VAE decode's start of a 1024 px edit at BAGEL-7B-MoT's geometry on an H200
+#: (torch 2.11), 88 MB were allocated beyond the weights and the latent without offload, 43 MB with layer offload
+#: (benchmarks/gpu_real_size.py; the larger is kept).
+CUDA_RUNTIME_BYTES = 88_000_000
+#: Bytes per image pixel the fp32 VAE's convolutions take on CUDA beyond their tensors (cuDNN's workspaces):
+#: measured 274 (1024 px decode: 4.58 GB against 4.30 GB of tensors) and 265 (512 px) on an H200.
+CUDA_VAE_WORKSPACE_PER_PIXEL = 274
 #: Tasks a plan accepts (the CLI's names).
 PLAN_TASKS = {"und": "understanding", "understand": "understanding", "t2i": "t2i", "edit": "edit"}
 #: Weight dtypes tried, in order, when the chosen settings do not fit (cheapest in quality first).
@@ -220,6 +236,9 @@ def _predict(config: BagelConfig, settings: PlanSettings, device_bytes: int,
         parts["cpu_kernel_cache"] = cpu["kernel_cache"]
         freed_heap = parts["cpu_freed_heap"] = cpu["freed_heap"]
         vae_heap = parts["cpu_vae_heap"] = cpu["vae_heap"]
+    elif settings.device == "cuda":
+        parts.update(cuda_runtime_parts(config, tokens))
+        vae_heap = parts["cuda_vae_workspace"]
     parts["working"] = _working(parts, freed_heap, vae_heap)
     peak = sum(v for k, v in parts.items() if k not in NOT_IN_PEAK)
     if settings.kv_method != "full":
@@ -238,11 +257,17 @@ def _working(parts: dict[str, int], freed_heap: int = 0, vae_heap: int = 0) -> i
 
 
 def tensor_peak_bytes(plan: MemoryPlan) -> int:
-    """The plan's peak without the CPU runtime's own memory: what the tensors alone should reach."""
+    """The plan's peak without the runtime's own memory (CPU or CUDA): what the tensors alone should reach."""
     parts = plan.breakdown
-    if "cpu_kernel_cache" not in parts:
-        return plan.peak_bytes
-    return plan.peak_bytes - parts["cpu_kernel_cache"] - (parts["working"] - _working(parts))
+    runtime = parts.get("cpu_kernel_cache", 0) + parts.get("cuda_runtime", 0)
+    return plan.peak_bytes - runtime - (parts["working"] - _working(parts))
+
+
+def cuda_runtime_parts(config: BagelConfig, tokens: RequestTokens) -> dict[str, int]:
+    """CUDA's own memory beside the tensors (module docstring): ``cuda_runtime`` and ``cuda_vae_workspace``
+    (:data:`CUDA_VAE_WORKSPACE_PER_PIXEL` x the pixels of the larger of the source and the output image)."""
+    pixels = max(tokens.vae, tokens.latent) * config.latent_downsample ** 2
+    return {"cuda_runtime": CUDA_RUNTIME_BYTES, "cuda_vae_workspace": CUDA_VAE_WORKSPACE_PER_PIXEL * pixels}
 
 
 def matmul_shapes(config: BagelConfig, tokens: RequestTokens) -> set[tuple[int, int, int, bool]]:
@@ -354,6 +379,7 @@ def describe(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["CPU_CONV_KERNEL_BYTES", "CPU_MATMUL_KERNEL_BYTES", "GLIBC_MMAP_THRESHOLD_MAX", "MemoryPlan", "NOT_IN_PEAK",
-           "OFFICIAL_CHECKPOINT", "PlanSettings", "cpu_runtime_parts", "describe", "device_memory_bytes", "matmul_shapes",
+__all__ = ["CPU_CONV_KERNEL_BYTES", "CPU_MATMUL_KERNEL_BYTES", "CUDA_RUNTIME_BYTES", "CUDA_VAE_WORKSPACE_PER_PIXEL",
+           "GLIBC_MMAP_THRESHOLD_MAX", "MemoryPlan", "NOT_IN_PEAK", "OFFICIAL_CHECKPOINT", "PlanSettings",
+           "cpu_runtime_parts", "cuda_runtime_parts", "describe", "device_memory_bytes", "matmul_shapes",
            "official_config", "parse_memory_size", "plan_config", "plan_memory", "request_tokens", "tensor_peak_bytes"]
