@@ -13,7 +13,7 @@ from PIL import Image
 
 from unicache_core.bagel.__main__ import main as cli_main
 from unicache_core.bagel.checkpoint.loader import load_bagel
-from unicache_core.bagel.memory_plan import (CPU_MATMUL_KERNEL_BYTES, CUDA_VAE_WORKSPACE_PER_PIXEL,
+from unicache_core.bagel.memory_plan import (CPU_MATMUL_KERNEL_BYTES, CUDA_VAE_DECODE_PER_PIXEL,
                                              GLIBC_MMAP_THRESHOLD_MAX, NOT_IN_PEAK, PlanSettings, cpu_runtime_parts, matmul_shapes, official_config,
                                              plan_config, plan_memory, request_tokens, tensor_peak_bytes)
 from unicache_core.bagel.pipeline import BagelPipeline
@@ -51,7 +51,7 @@ def test_plan_json_schema(tmp_path: Path, capsys):
     assert cli_main(["plan", "--checkpoint", "bagel-7b-mot", "--task", "edit", "--device-memory", "8GB",
                      "--weight-dtype", "int8", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert set(data) == {"peak_bytes", "breakdown", "device_bytes", "fits", "suggestion", "settings"}
+    assert set(data) == {"peak_bytes", "breakdown", "device_bytes", "fits", "suggestion", "vae_decode", "settings"}
     assert data["device_bytes"] == 8 * GB and data["fits"] is False and isinstance(data["suggestion"], str)
     assert data["peak_bytes"] == sum(v for k, v in data["breakdown"].items() if k not in NOT_IN_PEAK)
     parts = data["breakdown"]
@@ -125,10 +125,11 @@ def test_official_plan_attention_holds_no_whole_score_matrix():
 def test_cuda_and_cpu_plans_share_their_tensor_peak():
     """A GPU plan (the default) adds CUDA's own terms and no CPU term, the CPU plan the reverse; both keep the
     same tensor peak, and each runtime term is what separates its peak from it."""
-    cuda, default = _plan(device="cuda"), _plan()
+    fp8 = "fp8_e4m3fn"  # fits 24 GB: the whole VAE decode on both devices
+    cuda, default = _plan(device="cuda", weight_dtype=fp8), _plan(weight_dtype=fp8)
     assert not any(name.startswith("cpu_") for name in cuda.breakdown) and cuda == default
     assert cuda.peak_bytes == sum(v for k, v in cuda.breakdown.items() if k not in NOT_IN_PEAK)
-    cpu = _plan(device="cpu")
+    cpu = _plan(device="cpu", weight_dtype=fp8)
     cuda_terms, cpu_terms = {"cuda_runtime", "cuda_vae_workspace"}, {"cpu_kernel_cache", "cpu_freed_heap", "cpu_vae_heap"}
     assert set(cpu.breakdown) - cpu_terms == set(cuda.breakdown) - cuda_terms
     assert cuda_terms <= set(cuda.breakdown) and not cuda_terms & set(cpu.breakdown)
@@ -146,7 +147,7 @@ def test_cuda_terms_of_a_1024_px_edit():
     (benchmarks/gpu_real_size.py: 20.21 GB measured) within 1%."""
     plan = _plan(weight_dtype="fp8_e4m3fn")
     parts = plan.breakdown
-    assert parts["cuda_vae_workspace"] == CUDA_VAE_WORKSPACE_PER_PIXEL * 1024 * 1024
+    assert parts["cuda_vae_workspace"] == CUDA_VAE_DECODE_PER_PIXEL * 1024 * 1024
     assert parts["working"] == parts["vae_working"] + parts["cuda_vae_workspace"]
     assert parts["working"] > parts["kv_full"] + parts["upcast"] + parts["attention"] + parts["mlp"]
     assert abs(plan.peak_bytes / 20.206e9 - 1) < 0.01, plan.peak_bytes

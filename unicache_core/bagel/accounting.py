@@ -189,7 +189,9 @@ def request_memory_parts(config: BagelConfig, dtype: torch.dtype, tokens: Reques
       tensors of the layer (residual, norm, attention output, projection) and the ``B`` blocks of a step's
       branches run together through each layer (1 for understanding, 3 for generation).
     * ``vae``: the peak of the fp32 VAE encoding the source or decoding the output, found by running the VAE
-      on meta tensors under a :class:`~.memory_trace.TensorMemoryTracker` (:func:`vae_working_bytes`).
+      on meta tensors under a :class:`~.memory_trace.TensorMemoryTracker` (:func:`vae_working_bytes`);
+      ``vae_encode`` and ``vae_decode`` apart, and ``vae_decode_tiled``: the decode in tiles
+      (:func:`tiled_decode_bytes`).
 
     Checked against a tensor-accounting run on CPU by ``benchmarks/memory_plan_check.py``.
     """
@@ -200,8 +202,31 @@ def request_memory_parts(config: BagelConfig, dtype: torch.dtype, tokens: Reques
     branches = 1 if tokens.task == "understanding" else 3
     attention = queries * 2 * llm.num_attention_heads * llm.head_dim * 4
     mlp = queries * (3 * llm.intermediate_size + (4 + branches) * llm.hidden_size) * element
-    vae = max(vae_working_bytes(config, tokens.vae, decode=False), vae_working_bytes(config, tokens.latent, decode=True))
-    return {"kv": int(kv), "attention": int(attention), "mlp": int(mlp), "vae": int(vae)}
+    encode = vae_working_bytes(config, tokens.vae, decode=False)
+    decode = vae_working_bytes(config, tokens.latent, decode=True)
+    return {"kv": int(kv), "attention": int(attention), "mlp": int(mlp), "vae": int(max(encode, decode)),
+            "vae_encode": int(encode), "vae_decode": int(decode),
+            "vae_decode_tiled": tiled_decode_bytes(config, tokens.latent)}
+
+
+def tiled_tokens(config: BagelConfig, latent_tokens: int) -> int:
+    """BAGEL latent tokens of one tile of :func:`~.modeling.vae_tiling.decode_tiled` (at most the image's)."""
+    from .modeling.vae_tiling import TILE_CELLS
+
+    side = TILE_CELLS * config.ae.downsample // config.latent_downsample
+    return min(latent_tokens, side * side)
+
+
+def tiled_decode_bytes(config: BagelConfig, latent_tokens: int) -> int:
+    """Peak bytes of the tiled decode of ``latent_tokens`` BAGEL latent tokens: one tile's decode plus the fp32
+    output and blend weights of the whole image (:func:`~.modeling.vae_tiling.tiled_decode_extra_bytes`)."""
+    from .modeling.vae_tiling import tiled_decode_extra_bytes
+
+    if latent_tokens <= 0:
+        return 0
+    pixels = latent_tokens * config.latent_downsample ** 2
+    return vae_working_bytes(config, tiled_tokens(config, latent_tokens), decode=True) + tiled_decode_extra_bytes(
+        pixels, 1)
 
 
 def _latent_grid(latent_tokens: int, latent_downsample: int, vae_downsample: int) -> tuple[int, int]:
@@ -260,6 +285,8 @@ __all__ = [
     "kv_bytes_per_token",
     "request_memory_bytes",
     "request_memory_parts",
+    "tiled_decode_bytes",
+    "tiled_tokens",
     "understanding_positions",
     "vae_activation_below",
     "vae_convolution_shapes",

@@ -8,6 +8,7 @@ guided velocity of every step are checked for non-finite values (:func:`~.numeri
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
@@ -21,11 +22,14 @@ from . import contexts as C
 from .checkpoint.loader import LoadedBagel
 from .contexts import GenerationContexts
 from .modeling import AutoEncoder
+from .modeling import vae_tiling
 from .numerics import check_finite, check_velocities, model_advice
 from .request import NO_HOOKS, RunHooks
 from .sampling import cfg_active, combine_cfg, timestep_schedule, unpack_latent
 from .settings import GenerationSettings
 from .transforms import image_from_tensor
+
+logger = logging.getLogger(__name__)
 
 #: The classifier-free guidance branches a denoising step may compute (all but the think plan's).
 CFG_BRANCHES = tuple(branch for branch in BRANCHES if branch != "plan")
@@ -159,7 +163,7 @@ def decode_latents(loaded: LoadedBagel, x: Tensor, height: int, width: int,
     if vae is None:
         return latent, None
     if isinstance(vae, AutoEncoder):
-        pixels = vae.decode(latent.to(C.vae_device(loaded, vae)))
+        pixels = _decode_whole_or_tiled(vae, latent.to(C.vae_device(loaded, vae)))
         advice = "check ae.safetensors (re-download it); the VAE always runs in fp32"
     else:
         pixels = vae.decode(latent.detach().cpu().clone())
@@ -173,4 +177,21 @@ def decode_latents(loaded: LoadedBagel, x: Tensor, height: int, width: int,
     return latent, image_from_tensor(pixels)
 
 
+def _decode_whole_or_tiled(vae: AutoEncoder, latent: Tensor) -> Tensor:
+    """``vae.decode(latent)``; when the device runs out of memory for it, the decode in overlapping tiles
+    (:mod:`.modeling.vae_tiling`, ComfyUI's fallback too), which holds a fraction of it and blends the seams."""
+    try:
+        return vae.decode(latent)
+    except torch.OutOfMemoryError:
+        pass  # retried below, once the failed attempt's tensors (held by the exception's frames) are gone
+    if latent.device.type == "cuda":
+        torch.cuda.empty_cache()
+    height, width = (size * vae.config.downsample for size in latent.shape[2:])
+    logger.warning("the VAE decode of the %dx%d image ran out of device memory: decoding it in overlapping tiles "
+                   "(close to the whole decode, not equal; docs in unicache_core/bagel/modeling/vae_tiling.py)",
+                   width, height)
+    return vae_tiling.decode_tiled(vae, latent, vae_tiling.TILE_CELLS, vae_tiling.OVERLAP_CELLS)
+
+
 __all__ = ["CFG_BRANCHES", "branch_velocities", "decode_latents", "denoise", "guided_velocity", "step_branches"]
+

@@ -31,8 +31,10 @@ On CUDA (``device="cuda"``) two parts measured on an H200 are added (:func:`cuda
 
 - ``cuda_runtime``: what CUDA allocates beside the request's tensors (cuBLAS's and cuBLASLt's workspaces, which
   PyTorch takes from its caching allocator), :data:`CUDA_RUNTIME_BYTES`;
-- ``cuda_vae_workspace`` (inside ``working``, detailed apart): the fp32 VAE's convolution workspaces,
-  :data:`CUDA_VAE_WORKSPACE_PER_PIXEL` per pixel of the largest image it encodes or decodes.
+- ``cuda_vae_workspace`` (inside ``working``, detailed apart): what the fp32 VAE's pass takes beyond its
+  tensors (cuDNN's convolution workspaces), per pixel of its image: :data:`CUDA_VAE_DECODE_PER_PIXEL` for a
+  decode, :data:`CUDA_VAE_ENCODE_PER_PIXEL` for an encode; ``vae_working`` is then the tensors of whichever
+  pass needs more with it.
 
 The peak is the sum of the parts not in :data:`NOT_IN_PEAK`; :func:`tensor_peak_bytes` is the peak without the
 runtime's parts (CPU or CUDA). ``python -m benchmarks.gpu_real_size`` checks the CUDA plan phase by phase at
@@ -52,7 +54,8 @@ from typing import Any
 
 import torch
 
-from .accounting import BOUNDARY_TOKENS, RequestTokens, image_tokens, kv_bytes_per_token, request_memory_parts
+from .accounting import (BOUNDARY_TOKENS, RequestTokens, image_tokens, kv_bytes_per_token, request_memory_parts,
+                         tiled_tokens)
 from .config import BagelConfig, bagel_config_from_dicts, load_bagel_config
 from .settings import UNDERSTANDING_DEFAULTS
 
@@ -79,9 +82,12 @@ GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
 #: (torch 2.11), 88 MB were allocated beyond the weights and the latent without offload, 43 MB with layer offload
 #: (benchmarks/gpu_real_size.py; the larger is kept).
 CUDA_RUNTIME_BYTES = 88_000_000
-#: Bytes per image pixel the fp32 VAE's convolutions take on CUDA beyond their tensors (cuDNN's workspaces):
-#: measured 274 (1024 px decode: 4.58 GB against 4.30 GB of tensors) and 265 (512 px) on an H200.
-CUDA_VAE_WORKSPACE_PER_PIXEL = 274
+#: Bytes per image pixel the fp32 VAE's decode takes on CUDA beyond its tensors (cuDNN's workspaces): measured 274
+#: (1024 px decode: 4.58 GB against 4.30 GB of tensors) and 265 (512 px) on an H200.
+CUDA_VAE_DECODE_PER_PIXEL = 274
+#: The same for the encode of an edit's source: 520 measured (1024 px: 3.24 GB above the phase's start against
+#: 2.70 GB of tensors, the same with and without offload; one size measured).
+CUDA_VAE_ENCODE_PER_PIXEL = 520
 #: Tasks a plan accepts (the CLI's names).
 PLAN_TASKS = {"und": "understanding", "understand": "understanding", "t2i": "t2i", "edit": "edit"}
 #: Weight dtypes tried, in order, when the chosen settings do not fit (cheapest in quality first).
@@ -149,10 +155,13 @@ class MemoryPlan:
     suggestion: str | None
     settings: PlanSettings
     kv_branches: dict[str, int]
+    #: ``"tiled"`` when the whole VAE decode would not fit and the plan counts the tiled one the pipeline falls
+    #: back to on CUDA (:mod:`.modeling.vae_tiling`), else ``"whole"``
+    vae_decode: str = "whole"
 
     def to_json(self) -> dict[str, Any]:
         return {"peak_bytes": self.peak_bytes, "breakdown": dict(self.breakdown), "device_bytes": self.device_bytes,
-                "fits": self.fits, "suggestion": self.suggestion,
+                "fits": self.fits, "suggestion": self.suggestion, "vae_decode": self.vae_decode,
                 "settings": {**self.settings.to_dict(), "kv_branches": dict(self.kv_branches)}}
 
 
@@ -237,16 +246,25 @@ def _predict(config: BagelConfig, settings: PlanSettings, device_bytes: int,
         freed_heap = parts["cpu_freed_heap"] = cpu["freed_heap"]
         vae_heap = parts["cpu_vae_heap"] = cpu["vae_heap"]
     elif settings.device == "cuda":
-        parts.update(cuda_runtime_parts(config, tokens))
+        parts.update(cuda_runtime_parts(config, tokens, work))
         vae_heap = parts["cuda_vae_workspace"]
     parts["working"] = _working(parts, freed_heap, vae_heap)
     peak = sum(v for k, v in parts.items() if k not in NOT_IN_PEAK)
+    vae_decode = "whole"
+    if settings.device == "cuda" and peak > device_bytes:
+        # the pipeline decodes in tiles when the whole decode runs out of device memory (.denoise)
+        tiled = dict(parts, **cuda_runtime_parts(config, tokens, work, tiled=True))
+        tiled["working"] = _working(tiled, 0, tiled["cuda_vae_workspace"])
+        tiled_peak = sum(v for k, v in tiled.items() if k not in NOT_IN_PEAK)
+        if tiled_peak < peak:
+            parts, peak, vae_decode = tiled, tiled_peak, "tiled"
     if settings.kv_method != "full":
         target = KVConfig(method=settings.kv_method).target_ratio(task)
         ratio = float(target) if isinstance(target, float) else 1.0
         parts["kv_compressed"] = int(parts["kv_full"] * ratio)
     return MemoryPlan(peak_bytes=int(peak), breakdown=parts, device_bytes=int(device_bytes),
-                      fits=peak <= device_bytes, suggestion=None, settings=settings, kv_branches=kv_branches)
+                      fits=peak <= device_bytes, suggestion=None, settings=settings, kv_branches=kv_branches,
+                      vae_decode=vae_decode)
 
 
 def _working(parts: dict[str, int], freed_heap: int = 0, vae_heap: int = 0) -> int:
@@ -263,11 +281,18 @@ def tensor_peak_bytes(plan: MemoryPlan) -> int:
     return plan.peak_bytes - runtime - (parts["working"] - _working(parts))
 
 
-def cuda_runtime_parts(config: BagelConfig, tokens: RequestTokens) -> dict[str, int]:
-    """CUDA's own memory beside the tensors (module docstring): ``cuda_runtime`` and ``cuda_vae_workspace``
-    (:data:`CUDA_VAE_WORKSPACE_PER_PIXEL` x the pixels of the larger of the source and the output image)."""
-    pixels = max(tokens.vae, tokens.latent) * config.latent_downsample ** 2
-    return {"cuda_runtime": CUDA_RUNTIME_BYTES, "cuda_vae_workspace": CUDA_VAE_WORKSPACE_PER_PIXEL * pixels}
+def cuda_runtime_parts(config: BagelConfig, tokens: RequestTokens, work: dict[str, int], *,
+                       tiled: bool = False) -> dict[str, int]:
+    """CUDA's own memory beside the tensors (module docstring): ``cuda_runtime``, and of the VAE pass that needs
+    more on CUDA (the source's encode or the output's decode, whole or, when ``tiled``, one tile of it) its
+    tensors (``vae_working``, from ``work`` = :func:`~.accounting.request_memory_parts`) and
+    ``cuda_vae_workspace``."""
+    pixels_per_token = config.latent_downsample ** 2
+    decoded = tiled_tokens(config, tokens.latent) if tiled else tokens.latent
+    encode = (work["vae_encode"], CUDA_VAE_ENCODE_PER_PIXEL * tokens.vae * pixels_per_token)
+    decode = (work["vae_decode_tiled" if tiled else "vae_decode"], CUDA_VAE_DECODE_PER_PIXEL * decoded * pixels_per_token)
+    tensors, workspace = max(encode, decode, key=sum)
+    return {"vae_working": tensors, "cuda_runtime": CUDA_RUNTIME_BYTES, "cuda_vae_workspace": workspace}
 
 
 def matmul_shapes(config: BagelConfig, tokens: RequestTokens) -> set[tuple[int, int, int, bool]]:
@@ -374,12 +399,15 @@ def describe(plan: MemoryPlan) -> str:
              f" (compute {plan.settings.dtype}), KV {plan.settings.kv_method}, offload {plan.settings.offload}:",
              f"  peak {plan.peak_bytes / gb:.2f} GB of {plan.device_bytes / gb:.2f} GB -> "
              + ("fits" if plan.fits else f"does not fit: {plan.suggestion}")]
+    if plan.vae_decode == "tiled":
+        lines.append("  the VAE decodes in tiles (the whole decode would not fit; close to it, not equal)")
     lines += [f"  {name:<28} {size / gb:8.3f} GB" + ("  (detail, not added)" if name in NOT_IN_PEAK else "")
               for name, size in plan.breakdown.items()]
     return "\n".join(lines)
 
 
-__all__ = ["CPU_CONV_KERNEL_BYTES", "CPU_MATMUL_KERNEL_BYTES", "CUDA_RUNTIME_BYTES", "CUDA_VAE_WORKSPACE_PER_PIXEL",
+__all__ = ["CPU_CONV_KERNEL_BYTES", "CPU_MATMUL_KERNEL_BYTES", "CUDA_RUNTIME_BYTES", "CUDA_VAE_DECODE_PER_PIXEL",
+           "CUDA_VAE_ENCODE_PER_PIXEL",
            "GLIBC_MMAP_THRESHOLD_MAX", "MemoryPlan", "NOT_IN_PEAK", "OFFICIAL_CHECKPOINT", "PlanSettings",
            "cpu_runtime_parts", "cuda_runtime_parts", "describe", "device_memory_bytes", "matmul_shapes",
            "official_config", "parse_memory_size", "plan_config", "plan_memory", "request_tokens", "tensor_peak_bytes"]
