@@ -58,7 +58,7 @@ def joint_table() -> PolicyTable:
     """The paper table's (task, type) pairs, every one ``joint`` with :data:`JOINT_PLAN`, for any model."""
     paper = paper_policy_table()
     return PolicyTable(entries={key: "joint" for key in paper.entries}, plans={key: JOINT_PLAN for key in paper.entries},
-                       geometry=paper.geometry, source="calibrated",
+                       source="calibrated",
                        measurements={"purpose": "benchmarks.bagel_e2e: the joint mode with a fixed plan"})
 
 

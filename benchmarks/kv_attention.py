@@ -324,7 +324,7 @@ def _joint_table(ctx: Context, sc: Scoring, elem: int, info: dict) -> PolicyTabl
     reference.stores = [_full(ctx, bnd, TT.BOUNDARY), *stores.values()]
     ref, _ = reference.attend(ctx.score_queries, ctx.score_k_new, ctx.score_v_new, fused=True)
     ref = ref.float()
-    geometry = paper_policy_table().geometry
+    geometry = PolicyTable().geometry  # a calibrated table's (calibration writes the default geometry)
     h, d = ctx.keys.shape[1], ctx.keys.shape[2]
     plans, measured = {}, {}
     for t, store in stores.items():

@@ -18,7 +18,7 @@ from unicache_core.bagel.calibration.cli import main as calibrate_main
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.compression import make_cache_factory
 from unicache_core.compression.calibration import CalibrationCacheFactory
-from unicache_core.compression.defaults import JOINT_BITS, JOINT_LEVELS
+from unicache_core.compression.defaults import JOINT_BITS, JOINT_LEVELS, UNICACHE_GROUPS
 from unicache_core.compression.family import QuantGeometry
 from unicache_core.bagel.checkpoint.model_id import model_id_of
 from unicache_core.kv.token_types import TokenType
@@ -131,7 +131,7 @@ def test_the_grid_writes_joint_entries_with_their_plans_and_geometry(tiny_checkp
     assert code == 0, err
     assert len(err.strip().splitlines()) == 1 and "instruction plan 0.5:" in err
     data = json.loads(out.read_text())
-    assert data["version"] == 2 and data["quantization"] == QuantGeometry().to_dict()
+    assert data["version"] == 2 and data["quantization"] == QuantGeometry(groups=UNICACHE_GROUPS).to_dict()
     table = PolicyTable.load(out, model_id=model_id_of(tiny_checkpoint))
     key = ("t2i", TokenType.INSTRUCTION)
     assert table.kind(*key) == "joint"

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from unicache_core.compression.defaults import JOINT_BITS, JOINT_LEVELS
+from unicache_core.compression.defaults import JOINT_BITS, JOINT_LEVELS, UNICACHE_GROUPS
 from unicache_core.compression.family import (FULL_BITS, JointChoice, JointPlan, QuantGeometry, Segment, choose,
                                               grid_choices, least_quantized_bytes, lookup_order, plan_from_errors)
 from unicache_core.compression.ops import compress_rows, quantized_bytes, rows_for_bytes
@@ -224,8 +224,8 @@ def test_the_group_rule_most_precise_setting_first():
 
 
 def test_the_shipped_tables_load():
-    """The paper table (version 2, BAGEL-7B's geometry, the paper's routes) and the bundled model's calibrated
-    table (version 1: no geometry, so the defaults) both load."""
+    """The paper table (version 2, KIVI's groups, the paper's routes) and the bundled model's calibrated table
+    (the groups calibration writes: KIVI's and two finer ones) both load."""
     from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR
 
     paper = paper_policy_table()
@@ -233,6 +233,7 @@ def test_the_shipped_tables_load():
     assert paper.kind("edit", "instruction") == "evict" and paper.kind("edit", "source_vae") == "quantize"
     bundled_path = BUNDLED_CHECKPOINT_DIR / "unicache_policy.json"
     bundled = PolicyTable.load(bundled_path)
-    assert bundled.source == "calibrated" and bundled.geometry == QuantGeometry()
+    assert bundled.source == "calibrated" and bundled.geometry == QuantGeometry(groups=UNICACHE_GROUPS)
+    assert bundled.geometry == PolicyTable().geometry and min(UNICACHE_GROUPS) < min(QuantGeometry().groups)
     assert {t for t, _ in bundled.entries} == {"understanding", "t2i", "edit"}
     assert json.loads(bundled_path.read_text())["version"] in (1, 2)

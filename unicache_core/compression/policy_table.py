@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, TASKS, TokenType
-from .defaults import DEFAULT_K90_THRESHOLD, RHO0
+from .defaults import DEFAULT_K90_THRESHOLD, RHO0, UNICACHE_GROUPS
 from .family import JointPlan, QuantGeometry
 from .routing import POLICY_KINDS, PolicyKind, route
 
@@ -82,7 +82,8 @@ class PolicyTable:
         strengths: ``{(task, type): retained ratio}`` default strength of each entry.
         measurements: free JSON of what the table was derived from (calibration runs, sensitivity).
         plans: ``{(task, type): JointPlan}``, the bits per budget level of every ``joint`` entry.
-        geometry: the model's quantization geometry (groups, residual rule; docs/compression.md §11.2).
+        geometry: the model's quantization geometry (groups, residual rule; docs/compression.md §11.2); a
+            table built in code (calibration's) offers :data:`UNICACHE_GROUPS`, the paper's file KIVI's groups.
         origin: where the table was read from (its file), named by errors; ``""`` for a table built in code.
     """
 
@@ -94,7 +95,7 @@ class PolicyTable:
     strengths: Mapping[tuple[str, TokenType], float] = field(default_factory=dict)
     measurements: Mapping = field(default_factory=dict)
     plans: Mapping[tuple[str, TokenType], JointPlan] = field(default_factory=dict)
-    geometry: QuantGeometry = field(default_factory=QuantGeometry)
+    geometry: QuantGeometry = field(default_factory=lambda: QuantGeometry(groups=UNICACHE_GROUPS))
     origin: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -45,27 +45,55 @@ def single_type_table(task: str, ttype: TokenType, kind: str, model_id: str,
 
 
 class _KeepSession(CacheFactory):
-    """Wraps a cache factory and keeps the last session it started (to measure what a run held)."""
+    """Wraps a cache factory and keeps what the last session it started held per type: the pipeline releases a
+    generation's caches before its VAE decode, so each branch is measured as it is released (and the branches
+    still live when the run ends, an answer's, by :func:`type_retained`)."""
 
     def __init__(self, inner: CacheFactory):
         self.inner = inner
         self.method = inner.method
         self.last = None
+        self.released: dict[TokenType, list[int]] = {}
 
     def start(self, request):
-        self.last = self.inner.start(request)
-        return self.last
+        session = self.inner.start(request)
+        self.last, self.released = session, {}
+        release = session.release
+
+        def measured_release(branch: str) -> None:
+            cache = session.caches.get(branch)
+            if cache is not None and branch != "plan":
+                for ttype, (held, full) in _type_bytes(cache).items():
+                    total = self.released.setdefault(ttype, [0, 0])
+                    total[0], total[1] = total[0] + held, total[1] + full
+            release(branch)
+
+        session.release = measured_release
+        return session
 
 
-def type_retained(session, ttype: TokenType) -> float | None:
-    """Bytes the live branch caches hold for ``ttype`` over its uncompressed bytes (``None`` if absent)."""
-    held = full = 0
-    for cache in session.live_caches():
+def _type_bytes(cache) -> dict[TokenType, tuple[int, int]]:
+    """``{type: (bytes held, uncompressed bytes)}`` of one branch cache, summed over its layers."""
+    out: dict[TokenType, tuple[int, int]] = {}
+    for layer in range(cache.num_layers):
+        rows = cache.type_rows(layer)
+        for ttype in set(rows) | {s.token_type for s in cache.layer(layer).stores}:
+            held = sum(s.nbytes() for s in cache.layer(layer).stores if s.token_type == ttype)
+            full = rows.get(ttype, 0) * cache.row_bytes(layer)
+            before = out.get(ttype, (0, 0))
+            out[ttype] = (before[0] + held, before[1] + full)
+    return out
+
+
+def type_retained(keep: _KeepSession, ttype: TokenType) -> float | None:
+    """Bytes the last run's branch caches held for ``ttype`` at its end over its uncompressed bytes (``None`` if
+    absent): the released branches as measured on release, plus the ones still live."""
+    held, full = keep.released.get(ttype, [0, 0])
+    for cache in keep.last.live_caches():
         if cache.branch == "plan":
             continue
-        for layer in range(cache.num_layers):
-            held += sum(s.nbytes() for s in cache.layer(layer).stores if s.token_type == ttype)
-            full += cache.type_rows(layer).get(ttype, 0) * cache.row_bytes(layer)
+        h, f = _type_bytes(cache).get(ttype, (0, 0))
+        held, full = held + h, full + f
     return None if full == 0 else held / full
 
 
@@ -84,7 +112,7 @@ def type_alone(loaded, task: str, ttype: TokenType, table: PolicyTable, ratio: f
         res = run_request(pipe, task, prompt, image, options)
         changes.append(output_change(task, res, ref))
         flags.update(((res.kv_report or {}).get("summary") or {}).get("flags") or {})
-        r = type_retained(keep.last, ttype)
+        r = type_retained(keep, ttype)
         if r is not None:
             retained.append(r)
         keep.last = None
