@@ -107,13 +107,14 @@ def live_tensors(device: torch.device, top: int = LISTED_TENSORS) -> list[dict]:
     counts: Counter = Counter()
     for obj in gc.get_objects():
         try:
-            kind = type(obj)  # not isinstance: that asks deprecated module proxies for __class__, which warns
-            if not issubclass(kind, torch.Tensor) or issubclass(kind, torch.nn.Parameter) or obj.device.type != device.type:
+            # plain tensors only (not parameters, nor the fake and symbolic ones torch.compile leaves behind), and
+            # type() rather than isinstance: that asks deprecated module proxies for __class__, which warns
+            if type(obj) is not torch.Tensor or obj.device.type != device.type:
                 continue
             key = (tuple(obj.shape), str(obj.dtype).removeprefix("torch."))
             sizes[key] += obj.untyped_storage().nbytes()
             counts[key] += 1
-        except (RuntimeError, ReferenceError):  # a tensor without storage (meta, sparse) or a dead weak proxy
+        except (RuntimeError, ReferenceError, TypeError):  # no storage (meta, sparse), a dead proxy, a symbolic size
             continue
     return [{"shape": list(k[0]), "dtype": k[1], "count": counts[k], "bytes": b} for k, b in sizes.most_common(top)]
 
