@@ -120,7 +120,7 @@ def _checked(name: str, value, kind: type, default, how: str):
 
 def _call_parts(hooks, given) -> tuple[RunHooks, GivenLatents]:
     return (_checked("hooks", hooks, RunHooks, NO_HOOKS,
-                     "unicache_core.bagel.RunHooks(progress=, cancel=, preview=, steer=)"),
+                     "unicache_core.bagel.RunHooks(progress=, cancel=, preview=, steer=, phase=)"),
             _checked("given", given, GivenLatents, NO_GIVEN_LATENTS, "unicache_core.bagel.GivenLatents"))
 
 
