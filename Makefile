@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 PIP_TORCH = torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup test bench bench-quick demo tiny clean host test-host test-all browser-deps bundled train calibrate \
+.PHONY: setup lint format test bench bench-quick demo tiny clean host test-host test-all browser-deps bundled train calibrate \
 	quality quality-quick
 
 setup: .venv/.installed
@@ -19,8 +19,17 @@ TEST_WORKERS ?= 2
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadgroup
 # The slowest tests are listed at the end of each run (where the suite's time goes, in every CI log).
 DURATIONS = --durations=12
-test: setup
+test: setup lint
 	$(PY) -m pytest $(PYTEST_PARALLEL) $(DURATIONS) tests
+
+# Lint and format checks (ruff, pinned in pyproject's test extra); `make format` rewrites the files.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 bench: setup
 	$(PY) -m benchmarks.kv_attention --json out/kv_attention.json
@@ -57,7 +66,7 @@ test-host: host bundled browser-deps
 
 # Everything: the unit suite (in parallel) plus the host and browser tests (in one process: one shared ComfyUI
 # server, and the modules that need other host options start their own) (the README's test command; .ci/run).
-test-all: host bundled browser-deps
+test-all: lint host bundled browser-deps
 	$(PY) -m pytest $(PYTEST_PARALLEL) $(DURATIONS) tests; unit=$$?; \
 	$(PY) -m pytest $(DURATIONS) tests/host -m "host or browser"; hosted=$$?; \
 	if [ $$unit -ne 0 ]; then exit $$unit; fi; exit $$hosted

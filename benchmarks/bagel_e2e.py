@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from training.tiny import write_tiny_checkpoint
+from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.compression import METHODS, PolicyTable, make_cache_factory, paper_policy_table
 from unicache_core.compression.family import JointPlan
 
@@ -57,9 +57,12 @@ JOINT_ROW = "unicache_joint"
 def joint_table() -> PolicyTable:
     """The paper table's (task, type) pairs, every one ``joint`` with :data:`JOINT_PLAN`, for any model."""
     paper = paper_policy_table()
-    return PolicyTable(entries={key: "joint" for key in paper.entries}, plans={key: JOINT_PLAN for key in paper.entries},
-                       source="calibrated",
-                       measurements={"purpose": "benchmarks.bagel_e2e: the joint mode with a fixed plan"})
+    return PolicyTable(
+        entries={key: "joint" for key in paper.entries},
+        plans={key: JOINT_PLAN for key in paper.entries},
+        source="calibrated",
+        measurements={"purpose": "benchmarks.bagel_e2e: the joint mode with a fixed plan"},
+    )
 
 
 @dataclass
@@ -74,8 +77,10 @@ class E2EConfig:
     seed: int = 42
     threads: int = 0
     work_dir: str = ""
-    prompt: str = ("replace the small blue square in the upper left corner by a large red circle and make the "
-                   "background a soft gradient from yellow to green while keeping every other object unchanged")
+    prompt: str = (
+        "replace the small blue square in the upper left corner by a large red circle and make the "
+        "background a soft gradient from yellow to green while keeping every other object unchanged"
+    )
     question: str = "Describe the objects in this picture, their colours and where they are."
     extra: dict = field(default_factory=dict)
 
@@ -91,7 +96,9 @@ def _source_image(size: int, seed: int) -> Image.Image:
     for _ in range(6):
         cx, cy, r = rng.uniform(0.15, 0.85), rng.uniform(0.15, 0.85), rng.uniform(0.05, 0.18)
         colour = rng.integers(0, 255, 3)
-        mask = (np.abs(x - cx) < r) & (np.abs(y - cy) < r) if rng.random() < 0.5 else (x - cx) ** 2 + (y - cy) ** 2 < r * r
+        mask = (
+            (np.abs(x - cx) < r) & (np.abs(y - cy) < r) if rng.random() < 0.5 else (x - cx) ** 2 + (y - cy) ** 2 < r * r
+        )
         img[mask] = colour
     return Image.fromarray(img.clip(0, 255).astype(np.uint8))
 
@@ -141,15 +148,24 @@ def _row(checkpoint: str, task: str, method: str, result, report: dict, full: di
     step_t = [s["step_s"] for s in steps]
     rows = sum(b["attended_rows"] for s in steps for b in s["branches"].values())
     row = {
-        "task": task, "checkpoint": checkpoint, "method": method,
-        "kv_bytes_peak": summ["peak_bytes"], "kv_bytes_steady": summ["steady_managed_bytes"],
-        "full_kv_bytes": summ["full_managed_bytes"], "protected_bytes": summ["protected_bytes"],
-        "rho_mean": summ["rho_mean"], "attended_rows": rows,
-        "attention_seconds_median": statistics.median(attn), "step_seconds_median": statistics.median(step_t),
+        "task": task,
+        "checkpoint": checkpoint,
+        "method": method,
+        "kv_bytes_peak": summ["peak_bytes"],
+        "kv_bytes_steady": summ["steady_managed_bytes"],
+        "full_kv_bytes": summ["full_managed_bytes"],
+        "protected_bytes": summ["protected_bytes"],
+        "rho_mean": summ["rho_mean"],
+        "attended_rows": rows,
+        "attention_seconds_median": statistics.median(attn),
+        "step_seconds_median": statistics.median(step_t),
         "overhead_fraction": (sum(s["stats_s"] + s["alloc_s"] for s in steps) / max(1e-12, sum(step_t))),
-        "budget_ratio": summ.get("budget_ratio"), "target_ratio": summ.get("target_ratio"),
-        "achieved_ratio": summ["achieved_ratio"], "flags": summ["flags"],
-        "budget_met": None, "fidelity": {},
+        "budget_ratio": summ.get("budget_ratio"),
+        "target_ratio": summ.get("target_ratio"),
+        "achieved_ratio": summ["achieved_ratio"],
+        "flags": summ["flags"],
+        "budget_met": None,
+        "fidelity": {},
     }
     if method in ("unicache", JOINT_ROW) and summ["rho_mean"]:
         row["budget_met"] = summ["full_managed_bytes"] / max(1, summ["steady_managed_bytes"]) >= 0.98 / summ["rho_mean"]
@@ -168,13 +184,20 @@ def _finish(row: dict, full_row: dict, result, full_result, logits, full_logits,
     if task == "und":
         a, b = result.token_ids, full_result.token_ids
         n = max(len(a), len(b), 1)
-        row["fidelity"] = {"token_agreement": sum(x == y for x, y in zip(a, b)) / n,
-                           "first_token_logit_rel_error": (float((logits - full_logits).norm() / full_logits.norm())
-                                                           if logits is not None and full_logits is not None else None)}
+        row["fidelity"] = {
+            "token_agreement": sum(x == y for x, y in zip(a, b)) / n,
+            "first_token_logit_rel_error": (
+                float((logits - full_logits).norm() / full_logits.norm())
+                if logits is not None and full_logits is not None
+                else None
+            ),
+        }
     else:
         x, y = result.latents.flatten().float(), full_result.latents.flatten().float()
-        row["fidelity"] = {"latent_cosine": float(torch.nn.functional.cosine_similarity(x, y, dim=0)),
-                           "image_psnr_db": _psnr(result.image, full_result.image)}
+        row["fidelity"] = {
+            "latent_cosine": float(torch.nn.functional.cosine_similarity(x, y, dim=0)),
+            "image_psnr_db": _psnr(result.image, full_result.image),
+        }
 
 
 def run(cfg: E2EConfig) -> dict:
@@ -186,27 +209,40 @@ def run(cfg: E2EConfig) -> dict:
     ckpt_info = {}
     try:
         for name in cfg.checkpoints:
-            path = write_medium_checkpoint(work / "medium") if name == "medium" else \
-                write_tiny_checkpoint(work / "tiny", force=True)
+            path = (
+                write_medium_checkpoint(work / "medium")
+                if name == "medium"
+                else write_tiny_checkpoint(work / "tiny", force=True)
+            )
             loaded = load_bagel(path, dtype=torch.float32)
             llm = loaded.config.llm
-            ckpt_info[name] = {"hidden": llm.hidden_size, "layers": llm.num_hidden_layers, "heads": llm.num_attention_heads,
-                               "kv_heads": llm.num_key_value_heads, "head_dim": llm.head_dim}
+            ckpt_info[name] = {
+                "hidden": llm.hidden_size,
+                "layers": llm.num_hidden_layers,
+                "heads": llm.num_attention_heads,
+                "kv_heads": llm.num_key_value_heads,
+                "head_dim": llm.head_dim,
+            }
             image = _source_image(cfg.edit_size, cfg.seed)
             for task in cfg.tasks:
                 full_result, full_logits = None, None
                 full_row = None
                 unicache_steady = None
                 order = ["full", "unicache", JOINT_ROW] + [m for m in cfg.methods if m not in ("full", "unicache")]
-                runs = [m for m in order if m in cfg.methods or m == "full" or (m == JOINT_ROW and "unicache" in cfg.methods)]
+                runs = [
+                    m
+                    for m in order
+                    if m in cfg.methods or m == "full" or (m == JOINT_ROW and "unicache" in cfg.methods)
+                ]
                 for method in runs:
                     kw = {}
                     if method not in ("full", "unicache", JOINT_ROW) and unicache_steady:
                         kw["kv_target"] = int(unicache_steady)  # memory matched to UniCache in this run
                     if method == JOINT_ROW:
                         kw["policy"] = joint_table()
-                    factory = make_cache_factory("unicache" if method == JOINT_ROW else method,
-                                                 checkpoint_dir=str(path), **kw)
+                    factory = make_cache_factory(
+                        "unicache" if method == JOINT_ROW else method, checkpoint_dir=str(path), **kw
+                    )
                     pipe = BagelPipeline(loaded, factory)
                     t0 = time.perf_counter()
                     result, logits = _run(pipe, task, cfg, image)
@@ -219,31 +255,52 @@ def run(cfg: E2EConfig) -> dict:
                         unicache_steady = report["summary"]["steady_managed_bytes"]
                     _finish(row, full_row, result, full_result, logits, full_logits, task)
                     results.append(row)
-                    logger.info("%s %s %-12s steady %s / %s B, attn x%.2f (ceiling %.2f), step x%.2f (ceiling %.2f)",
-                                name, task, method, row["kv_bytes_steady"], row["full_kv_bytes"],
-                                row["attention_speedup_vs_full"], row["attended_ratio_vs_full"], row["speedup_vs_full"],
-                                row["step_ceiling"])
+                    logger.info(
+                        "%s %s %-12s steady %s / %s B, attn x%.2f (ceiling %.2f), step x%.2f (ceiling %.2f)",
+                        name,
+                        task,
+                        method,
+                        row["kv_bytes_steady"],
+                        row["full_kv_bytes"],
+                        row["attention_speedup_vs_full"],
+                        row["attended_ratio_vs_full"],
+                        row["speedup_vs_full"],
+                        row["step_ceiling"],
+                    )
     finally:
         torch.set_num_threads(saved)
     config = asdict(cfg)
-    config.update(threads=torch.get_num_threads() if not cfg.threads else cfg.threads, checkpoint_geometry=ckpt_info,
-                  dtype="float32", device="cpu", weights="random (generated)",
-                  memory_matching="baselines: kv_target = UniCache's steady managed bytes of the same run")
+    config.update(
+        threads=torch.get_num_threads() if not cfg.threads else cfg.threads,
+        checkpoint_geometry=ckpt_info,
+        dtype="float32",
+        device="cpu",
+        weights="random (generated)",
+        memory_matching="baselines: kv_target = UniCache's steady managed bytes of the same run",
+    )
     return {"config": config, "results": results}
 
 
 def format_table(report: dict) -> str:
-    head = (f"{'ckpt':7s} {'task':5s} {'method':14s} {'full/steady':>11s} {'peak MB':>8s} {'rho':>5s} "
-            f"{'attn x':>7s} {'rows x':>7s} {'step x':>7s} {'ceil':>6s} {'ovh':>6s}  fidelity")
+    head = (
+        f"{'ckpt':7s} {'task':5s} {'method':14s} {'full/steady':>11s} {'peak MB':>8s} {'rho':>5s} "
+        f"{'attn x':>7s} {'rows x':>7s} {'step x':>7s} {'ceil':>6s} {'ovh':>6s}  fidelity"
+    )
     lines = [head]
     for r in report["results"]:
         ratio = r["full_kv_bytes"] / max(1, r["kv_bytes_steady"] or 1)
-        fid = ", ".join(f"{k}={v:.4g}" for k, v in r["fidelity"].items() if isinstance(v, (int, float))) if r["fidelity"] else ""
+        fid = (
+            ", ".join(f"{k}={v:.4g}" for k, v in r["fidelity"].items() if isinstance(v, (int, float)))
+            if r["fidelity"]
+            else ""
+        )
         rho = "" if r["rho_mean"] is None else f"{r['rho_mean']:.2f}"
         flag = " [flagged]" if r["flags"] else ""
-        lines.append(f"{r['checkpoint']:7s} {r['task']:5s} {r['method']:14s} {ratio:11.2f} {r['kv_bytes_peak'] / 1e6:8.2f} "
-                     f"{rho:>5s} {r['attention_speedup_vs_full']:7.2f} {r['attended_ratio_vs_full']:7.2f} "
-                     f"{r['speedup_vs_full']:7.2f} {r['step_ceiling']:6.2f} {r['overhead_fraction']:6.3f}  {fid}{flag}")
+        lines.append(
+            f"{r['checkpoint']:7s} {r['task']:5s} {r['method']:14s} {ratio:11.2f} {r['kv_bytes_peak'] / 1e6:8.2f} "
+            f"{rho:>5s} {r['attention_speedup_vs_full']:7.2f} {r['attended_ratio_vs_full']:7.2f} "
+            f"{r['speedup_vs_full']:7.2f} {r['step_ceiling']:6.2f} {r['overhead_fraction']:6.3f}  {fid}{flag}"
+        )
     return "\n".join(lines)
 
 

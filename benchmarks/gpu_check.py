@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from training.tiny import write_tiny_checkpoint
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.memory_plan import PlanSettings, plan_config, plan_memory
-from training.tiny import write_tiny_checkpoint
 from unicache_core.compression import METHODS, KVConfig, make_cache_factory
 
 from .bagel_e2e import _source_image
@@ -35,8 +35,11 @@ from .medium import write_medium_checkpoint
 logger = logging.getLogger("benchmarks.gpu_check")
 
 
-PROMPTS = {"und": "Describe the objects in this picture.", "t2i": "a red circle above a blue square",
-           "edit": "make the red circle green"}
+PROMPTS = {
+    "und": "Describe the objects in this picture.",
+    "t2i": "a red circle above a blue square",
+    "edit": "make the red circle green",
+}
 ANSWER_TOKENS = 16
 T2I_SIZE = 256
 
@@ -45,18 +48,23 @@ def _task(pipe, task, image, steps):
     if task == "und":
         return pipe.understand(PROMPTS[task], image, preset("understanding", max_new_tokens=ANSWER_TOKENS))
     if task == "t2i":
-        return pipe.text_to_image(PROMPTS[task], preset("t2i", width=T2I_SIZE, height=T2I_SIZE,
-                                                        num_timesteps=steps + 1), seed=42)
+        return pipe.text_to_image(
+            PROMPTS[task], preset("t2i", width=T2I_SIZE, height=T2I_SIZE, num_timesteps=steps + 1), seed=42
+        )
     return pipe.edit(PROMPTS[task], image, preset("edit", num_timesteps=steps + 1), seed=42)
 
 
 def _planned_peak(path, loaded, task: str, method: str, image) -> int:
     """The memory plan's peak (``python -m unicache_core.bagel plan``) for this request on CUDA in bf16."""
     width, height = (T2I_SIZE, T2I_SIZE) if task == "t2i" else image.size
-    settings = PlanSettings(task=task, width=width, height=height,
-                            kv_method=method, dtype="bf16", device="cuda")
-    plan = plan_memory(plan_config(path), settings, 1 << 40, prompt_tokens=len(loaded.tokenizer.encode(PROMPTS[task])),
-                       answer_tokens=ANSWER_TOKENS if task == "und" else None)
+    settings = PlanSettings(task=task, width=width, height=height, kv_method=method, dtype="bf16", device="cuda")
+    plan = plan_memory(
+        plan_config(path),
+        settings,
+        1 << 40,
+        prompt_tokens=len(loaded.tokenizer.encode(PROMPTS[task])),
+        answer_tokens=ANSWER_TOKENS if task == "und" else None,
+    )
     return plan.peak_bytes
 
 
@@ -79,12 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("unicache_core.compression.registry").setLevel(logging.ERROR)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
-        sys.stderr.write("error: --device cuda but no CUDA device is visible; run it on the GPU machine or pass "
-                         "--device cpu for a dry run\n")
+        sys.stderr.write(
+            "error: --device cuda but no CUDA device is visible; run it on the GPU machine or pass "
+            "--device cpu for a dry run\n"
+        )
         return 2
     work = Path(tempfile.gettempdir()) / "unicache_gpu_check"
-    path = write_medium_checkpoint(work / "medium") if args.checkpoint == "medium" else \
-        write_tiny_checkpoint(work / "tiny", force=True)
+    path = (
+        write_medium_checkpoint(work / "medium")
+        if args.checkpoint == "medium"
+        else write_tiny_checkpoint(work / "tiny", force=True)
+    )
     image = _source_image(384, 0)
     cpu = load_bagel(path, dtype=torch.float32)
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -100,24 +113,42 @@ def main(argv: list[str] | None = None) -> int:
             result = _task(BagelPipeline(dev, make_cache_factory(config)), task, image, args.steps)
             report = result.kv_report
             steps = report["steps"][1:] or report["steps"]
-            rows.append({
-                "task": task, "method": method, "device": args.device, "dtype": str(dtype).replace("torch.", ""),
-                "agreement_vs_cpu_fp32_full": _agreement(task, result, ref),
-                "cuda_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-                "planned_peak_bytes": _planned_peak(path, dev, task, method, image),
-                "kv_bytes_steady": report["summary"]["steady_managed_bytes"],
-                "kv_bytes_peak": report["summary"]["peak_bytes"],
-                "full_kv_bytes": report["summary"]["full_managed_bytes"],
-                "step_seconds_median": statistics.median(s["step_s"] for s in steps),
-                "attention_seconds_median": statistics.median(s["attention_s"] for s in steps),
-            })
-            logger.info("%s %-12s agreement %.4f, steady %s / %s B, step %.3fs", task, method,
-                        rows[-1]["agreement_vs_cpu_fp32_full"], rows[-1]["kv_bytes_steady"], rows[-1]["full_kv_bytes"],
-                        rows[-1]["step_seconds_median"])
-    out = {"config": {"checkpoint": args.checkpoint, "steps": args.steps, "device": args.device,
-                      "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
-                      "seconds": time.perf_counter() - t_start},
-           "results": rows}
+            rows.append(
+                {
+                    "task": task,
+                    "method": method,
+                    "device": args.device,
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "agreement_vs_cpu_fp32_full": _agreement(task, result, ref),
+                    "cuda_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                    "planned_peak_bytes": _planned_peak(path, dev, task, method, image),
+                    "kv_bytes_steady": report["summary"]["steady_managed_bytes"],
+                    "kv_bytes_peak": report["summary"]["peak_bytes"],
+                    "full_kv_bytes": report["summary"]["full_managed_bytes"],
+                    "step_seconds_median": statistics.median(s["step_s"] for s in steps),
+                    "attention_seconds_median": statistics.median(s["attention_s"] for s in steps),
+                }
+            )
+            logger.info(
+                "%s %-12s agreement %.4f, steady %s / %s B, step %.3fs",
+                task,
+                method,
+                rows[-1]["agreement_vs_cpu_fp32_full"],
+                rows[-1]["kv_bytes_steady"],
+                rows[-1]["full_kv_bytes"],
+                rows[-1]["step_seconds_median"],
+            )
+    out = {
+        "config": {
+            "checkpoint": args.checkpoint,
+            "steps": args.steps,
+            "device": args.device,
+            "gpu": torch.cuda.get_device_name() if cuda else None,
+            "torch": torch.__version__,
+            "seconds": time.perf_counter() - t_start,
+        },
+        "results": rows,
+    }
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")

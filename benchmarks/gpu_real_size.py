@@ -39,9 +39,9 @@ from benchmarks.report_file import write_json_report
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.config import BagelConfig
 from unicache_core.bagel.memory_plan import PlanSettings, official_config, plan_config, plan_memory, tensor_peak_bytes
-from unicache_core.bagel.transform_config import TRANSFORM_CONFIG_FILE, parse_transform_config
 from unicache_core.bagel.memory_trace import TensorMemoryTracker
 from unicache_core.bagel.request import RunHooks
+from unicache_core.bagel.transform_config import TRANSFORM_CONFIG_FILE, parse_transform_config
 from unicache_core.bagel.weights import parameter_bytes
 from unicache_core.compression import make_cache_factory
 
@@ -119,10 +119,25 @@ def live_tensors(device: torch.device, top: int = LISTED_TENSORS) -> list[dict]:
     return [{"shape": list(k[0]), "dtype": k[1], "count": counts[k], "bytes": b} for k, b in sizes.most_common(top)]
 
 
-def _plan(config: BagelConfig, size: int, method: str, weight_dtype: str, offload: str, device: torch.device,
-          prompt_tokens: int):
-    settings = PlanSettings(task="edit", width=size, height=size, kv_method=method, weight_dtype=weight_dtype,
-                            dtype="bf16", offload=offload, device=device.type)
+def _plan(
+    config: BagelConfig,
+    size: int,
+    method: str,
+    weight_dtype: str,
+    offload: str,
+    device: torch.device,
+    prompt_tokens: int,
+):
+    settings = PlanSettings(
+        task="edit",
+        width=size,
+        height=size,
+        kv_method=method,
+        weight_dtype=weight_dtype,
+        dtype="bf16",
+        offload=offload,
+        device=device.type,
+    )
     return plan_memory(config, settings, 1 << 50, prompt_tokens=prompt_tokens)
 
 
@@ -149,21 +164,40 @@ def measure_edit(loaded, checkpoint: Path, size: int, method: str, *, weight_dty
             result = pipe.edit(PROMPT, image, preset("edit", num_timesteps=TIMESTEPS), hooks=RunHooks(phase=meter))
             meter.close()
     seconds = time.perf_counter() - start
-    plan = _plan(plan_config(checkpoint), size, method, weight_dtype, offload, device,
-                 len(loaded.tokenizer.encode(PROMPT)))
+    plan = _plan(
+        plan_config(checkpoint), size, method, weight_dtype, offload, device, len(loaded.tokenizer.encode(PROMPT))
+    )
     planned = tensor_peak_bytes(plan)  # on the CPU without the runtime's own memory, which the meter cannot see
-    return {"kv_method": method, "weight_dtype": weight_dtype, "offload": offload, "size": list(result.image.size),
-            "prompt_tokens": len(loaded.tokenizer.encode(PROMPT)), "peak_bytes": meter.overall_peak,
-            "plan_bytes": planned,
-            "plan_error": round(planned / meter.overall_peak - 1, 4),
-            "phase_entry_bytes": meter.entry, "phase_peak_bytes": meter.peak,
-            "kv_bytes_per_branch": result.info["cache_bytes"], "plan_breakdown": plan.breakdown,
-            "decode_entry_tensors": meter.decode_entry_tensors, "seconds": round(seconds, 2)}
+    return {
+        "kv_method": method,
+        "weight_dtype": weight_dtype,
+        "offload": offload,
+        "size": list(result.image.size),
+        "prompt_tokens": len(loaded.tokenizer.encode(PROMPT)),
+        "peak_bytes": meter.overall_peak,
+        "plan_bytes": planned,
+        "plan_error": round(planned / meter.overall_peak - 1, 4),
+        "phase_entry_bytes": meter.entry,
+        "phase_peak_bytes": meter.peak,
+        "kv_bytes_per_branch": result.info["cache_bytes"],
+        "plan_breakdown": plan.breakdown,
+        "decode_entry_tensors": meter.decode_entry_tensors,
+        "seconds": round(seconds, 2),
+    }
 
 
-def run(out: Path, *, size: int = 1024, weight_dtype: str = "fp8_e4m3fn", offloads=("none", "layers"),
-        methods=("full", "unicache"), device: str = "cuda", llm: dict | None = None, vit: dict | None = None,
-        full_vae: bool = True) -> dict:
+def run(
+    out: Path,
+    *,
+    size: int = 1024,
+    weight_dtype: str = "fp8_e4m3fn",
+    offloads=("none", "layers"),
+    methods=("full", "unicache"),
+    device: str = "cuda",
+    llm: dict | None = None,
+    vit: dict | None = None,
+    full_vae: bool = True,
+) -> dict:
     """Write (if needed) the checkpoint, then one row per (offload, method); see the module docstring."""
     checkpoint = write_real_size_checkpoint(out, llm=llm, vit=vit, full_vae=full_vae, source_size=size)
     rows = []
@@ -180,8 +214,11 @@ def run(out: Path, *, size: int = 1024, weight_dtype: str = "fp8_e4m3fn", offloa
         gc.collect()
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
-    info = {"device": device, "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else None}
+    info = {
+        "device": device,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else None,
+    }
     return {"config": info, "results": rows}
 
 
@@ -191,8 +228,15 @@ def _prompt_tokens(row: dict) -> int:
     if "prompt_tokens" in row:
         return int(row["prompt_tokens"])
     for tokens in range(1, 257):
-        plan = _plan(real_size_config(row["size"][0]), row["size"][0], row["kv_method"], row["weight_dtype"],
-                     row["offload"], torch.device("cuda"), tokens)
+        plan = _plan(
+            real_size_config(row["size"][0]),
+            row["size"][0],
+            row["kv_method"],
+            row["weight_dtype"],
+            row["offload"],
+            torch.device("cuda"),
+            tokens,
+        )
         if plan.breakdown["kv_full"] == row["plan_breakdown"]["kv_full"]:
             return tokens
     raise ValueError(f"no prompt length gives the stored plan's full KV ({row['plan_breakdown']['kv_full']} B)")
@@ -204,23 +248,41 @@ def replan(report: dict) -> dict:
     rows = []
     for row in report["results"]:
         tokens = _prompt_tokens(row)
-        plan = _plan(real_size_config(row["size"][0]), row["size"][0], row["kv_method"], row["weight_dtype"],
-                     row["offload"], torch.device("cuda"), tokens)
-        rows.append({**row, "prompt_tokens": tokens, "plan_bytes": plan.peak_bytes, "plan_breakdown": plan.breakdown,
-                     "plan_error": round(plan.peak_bytes / row["peak_bytes"] - 1, 4)})
+        plan = _plan(
+            real_size_config(row["size"][0]),
+            row["size"][0],
+            row["kv_method"],
+            row["weight_dtype"],
+            row["offload"],
+            torch.device("cuda"),
+            tokens,
+        )
+        rows.append(
+            {
+                **row,
+                "prompt_tokens": tokens,
+                "plan_bytes": plan.peak_bytes,
+                "plan_breakdown": plan.breakdown,
+                "plan_error": round(plan.peak_bytes / row["peak_bytes"] - 1, 4),
+            }
+        )
     return {**report, "results": rows, "replanned": True}
 
 
 def format_table(rows: list[dict]) -> str:
     gb = 1e9
-    lines = [f"{'weights':11s} {'offload':7s} {'method':9s} {'px':>5s} {'peak GB':>8s} {'plan GB':>8s} {'err':>7s} "
-             f"{'ctx GB':>7s} {'denoise':>8s} {'decode':>7s} {'dec in':>7s}"]
+    lines = [
+        f"{'weights':11s} {'offload':7s} {'method':9s} {'px':>5s} {'peak GB':>8s} {'plan GB':>8s} {'err':>7s} "
+        f"{'ctx GB':>7s} {'denoise':>8s} {'decode':>7s} {'dec in':>7s}"
+    ]
     for r in rows:
         p, e = r["phase_peak_bytes"], r["phase_entry_bytes"]
-        lines.append(f"{r['weight_dtype']:11s} {r['offload']:7s} {r['kv_method']:9s} {r['size'][0]:5d} "
-                     f"{r['peak_bytes'] / gb:8.2f} {r['plan_bytes'] / gb:8.2f} {r['plan_error']:+7.1%} "
-                     f"{p.get('contexts', 0) / gb:7.2f} {p.get('denoise', 0) / gb:8.2f} {p.get('decode', 0) / gb:7.2f} "
-                     f"{e.get('decode', 0) / gb:7.2f}")
+        lines.append(
+            f"{r['weight_dtype']:11s} {r['offload']:7s} {r['kv_method']:9s} {r['size'][0]:5d} "
+            f"{r['peak_bytes'] / gb:8.2f} {r['plan_bytes'] / gb:8.2f} {r['plan_error']:+7.1%} "
+            f"{p.get('contexts', 0) / gb:7.2f} {p.get('denoise', 0) / gb:8.2f} {p.get('decode', 0) / gb:7.2f} "
+            f"{e.get('decode', 0) / gb:7.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -233,8 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default="full,unicache", help="comma-separated KV methods")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--replan", type=Path, default=None, metavar="REPORT",
-                        help="plan a stored report's rows again with the current plan (no GPU needed) and print them")
+    parser.add_argument(
+        "--replan",
+        type=Path,
+        default=None,
+        metavar="REPORT",
+        help="plan a stored report's rows again with the current plan (no GPU needed) and print them",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.replan is not None:
@@ -246,8 +313,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.stderr.write("error: --device cuda but no CUDA device is visible; run it on the GPU machine\n")
         return 2
-    report = run(args.out, size=args.size, weight_dtype=args.weight_dtype, offloads=tuple(args.offload.split(",")),
-                 methods=tuple(args.methods.split(",")), device=args.device)
+    report = run(
+        args.out,
+        size=args.size,
+        weight_dtype=args.weight_dtype,
+        offloads=tuple(args.offload.split(",")),
+        methods=tuple(args.methods.split(",")),
+        device=args.device,
+    )
     sys.stdout.write(format_table(report["results"]) + "\n")
     if args.json is not None:
         write_json_report(args.json, report)

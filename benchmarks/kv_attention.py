@@ -36,12 +36,19 @@ from torch import Tensor
 
 from unicache_core.compression import PolicyTable, make_cache_factory, paper_policy_table
 from unicache_core.compression.baselines import pyramid_layer_budgets, sink_recency_scores
-from unicache_core.compression.defaults import (FIT_VALUE_RANGES, KIVI_FLOOR, KIVI_RESIDUAL, RECENT_FRACTION,
-                                                SINK_TOKENS, SNAPKV_KERNEL, WINDOW)
+from unicache_core.compression.defaults import (
+    FIT_VALUE_RANGES,
+    KIVI_FLOOR,
+    KIVI_RESIDUAL,
+    RECENT_FRACTION,
+    SINK_TOKENS,
+    SNAPKV_KERNEL,
+    WINDOW,
+)
 from unicache_core.compression.family import FULL_BITS, Segment, grid_choices, plan_from_errors
 from unicache_core.compression.ops import compress_rows, quantized_bytes
-from unicache_core.compression.selection import select_rows
 from unicache_core.compression.scoring import key_scores
+from unicache_core.compression.selection import select_rows
 from unicache_core.kv.attention import attention_with_lse
 from unicache_core.kv.cache import AttentionCall, RequestInfo
 from unicache_core.kv.segmented_cache import SegmentedLayer
@@ -87,7 +94,7 @@ class BenchConfig:
 QUICK = dict(vae_tokens=1024, vit_tokens=1225, instruction_tokens=200, latent_queries=128, repeats=3)
 
 
-def _step_fn(ctx: "Context", layers: list[SegmentedLayer], fused: bool):
+def _step_fn(ctx: Context, layers: list[SegmentedLayer], fused: bool):
     def step() -> list[Tensor]:
         return [lay.attend(ctx.queries, ctx.k_new, ctx.v_new, causal=False, fused=fused)[0] for lay in layers]
 
@@ -114,14 +121,17 @@ def choose_runtime(cfg: BenchConfig) -> tuple[torch.dtype, int, dict]:
 
     dtype: bf16 when the CPU has a bf16 path and it is not slower than fp32. Threads: the faster of
     1 and torch's default (on a loaded, shared machine a second thread may not speed up attention at
-    all, while every parallel region then waits for a preempted worker). The choice is made on the full baseline's primitive only, so it
-    never favours a compressed method; the probe timings are recorded in the config.
+    all, while every parallel region then waits for a preempted worker). The choice is made on the full baseline's
+    primitive only, so it never favours a compressed method; the probe timings are recorded in the config.
     """
     cap = torch.backends.cpu.get_cpu_capability()
     default_threads = torch.get_num_threads()
     info: dict = {"cpu_capability": cap, "default_threads": default_threads}
-    dtypes = [cfg.dtype] if cfg.dtype != "auto" else (
-        ["bfloat16", "float32"] if cap in ("AVX512", "AMX", "AVX512_BF16") else ["float32"])
+    dtypes = (
+        [cfg.dtype]
+        if cfg.dtype != "auto"
+        else (["bfloat16", "float32"] if cap in ("AVX512", "AMX", "AVX512_BF16") else ["float32"])
+    )
     threads = [cfg.threads] if cfg.threads > 0 else sorted({1, default_threads})
     gen = torch.Generator().manual_seed(123)
     t = min(8192, cfg.vae_tokens * 2)
@@ -131,12 +141,14 @@ def choose_runtime(cfg: BenchConfig) -> tuple[torch.dtype, int, dict]:
     for name in dtypes:
         qd, kd = q.to(getattr(torch, name)), k.to(getattr(torch, name))
         for n in threads:
+
             def step(qd=qd, kd=kd, n=n):
                 torch.set_num_threads(n)
                 return attention_with_lse(qd, kd, kd)
+
             steps[(name, n)] = step
     if len(steps) == 1:
-        (name, n), = steps
+        ((name, n),) = steps
         info["runtime_reason"] = "forced by --dtype/--threads"
         return getattr(torch, name), n, info
     timings = {key: statistics.median(ts) for key, ts in _interleaved_times(steps, 5).items()}
@@ -200,8 +212,15 @@ def make_context(cfg: BenchConfig, dtype: torch.dtype) -> Context:
     score_k_new = torch.randn(cfg.latent_queries, h, d, generator=gen)
     score_v_new = torch.randn(cfg.latent_queries, h, d, generator=gen)
     return Context(
-        keys.to(dtype), values.to(dtype), types, queries.to(dtype), k_new.to(dtype), v_new.to(dtype),
-        score_queries.to(dtype), score_k_new.to(dtype), score_v_new.to(dtype),
+        keys.to(dtype),
+        values.to(dtype),
+        types,
+        queries.to(dtype),
+        k_new.to(dtype),
+        v_new.to(dtype),
+        score_queries.to(dtype),
+        score_k_new.to(dtype),
+        score_v_new.to(dtype),
     )
 
 
@@ -257,8 +276,12 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
     cand_bytes = cand.numel() * per_token_full
     budget = int(min(cfg.keep * cand_bytes, cfg.keep * full_bytes - protected.nbytes()))
     n_keep = evict_budget_tokens(budget, cfg, elem)
-    info = {"candidate_tokens": int(cand.numel()), "protected_tokens": int(bnd.numel()),
-            "candidate_byte_budget": budget, "evict_keep_tokens_per_head": n_keep}
+    info = {
+        "candidate_tokens": int(cand.numel()),
+        "protected_tokens": int(bnd.numel()),
+        "candidate_byte_budget": budget,
+        "evict_keep_tokens_per_head": n_keep,
+    }
     ck, cv = ctx.keys[cand], ctx.values[cand]
     acc_c = sc.accumulated[cand]  # [T_cand, Hkv]
     methods: dict[str, list[SegmentedLayer]] = {}
@@ -284,8 +307,9 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
     total = cand.numel()
     budgets = [min(total, b) for b in pyramid_layer_budgets(total, WINDOW, 1.0 - n_keep / total, cfg.pyramid_layers)]
     # same synthetic K/V in every layer: only the budgets differ
-    methods["pyramidkv"] = [layer(evicted(select_rows(window_scores.t(), b, smooth_kernel=SNAPKV_KERNEL)))
-                            for b in budgets]
+    methods["pyramidkv"] = [
+        layer(evicted(select_rows(window_scores.t(), b, smooth_kernel=SNAPKV_KERNEL))) for b in budgets
+    ]
     info["pyramidkv_layer_budgets"] = budgets
 
     sinks = sink_recency_scores(total, torch.ones(total, dtype=torch.bool), SINK_TOKENS)
@@ -302,8 +326,9 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
             break
     if kivi is None:
         raise RuntimeError("no 2-bit KIVI setting fits the budget")
-    methods["kivi"] = [layer(QuantizedStore.from_kv(ck, cv, cand, kivi["bits"], kivi["group_size"], kivi["residual"],
-                                                    TT.UNKNOWN))]
+    methods["kivi"] = [
+        layer(QuantizedStore.from_kv(ck, cv, cand, kivi["bits"], kivi["group_size"], kivi["residual"], TT.UNKNOWN))
+    ]
     info["kivi"] = kivi
 
     methods["unicache"] = [_unicache_layer(ctx, sc, budget, info)]
@@ -328,40 +353,64 @@ def _joint_table(ctx: Context, sc: Scoring, elem: int, info: dict) -> PolicyTabl
     h, d = ctx.keys.shape[1], ctx.keys.shape[2]
     plans, measured = {}, {}
     for t, store in stores.items():
-        segment = Segment(full_rows=store.num_tokens, held_rows=store.num_tokens, held_bits=FULL_BITS,
-                          held_bytes=store.nbytes(), shared_rows=True, num_kv_heads=h, head_dim=d, elem=elem)
+        segment = Segment(
+            full_rows=store.num_tokens,
+            held_rows=store.num_tokens,
+            held_bits=FULL_BITS,
+            held_bytes=store.nbytes(),
+            shared_rows=True,
+            num_kv_heads=h,
+            head_dim=d,
+            elem=elem,
+        )
         errors = {}
         for (level, bits), choice in grid_choices(segment, geometry).items():
             trial = reference.share()
             index = trial.find(t)
-            compress_rows(trial, index, choice.rows, choice.bits, choice.group, choice.residual,
-                          sc.accumulated.float(), recent=recent_rows(choice.rows), fit_values=FIT_VALUE_RANGES)
+            compress_rows(
+                trial,
+                index,
+                choice.rows,
+                choice.bits,
+                choice.group,
+                choice.residual,
+                sc.accumulated.float(),
+                recent=recent_rows(choice.rows),
+                fit_values=FIT_VALUE_RANGES,
+            )
             out, _ = trial.attend(ctx.score_queries, ctx.score_k_new, ctx.score_v_new, fused=True)
             errors[(level, bits)] = float((out.float() - ref).norm() / ref.norm())
         plans[t] = plan_from_errors(errors)
         measured[t.name.lower()] = {f"{level}/{bits}": round(err, 5) for (level, bits), err in errors.items()}
-    info["unicache_joint_calibration"] = {"errors": measured,
-                                          "plans": {t.name.lower(): p.to_list() for t, p in plans.items()}}
-    return PolicyTable(entries={("edit", t): "joint" for t in CANDIDATE_TYPES},
-                       plans={("edit", t): p for t, p in plans.items()}, geometry=geometry, source="calibrated")
+    info["unicache_joint_calibration"] = {
+        "errors": measured,
+        "plans": {t.name.lower(): p.to_list() for t, p in plans.items()},
+    }
+    return PolicyTable(
+        entries={("edit", t): "joint" for t in CANDIDATE_TYPES},
+        plans={("edit", t): p for t, p in plans.items()},
+        geometry=geometry,
+        source="calibrated",
+    )
 
 
-def _unicache_layer(ctx: Context, sc: Scoring, budget: int, info: dict, table: PolicyTable | None = None,
-                    key: str = "unicache") -> SegmentedLayer:
+def _unicache_layer(
+    ctx: Context, sc: Scoring, budget: int, info: dict, table: PolicyTable | None = None, key: str = "unicache"
+) -> SegmentedLayer:
     """The library's UniCache (:class:`unicache_core.compression.unicache.UniCacheMethod`) on this branch, with
     the paper's table (or ``table``).
 
-    The synthetic context is appended to a real :class:`~unicache_core.compression.compressing_cache.CompressingKVCache`;
-    the scoring step's pre-eviction masses and accumulated per-key scores are its observation (what a
-    pipeline run measures at its first, full-KV step), and one compression runs with the candidate byte
-    budget as ``kv_target``: the mass-proportional capped allocation over the types, H2O eviction for
-    instruction and source-ViT (25% recent), the most precise KIVI setting whose real bytes fit for
-    source-VAE (residual and groups by docs/compression.md §11.2), bytes the quantized segment leaves unused
-    going to the evicted types. With a joint ``table`` each type keeps its best-scored rows at its
-    calibrated bits.
+    The synthetic context is appended to a real
+    :class:`~unicache_core.compression.compressing_cache.CompressingKVCache`; the scoring step's pre-eviction masses and
+    accumulated per-key scores are its observation (what a pipeline run measures at its first, full-KV step), and one
+    compression runs with the candidate byte budget as ``kv_target``: the mass-proportional capped allocation over the
+    types, H2O eviction for instruction and source-ViT (25% recent), the most precise KIVI setting whose real bytes fit
+    for source-VAE (residual and groups by docs/compression.md §11.2), bytes the quantized segment leaves unused going
+    to the evicted types. With a joint ``table`` each type keeps its best-scored rows at its calibrated bits.
     """
     session = make_cache_factory("unicache", kv_target=int(budget), policy=table or paper_policy_table()).start(
-        RequestInfo(task="edit", num_layers=1, num_steps=2))
+        RequestInfo(task="edit", num_layers=1, num_steps=2)
+    )
     cache = session.new_cache("gen")
     rope = torch.zeros(ctx.types.shape[0], dtype=torch.long)
     prefill = AttentionCall(token_types=ctx.types, rope_positions=rope, causal=False, update=True, phase="prefill")
@@ -370,16 +419,28 @@ def _unicache_layer(ctx: Context, sc: Scoring, budget: int, info: dict, table: P
     cache.end_call(prefill)
     cache.state[0].scores = sc.accumulated.float()
     session.stats.update(0, 0, {t: m for t, m in sc.masses.items() if t in CANDIDATE_TYPES}, branch="gen")
-    step0 = AttentionCall(token_types=ctx.types[:1], rope_positions=rope[:1], causal=False, update=False,
-                          phase="denoise", step=0)
+    step0 = AttentionCall(
+        token_types=ctx.types[:1], rope_positions=rope[:1], causal=False, update=False, phase="denoise", step=0
+    )
     session.compress(cache, step0)
     layer = cache.layer(0)
     info[key] = {
         "type_masses": {t.name.lower(): round(sc.masses.get(t, 0.0), 4) for t in CANDIDATE_TYPES},
         "budget_bytes": {k: int(v) for k, v in cache.state[0].budgets.items()},
-        "stores": [{"type": st.token_type.name.lower(), "kind": st.kind, "rows_per_head": st.num_tokens,
-                    "bytes": st.nbytes(), **({"bits": st.bits, "group_size": st.group_size, "residual": st.residual}
-                                             if st.kind == "quantized" else {})} for st in layer.stores],
+        "stores": [
+            {
+                "type": st.token_type.name.lower(),
+                "kind": st.kind,
+                "rows_per_head": st.num_tokens,
+                "bytes": st.nbytes(),
+                **(
+                    {"bits": st.bits, "group_size": st.group_size, "residual": st.residual}
+                    if st.kind == "quantized"
+                    else {}
+                ),
+            }
+            for st in layer.stores
+        ],
         "managed_bytes": cache.split_bytes()[0],
         "flags": {str(k): v for k, v in cache.state[0].flags.items()},
     }
@@ -391,8 +452,17 @@ def _unicache_engine_stores(cfg: BenchConfig, ctx: Context, sc: Scoring) -> list
     25% recent), source-VAE at fixed 2-bit/G128/R32. Uses less memory than the budget; reported as an
     extra row, not matched."""
     r_vae = _rows(ctx, TT.SOURCE_VAE)
-    stores = [QuantizedStore.from_kv(ctx.keys[r_vae], ctx.values[r_vae], r_vae, *KIVI_FLOOR, KIVI_RESIDUAL,
-                                     TT.SOURCE_VAE, fit_values=FIT_VALUE_RANGES)]
+    stores = [
+        QuantizedStore.from_kv(
+            ctx.keys[r_vae],
+            ctx.values[r_vae],
+            r_vae,
+            *KIVI_FLOOR,
+            KIVI_RESIDUAL,
+            TT.SOURCE_VAE,
+            fit_values=FIT_VALUE_RANGES,
+        )
+    ]
     for t in (TT.INSTRUCTION, TT.SOURCE_VIT):
         r = _rows(ctx, t)
         n = int(cfg.keep * r.numel())
@@ -430,12 +500,20 @@ def _run(cfg: BenchConfig) -> dict:
             ref = outs[0].float()
         err = statistics.fmean(float((o.float() - ref).norm() / ref.norm()) for o in outs)
         kv_bytes = round(statistics.fmean(lay.nbytes() for lay in layers))
-        results.append({"method": name, "kv_bytes": int(kv_bytes), "full_kv_bytes": int(full_kv_bytes),
-                        "step_seconds_median": statistics.median(times[name]) / len(layers),
-                        "rel_error_vs_full": err})
+        results.append(
+            {
+                "method": name,
+                "kv_bytes": int(kv_bytes),
+                "full_kv_bytes": int(full_kv_bytes),
+                "step_seconds_median": statistics.median(times[name]) / len(layers),
+                "rel_error_vs_full": err,
+            }
+        )
     t_full = results[0]["step_seconds_median"]
-    attended = {name: round(statistics.fmean(lay.num_tokens for lay in layers)) + cfg.latent_queries
-                for name, layers in methods.items()}
+    attended = {
+        name: round(statistics.fmean(lay.num_tokens for lay in layers)) + cfg.latent_queries
+        for name, layers in methods.items()
+    }
     for r in results:
         r["speedup_vs_full"] = t_full / r["step_seconds_median"]
         # Exact attention costs about the same per attended row whatever its storage, so the ratio of
@@ -449,33 +527,44 @@ def _run(cfg: BenchConfig) -> dict:
                 uni[f"speedup_vs_{r['method']}"] = r["step_seconds_median"] / uni["step_seconds_median"]
                 uni[f"error_ratio_vs_{r['method']}"] = uni["rel_error_vs_full"] / max(r["rel_error_vs_full"], 1e-12)
     config = asdict(cfg)
-    config.update(dtype=str(dtype).replace("torch.", ""), threads=torch.get_num_threads(),
-                  composition=[(t.name.lower(), n) for t, n in cfg.layout()],
-                  total_cached_tokens=int(ctx.keys.shape[0]),
-                  scale_zero_dtype="float16 (4 B/group)", index_dtype="int32",
-                  timing="median over repeats of one attention step (queries vs compressed cache + new block); "
-                         "pyramidkv: mean over its layers",
-                  attention_path=("one fused head-major workspace per layer (resident rows, dequantized ones "
-                                  "included, + the new block) and one CPU flash call, for every method"
-                                  if cfg.fused else
-                                  "per-store attention_with_lse (CPU flash kernel with LSE) + exact LSE merge"),
-                  attended_tokens_per_kv_head=attended,
-                  **dtype_info, **info)
+    config.update(
+        dtype=str(dtype).replace("torch.", ""),
+        threads=torch.get_num_threads(),
+        composition=[(t.name.lower(), n) for t, n in cfg.layout()],
+        total_cached_tokens=int(ctx.keys.shape[0]),
+        scale_zero_dtype="float16 (4 B/group)",
+        index_dtype="int32",
+        timing="median over repeats of one attention step (queries vs compressed cache + new block); "
+        "pyramidkv: mean over its layers",
+        attention_path=(
+            "one fused head-major workspace per layer (resident rows, dequantized ones "
+            "included, + the new block) and one CPU flash call, for every method"
+            if cfg.fused
+            else "per-store attention_with_lse (CPU flash kernel with LSE) + exact LSE merge"
+        ),
+        attended_tokens_per_kv_head=attended,
+        **dtype_info,
+        **info,
+    )
     keys = ("method", "kv_bytes", "full_kv_bytes", "step_seconds_median", "speedup_vs_full", "rel_error_vs_full")
     ordered = [{k: r[k] for k in keys} | {k: v for k, v in r.items() if k not in keys} for r in results]
     return {"config": config, "results": ordered}
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{'method':<16}{'kv_bytes':>12}{'ratio':>8}{'step_s':>9}{'speedup':>9}{'rows_ratio':>11}"
-             f"{'rel_err':>10}"]
+    lines = [f"{'method':<16}{'kv_bytes':>12}{'ratio':>8}{'step_s':>9}{'speedup':>9}{'rows_ratio':>11}{'rel_err':>10}"]
     for r in report["results"]:
-        lines.append(f"{r['method']:<16}{r['kv_bytes']:>12}{r['full_kv_bytes'] / r['kv_bytes']:>8.2f}"
-                     f"{r['step_seconds_median']:>9.4f}{r['speedup_vs_full']:>9.2f}{r['attended_ratio_vs_full']:>11.2f}"
-                     f"{r['rel_error_vs_full']:>10.4f}")
+        lines.append(
+            f"{r['method']:<16}{r['kv_bytes']:>12}{r['full_kv_bytes'] / r['kv_bytes']:>8.2f}"
+            f"{r['step_seconds_median']:>9.4f}{r['speedup_vs_full']:>9.2f}{r['attended_ratio_vs_full']:>11.2f}"
+            f"{r['rel_error_vs_full']:>10.4f}"
+        )
     uni = next(r for r in report["results"] if r["method"] == "unicache")
-    extra = [f"{k.removeprefix('speedup_vs_')}={v:.2f}x" for k, v in uni.items() if k.startswith("speedup_vs_")
-             and k != "speedup_vs_full"]
+    extra = [
+        f"{k.removeprefix('speedup_vs_')}={v:.2f}x"
+        for k, v in uni.items()
+        if k.startswith("speedup_vs_") and k != "speedup_vs_full"
+    ]
     errs = [f"{k.removeprefix('error_ratio_vs_')}={v:.2f}" for k, v in uni.items() if k.startswith("error_ratio")]
     lines.append("unicache speed vs baselines: " + ", ".join(extra))
     lines.append("unicache error / baseline error: " + ", ".join(errs))
@@ -489,8 +578,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, help="timing repeats (default 7, quick 3)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = pick by probe (default)")
-    parser.add_argument("--per-store", action="store_true",
-                        help="attend store by store with an LSE merge instead of one fused workspace")
+    parser.add_argument(
+        "--per-store",
+        action="store_true",
+        help="attend store by store with an LSE merge instead of one fused workspace",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     cfg = BenchConfig(**QUICK) if args.quick else BenchConfig()

@@ -35,11 +35,20 @@ def _write_json(path: Path, data: object) -> None:
 
 
 def medium_config(vocab_size: int, num_layers: int = 4) -> BagelConfig:
-    llm = LLMConfig(hidden_size=896, intermediate_size=1792, num_hidden_layers=num_layers, num_attention_heads=14,
-                    num_key_value_heads=2, vocab_size=vocab_size, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                    max_position_embeddings=32768)
-    vit = ViTConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_hidden_layers=2,
-                    image_size=980, patch_size=14)
+    llm = LLMConfig(
+        hidden_size=896,
+        intermediate_size=1792,
+        num_hidden_layers=num_layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+    )
+    vit = ViTConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=2, num_hidden_layers=2, image_size=980, patch_size=14
+    )
     ae = AEConfig(ch=32, ch_mult=(1, 1, 1, 1), num_res_blocks=1)
     return BagelConfig(llm=llm, vit=vit, ae=ae, transforms=MEDIUM_TRANSFORMS)
 
@@ -64,10 +73,16 @@ def write_medium_checkpoint(out_dir: str | Path, *, seed: int = 0, num_layers: i
     vae = AutoEncoder(cfg.ae)
     init_weights(vae, gen, conv_fan_in=True)
     with torch.no_grad():
-        vae.encoder.conv_out.bias[cfg.ae.z_channels:].fill_(-6.0)
+        vae.encoder.conv_out.bias[cfg.ae.z_channels :].fill_(-6.0)
     llm_json = json.loads((out / "llm_config.json").read_text())
-    llm_json.update(hidden_size=896, intermediate_size=1792, num_hidden_layers=num_layers, max_window_layers=num_layers,
-                    num_attention_heads=14, num_key_value_heads=2)
+    llm_json.update(
+        hidden_size=896,
+        intermediate_size=1792,
+        num_hidden_layers=num_layers,
+        max_window_layers=num_layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+    )
     _write_json(out / "llm_config.json", llm_json)
     vit_json = json.loads((out / "vit_config.json").read_text())
     vit_json.update(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_hidden_layers=3)
@@ -75,12 +90,20 @@ def write_medium_checkpoint(out_dir: str | Path, *, seed: int = 0, num_layers: i
     ae_json = json.loads((out / "ae_config.json").read_text())
     ae_json.update(ch=32, ch_mult=[1, 1, 1, 1], num_res_blocks=1)
     _write_json(out / "ae_config.json", ae_json)
-    _write_json(out / "transform_config.json",
-                {name: dataclasses.asdict(getattr(cfg.transforms, name)) for name in ("vae", "vit")})
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out / "ema.safetensors"),
-              metadata={"format": "pt"})
-    save_file({k: v.detach().contiguous() for k, v in vae.state_dict().items()}, str(out / "ae.safetensors"),
-              metadata={"format": "pt"})
+    _write_json(
+        out / "transform_config.json",
+        {name: dataclasses.asdict(getattr(cfg.transforms, name)) for name in ("vae", "vit")},
+    )
+    save_file(
+        {k: v.detach().contiguous() for k, v in model.state_dict().items()},
+        str(out / "ema.safetensors"),
+        metadata={"format": "pt"},
+    )
+    save_file(
+        {k: v.detach().contiguous() for k, v in vae.state_dict().items()},
+        str(out / "ae.safetensors"),
+        metadata={"format": "pt"},
+    )
     marker.write_text(json.dumps(wanted) + "\n")
     logger.info("wrote medium BAGEL checkpoint to %s", out)
     return out

@@ -68,8 +68,13 @@ def run_request(loaded, task: str, size: int) -> None:
 def planned_bytes(checkpoint: Path, task: str, size: int, tokenizer) -> tuple[int, int]:
     """``(peak, tensor peak)`` of the CPU plan of :func:`run_request`'s request (its prompt and answer lengths)."""
     settings = PlanSettings(task=task, width=size, height=size, device="cpu")
-    plan = plan_memory(plan_config(checkpoint), settings, 1 << 40, prompt_tokens=len(tokenizer.encode(PROMPT)),
-                       answer_tokens=ANSWER_TOKENS)
+    plan = plan_memory(
+        plan_config(checkpoint),
+        settings,
+        1 << 40,
+        prompt_tokens=len(tokenizer.encode(PROMPT)),
+        answer_tokens=ANSWER_TOKENS,
+    )
     return plan.peak_bytes, tensor_peak_bytes(plan)
 
 
@@ -98,8 +103,13 @@ def _rss_of_run(checkpoint: Path, task: str, size: int) -> int:
 
 def rss_in_subprocess(checkpoint: Path, task: str, size: int) -> int:
     """:func:`_rss_of_run` in a fresh Python process."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.memory_plan_check", "--rss-child", str(checkpoint), task,
-                           str(size)], capture_output=True, text=True, cwd=REPO, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory_plan_check", "--rss-child", str(checkpoint), task, str(size)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"the RSS measurement of {checkpoint} {task} failed: {proc.stderr.strip()[-2000:]}")
     return int(proc.stdout.strip().splitlines()[-1])
@@ -111,9 +121,17 @@ def check(checkpoints: dict[str, tuple[Path, int]], *, rss: bool = True, tasks=T
     for name, (checkpoint, size) in checkpoints.items():
         for task in tasks:
             measured, planned_tensors, planned = tensor_accounting(checkpoint, task, size)
-            row = {"checkpoint": name, "task": task, "size": size, "plan_bytes": planned,
-                   "plan_tensor_bytes": planned_tensors, "tensor_bytes": measured,
-                   "tensor_error": round(planned_tensors / measured - 1, 4), "rss_bytes": None, "rss_error": None}
+            row = {
+                "checkpoint": name,
+                "task": task,
+                "size": size,
+                "plan_bytes": planned,
+                "plan_tensor_bytes": planned_tensors,
+                "tensor_bytes": measured,
+                "tensor_error": round(planned_tensors / measured - 1, 4),
+                "rss_bytes": None,
+                "rss_error": None,
+            }
             if rss:
                 row["rss_bytes"] = rss_in_subprocess(checkpoint, task, size)
                 row["rss_error"] = round(planned / row["rss_bytes"] - 1, 4)
@@ -124,20 +142,26 @@ def check(checkpoints: dict[str, tuple[Path, int]], *, rss: bool = True, tasks=T
 
 def format_table(rows: list[dict]) -> str:
     mb = 1e6
-    lines = [f"{'checkpoint':10s} {'task':5s} {'px':>4s} {'plan MB':>9s} {'tensors':>9s} {'measured':>9s} "
-             f"{'err':>7s} {'RSS MB':>9s} {'err':>7s}"]
+    lines = [
+        f"{'checkpoint':10s} {'task':5s} {'px':>4s} {'plan MB':>9s} {'tensors':>9s} {'measured':>9s} "
+        f"{'err':>7s} {'RSS MB':>9s} {'err':>7s}"
+    ]
     for r in rows:
         rss = "-" if r["rss_bytes"] is None else f"{r['rss_bytes'] / mb:9.2f}"
         rss_err = "-" if r["rss_error"] is None else f"{r['rss_error']:+7.1%}"
-        lines.append(f"{r['checkpoint']:10s} {r['task']:5s} {r['size']:4d} {r['plan_bytes'] / mb:9.2f} "
-                     f"{r['plan_tensor_bytes'] / mb:9.2f} {r['tensor_bytes'] / mb:9.2f} {r['tensor_error']:+7.1%} "
-                     f"{rss:>9s} {rss_err:>7s}")
+        lines.append(
+            f"{r['checkpoint']:10s} {r['task']:5s} {r['size']:4d} {r['plan_bytes'] / mb:9.2f} "
+            f"{r['plan_tensor_bytes'] / mb:9.2f} {r['tensor_bytes'] / mb:9.2f} {r['tensor_error']:+7.1%} "
+            f"{rss:>9s} {rss_err:>7s}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.memory_plan_check", description=__doc__.splitlines()[0])
-    parser.add_argument("--medium", type=Path, default=DEFAULT_MEDIUM, help="the medium checkpoint (written if missing)")
+    parser.add_argument(
+        "--medium", type=Path, default=DEFAULT_MEDIUM, help="the medium checkpoint (written if missing)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     parser.add_argument("--no-rss", action="store_true", help="tensor accounting only")
     parser.add_argument("--rss-child", nargs=3, metavar=("CHECKPOINT", "TASK", "SIZE"), help=argparse.SUPPRESS)

@@ -47,7 +47,6 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from unicache_core.bagel import BagelPipeline, RunHooks, load_bagel, preset
@@ -83,8 +82,8 @@ def paper_table_for(checkpoint: Path):
     """The paper's assignment (instruction and ViT evicted, VAE quantized) as a table for this checkpoint."""
     import dataclasses
 
-    from unicache_core.compression.policy_table import paper_policy_table
     from unicache_core.bagel.checkpoint.model_id import model_id_of
+    from unicache_core.compression.policy_table import paper_policy_table
 
     return dataclasses.replace(paper_policy_table(), model_id=model_id_of(checkpoint))
 
@@ -106,8 +105,9 @@ class QualityConfig:
 
 
 #: --quick: fewer samples and steps, two targets, no teacher-forced pass (it doubles the run; --step-fidelity adds it)
-QUICK = dict(samples={"und": 36, "t2i": 8, "edit": 8}, num_timesteps=12, targets=("paper", "robust"),
-             step_fidelity=False)
+QUICK = dict(
+    samples={"und": 36, "t2i": 8, "edit": 8}, num_timesteps=12, targets=("paper", "robust"), step_fidelity=False
+)
 #: UniCache rows, run first at each target: the baselines are matched to the first one's achieved bytes.
 UNICACHE_ROWS = ("unicache", PAPER_ROW)
 
@@ -126,20 +126,31 @@ def _request(pipe: BagelPipeline, task: str, seed: int, cfg: QualityConfig, hook
     """One bench request: ``(pipeline result, the world sample it was drawn from)``."""
     if task == "und":
         scene, q = understanding_sample(seed)
-        return pipe.understand(q.question, scene.render(), preset("understanding", max_new_tokens=4),
-                               hooks=hooks), (scene, q)
+        return pipe.understand(q.question, scene.render(), preset("understanding", max_new_tokens=4), hooks=hooks), (
+            scene,
+            q,
+        )
     if task == "t2i":
         scene = t2i_sample(seed)
-        return pipe.text_to_image(scene.caption(), preset("t2i", width=128, height=128,
-                                                          num_timesteps=cfg.num_timesteps),
-                                  seed=seed % (1 << 32), hooks=hooks), scene
+        return pipe.text_to_image(
+            scene.caption(),
+            preset("t2i", width=128, height=128, num_timesteps=cfg.num_timesteps),
+            seed=seed % (1 << 32),
+            hooks=hooks,
+        ), scene
     edit = edit_sample(seed)
-    return pipe.edit(edit.instruction, edit.source.render(), preset("edit", num_timesteps=cfg.num_timesteps),
-                     seed=seed % (1 << 32), hooks=hooks), edit
+    return pipe.edit(
+        edit.instruction,
+        edit.source.render(),
+        preset("edit", num_timesteps=cfg.num_timesteps),
+        seed=seed % (1 << 32),
+        hooks=hooks,
+    ), edit
 
 
-def run_task(pipe: BagelPipeline, task: str, cfg: QualityConfig,
-             full_outputs: dict | None) -> tuple[dict, dict, list, dict]:
+def run_task(
+    pipe: BagelPipeline, task: str, cfg: QualityConfig, full_outputs: dict | None
+) -> tuple[dict, dict, list, dict]:
     """Score one method on one task; returns ``(metrics, outputs by seed, kv reports, step paths by seed)``."""
     n = cfg.samples[task]
     outputs, reports, per_sample, paths = {}, [], [], {}
@@ -171,9 +182,11 @@ def run_task(pipe: BagelPipeline, task: str, cfg: QualityConfig,
             outputs[seed] = out
     if task == "und":
         flat = [v for vs in by_kind.values() for v in vs]
-        metrics = {"accuracy": sum(flat) / len(flat),
-                   "by_kind": {k: round(sum(v) / len(v), 4) for k, v in sorted(by_kind.items())},
-                   "per_sample": per_sample}
+        metrics = {
+            "accuracy": sum(flat) / len(flat),
+            "by_kind": {k: round(sum(v) / len(v), 4) for k, v in sorted(by_kind.items())},
+            "per_sample": per_sample,
+        }
         if full_outputs is not None:
             metrics["per_sample_to_full"] = [float(outputs[s] == full_outputs[s]) for s in outputs]
             metrics["agreement_with_full"] = statistics.fmean(metrics["per_sample_to_full"])
@@ -213,13 +226,20 @@ def calibration_check(checkpoint: Path) -> dict:
         return {"table": None, "agrees_with_paper": None, "note": f"no {CHECKPOINT_POLICY_FILE} next to the checkpoint"}
     data = json.loads(path.read_text(encoding="utf-8"))
     routes: dict[str, dict[str, str]] = {}
-    occurring = {"understanding": ("instruction", "source_vit"), "t2i": ("instruction",),
-                 "edit": ("instruction", "source_vit", "source_vae")}
+    occurring = {
+        "understanding": ("instruction", "source_vit"),
+        "t2i": ("instruction",),
+        "edit": ("instruction", "source_vit", "source_vae"),
+    }
     for entry in data.get("entries", []):
         if entry["type"] in occurring.get(entry["task"], ()):
             routes.setdefault(entry["task"], {})[entry["type"]] = entry["kind"]
-    mismatches = [f"{task}/{t}: {p} (paper: {paper[t]})" for task, types in routes.items()
-                  for t, p in types.items() if t in paper and p != paper[t]]
+    mismatches = [
+        f"{task}/{t}: {p} (paper: {paper[t]})"
+        for task, types in routes.items()
+        for t, p in types.items()
+        if t in paper and p != paper[t]
+    ]
     shown = path.resolve()
     shown = shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown  # the repository's own: no machine path
     return {"table": str(shown), "routing": routes, "agrees_with_paper": not mismatches, "mismatches": mismatches}
@@ -237,10 +257,19 @@ def run(cfg: QualityConfig) -> dict:
         for task in cfg.tasks:
             t0 = time.perf_counter()
             full_metrics, full_out, full_reports, full_paths = run_task(
-                BagelPipeline(loaded, make_cache_factory("full")), task, cfg, None)
-            results.append({"task": task, "method": "full", "target_reduction": 0.0,
-                            "achieved_reduction": _reduction(full_reports), "score": _score(task, full_metrics),
-                            "metrics": full_metrics, "seconds": round(time.perf_counter() - t0, 1)})
+                BagelPipeline(loaded, make_cache_factory("full")), task, cfg, None
+            )
+            results.append(
+                {
+                    "task": task,
+                    "method": "full",
+                    "target_reduction": 0.0,
+                    "achieved_reduction": _reduction(full_reports),
+                    "score": _score(task, full_metrics),
+                    "metrics": full_metrics,
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }
+            )
             logger.info("%s full: score %.4f (%.0fs)", task, results[-1]["score"], results[-1]["seconds"])
             for target_name in cfg.targets:
                 reduction = dict(TARGETS)[target_name][task]
@@ -255,16 +284,27 @@ def run(cfg: QualityConfig) -> dict:
                     t0 = time.perf_counter()
                     kw = {"policy": paper_table_for(checkpoint)} if method == PAPER_ROW else {}
                     run_at = reduction if method in UNICACHE_ROWS else matched
-                    factory = make_cache_factory("unicache" if method == PAPER_ROW else method,
-                                                 checkpoint_dir=str(checkpoint), kv_target=round(1.0 - run_at, 6), **kw)
+                    factory = make_cache_factory(
+                        "unicache" if method == PAPER_ROW else method,
+                        checkpoint_dir=str(checkpoint),
+                        kv_target=round(1.0 - run_at, 6),
+                        **kw,
+                    )
                     pipe = BagelPipeline(loaded, factory)
                     metrics, _, reports, _ = run_task(pipe, task, cfg, full_out)
                     if cfg.step_fidelity:
                         metrics["per_sample_step_fidelity"] = step_fidelity(pipe, task, cfg, full_paths)
                         metrics["step_fidelity_db"] = round(statistics.fmean(metrics["per_sample_step_fidelity"]), 3)
-                    row = {"task": task, "method": method, "target_reduction": reduction, "run_at_reduction": run_at,
-                           "achieved_reduction": _reduction(reports), "score": _score(task, metrics),
-                           "metrics": metrics, "seconds": round(time.perf_counter() - t0, 1)}
+                    row = {
+                        "task": task,
+                        "method": method,
+                        "target_reduction": reduction,
+                        "run_at_reduction": run_at,
+                        "achieved_reduction": _reduction(reports),
+                        "score": _score(task, metrics),
+                        "metrics": metrics,
+                        "seconds": round(time.perf_counter() - t0, 1),
+                    }
                     if method == "unicache" and cfg.match_unicache_bytes:
                         matched = row["achieved_reduction"]
                     if method == "unicache":
@@ -274,21 +314,35 @@ def run(cfg: QualityConfig) -> dict:
                         row["unicache_minus_full"] = paired_difference(unicache_samples, full_metrics["per_sample"])
                     elif unicache_samples is not None:
                         row["unicache_minus_this"] = paired_difference(unicache_samples, metrics["per_sample"])
-                        row["unicache_to_full_minus_this"] = paired_difference(unicache_to_full,
-                                                                               metrics["per_sample_to_full"])
+                        row["unicache_to_full_minus_this"] = paired_difference(
+                            unicache_to_full, metrics["per_sample_to_full"]
+                        )
                         if unicache_steps is not None:
                             row["unicache_steps_minus_this"] = paired_difference(
-                                unicache_steps, metrics["per_sample_step_fidelity"])
+                                unicache_steps, metrics["per_sample_step_fidelity"]
+                            )
                     results.append(row)
-                    logger.info("%s %s @%.0f%%: score %.4f, achieved %.1f%% (%.0fs)", task, method, 100 * reduction,
-                                row["score"], 100 * row["achieved_reduction"], row["seconds"])
+                    logger.info(
+                        "%s %s @%.0f%%: score %.4f, achieved %.1f%% (%.0fs)",
+                        task,
+                        method,
+                        100 * reduction,
+                        row["score"],
+                        100 * row["achieved_reduction"],
+                        row["seconds"],
+                    )
     finally:
         torch.set_num_threads(saved)
     config = asdict(cfg)
-    config.update(threads=torch.get_num_threads() if not cfg.threads else cfg.threads, dtype="float32", device="cpu",
-                  targets={name: dict(TARGETS)[name] for name in cfg.targets},
-                  seeds={task: [_seeds(task, 1)[0], cfg.samples[task]] for task in cfg.tasks},
-                  calibration=calibration_check(checkpoint), seconds=round(time.perf_counter() - t_start, 1))
+    config.update(
+        threads=torch.get_num_threads() if not cfg.threads else cfg.threads,
+        dtype="float32",
+        device="cpu",
+        targets={name: dict(TARGETS)[name] for name in cfg.targets},
+        seeds={task: [_seeds(task, 1)[0], cfg.samples[task]] for task in cfg.tasks},
+        calibration=calibration_check(checkpoint),
+        seconds=round(time.perf_counter() - t_start, 1),
+    )
     model_card = checkpoint / "training.json"
     if model_card.is_file():
         config["model"] = json.loads(model_card.read_text(encoding="utf-8")).get("variant")
@@ -302,11 +356,15 @@ def format_table(report: dict) -> str:
     full = {r["task"]: r for r in rows if r["method"] == "full"}
     targets = report["config"]["targets"]
     for name, reductions in targets.items():
-        head = (f"[{name}: und {reductions['und']:.0%}, t2i {reductions['t2i']:.0%}, edit {reductions['edit']:.0%} "
-                "reduction; achieved in brackets; baselines at unicache's achieved bytes]")
+        head = (
+            f"[{name}: und {reductions['und']:.0%}, t2i {reductions['t2i']:.0%}, edit {reductions['edit']:.0%} "
+            "reduction; achieved in brackets; baselines at unicache's achieved bytes]"
+        )
         lines.append(head)
-        lines.append(f"{'method':21s} {'und acc':>15s} {'t2i acc':>15s} {'edit PSNR':>16s} {'unchanged':>9s} "
-                     f"{'success':>7s} {'to full':>7s}")
+        lines.append(
+            f"{'method':21s} {'und acc':>15s} {'t2i acc':>15s} {'edit PSNR':>16s} {'unchanged':>9s} "
+            f"{'success':>7s} {'to full':>7s}"
+        )
         methods = list(dict.fromkeys(r["method"] for r in rows))  # run order: full, unicache, its paper row, ...
         for method in methods:
             cells = []
@@ -315,8 +373,16 @@ def format_table(report: dict) -> str:
                 if method == "full":
                     r = full.get(task)
                 else:
-                    r = next((x for x in rows if x["task"] == task and x["method"] == method
-                              and math.isclose(x["target_reduction"], reductions[task])), None)
+                    r = next(
+                        (
+                            x
+                            for x in rows
+                            if x["task"] == task
+                            and x["method"] == method
+                            and math.isclose(x["target_reduction"], reductions[task])
+                        ),
+                        None,
+                    )
                 if r is None:
                     cells.append(f"{'-':>15s}" if task != "edit" else f"{'-':>16s}")
                     continue
@@ -324,20 +390,28 @@ def format_table(report: dict) -> str:
                 if task == "edit":
                     cells.append(f"{r['score']:8.2f} dB {ach:>6s}")
                     m = r["metrics"]
-                    detail = (f"{m['psnr_unchanged']:9.2f}", f"{m['success']:7.2f}",
-                              f"{m.get('psnr_to_full', float('nan')):7.2f}" if method != "full" else f"{'':7s}")
+                    detail = (
+                        f"{m['psnr_unchanged']:9.2f}",
+                        f"{m['success']:7.2f}",
+                        f"{m.get('psnr_to_full', float('nan')):7.2f}" if method != "full" else f"{'':7s}",
+                    )
                 else:
                     cells.append(f"{r['score']:8.3f} {ach:>6s}")
             lines.append(f"{method:21s} " + " ".join(cells) + " " + " ".join(detail))
         lines.extend(_paired_lines(rows, methods, reductions))
         lines.append("")
     if "edit" in full:
-        lines.append(f"edit reference: the unedited source scores {full['edit']['metrics']['psnr_source_as_output']:.2f} dB "
-                     "against the target (success 0)")
+        lines.append(
+            f"edit reference: the unedited source scores {full['edit']['metrics']['psnr_source_as_output']:.2f} dB "
+            "against the target (success 0)"
+        )
     cal = report["config"].get("calibration", {})
     if cal.get("agrees_with_paper") is not None:
-        verdict = "agrees with the paper" if cal["agrees_with_paper"] else "differs from the paper: " + "; ".join(
-            cal["mismatches"])
+        verdict = (
+            "agrees with the paper"
+            if cal["agrees_with_paper"]
+            else "differs from the paper: " + "; ".join(cal["mismatches"])
+        )
         lines.append(f"calibrated policy table ({cal['table']}): {verdict}")
     else:
         lines.append(f"calibration: {cal.get('note', 'not checked')}")
@@ -347,9 +421,18 @@ def format_table(report: dict) -> str:
 def _paired_lines(rows: list[dict], methods: list[str], reductions: dict) -> list[str]:
     """UniCache minus every other row of one target, paired over the same samples (:mod:`.paired`): on the task
     scores, then on fidelity to full KV's outputs."""
+
     def at_target(task: str, method: str) -> dict | None:
-        return next((x for x in rows if x["task"] == task and x["method"] == method
-                     and math.isclose(x.get("target_reduction", 0.0), reductions[task])), None)
+        return next(
+            (
+                x
+                for x in rows
+                if x["task"] == task
+                and x["method"] == method
+                and math.isclose(x.get("target_reduction", 0.0), reductions[task])
+            ),
+            None,
+        )
 
     def block(title: str, key_for) -> list[str]:
         lines = []
@@ -364,12 +447,18 @@ def _paired_lines(rows: list[dict], methods: list[str], reductions: dict) -> lis
                 lines.append(f"  unicache - {vs:20s}" + " ".join(cells))
         return [title] + lines if lines else []
 
-    scores = block("  paired over the same samples: unicache minus each row, mean +- 95% interval (und, t2i, edit dB)",
-                   lambda m: "unicache_minus_full" if m == "unicache" else "unicache_minus_this")
-    fidelity = block("  fidelity to full KV's outputs, paired: unicache minus each row (und agreement, t2i dB, edit dB)",
-                     lambda m: None if m == "unicache" else "unicache_to_full_minus_this")
-    steps = block("  step fidelity on full KV's path (teacher-forced, dB), paired: unicache minus each row",
-                  lambda m: None if m == "unicache" else "unicache_steps_minus_this")
+    scores = block(
+        "  paired over the same samples: unicache minus each row, mean +- 95% interval (und, t2i, edit dB)",
+        lambda m: "unicache_minus_full" if m == "unicache" else "unicache_minus_this",
+    )
+    fidelity = block(
+        "  fidelity to full KV's outputs, paired: unicache minus each row (und agreement, t2i dB, edit dB)",
+        lambda m: None if m == "unicache" else "unicache_to_full_minus_this",
+    )
+    steps = block(
+        "  step fidelity on full KV's path (teacher-forced, dB), paired: unicache minus each row",
+        lambda m: None if m == "unicache" else "unicache_steps_minus_this",
+    )
     return scores + fidelity + steps
 
 
@@ -383,21 +472,33 @@ def _items(parser, name: str, value: str, allowed) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m benchmarks.quality", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer samples and steps, paper and robust targets, no teacher-forced pass (under 5 "
-                             "min on an idle machine)")
-    parser.add_argument("--targets", default=None,
-                        help=f"comma list of {', '.join(TARGET_NAMES)} (default paper,robust)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer samples and steps, paper and robust targets, no teacher-forced pass (under 5 "
+        "min on an idle machine)",
+    )
+    parser.add_argument(
+        "--targets", default=None, help=f"comma list of {', '.join(TARGET_NAMES)} (default paper,robust)"
+    )
     parser.add_argument("--json", type=path_arg, default=None, help="write the JSON report here")
-    parser.add_argument("--checkpoint", type=path_arg, default=DEFAULT_CHECKPOINT,
-                        help=f"checkpoint folder (default {DEFAULT_CHECKPOINT.relative_to(REPO)})")
+    parser.add_argument(
+        "--checkpoint",
+        type=path_arg,
+        default=DEFAULT_CHECKPOINT,
+        help=f"checkpoint folder (default {DEFAULT_CHECKPOINT.relative_to(REPO)})",
+    )
     parser.add_argument("--tasks", default=None, help="comma list: und,t2i,edit")
     parser.add_argument("--methods", default=None, help="comma list of methods (full always runs)")
     parser.add_argument("--samples", type=int, default=None, help="held-out samples per task (und gets 3x)")
     parser.add_argument("--timesteps", type=int, default=None, help="num_timesteps of t2i and edit")
     parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--step-fidelity", action=argparse.BooleanOptionalAction, default=None,
-                        help="run every row again forced along full KV's path (default: on, off with --quick)")
+    parser.add_argument(
+        "--step-fidelity",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run every row again forced along full KV's path (default: on, off with --quick)",
+    )
     args = parser.parse_args(argv)
     if not (Path(args.checkpoint) / "llm_config.json").is_file():
         parser.error(f"--checkpoint {args.checkpoint} is not a BAGEL checkpoint folder (no llm_config.json)")

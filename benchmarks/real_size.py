@@ -97,8 +97,10 @@ def write_streamed_weights(path: Path, shapes: dict[str, tuple[int, ...]], *, se
 def edit_transform_rules(source_size: int = SOURCE_SIZE) -> dict:
     """The official ViT rule and a VAE rule that keeps a ``source_size`` source at its size (the official VAE rule
     would take a 256 px source to 512 px), so the edit runs at ``source_size`` px."""
-    return {"vae": {"max_size": source_size, "min_size": source_size // 2, "stride": 16},
-            "vit": {"max_size": 980, "min_size": 224, "stride": 14}}
+    return {
+        "vae": {"max_size": source_size, "min_size": source_size // 2, "stride": 16},
+        "vit": {"max_size": 980, "min_size": 224, "stride": 14},
+    }
 
 
 def write_edit_transforms(out: Path, source_size: int = SOURCE_SIZE) -> None:
@@ -107,8 +109,14 @@ def write_edit_transforms(out: Path, source_size: int = SOURCE_SIZE) -> None:
     (out / TRANSFORM_CONFIG_FILE).write_text(json.dumps(rules, indent=1) + "\n", encoding="utf-8")
 
 
-def write_real_size_checkpoint(out: Path, *, llm: dict | None = None, vit: dict | None = None,
-                               full_vae: bool = True, source_size: int = SOURCE_SIZE) -> Path:
+def write_real_size_checkpoint(
+    out: Path,
+    *,
+    llm: dict | None = None,
+    vit: dict | None = None,
+    full_vae: bool = True,
+    source_size: int = SOURCE_SIZE,
+) -> Path:
     """The folder described in the module docstring (``llm``/``vit``: config overrides for a smaller twin;
     ``source_size``: the edit size its transform rule keeps)."""
     llm_config = {**OFFICIAL_LLM_CONFIG, **(llm or {})}
@@ -134,34 +142,51 @@ def _timed_edit(pipe: BagelPipeline) -> tuple[list[float], dict]:
     marks: list[float] = []
     start = time.perf_counter()
     image = Image.new("RGB", (SOURCE_SIZE, SOURCE_SIZE), (40, 120, 200))
-    result = pipe.edit("make the background red", image, preset("edit", num_timesteps=TIMESTEPS),
-                       hooks=RunHooks(progress=lambda done, total: marks.append(time.perf_counter())))
-    steps = [b - a for a, b in zip([start] + marks, marks)][-(TIMESTEPS - 1):]
+    result = pipe.edit(
+        "make the background red",
+        image,
+        preset("edit", num_timesteps=TIMESTEPS),
+        hooks=RunHooks(progress=lambda done, total: marks.append(time.perf_counter())),
+    )
+    steps = [b - a for a, b in zip([start] + marks, marks)][-(TIMESTEPS - 1) :]
     return steps, result
 
 
-def run(out: Path, *, weight_dtype: str = "int8", llm: dict | None = None, vit: dict | None = None,
-        full_vae: bool = True) -> dict:
+def run(
+    out: Path, *, weight_dtype: str = "int8", llm: dict | None = None, vit: dict | None = None, full_vae: bool = True
+) -> dict:
     """Write (if needed), load and run; returns the report (see the module docstring)."""
     checkpoint = write_real_size_checkpoint(out, llm=llm, vit=vit, full_vae=full_vae)
     start = time.perf_counter()
     loaded = load_bagel(checkpoint, weight_dtype=weight_dtype)
-    report: dict = {"weight_dtype": weight_dtype, "load_seconds": round(time.perf_counter() - start, 2),
-                    "file_bytes": (checkpoint / "ema.safetensors").stat().st_size, "runs": []}
+    report: dict = {
+        "weight_dtype": weight_dtype,
+        "load_seconds": round(time.perf_counter() - start, 2),
+        "file_bytes": (checkpoint / "ema.safetensors").stat().st_size,
+        "runs": [],
+    }
     for kv_method in ("full", "unicache"):
         pipe = BagelPipeline(loaded, make_cache_factory(kv_method, checkpoint_dir=str(checkpoint)))
         steps, result = _timed_edit(pipe)
-        attention = [s.get("attention_s") or 0.0 for s in result.kv_report.get("steps", [])][-len(steps):]
+        attention = [s.get("attention_s") or 0.0 for s in result.kv_report.get("steps", [])][-len(steps) :]
         start = time.perf_counter()
-        answer = pipe.understand("What is in the image?", Image.new("RGB", (SOURCE_SIZE, SOURCE_SIZE), (9, 9, 9)),
-                                 preset("understanding", max_new_tokens=ANSWER_TOKENS))
-        report["runs"].append({
-            "kv_method": kv_method, "edit_size": list(result.image.size),
-            "edit_step_seconds": [round(s, 3) for s in steps],
-            "seconds_per_step": round(statistics.median(steps[1:] or steps), 3),
-            "edit_kv_bytes_per_branch": result.info["cache_bytes"],
-            "attention_share_of_step": round(sum(attention) / sum(steps), 4) if steps and attention else None,
-            "und_seconds": round(time.perf_counter() - start, 2), "und_kv_bytes": answer.info["cache_bytes"]})
+        answer = pipe.understand(
+            "What is in the image?",
+            Image.new("RGB", (SOURCE_SIZE, SOURCE_SIZE), (9, 9, 9)),
+            preset("understanding", max_new_tokens=ANSWER_TOKENS),
+        )
+        report["runs"].append(
+            {
+                "kv_method": kv_method,
+                "edit_size": list(result.image.size),
+                "edit_step_seconds": [round(s, 3) for s in steps],
+                "seconds_per_step": round(statistics.median(steps[1:] or steps), 3),
+                "edit_kv_bytes_per_branch": result.info["cache_bytes"],
+                "attention_share_of_step": round(sum(attention) / sum(steps), 4) if steps and attention else None,
+                "und_seconds": round(time.perf_counter() - start, 2),
+                "und_kv_bytes": answer.info["cache_bytes"],
+            }
+        )
         logger.info("%s", report["runs"][-1])
     report["peak_rss_bytes"] = peak_rss_bytes()
     return report

@@ -65,16 +65,37 @@ def _measure_load(checkpoint: Path, weight_dtype: str, dtype: str) -> dict:
     seconds = time.perf_counter() - start
     peak = peak_rss_bytes()
     files = [checkpoint] if checkpoint.is_file() else list(checkpoint.glob("*.safetensors"))
-    return {"weight_dtype": weight_dtype, "dtype": dtype, "base_rss_bytes": base, "peak_rss_bytes": peak,
-            "load_peak_bytes": peak - base, "param_bytes": parameter_bytes(loaded.model) + (
-                parameter_bytes(loaded.vae) if loaded.vae is not None else 0),
-            "file_bytes": sum(p.stat().st_size for p in files), "load_seconds": seconds}
+    return {
+        "weight_dtype": weight_dtype,
+        "dtype": dtype,
+        "base_rss_bytes": base,
+        "peak_rss_bytes": peak,
+        "load_peak_bytes": peak - base,
+        "param_bytes": parameter_bytes(loaded.model) + (parameter_bytes(loaded.vae) if loaded.vae is not None else 0),
+        "file_bytes": sum(p.stat().st_size for p in files),
+        "load_seconds": seconds,
+    }
 
 
 def measure_load_in_subprocess(checkpoint: str | Path, weight_dtype: str = "auto", dtype: str = "bf16") -> dict:
     """:func:`_measure_load` in a fresh Python process (so earlier allocations do not hide the peak)."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.rss", "load", str(checkpoint), "--weight-dtype",
-                           weight_dtype, "--dtype", dtype], capture_output=True, text=True, cwd=ROOT, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.rss",
+            "load",
+            str(checkpoint),
+            "--weight-dtype",
+            weight_dtype,
+            "--dtype",
+            dtype,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"the load measurement failed: {proc.stderr.strip()[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

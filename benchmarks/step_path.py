@@ -34,7 +34,7 @@ class StepPath:
         nexts: what the run continued from after each step (latent ``[h*w, 64]`` or token id).
     """
 
-    def __init__(self, forced: "StepPath | None" = None):
+    def __init__(self, forced: StepPath | None = None):
         self.forced = forced
         self.outputs: list[Tensor] = []
         self.nexts: list = []

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch.nn import functional as F
@@ -39,13 +39,15 @@ def measure(tokens: int, rounds: int) -> dict[str, dict[str, float]]:
             continue
         layer = low_precision_operations(storage).Linear(IN_FEATURES, OUT_FEATURES, bias=False, dtype=torch.bfloat16)
         layer.load_weight(weight)
-        variants[f"{name}: upcast"] = (
-            lambda layer=layer: upcast_weight(layer.weight, layer.weight_scale, torch.bfloat16, cpu, scale_output=True))
+        variants[f"{name}: upcast"] = lambda layer=layer: upcast_weight(
+            layer.weight, layer.weight_scale, torch.bfloat16, cpu, scale_output=True
+        )
         variants[f"{name}: layer call"] = lambda layer=layer: layer(x)
         if storage == torch.int8:
             scales = layer.weight_scale.to(torch.bfloat16)
-            variants["int8: torch._weight_int8pack_mm"] = (
-                lambda layer=layer, scales=scales: torch._weight_int8pack_mm(x, layer.weight, scales))
+            variants["int8: torch._weight_int8pack_mm"] = lambda layer=layer, scales=scales: torch._weight_int8pack_mm(
+                x, layer.weight, scales
+            )
     best = {name: float("inf") for name in variants}
     with torch.inference_mode():
         for fn in variants.values():  # warm-up
@@ -75,8 +77,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:36s} {row['seconds'] * 1000:9.1f} ms  {row['ratio']:6.2f}x")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"tokens": args.tokens, "threads": torch.get_num_threads(),
-                                         "shape": [OUT_FEATURES, IN_FEATURES], "results": results}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "tokens": args.tokens,
+                    "threads": torch.get_num_threads(),
+                    "shape": [OUT_FEATURES, IN_FEATURES],
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

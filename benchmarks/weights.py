@@ -42,8 +42,18 @@ from unicache_core.shapes import edit_sample
 logger = logging.getLogger("benchmarks.weights")
 WEIGHT_DTYPES = ("bf16", "fp8_e4m3fn", "fp8_e5m2", "int8")
 KV_METHODS = ("full", "unicache")
-FIELDS = ("weight_dtype", "kv_method", "param_bytes", "load_seconds", "load_peak_rss_bytes", "step_seconds",
-          "und_accuracy", "und_answers_changed", "t2i_attribute_mean", "edit_psnr")
+FIELDS = (
+    "weight_dtype",
+    "kv_method",
+    "param_bytes",
+    "load_seconds",
+    "load_peak_rss_bytes",
+    "step_seconds",
+    "und_accuracy",
+    "und_answers_changed",
+    "t2i_attribute_mean",
+    "edit_psnr",
+)
 T2I_ATTRIBUTES = ("color", "shape", "position", "count")
 COMPUTE_DTYPE = "fp32"
 
@@ -52,8 +62,12 @@ def step_seconds(pipe: BagelPipeline, num_timesteps: int) -> float:
     """Median seconds between two denoising steps of one edit of the first held-out sample."""
     marks: list[float] = []
     edit = edit_sample(0)
-    pipe.edit(edit.instruction, edit.source.render(), preset("edit", num_timesteps=num_timesteps),
-              hooks=RunHooks(progress=lambda done, total: marks.append(time.perf_counter())))
+    pipe.edit(
+        edit.instruction,
+        edit.source.render(),
+        preset("edit", num_timesteps=num_timesteps),
+        hooks=RunHooks(progress=lambda done, total: marks.append(time.perf_counter())),
+    )
     gaps = [b - a for a, b in zip(marks, marks[1:])]
     return round(statistics.median(gaps), 4) if gaps else float("nan")
 
@@ -91,30 +105,48 @@ def run(cfg: QualityConfig, weight_dtypes=WEIGHT_DTYPES, kv_methods=KV_METHODS) 
         loaded = load_bagel(checkpoint, dtype=COMPUTE_DTYPE, weight_dtype=weight_dtype)
         for kv_method in kv_methods:
             pipe = BagelPipeline(loaded, make_cache_factory(kv_method, checkpoint_dir=str(checkpoint)))
-            row = {"weight_dtype": weight_dtype, "kv_method": kv_method, "param_bytes": load["param_bytes"],
-                   "load_seconds": round(load["load_seconds"], 4), "load_peak_rss_bytes": load["load_peak_bytes"],
-                   "step_seconds": step_seconds(pipe, cfg.num_timesteps)}
+            row = {
+                "weight_dtype": weight_dtype,
+                "kv_method": kv_method,
+                "param_bytes": load["param_bytes"],
+                "load_seconds": round(load["load_seconds"], 4),
+                "load_peak_rss_bytes": load["load_peak_bytes"],
+                "step_seconds": step_seconds(pipe, cfg.num_timesteps),
+            }
             metrics, answers = quality_metrics(pipe, cfg, reference.get(kv_method))
             reference.setdefault(kv_method, answers)
             row.update(metrics)
             rows.append(row)
             logger.info("%s", row)
     config = asdict(cfg)
-    config.update(compute_dtype=COMPUTE_DTYPE, threads=torch.get_num_threads(),
-                  und_reference_weight_dtype=weight_dtypes[0] if weight_dtypes else None)
+    config.update(
+        compute_dtype=COMPUTE_DTYPE,
+        threads=torch.get_num_threads(),
+        und_reference_weight_dtype=weight_dtypes[0] if weight_dtypes else None,
+    )
     return {"config": config, "results": rows}
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{'weight_dtype':12s} {'kv':9s} {'params MB':>9s} {'load s':>7s} {'load RSS MB':>11s} {'step s':>7s} "
-             f"{'und acc':>7s} {'changed':>7s} {'t2i attr':>8s} {'edit PSNR':>9s}"]
+    lines = [
+        f"{'weight_dtype':12s} {'kv':9s} {'params MB':>9s} {'load s':>7s} {'load RSS MB':>11s} {'step s':>7s} "
+        f"{'und acc':>7s} {'changed':>7s} {'t2i attr':>8s} {'edit PSNR':>9s}"
+    ]
     for r in report["results"]:
-        cells = [f"{r.get(k, float('nan')):{w}.{p}f}" for k, w, p in
-                 (("und_accuracy", 7, 3), ("und_answers_changed", 7, 0), ("t2i_attribute_mean", 8, 3),
-                  ("edit_psnr", 9, 2))]
-        lines.append(f"{r['weight_dtype']:12s} {r['kv_method']:9s} {r['param_bytes'] / 1e6:9.2f} "
-                     f"{r['load_seconds']:7.3f} {r['load_peak_rss_bytes'] / 1e6:11.2f} {r['step_seconds']:7.3f} "
-                     + " ".join(cells))
+        cells = [
+            f"{r.get(k, float('nan')):{w}.{p}f}"
+            for k, w, p in (
+                ("und_accuracy", 7, 3),
+                ("und_answers_changed", 7, 0),
+                ("t2i_attribute_mean", 8, 3),
+                ("edit_psnr", 9, 2),
+            )
+        ]
+        lines.append(
+            f"{r['weight_dtype']:12s} {r['kv_method']:9s} {r['param_bytes'] / 1e6:9.2f} "
+            f"{r['load_seconds']:7.3f} {r['load_peak_rss_bytes'] / 1e6:11.2f} {r['step_seconds']:7.3f} "
+            + " ".join(cells)
+        )
     return "\n".join(lines)
 
 

@@ -49,8 +49,9 @@ def from_comfy_latent(samples: torch.Tensor, config=None) -> torch.Tensor:
 
 class ComfyVAEAdapter:
     """ComfyUI's ``VAE`` (core VAELoader, FLUX ae.safetensors) as the engine's external VAE: ``encode``/``decode``
-    in BAGEL's latent convention on ``[1, 3, H, W]`` images in [-1, 1] (:class:`unicache_core.bagel.latents.VAEAdapter`).
-    ComfyUI loads and offloads the VAE itself inside its ``encode``/``decode``."""
+    in BAGEL's latent convention on ``[1, 3, H, W]`` images in [-1, 1]
+    (:class:`unicache_core.bagel.latents.VAEAdapter`). ComfyUI loads and offloads the VAE itself inside its
+    ``encode``/``decode``."""
 
     def __init__(self, vae, config=None):
         if not (callable(getattr(vae, "encode", None)) and callable(getattr(vae, "decode", None))):
@@ -68,5 +69,11 @@ class ComfyVAEAdapter:
         return pixels[..., :3].permute(0, 3, 1, 2) * 2.0 - 1.0
 
 
-__all__ = ["ComfyVAEAdapter", "check_image_batch", "from_comfy_latent", "image_to_pils", "pils_to_image",
-           "to_comfy_latent"]
+__all__ = [
+    "ComfyVAEAdapter",
+    "check_image_batch",
+    "from_comfy_latent",
+    "image_to_pils",
+    "pils_to_image",
+    "to_comfy_latent",
+]

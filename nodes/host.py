@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +64,10 @@ def policy_path(name: str) -> Path:
     path = _folder_paths().get_full_path(POLICY_FOLDER, name)
     if path is None:
         folders = ", ".join(_folder_paths().get_folder_paths(POLICY_FOLDER))
-        raise FileNotFoundError(f"policy table {name!r} not found in the unicache_policies folders ({folders}); "
-                                "pick another policy or put the JSON file there")
+        raise FileNotFoundError(
+            f"policy table {name!r} not found in the unicache_policies folders ({folders}); "
+            "pick another policy or put the JSON file there"
+        )
     return Path(path)
 
 
@@ -81,15 +83,17 @@ def qwen_tokenizer_dir() -> Path:
 
 def resolve_devices(choice: str):
     """``(load_device, offload_device)`` for the loader's ``device`` widget (``auto`` = ComfyUI's choice)."""
-    import torch
     import comfy.model_management as mm
+    import torch
 
     if choice == "cpu":
         return torch.device("cpu"), torch.device("cpu")
     if choice == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("device 'cuda': CUDA is not available in this ComfyUI (torch.cuda.is_available() is "
-                             "False); choose device 'auto' or 'cpu'")
+            raise ValueError(
+                "device 'cuda': CUDA is not available in this ComfyUI (torch.cuda.is_available() is "
+                "False); choose device 'auto' or 'cpu'"
+            )
         load = mm.get_torch_device()
         if getattr(load, "type", "") != "cuda":
             load = torch.device("cuda", torch.cuda.current_device())
@@ -115,8 +119,12 @@ def resolve_dtype(choice: str, device) -> str:
 #: The loader's ``weight_dtype`` choices: core ``UNETLoader``'s.
 WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")
 #: Each choice as the library's ``weight_dtype`` name (``auto``: stored in the compute dtype).
-_LIBRARY_WEIGHT_DTYPES = {"default": "auto", "fp8_e4m3fn": "fp8_e4m3fn", "fp8_e4m3fn_fast": "fp8_e4m3fn",
-                          "fp8_e5m2": "fp8_e5m2"}
+_LIBRARY_WEIGHT_DTYPES = {
+    "default": "auto",
+    "fp8_e4m3fn": "fp8_e4m3fn",
+    "fp8_e4m3fn_fast": "fp8_e4m3fn",
+    "fp8_e5m2": "fp8_e5m2",
+}
 
 
 def host_operations(weight_dtype: str, compute_dtype: str, load_device):
@@ -132,6 +140,7 @@ def host_operations(weight_dtype: str, compute_dtype: str, load_device):
         ``weight_dtype``: the picked namespace and the library's name of the storage dtype.
     """
     import comfy.ops
+
     from unicache_core.bagel.checkpoint.loader import parse_dtype
     from unicache_core.bagel.weights import HostOperations, plain_storage_dtype
 
@@ -140,10 +149,16 @@ def host_operations(weight_dtype: str, compute_dtype: str, load_device):
     name = _LIBRARY_WEIGHT_DTYPES[weight_dtype]
     compute = parse_dtype(compute_dtype)
     storage = plain_storage_dtype(name, compute)
-    operations = comfy.ops.pick_operations(storage, compute, load_device=load_device,
-                                           fp8_optimizations=weight_dtype == "fp8_e4m3fn_fast")
-    logger.info("BAGEL weights %s (%s), computing in %s: ComfyUI operations %s", weight_dtype, storage, compute,
-                getattr(operations, "__name__", operations))
+    operations = comfy.ops.pick_operations(
+        storage, compute, load_device=load_device, fp8_optimizations=weight_dtype == "fp8_e4m3fn_fast"
+    )
+    logger.info(
+        "BAGEL weights %s (%s), computing in %s: ComfyUI operations %s",
+        weight_dtype,
+        storage,
+        compute,
+        getattr(operations, "__name__", operations),
+    )
     return HostOperations(operations, name)
 
 
@@ -238,7 +253,22 @@ def interrupt_exception_type():
 
 
 __all__ = [
-    "BAGEL_FOLDER", "PACK_BAGEL_DIR", "POLICY_FOLDER", "SHIPPED_POLICY_DIR", "WEIGHT_DTYPES", "bagel_folders",
-    "host_operations", "interrupted", "load_to_device", "make_patcher", "policy_files", "policy_path", "progress_callback", "qwen_tokenizer_dir",
-    "raise_interrupt", "register_folders", "resolve_devices", "resolve_dtype",
+    "BAGEL_FOLDER",
+    "PACK_BAGEL_DIR",
+    "POLICY_FOLDER",
+    "SHIPPED_POLICY_DIR",
+    "WEIGHT_DTYPES",
+    "bagel_folders",
+    "host_operations",
+    "interrupted",
+    "load_to_device",
+    "make_patcher",
+    "policy_files",
+    "policy_path",
+    "progress_callback",
+    "qwen_tokenizer_dir",
+    "raise_interrupt",
+    "register_folders",
+    "resolve_devices",
+    "resolve_dtype",
 ]

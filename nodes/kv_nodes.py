@@ -25,11 +25,13 @@ def policy_choices() -> list[str]:
 
 
 class UniCacheKVConfig:
-    DESCRIPTION = ("KV-cache compression for the UniCache task nodes: `unicache` (typed: instruction and ViT "
-                   "evicted by attention, source VAE quantized, retention rho per step), a baseline (h2o, snapkv, "
-                   "pyramidkv, streamingllm, kivi, vlcache) or `full` (no compression, still reports bytes). "
-                   "Protected tokens (boundaries, the current latent, decoded text) are never compressed. Without "
-                   "this node a task runs with the full cache.")
+    DESCRIPTION = (
+        "KV-cache compression for the UniCache task nodes: `unicache` (typed: instruction and ViT "
+        "evicted by attention, source VAE quantized, retention rho per step), a baseline (h2o, snapkv, "
+        "pyramidkv, streamingllm, kivi, vlcache) or `full` (no compression, still reports bytes). "
+        "Protected tokens (boundaries, the current latent, decoded text) are never compressed. Without "
+        "this node a task runs with the full cache."
+    )
     CATEGORY = "UniCache/cache"
     FUNCTION = "build"
     RETURN_TYPES = ("UNICACHE_KV",)
@@ -39,28 +41,73 @@ class UniCacheKVConfig:
     @classmethod
     def INPUT_TYPES(cls):
         policies = policy_choices()
-        return {"required": {
-            "method": (list(METHODS), {"default": "unicache", "tooltip":
-                       "Compression method. full = uncompressed (bit-identical to no KV node)."}),
-            "kv_target": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip":
-                          "Retained share of the compressible KV memory (0.2 = keep 20%, 5x less). 0 = the task's "
-                          "default (the paper's 80% reduction for edit and understanding, 60% for text-to-image; "
-                          "for unicache: its rho schedule). For unicache an explicit target fixes rho0."}),
-            "rho": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip":
-                    "unicache only: starting retention rho0 in (0, 1]. 0 = the preset (0.2 understanding, 0.5 "
-                    "text-to-image and edit). Ignored by the other methods."}),
-            "rho_floor": ("FLOAT", {"default": -1.0, "min": -1.0, "max": 1.0, "step": 0.01, "tooltip":
-                          "unicache only: the lowest retention the schedule decays to (<= rho). -1 = the preset "
-                          "(0.35 text-to-image, 0.1 edit); 0 is a real floor. Ignored by the other methods."}),
-            "policy": (policies, {"default": DEFAULT_POLICY, "tooltip":
-                       "unicache only: the policy table (which token type is evicted or quantized). default = the "
-                       "checkpoint's unicache_policy.json, else the shipped paper table. Other tables: JSON files "
-                       "in models/unicache_policies."}),
-        }, "optional": {
-            "score_queries": ("INT", {"default": SCORE_QUERIES, "min": 1, "max": 65536, "step": 1, "tooltip":
-                              "Most queries a forward scores keys with (strided latent queries, or the last text "
-                              "queries). More is more exact and slower."}),
-        }}
+        return {
+            "required": {
+                "method": (
+                    list(METHODS),
+                    {
+                        "default": "unicache",
+                        "tooltip": "Compression method. full = uncompressed (bit-identical to no KV node).",
+                    },
+                ),
+                "kv_target": (
+                    "FLOAT",
+                    {
+                        "default": 0.0,
+                        "min": 0.0,
+                        "max": 1.0,
+                        "step": 0.01,
+                        "tooltip": "Retained share of the compressible KV memory (0.2 = keep 20%, 5x less). 0 = the "
+                        "task's default (the paper's 80% reduction for edit and understanding, 60% for text-to-image; "
+                        "for unicache: its rho schedule). For unicache an explicit target fixes rho0.",
+                    },
+                ),
+                "rho": (
+                    "FLOAT",
+                    {
+                        "default": 0.0,
+                        "min": 0.0,
+                        "max": 1.0,
+                        "step": 0.01,
+                        "tooltip": "unicache only: starting retention rho0 in (0, 1]. 0 = the preset (0.2 "
+                        "understanding, 0.5 text-to-image and edit). Ignored by the other methods.",
+                    },
+                ),
+                "rho_floor": (
+                    "FLOAT",
+                    {
+                        "default": -1.0,
+                        "min": -1.0,
+                        "max": 1.0,
+                        "step": 0.01,
+                        "tooltip": "unicache only: the lowest retention the schedule decays to (<= rho). -1 = the "
+                        "preset (0.35 text-to-image, 0.1 edit); 0 is a real floor. Ignored by the other methods.",
+                    },
+                ),
+                "policy": (
+                    policies,
+                    {
+                        "default": DEFAULT_POLICY,
+                        "tooltip": "unicache only: the policy table (which token type is evicted or quantized). "
+                        "default = the checkpoint's unicache_policy.json, else the shipped paper table. Other tables: "
+                        "JSON files in models/unicache_policies.",
+                    },
+                ),
+            },
+            "optional": {
+                "score_queries": (
+                    "INT",
+                    {
+                        "default": SCORE_QUERIES,
+                        "min": 1,
+                        "max": 65536,
+                        "step": 1,
+                        "tooltip": "Most queries a forward scores keys with (strided latent queries, or the last text "
+                        "queries). More is more exact and slower.",
+                    },
+                ),
+            },
+        }
 
     @classmethod
     def VALIDATE_INPUTS(cls, kv_target, rho, rho_floor):
@@ -76,9 +123,12 @@ class UniCacheKVConfig:
         policy_path = str(host.policy_path(policy)) if unicache and policy != DEFAULT_POLICY else None
         try:
             config = KVConfig(
-                method=method, kv_target=kv_target if kv_target > 0 else None,
-                rho=rho if unicache and rho > 0 else None, rho_floor=rho_floor if unicache and rho_floor >= 0 else None,
-                policy=policy_path, score_queries=int(score_queries),
+                method=method,
+                kv_target=kv_target if kv_target > 0 else None,
+                rho=rho if unicache and rho > 0 else None,
+                rho_floor=rho_floor if unicache and rho_floor >= 0 else None,
+                policy=policy_path,
+                score_queries=int(score_queries),
             )
         except ValueError as exc:
             raise ValueError(f"UniCache KV config: {exc}") from None

@@ -8,8 +8,15 @@ from unicache_core.bagel.settings import BUNDLED_CHECKPOINT
 
 from . import host
 from .model import (
-    NO_CHECKPOINT, BagelModel, BagelModules, cached_model, file_identity, list_checkpoints, load_checkpoint,
-    remember_model, resolve_checkpoint,
+    NO_CHECKPOINT,
+    BagelModel,
+    BagelModules,
+    cached_model,
+    file_identity,
+    list_checkpoints,
+    load_checkpoint,
+    remember_model,
+    resolve_checkpoint,
 )
 
 logger = logging.getLogger(__name__)
@@ -27,12 +34,14 @@ def checkpoint_choices() -> list[str]:
 
 
 class UniCacheBagelLoader:
-    DESCRIPTION = ("Loads a BAGEL checkpoint from the `bagel` model folders (ComfyUI's models/bagel and the pack's "
-                   "models/bagel): an official BAGEL-7B-MoT folder or a single-file .safetensors checkpoint "
-                   "(tokenizer: ComfyUI's bundled Qwen2.5; VAE: connect a core VAELoader to the task nodes). The "
-                   "model is built from ComfyUI's layer operations, loaded once and reused by later prompts; ComfyUI "
-                   "moves it between the GPU and the offload device, partially when VRAM is short (lowvram), and "
-                   "`weight_dtype` stores its weights in fp8 as core UNETLoader does.")
+    DESCRIPTION = (
+        "Loads a BAGEL checkpoint from the `bagel` model folders (ComfyUI's models/bagel and the pack's "
+        "models/bagel): an official BAGEL-7B-MoT folder or a single-file .safetensors checkpoint "
+        "(tokenizer: ComfyUI's bundled Qwen2.5; VAE: connect a core VAELoader to the task nodes). The "
+        "model is built from ComfyUI's layer operations, loaded once and reused by later prompts; ComfyUI "
+        "moves it between the GPU and the offload device, partially when VRAM is short (lowvram), and "
+        "`weight_dtype` stores its weights in fp8 as core UNETLoader does."
+    )
     CATEGORY = "UniCache/BAGEL"
     FUNCTION = "load"
     RETURN_TYPES = ("BAGEL_MODEL",)
@@ -42,27 +51,49 @@ class UniCacheBagelLoader:
     @classmethod
     def INPUT_TYPES(cls):
         choices = checkpoint_choices()
-        return {"required": {
-            "checkpoint": (choices, {"default": BUNDLED_CHECKPOINT if BUNDLED_CHECKPOINT in choices
-                                     else choices[0], "tooltip":
-                           "A checkpoint in models/bagel: an official folder (holding llm_config.json) or a single "
-                           ".safetensors file. The pack ships `unicache-shapes`, a small BAGEL trained on coloured "
-                           "shapes (prompts like 'a large red circle at the top left on a white background')."}),
-            "dtype": (DTYPES, {"default": "auto", "tooltip":
-                      "Compute dtype of BAGEL, and the dtype of its weights with weight_dtype `default` (the VAE "
-                      "always stays fp32). auto: bf16 on a GPU that supports it, else fp32. BAGEL-7B's weights "
-                      "take about 29 GB in bf16/fp16 and 58 GB in fp32."}),
-            "device": (DEVICES, {"default": "auto", "tooltip":
-                       "Where the model runs. auto: ComfyUI's device (GPU if any; honours --cpu); idle weights "
-                       "go to ComfyUI's offload device."}),
-        }, "optional": {
-            # optional, so that a workflow saved before this input existed still runs (as `default`)
-            "weight_dtype": (list(host.WEIGHT_DTYPES), {"default": "default", "tooltip":
-                             "How BAGEL's weights are stored, as in core UNETLoader. default: in `dtype`. fp8_e4m3fn "
-                             "/ fp8_e5m2: one byte per weight (about half of bf16), cast to `dtype` layer by layer as "
-                             "it runs; images stay close to default's. fp8_e4m3fn_fast: also fp8 matrix "
-                             "multiplication on GPUs that have it (RTX 40xx and newer). The VAE stays fp32."}),
-        }}
+        return {
+            "required": {
+                "checkpoint": (
+                    choices,
+                    {
+                        "default": BUNDLED_CHECKPOINT if BUNDLED_CHECKPOINT in choices else choices[0],
+                        "tooltip": "A checkpoint in models/bagel: an official folder (holding llm_config.json) or a "
+                        "single .safetensors file. The pack ships `unicache-shapes`, a small BAGEL trained on coloured "
+                        "shapes (prompts like 'a large red circle at the top left on a white background').",
+                    },
+                ),
+                "dtype": (
+                    DTYPES,
+                    {
+                        "default": "auto",
+                        "tooltip": "Compute dtype of BAGEL, and the dtype of its weights with weight_dtype `default` "
+                        "(the VAE always stays fp32). auto: bf16 on a GPU that supports it, else fp32. BAGEL-7B's "
+                        "weights take about 29 GB in bf16/fp16 and 58 GB in fp32.",
+                    },
+                ),
+                "device": (
+                    DEVICES,
+                    {
+                        "default": "auto",
+                        "tooltip": "Where the model runs. auto: ComfyUI's device (GPU if any; honours --cpu); idle "
+                        "weights go to ComfyUI's offload device.",
+                    },
+                ),
+            },
+            "optional": {
+                # optional, so that a workflow saved before this input existed still runs (as `default`)
+                "weight_dtype": (
+                    list(host.WEIGHT_DTYPES),
+                    {
+                        "default": "default",
+                        "tooltip": "How BAGEL's weights are stored, as in core UNETLoader. default: in `dtype`. "
+                        "fp8_e4m3fn / fp8_e5m2: one byte per weight (about half of bf16), cast to `dtype` layer by "
+                        "layer as it runs; images stay close to default's. fp8_e4m3fn_fast: also fp8 matrix "
+                        "multiplication on GPUs that have it (RTX 40xx and newer). The VAE stays fp32.",
+                    },
+                ),
+            },
+        }
 
     @classmethod
     def IS_CHANGED(cls, checkpoint, dtype, device, weight_dtype="default"):
@@ -80,11 +111,23 @@ class UniCacheBagelLoader:
         key = (*identity, dtype_name, str(load_device), weight_dtype)
         model = cached_model(key)
         if model is None:
-            loaded = load_checkpoint(path, dtype=dtype_name, device=offload_device, tokenizer_dir=host.qwen_tokenizer_dir,
-                                     weight_dtype=host_weights)
+            loaded = load_checkpoint(
+                path,
+                dtype=dtype_name,
+                device=offload_device,
+                tokenizer_dir=host.qwen_tokenizer_dir,
+                weight_dtype=host_weights,
+            )
             patcher = host.make_patcher(BagelModules(loaded), load_device, offload_device)
-            model = BagelModel(loaded=loaded, patcher=patcher, name=checkpoint, identity=identity, dtype=dtype_name,
-                               device=str(load_device), weight_dtype=weight_dtype)
+            model = BagelModel(
+                loaded=loaded,
+                patcher=patcher,
+                name=checkpoint,
+                identity=identity,
+                dtype=dtype_name,
+                device=str(load_device),
+                weight_dtype=weight_dtype,
+            )
             remember_model(key, model)
         else:
             logger.info("reusing the loaded BAGEL checkpoint %s", checkpoint)

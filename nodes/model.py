@@ -13,9 +13,10 @@ import dataclasses
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -136,7 +137,9 @@ def list_checkpoints(folders: Sequence[Path], *, include_files: bool = True) -> 
                         names.append(rel)
                 elif depth < MAX_DEPTH:
                     visit(root, sub / entry.name, depth + 1)
-            elif include_files and entry.name.endswith(".safetensors") and entry.is_file() and is_bagel_file(entry.path):
+            elif (
+                include_files and entry.name.endswith(".safetensors") and entry.is_file() and is_bagel_file(entry.path)
+            ):
                 if rel not in seen:
                     seen.add(rel)
                     names.append(rel)
@@ -154,15 +157,18 @@ def resolve_checkpoint(name: str, folders: Sequence[Path]) -> Path:
             f"no BAGEL checkpoint was found in the bagel model folders ({where}); put an official BAGEL-7B-MoT "
             "folder (llm_config.json, vit_config.json, ema.safetensors, ae.safetensors, tokenizer files) or a "
             "single-file .safetensors checkpoint there, or run `make bundled` in the pack for the tiny test model, "
-            "then press R in ComfyUI to refresh the list")
+            "then press R in ComfyUI to refresh the list"
+        )
     if Path(name).is_absolute() or ".." in Path(name).parts:
         raise ValueError(f"checkpoint {name!r} must be a name listed in the bagel folders, not a path")
     for folder in folders:
         candidate = Path(folder) / name
         if candidate.exists():
             return candidate
-    raise FileNotFoundError(f"checkpoint {name!r} is not in the bagel model folders ({where}); it may have been "
-                            "moved or deleted: press R in ComfyUI to refresh the list and choose again")
+    raise FileNotFoundError(
+        f"checkpoint {name!r} is not in the bagel model folders ({where}); it may have been "
+        "moved or deleted: press R in ComfyUI to refresh the list and choose again"
+    )
 
 
 def file_identity(path: Path) -> tuple:
@@ -178,7 +184,7 @@ def file_identity(path: Path) -> tuple:
 
 # ------------------------------------------------------------------------------------------ model cache
 
-_CACHE: "OrderedDict[tuple, BagelModel]" = OrderedDict()
+_CACHE: OrderedDict[tuple, BagelModel] = OrderedDict()
 
 
 def cached_model(key: tuple) -> BagelModel | None:
@@ -199,8 +205,9 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def load_checkpoint(path: Path, *, dtype: str, device: torch.device, tokenizer_dir: Callable[[], Path],
-                    weight_dtype: Any = "auto") -> LoadedBagel:
+def load_checkpoint(
+    path: Path, *, dtype: str, device: torch.device, tokenizer_dir: Callable[[], Path], weight_dtype: Any = "auto"
+) -> LoadedBagel:
     """:func:`~unicache_core.bagel.load_bagel` on a folder or a single ``.safetensors`` file (whose tokenizer is
     ``tokenizer_dir()``); ``weight_dtype``: the host's layers and storage (:func:`nodes.host.host_operations`)."""
     options = dict(dtype=dtype, device=device, weight_dtype=weight_dtype)
@@ -209,6 +216,18 @@ def load_checkpoint(path: Path, *, dtype: str, device: torch.device, tokenizer_d
     return load_bagel(path, **options)
 
 
-__all__ = ["BagelModel", "BagelModules", "CACHE_SIZE", "NO_CHECKPOINT", "cached_model", "clear_cache",
-           "file_identity", "is_bagel_file", "list_checkpoints", "load_checkpoint", "module_bytes",
-           "remember_model", "resolve_checkpoint"]
+__all__ = [
+    "BagelModel",
+    "BagelModules",
+    "CACHE_SIZE",
+    "NO_CHECKPOINT",
+    "cached_model",
+    "clear_cache",
+    "file_identity",
+    "is_bagel_file",
+    "list_checkpoints",
+    "load_checkpoint",
+    "module_bytes",
+    "remember_model",
+    "resolve_checkpoint",
+]

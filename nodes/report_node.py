@@ -8,16 +8,20 @@ from .convert import pils_to_image
 
 
 class UniCacheKVReport:
-    DESCRIPTION = ("Shows the KV-cache report of a UniCache task node: a plot of the bytes held per token type and "
-                   "branch and of the retention rho per step, a text summary (full / held / peak bytes, reduction), "
-                   "and a chart drawn on the node.")
+    DESCRIPTION = (
+        "Shows the KV-cache report of a UniCache task node: a plot of the bytes held per token type and "
+        "branch and of the retention rho per step, a text summary (full / held / peak bytes, reduction), "
+        "and a chart drawn on the node."
+    )
     CATEGORY = "UniCache/cache"
     FUNCTION = "show"
     OUTPUT_NODE = True
     RETURN_TYPES = ("IMAGE", "STRING")
     RETURN_NAMES = ("plot", "summary")
-    OUTPUT_TOOLTIPS = ("The report plot as an image (e.g. for PreviewImage or SaveImage).",
-                       "The report summary as text.")
+    OUTPUT_TOOLTIPS = (
+        "The report plot as an image (e.g. for PreviewImage or SaveImage).",
+        "The report summary as text.",
+    )
 
     @classmethod
     def INPUT_TYPES(cls):

@@ -16,8 +16,16 @@ from unicache_core.bagel import RENORM_TYPES, BagelPipeline, GivenLatents, Image
 from unicache_core.bagel.accounting import count_request, request_memory_bytes
 from unicache_core.bagel.seeding import MAX_SEED
 from unicache_core.bagel.settings import (
-    EDIT_DEFAULTS, MAX_CFG_SCALE, MAX_NUM_TIMESTEPS, T2I_DEFAULTS, TEMPERATURE_RANGE, TIMESTEP_SHIFT_RANGE,
-    UNDERSTANDING_DEFAULTS, check_output_size, check_prompt, preset,
+    EDIT_DEFAULTS,
+    MAX_CFG_SCALE,
+    MAX_NUM_TIMESTEPS,
+    T2I_DEFAULTS,
+    TEMPERATURE_RANGE,
+    TIMESTEP_SHIFT_RANGE,
+    UNDERSTANDING_DEFAULTS,
+    check_output_size,
+    check_prompt,
+    preset,
 )
 from unicache_core.compression import KVConfig, make_cache_factory
 from unicache_core.compression.report_view import chart_data
@@ -44,36 +52,111 @@ OUTPUT_TOOLTIPS = (
 
 
 def _seed():
-    return ("INT", {"default": 0, "min": 0, "max": MAX_SEED, "step": 1, "control_after_generate": True,
-                    "tooltip": "Seed of all random draws (noise, sampled text); any value in [0, 2^64-1]. Seeds "
-                               "below 2^32 reproduce the official BAGEL stream."})
+    return (
+        "INT",
+        {
+            "default": 0,
+            "min": 0,
+            "max": MAX_SEED,
+            "step": 1,
+            "control_after_generate": True,
+            "tooltip": "Seed of all random draws (noise, sampled text); any value in [0, 2^64-1]. Seeds "
+            "below 2^32 reproduce the official BAGEL stream.",
+        },
+    )
 
 
 def _generation_inputs(defaults) -> dict:
     lo, hi = TIMESTEP_SHIFT_RANGE
     return {
-        "steps": ("INT", {"default": defaults.num_timesteps, "min": 2, "max": MAX_NUM_TIMESTEPS, "step": 1,
-                          "tooltip": "Points of the timestep schedule (BAGEL's num_timesteps; steps-1 Euler updates "
-                                     "are run). Official: 50."}),
+        "steps": (
+            "INT",
+            {
+                "default": defaults.num_timesteps,
+                "min": 2,
+                "max": MAX_NUM_TIMESTEPS,
+                "step": 1,
+                "tooltip": "Points of the timestep schedule (BAGEL's num_timesteps; steps-1 Euler updates "
+                "are run). Official: 50.",
+            },
+        ),
         "seed": _seed(),
-        "cfg_text_scale": ("FLOAT", {"default": defaults.cfg_text_scale, "min": 0.0, "max": MAX_CFG_SCALE, "step": 0.1,
-                                     "round": 0.01, "tooltip": "Text guidance; <= 1 turns it (and image guidance) off."}),
-        "cfg_img_scale": ("FLOAT", {"default": defaults.cfg_img_scale, "min": 0.0, "max": MAX_CFG_SCALE, "step": 0.1,
-                                    "round": 0.01, "tooltip": "Image guidance; <= 1 turns it off."}),
-        "cfg_interval_lo": ("FLOAT", {"default": defaults.cfg_interval[0], "min": 0.0, "max": 1.0, "step": 0.01,
-                                      "tooltip": "Guidance runs for the steps with lo < t <= hi (t goes from 1 to 0)."}),
-        "cfg_interval_hi": ("FLOAT", {"default": defaults.cfg_interval[1], "min": 0.0, "max": 1.0, "step": 0.01,
-                                      "tooltip": "Upper end of the guidance interval (>= lo)."}),
-        "timestep_shift": ("FLOAT", {"default": defaults.timestep_shift, "min": lo, "max": hi, "step": 0.1,
-                                     "round": 0.01, "tooltip": "Shift s of the schedule t' = s t / (1 + (s-1) t). "
-                                                               "Official: 3.0."}),
-        "cfg_renorm_min": ("FLOAT", {"default": defaults.cfg_renorm_min, "min": 0.0, "max": 1.0, "step": 0.01,
-                                     "tooltip": "Lower clamp of the norm ratio after guidance (1 = no renorm)."}),
-        "cfg_renorm_type": (list(RENORM_TYPES), {"default": defaults.cfg_renorm_type,
-                                                 "tooltip": "How the guided velocity is renormalised."}),
-        "think": ("BOOLEAN", {"default": False, "label_on": "think", "label_off": "direct",
-                              "tooltip": "Decode a plan first (think mode) and generate from it; the plan is the "
-                                         "`thinking` output."}),
+        "cfg_text_scale": (
+            "FLOAT",
+            {
+                "default": defaults.cfg_text_scale,
+                "min": 0.0,
+                "max": MAX_CFG_SCALE,
+                "step": 0.1,
+                "round": 0.01,
+                "tooltip": "Text guidance; <= 1 turns it (and image guidance) off.",
+            },
+        ),
+        "cfg_img_scale": (
+            "FLOAT",
+            {
+                "default": defaults.cfg_img_scale,
+                "min": 0.0,
+                "max": MAX_CFG_SCALE,
+                "step": 0.1,
+                "round": 0.01,
+                "tooltip": "Image guidance; <= 1 turns it off.",
+            },
+        ),
+        "cfg_interval_lo": (
+            "FLOAT",
+            {
+                "default": defaults.cfg_interval[0],
+                "min": 0.0,
+                "max": 1.0,
+                "step": 0.01,
+                "tooltip": "Guidance runs for the steps with lo < t <= hi (t goes from 1 to 0).",
+            },
+        ),
+        "cfg_interval_hi": (
+            "FLOAT",
+            {
+                "default": defaults.cfg_interval[1],
+                "min": 0.0,
+                "max": 1.0,
+                "step": 0.01,
+                "tooltip": "Upper end of the guidance interval (>= lo).",
+            },
+        ),
+        "timestep_shift": (
+            "FLOAT",
+            {
+                "default": defaults.timestep_shift,
+                "min": lo,
+                "max": hi,
+                "step": 0.1,
+                "round": 0.01,
+                "tooltip": "Shift s of the schedule t' = s t / (1 + (s-1) t). Official: 3.0.",
+            },
+        ),
+        "cfg_renorm_min": (
+            "FLOAT",
+            {
+                "default": defaults.cfg_renorm_min,
+                "min": 0.0,
+                "max": 1.0,
+                "step": 0.01,
+                "tooltip": "Lower clamp of the norm ratio after guidance (1 = no renorm).",
+            },
+        ),
+        "cfg_renorm_type": (
+            list(RENORM_TYPES),
+            {"default": defaults.cfg_renorm_type, "tooltip": "How the guided velocity is renormalised."},
+        ),
+        "think": (
+            "BOOLEAN",
+            {
+                "default": False,
+                "label_on": "think",
+                "label_off": "direct",
+                "tooltip": "Decode a plan first (think mode) and generate from it; the plan is the `thinking` output.",
+            },
+        ),
     }
 
 
@@ -82,8 +165,13 @@ def _prompt(default: str, tip: str):
 
 
 KV_INPUT = ("UNICACHE_KV", {"tooltip": "KV-cache compression (UniCache KV Config). None = full cache."})
-VAE_INPUT = ("VAE", {"tooltip": "Optional FLUX VAE (core VAELoader, ae.safetensors) instead of the checkpoint's own; "
-                                "needed for single-file checkpoints without a VAE."})
+VAE_INPUT = (
+    "VAE",
+    {
+        "tooltip": "Optional FLUX VAE (core VAELoader, ae.safetensors) instead of the checkpoint's own; "
+        "needed for single-file checkpoints without a VAE."
+    },
+)
 
 
 # ------------------------------------------------------------------------------------------- running
@@ -122,10 +210,11 @@ class _Progress:
         self(done, total, to_comfy_latent(x0.cpu(), self.loaded))
 
 
-def _run(call):
-    """Run one engine call (its hooks poll ComfyUI's interrupt); an engine cancel becomes ComfyUI's interrupt."""
+def _run(call, *args, **kwargs):
+    """``call(*args, **kwargs)``, one engine call (its hooks poll ComfyUI's interrupt); an engine cancel becomes
+    ComfyUI's interrupt."""
     try:
-        return call()
+        return call(*args, **kwargs)
     except CancelledError:
         host.raise_interrupt()
 
@@ -139,8 +228,9 @@ def _memory(model: BagelModel, task: str, prompt: str, settings, source_size=Non
     edit's output size set by its source latent."""
     check_prompt(prompt)  # before the tokenizer sees it (a lone surrogate can arrive in a /prompt JSON)
     loaded = model.loaded
-    tokens = count_request(loaded.config, loaded.tokenizer, task, prompt, settings, source_size=source_size,
-                           vae_size=vae_size)
+    tokens = count_request(
+        loaded.config, loaded.tokenizer, task, prompt, settings, source_size=source_size, vae_size=vae_size
+    )
     return request_memory_bytes(loaded.config, loaded.dtype, tokens)
 
 
@@ -150,8 +240,10 @@ def _external_vae(loaded, vae):
     if vae is not None:
         return ComfyVAEAdapter(vae, loaded)
     if getattr(loaded, "vae", None) is None:
-        raise ValueError("this checkpoint has no VAE of its own (a single-file checkpoint): connect a core VAELoader "
-                         "with the FLUX ae.safetensors (models/vae) to the `vae` input")
+        raise ValueError(
+            "this checkpoint has no VAE of its own (a single-file checkpoint): connect a core VAELoader "
+            "with the FLUX ae.safetensors (models/vae) to the `vae` input"
+        )
     return None
 
 
@@ -170,7 +262,7 @@ def _source_latents(latent, count: int, loaded) -> tuple[list, tuple[int, int]]:
     if samples.shape[0] not in (1, count):
         raise ValueError(f"`latent` holds {samples.shape[0]} latents for {count} images; encode the same batch")
     samples, size = fit_source_latent(samples, loaded.config)
-    return [from_comfy_latent(samples[min(i, samples.shape[0] - 1):][:1], loaded) for i in range(count)], size
+    return [from_comfy_latent(samples[min(i, samples.shape[0] - 1) :][:1], loaded) for i in range(count)], size
 
 
 def _merge_reports(reports: list[dict]) -> dict:
@@ -190,22 +282,44 @@ def _generation_outputs(results, pipe: BagelPipeline) -> tuple:
     return image, latent, thinking, _merge_reports([r.kv_report for r in results])
 
 
-def _generation_settings(task, steps, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi, timestep_shift,
-                         cfg_renorm_min, cfg_renorm_type, think, **size):
+def _generation_settings(
+    task,
+    steps,
+    cfg_text_scale,
+    cfg_img_scale,
+    cfg_interval_lo,
+    cfg_interval_hi,
+    timestep_shift,
+    cfg_renorm_min,
+    cfg_renorm_type,
+    think,
+    **size,
+):
     """The widgets of a generation node as the engine's settings (the ``task`` preset's other values)."""
     if cfg_interval_lo > cfg_interval_hi:
         raise ValueError(f"cfg_interval_lo ({cfg_interval_lo}) must not exceed cfg_interval_hi ({cfg_interval_hi})")
-    return preset(task, num_timesteps=steps, cfg_text_scale=cfg_text_scale, cfg_img_scale=cfg_img_scale,
-                  cfg_interval=(cfg_interval_lo, cfg_interval_hi), timestep_shift=timestep_shift,
-                  cfg_renorm_min=cfg_renorm_min, cfg_renorm_type=cfg_renorm_type, think=think, **size)
+    return preset(
+        task,
+        num_timesteps=steps,
+        cfg_text_scale=cfg_text_scale,
+        cfg_img_scale=cfg_img_scale,
+        cfg_interval=(cfg_interval_lo, cfg_interval_hi),
+        timestep_shift=timestep_shift,
+        cfg_renorm_min=cfg_renorm_min,
+        cfg_renorm_type=cfg_renorm_type,
+        think=think,
+        **size,
+    )
 
 
 # ------------------------------------------------------------------------------------------- nodes
 
 
 class UniCacheTextToImage:
-    DESCRIPTION = ("Text-to-image with BAGEL; the KV cache is compressed by the connected UniCache KV Config (full "
-                   "when none). Outputs the image, its latent (FLUX convention), the think-mode plan and the KV report.")
+    DESCRIPTION = (
+        "Text-to-image with BAGEL; the KV cache is compressed by the connected UniCache KV Config (full "
+        "when none). Outputs the image, its latent (FLUX convention), the think-mode plan and the KV report."
+    )
     CATEGORY = "UniCache/BAGEL"
     FUNCTION = "generate"
     RETURN_TYPES = OUTPUTS
@@ -216,47 +330,102 @@ class UniCacheTextToImage:
     def INPUT_TYPES(cls):
         d = T2I_DEFAULTS
         size = {"min": 16, "max": 1024, "step": 16}
-        return {"required": {
-            "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
-            "prompt": _prompt("a large red circle at the top left on a white background",
-                              "What to draw. The bundled unicache-shapes model knows the shapes world: "
-                              "'a small blue square at the center and a large yellow triangle at the bottom right "
-                              "on a gray background' (docs/shapes.md)."),
-            "width": ("INT", {"default": d.width, **size, "tooltip": "Output width in pixels (multiple of 16)."}),
-            "height": ("INT", {"default": d.height, **size, "tooltip": "Output height in pixels (multiple of 16)."}),
-            **_generation_inputs(d),
-        }, "optional": {"kv": KV_INPUT, "vae": VAE_INPUT}}
+        return {
+            "required": {
+                "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
+                "prompt": _prompt(
+                    "a large red circle at the top left on a white background",
+                    "What to draw. The bundled unicache-shapes model knows the shapes world: "
+                    "'a small blue square at the center and a large yellow triangle at the bottom right "
+                    "on a gray background' (docs/shapes.md).",
+                ),
+                "width": ("INT", {"default": d.width, **size, "tooltip": "Output width in pixels (multiple of 16)."}),
+                "height": (
+                    "INT",
+                    {"default": d.height, **size, "tooltip": "Output height in pixels (multiple of 16)."},
+                ),
+                **_generation_inputs(d),
+            },
+            "optional": {"kv": KV_INPUT, "vae": VAE_INPUT},
+        }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, width, height, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi,
-                        timestep_shift, cfg_renorm_min):
-        return check_widgets(cls, width=width, height=height, cfg_text_scale=cfg_text_scale,
-                             cfg_img_scale=cfg_img_scale, cfg_interval_lo=cfg_interval_lo,
-                             cfg_interval_hi=cfg_interval_hi, timestep_shift=timestep_shift,
-                             cfg_renorm_min=cfg_renorm_min)
+    def VALIDATE_INPUTS(
+        cls,
+        width,
+        height,
+        cfg_text_scale,
+        cfg_img_scale,
+        cfg_interval_lo,
+        cfg_interval_hi,
+        timestep_shift,
+        cfg_renorm_min,
+    ):
+        return check_widgets(
+            cls,
+            width=width,
+            height=height,
+            cfg_text_scale=cfg_text_scale,
+            cfg_img_scale=cfg_img_scale,
+            cfg_interval_lo=cfg_interval_lo,
+            cfg_interval_hi=cfg_interval_hi,
+            timestep_shift=timestep_shift,
+            cfg_renorm_min=cfg_renorm_min,
+        )
 
-    def generate(self, model, prompt, width, height, steps, seed, cfg_text_scale, cfg_img_scale, cfg_interval_lo,
-                 cfg_interval_hi, timestep_shift, cfg_renorm_min, cfg_renorm_type, think, kv=None, vae=None):
-        settings = _generation_settings("t2i", steps, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi,
-                                        timestep_shift, cfg_renorm_min, cfg_renorm_type, think, width=width,
-                                        height=height)
+    def generate(
+        self,
+        model,
+        prompt,
+        width,
+        height,
+        steps,
+        seed,
+        cfg_text_scale,
+        cfg_img_scale,
+        cfg_interval_lo,
+        cfg_interval_hi,
+        timestep_shift,
+        cfg_renorm_min,
+        cfg_renorm_type,
+        think,
+        kv=None,
+        vae=None,
+    ):
+        settings = _generation_settings(
+            "t2i",
+            steps,
+            cfg_text_scale,
+            cfg_img_scale,
+            cfg_interval_lo,
+            cfg_interval_hi,
+            timestep_shift,
+            cfg_renorm_min,
+            cfg_renorm_type,
+            think,
+            width=width,
+            height=height,
+        )
         _check_model(model)
         check_output_size(model.loaded.config, width, height)  # before anything is loaded onto the device
         memory = _memory(model, "t2i", prompt, settings)
         external = _external_vae(model.loaded, vae)
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(1, steps - 1, model.loaded)
-        result = _run(lambda: pipe.text_to_image(prompt, settings, seed=seed, hooks=_hooks(progress, preview=True),
-                                                 vae=external))
+        result = _run(
+            pipe.text_to_image, prompt, settings, seed=seed, hooks=_hooks(progress, preview=True), vae=external
+        )
         return _generation_outputs([result], pipe)
 
 
 class UniCacheImageEdit:
-    DESCRIPTION = ("Edits image(s) following the prompt with BAGEL (each image of a batch is edited on its own; "
-                   "item i uses seed + i). The output size is the source resized by the checkpoint's VAE rule, or, "
-                   "with a `latent` connected, the latent's size (any size up to 1024 px per side, rounded down to "
-                   "BAGEL's 16-px grid). The KV cache is compressed by the connected UniCache KV Config (full when "
-                   "none).")
+    DESCRIPTION = (
+        "Edits image(s) following the prompt with BAGEL (each image of a batch is edited on its own; "
+        "item i uses seed + i). The output size is the source resized by the checkpoint's VAE rule, or, "
+        "with a `latent` connected, the latent's size (any size up to 1024 px per side, rounded down to "
+        "BAGEL's 16-px grid). The KV cache is compressed by the connected UniCache KV Config (full when "
+        "none)."
+    )
     CATEGORY = "UniCache/BAGEL"
     FUNCTION = "edit"
     RETURN_TYPES = OUTPUTS
@@ -265,34 +434,79 @@ class UniCacheImageEdit:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {
-            "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
-            "image": ("IMAGE", {"tooltip": "The source image(s) to edit."}),
-            "prompt": _prompt("change the background to black",
-                              "The edit instruction. unicache-shapes knows: make the <colour> <shape> <colour>, move "
-                              "the <colour> <shape> to the <position>, add a <size> <colour> <shape> at the "
-                              "<position>, remove the <colour> <shape>, change the background to <colour>."),
-            **_generation_inputs(EDIT_DEFAULTS),
-        }, "optional": {
-            "kv": KV_INPUT, "vae": VAE_INPUT,
-            "latent": ("LATENT", {"tooltip": "Optional source latent from core VAEEncode of any size (its posterior "
-                                             "mean is used instead of encoding the image with the checkpoint's VAE). "
-                                             "The output follows its size, rounded down to BAGEL's 16-px grid (an odd "
-                                             "last latent row or column is dropped); the image is resized to that "
-                                             "size for BAGEL's ViT. At most 1024 px per side."}),
-        }}
+        return {
+            "required": {
+                "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
+                "image": ("IMAGE", {"tooltip": "The source image(s) to edit."}),
+                "prompt": _prompt(
+                    "change the background to black",
+                    "The edit instruction. unicache-shapes knows: make the <colour> <shape> <colour>, move "
+                    "the <colour> <shape> to the <position>, add a <size> <colour> <shape> at the "
+                    "<position>, remove the <colour> <shape>, change the background to <colour>.",
+                ),
+                **_generation_inputs(EDIT_DEFAULTS),
+            },
+            "optional": {
+                "kv": KV_INPUT,
+                "vae": VAE_INPUT,
+                "latent": (
+                    "LATENT",
+                    {
+                        "tooltip": "Optional source latent from core VAEEncode of any size (its posterior "
+                        "mean is used instead of encoding the image with the checkpoint's VAE). "
+                        "The output follows its size, rounded down to BAGEL's 16-px grid (an odd "
+                        "last latent row or column is dropped); the image is resized to that "
+                        "size for BAGEL's ViT. At most 1024 px per side."
+                    },
+                ),
+            },
+        }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi, timestep_shift,
-                        cfg_renorm_min):
-        return check_widgets(cls, cfg_text_scale=cfg_text_scale, cfg_img_scale=cfg_img_scale,
-                             cfg_interval_lo=cfg_interval_lo, cfg_interval_hi=cfg_interval_hi,
-                             timestep_shift=timestep_shift, cfg_renorm_min=cfg_renorm_min)
+    def VALIDATE_INPUTS(
+        cls, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi, timestep_shift, cfg_renorm_min
+    ):
+        return check_widgets(
+            cls,
+            cfg_text_scale=cfg_text_scale,
+            cfg_img_scale=cfg_img_scale,
+            cfg_interval_lo=cfg_interval_lo,
+            cfg_interval_hi=cfg_interval_hi,
+            timestep_shift=timestep_shift,
+            cfg_renorm_min=cfg_renorm_min,
+        )
 
-    def edit(self, model, image, prompt, steps, seed, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi,
-             timestep_shift, cfg_renorm_min, cfg_renorm_type, think, kv=None, vae=None, latent=None):
-        settings = _generation_settings("edit", steps, cfg_text_scale, cfg_img_scale, cfg_interval_lo,
-                                        cfg_interval_hi, timestep_shift, cfg_renorm_min, cfg_renorm_type, think)
+    def edit(
+        self,
+        model,
+        image,
+        prompt,
+        steps,
+        seed,
+        cfg_text_scale,
+        cfg_img_scale,
+        cfg_interval_lo,
+        cfg_interval_hi,
+        timestep_shift,
+        cfg_renorm_min,
+        cfg_renorm_type,
+        think,
+        kv=None,
+        vae=None,
+        latent=None,
+    ):
+        settings = _generation_settings(
+            "edit",
+            steps,
+            cfg_text_scale,
+            cfg_img_scale,
+            cfg_interval_lo,
+            cfg_interval_hi,
+            timestep_shift,
+            cfg_renorm_min,
+            cfg_renorm_type,
+            think,
+        )
         sources = image_to_pils(image, "image")
         _check_model(model)
         latents, size = [None] * len(sources), None
@@ -307,66 +521,117 @@ class UniCacheImageEdit:
         results = []
         for i, (source, z) in enumerate(zip(sources, latents)):
             progress.item = i
-            results.append(_run(lambda: pipe.edit(prompt, source, settings, seed=(seed + i) % (MAX_SEED + 1),
-                                                  hooks=_hooks(progress, preview=True),
-                                                  given=GivenLatents(source_latent=z), vae=external)))
+            results.append(
+                _run(
+                    pipe.edit,
+                    prompt,
+                    source,
+                    settings,
+                    seed=(seed + i) % (MAX_SEED + 1),
+                    hooks=_hooks(progress, preview=True),
+                    given=GivenLatents(source_latent=z),
+                    vae=external,
+                )
+            )
         return _generation_outputs(results, pipe)
 
 
 class UniCacheUnderstand:
-    DESCRIPTION = ("Answers a prompt about an image (or a text-only prompt) with BAGEL; the KV cache is compressed by "
-                   "the connected UniCache KV Config (full when none) before the first answer token. A batch of "
-                   "images is answered one by one.")
+    DESCRIPTION = (
+        "Answers a prompt about an image (or a text-only prompt) with BAGEL; the KV cache is compressed by "
+        "the connected UniCache KV Config (full when none) before the first answer token. A batch of "
+        "images is answered one by one."
+    )
     CATEGORY = "UniCache/BAGEL"
     FUNCTION = "understand"
     OUTPUT_NODE = True
     RETURN_TYPES = ("STRING", "UNICACHE_KV_REPORT")
     RETURN_NAMES = ("text", "kv_report")
-    OUTPUT_TOOLTIPS = ("The answer (one paragraph per image of a batch).",
-                       "The KV-cache report of the run (connect to UniCache KV Report).")
+    OUTPUT_TOOLTIPS = (
+        "The answer (one paragraph per image of a batch).",
+        "The KV-cache report of the run (connect to UniCache KV Report).",
+    )
 
     @classmethod
     def INPUT_TYPES(cls):
         d = UNDERSTANDING_DEFAULTS
         lo, hi = TEMPERATURE_RANGE
-        return {"required": {
-            "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
-            "prompt": _prompt("what color is the circle?",
-                              "The question or instruction. unicache-shapes answers: what color is the <shape>?, "
-                              "what shape is the <colour> object?, how many shapes are there?, where is the "
-                              "<colour> <shape>?, is there a <colour> <shape>?, what color is the background?"),
-            "max_new_tokens": ("INT", {"default": d.max_new_tokens, "min": 1, "max": 32768, "step": 1,
-                                       "tooltip": "Most answer tokens to decode."}),
-            "do_sample": ("BOOLEAN", {"default": d.do_sample, "tooltip": "Sample tokens (else greedy)."}),
-            "temperature": ("FLOAT", {"default": d.temperature, "min": lo, "max": hi, "step": 0.05, "round": 0.001,
-                                      "tooltip": "Sampling temperature (used when do_sample is on)."}),
-            "seed": _seed(),
-            "think": ("BOOLEAN", {"default": False, "label_on": "think", "label_off": "direct",
-                                  "tooltip": "Reason first (think mode system prompt); the answer includes the "
-                                             "reasoning."}),
-        }, "optional": {
-            "image": ("IMAGE", {"tooltip": "The image(s) to ask about; none = a text-only prompt."}),
-            "kv": KV_INPUT,
-        }}
+        return {
+            "required": {
+                "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
+                "prompt": _prompt(
+                    "what color is the circle?",
+                    "The question or instruction. unicache-shapes answers: what color is the <shape>?, "
+                    "what shape is the <colour> object?, how many shapes are there?, where is the "
+                    "<colour> <shape>?, is there a <colour> <shape>?, what color is the background?",
+                ),
+                "max_new_tokens": (
+                    "INT",
+                    {
+                        "default": d.max_new_tokens,
+                        "min": 1,
+                        "max": 32768,
+                        "step": 1,
+                        "tooltip": "Most answer tokens to decode.",
+                    },
+                ),
+                "do_sample": ("BOOLEAN", {"default": d.do_sample, "tooltip": "Sample tokens (else greedy)."}),
+                "temperature": (
+                    "FLOAT",
+                    {
+                        "default": d.temperature,
+                        "min": lo,
+                        "max": hi,
+                        "step": 0.05,
+                        "round": 0.001,
+                        "tooltip": "Sampling temperature (used when do_sample is on).",
+                    },
+                ),
+                "seed": _seed(),
+                "think": (
+                    "BOOLEAN",
+                    {
+                        "default": False,
+                        "label_on": "think",
+                        "label_off": "direct",
+                        "tooltip": "Reason first (think mode system prompt); the answer includes the reasoning.",
+                    },
+                ),
+            },
+            "optional": {
+                "image": ("IMAGE", {"tooltip": "The image(s) to ask about; none = a text-only prompt."}),
+                "kv": KV_INPUT,
+            },
+        }
 
     @classmethod
     def VALIDATE_INPUTS(cls, temperature):
         return check_widgets(cls, temperature=temperature)
 
     def understand(self, model, prompt, max_new_tokens, do_sample, temperature, seed, think, image=None, kv=None):
-        settings = preset("understanding", max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                          think=think)
+        settings = preset(
+            "understanding", max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, think=think
+        )
         sources = image_to_pils(image, "image") if image is not None else [None]
         _check_model(model)
-        memory = _memory(model, "understanding", prompt, settings,
-                         source_size=None if sources[0] is None else sources[0].size)
+        memory = _memory(
+            model, "understanding", prompt, settings, source_size=None if sources[0] is None else sources[0].size
+        )
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(len(sources), max_new_tokens)
         results = []
         for i, source in enumerate(sources):
             progress.item = i
-            results.append(_run(lambda: pipe.understand(prompt, source, settings, seed=(seed + i) % (MAX_SEED + 1),
-                                                        hooks=_hooks(progress, preview=False))))
+            results.append(
+                _run(
+                    pipe.understand,
+                    prompt,
+                    source,
+                    settings,
+                    seed=(seed + i) % (MAX_SEED + 1),
+                    hooks=_hooks(progress, preview=False),
+                )
+            )
         text = "\n\n".join(r.text for r in results)
         report = _merge_reports([r.kv_report for r in results])
         return {"ui": {"text": [text], "unicache_kv": [chart_data(report)]}, "result": (text, report)}

@@ -40,8 +40,10 @@ def check_widgets(node_class, **values) -> bool | str:
         step = opts.get("step")
         if name in MULTIPLE_OF_STEP and step and value % step:
             low = max(step, value - value % step)
-            return (f"{name} = {value!r} is not a multiple of {step} (BAGEL's latent tokens are {step} px wide); use "
-                    f"{low} or {low + step}")
+            return (
+                f"{name} = {value!r} is not a multiple of {step} (BAGEL's latent tokens are {step} px wide); use "
+                f"{low} or {low + step}"
+            )
     return True
 
 
@@ -58,19 +60,22 @@ def check_source_latent(latent, channels: int, name: str = "latent"):
     samples = latent.get("samples") if isinstance(latent, dict) else None
     if not isinstance(samples, torch.Tensor):
         got = type(latent).__name__ if samples is None else f"samples of type {type(samples).__name__}"
-        raise ValueError(f"`{name}` must be a LATENT {{'samples': [batch, {channels}, H/8, W/8]}} from VAEEncode, "
-                         f"got {got}")
+        raise ValueError(
+            f"`{name}` must be a LATENT {{'samples': [batch, {channels}, H/8, W/8]}} from VAEEncode, got {got}"
+        )
     if samples.ndim != 4 or samples.shape[1] != channels:
         raise ValueError(
-            f"`{name}` has shape {tuple(samples.shape)}, not a LATENT [batch, {channels}, H/8, W/8] of BAGEL's FLUX VAE "
-            f"(another model's latent?); encode the source with VAEEncode and the FLUX VAE (ae.safetensors)"
+            f"`{name}` has shape {tuple(samples.shape)}, not a LATENT [batch, {channels}, H/8, W/8] of BAGEL's FLUX "
+            f"VAE (another model's latent?); encode the source with VAEEncode and the FLUX VAE (ae.safetensors)"
         )
     if samples.numel() == 0:
         raise ValueError(f"`{name}` is empty (shape {tuple(samples.shape)}); encode the source image with VAEEncode")
     finite = torch.isfinite(samples)
     if not bool(finite.all()):
-        raise ValueError(f"`{name}` holds {int((~finite).sum())} NaN or infinite values; encode the source image "
-                         f"again with VAEEncode")
+        raise ValueError(
+            f"`{name}` holds {int((~finite).sum())} NaN or infinite values; encode the source image "
+            f"again with VAEEncode"
+        )
     first = samples.reshape(-1)[0]
     if bool((samples == first).all()):
         raise ValueError(
@@ -81,9 +86,11 @@ def check_source_latent(latent, channels: int, name: str = "latent"):
 
 
 #: What to do with a latent larger than BAGEL's position table (ComfyUI's own nodes).
-TOO_LARGE_LATENT_FIX = ("scale the image down before VAEEncode (e.g. core ImageScaleToTotalPixels at 1.0 megapixels, "
-                        "or ImageScale to at most 1024 px per side), or disconnect `latent` so that BAGEL resizes "
-                        "the image itself")
+TOO_LARGE_LATENT_FIX = (
+    "scale the image down before VAEEncode (e.g. core ImageScaleToTotalPixels at 1.0 megapixels, "
+    "or ImageScale to at most 1024 px per side), or disconnect `latent` so that BAGEL resizes "
+    "the image itself"
+)
 
 
 def fit_source_latent(samples, config, name: str = "latent"):
@@ -102,9 +109,11 @@ def fit_source_latent(samples, config, name: str = "latent"):
     rows, cols = samples.shape[-2] - samples.shape[-2] % patch, samples.shape[-1] - samples.shape[-1] % patch
     if rows == 0 or cols == 0:
         cell = config.ae.downsample
-        raise ValueError(f"`{name}` is {samples.shape[-2]}x{samples.shape[-1]} latent cells, smaller than one BAGEL "
-                         f"token ({patch}x{patch} cells, {patch * cell} px); encode an image at least "
-                         f"{patch * cell} px on each side")
+        raise ValueError(
+            f"`{name}` is {samples.shape[-2]}x{samples.shape[-1]} latent cells, smaller than one BAGEL "
+            f"token ({patch}x{patch} cells, {patch * cell} px); encode an image at least "
+            f"{patch * cell} px on each side"
+        )
     size = source_latent_size(config, rows, cols, name=name, fix=TOO_LARGE_LATENT_FIX)
     return samples[..., :rows, :cols], size
 

@@ -1,7 +1,8 @@
 """ComfyUI stubbed in ``sys.modules`` for the node tests: ``folder_paths``, ``comfy.utils`` (a progress bar that
 records its updates), ``comfy.model_management`` (records ``load_models_gpu`` calls, an interrupt flag),
 ``comfy.ops`` (``pick_operations`` for weights stored in the compute dtype only: the real host's fp8 operations
-are tested in tests/host) and ``comfy.model_patcher``; the tiny checkpoint is linked into the stub's ``models/bagel`` as ``bagel-tiny``."""
+are tested in tests/host) and ``comfy.model_patcher``; the tiny checkpoint is linked into the stub's
+``models/bagel`` as ``bagel-tiny``."""
 
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def _make_stubs(base: Path) -> dict[str, types.ModuleType]:
     mm.unet_offload_device = lambda: torch.device("cpu")
     mm.should_use_bf16 = lambda device=None: False
     mm.load_models_gpu = lambda models, memory_required=0, force_full_load=False, **kw: mm.loads.append(
-        (models, memory_required, force_full_load))
+        (models, memory_required, force_full_load)
+    )
     mm.processing_interrupted = lambda: mm.interrupt
 
     def throw():
@@ -102,8 +104,14 @@ def _make_stubs(base: Path) -> dict[str, types.ModuleType]:
 
     ops.pick_operations = pick_operations
     comfy.utils, comfy.model_management, comfy.model_patcher, comfy.ops = utils, mm, patcher, ops
-    return {"folder_paths": fp, "comfy": comfy, "comfy.utils": utils, "comfy.model_management": mm,
-            "comfy.model_patcher": patcher, "comfy.ops": ops}
+    return {
+        "folder_paths": fp,
+        "comfy": comfy,
+        "comfy.utils": utils,
+        "comfy.model_management": mm,
+        "comfy.model_patcher": patcher,
+        "comfy.ops": ops,
+    }
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ import json
 import socket
 import threading
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
 PNG = bytes.fromhex(
     "89504e470d0a1a0a0000000d4948445200000001000000010802000000907753de0000000c4944415478"
@@ -44,7 +44,9 @@ def text_frame(text: str | bytes, opcode: int = 1) -> bytes:
     size = (
         bytes([n])
         if n < 126
-        else bytes([126]) + n.to_bytes(2, "big") if n < 65536 else bytes([127]) + n.to_bytes(8, "big")
+        else bytes([126]) + n.to_bytes(2, "big")
+        if n < 65536
+        else bytes([127]) + n.to_bytes(8, "big")
     )
     return bytes([0x80 | opcode]) + size + payload
 
@@ -84,7 +86,7 @@ def _client_closes(data: bytes) -> bool:
         if at + header > len(data):
             return False
         if size >= 126:
-            size = int.from_bytes(data[at + 2: at + header], "big")
+            size = int.from_bytes(data[at + 2 : at + header], "big")
         if opcode == 8:
             return True
         at += header + (4 if data[at + 1] & 0x80 else 0) + size
@@ -94,8 +96,7 @@ def _client_closes(data: bytes) -> bool:
 def ok_ws(prompt_id: str) -> list[bytes]:
     """The websocket messages ComfyUI sends for a prompt: progress, then ``executing`` with node None."""
     events = [
-        {"type": "progress", "data": {"value": v, "max": 3, "prompt_id": prompt_id, "node": "3"}}
-        for v in (1, 2, 3)
+        {"type": "progress", "data": {"value": v, "max": 3, "prompt_id": prompt_id, "node": "3"}} for v in (1, 2, 3)
     ]
     events.append({"type": "executing", "data": {"node": None, "prompt_id": prompt_id}})
     return [text_frame(json.dumps(e)) for e in events]
@@ -112,9 +113,7 @@ class FakeHost:
         ws: Callable[[int, str], list[bytes]] | None = None,
         websocket: bool = True,
     ):
-        self.prompt = prompt or (
-            lambda n: Answer(200, {"prompt_id": f"p{n}", "number": n, "node_errors": {}})
-        )
+        self.prompt = prompt or (lambda n: Answer(200, {"prompt_id": f"p{n}", "number": n, "node_errors": {}}))
         self.history = history or (lambda n, pid: Answer(200, ok_history(pid)))
         self.view = view or (lambda n, query: Answer(200, PNG, headers={"Content-Type": "image/png"}))
         self.ws = ws or (lambda n, pid: ok_ws(pid))
@@ -127,10 +126,8 @@ class FakeHost:
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def __enter__(self) -> "FakeHost":
-        threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
+    def __enter__(self) -> FakeHost:
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -161,7 +158,9 @@ class FakeHost:
                 body = (
                     answer.body
                     if isinstance(answer.body, bytes)
-                    else b"" if answer.body is None else json.dumps(answer.body).encode()
+                    else b""
+                    if answer.body is None
+                    else json.dumps(answer.body).encode()
                 )
                 self.send_response(answer.status)
                 headers = {

@@ -8,8 +8,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 def processes_mentioning(text: str) -> list[str]:

@@ -77,14 +77,17 @@ def test_block_causal_mask_layout() -> None:
     from unicache_core.kv.attention import block_causal_mask
 
     mask = block_causal_mask([2, 3, 1], [True, False, True])
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 1, 1, 0],  # image block: sees the text before it and all of itself
-        [1, 1, 1, 1, 1, 0],
-        [1, 1, 1, 1, 1, 0],
-        [1, 1, 1, 1, 1, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 1, 1, 0],  # image block: sees the text before it and all of itself
+            [1, 1, 1, 1, 1, 0],
+            [1, 1, 1, 1, 1, 0],
+            [1, 1, 1, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(mask, expected)
     with pytest.raises(ValueError, match="lengths"):
         block_causal_mask([2, -1], [True, False])
@@ -94,12 +97,16 @@ def test_block_causal_mask_layout() -> None:
 
 def test_masked_attention_equals_reference_and_rejects_bad_masks() -> None:
     gen = torch.Generator().manual_seed(9)
-    q, k, v = torch.randn(5, 4, 8, generator=gen), torch.randn(7, 2, 8, generator=gen), torch.randn(7, 2, 8, generator=gen)
+    q, k, v = (
+        torch.randn(5, 4, 8, generator=gen),
+        torch.randn(7, 2, 8, generator=gen),
+        torch.randn(7, 2, 8, generator=gen),
+    )
     mask = torch.rand(5, 7, generator=gen) > 0.4
     mask[:, 0] = True
     out, lse = attention_with_lse(q, k, v, mask=mask)
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-    scores = torch.einsum("qhd,thd->hqt", q, kk) / 8 ** 0.5
+    scores = torch.einsum("qhd,thd->hqt", q, kk) / 8**0.5
     scores = scores.masked_fill(~mask, float("-inf"))
     ref = torch.einsum("hqt,thd->qhd", scores.softmax(-1), vv)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

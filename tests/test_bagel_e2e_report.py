@@ -7,18 +7,41 @@ import pytest
 
 from benchmarks import bagel_e2e
 
-KEYS = {"task", "checkpoint", "method", "kv_bytes_peak", "kv_bytes_steady", "full_kv_bytes", "protected_bytes",
-        "rho_mean", "attended_ratio_vs_full", "attention_seconds_median", "attention_speedup_vs_full",
-        "attention_share_full", "step_ceiling", "step_seconds_median", "speedup_vs_full", "overhead_fraction",
-        "fidelity"}
+KEYS = {
+    "task",
+    "checkpoint",
+    "method",
+    "kv_bytes_peak",
+    "kv_bytes_steady",
+    "full_kv_bytes",
+    "protected_bytes",
+    "rho_mean",
+    "attended_ratio_vs_full",
+    "attention_seconds_median",
+    "attention_speedup_vs_full",
+    "attention_share_full",
+    "step_ceiling",
+    "step_seconds_median",
+    "speedup_vs_full",
+    "overhead_fraction",
+    "fidelity",
+}
 METHODS = ("full", "unicache", "h2o", "kivi")
 FIDELITY = {"und": {"token_agreement", "first_token_logit_rel_error"}, "edit": {"latent_cosine", "image_psnr_db"}}
 
 
 @pytest.mark.parametrize("task", bagel_e2e.TASKS)
 def test_e2e_report_on_the_tiny_checkpoint(tmp_path, task):
-    cfg = bagel_e2e.E2EConfig(checkpoints=("tiny",), tasks=(task,), methods=METHODS, steps=2, decode_tokens=3,
-                              edit_size=64, t2i_size=32, work_dir=str(tmp_path))
+    cfg = bagel_e2e.E2EConfig(
+        checkpoints=("tiny",),
+        tasks=(task,),
+        methods=METHODS,
+        steps=2,
+        decode_tokens=3,
+        edit_size=64,
+        t2i_size=32,
+        work_dir=str(tmp_path),
+    )
     report = bagel_e2e.run(cfg)
     json.dumps(report)
     rows = {(r["task"], r["method"]): r for r in report["results"]}

@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from unicache_core.bagel.config import AEConfig, load_bagel_config
 from unicache_core.bagel.checkpoint.loader import load_bagel
+from unicache_core.bagel.config import AEConfig, load_bagel_config
 from unicache_core.bagel.tokenizer import BagelTokenizer
 from unicache_core.errors import CheckpointError
 
@@ -216,7 +216,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 # The Qwen2 pattern with \p{L} / \p{N} narrowed to ASCII (valid for the ASCII inputs used below).
 _ASCII_QWEN_PATTERN = re.compile(
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]| ?[^\sA-Za-z0-9]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]| ?[^\sA-Za-z0-9]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 

@@ -96,8 +96,22 @@ def test_cfg_branches_run_through_the_decoder_together(tiny_checkpoint: Path, mo
 
 def test_cli_weight_dtype_and_offload(tiny_checkpoint: Path, tmp_path: Path, capsys):
     out = tmp_path / "cube.png"
-    args = ["t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "a red cube", "--width", "64", "--height",
-            "64", "--steps", "3", "--quiet", "--out", str(out)]
+    args = [
+        "t2i",
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--prompt",
+        "a red cube",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--steps",
+        "3",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     assert cli_main(args + ["--weight-dtype", "int8", "--offload", "layers"]) == 0
     assert out.is_file()
     with pytest.raises(SystemExit) as exc:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from unicache_core.bagel.config import AEConfig
 from unicache_core.bagel.checkpoint.loader import load_bagel
+from unicache_core.bagel.config import AEConfig
 from unicache_core.bagel.modeling import AutoEncoder, Bagel
 from unicache_core.bagel.modeling.embeddings import PositionEmbedding
 from unicache_core.bagel.modeling.operations import REQUIRED_LAYERS, TorchOperations
@@ -79,8 +79,16 @@ def test_key_names_follow_the_official_layout(model: Bagel, loaded):
             expected |= {pre + f"{mlp}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
     for j in range(cfg.vit.num_hidden_layers):
         pre = f"vit_model.vision_model.encoder.layers.{j}."
-        for mod in ("layer_norm1", "layer_norm2", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                    "self_attn.out_proj", "mlp.fc1", "mlp.fc2"):
+        for mod in (
+            "layer_norm1",
+            "layer_norm2",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.out_proj",
+            "mlp.fc1",
+            "mlp.fc2",
+        ):
             expected |= {pre + mod + ".weight", pre + mod + ".bias"}
     assert set(model.state_dict()) == expected
     sd = model.state_dict()
@@ -169,7 +177,9 @@ def _layer0_outputs(model: Bagel, embeds, pos, gen_mask):
         lambda mod, args, out: captured.__setitem__("out", out)
     )
     try:
-        final = model.forward_llm(embeds, pos, FullKVCache(model.num_layers), _call(len(pos), pos, causal=False), gen_mask)
+        final = model.forward_llm(
+            embeds, pos, FullKVCache(model.num_layers), _call(len(pos), pos, causal=False), gen_mask
+        )
     finally:
         handle.remove()
     return captured["out"], final
@@ -229,10 +239,12 @@ def test_cached_prefill_equals_one_causal_pass(model: Bagel, loaded):
     assert cache.num_tokens == len(ids)
 
     # A denoising-style block (update=False, bidirectional, gen tokens) never changes the cache.
-    lat = model.embed_latents(torch.randn(4, 64, generator=torch.Generator().manual_seed(3)),
-                              model.latent_position_ids(2, 2), 0.7)
-    block = torch.cat([model.embed_text(torch.tensor([tok.start_of_image])), lat,
-                       model.embed_text(torch.tensor([tok.end_of_image]))])
+    lat = model.embed_latents(
+        torch.randn(4, 64, generator=torch.Generator().manual_seed(3)), model.latent_position_ids(2, 2), 0.7
+    )
+    block = torch.cat(
+        [model.embed_text(torch.tensor([tok.start_of_image])), lat, model.embed_text(torch.tensor([tok.end_of_image]))]
+    )
     bpos = torch.full((6,), len(ids))
     gmask = torch.tensor([False, True, True, True, True, False])
     first = model.forward_llm(block, bpos, cache, _call(6, bpos, causal=False, update=False), gmask)
@@ -262,7 +274,9 @@ def test_forward_llm_uses_the_cache_seam(model: Bagel):
 
     cfg = model.config.llm
     pos = torch.arange(3)
-    model.forward_llm(model.embed_text(torch.tensor([1, 2, 3])), pos, Recording(model.num_layers), _call(3, pos, causal=True))
+    model.forward_llm(
+        model.embed_text(torch.tensor([1, 2, 3])), pos, Recording(model.num_layers), _call(3, pos, causal=True)
+    )
     q_shape, k_shape = (3, cfg.num_attention_heads, cfg.head_dim), (3, cfg.num_key_value_heads, cfg.head_dim)
     assert events == ["begin"] + [("attend", i, q_shape, k_shape) for i in range(model.num_layers)] + ["end"]
 
@@ -320,7 +334,7 @@ def test_embed_vit_patch_order_and_positions(model: Bagel, loaded):
     patches, ids = [], []
     for r in range(rows):
         for c in range(cols):
-            patches.append(image[:, r * p:(r + 1) * p, c * p:(c + 1) * p].permute(1, 2, 0).reshape(-1))
+            patches.append(image[:, r * p : (r + 1) * p, c * p : (c + 1) * p].permute(1, 2, 0).reshape(-1))
             ids.append(r * 70 + c)
     patches, ids = torch.stack(patches), torch.tensor(ids)
     feats = model.vit_model(patches, ids)
@@ -395,15 +409,35 @@ def test_real_size_model_on_meta_matches_the_official_layout(tmp_path):
 
     from unicache_core.bagel.config import load_bagel_config
 
-    (tmp_path / "llm_config.json").write_text(json.dumps({
-        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-        "num_key_value_heads": 4, "vocab_size": 152064, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 32768, "hidden_act": "silu", "tie_word_embeddings": True,
-    }))
-    (tmp_path / "vit_config.json").write_text(json.dumps({
-        "hidden_size": 1152, "intermediate_size": 4304, "num_attention_heads": 16, "num_hidden_layers": 27,
-        "image_size": 980, "patch_size": 14,
-    }))
+    (tmp_path / "llm_config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": 3584,
+                "intermediate_size": 18944,
+                "num_hidden_layers": 28,
+                "num_attention_heads": 28,
+                "num_key_value_heads": 4,
+                "vocab_size": 152064,
+                "rope_theta": 1000000.0,
+                "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 32768,
+                "hidden_act": "silu",
+                "tie_word_embeddings": True,
+            }
+        )
+    )
+    (tmp_path / "vit_config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": 1152,
+                "intermediate_size": 4304,
+                "num_attention_heads": 16,
+                "num_hidden_layers": 27,
+                "image_size": 980,
+                "patch_size": 14,
+            }
+        )
+    )
     cfg = load_bagel_config(tmp_path)
     assert cfg.vit.num_hidden_layers == 26  # the last SigLIP layer is dropped at load time
     assert cfg.llm.qk_norm and not cfg.llm.tie_word_embeddings  # official overrides
@@ -488,12 +522,22 @@ def _every_output(model: Bagel, vae: AutoEncoder) -> dict[str, torch.Tensor]:
     lat = model.embed_latents(torch.randn(4, 64, generator=gen), model.latent_position_ids(2, 2), 0.3)
     block = torch.cat([model.embed_text(torch.tensor([1])), lat, model.embed_text(torch.tensor([2]))])
     bpos = torch.full((6,), 10)
-    hidden = model.forward_llm(block, bpos, cache, _call(6, bpos, causal=False, update=False),
-                               torch.tensor([False, True, True, True, True, False]))
+    hidden = model.forward_llm(
+        block,
+        bpos,
+        cache,
+        _call(6, bpos, causal=False, update=False),
+        torch.tensor([False, True, True, True, True, False]),
+    )
     image = torch.rand(3, 28, 28, generator=gen) * 2 - 1
     z = vae.encode(image[None, :, :24, :24], generator=torch.Generator().manual_seed(1))
-    return {"logits": model.lm_logits(text), "velocity": model.latent_velocity(hidden[1:-1]),
-            "vit": model.embed_vit(image), "latent": z, "pixels": vae.decode(z)}
+    return {
+        "logits": model.lm_logits(text),
+        "velocity": model.latent_velocity(hidden[1:-1]),
+        "vit": model.embed_vit(image),
+        "latent": z,
+        "pixels": vae.decode(z),
+    }
 
 
 def test_every_weight_layer_comes_from_operations_and_is_only_called(model: Bagel, loaded):
@@ -522,8 +566,9 @@ def test_every_weight_layer_comes_from_operations_and_is_only_called(model: Bage
 
 def test_storage_dtype_needs_a_compute_dtype(loaded):
     """A ComfyUI-style build (layers stored in fp8, hidden states in bf16) allocates as asked."""
-    model = Bagel(loaded.config, operations=TorchOperations, dtype=torch.float16, compute_dtype=torch.bfloat16,
-                  device="meta")
+    model = Bagel(
+        loaded.config, operations=TorchOperations, dtype=torch.float16, compute_dtype=torch.bfloat16, device="meta"
+    )
     assert model.dtype == torch.bfloat16 and model.device.type == "meta"
     assert model.language_model.model.layers[0].mlp.up_proj.weight.dtype == torch.float16
     assert model.vit_pos_embed.pos_embed.dtype == torch.bfloat16

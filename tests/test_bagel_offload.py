@@ -21,19 +21,23 @@ def _run(model: Bagel) -> list[torch.Tensor]:
     cache = FullKVCache(model.num_layers)
     ids = torch.arange(3, 20)
     pos = torch.arange(17)
-    call = AttentionCall(token_types=type_tensor(TokenType.INSTRUCTION, 17), rope_positions=pos, causal=True,
-                         update=True)
+    call = AttentionCall(
+        token_types=type_tensor(TokenType.INSTRUCTION, 17), rope_positions=pos, causal=True, update=True
+    )
     text = model.forward_llm(model.embed_text(ids), pos, cache, call)
-    lat = model.embed_latents(torch.randn(4, 64, generator=torch.Generator().manual_seed(1)),
-                              model.latent_position_ids(2, 2), 0.5)
+    lat = model.embed_latents(
+        torch.randn(4, 64, generator=torch.Generator().manual_seed(1)), model.latent_position_ids(2, 2), 0.5
+    )
     block = torch.cat([model.embed_text(torch.tensor([1])), lat, model.embed_text(torch.tensor([2]))])
     bpos = torch.full((6,), 17)
-    lcall = AttentionCall(token_types=type_tensor(TokenType.CURRENT_LATENT, 6), rope_positions=bpos, causal=False,
-                          update=False)
+    lcall = AttentionCall(
+        token_types=type_tensor(TokenType.CURRENT_LATENT, 6), rope_positions=bpos, causal=False, update=False
+    )
     hidden = model.forward_llm(block, bpos, cache, lcall, torch.tensor([False, True, True, True, True, False]))
     dpos = torch.tensor([17])
-    dcall = AttentionCall(token_types=type_tensor(TokenType.DECODED_TEXT, 1), rope_positions=dpos, causal=True,
-                          update=True)
+    dcall = AttentionCall(
+        token_types=type_tensor(TokenType.DECODED_TEXT, 1), rope_positions=dpos, causal=True, update=True
+    )
     step = model.forward_llm(model.embed_text(torch.tensor([7])), dpos, cache, dcall)
     image = torch.rand(3, 28, 28, generator=torch.Generator().manual_seed(2)) * 2 - 1
     return [model.lm_logits(text), model.latent_velocity(hidden[1:-1]), model.lm_logits(step), model.embed_vit(image)]
@@ -48,7 +52,8 @@ def test_offloaded_layers_give_identical_outputs(tiny_checkpoint: Path):
     seen = []  # during each layer's forward: is its weight the host copy?
     for i, layer in enumerate(layers):
         layer.mlp.register_forward_pre_hook(
-            lambda mod, args, i=i: seen.append((i, mod.up_proj.weight.data_ptr() == host[i])))
+            lambda mod, args, i=i: seen.append((i, mod.up_proj.weight.data_ptr() == host[i]))
+        )
     want, got = _run(resident), _run(model)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
@@ -59,7 +64,8 @@ def test_offloaded_layers_give_identical_outputs(tiny_checkpoint: Path):
     assert model.execution_device == torch.device("cpu")
     offload.remove()
     assert offload.device_layers() == 0 and all(
-        layers[i].mlp.up_proj.weight.data_ptr() == host[i] for i in range(len(layers)))
+        layers[i].mlp.up_proj.weight.data_ptr() == host[i] for i in range(len(layers))
+    )
     assert all(getattr(layer, "_hf_hook", None) is None for layer in layers)
     for a, b in zip(want, _run(model)):
         assert torch.equal(a, b)
@@ -74,8 +80,9 @@ def test_branches_copy_each_layer_once(tiny_checkpoint: Path):
     pos = torch.zeros(6, dtype=torch.long)
 
     def block():
-        call = AttentionCall(token_types=type_tensor(TokenType.CURRENT_LATENT, 6), rope_positions=pos,
-                             causal=False, update=False)
+        call = AttentionCall(
+            token_types=type_tensor(TokenType.CURRENT_LATENT, 6), rope_positions=pos, causal=False, update=False
+        )
         return BranchInput(x, pos, FullKVCache(model.num_layers), call, torch.ones(6, dtype=torch.bool))
 
     together = model.forward_llm_branches([block(), block(), block()])

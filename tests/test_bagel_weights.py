@@ -39,8 +39,15 @@ from unicache_core.kv.token_types import TokenType, type_tensor
 #: machine (the largest of logits | hidden | velocity | ViT tokens): fp16 0 (bf16 values of this size fit
 #: fp16 exactly), int8 0.014, fp8_e4m3fn 0.047, fp8_e5m2 0.096 (N(0, 0.02) weights; e5m2 keeps 2 mantissa
 #: bits); always the logits. Bounds are about 2x those.
-RELATIVE_BOUNDS = {"auto": 0.0, "bf16": 0.0, "fp32": 0.0, "fp16": 1e-3, "int8": 0.03, "fp8_e4m3fn": 0.1,
-                   "fp8_e5m2": 0.2}
+RELATIVE_BOUNDS = {
+    "auto": 0.0,
+    "bf16": 0.0,
+    "fp32": 0.0,
+    "fp16": 1e-3,
+    "int8": 0.03,
+    "fp8_e4m3fn": 0.1,
+    "fp8_e5m2": 0.2,
+}
 
 
 def load_into(model: Bagel, checkpoint: Path, dtype: torch.dtype = torch.bfloat16) -> Bagel:
@@ -58,8 +65,9 @@ def outputs(model: Bagel) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     ids = torch.arange(3, 40)
     pos = torch.arange(len(ids))
-    call = AttentionCall(token_types=type_tensor(TokenType.INSTRUCTION, len(ids)), rope_positions=pos, causal=True,
-                         update=True)
+    call = AttentionCall(
+        token_types=type_tensor(TokenType.INSTRUCTION, len(ids)), rope_positions=pos, causal=True, update=True
+    )
     cache = FullKVCache(model.num_layers)
     text = model.forward_llm(model.embed_text(ids), pos, cache, call)
     x = torch.randn(6, 64, generator=gen)
@@ -67,12 +75,17 @@ def outputs(model: Bagel) -> dict[str, torch.Tensor]:
     embeds = torch.cat([model.embed_text(torch.tensor([5])), lat, model.embed_text(torch.tensor([6]))])
     lpos = torch.full((8,), len(ids))
     mask = torch.tensor([False] + [True] * 6 + [False])
-    lcall = AttentionCall(token_types=type_tensor(TokenType.CURRENT_LATENT, 8), rope_positions=lpos, causal=False,
-                          update=False)
+    lcall = AttentionCall(
+        token_types=type_tensor(TokenType.CURRENT_LATENT, 8), rope_positions=lpos, causal=False, update=False
+    )
     hidden = model.forward_llm(embeds, lpos, cache, lcall, gen_mask=mask)
     image = torch.rand(3, 28, 42, generator=gen) * 2 - 1
-    return {"logits": model.lm_logits(text).float(), "hidden": hidden.float(),
-            "velocity": model.latent_velocity(hidden[1:-1]).float(), "vit": model.embed_vit(image).float()}
+    return {
+        "logits": model.lm_logits(text).float(),
+        "hidden": hidden.float(),
+        "velocity": model.latent_velocity(hidden[1:-1]).float(),
+        "vit": model.embed_vit(image).float(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +103,11 @@ def test_weight_dtype_bytes_and_outputs(tiny_checkpoint: Path, reference, weight
     assert head == (torch.bfloat16 if storage.itemsize == 1 else None)
     assert model.language_model.lm_head.weight.dtype == (head or storage)
     # every Linear/Embedding weight of the bf16 build but the head, and the same layers of this build
-    names = [n for n, m in bf16.named_modules()
-             if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and n != "language_model.lm_head"]
+    names = [
+        n
+        for n, m in bf16.named_modules()
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and n != "language_model.lm_head"
+    ]
     plain_bytes = sum(bf16.get_submodule(n).weight.numel() * 2 for n in names)
     stored = [model.get_submodule(n) for n in names]
     assert all(m.weight.dtype == storage for m in stored)
@@ -101,6 +117,7 @@ def test_weight_dtype_bytes_and_outputs(tiny_checkpoint: Path, reference, weight
     scale_bytes = sum(m.weight_scale.numel() * 4 for m in stored if getattr(m, "weight_scale", None) is not None)
     rows = sum(m.weight.shape[0] for m in stored)
     assert scale_bytes == (4 * rows if storage in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2) else 0)
+
     def head_bytes(m: Bagel) -> int:
         return m.language_model.lm_head.weight.numel() * m.language_model.lm_head.weight.element_size()
 
@@ -129,7 +146,8 @@ def test_low_precision_linear_weights_halve_bf16(tiny_checkpoint: Path):
         linears = [m for m in model.modules() if isinstance(m, LowPrecisionLinear)]
         assert sum(m.weight.numel() * m.weight.element_size() for m in linears) * 2 == linear_bytes
         assert sum(m.weight_scale.numel() * m.weight_scale.element_size() for m in linears) == 4 * sum(
-            m.out_features for m in linears)
+            m.out_features for m in linears
+        )
 
 
 @pytest.mark.parametrize("compute", [torch.float32, torch.float16])
@@ -165,7 +183,7 @@ def test_store_and_upcast_round_trip(storage: torch.dtype, compute: torch.dtype)
         assert scale.shape == (300,) and scale.dtype == torch.float32 and scale[7] == 1.0
     weight, out_scale = upcast_weight(data, scale, compute, torch.device("cpu"), scale_output=False)
     assert out_scale is None and weight.dtype == compute
-    rel = ((weight.float() - w).norm(dim=1) / w.norm(dim=1).clamp_min(1e-30))
+    rel = (weight.float() - w).norm(dim=1) / w.norm(dim=1).clamp_min(1e-30)
     # per-row relative error measured: int8 0.010, e4m3fn 0.032, e5m2 0.063, fp16 0.0024 (bf16 compute rounds)
     bound = {torch.int8: 0.015, torch.float8_e4m3fn: 0.045, torch.float8_e5m2: 0.09, torch.float16: 0.004}[storage]
     assert float(rel.max()) < bound and torch.equal(weight[7], torch.zeros(70, dtype=compute))
@@ -181,8 +199,9 @@ def test_e4m3fn_upcast_is_exact():
     """The bit-moving fp8 e4m3fn upcast gives every one of the 254 finite values exactly (subnormals too)."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
     finite = codes[~torch.isnan(codes.float())]
-    got, _ = upcast_weight(finite[:, None], torch.ones(finite.shape[0]), torch.float32, torch.device("cpu"),
-                           scale_output=False)
+    got, _ = upcast_weight(
+        finite[:, None], torch.ones(finite.shape[0]), torch.float32, torch.device("cpu"), scale_output=False
+    )
     assert finite.numel() == 254 and torch.equal(got[:, 0], finite.float())
 
 
@@ -200,16 +219,23 @@ def test_branches_share_each_layers_upcast(tiny_checkpoint: Path, monkeypatch):
             cache = FullKVCache(model.num_layers)
             ctx = torch.randn(n_ctx, h, generator=torch.Generator().manual_seed(10 + b)).to(torch.bfloat16)
             pos = torch.arange(n_ctx)
-            model.forward_llm(ctx, pos, cache, AttentionCall(
-                token_types=type_tensor(TokenType.INSTRUCTION, n_ctx), rope_positions=pos, causal=True, update=True))
+            model.forward_llm(
+                ctx,
+                pos,
+                cache,
+                AttentionCall(
+                    token_types=type_tensor(TokenType.INSTRUCTION, n_ctx), rope_positions=pos, causal=True, update=True
+                ),
+            )
             sink.append(cache)
     x = torch.randn(8, h, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     mask = torch.tensor([False] + [True] * 6 + [False])
 
     def block(cache, b):
         pos = torch.full((8,), 5 + 2 * b)
-        call = AttentionCall(token_types=type_tensor(TokenType.CURRENT_LATENT, 8), rope_positions=pos,
-                             causal=False, update=False)
+        call = AttentionCall(
+            token_types=type_tensor(TokenType.CURRENT_LATENT, 8), rope_positions=pos, causal=False, update=False
+        )
         return BranchInput(x, pos, cache, call, mask)
 
     counted = []
@@ -242,15 +268,21 @@ def test_int8_kernel_for_few_rows(in_features: int, monkeypatch):
     kernel_calls = []
     original = torch._weight_int8pack_mm
     monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: kernel_calls.append(1) or original(*a))
-    for rows, dtype in ((1, torch.bfloat16), (16, torch.bfloat16), (3, torch.float32), (17, torch.bfloat16),
-                        (2, torch.float16)):
+    for rows, dtype in (
+        (1, torch.bfloat16),
+        (16, torch.bfloat16),
+        (3, torch.float32),
+        (17, torch.bfloat16),
+        (2, torch.float16),
+    ):
         x = torch.randn(1, rows, in_features, generator=gen).to(dtype)
         before = len(kernel_calls)
         got = layer(x)
         used = len(kernel_calls) > before
         assert used == (in_features % 16 == 0 and rows <= operations.INT8_KERNEL_MAX_ROWS and dtype != torch.float16)
-        weight, _ = upcast_weight(layer.weight, layer.weight_scale, torch.float32, torch.device("cpu"),
-                                  scale_output=False)
+        weight, _ = upcast_weight(
+            layer.weight, layer.weight_scale, torch.float32, torch.device("cpu"), scale_output=False
+        )
         want = x.float() @ weight.T + layer.bias.float()
         assert got.shape == (1, rows, 40) and got.dtype == dtype
         torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02 * float(want.abs().max()))
@@ -282,8 +314,15 @@ def test_weight_dtype_names_and_errors(tiny_checkpoint: Path):
     with pytest.raises(ValueError, match="`dtype` torch.float8_e4m3fn cannot hold hidden states.*compute_dtype"):
         Bagel(cfg, dtype=torch.float8_e4m3fn, device="meta")
     with pytest.raises(ValueError, match="lacks the layer class\\(es\\) Conv2d, GroupNorm"):
-        Bagel(cfg, operations=type("Partial", (), {"Linear": torch.nn.Linear, "LayerNorm": torch.nn.LayerNorm,
-                                                     "Embedding": torch.nn.Embedding}), device="meta")
+        Bagel(
+            cfg,
+            operations=type(
+                "Partial",
+                (),
+                {"Linear": torch.nn.Linear, "LayerNorm": torch.nn.LayerNorm, "Embedding": torch.nn.Embedding},
+            ),
+            device="meta",
+        )
     model = build_bagel(cfg, weight_dtype="int8")
     assert "vae2llm.weight_scale" not in checkpoint_shapes(model) and "vae2llm.weight" in checkpoint_shapes(model)
     with pytest.raises(ValueError, match="no tensor 'vae2llm.weight_scale'"):
@@ -312,13 +351,15 @@ class CastingOperations:
 
     class GroupNorm(torch.nn.GroupNorm):
         def forward(self, x):
-            return torch.nn.functional.group_norm(x, self.num_groups, self.weight.to(x.dtype), self.bias.to(x.dtype),
-                                                  self.eps)
+            return torch.nn.functional.group_norm(
+                x, self.num_groups, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps
+            )
 
     class LayerNorm(torch.nn.LayerNorm):
         def forward(self, x):
-            return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype),
-                                                  self.bias.to(x.dtype), self.eps)
+            return torch.nn.functional.layer_norm(
+                x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps
+            )
 
     class Embedding(torch.nn.Embedding):
         def forward(self, ids, out_dtype=None):
@@ -326,10 +367,12 @@ class CastingOperations:
 
 
 def test_load_bagel_builds_from_a_host_namespace(tiny_checkpoint: Path, reference):
-    """``weight_dtype=HostOperations(...)``: every weight-bearing layer of BAGEL and its VAE comes from the caller's namespace, the
-    weights stored as ``weight_dtype`` by a plain cast (no scale), the VAE in fp32; outputs close to bf16."""
-    loaded = load_bagel(tiny_checkpoint, dtype=torch.bfloat16,
-                        weight_dtype=HostOperations(CastingOperations, "fp8_e4m3fn"))
+    """``weight_dtype=HostOperations(...)``: every weight-bearing layer of BAGEL and its VAE comes from the caller's
+    namespace, the weights stored as ``weight_dtype`` by a plain cast (no scale), the VAE in fp32; outputs close to
+    bf16."""
+    loaded = load_bagel(
+        tiny_checkpoint, dtype=torch.bfloat16, weight_dtype=HostOperations(CastingOperations, "fp8_e4m3fn")
+    )
     up = loaded.model.language_model.model.layers[0].mlp.up_proj
     assert type(up) is CastingOperations.Linear and up.weight.dtype == torch.float8_e4m3fn
     head = loaded.model.language_model.lm_head  # the output head stays at 16 bits, from the same namespace

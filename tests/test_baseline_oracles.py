@@ -11,18 +11,28 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from oracles import (H2OPolicy, KIVIPolicy, PyramidKVPolicy, ScoreInputs, SnapKVPolicy, StreamingLLMPolicy,
-                     VLCachePolicy, layer_sparsity, observation_attention)
+from oracles import (
+    H2OPolicy,
+    KIVIPolicy,
+    PyramidKVPolicy,
+    ScoreInputs,
+    SnapKVPolicy,
+    StreamingLLMPolicy,
+    VLCachePolicy,
+    layer_sparsity,
+    observation_attention,
+)
 from oracles.attention_stats import type_masses
 from oracles.keepsets import MonotonicKeepSet
+
 from unicache_core.compression import make_cache_factory
 from unicache_core.compression.baselines import vlcache_layer_budgets
 from unicache_core.compression.defaults import VLCACHE_THRESHOLD
 from unicache_core.compression.scoring import key_scores, mass_from_lse, row_max_logits
 from unicache_core.kv.attention import attention_with_lse
 from unicache_core.kv.cache import AttentionCall, RequestInfo, StepInfo
-from unicache_core.kv.token_types import CANDIDATE_TYPES, TokenType as TT
+from unicache_core.kv.token_types import CANDIDATE_TYPES
+from unicache_core.kv.token_types import TokenType as TT
 
 HKV, GROUP, D = 2, 2, 16
 LATENTS = 96  # latent queries of a denoising call (more than SnapKV's window of 64)
@@ -38,8 +48,15 @@ def _context(num_candidates: int, seed: int):
     """Token types (boundaries around instruction, source-ViT and source-VAE runs) and per-layer K/V."""
     gen = torch.Generator().manual_seed(seed)
     third = num_candidates // 3
-    runs = [(TT.BOUNDARY, 1), (TT.SOURCE_VAE, third), (TT.BOUNDARY, 2), (TT.SOURCE_VIT, third), (TT.BOUNDARY, 2),
-            (TT.INSTRUCTION, num_candidates - 2 * third), (TT.BOUNDARY, 1)]
+    runs = [
+        (TT.BOUNDARY, 1),
+        (TT.SOURCE_VAE, third),
+        (TT.BOUNDARY, 2),
+        (TT.SOURCE_VIT, third),
+        (TT.BOUNDARY, 2),
+        (TT.INSTRUCTION, num_candidates - 2 * third),
+        (TT.BOUNDARY, 1),
+    ]
     types = torch.cat([torch.full((n,), int(t), dtype=torch.int8) for t, n in runs])
     return types, gen
 
@@ -54,7 +71,8 @@ class _Run:
         self.values = [torch.randn(t, HKV, D, generator=gen) for _ in range(num_layers)]
         self.gen = gen
         self.session = make_cache_factory(method, **settings).start(
-            RequestInfo(task="edit", num_layers=num_layers, num_steps=12))
+            RequestInfo(task="edit", num_layers=num_layers, num_steps=12)
+        )
         self.cache = self.session.new_cache("gen")
         prefill = AttentionCall(token_types=self.types, rope_positions=torch.arange(t), causal=False, update=True)
         self.cache.begin_call(prefill)
@@ -68,9 +86,14 @@ class _Run:
     def denoise(self, step: int) -> list[dict]:
         """Run denoising step ``step``; per layer its latent queries, new keys and LSE over everything resident."""
         self.session.begin_step(StepInfo("denoise", step, 12, ("gen",)))
-        call = AttentionCall(token_types=torch.full((LATENTS,), int(TT.CURRENT_LATENT), dtype=torch.int8),
-                             rope_positions=torch.zeros(LATENTS, dtype=torch.long), causal=False, update=False,
-                             phase="denoise", step=step)
+        call = AttentionCall(
+            token_types=torch.full((LATENTS,), int(TT.CURRENT_LATENT), dtype=torch.int8),
+            rope_positions=torch.zeros(LATENTS, dtype=torch.long),
+            causal=False,
+            update=False,
+            phase="denoise",
+            step=step,
+        )
         self.cache.begin_call(call)
         seen = []
         for layer in range(self.cache.num_layers):
@@ -100,14 +123,17 @@ class _Run:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_scorer_matches_dense_attention(seed):
     gen = torch.Generator().manual_seed(seed)
-    q, keys, extra = (torch.randn(40, 6, 8, generator=gen), torch.randn(70, 2, 8, generator=gen),
-                      torch.randn(30, 2, 8, generator=gen))
+    q, keys, extra = (
+        torch.randn(40, 6, 8, generator=gen),
+        torch.randn(70, 2, 8, generator=gen),
+        torch.randn(30, 2, 8, generator=gen),
+    )
     lse = _lse(q, keys, extra)
     inputs = ScoreInputs(keys=keys, queries=q, query_lse=lse)
     scores, _ = key_scores(q, keys, lse)
     assert torch.allclose(scores, observation_attention(inputs).sum(dim=1).t(), atol=1e-5)
     causal = torch.ones(40, 70, dtype=torch.bool).tril(diagonal=30)  # the queries are the last 40 keys
-    logits = torch.einsum("qhd,khd->hqk", q, keys.repeat_interleave(3, dim=1)) / 8 ** 0.5
+    logits = torch.einsum("qhd,khd->hqk", q, keys.repeat_interleave(3, dim=1)) / 8**0.5
     causal_lse = torch.logsumexp(logits.masked_fill(~causal, float("-inf")), dim=-1).t()  # [Tq, Hq]
     scores, _ = key_scores(q, keys, causal_lse, visible=causal)
     dense = observation_attention(ScoreInputs(keys=keys, queries=q), causal=True).sum(dim=1).t()
@@ -115,8 +141,10 @@ def test_the_scorer_matches_dense_attention(seed):
     # per-type masses: the LSE share of a key set equals the dense probabilities summed over its keys
     types = torch.randint(1, 4, (70,), generator=gen)
     part = torch.cat([keys, extra])
-    dense_masses = type_masses(observation_attention(ScoreInputs(keys=part, queries=q), per_query_head=True),
-                               torch.cat([types, torch.zeros(30, dtype=torch.long)]))
+    dense_masses = type_masses(
+        observation_attention(ScoreInputs(keys=part, queries=q), per_query_head=True),
+        torch.cat([types, torch.zeros(30, dtype=torch.long)]),
+    )
     for t in (1, 2, 3):
         sel = types == t
         assert mass_from_lse(_lse(q, keys[sel]), lse) == pytest.approx(dense_masses[TT(t)], abs=1e-6)
@@ -197,7 +225,8 @@ def test_kivi_quantizes_like_its_oracle():
     run.denoise(0)
     store = run.pooled_store(0)
     oracle = KIVIPolicy(bits=store.bits, group_size=store.group_size, residual=store.residual).compress(
-        run.keys[0][run.candidates], run.values[0][run.candidates], run.candidates, TT.UNKNOWN)
+        run.keys[0][run.candidates], run.values[0][run.candidates], run.candidates, TT.UNKNOWN
+    )
     assert store.nbytes() == oracle.nbytes()
     for mine, theirs in zip(store.dequantize(), oracle.dequantize()):
         assert torch.equal(mine, theirs)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from fakehost import PNG, Answer, FakeHost, ok_history, ok_ws, text_frame
@@ -86,16 +86,12 @@ VALIDATION = {
     "error": {"type": "prompt_outputs_failed_validation", "message": "Prompt outputs failed validation"},
     "node_errors": {
         "2": {
-            "errors": [
-                {"type": "value_bigger_than_max", "message": "Value 2.0 bigger than max", "details": "rho"}
-            ],
+            "errors": [{"type": "value_bigger_than_max", "message": "Value 2.0 bigger than max", "details": "rho"}],
             "class_type": "UniCacheKVConfig",
         }
     },
 }
-EXEC_ERROR = [
-    ["execution_error", {"node_type": "X\x1b[2J", "node_id": ["3"], "exception_message": "a\nb\r\x00c"}]
-]
+EXEC_ERROR = [["execution_error", {"node_type": "X\x1b[2J", "node_id": ["3"], "exception_message": "a\nb\r\x00c"}]]
 # fmt: off
 CASES = [
     ("prompt not json", bad_prompt(Answer(200, b"<html>hello</html>")), "failed", "not JSON"),

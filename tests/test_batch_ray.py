@@ -72,9 +72,7 @@ def test_workers_get_their_own_gpus_and_share_the_runs(cluster, tmp_path):
 
 def test_malformed_answer_is_one_failed_run(cluster, tmp_path):
     first_bad = lambda n: (
-        Answer(200, {"no": "id"})
-        if n == 0
-        else Answer(200, {"prompt_id": f"p{n}", "number": n, "node_errors": {}})
+        Answer(200, {"no": "id"}) if n == 0 else Answer(200, {"prompt_id": f"p{n}", "number": n, "node_errors": {}})
     )
     with FakeHost(prompt=first_bad) as host:
         rc, s = ray_batch(cluster, tmp_path, [host.url], "--count", "3")
@@ -159,9 +157,7 @@ def test_a_host_started_to_die_with_its_parent_ends_with_it(tmp_path, die_with_p
         "    env=dict(os.environ, COMFYHOST_PARENT=str(os.getpid())))\n"
         "print(child.pid, flush=True)\ntime.sleep(1.0)\nos._exit(1)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", starter], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+    proc = subprocess.run([sys.executable, "-c", starter], cwd=REPO, capture_output=True, text=True, timeout=60)
     pid = int(proc.stdout.split()[0])
     # the stand-in dies within a second of its parent with DIE_WITH_PARENT (5 s allowed); the control shows
     # that without it the stand-in is still there 2 s later

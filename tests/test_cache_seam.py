@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from oracles import KIVIPolicy, ScoreInputs, StreamingLLMPolicy
 from PIL import Image
 
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.kv.cache import AttentionCall, CacheRequest, FullKVCache
-from oracles import KIVIPolicy, ScoreInputs, StreamingLLMPolicy
 from unicache_core.kv.segmented_cache import SegmentedKVCache
-from unicache_core.kv.token_types import TokenType
 from unicache_core.kv.stores import EvictedStore, QuantizedStore
+from unicache_core.kv.token_types import TokenType
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +62,9 @@ def _edit(pipe, image):
 
 def test_segmented_cache_reproduces_full_cache(loaded, source_image):
     full = _edit(BagelPipeline(loaded), source_image)
-    seg = _edit(BagelPipeline(loaded, lambda r: SegmentedKVCache(r.num_layers, task=r.task, branch=r.branch)),
-                source_image)
+    seg = _edit(
+        BagelPipeline(loaded, lambda r: SegmentedKVCache(r.num_layers, task=r.task, branch=r.branch)), source_image
+    )
     # same keys, same softmax; only the summation order of the per-segment LSE merge differs
     for ours, ref in ((seg.step0_velocity["guided"], full.step0_velocity["guided"]), (seg.latents, full.latents)):
         assert ((ours - ref).norm() / ref.norm()).item() < 1e-5
@@ -100,8 +101,9 @@ def test_compressing_cache_plugs_in_without_other_changes(loaded, source_image):
 def test_full_cache_rejects_bad_layer_and_mismatched_metadata():
     cache = FullKVCache(2)
     k = torch.randn(3, 1, 4)
-    call = AttentionCall(token_types=torch.zeros(2, dtype=torch.int8), rope_positions=torch.arange(2), causal=True,
-                         update=True)
+    call = AttentionCall(
+        token_types=torch.zeros(2, dtype=torch.int8), rope_positions=torch.arange(2), causal=True, update=True
+    )
     with pytest.raises(ValueError, match="layer"):
         cache.attend(2, torch.randn(3, 2, 4), k, k, call)
     with pytest.raises(ValueError, match="token_types"):
@@ -121,8 +123,12 @@ def test_full_cache_fused_sdpa_path_matches_lse_path(monkeypatch, dtype):
             q = torch.randn(n, 4, 8, generator=g).to(dtype)
             k = torch.randn(n, 2, 8, generator=g).to(dtype)
             v = torch.randn(n, 2, 8, generator=g).to(dtype)
-            call = AttentionCall(token_types=torch.zeros(n, dtype=torch.int8), rope_positions=torch.arange(n),
-                                 causal=causal, update=update)
+            call = AttentionCall(
+                token_types=torch.zeros(n, dtype=torch.int8),
+                rope_positions=torch.arange(n),
+                causal=causal,
+                update=update,
+            )
             outs.append(cache.attend(0, q, k, v, call))
         return outs, cache.num_tokens
 
@@ -146,13 +152,22 @@ def test_packed_block_causal_call_equals_sequential_calls(monkeypatch, cache_cls
         return SegmentedKVCache(1) if cache_cls == "segmented" else FullKVCache(1)
 
     g = torch.Generator().manual_seed(21)
-    ctx_q, ctx_k, ctx_v = torch.randn(4, 4, 8, generator=g), torch.randn(4, 2, 8, generator=g), torch.randn(4, 2, 8, generator=g)
+    ctx_q, ctx_k, ctx_v = (
+        torch.randn(4, 4, 8, generator=g),
+        torch.randn(4, 2, 8, generator=g),
+        torch.randn(4, 2, 8, generator=g),
+    )
     q, k, v = torch.randn(7, 4, 8, generator=g), torch.randn(7, 2, 8, generator=g), torch.randn(7, 2, 8, generator=g)
     types = torch.tensor([5, 1, 1, 5, 5, 2, 5], dtype=torch.int8)
 
     def call(n, causal, mask=None, t=None):
-        return AttentionCall(token_types=types[:n] if t is None else t, rope_positions=torch.arange(n), causal=causal,
-                             update=True, new_block_mask=mask)
+        return AttentionCall(
+            token_types=types[:n] if t is None else t,
+            rope_positions=torch.arange(n),
+            causal=causal,
+            update=True,
+            new_block_mask=mask,
+        )
 
     seq = make()
     seq.attend(0, ctx_q, ctx_k, ctx_v, call(4, True))

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
-
 from cli_runs import forbid_weight_loading, run_bagel_cli
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def _cli_process(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run(
-        [sys.executable, "-m", "unicache_core.bagel", *args], capture_output=True, text=True, cwd=ROOT, env=env,
+        [sys.executable, "-m", "unicache_core.bagel", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
         timeout=120,
     )
 
@@ -36,8 +39,25 @@ def source_png(tmp_path_factory) -> Path:
 def test_t2i_writes_png(tiny_checkpoint, tmp_path):
     """The real process: exit status 0, the image written, progress (and the log) on stderr, nothing on stdout."""
     out = tmp_path / "sub" / "t2i.png"
-    proc = _cli_process("t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "a red cube", "--width", "48",
-                        "--height", "32", "--steps", "3", "--seed", "1", "--dtype", "fp32", "--out", str(out))
+    proc = _cli_process(
+        "t2i",
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--prompt",
+        "a red cube",
+        "--width",
+        "48",
+        "--height",
+        "32",
+        "--steps",
+        "3",
+        "--seed",
+        "1",
+        "--dtype",
+        "fp32",
+        "--out",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr
     with Image.open(out) as img:
         assert img.format == "PNG" and img.size == (48, 32)
@@ -47,18 +67,48 @@ def test_t2i_writes_png(tiny_checkpoint, tmp_path):
 
 def test_edit_writes_png(tiny_checkpoint, tmp_path, source_png, capsys):
     out = tmp_path / "edit.png"
-    code, _, err = run_bagel_cli(capsys, "edit", "--checkpoint", str(tiny_checkpoint), "--prompt", "make it blue",
-                                 "--image", str(source_png), "--steps", "2", "--dtype", "fp32", "--out", str(out),
-                                 "--cfg-interval", "0", "1", "--cfg-renorm-type", "text_channel")
+    code, _, err = run_bagel_cli(
+        capsys,
+        "edit",
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--prompt",
+        "make it blue",
+        "--image",
+        str(source_png),
+        "--steps",
+        "2",
+        "--dtype",
+        "fp32",
+        "--out",
+        str(out),
+        "--cfg-interval",
+        "0",
+        "1",
+        "--cfg-renorm-type",
+        "text_channel",
+    )
     assert code == 0, err
     with Image.open(out) as img:
         assert img.size == (80, 64)  # 40x30 -> the tiny checkpoint's VAE resize rule (128, 64, 16)
 
 
 def test_understand_prints_answer(tiny_checkpoint, source_png, capsys):
-    code, out, err = run_bagel_cli(capsys, "understand", "--checkpoint", str(tiny_checkpoint), "--prompt",
-                                   "What is this?", "--image", str(source_png), "--max-new-tokens", "4", "--dtype",
-                                   "fp32", "--quiet")
+    code, out, err = run_bagel_cli(
+        capsys,
+        "understand",
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--prompt",
+        "What is this?",
+        "--image",
+        str(source_png),
+        "--max-new-tokens",
+        "4",
+        "--dtype",
+        "fp32",
+        "--quiet",
+    )
     assert code == 0, err
     assert out.endswith("\n") and out.count("\n") >= 1
     assert err == ""  # --quiet: no progress bar
@@ -66,8 +116,9 @@ def test_understand_prints_answer(tiny_checkpoint, source_png, capsys):
 
 def test_missing_checkpoint_exits_2_with_one_line(tmp_path, capsys):
     missing = tmp_path / "nope"
-    code, _, err = run_bagel_cli(capsys, "t2i", "--checkpoint", str(missing), "--prompt", "x", "--out",
-                                 str(tmp_path / "o.png"))
+    code, _, err = run_bagel_cli(
+        capsys, "t2i", "--checkpoint", str(missing), "--prompt", "x", "--out", str(tmp_path / "o.png")
+    )
     assert code == 2
     assert "Traceback" not in err
     lines = err.strip().splitlines()
@@ -76,43 +127,77 @@ def test_missing_checkpoint_exits_2_with_one_line(tmp_path, capsys):
 
 
 def test_bad_argument_and_bad_checkpoint_exit_2(tiny_checkpoint_copy, tmp_path, capsys):
-    code, _, err = run_bagel_cli(capsys, "t2i", "--checkpoint", str(tiny_checkpoint_copy), "--prompt", "x",
-                                 "--width", "30", "--height", "32", "--dtype", "fp32", "--out", str(tmp_path / "o.png"))
+    code, _, err = run_bagel_cli(
+        capsys,
+        "t2i",
+        "--checkpoint",
+        str(tiny_checkpoint_copy),
+        "--prompt",
+        "x",
+        "--width",
+        "30",
+        "--height",
+        "32",
+        "--dtype",
+        "fp32",
+        "--out",
+        str(tmp_path / "o.png"),
+    )
     assert code == 2 and "Traceback" not in err
     assert "width" in err.strip().splitlines()[-1]
     (tiny_checkpoint_copy / "ema.safetensors").unlink()
-    code, _, err = run_bagel_cli(capsys, "understand", "--checkpoint", str(tiny_checkpoint_copy), "--prompt", "x",
-                                 "--dtype", "fp32")
+    code, _, err = run_bagel_cli(
+        capsys, "understand", "--checkpoint", str(tiny_checkpoint_copy), "--prompt", "x", "--dtype", "fp32"
+    )
     assert code == 2 and "Traceback" not in err
     assert "ema.safetensors" in err.strip().splitlines()[-1]
 
 
-def test_out_suffix_picks_the_format_and_unknown_suffix_fails_before_loading(tiny_checkpoint, tmp_path, capsys,
-                                                                            monkeypatch):
+def test_out_suffix_picks_the_format_and_unknown_suffix_fails_before_loading(
+    tiny_checkpoint, tmp_path, capsys, monkeypatch
+):
     out = tmp_path / "t2i.jpg"
-    code, _, err = run_bagel_cli(capsys, "t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "a cube",
-                                 "--width", "32", "--height", "32", "--steps", "2", "--out", str(out), "-q")
+    code, _, err = run_bagel_cli(
+        capsys,
+        "t2i",
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--prompt",
+        "a cube",
+        "--width",
+        "32",
+        "--height",
+        "32",
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+        "-q",
+    )
     assert code == 0, err
     with Image.open(out) as img:
         assert img.format == "JPEG" and img.size == (32, 32)
     forbid_weight_loading(monkeypatch)
-    code, _, err = run_bagel_cli(capsys, "t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "a cube",
-                                 "--out", str(tmp_path / "x.gif"))
+    code, _, err = run_bagel_cli(
+        capsys, "t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "a cube", "--out", str(tmp_path / "x.gif")
+    )
     assert code == 2
     assert "unsupported image suffix '.gif'" in err
 
 
 def test_max_new_tokens_zero_is_an_error_not_the_default(tiny_checkpoint, capsys, monkeypatch):
     forbid_weight_loading(monkeypatch)
-    code, _, err = run_bagel_cli(capsys, "understand", "--checkpoint", str(tiny_checkpoint), "--prompt", "hi",
-                                 "--max-new-tokens", "0")
+    code, _, err = run_bagel_cli(
+        capsys, "understand", "--checkpoint", str(tiny_checkpoint), "--prompt", "hi", "--max-new-tokens", "0"
+    )
     assert code == 2
     assert "max_new_tokens" in err
     assert err.strip().splitlines()[-1].startswith("error: ")
 
 
 def test_tiny_writer_never_clobbers_a_foreign_folder(tmp_path):
-    from training.tiny import main as tiny_main, write_tiny_checkpoint
+    from training.tiny import main as tiny_main
+    from training.tiny import write_tiny_checkpoint
 
     real = tmp_path / "BAGEL-7B-MoT"
     real.mkdir()
@@ -139,7 +224,18 @@ def test_bundled_model_is_the_default_checkpoint_and_answers(tmp_path, capsys):
     for background in ("gray", "black"):
         image = tmp_path / f"{background}.png"
         Scene(background, (Shape("triangle", "yellow", "large", 4),)).render().save(image)
-        code, out, err = run_bagel_cli(capsys, "understand", "--prompt", "what color is the background?", "--image",
-                                       str(image), "--max-new-tokens", "4", "--dtype", "fp32", "--quiet")
+        code, out, err = run_bagel_cli(
+            capsys,
+            "understand",
+            "--prompt",
+            "what color is the background?",
+            "--image",
+            str(image),
+            "--max-new-tokens",
+            "4",
+            "--dtype",
+            "fp32",
+            "--quiet",
+        )
         assert code == 0, err
         assert out.strip() == background

@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from checkpoint_edits import edit_json, rewrite_tensors, set_value
 from cli_runs import exit_status, forbid_weight_loading, run_bagel_cli
+from PIL import Image
 
 from unicache_core.bagel import __main__ as cli
 from unicache_core.bagel import denoise as denoise_module
@@ -30,8 +29,6 @@ from unicache_core.bagel.cli_checks import open_image, read_prompt_file, save_im
 from unicache_core.errors import NumericalError
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
 
 
 # ------------------------------------------------------------------------------------ CLI: before loading
@@ -54,8 +51,23 @@ def _one_line_error(capsys) -> str:
 
 
 def _t2i(checkpoint, *extra):
-    return ["t2i", "--checkpoint", str(checkpoint), "--prompt", "x", "--width", "32", "--height", "32", "--steps",
-            "2", "--dtype", "fp32", "-q", *extra]
+    return [
+        "t2i",
+        "--checkpoint",
+        str(checkpoint),
+        "--prompt",
+        "x",
+        "--width",
+        "32",
+        "--height",
+        "32",
+        "--steps",
+        "2",
+        "--dtype",
+        "fp32",
+        "-q",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -92,8 +104,10 @@ def test_cli_bad_argument_fails_before_loading(tiny_checkpoint, no_weights, caps
     "argv, match",
     [
         (["understand", "--prompt", "x", "--do-sample", "--temperature", "0"], "--temperature: `temperature`"),
-        (["understand", "--prompt", "x", "--max-new-tokens", "40000"],
-         "--max-new-tokens: `max_new_tokens` is too long"),
+        (
+            ["understand", "--prompt", "x", "--max-new-tokens", "40000"],
+            "--max-new-tokens: `max_new_tokens` is too long",
+        ),
         (["understand", "--prompt", "x", "--seed", "-5"], "--seed:"),
         (["understand", "--prompt", "x", "--image", "{tmp}"], "--image: .* is a directory; pass an image file"),
         (["understand", "--prompt", "x", "--image", "{tmp}/nope.png"], "--image: file not found"),
@@ -106,8 +120,11 @@ def test_cli_bad_argument_fails_before_loading(tiny_checkpoint, no_weights, caps
         (["t2i", "--prompt", "x", "--out", "/dev/null"], "--out: /dev/null exists and is not a regular file"),
         (["t2i", "--prompt-file", "{tmp}/nope.txt"], "--prompt-file: file not found"),
         (["t2i", "--prompt-file", "{tmp}"], "--prompt-file: .* is a directory"),
-        (["t2i", "--prompt-file", "{tmp}/latin1.txt"], r"--prompt-file: .*latin1.txt is not valid UTF-8 \(byte 0xe9 "
-                                                       r"at offset 3\)"),
+        (
+            ["t2i", "--prompt-file", "{tmp}/latin1.txt"],
+            r"--prompt-file: .*latin1.txt is not valid UTF-8 \(byte 0xe9 "
+            r"at offset 3\)",
+        ),
         (["t2i", "--prompt", "x", "--prompt-file", "{tmp}/notes.txt"], "not allowed with argument"),
         (["t2i"], "one of the arguments --prompt --prompt-file is required"),
     ],
@@ -144,9 +161,11 @@ def test_cli_broken_config_fails_before_loading(tiny_checkpoint_copy, no_weights
 
 def test_cli_checkpoint_path_mistakes(tmp_path, no_weights, capsys):
     (tmp_path / "file.bin").write_bytes(b"x")
-    for value, match in [("", r"argument --checkpoint: empty path ''"),
-                         (str(tmp_path / "file.bin"), r"--checkpoint: .*file.bin is a file, not a folder"),
-                         (str(tmp_path / "missing"), r"--checkpoint: folder not found: .*missing")]:
+    for value, match in [
+        ("", r"argument --checkpoint: empty path ''"),
+        (str(tmp_path / "file.bin"), r"--checkpoint: .*file.bin is a file, not a folder"),
+        (str(tmp_path / "missing"), r"--checkpoint: folder not found: .*missing"),
+    ]:
         assert _exit_code(["understand", "--checkpoint", value, "--prompt", "x", "-q"]) == 2
         assert re.search(match, _one_line_error(capsys))
 
@@ -163,20 +182,33 @@ def _assert_one_line_in_process(capsys, argv, *needles: str) -> None:
 
 def test_invalid_utf8_prompt_file(tiny_checkpoint, tmp_path, no_weights, capsys):
     (tmp_path / "p.txt").write_bytes(b"a red \xff cube")
-    _assert_one_line_in_process(capsys, ["t2i", "--checkpoint", str(tiny_checkpoint), "--prompt-file",
-                                         str(tmp_path / "p.txt"), "-q"],
-                                "--prompt-file: ", "p.txt is not valid UTF-8 (byte 0xff at offset 6)")
+    _assert_one_line_in_process(
+        capsys,
+        ["t2i", "--checkpoint", str(tiny_checkpoint), "--prompt-file", str(tmp_path / "p.txt"), "-q"],
+        "--prompt-file: ",
+        "p.txt is not valid UTF-8 (byte 0xff at offset 6)",
+    )
 
 
-@pytest.mark.parametrize("case", ["empty checkpoint", "checkpoint is a file", "image is a directory",
-                                  "out is a directory"])
+@pytest.mark.parametrize(
+    "case", ["empty checkpoint", "checkpoint is a file", "image is a directory", "out is a directory"]
+)
 def test_path_mistakes(tiny_checkpoint, tmp_path, no_weights, capsys, case):
     ckpt = str(tiny_checkpoint)
     args = {
         "empty checkpoint": ("understand", "--checkpoint", "", "--prompt", "x"),
         "checkpoint is a file": ("understand", "--checkpoint", str(tiny_checkpoint / "vocab.json"), "--prompt", "x"),
-        "image is a directory": ("edit", "--checkpoint", ckpt, "--prompt", "x", "--image", str(tmp_path),
-                                 "--out", str(tmp_path / "o.png")),
+        "image is a directory": (
+            "edit",
+            "--checkpoint",
+            ckpt,
+            "--prompt",
+            "x",
+            "--image",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "o.png"),
+        ),
         "out is a directory": ("t2i", "--checkpoint", ckpt, "--prompt", "x", "--out", str(tmp_path)),
     }[case]
     needle = {
@@ -207,8 +239,11 @@ def test_cli_out_of_memory_is_one_line(tiny_checkpoint, monkeypatch, capsys, tmp
 
     monkeypatch.setattr(loader_module, "load_bagel", no_memory)
     assert cli.main(_t2i(tiny_checkpoint, "--out", str(tmp_path / "o.png"))) == 2
-    assert re.search(r"out of memory \(OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\); use a "
-                     r"smaller", _one_line_error(capsys))
+    assert re.search(
+        r"out of memory \(OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\); use a "
+        r"smaller",
+        _one_line_error(capsys),
+    )
 
 
 def test_cli_nan_weights_exit_2_naming_the_tensor(tiny_checkpoint_copy, capsys, tmp_path):
@@ -278,8 +313,14 @@ def test_save_image_is_atomic(tmp_path, monkeypatch):
 
 def _cli_proc(*args, **kwargs) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "unicache_core.bagel", *args], capture_output=True, cwd=ROOT,
-                          env=env, timeout=60, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "unicache_core.bagel", *args],
+        capture_output=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+        **kwargs,
+    )
 
 
 def _assert_one_line(proc: subprocess.CompletedProcess, *needles: bytes) -> bytes:
@@ -300,9 +341,30 @@ def test_subprocess_ctrl_c_during_denoising_exits_130(tiny_checkpoint, tmp_path)
     out = tmp_path / "o.png"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "unicache_core.bagel", "t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "x",
-         "--width", "32", "--height", "32", "--steps", "1000", "--dtype", "fp32", "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env,
+        [
+            sys.executable,
+            "-m",
+            "unicache_core.bagel",
+            "t2i",
+            "--checkpoint",
+            str(tiny_checkpoint),
+            "--prompt",
+            "x",
+            "--width",
+            "32",
+            "--height",
+            "32",
+            "--steps",
+            "1000",
+            "--dtype",
+            "fp32",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        env=env,
         # A job started in the background of a non-interactive shell (as CI may run us) inherits SIGINT as
         # ignored, and Python then keeps it ignored: give the child the default disposition, as a terminal would.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
@@ -333,14 +395,33 @@ def test_subprocess_stdout_closed_early(tiny_checkpoint):
     os.close(read_end)  # nobody will read the answer
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "unicache_core.bagel", "understand", "--checkpoint", str(tiny_checkpoint),
-             "--prompt", "x", "--max-new-tokens", "2", "--dtype", "fp32", "-q"],
-            stdout=write_end, stderr=subprocess.PIPE, cwd=ROOT, env=env, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "unicache_core.bagel",
+                "understand",
+                "--checkpoint",
+                str(tiny_checkpoint),
+                "--prompt",
+                "x",
+                "--max-new-tokens",
+                "2",
+                "--dtype",
+                "fp32",
+                "-q",
+            ],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            env=env,
+            timeout=60,
         )
     finally:
         os.close(write_end)
-    assert proc.returncode == 2 and proc.stderr == b"error: stdout was closed before the answer was written " \
-                                                  b"(broken pipe)\n"
+    assert (
+        proc.returncode == 2
+        and proc.stderr == b"error: stdout was closed before the answer was written (broken pipe)\n"
+    )
 
 
 # ------------------------------------------------------------------------------------ input images
@@ -351,8 +432,9 @@ def _png_header_only(path: Path, width: int, height: int) -> Path:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) +
-                     chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    )
     return path
 
 
@@ -394,7 +476,25 @@ def test_cli_cuda_without_cuda_exits_2(tiny_checkpoint, capsys, monkeypatch):
 
 
 def test_cli_out_is_a_directory_exits_2(tiny_checkpoint, tmp_path, capsys):
-    code = cli.main(["t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "x", "--width", "32", "--height",
-                     "32", "--steps", "2", "--dtype", "fp32", "--out", str(tmp_path), "-q"])
+    code = cli.main(
+        [
+            "t2i",
+            "--checkpoint",
+            str(tiny_checkpoint),
+            "--prompt",
+            "x",
+            "--width",
+            "32",
+            "--height",
+            "32",
+            "--steps",
+            "2",
+            "--dtype",
+            "fp32",
+            "--out",
+            str(tmp_path),
+            "-q",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and str(tmp_path) in err

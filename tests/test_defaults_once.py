@@ -24,8 +24,12 @@ def _number(node: ast.AST) -> bool:
 
 
 #: The per-task tables of defaults.py (and the retained share the reduction implies).
-KNOWN_TABLES = (defaults.DEFAULT_REDUCTION, defaults.RHO0, defaults.RHO_FLOOR,
-                {task: round(1.0 - r, 6) for task, r in defaults.DEFAULT_REDUCTION.items()})
+KNOWN_TABLES = (
+    defaults.DEFAULT_REDUCTION,
+    defaults.RHO0,
+    defaults.RHO_FLOOR,
+    {task: round(1.0 - r, 6) for task, r in defaults.DEFAULT_REDUCTION.items()},
+)
 
 
 def _repeats_a_known_table(node: ast.Dict) -> bool:
@@ -46,8 +50,12 @@ def _repeats_a_known_table(node: ast.Dict) -> bool:
 def _widget_default(node: ast.AST) -> bool:
     """``("INT", {"default": 256, ...})``: a node input whose default is a number literal."""
     return isinstance(node, ast.Tuple) and any(
-        isinstance(part, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "default" and _number(v)
-                                           for k, v in zip(part.keys, part.values)) for part in node.elts)
+        isinstance(part, ast.Dict)
+        and any(
+            isinstance(k, ast.Constant) and k.value == "default" and _number(v) for k, v in zip(part.keys, part.values)
+        )
+        for part in node.elts
+    )
 
 
 def _literals(path: Path):
@@ -59,14 +67,17 @@ def _literals(path: Path):
             if set(keys) == set(TASKS) and _repeats_a_known_table(node):
                 yield node.lineno, "per-task numbers"
             for key, value in zip(node.keys, node.values):
-                if isinstance(key, ast.Constant) and key.value == "score_queries" and (
-                        _number(value) or _widget_default(value)):
+                if (
+                    isinstance(key, ast.Constant)
+                    and key.value == "score_queries"
+                    and (_number(value) or _widget_default(value))
+                ):
                     yield node.lineno, "score_queries literal"
         if isinstance(node, ast.keyword) and node.arg == "score_queries" and _number(node.value):
             yield node.value.lineno, "score_queries literal"
         if isinstance(node, ast.arguments):
             named = node.posonlyargs + node.args
-            pairs = list(zip(named[len(named) - len(node.defaults):], node.defaults))
+            pairs = list(zip(named[len(named) - len(node.defaults) :], node.defaults))
             pairs += [(a, d) for a, d in zip(node.kwonlyargs, node.kw_defaults) if d is not None]
             for arg, default in pairs:
                 if arg.arg == "score_queries" and _number(default):
@@ -74,8 +85,12 @@ def _literals(path: Path):
 
 
 def test_per_task_numbers_and_score_queries_live_only_in_defaults():
-    found = [f"{path.relative_to(ROOT)}:{line} {what}" for path in _code_files() if path != HOME
-             for line, what in _literals(path)]
+    found = [
+        f"{path.relative_to(ROOT)}:{line} {what}"
+        for path in _code_files()
+        if path != HOME
+        for line, what in _literals(path)
+    ]
     assert found == []
     assert set(defaults.DEFAULT_REDUCTION) == set(defaults.RHO0) == set(defaults.RHO_FLOOR) == set(TASKS)
     assert all(defaults.RHO_FLOOR[t] <= defaults.RHO0[t] for t in TASKS)

@@ -18,9 +18,8 @@ import re
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from checkpoint_edits import edit_json, rewrite_tensors, set_value
+from PIL import Image
 
 from unicache_core.bagel import denoise as denoise_module
 from unicache_core.bagel import numerics, seeding
@@ -31,7 +30,12 @@ from unicache_core.bagel.pipeline import BagelPipeline
 from unicache_core.bagel.request import GivenLatents
 from unicache_core.bagel.seeding import seeded_generator
 from unicache_core.bagel.settings import (
-    MAX_CFG_SCALE, MAX_NUM_TIMESTEPS, TEMPERATURE_RANGE, TIMESTEP_SHIFT_RANGE, GenerationSettings, check_output_size,
+    MAX_CFG_SCALE,
+    MAX_NUM_TIMESTEPS,
+    TEMPERATURE_RANGE,
+    TIMESTEP_SHIFT_RANGE,
+    GenerationSettings,
+    check_output_size,
     preset,
 )
 from unicache_core.bagel.transforms import ImageTransforms
@@ -51,30 +55,35 @@ def pipe(loaded):
     return BagelPipeline(loaded)
 
 
-
-
-
 # ------------------------------------------------------------------------------------ non-finite weights
 
 
 @pytest.mark.parametrize("value, what", [(math.nan, "1 NaN"), (math.inf, "1 infinite"), (-math.inf, "1 infinite")])
 @pytest.mark.parametrize(
     "file, name",
-    [("ema.safetensors", "language_model.model.layers.1.mlp.down_proj.weight"),
-     ("ae.safetensors", "decoder.conv_out.weight")],
+    [
+        ("ema.safetensors", "language_model.model.layers.1.mlp.down_proj.weight"),
+        ("ae.safetensors", "decoder.conv_out.weight"),
+    ],
 )
 def test_non_finite_weight_names_tensor_and_file(tiny_checkpoint_copy, file, name, value, what):
     rewrite_tensors(tiny_checkpoint_copy / file, set_value(name, value))
-    with pytest.raises(NumericalError, match=rf"{re.escape(file)}: tensor {re.escape(repr(name))} holds {what} of "
-                                             rf"\d+ values in the file; the weights are corrupt: re-download {file}"):
+    with pytest.raises(
+        NumericalError,
+        match=rf"{re.escape(file)}: tensor {re.escape(repr(name))} holds {what} of "
+        rf"\d+ values in the file; the weights are corrupt: re-download {file}",
+    ):
         load_bagel(tiny_checkpoint_copy, dtype="fp32")
 
 
 def test_weight_overflowing_fp16_advises_bf16(tiny_checkpoint_copy):
     name = "language_model.model.layers.0.self_attn.o_proj.weight"
     rewrite_tensors(tiny_checkpoint_copy / "ema.safetensors", set_value(name, 1e5))
-    with pytest.raises(NumericalError, match=rf"{re.escape(repr(name))} has values up to 100000, which overflow fp16 "
-                                             r"\(largest finite value 65504\); load the model with dtype='bf16'"):
+    with pytest.raises(
+        NumericalError,
+        match=rf"{re.escape(repr(name))} has values up to 100000, which overflow fp16 "
+        r"\(largest finite value 65504\); load the model with dtype='bf16'",
+    ):
         load_bagel(tiny_checkpoint_copy, dtype="fp16")
     assert load_bagel(tiny_checkpoint_copy, dtype="bf16").dtype == torch.bfloat16  # in range of bf16 and fp32
 
@@ -97,8 +106,11 @@ def overflow_checkpoint(tmp_path_factory, tiny_checkpoint):
 
 def test_fp16_overflow_in_denoising_names_step_and_branch(overflow_checkpoint):
     pipe16 = BagelPipeline(load_bagel(overflow_checkpoint, dtype="fp16"))
-    with pytest.raises(NumericalError, match=r"denoising step 1 of 2: the velocity of the 'gen' branch holds \d+ "
-                                             r"infinite of \d+ values; the model runs in fp16.*dtype='bf16'"):
+    with pytest.raises(
+        NumericalError,
+        match=r"denoising step 1 of 2: the velocity of the 'gen' branch holds \d+ "
+        r"infinite of \d+ values; the model runs in fp16.*dtype='bf16'",
+    ):
         pipe16.text_to_image("x", preset("t2i", width=32, height=32, num_timesteps=3))
     with pytest.raises(NumericalError, match=r"text decoding step 1 of at most 3: the next-token logits hold .*fp16"):
         pipe16.understand("x", None, preset("understanding", max_new_tokens=3))
@@ -119,22 +131,31 @@ def test_nan_in_one_branch_names_that_branch_and_step(pipe, monkeypatch):
         return raw
 
     monkeypatch.setattr(denoise_module, "branch_velocities", poisoned)
-    with pytest.raises(NumericalError, match=r"denoising step 2 of 3: the velocity of the 'cfg_text' branch holds "
-                                             r"256 NaN of 256 values; the model runs in fp32"):
+    with pytest.raises(
+        NumericalError,
+        match=r"denoising step 2 of 3: the velocity of the 'cfg_text' branch holds "
+        r"256 NaN of 256 values; the model runs in fp32",
+    ):
         pipe.text_to_image("x", preset("t2i", width=32, height=32, num_timesteps=4, cfg_interval=(0.0, 1.0)))
 
 
 def test_non_finite_guided_velocity_advises_lower_scales(pipe, monkeypatch):
     monkeypatch.setattr(denoise_module, "combine_cfg", lambda v, *a, **k: v * math.inf)
-    with pytest.raises(NumericalError, match=r"denoising step 1 of 2: the branch velocities are finite but the "
-                                             r"CFG-guided velocity holds .*cfg_text_scale=7.*lower the guidance"):
+    with pytest.raises(
+        NumericalError,
+        match=r"denoising step 1 of 2: the branch velocities are finite but the "
+        r"CFG-guided velocity holds .*cfg_text_scale=7.*lower the guidance",
+    ):
         pipe.text_to_image("x", preset("t2i", width=32, height=32, num_timesteps=3, cfg_text_scale=7.0))
 
 
 def test_decoded_image_nan_is_not_converted(pipe, loaded, monkeypatch):
     monkeypatch.setattr(loaded.vae, "decode", lambda z: torch.full((1, 3, 32, 32), math.nan))
-    with pytest.raises(NumericalError, match=r"the decoded image \(VAE output, before the uint8 conversion\) holds "
-                                             r"3072 NaN.*ae.safetensors"):
+    with pytest.raises(
+        NumericalError,
+        match=r"the decoded image \(VAE output, before the uint8 conversion\) holds "
+        r"3072 NaN.*ae.safetensors",
+    ):
         pipe.text_to_image("x", preset("t2i", width=32, height=32, num_timesteps=2))
 
 
@@ -154,9 +175,11 @@ def test_injected_noise_must_be_finite(pipe, loaded, bad):
 
 @pytest.mark.parametrize(
     "noise, match",
-    [(np.zeros((4, 64), np.float32), "must be a torch.Tensor.*ndarray"),
-     (torch.zeros(4, 64, dtype=torch.int64), "floating-point tensor.*int64"),
-     (torch.zeros(4, 63), r"shape \(4, 64\), got \(4, 63\)")],
+    [
+        (np.zeros((4, 64), np.float32), "must be a torch.Tensor.*ndarray"),
+        (torch.zeros(4, 64, dtype=torch.int64), "floating-point tensor.*int64"),
+        (torch.zeros(4, 63), r"shape \(4, 64\), got \(4, 63\)"),
+    ],
 )
 def test_injected_noise_type_and_shape(pipe, noise, match):
     with pytest.raises(ValueError, match=rf"`initial_noise` .*{match}"):
@@ -166,8 +189,12 @@ def test_injected_noise_type_and_shape(pipe, noise, match):
 def test_vae_noise_that_is_not_a_tensor(pipe):
     """A numpy array of the right shape is refused by its type (it is not a tensor), with the name of the input."""
     with pytest.raises(ValueError, match="`vae_noise` must be a torch.Tensor"):
-        pipe.edit("x", Image.new("RGB", (512, 512)), preset("edit", num_timesteps=2),
-                  given=GivenLatents(vae_noise=np.zeros((1, 16, 64, 64))))
+        pipe.edit(
+            "x",
+            Image.new("RGB", (512, 512)),
+            preset("edit", num_timesteps=2),
+            given=GivenLatents(vae_noise=np.zeros((1, 16, 64, 64))),
+        )
 
 
 def test_all_finite_fast_path_and_overflowing_sum():
@@ -177,24 +204,35 @@ def test_all_finite_fast_path_and_overflowing_sum():
     assert not numerics.all_finite(big)
     assert numerics.all_finite(torch.arange(5)) and numerics.all_finite(torch.empty(0))
     assert numerics.describe_non_finite(torch.tensor([math.nan, math.inf, 1.0, -math.inf])) == (
-        "1 NaN and 2 infinite of 4 values")
+        "1 NaN and 2 infinite of 4 values"
+    )
 
 
 def test_check_velocities_order_and_fp16_advice():
     ok = torch.ones(4, 64)
-    numerics.check_velocities({"gen": ok, "cfg_text": ok}, ok, step=0, total=5, dtype=torch.float32,
-                              cfg_text_scale=4.0, cfg_img_scale=1.5)
+    numerics.check_velocities(
+        {"gen": ok, "cfg_text": ok}, ok, step=0, total=5, dtype=torch.float32, cfg_text_scale=4.0, cfg_img_scale=1.5
+    )
     halves = torch.full((4, 64), 60000.0, dtype=torch.float16)  # sums overflow, values are finite: no error
-    numerics.check_velocities({"gen": halves}, halves, step=0, total=5, dtype=torch.float16, cfg_text_scale=1.0,
-                              cfg_img_scale=1.0)
+    numerics.check_velocities(
+        {"gen": halves}, halves, step=0, total=5, dtype=torch.float16, cfg_text_scale=1.0, cfg_img_scale=1.0
+    )
     bad = ok.clone()
     bad[0, 0] = math.inf
     with pytest.raises(NumericalError, match=r"step 3 of 5: the velocity of the 'cfg_img' branch.*fp16"):
-        numerics.check_velocities({"gen": ok, "cfg_text": ok, "cfg_img": bad}, bad, step=2, total=5,
-                                  dtype=torch.float16, cfg_text_scale=4.0, cfg_img_scale=1.5)
+        numerics.check_velocities(
+            {"gen": ok, "cfg_text": ok, "cfg_img": bad},
+            bad,
+            step=2,
+            total=5,
+            dtype=torch.float16,
+            cfg_text_scale=4.0,
+            cfg_img_scale=1.5,
+        )
     with pytest.raises(NumericalError, match=r"guided velocity.*lower the guidance scales or load the model with"):
-        numerics.check_velocities({"gen": ok}, bad, step=0, total=5, dtype=torch.float16, cfg_text_scale=4.0,
-                                  cfg_img_scale=1.5)
+        numerics.check_velocities(
+            {"gen": ok}, bad, step=0, total=5, dtype=torch.float16, cfg_text_scale=4.0, cfg_img_scale=1.5
+        )
 
 
 # ------------------------------------------------------------------------------------ absurd settings
@@ -226,15 +264,31 @@ def test_absurd_temperature_is_refused(temperature):
 
 
 def test_bounds_keep_defaults_and_edges():
-    for defaults in [dict(cfg_img_scale=1.5, cfg_interval=(0.4, 1.0), cfg_renorm_type="global"),
-                     dict(cfg_img_scale=2.0, cfg_interval=(0.0, 1.0), cfg_renorm_type="text_channel")]:
-        GenerationSettings(num_timesteps=50, timestep_shift=3.0, cfg_text_scale=4.0, cfg_renorm_min=0.0,
-                           **defaults)  # the official T2I and edit defaults
-    GenerationSettings(num_timesteps=MAX_NUM_TIMESTEPS, timestep_shift=TIMESTEP_SHIFT_RANGE[0],
-                       cfg_text_scale=MAX_CFG_SCALE, cfg_img_scale=MAX_CFG_SCALE, cfg_interval=(0, 1), cfg_renorm_min=1,
-                       cfg_renorm_type="channel")
-    GenerationSettings(num_timesteps=2, timestep_shift=TIMESTEP_SHIFT_RANGE[1], cfg_text_scale=0.0, cfg_img_scale=0.0,
-                       cfg_interval=(0.5, 0.5), cfg_renorm_min=0.0, cfg_renorm_type="global")
+    for defaults in [
+        dict(cfg_img_scale=1.5, cfg_interval=(0.4, 1.0), cfg_renorm_type="global"),
+        dict(cfg_img_scale=2.0, cfg_interval=(0.0, 1.0), cfg_renorm_type="text_channel"),
+    ]:
+        GenerationSettings(
+            num_timesteps=50, timestep_shift=3.0, cfg_text_scale=4.0, cfg_renorm_min=0.0, **defaults
+        )  # the official T2I and edit defaults
+    GenerationSettings(
+        num_timesteps=MAX_NUM_TIMESTEPS,
+        timestep_shift=TIMESTEP_SHIFT_RANGE[0],
+        cfg_text_scale=MAX_CFG_SCALE,
+        cfg_img_scale=MAX_CFG_SCALE,
+        cfg_interval=(0, 1),
+        cfg_renorm_min=1,
+        cfg_renorm_type="channel",
+    )
+    GenerationSettings(
+        num_timesteps=2,
+        timestep_shift=TIMESTEP_SHIFT_RANGE[1],
+        cfg_text_scale=0.0,
+        cfg_img_scale=0.0,
+        cfg_interval=(0.5, 0.5),
+        cfg_renorm_min=0.0,
+        cfg_renorm_type="global",
+    )
 
 
 def test_size_must_be_a_multiple_of_the_configs_latent_patch(tiny_checkpoint):
@@ -255,8 +309,10 @@ def test_seeds_above_32_bits_have_their_own_noise():
         return torch.randn(1000, generator=seeded_generator(seed))
 
     # what torch alone does: the CPU Mersenne Twister keeps only the low 32 bits of the seed
-    assert torch.equal(torch.randn(8, generator=torch.Generator().manual_seed(2**32)),
-                       torch.randn(8, generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(
+        torch.randn(8, generator=torch.Generator().manual_seed(2**32)),
+        torch.randn(8, generator=torch.Generator().manual_seed(0)),
+    )
     assert not torch.equal(noise(2**32), noise(0))
     assert torch.equal(noise(5), torch.randn(1000, generator=torch.Generator().manual_seed(5)))  # official stream
     assert torch.equal(noise(2**32 - 1), torch.randn(1000, generator=torch.Generator().manual_seed(2**32 - 1)))
@@ -300,25 +356,37 @@ def no_model_build(monkeypatch):
 @pytest.mark.parametrize(
     "file, changes, match",
     [
-        ("llm_config.json", dict(num_hidden_layers=10_000_000), r"num_hidden_layers = 10000000 layers, but "
-         r"ema.safetensors holds 2 \(language_model.model.layers.0 to language_model.model.layers.1\)"),
+        (
+            "llm_config.json",
+            dict(num_hidden_layers=10_000_000),
+            r"num_hidden_layers = 10000000 layers, but "
+            r"ema.safetensors holds 2 \(language_model.model.layers.0 to language_model.model.layers.1\)",
+        ),
         ("llm_config.json", dict(num_hidden_layers=1), "num_hidden_layers = 1 layers, but ema.safetensors holds 2"),
-        ("llm_config.json", dict(hidden_size=2**40), r"vocab_size and hidden_size give .*embed_tokens.weight the "
-         r"shape \(\d+, 1099511627776\), but ema.safetensors stores \(\d+, 64\)"),
+        (
+            "llm_config.json",
+            dict(hidden_size=2**40),
+            r"vocab_size and hidden_size give .*embed_tokens.weight the "
+            r"shape \(\d+, 1099511627776\), but ema.safetensors stores \(\d+, 64\)",
+        ),
         ("llm_config.json", dict(intermediate_size=2**40), "intermediate_size and hidden_size give"),
         ("llm_config.json", dict(vocab_size=2**40), "vocab_size and hidden_size give"),
         ("llm_config.json", dict(num_key_value_heads=4), "num_key_value_heads and hidden_size give"),
         ("vit_config.json", dict(num_hidden_layers=10_000_000), "num_hidden_layers = 10000000 means 9999999 built"),
         ("vit_config.json", dict(hidden_size=2**30, num_attention_heads=2), "patch_embedding"),
         ("vit_config.json", dict(image_size=14 * 10**5), "position_embedding"),
-        ("ae_config.json", dict(num_res_blocks=10_000_000), "num_res_blocks = 10000000 blocks per level, but "
-         "ae.safetensors holds 2"),
+        (
+            "ae_config.json",
+            dict(num_res_blocks=10_000_000),
+            "num_res_blocks = 10000000 blocks per level, but ae.safetensors holds 2",
+        ),
         ("ae_config.json", dict(ch_mult=[1, 1, 1], downsample=4), "ch_mult has 3 levels, but ae.safetensors holds 4"),
         ("ae_config.json", dict(z_channels=2**20), "z_channels, ch and ch_mult"),
     ],
 )
-def test_config_is_checked_against_the_headers_before_building(tiny_checkpoint_copy, no_model_build, file, changes,
-                                                               match):
+def test_config_is_checked_against_the_headers_before_building(
+    tiny_checkpoint_copy, no_model_build, file, changes, match
+):
     edit_json(tiny_checkpoint_copy / file, **changes)
     with pytest.raises(CheckpointError, match=match) as info:  # no_model_build: refused before any build
         load_bagel(tiny_checkpoint_copy, dtype="fp32")
@@ -359,8 +427,10 @@ def test_hostile_config_files(tiny_checkpoint_copy, corrupt, match):
 
 @pytest.mark.parametrize(
     "file, changes, match",
-    [("llm_config.json", dict(max_position_embeddings=10**18), "max_position_embeddings.*must be <= 16777216"),
-     ("ae_config.json", dict(scale_factor=0.0), "'scale_factor' = 0.0 must be > 0")],
+    [
+        ("llm_config.json", dict(max_position_embeddings=10**18), "max_position_embeddings.*must be <= 16777216"),
+        ("ae_config.json", dict(scale_factor=0.0), "'scale_factor' = 0.0 must be > 0"),
+    ],
 )
 def test_config_values_without_a_weight_to_check_against(tiny_checkpoint_copy, file, changes, match):
     edit_json(tiny_checkpoint_copy / file, **changes)

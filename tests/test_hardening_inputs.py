@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from checkpoint_edits import edit_json
+from PIL import Image
 from test_cli_errors import _exit_code, _one_line_error, no_weights  # noqa: F401  (no_weights: a fixture)
 
 from unicache_core.bagel import __main__ as cli
@@ -34,8 +33,25 @@ from unicache_core.errors import CheckpointError
 
 
 def _t2i(checkpoint, tmp_path, *extra):
-    return ["t2i", "--checkpoint", str(checkpoint), "--prompt", "x", "--width", "32", "--height", "32", "--steps",
-            "2", "--dtype", "fp32", "-q", "--out", str(tmp_path / "o.png"), *extra]
+    return [
+        "t2i",
+        "--checkpoint",
+        str(checkpoint),
+        "--prompt",
+        "x",
+        "--width",
+        "32",
+        "--height",
+        "32",
+        "--steps",
+        "2",
+        "--dtype",
+        "fp32",
+        "-q",
+        "--out",
+        str(tmp_path / "o.png"),
+        *extra,
+    ]
 
 
 # ------------------------------------------------------------------------------------ tokenizer files
@@ -53,8 +69,11 @@ def test_added_token_that_is_ordinary_text_is_refused(tiny_checkpoint_copy, cont
     decoder = json.loads(path.read_text())["added_tokens_decoder"]
     decoder["570"] = {"content": content, "special": True}
     edit_json(path, added_tokens_decoder=decoder)
-    with pytest.raises(CheckpointError, match=rf"tokenizer_config.json: added token 570 has the content "
-                                              rf"{re.escape(repr(content))}, which is ordinary text"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"tokenizer_config.json: added token 570 has the content "
+        rf"{re.escape(repr(content))}, which is ordinary text",
+    ):
         BagelTokenizer.from_dir(tiny_checkpoint_copy)
 
 
@@ -75,14 +94,18 @@ def test_empty_added_tokens_decoder_is_refused_at_load(tiny_checkpoint_copy, no_
 GRADIENT_8 = np.tile(np.arange(256, dtype=np.uint8), (8, 1))  # [8, 256]
 
 
-@pytest.mark.parametrize("pixels", [
-    GRADIENT_8.astype(np.uint16) * 257,  # I;16 (a 16-bit grayscale PNG)
-    GRADIENT_8.astype(np.int32) * 257,  # I holding 16-bit values
-    GRADIENT_8.astype(np.int32),  # I holding 8-bit values (convert("I") of an 8-bit image)
-    GRADIENT_8.astype(np.float32) / 255.0,  # F in [0, 1]
-    GRADIENT_8.astype(np.float32),  # F on the 8-bit scale
-    GRADIENT_8.astype(np.float32) * 257,  # F on the 16-bit scale
-], ids=["I;16", "I-16bit", "I-8bit", "F-unit", "F-8bit", "F-16bit"])
+@pytest.mark.parametrize(
+    "pixels",
+    [
+        GRADIENT_8.astype(np.uint16) * 257,  # I;16 (a 16-bit grayscale PNG)
+        GRADIENT_8.astype(np.int32) * 257,  # I holding 16-bit values
+        GRADIENT_8.astype(np.int32),  # I holding 8-bit values (convert("I") of an 8-bit image)
+        GRADIENT_8.astype(np.float32) / 255.0,  # F in [0, 1]
+        GRADIENT_8.astype(np.float32),  # F on the 8-bit scale
+        GRADIENT_8.astype(np.float32) * 257,  # F on the 16-bit scale
+    ],
+    ids=["I;16", "I-16bit", "I-8bit", "F-unit", "F-8bit", "F-16bit"],
+)
 def test_high_bit_depth_gradient_gives_the_8bit_gradient(pixels):
     expected = np.asarray(pil_img2rgb(Image.fromarray(GRADIENT_8)))
     got = np.asarray(pil_img2rgb(Image.fromarray(pixels)))
@@ -100,14 +123,19 @@ def test_16bit_png_file_is_scaled_not_clipped(tmp_path):
     assert np.asarray(resized).mean() < 200  # the clipped conversion was almost all white
 
 
-@pytest.mark.parametrize("pixels, shown", [
-    (np.full((4, 4), 1e6, dtype=np.float32), r"values in \[1e\+06, 1e\+06\]"),
-    (np.full((4, 4), np.nan, dtype=np.float32), "non-finite values"),
-    (np.full((4, 4), -5, dtype=np.int32), r"values in \[-5, -5\]"),
-    (np.full((4, 4), 70000, dtype=np.int32), r"values in \[70000, 70000\]"),
-])
+@pytest.mark.parametrize(
+    "pixels, shown",
+    [
+        (np.full((4, 4), 1e6, dtype=np.float32), r"values in \[1e\+06, 1e\+06\]"),
+        (np.full((4, 4), np.nan, dtype=np.float32), "non-finite values"),
+        (np.full((4, 4), -5, dtype=np.int32), r"values in \[-5, -5\]"),
+        (np.full((4, 4), 70000, dtype=np.int32), r"values in \[70000, 70000\]"),
+    ],
+)
 def test_high_bit_depth_values_outside_the_full_scale_are_refused(pixels, shown):
-    with pytest.raises(ValueError, match=rf"`image` is a '[IF]' image with {shown}, outside its full scale \[0, 65535\]"):
+    with pytest.raises(
+        ValueError, match=rf"`image` is a '[IF]' image with {shown}, outside its full scale \[0, 65535\]"
+    ):
         pil_img2rgb(Image.fromarray(pixels))
 
 
@@ -128,15 +156,18 @@ def test_alpha_modes_are_composited_on_white():
 # ------------------------------------------------------------------------------------ --kv-target
 
 
-@pytest.mark.parametrize("value, match", [
-    ("1B", r"'1B' is 1 byte\(s\), which holds no KV"),
-    ("0.5B", r"'0.5B' is 0 byte\(s\)"),
-    ("0.001kb", r"is 1 byte\(s\)"),
-    ("0%", r"'0%' is outside \(0%, 100%\]"),
-    ("101%", r"'101%' is outside \(0%, 100%\]"),
-    ("nan%", r"'nan%' is outside"),
-    ("x%", r"'x%' is not a percentage like '20%'"),
-])
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("1B", r"'1B' is 1 byte\(s\), which holds no KV"),
+        ("0.5B", r"'0.5B' is 0 byte\(s\)"),
+        ("0.001kb", r"is 1 byte\(s\)"),
+        ("0%", r"'0%' is outside \(0%, 100%\]"),
+        ("101%", r"'101%' is outside \(0%, 100%\]"),
+        ("nan%", r"'nan%' is outside"),
+        ("x%", r"'x%' is not a percentage like '20%'"),
+    ],
+)
 def test_kv_target_that_keeps_nothing_is_refused(value, match):
     with pytest.raises(ValueError, match=match):
         parse_kv_target(value)
@@ -150,8 +181,10 @@ def test_kv_target_sizes_and_ratios_still_parse():
 def test_cli_kv_target_below_one_cached_token_is_refused(tiny_checkpoint, tmp_path, no_weights, capsys):
     row = kv_bytes_per_token(load_bagel_config(tiny_checkpoint), torch.float32)
     assert _exit_code(_t2i(tiny_checkpoint, tmp_path, "--kv-method", "h2o", "--kv-target", f"{row - 1}B")) == 2
-    assert (f"--kv-target: '{row - 1}B' is {row - 1} bytes, less than one cached token of this checkpoint ({row} "
-            f"bytes in fp32)") in _one_line_error(capsys)
+    assert (
+        f"--kv-target: '{row - 1}B' is {row - 1} bytes, less than one cached token of this checkpoint ({row} "
+        f"bytes in fp32)"
+    ) in _one_line_error(capsys)
     assert _exit_code(_t2i(tiny_checkpoint, tmp_path, "--kv-target", "1B")) == 2
     assert "--kv-target: `kv_target` '1B' is 1 byte(s)" in _one_line_error(capsys)
 
@@ -176,20 +209,41 @@ def test_report_naming_the_output_image_is_refused(tiny_checkpoint, tmp_path, no
     (tmp_path / "sub").mkdir()
     report = _links(tmp_path, kind)
     assert _exit_code(_t2i(tiny_checkpoint, tmp_path, "--report", str(report))) == 2
-    assert re.search(r"--report: .* is the same file as --out .*o.png; the JSON report would overwrite it",
-                     _one_line_error(capsys))
+    assert re.search(
+        r"--report: .* is the same file as --out .*o.png; the JSON report would overwrite it", _one_line_error(capsys)
+    )
 
 
 def test_report_naming_an_input_is_refused(tiny_checkpoint, tmp_path, no_weights, capsys):
     source = tmp_path / "src.png"
     Image.new("RGB", (32, 32)).save(source)
-    argv = ["edit", "--checkpoint", str(tiny_checkpoint), "--prompt", "x", "--image", str(source), "--out",
-            str(tmp_path / "e.png"), "--report", str(source), "-q"]
+    argv = [
+        "edit",
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--prompt",
+        "x",
+        "--image",
+        str(source),
+        "--out",
+        str(tmp_path / "e.png"),
+        "--report",
+        str(source),
+        "-q",
+    ]
     assert _exit_code(argv) == 2
     assert "is the same file as --image" in _one_line_error(capsys)
     (tmp_path / "p.txt").write_text("a cube")
-    argv = ["understand", "--checkpoint", str(tiny_checkpoint), "--prompt-file", str(tmp_path / "p.txt"), "--report",
-            str(tmp_path / "p.txt"), "-q"]
+    argv = [
+        "understand",
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--prompt-file",
+        str(tmp_path / "p.txt"),
+        "--report",
+        str(tmp_path / "p.txt"),
+        "-q",
+    ]
     assert _exit_code(argv) == 2
     assert "is the same file as --prompt-file" in _one_line_error(capsys)
     argv = _t2i(tiny_checkpoint, tmp_path, "--report", str(tiny_checkpoint / "llm_config.json"))
@@ -197,14 +251,16 @@ def test_report_naming_an_input_is_refused(tiny_checkpoint, tmp_path, no_weights
     assert "llm_config.json is a file of the checkpoint" in _one_line_error(capsys)
 
 
-@pytest.mark.parametrize("where, match", [
-    ("/dev/full", r"--report: /dev/full exists and is not a regular file"),
-    ("{tmp}/notes.txt/r.json", r"--report: .*notes.txt is not a directory, so .*r.json cannot be created"),
-    ("{tmp}", r"--report: .* is a directory"),
-    ("{tmp}/loop", r"--report: .*loop is a symlink loop"),
-])
-def test_unwritable_report_path_is_refused_before_loading(tiny_checkpoint, tmp_path, no_weights, capsys, where,
-                                                           match):
+@pytest.mark.parametrize(
+    "where, match",
+    [
+        ("/dev/full", r"--report: /dev/full exists and is not a regular file"),
+        ("{tmp}/notes.txt/r.json", r"--report: .*notes.txt is not a directory, so .*r.json cannot be created"),
+        ("{tmp}", r"--report: .* is a directory"),
+        ("{tmp}/loop", r"--report: .*loop is a symlink loop"),
+    ],
+)
+def test_unwritable_report_path_is_refused_before_loading(tiny_checkpoint, tmp_path, no_weights, capsys, where, match):
     (tmp_path / "notes.txt").write_text("x")
     os.symlink(tmp_path / "loop", tmp_path / "loop")
     assert _exit_code(_t2i(tiny_checkpoint, tmp_path, "--report", where.format(tmp=tmp_path))) == 2
@@ -233,8 +289,9 @@ def test_report_write_on_a_full_disk_leaves_nothing_and_names_the_path(tmp_path,
 def test_cli_full_disk_at_the_report_is_one_line(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     _disk_full(monkeypatch)
     assert cli.main(_t2i(tiny_checkpoint, tmp_path, "--report", str(tmp_path / "r.json"))) == 2
-    assert re.search(r"--report: cannot write .*r.json \(No space left on device\); free space",
-                     _one_line_error(capsys))
+    assert re.search(
+        r"--report: cannot write .*r.json \(No space left on device\); free space", _one_line_error(capsys)
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.png"]  # the image; no report, no temporary file
 
 
@@ -253,8 +310,12 @@ def test_prompt_file_too_long_is_named_as_the_file(tiny_checkpoint_copy, tmp_pat
 def test_symlink_loop_and_dangling_link_are_named(tiny_checkpoint, tmp_path, no_weights, capsys, flag):
     os.symlink(tmp_path / "loop.png", tmp_path / "loop.png")
     os.symlink(tmp_path / "nothing.png", tmp_path / "dangling.png")
-    base = {"--checkpoint": ["understand", "--prompt", "x"], "--image": ["understand", "--prompt", "x"],
-            "--prompt-file": ["understand"], "--out": ["t2i", "--prompt", "x"]}[flag]
+    base = {
+        "--checkpoint": ["understand", "--prompt", "x"],
+        "--image": ["understand", "--prompt", "x"],
+        "--prompt-file": ["understand"],
+        "--out": ["t2i", "--prompt", "x"],
+    }[flag]
     for link, match in (("loop.png", "is a symlink loop"), ("dangling.png", "is a broken symlink to")):
         argv = [*base, flag, str(tmp_path / link), "-q"]
         if flag != "--checkpoint":
@@ -288,15 +349,17 @@ def test_control_tokens_in_a_prompt_are_plain_text_by_default(tiny_pipe):
     # the context holds what the accounting counts, in both modes
     for special in (False, True):
         ctx = tiny_pipe.build_understanding_context(None, TURN_CLOSING, special_tokens=special)
-        assert ctx.rope == understanding_positions(tok, TURN_CLOSING, has_image=False, think=False,
-                                                   special_tokens=special)
+        assert ctx.rope == understanding_positions(
+            tok, TURN_CLOSING, has_image=False, think=False, special_tokens=special
+        )
         assert ctx.rope == len(official if special else plain)
 
 
 def test_prompt_special_tokens_setting_changes_the_answer_input(tiny_pipe):
     plain = tiny_pipe.understand(TURN_CLOSING, None, preset("understanding", max_new_tokens=2))
-    official = tiny_pipe.understand(TURN_CLOSING, None, preset("understanding", max_new_tokens=2,
-                                                               prompt_special_tokens=True))
+    official = tiny_pipe.understand(
+        TURN_CLOSING, None, preset("understanding", max_new_tokens=2, prompt_special_tokens=True)
+    )
     assert plain.info["context_tokens"]["gen"] > official.info["context_tokens"]["gen"]
     with pytest.raises(ValueError, match="`prompt_special_tokens` must be True or False, got 'yes'"):
         preset("t2i", prompt_special_tokens="yes")
@@ -337,8 +400,10 @@ def test_policy_without_the_task_is_refused_before_loading(tiny_checkpoint, tmp_
     (tmp_path / "no_t2i.json").write_text(json.dumps(table))
     argv = _t2i(tiny_checkpoint, tmp_path, "--kv-method", "unicache", "--policy", str(tmp_path / "no_t2i.json"))
     assert _exit_code(argv) == 2
-    assert re.search(r"policy table '.*no_t2i.json' has no entry for the 't2i' task .* calibrate the task into it",
-                     _one_line_error(capsys))
+    assert re.search(
+        r"policy table '.*no_t2i.json' has no entry for the 't2i' task .* calibrate the task into it",
+        _one_line_error(capsys),
+    )
 
 
 # ------------------------------------------------------------------------------------ API value types
@@ -377,7 +442,8 @@ def test_calibration_advice_names_only_flags_the_tool_has():
     flags = {s for action in cli.build_parser()._actions for s in action.option_strings}
     advised = set()
     for module in (calibration, cli, job, run, tables, policy_table):
-        for command in re.findall(r"unicache_core\.bagel\.calibrate((?: --?[a-z][a-z-]*(?: <[^>]+>)?)*)",
-                                  inspect_module.getsource(module)):
+        for command in re.findall(
+            r"unicache_core\.bagel\.calibrate((?: --?[a-z][a-z-]*(?: <[^>]+>)?)*)", inspect_module.getsource(module)
+        ):
             advised |= set(re.findall(r"--?[a-z][a-z-]*", command))
     assert advised and advised <= flags, advised - flags

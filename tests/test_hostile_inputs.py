@@ -16,12 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from checkpoint_edits import edit_json
 from safetensors.torch import load_file, save_file
 
-from checkpoint_edits import edit_json
-
-from unicache_core.bagel.config import load_bagel_config
 from unicache_core.bagel.checkpoint.loader import load_bagel
+from unicache_core.bagel.config import load_bagel_config
 from unicache_core.bagel.pipeline import BagelPipeline
 from unicache_core.bagel.request import RunHooks
 from unicache_core.bagel.settings import preset
@@ -38,7 +37,6 @@ def loaded(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def pipe(loaded):
     return BagelPipeline(loaded)
-
 
 
 #: A small, fast text-to-image request on the tiny checkpoint.
@@ -192,12 +190,18 @@ def _vocab_with(path: Path, **extra) -> None:
         (lambda d: (d / "vocab.json").write_text("[1]"), "vocab.json"),
         (lambda d: (d / "merges.txt").write_text("#version: 0.2\nqq zz\n"), r"merges.txt.*'qq'"),
         (lambda d: (d / "merges.txt").write_bytes(b"\xff\xfe\x00"), "merges.txt"),
-        (lambda d: edit_json(d / "tokenizer_config.json", added_tokens_decoder={"5": {"content": 7}}),
-         "tokenizer_config.json.*'5'"),
-        (lambda d: edit_json(d / "tokenizer_config.json", added_tokens_decoder={"-3": {"content": "<|x|>"}}),
-         "tokenizer_config.json.*'-3'"),
-        (lambda d: edit_json(d / "tokenizer_config.json", added_tokens_decoder=[1]),
-         "tokenizer_config.json.*added_tokens_decoder"),
+        (
+            lambda d: edit_json(d / "tokenizer_config.json", added_tokens_decoder={"5": {"content": 7}}),
+            "tokenizer_config.json.*'5'",
+        ),
+        (
+            lambda d: edit_json(d / "tokenizer_config.json", added_tokens_decoder={"-3": {"content": "<|x|>"}}),
+            "tokenizer_config.json.*'-3'",
+        ),
+        (
+            lambda d: edit_json(d / "tokenizer_config.json", added_tokens_decoder=[1]),
+            "tokenizer_config.json.*added_tokens_decoder",
+        ),
     ],
 )
 def test_tokenizer_files_malformed(tiny_checkpoint_copy, corrupt, match):
@@ -218,8 +222,14 @@ def test_vocab_smaller_than_special_ids(tiny_checkpoint_copy):
 
 @pytest.mark.parametrize(
     "spec, expected",
-    [("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16), ("FP32", torch.float32),
-     ("float32", torch.float32), (torch.float16, torch.float16)],
+    [
+        ("bf16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        ("fp16", torch.float16),
+        ("FP32", torch.float32),
+        ("float32", torch.float32),
+        (torch.float16, torch.float16),
+    ],
 )
 def test_dtype_aliases(tiny_checkpoint, spec, expected):
     loaded = load_bagel(tiny_checkpoint, dtype=spec)
@@ -285,11 +295,21 @@ def test_offload_cpu_and_disk_gives_the_same_image(tiny_checkpoint, pipe, tmp_pa
 
 
 def test_offload_embeddings_on_disk(tiny_checkpoint, pipe, tmp_path):
-    device_map = {"language_model.model.embed_tokens": "disk", "language_model.model.layers": "cpu",
-                  "language_model.model.norm": "cpu", "language_model.model.norm_moe_gen": "cpu",
-                  "language_model.model.rotary_emb": "cpu", "language_model.lm_head": "cpu", "vit_model": "cpu",
-                  "connector": "cpu", "vit_pos_embed": "cpu", "time_embedder": "cpu", "vae2llm": "cpu",
-                  "llm2vae": "cpu", "latent_pos_embed": "cpu"}
+    device_map = {
+        "language_model.model.embed_tokens": "disk",
+        "language_model.model.layers": "cpu",
+        "language_model.model.norm": "cpu",
+        "language_model.model.norm_moe_gen": "cpu",
+        "language_model.model.rotary_emb": "cpu",
+        "language_model.lm_head": "cpu",
+        "vit_model": "cpu",
+        "connector": "cpu",
+        "vit_pos_embed": "cpu",
+        "time_embedder": "cpu",
+        "vae2llm": "cpu",
+        "llm2vae": "cpu",
+        "latent_pos_embed": "cpu",
+    }
     offloaded = load_bagel(tiny_checkpoint, dtype="fp32", device_map=device_map, offload_folder=tmp_path / "off")
     np.testing.assert_array_equal(_t2i(BagelPipeline(offloaded)), _t2i(pipe))
     settings = preset("understanding", max_new_tokens=4)
@@ -298,8 +318,9 @@ def test_offload_embeddings_on_disk(tiny_checkpoint, pipe, tmp_path):
 
 
 def test_auto_device_map_with_small_max_memory(tiny_checkpoint, pipe, tmp_path):
-    offloaded = load_bagel(tiny_checkpoint, dtype="fp32", device_map="auto", max_memory={"cpu": 1_500_000},
-                           offload_folder=tmp_path / "off")
+    offloaded = load_bagel(
+        tiny_checkpoint, dtype="fp32", device_map="auto", max_memory={"cpu": 1_500_000}, offload_folder=tmp_path / "off"
+    )
     assert "disk" in set(offloaded.model.hf_device_map.values())
     np.testing.assert_array_equal(_t2i(BagelPipeline(offloaded)), _t2i(pipe))
 
@@ -465,16 +486,18 @@ def _cancel_after(n: int):
 def test_cancel_during_think_mode(pipe):
     cancel, calls = _cancel_after(2)
     with pytest.raises(CancelledError, match="text decoding cancelled after 2"):
-        pipe.text_to_image("x", SMALL.replace(num_timesteps=3, think=True, think_max_new_tokens=50),
-                           hooks=RunHooks(cancel=cancel))
+        pipe.text_to_image(
+            "x", SMALL.replace(num_timesteps=3, think=True, think_max_new_tokens=50), hooks=RunHooks(cancel=cancel)
+        )
     assert len(calls) == 3
 
 
 def test_cancel_during_understanding_decode(pipe):
     cancel, calls = _cancel_after(1)
     with pytest.raises(CancelledError, match="after 1 of at most 50"):
-        pipe.understand("x", None, preset("understanding", max_new_tokens=50, think=True),
-                        hooks=RunHooks(cancel=cancel))
+        pipe.understand(
+            "x", None, preset("understanding", max_new_tokens=50, think=True), hooks=RunHooks(cancel=cancel)
+        )
     assert len(calls) == 2
 
 

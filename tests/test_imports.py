@@ -75,8 +75,14 @@ def test_bagel_engine_imports_without_comfyui(probe):
 def test_every_module_imports_without_comfyui(probe):
     """Walk the whole package (compression, stores, quant, segmented, bagel.*) and the benchmarks."""
     names, loaded = probe["every"]
-    for expected in ("unicache_core.compression.baselines", "unicache_core.compression.schedule", "unicache_core.kv.stores",
-                     "unicache_core.kv.segmented_cache", "unicache_core.bagel.pipeline", "benchmarks.kv_attention"):
+    for expected in (
+        "unicache_core.compression.baselines",
+        "unicache_core.compression.schedule",
+        "unicache_core.kv.stores",
+        "unicache_core.kv.segmented_cache",
+        "unicache_core.bagel.pipeline",
+        "benchmarks.kv_attention",
+    ):
         assert expected in names
     assert _leaked(loaded) == [], f"importing the whole package pulled in {_leaked(loaded)}"
 

@@ -10,8 +10,18 @@ import pytest
 import torch
 
 from unicache_core.compression.defaults import JOINT_BITS, JOINT_LEVELS, UNICACHE_GROUPS
-from unicache_core.compression.family import (FULL_BITS, JointChoice, JointPlan, QuantGeometry, Segment, choose,
-                                              grid_choices, least_quantized_bytes, lookup_order, plan_from_errors)
+from unicache_core.compression.family import (
+    FULL_BITS,
+    JointChoice,
+    JointPlan,
+    QuantGeometry,
+    Segment,
+    choose,
+    grid_choices,
+    least_quantized_bytes,
+    lookup_order,
+    plan_from_errors,
+)
 from unicache_core.compression.ops import compress_rows, quantized_bytes, rows_for_bytes
 from unicache_core.compression.policy_table import PolicyTable, PolicyTableError, paper_policy_table
 from unicache_core.kv.attention import attention_with_lse
@@ -23,8 +33,16 @@ H, D = 2, 32
 
 
 def _segment(n: int, elem: int = 4, d: int = D) -> Segment:
-    return Segment(full_rows=n, held_rows=n, held_bits=FULL_BITS, held_bytes=2 * n * H * d * elem, shared_rows=True,
-                   num_kv_heads=H, head_dim=d, elem=elem)
+    return Segment(
+        full_rows=n,
+        held_rows=n,
+        held_bits=FULL_BITS,
+        held_bytes=2 * n * H * d * elem,
+        shared_rows=True,
+        num_kv_heads=H,
+        head_dim=d,
+        elem=elem,
+    )
 
 
 def test_residual_follows_the_segment_and_the_budget():
@@ -39,8 +57,10 @@ def test_residual_follows_the_segment_and_the_budget():
     assert residuals == sorted(residuals) and residuals[-1] > 20  # the residual grows into the budget
     for ratio, choice in zip((0.1, 0.2, 0.5), rows[1:]):
         assert seg.choice_bytes(choice) <= ratio * seg.full_bytes
-        assert seg.choice_bytes(replace(choice, residual=choice.residual + 1)) > ratio * seg.full_bytes or \
-            choice.residual == 32
+        assert (
+            seg.choice_bytes(replace(choice, residual=choice.residual + 1)) > ratio * seg.full_bytes
+            or choice.residual == 32
+        )
     with pytest.raises(ValueError, match="residual_share"):
         QuantGeometry(residual_share=1.5)
     with pytest.raises(ValueError, match="groups"):
@@ -87,13 +107,22 @@ def test_the_quantize_route_keeps_every_row_until_its_floor_then_a_subset_at_two
 
 
 def test_choices_never_grow_rows_or_bits():
-    seg = Segment(full_rows=100, held_rows=40, held_bits=4, held_bytes=10**9, shared_rows=False, num_kv_heads=H,
-                  head_dim=D, elem=4)
+    seg = Segment(
+        full_rows=100,
+        held_rows=40,
+        held_bits=4,
+        held_bytes=10**9,
+        shared_rows=False,
+        num_kv_heads=H,
+        head_dim=D,
+        elem=4,
+    )
     for kind, plan_bits in (("evict", None), ("quantize", None), ("joint", 16), ("joint", 8)):
         choice = choose(seg, kind, 10**6, QuantGeometry(), plan_bits)
         assert choice.rows <= 40 and choice.bits <= 4, (kind, choice)
-    fits = Segment(full_rows=100, held_rows=40, held_bits=4, held_bytes=5000, shared_rows=False, num_kv_heads=H,
-                   head_dim=D, elem=4)
+    fits = Segment(
+        full_rows=100, held_rows=40, held_bits=4, held_bytes=5000, shared_rows=False, num_kv_heads=H, head_dim=D, elem=4
+    )
     assert choose(fits, "quantize", 5000, QuantGeometry()) == JointChoice(40, 4)  # held as it is
 
 
@@ -140,8 +169,12 @@ def test_the_policy_table_carries_joint_plans_and_geometry(tmp_path):
     assert paper.geometry == QuantGeometry() and paper.to_dict()["version"] == 2
     plan = JointPlan(((0.4, 8), (0.1, 2)))
     key = ("edit", TT.SOURCE_VIT)
-    table = PolicyTable(entries={**paper.entries, key: "joint"}, plans={key: plan}, model_id="m",
-                        geometry=QuantGeometry(groups=(32, 64), residual_max=8, residual_share=0.125))
+    table = PolicyTable(
+        entries={**paper.entries, key: "joint"},
+        plans={key: plan},
+        model_id="m",
+        geometry=QuantGeometry(groups=(32, 64), residual_max=8, residual_share=0.125),
+    )
     table.save(tmp_path / "t.json")
     loaded = PolicyTable.load(tmp_path / "t.json")
     assert loaded.kind(*key) == "joint" and loaded.plan_for(*key) == plan and loaded.geometry == table.geometry
@@ -178,8 +211,11 @@ def test_the_grid_matches_bytes_across_bit_widths():
             assert choice.bits == bits and 0 < choice.rows <= 64
             assert seg.choice_bytes(choice) <= budget  # matched bytes: every point within the level's budget
             if choice.rows < 64:  # one more row would not fit
-                more = seg.quantized(choice.rows + 1, bits, max(QuantGeometry().groups), QuantGeometry(), budget) \
-                    if bits != FULL_BITS else None
+                more = (
+                    seg.quantized(choice.rows + 1, bits, max(QuantGeometry().groups), QuantGeometry(), budget)
+                    if bits != FULL_BITS
+                    else None
+                )
                 assert more is None
         rows = [row[b].rows for b in JOINT_BITS if b in row]
         assert rows == sorted(rows)  # 16, 8, 4, 2 bits: more rows as the bits fall
@@ -190,8 +226,15 @@ def test_the_grid_matches_bytes_across_bit_widths():
 
 
 def test_plan_from_errors_takes_each_levels_least_change():
-    errors = {(0.5, 16): 0.01, (0.5, 8): 0.02, (0.25, 16): 0.3, (0.25, 8): 0.1, (0.25, 4): 0.1,
-              (0.12, 4): 0.4, (0.12, 2): 0.2}
+    errors = {
+        (0.5, 16): 0.01,
+        (0.5, 8): 0.02,
+        (0.25, 16): 0.3,
+        (0.25, 8): 0.1,
+        (0.25, 4): 0.1,
+        (0.12, 4): 0.4,
+        (0.12, 2): 0.2,
+    }
     plan = plan_from_errors(errors)
     assert plan.levels == ((0.5, 16), (0.25, 4), (0.12, 2))  # the 0.25 tie goes to fewer bits (more rows)
     assert [plan.bits_for(r) for r in (0.9, 0.3, 0.2, 0.01)] == [16, 4, 2, 2]

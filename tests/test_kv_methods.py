@@ -11,12 +11,11 @@ from PIL import Image
 
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.denoise import branch_velocities
-from unicache_core.kv.cache import unique_nbytes
-from unicache_core.compression import METHODS, KVConfig, make_cache_factory
-from unicache_core.compression import ops
+from unicache_core.compression import METHODS, KVConfig, make_cache_factory, ops
 from unicache_core.compression.compressing_cache import CompressingKVCache
-from unicache_core.kv.token_types import TokenType as TT
 from unicache_core.compression.policy_table import PolicyTable, PolicyTableError, paper_policy_table
+from unicache_core.kv.cache import unique_nbytes
+from unicache_core.kv.token_types import TokenType as TT
 
 STEPS = 13  # 12 denoising steps: compressions after step 0, 5 and 10 (step chunks of 5)
 
@@ -121,8 +120,9 @@ def test_cfg_text_forks_from_gen_shares_rows_and_then_lives_on_its_own(loaded, s
     cfg_before = [[s.token_index.clone() for s in cfg.layer(i).stores] for i in range(cfg.num_layers)]
     session.resolve_target()
     for layer in range(gen.num_layers):
-        gen.state[layer].scores = torch.rand(gen.layer(layer).appended_tokens, 2 if False else
-                                             gen.layer(layer)._kv_meta[0])
+        gen.state[layer].scores = torch.rand(
+            gen.layer(layer).appended_tokens, 2 if False else gen.layer(layer)._kv_meta[0]
+        )
     session.method.compress_layers(session, gen)
     assert any(s.kind == "evicted" for s in gen.layer(0).stores)
     assert all(s.kind == "full" for s in cfg.layer(0).stores)  # gen's eviction did not touch cfg_text
@@ -205,8 +205,9 @@ def test_compression_releases_bytes_and_accounts_them_exactly(loaded, source):
 
 
 def test_understanding_decodes_against_the_compressed_cache(loaded, source):
-    und = _pipe(loaded, "unicache").understand("Describe the picture.", source,
-                                               preset("understanding", max_new_tokens=6))
+    und = _pipe(loaded, "unicache").understand(
+        "Describe the picture.", source, preset("understanding", max_new_tokens=6)
+    )
     report = und.kv_report
     first = report["steps"][0]["branches"]["gen"]
     context = sum(t["full_rows"] for t in first["types"].values() if t.get("full_rows"))
@@ -216,8 +217,9 @@ def test_understanding_decodes_against_the_compressed_cache(loaded, source):
 
 
 def test_think_plan_has_its_own_context_name(loaded):
-    res = _pipe(loaded, "h2o").text_to_image("a dog", preset("t2i", width=32, height=32, num_timesteps=3, think=True,
-                                                             think_max_new_tokens=3))
+    res = _pipe(loaded, "h2o").text_to_image(
+        "a dog", preset("t2i", width=32, height=32, num_timesteps=3, think=True, think_max_new_tokens=3)
+    )
     phases = {(s["phase"], name) for s in res.kv_report["steps"] for name in s["branches"]}
     assert ("decode", "plan") in phases and ("decode", "gen") not in phases
     assert all(not s["branches"]["plan"]["compressed"] for s in res.kv_report["steps"] if "plan" in s["branches"])
@@ -234,8 +236,10 @@ def test_bad_settings_each_give_one_clear_error(loaded, tmp_path):
     with pytest.raises(ValueError, match="kv_target"):
         KVConfig(method="h2o", kv_target="lots")
     bad = tmp_path / "bad.json"
-    bad.write_text('{"format": "unicache-policy-table", "version": 1, "entries": [{"task": "edit", '
-                   '"type": "current_latent", "kind": "evict"}]}')
+    bad.write_text(
+        '{"format": "unicache-policy-table", "version": 1, "entries": [{"task": "edit", '
+        '"type": "current_latent", "kind": "evict"}]}'
+    )
     with pytest.raises(PolicyTableError, match="protected or unknown"):
         PolicyTable.load(bad)
     bad.write_text("{not json")
@@ -259,8 +263,9 @@ def test_default_policy_is_the_checkpoints_table_else_the_paper_one(loaded, tiny
     table = PolicyTable(model_id=model_id_of(tiny_checkpoint_copy), source="calibrated")
     table.save(tiny_checkpoint_copy / "unicache_policy.json")
     local = load_bagel(tiny_checkpoint_copy, dtype=torch.float32)
-    res = BagelPipeline(local, make_cache_factory("unicache", checkpoint_dir=str(tiny_checkpoint_copy))) \
-        .text_to_image("x", preset("t2i", width=32, height=32, num_timesteps=3))
+    res = BagelPipeline(local, make_cache_factory("unicache", checkpoint_dir=str(tiny_checkpoint_copy))).text_to_image(
+        "x", preset("t2i", width=32, height=32, num_timesteps=3)
+    )
     assert res.kv_report["policy"]["source"] == "calibrated" and res.kv_report["policy"]["warning"] is None
 
 
@@ -287,8 +292,10 @@ def test_unicache_fills_its_budget_to_within_one_row(loaded, target, route):
     routes = {key: route for key in paper_policy_table().entries}  # every candidate type on one route
     table = PolicyTable(entries=routes, model_id=loaded.model_id, source="calibrated")
     pipe = _pipe(loaded, "unicache", kv_target=target, policy=table)
-    prompts = ("a red circle on the left",
-               "a large green triangle in the upper right corner above a small blue square on a grey background")
+    prompts = (
+        "a red circle on the left",
+        "a large green triangle in the upper right corner above a small blue square on a grey background",
+    )
     for prompt in prompts:
         report = pipe.text_to_image(prompt, preset("t2i", width=32, height=32, num_timesteps=8), seed=1).kv_report
         for step in report["steps"]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unicache_core.compression.selection import topk_per_head
-from unicache_core.kv.segmented_cache import SegmentedLayer
-from unicache_core.kv.token_types import TokenType as TT
-from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore
 from unicache_core.compression.allocator import allocate
+from unicache_core.compression.selection import topk_per_head
 from unicache_core.compression.stats import ChunkedAttentionStats
+from unicache_core.kv.segmented_cache import SegmentedLayer
+from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore
+from unicache_core.kv.token_types import TokenType as TT
 
 
 def _kv(t=6, h=2, d=8, dtype=torch.float32):
@@ -51,9 +51,11 @@ def test_stores_of_one_layer_agree_on_heads_dim_dtype_and_device():
 def test_byte_accounting_holds_for_every_dtype_and_fp32_scales():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         k, v, idx = _kv(t=70, dtype=dtype)
-        for store in (FullStore(k, v, idx, TT.SOURCE_VAE),
-                      EvictedStore.from_selection(k, v, idx, torch.tensor([[0, 5, 9]] * 2), TT.SOURCE_VIT),
-                      QuantizedStore.from_kv(k, v, idx, 2, 32, 8)):
+        for store in (
+            FullStore(k, v, idx, TT.SOURCE_VAE),
+            EvictedStore.from_selection(k, v, idx, torch.tensor([[0, 5, 9]] * 2), TT.SOURCE_VIT),
+            QuantizedStore.from_kv(k, v, idx, 2, 32, 8),
+        ):
             assert store.nbytes() == store.nominal_bytes(), (dtype, store.kind)
     big = QuantizedStore.from_kv(*(_kv(t=70)[0] * 1e5,) * 2, torch.arange(70), 4, 32, 8)  # beyond fp16 scales
     assert big.qkeys.scale.dtype == torch.float32 and big.nbytes() == big.nominal_bytes()

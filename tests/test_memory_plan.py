@@ -13,9 +13,20 @@ from PIL import Image
 
 from unicache_core.bagel.__main__ import main as cli_main
 from unicache_core.bagel.checkpoint.loader import load_bagel
-from unicache_core.bagel.memory_plan import (CPU_MATMUL_KERNEL_BYTES, CUDA_VAE_DECODE_PER_PIXEL,
-                                             GLIBC_MMAP_THRESHOLD_MAX, NOT_IN_PEAK, PlanSettings, cpu_runtime_parts, matmul_shapes, official_config,
-                                             plan_config, plan_memory, request_tokens, tensor_peak_bytes)
+from unicache_core.bagel.memory_plan import (
+    CPU_MATMUL_KERNEL_BYTES,
+    CUDA_VAE_DECODE_PER_PIXEL,
+    GLIBC_MMAP_THRESHOLD_MAX,
+    NOT_IN_PEAK,
+    PlanSettings,
+    cpu_runtime_parts,
+    matmul_shapes,
+    official_config,
+    plan_config,
+    plan_memory,
+    request_tokens,
+    tensor_peak_bytes,
+)
 from unicache_core.bagel.pipeline import BagelPipeline
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR, T2I_DEFAULTS
 from unicache_core.bagel.weights import parameter_bytes
@@ -48,23 +59,55 @@ def test_official_plan_weights_per_dtype_and_offload():
 
 def test_plan_json_schema(tmp_path: Path, capsys):
     out = tmp_path / "plan.json"
-    assert cli_main(["plan", "--checkpoint", "bagel-7b-mot", "--task", "edit", "--device-memory", "8GB",
-                     "--weight-dtype", "int8", "--json", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "plan",
+                "--checkpoint",
+                "bagel-7b-mot",
+                "--task",
+                "edit",
+                "--device-memory",
+                "8GB",
+                "--weight-dtype",
+                "int8",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     assert set(data) == {"peak_bytes", "breakdown", "device_bytes", "fits", "suggestion", "vae_decode", "settings"}
     assert data["device_bytes"] == 8 * GB and data["fits"] is False and isinstance(data["suggestion"], str)
     assert data["peak_bytes"] == sum(v for k, v in data["breakdown"].items() if k not in NOT_IN_PEAK)
     parts = data["breakdown"]
-    assert parts["working"] == max(parts["kv_full"] + parts["upcast"] + parts["attention"] + parts["mlp"],
-                                   parts["vae_working"] + parts["cuda_vae_workspace"])
+    assert parts["working"] == max(
+        parts["kv_full"] + parts["upcast"] + parts["attention"] + parts["mlp"],
+        parts["vae_working"] + parts["cuda_vae_workspace"],
+    )
     assert data["settings"]["weight_dtype"] == "int8"
     assert "does not fit" in capsys.readouterr().out
 
 
 def test_cli_refuses_a_run_that_cannot_fit(tiny_checkpoint: Path, tmp_path: Path, monkeypatch, capsys):
     monkeypatch.setattr("unicache_core.bagel.memory_plan.device_memory_bytes", lambda device: 1000)
-    code = cli_main(["t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "a cube", "--width", "64",
-                     "--height", "64", "--quiet", "--out", str(tmp_path / "x.png")])
+    code = cli_main(
+        [
+            "t2i",
+            "--checkpoint",
+            str(tiny_checkpoint),
+            "--prompt",
+            "a cube",
+            "--width",
+            "64",
+            "--height",
+            "64",
+            "--quiet",
+            "--out",
+            str(tmp_path / "x.png"),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "planned" in err[0] and "--width/--height" in err[0]
     assert not (tmp_path / "x.png").exists()
@@ -88,16 +131,16 @@ def test_plan_matches_the_tensors_a_run_holds(tiny_checkpoint: Path, task: str, 
         result = pipe.understand(prompt, image)
         held, size = result.info["cache_bytes"], image.size
     elif task == "t2i":
-        settings = T2I_DEFAULTS.__class__(**{**T2I_DEFAULTS.__dict__, "width": 64, "height": 96,
-                                             "num_timesteps": 3})
+        settings = T2I_DEFAULTS.__class__(**{**T2I_DEFAULTS.__dict__, "width": 64, "height": 96, "num_timesteps": 3})
         result = pipe.text_to_image(prompt, settings, decode=False)
         held, size = sum(result.info["cache_bytes"].values()), (64, 96)
     else:
         result = pipe.edit(prompt, image)
         held, size = sum(result.info["cache_bytes"].values()), image.size
     settings = PlanSettings(task=task, width=size[0], height=size[1], weight_dtype=weight_dtype)
-    plan = plan_memory(plan_config(tiny_checkpoint), settings, 24 * GB,
-                       prompt_tokens=len(loaded.tokenizer.encode(prompt)))
+    plan = plan_memory(
+        plan_config(tiny_checkpoint), settings, 24 * GB, prompt_tokens=len(loaded.tokenizer.encode(prompt))
+    )
     weights = sum(v for k, v in plan.breakdown.items() if k.startswith("weights_"))
     assert weights == parameter_bytes(loaded.model)
     assert plan.breakdown["vae"] == parameter_bytes(loaded.vae)
@@ -130,15 +173,20 @@ def test_cuda_and_cpu_plans_share_their_tensor_peak():
     assert not any(name.startswith("cpu_") for name in cuda.breakdown) and cuda == default
     assert cuda.peak_bytes == sum(v for k, v in cuda.breakdown.items() if k not in NOT_IN_PEAK)
     cpu = _plan(device="cpu", weight_dtype=fp8)
-    cuda_terms, cpu_terms = {"cuda_runtime", "cuda_vae_workspace"}, {"cpu_kernel_cache", "cpu_freed_heap", "cpu_vae_heap"}
+    cuda_terms, cpu_terms = (
+        {"cuda_runtime", "cuda_vae_workspace"},
+        {"cpu_kernel_cache", "cpu_freed_heap", "cpu_vae_heap"},
+    )
     assert set(cpu.breakdown) - cpu_terms == set(cuda.breakdown) - cuda_terms
     assert cuda_terms <= set(cuda.breakdown) and not cuda_terms & set(cpu.breakdown)
     assert tensor_peak_bytes(cpu) == tensor_peak_bytes(cuda) < cuda.peak_bytes
     tensors_working = cuda.breakdown["working"] - cuda.breakdown["cuda_vae_workspace"]  # the VAE phase is the larger
     assert cuda.peak_bytes == tensor_peak_bytes(cuda) + cuda.breakdown["cuda_runtime"] + (
-        cuda.breakdown["working"] - tensors_working)
+        cuda.breakdown["working"] - tensors_working
+    )
     assert cpu.peak_bytes == tensor_peak_bytes(cpu) + cpu.breakdown["cpu_kernel_cache"] + (
-        cpu.breakdown["working"] - tensors_working)
+        cpu.breakdown["working"] - tensors_working
+    )
 
 
 def test_cuda_terms_of_a_1024_px_edit():
@@ -172,8 +220,10 @@ def test_cpu_terms_of_a_known_request():
     hidden = rows * 3584 * 2
     assert hidden < GLIBC_MMAP_THRESHOLD_MAX
     assert cpu_runtime_parts(config, torch.bfloat16, small)["freed_heap"] == sum(
-        size * count for size, count in ((rows * 28 * 128 * 4, 2), (rows * 18944 * 2, 3), (hidden, 5))
-        if size < GLIBC_MMAP_THRESHOLD_MAX)
+        size * count
+        for size, count in ((rows * 28 * 128 * 4, 2), (rows * 18944 * 2, 3), (hidden, 5))
+        if size < GLIBC_MMAP_THRESHOLD_MAX
+    )
     assert cpu_runtime_parts(config, torch.float32, tokens)["kernel_cache"] == 0  # fp32 products: MKL, no cache
     bundled = plan_config(BUNDLED_CHECKPOINT_DIR)
     t2i = request_tokens(bundled, "t2i", 128, 128)

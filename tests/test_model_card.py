@@ -17,8 +17,15 @@ def _card_module():
 def test_card_states_the_records_init_questions_and_notes():
     card = _card_module().card
     record = json.loads((ROOT / "models" / "bagel" / "unicache-shapes" / "training.json").read_text())
-    cfg = dict(record["config"], unit_input_init="und", und_questions=4, und_late_kinds=["background", "exists"],
-               und_late_from=800, steps=2500, stop_at=0)
+    cfg = dict(
+        record["config"],
+        unit_input_init="und",
+        und_questions=4,
+        und_late_kinds=["background", "exists"],
+        und_late_from=800,
+        steps=2500,
+        stop_at=0,
+    )
     text = card(dict(record, config=cfg), None, ["A note about this run."])
     assert "- The ViT and the connector started at unit gain, N(0, 1/fan_in)" in text
     assert "up to 4 questions of different kinds" in text and "join at step 800" in text

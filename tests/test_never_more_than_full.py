@@ -22,16 +22,19 @@ from unicache_core.compression.compressing_cache import MANAGED_TYPES
 from unicache_core.compression.family import JointPlan
 from unicache_core.compression.policy_table import PolicyTable, paper_policy_table
 from unicache_core.kv.cache import AttentionCall, RequestInfo
-from unicache_core.kv.token_types import CANDIDATE_TYPES, TokenType as TT
+from unicache_core.kv.token_types import CANDIDATE_TYPES
+from unicache_core.kv.token_types import TokenType as TT
 
 LAYERS, HKV, D = 2, 2, 16  # two layer chunks (layer 0 alone, then the rest)
 STEPS = 6  # denoising steps or decoded tokens: unicache compresses after steps 0 and 5 (ends of chunks)
 #: kv_target per named target (None: the method's default), as the quality bench's targets
-TARGETS = {"default": {"understanding": None, "t2i": None, "edit": None},
-           "paper": {"understanding": 0.2, "t2i": 0.4, "edit": 0.2},
-           "robust": {"understanding": 0.1, "t2i": 0.25, "edit": 0.1},
-           "extreme": {"understanding": 0.05, "t2i": 0.15, "edit": 0.05},
-           "none": {"understanding": 1.0, "t2i": 1.0, "edit": 1.0}}
+TARGETS = {
+    "default": {"understanding": None, "t2i": None, "edit": None},
+    "paper": {"understanding": 0.2, "t2i": 0.4, "edit": 0.2},
+    "robust": {"understanding": 0.1, "t2i": 0.25, "edit": 0.1},
+    "extreme": {"understanding": 0.05, "t2i": 0.15, "edit": 0.05},
+    "none": {"understanding": 1.0, "t2i": 1.0, "edit": 1.0},
+}
 #: lengths where group, residual and metadata boundaries sit
 EDGE_LENGTHS = (1, 2, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 511, 512, 513, 5000)
 #: every length up to here is a segment of every method x task (short prompts, one group, the residual caps)
@@ -59,8 +62,9 @@ def _joint_table() -> PolicyTable:
     """Every candidate type joint, with bits that fall as the budget does (full precision at generous budgets)."""
     plan = JointPlan(((0.5, 16), (0.3, 8), (0.15, 4), (0.05, 2)))
     paper = paper_policy_table()
-    return PolicyTable(entries={key: "joint" for key in paper.entries}, plans={key: plan for key in paper.entries},
-                       source="calibrated")
+    return PolicyTable(
+        entries={key: "joint" for key in paper.entries}, plans={key: plan for key in paper.entries}, source="calibrated"
+    )
 
 
 def _quantize_table() -> PolicyTable:
@@ -75,8 +79,15 @@ def _context(task: str, lengths: list[int]) -> list[tuple[TT, int]]:
         return [(TT.BOUNDARY, 1), (TT.SOURCE_VIT, a), (TT.BOUNDARY, 1), (TT.INSTRUCTION, b), (TT.BOUNDARY, 1)]
     if task == "t2i":
         return [(TT.BOUNDARY, 1), (TT.INSTRUCTION, a), (TT.BOUNDARY, 1)]
-    return [(TT.BOUNDARY, 1), (TT.SOURCE_VAE, a), (TT.BOUNDARY, 2), (TT.SOURCE_VIT, b), (TT.BOUNDARY, 2),
-            (TT.INSTRUCTION, c), (TT.BOUNDARY, 1)]
+    return [
+        (TT.BOUNDARY, 1),
+        (TT.SOURCE_VAE, a),
+        (TT.BOUNDARY, 2),
+        (TT.SOURCE_VIT, b),
+        (TT.BOUNDARY, 2),
+        (TT.INSTRUCTION, c),
+        (TT.BOUNDARY, 1),
+    ]
 
 
 def _append(cache, types: torch.Tensor, gen: torch.Generator, dtype: torch.dtype) -> None:
@@ -99,8 +110,9 @@ def _measure(session, cache, call: AttentionCall, plan, gen: torch.Generator) ->
             ls.scores = scores.clone() if ls.scores is None else ls.scores + scores
             ls.sparsity = float(torch.rand(1, generator=gen))
         if plan.observe or plan.score:
-            masses = {t: float(torch.rand(1, generator=gen)) * 0.3 for t in CANDIDATE_TYPES
-                      if cache.layer(layer).find(t)}
+            masses = {
+                t: float(torch.rand(1, generator=gen)) * 0.3 for t in CANDIDATE_TYPES if cache.layer(layer).find(t)
+            }
             ls.masses = masses
             if call.phase != "prefill":
                 session.stats.update(layer, int(call.step), masses, branch=cache.branch)
@@ -114,12 +126,20 @@ def _check(caches, where: str) -> None:
             assert held <= full, f"{where}: branch {cache.branch} layer {layer} holds {held} B > full {full} B"
 
 
-def run_request(method: str, task: str, kv_target, lengths: list[int], dtype: torch.dtype, seed: int,
-                policy: PolicyTable | None = None) -> None:
+def run_request(
+    method: str,
+    task: str,
+    kv_target,
+    lengths: list[int],
+    dtype: torch.dtype,
+    seed: int,
+    policy: PolicyTable | None = None,
+) -> None:
     gen = torch.Generator().manual_seed(seed)
     settings = {"policy": policy} if policy is not None else {}
     session = make_cache_factory(method, kv_target=kv_target, **settings).start(
-        RequestInfo(task, LAYERS, STEPS, "synthetic"))
+        RequestInfo(task, LAYERS, STEPS, "synthetic")
+    )
     main = session.new_cache("gen")
     context = torch.cat([torch.full((n,), int(t), dtype=torch.int8) for t, n in _context(task, lengths)])
     prefill = AttentionCall(context, torch.arange(context.shape[0]), causal=True, update=True, phase="prefill")
@@ -131,10 +151,19 @@ def run_request(method: str, task: str, kv_target, lengths: list[int], dtype: to
     phase = "decode" if task == "understanding" else "denoise"
     for step in range(STEPS):
         for cache in caches:
-            types = torch.full((1 if phase == "decode" else 4,), int(TT.DECODED_TEXT if phase == "decode"
-                                                                     else TT.CURRENT_LATENT), dtype=torch.int8)
-            call = AttentionCall(types, torch.arange(types.shape[0]), causal=phase == "decode",
-                                 update=phase == "decode", phase=phase, step=step)
+            types = torch.full(
+                (1 if phase == "decode" else 4,),
+                int(TT.DECODED_TEXT if phase == "decode" else TT.CURRENT_LATENT),
+                dtype=torch.int8,
+            )
+            call = AttentionCall(
+                types,
+                torch.arange(types.shape[0]),
+                causal=phase == "decode",
+                update=phase == "decode",
+                phase=phase,
+                step=step,
+            )
             plan = session.method.plan_call(cache, call)
             if plan.compress_before:
                 session.compress(cache, call)
@@ -162,13 +191,27 @@ def test_managed_bytes_never_exceed_full(method: str) -> None:
     for t, task in enumerate(TASKS):
         for target, lengths in _dense_requests(t):
             seed += 1
-            run_request(method, task, TARGETS[target][task], lengths,
-                        torch.bfloat16 if seed % 2 else torch.float32, seed, policy)
+            run_request(
+                method,
+                task,
+                TARGETS[target][task],
+                lengths,
+                torch.bfloat16 if seed % 2 else torch.float32,
+                seed,
+                policy,
+            )
         for target in TARGETS:
             for _ in range(2):
                 seed += 1
-                run_request(method, task, TARGETS[target][task], _spread_lengths(random.Random(seed)),
-                            torch.bfloat16 if seed % 2 else torch.float32, seed, policy)
+                run_request(
+                    method,
+                    task,
+                    TARGETS[target][task],
+                    _spread_lengths(random.Random(seed)),
+                    torch.bfloat16 if seed % 2 else torch.float32,
+                    seed,
+                    policy,
+                )
 
 
 def test_every_edge_length_for_the_quantizing_methods() -> None:

@@ -7,9 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from comfy_stubs import TINY_NAME, host_stubs  # noqa: F401  (host_stubs: a fixture)
+from PIL import Image
 
 EDIT_ARGS = ("make it blue", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False)
 
@@ -32,7 +31,7 @@ def _vae_encode(model, image: torch.Tensor) -> dict:
     the raw latent (ComfyUI's convention)."""
     _, height, width, _ = image.shape
     top, left = (height % 8) // 2, (width % 8) // 2
-    pixels = image[:, top:top + height - height % 8, left:left + width - width % 8]
+    pixels = image[:, top : top + height - height % 8, left : left + width - width % 8]
     with torch.no_grad():
         return {"samples": model.loaded.vae.encode_moments(pixels.permute(0, 3, 1, 2) * 2 - 1)[0]}
 
@@ -63,10 +62,22 @@ def test_output_follows_any_size_latent_and_the_vit_sees_the_image_resized(host_
     assert ImageTransforms.from_config(model.loaded.config).vae.resize.size_for(96, 64) == (96, 64)
     pipe = BagelPipeline(model.runtime())
     given = GivenLatents(source_latent=from_comfy_latent(latent["samples"][..., :8, :], model.loaded))
-    reference = pipe.edit("make it blue", resized, preset("edit", num_timesteps=2, cfg_text_scale=4.0,
-                                                         cfg_img_scale=2.0, cfg_interval=(0.0, 1.0),
-                                                         timestep_shift=3.0, cfg_renorm_min=0.0,
-                                                         cfg_renorm_type="text_channel"), seed=0, given=given)
+    reference = pipe.edit(
+        "make it blue",
+        resized,
+        preset(
+            "edit",
+            num_timesteps=2,
+            cfg_text_scale=4.0,
+            cfg_img_scale=2.0,
+            cfg_interval=(0.0, 1.0),
+            timestep_shift=3.0,
+            cfg_renorm_min=0.0,
+            cfg_renorm_type="text_channel",
+        ),
+        seed=0,
+        given=given,
+    )
     expected = np.asarray(reference.image, dtype=np.float32) / 255.0
     assert np.abs(image[0].numpy() - expected).max() <= 0.5 / 255
 
@@ -91,17 +102,28 @@ def test_latent_at_bagels_own_resize_gives_the_result_of_encoding_here(host_stub
     image, *_ = edit.edit(model, source, *EDIT_ARGS, latent=at_rule)
     assert image.shape == (1, 64, 80, 3)
     pipe = BagelPipeline(model.runtime())
-    settings = preset("edit", num_timesteps=2, cfg_text_scale=4.0, cfg_img_scale=2.0, cfg_interval=(0.0, 1.0),
-                      timestep_shift=3.0, cfg_renorm_min=0.0, cfg_renorm_type="text_channel")
+    settings = preset(
+        "edit",
+        num_timesteps=2,
+        cfg_text_scale=4.0,
+        cfg_img_scale=2.0,
+        cfg_interval=(0.0, 1.0),
+        timestep_shift=3.0,
+        cfg_renorm_min=0.0,
+        cfg_renorm_type="text_channel",
+    )
     given = GivenLatents(source_latent=from_comfy_latent(at_rule["samples"], model.loaded))
     reference = pipe.edit("make it blue", pil, settings, seed=0, given=given)
     assert np.abs(image[0].numpy() - np.asarray(reference.image, dtype=np.float32) / 255.0).max() <= 0.5 / 255
 
 
-@pytest.mark.parametrize("cells, needle", [
-    ((130, 4), "holds at most 128 cells (1024 px) per side: scale the image down before VAEEncode"),
-    ((1, 6), "smaller than one BAGEL token (2x2 cells, 16 px)"),
-])
+@pytest.mark.parametrize(
+    "cells, needle",
+    [
+        ((130, 4), "holds at most 128 cells (1024 px) per side: scale the image down before VAEEncode"),
+        ((1, 6), "smaller than one BAGEL token (2x2 cells, 16 px)"),
+    ],
+)
 def test_latent_that_cannot_fit_is_one_line_before_the_model_is_placed(host_stubs, cells, needle):
     import nodes
 
@@ -110,8 +132,9 @@ def test_latent_that_cannot_fit_is_one_line_before_the_model_is_placed(host_stub
     mm = host_stubs["comfy.model_management"]
     loads = len(mm.loads)
     with pytest.raises(ValueError) as caught:
-        nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"]().edit(model, _image(64, 64), *EDIT_ARGS,
-                                                              latent={"samples": samples})
+        nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"]().edit(
+            model, _image(64, 64), *EDIT_ARGS, latent={"samples": samples}
+        )
     message = str(caught.value)
     assert needle in message and "`latent`" in message and "\n" not in message, message
     assert len(mm.loads) == loads
@@ -137,6 +160,8 @@ def test_library_refuses_an_off_grid_source_latent(host_stubs):
     pipe = BagelPipeline(model.runtime())
     pil = Image.new("RGB", (64, 64), (200, 30, 30))
     with pytest.raises(ValueError, match=r"`source_latent` is 9x12 latent cells .* crop it to 8x12"):
-        pipe.edit("x", pil, preset("edit", num_timesteps=2), given=GivenLatents(source_latent=torch.zeros(1, 16, 9, 12)))
+        pipe.edit(
+            "x", pil, preset("edit", num_timesteps=2), given=GivenLatents(source_latent=torch.zeros(1, 16, 9, 12))
+        )
     with pytest.raises(ValueError, match=r"must be one floating-point latent \[1, 16, H/8, W/8\]"):
         pipe.edit("x", pil, preset("edit", num_timesteps=2), given=GivenLatents(source_latent=torch.zeros(16, 8, 8)))

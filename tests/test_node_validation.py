@@ -13,8 +13,16 @@ from nodes.kv_nodes import UniCacheKVConfig
 from nodes.task_nodes import UniCacheImageEdit, UniCacheTextToImage, UniCacheUnderstand
 from nodes.validation import check_source_latent, check_widgets
 
-T2I_OK = dict(width=64, height=48, cfg_text_scale=4.0, cfg_img_scale=1.5, cfg_interval_lo=0.4, cfg_interval_hi=1.0,
-              timestep_shift=3.0, cfg_renorm_min=0.0)
+T2I_OK = dict(
+    width=64,
+    height=48,
+    cfg_text_scale=4.0,
+    cfg_img_scale=1.5,
+    cfg_interval_lo=0.4,
+    cfg_interval_hi=1.0,
+    timestep_shift=3.0,
+    cfg_renorm_min=0.0,
+)
 
 
 def test_validate_inputs_takes_only_widgets_of_the_node():
@@ -33,15 +41,18 @@ def test_defaults_and_edges_pass():
     assert UniCacheKVConfig.VALIDATE_INPUTS(kv_target=0.0, rho=0.0, rho_floor=-1.0) is True
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"width": 40}, "width = 40 is not a multiple of 16 (BAGEL's latent tokens are 16 px wide); use 32 or 48"),
-    ({"height": 8}, "height = 8 is outside [16, 1024]"),
-    ({"height": 1040}, "height = 1040 is outside [16, 1024]"),
-    ({"cfg_text_scale": math.nan}, "cfg_text_scale = nan is not a finite number"),
-    ({"cfg_img_scale": math.inf}, "cfg_img_scale = inf is not a finite number"),
-    ({"timestep_shift": -math.inf}, "timestep_shift = -inf is not a finite number"),
-    ({"cfg_renorm_min": 1.5}, "cfg_renorm_min = 1.5 is outside [0.0, 1.0]"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"width": 40}, "width = 40 is not a multiple of 16 (BAGEL's latent tokens are 16 px wide); use 32 or 48"),
+        ({"height": 8}, "height = 8 is outside [16, 1024]"),
+        ({"height": 1040}, "height = 1040 is outside [16, 1024]"),
+        ({"cfg_text_scale": math.nan}, "cfg_text_scale = nan is not a finite number"),
+        ({"cfg_img_scale": math.inf}, "cfg_img_scale = inf is not a finite number"),
+        ({"timestep_shift": -math.inf}, "timestep_shift = -inf is not a finite number"),
+        ({"cfg_renorm_min": 1.5}, "cfg_renorm_min = 1.5 is outside [0.0, 1.0]"),
+    ],
+)
 def test_t2i_refuses_at_validation(change, message):
     assert message in UniCacheTextToImage.VALIDATE_INPUTS(**{**T2I_OK, **change})
 
@@ -50,11 +61,14 @@ def test_linked_widgets_are_left_to_run_time():
     assert check_widgets(UniCacheTextToImage, width=None, cfg_text_scale=None) is True
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"kv_target": math.nan, "rho": 0.0, "rho_floor": -1.0}, "kv_target = nan is not a finite number"),
-    ({"kv_target": 0.0, "rho": math.nan, "rho_floor": -1.0}, "rho = nan"),
-    ({"kv_target": 0.0, "rho": 0.0, "rho_floor": math.nan}, "rho_floor = nan"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"kv_target": math.nan, "rho": 0.0, "rho_floor": -1.0}, "kv_target = nan is not a finite number"),
+        ({"kv_target": 0.0, "rho": math.nan, "rho_floor": -1.0}, "rho = nan"),
+        ({"kv_target": 0.0, "rho": 0.0, "rho_floor": math.nan}, "rho_floor = nan"),
+    ],
+)
 def test_kv_config_nan_is_refused_not_read_as_unset(values, message):
     assert message in UniCacheKVConfig.VALIDATE_INPUTS(**values)
     with pytest.raises(ValueError, match=f"UniCache KV config: {message}"):
@@ -67,16 +81,19 @@ def _latent(*shape, fill=None):
     return {"samples": samples}
 
 
-@pytest.mark.parametrize("latent, message", [
-    (_latent(1, 16, 8, 8, fill=0.0), r"holds only the value 0: an empty latent \(e.g. EmptySD3LatentImage\)"),
-    (_latent(1, 4, 8, 8), r"has shape \(1, 4, 8, 8\), not a LATENT \[batch, 16, H/8, W/8\] of BAGEL's FLUX VAE"),
-    (_latent(1, 16, 1, 8, 8), r"has shape \(1, 16, 1, 8, 8\)"),
-    (_latent(1, 128, 4, 4), r"has shape \(1, 128, 4, 4\)"),
-    (_latent(1, 16, 0, 8), r"is empty"),
-    ({"samples": torch.tensor([[[[math.nan, 1.0]]]]).expand(1, 16, 1, 2)}, r"holds 16 NaN or infinite values"),
-    ({"noise": torch.zeros(1)}, r"must be a LATENT .* got dict"),
-    (torch.zeros(1, 16, 8, 8), r"must be a LATENT .* got Tensor"),
-])
+@pytest.mark.parametrize(
+    "latent, message",
+    [
+        (_latent(1, 16, 8, 8, fill=0.0), r"holds only the value 0: an empty latent \(e.g. EmptySD3LatentImage\)"),
+        (_latent(1, 4, 8, 8), r"has shape \(1, 4, 8, 8\), not a LATENT \[batch, 16, H/8, W/8\] of BAGEL's FLUX VAE"),
+        (_latent(1, 16, 1, 8, 8), r"has shape \(1, 16, 1, 8, 8\)"),
+        (_latent(1, 128, 4, 4), r"has shape \(1, 128, 4, 4\)"),
+        (_latent(1, 16, 0, 8), r"is empty"),
+        ({"samples": torch.tensor([[[[math.nan, 1.0]]]]).expand(1, 16, 1, 2)}, r"holds 16 NaN or infinite values"),
+        ({"noise": torch.zeros(1)}, r"must be a LATENT .* got dict"),
+        (torch.zeros(1, 16, 8, 8), r"must be a LATENT .* got Tensor"),
+    ],
+)
 def test_source_latent_of_another_format_is_refused(latent, message):
     with pytest.raises(ValueError, match=message):
         check_source_latent(latent, 16)

@@ -35,6 +35,9 @@ def test_is_changed_and_the_cache_key_include_weight_dtype(host_stubs):
 def test_unknown_weight_dtype_is_one_line(host_stubs):
     from nodes import host
 
-    with pytest.raises(ValueError, match=r"^`weight_dtype` must be one of default, fp8_e4m3fn, fp8_e4m3fn_fast, "
-                                         r"fp8_e5m2, got 'int4'$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^`weight_dtype` must be one of default, fp8_e4m3fn, fp8_e4m3fn_fast, "
+        r"fp8_e5m2, got 'int4'$",
+    ):
         host.host_operations("int4", "fp32", None)

@@ -34,8 +34,9 @@ def _fresh_model_cache():
 @pytest.fixture(scope="module")
 def pack():
     """The pack imported the way ComfyUI does: the repo root as a package with relative imports."""
-    spec = importlib.util.spec_from_file_location("unicache_pack_under_test", ROOT / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT)])
+    spec = importlib.util.spec_from_file_location(
+        "unicache_pack_under_test", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     try:
@@ -56,14 +57,31 @@ def _mappings():
 
 
 def test_pack_entry_exports(pack):
-    assert set(pack.NODE_CLASS_MAPPINGS) == {"UniCacheBagelLoader", "UniCacheKVConfig", "UniCacheTextToImage",
-                                             "UniCacheImageEdit", "UniCacheUnderstand", "UniCacheKVReport"}
+    assert set(pack.NODE_CLASS_MAPPINGS) == {
+        "UniCacheBagelLoader",
+        "UniCacheKVConfig",
+        "UniCacheTextToImage",
+        "UniCacheImageEdit",
+        "UniCacheUnderstand",
+        "UniCacheKVReport",
+    }
     assert set(pack.NODE_DISPLAY_NAME_MAPPINGS) == set(pack.NODE_CLASS_MAPPINGS)
     assert pack.WEB_DIRECTORY == "./web" and (ROOT / "web" / "unicache.js").is_file()
 
 
-@pytest.mark.parametrize("node_id", sorted(["UniCacheBagelLoader", "UniCacheKVConfig", "UniCacheTextToImage",
-                                            "UniCacheImageEdit", "UniCacheUnderstand", "UniCacheKVReport"]))
+@pytest.mark.parametrize(
+    "node_id",
+    sorted(
+        [
+            "UniCacheBagelLoader",
+            "UniCacheKVConfig",
+            "UniCacheTextToImage",
+            "UniCacheImageEdit",
+            "UniCacheUnderstand",
+            "UniCacheKVReport",
+        ]
+    ),
+)
 def test_input_types_match_signature(node_id):
     cls = _mappings()[node_id]
     spec = cls.INPUT_TYPES()
@@ -140,7 +158,8 @@ def test_text_to_image_end_to_end(host_stubs):
     model = _load(host_stubs)
     node = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
     image, latent, thinking, report = node.generate(
-        model, "a red cube", 64, 48, 3, 7, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False, kv=KVConfig("unicache"))
+        model, "a red cube", 64, 48, 3, 7, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False, kv=KVConfig("unicache")
+    )
     assert image.shape == (1, 48, 64, 3) and image.dtype == torch.float32
     assert 0.0 <= image.min() and image.max() <= 1.0
     assert latent["samples"].shape == (1, 16, 6, 8)
@@ -166,8 +185,9 @@ def test_edit_batch_and_understand(host_stubs):
     gen = torch.Generator().manual_seed(0)
     batch = torch.rand(2, 40, 56, 3, generator=gen)
     edit = nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"]()
-    image, latent, _, report = edit.edit(model, batch, "make it blue", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0,
-                                         "text_channel", False)
+    image, latent, _, report = edit.edit(
+        model, batch, "make it blue", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False
+    )
     assert image.shape[0] == 2 and image.shape[-1] == 3 and latent["samples"].shape[:2] == (2, 16)
     assert latent["samples"].shape[2:] == (image.shape[1] // 8, image.shape[2] // 8)
     assert report["method"] == "full" and len(report["batch"]) == 2
@@ -233,7 +253,8 @@ def test_web_extension_parses_and_draws(host_stubs, tmp_path):
 
     model = _load(host_stubs)
     *_, report = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]().generate(
-        model, "a cube", 32, 32, 3, 0, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False, kv=KVConfig("unicache"))
+        model, "a cube", 32, 32, 3, 0, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False, kv=KVConfig("unicache")
+    )
     chart = nodes.NODE_CLASS_MAPPINGS["UniCacheKVReport"]().show(report)["ui"]["unicache_kv"][0]
     script = tmp_path / "draw.mjs"
     script.write_text(_JS_DRAW)
@@ -272,14 +293,16 @@ def test_external_vae_and_latent_inputs(host_stubs):
     assert (own - ext).abs().max() <= 1.5 / 255  # LATENT convention: core VAEDecode of it gives the same image
     edit = nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"]()
     latent = {"samples": vae.encode(own)}  # what core VAEEncode gives for the same image
-    image, out_latent, _, _ = edit.edit(model, own, "make it blue", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0,
-                                        "text_channel", False, vae=vae, latent=latent)
+    image, out_latent, _, _ = edit.edit(
+        model, own, "make it blue", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False, vae=vae, latent=latent
+    )
     assert image.shape == own.shape and out_latent["samples"].shape == own_latent["samples"].shape
     mm = host_stubs["comfy.model_management"]
     vae.calls, loads = [], len(mm.loads)
     vae.encode = lambda pixels, enc=vae.encode: (vae.calls.append(("encode", len(mm.loads))), enc(pixels))[1]
-    image2, *_ = edit.edit(model, own, "make it blue", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False,
-                           vae=vae)
+    image2, *_ = edit.edit(
+        model, own, "make it blue", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False, vae=vae
+    )
     # the source is encoded with ComfyUI's VAE before BAGEL is placed (ComfyUI may offload models to load a VAE)
     assert vae.calls[0] == ("encode", loads) and vae.calls[-1] == "decode" and len(mm.loads) == loads + 1
     assert image2.shape == own.shape
@@ -339,12 +362,19 @@ def test_only_host_module_imports_comfyui():
 
     host_modules = {"comfy", "folder_paths", "server", "comfy_api", "node_helpers", "latent_preview"}
     offenders = []
-    for path in [ROOT / "__init__.py", *sorted((ROOT / "nodes").glob("*.py")), *sorted((ROOT / "unicache_core").rglob("*.py"))]:
+    for path in [
+        ROOT / "__init__.py",
+        *sorted((ROOT / "nodes").glob("*.py")),
+        *sorted((ROOT / "unicache_core").rglob("*.py")),
+    ]:
         if path == ROOT / "nodes" / "host.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            )
             offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in host_modules]
     assert offenders == []
 

@@ -10,7 +10,12 @@ from PIL import Image
 
 from unicache_core.bagel import contexts as C
 from unicache_core.bagel.accounting import (
-    RequestTokens, count_request, generation_positions, image_tokens, kv_bytes_per_token, request_memory_bytes,
+    RequestTokens,
+    count_request,
+    generation_positions,
+    image_tokens,
+    kv_bytes_per_token,
+    request_memory_bytes,
     understanding_positions,
 )
 from unicache_core.bagel.checkpoint.loader import load_bagel
@@ -90,8 +95,13 @@ def test_edit_end_to_end_and_rng_order(pipe, loaded, source_image):
     g = torch.Generator().manual_seed(5)
     vae_noise = torch.randn(1, 16, 8, 10, generator=g)
     initial = torch.randn(4 * 5, 64, generator=g)
-    again = pipe.edit("make it blue", source_image, preset("edit", num_timesteps=2), seed=123,
-                      given=GivenLatents(vae_noise=vae_noise, initial_noise=initial))
+    again = pipe.edit(
+        "make it blue",
+        source_image,
+        preset("edit", num_timesteps=2),
+        seed=123,
+        given=GivenLatents(vae_noise=vae_noise, initial_noise=initial),
+    )
     assert again.image.tobytes() == res.image.tobytes()
     assert torch.equal(again.latents, res.latents)
 
@@ -112,8 +122,9 @@ def test_text_only_understanding_and_think(pipe):
 
 
 def test_t2i_think_mode_appends_plan_to_gen_only(pipe):
-    res = pipe.text_to_image("a cat", preset("t2i", width=32, height=32, think=True, think_max_new_tokens=3, **FAST),
-                             seed=0)
+    res = pipe.text_to_image(
+        "a cat", preset("t2i", width=32, height=32, think=True, think_max_new_tokens=3, **FAST), seed=0
+    )
     assert isinstance(res.think_text, str)
     tokens = res.info["context_tokens"]
     # gen = system + prompt + plan; cfg_img = system + prompt; cfg_text = system only
@@ -134,8 +145,9 @@ def test_t2i_deterministic_by_seed(pipe):
 def test_injected_initial_noise_reproduces_seed(pipe):
     a = pipe.text_to_image("a tree", preset("t2i", width=32, height=32, **FAST), seed=3)
     noise = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
-    b = pipe.text_to_image("a tree", preset("t2i", width=32, height=32, **FAST), seed=999,
-                           given=GivenLatents(initial_noise=noise))
+    b = pipe.text_to_image(
+        "a tree", preset("t2i", width=32, height=32, **FAST), seed=999, given=GivenLatents(initial_noise=noise)
+    )
     assert torch.equal(a.latents, b.latents)
 
 
@@ -150,14 +162,19 @@ def test_sampled_understanding_deterministic_by_seed(pipe):
 
 
 def test_edit_contexts_layout(pipe, loaded, source_image):
-    ctxs = pipe.build_generation_contexts("edit", "make it blue", image=source_image,
-                                          generator=torch.Generator().manual_seed(0))
+    ctxs = pipe.build_generation_contexts(
+        "edit", "make it blue", image=source_image, generator=torch.Generator().manual_seed(0)
+    )
     # tiny rules: 60x45 -> 80x64 (VAE 128/64/16: 4x5 latent tokens) -> ViT 112/56/14: 84x70 (5x6 patches)
     n_vae, n_vit = 4 * 5, 5 * 6
     n_txt = len(loaded.tokenizer.encode("make it blue"))
     keys, _, types, pos = ctxs.gen.cache.layer_kv(0)
-    B, VAE, VIT, INS = (int(TokenType.BOUNDARY), int(TokenType.SOURCE_VAE), int(TokenType.SOURCE_VIT),
-                        int(TokenType.INSTRUCTION))
+    B, VAE, VIT, INS = (
+        int(TokenType.BOUNDARY),
+        int(TokenType.SOURCE_VAE),
+        int(TokenType.SOURCE_VIT),
+        int(TokenType.INSTRUCTION),
+    )
     expected_types = [B] + [VAE] * n_vae + [B, B] + [VIT] * n_vit + [B, B] + [INS] * n_txt + [B]
     assert types.tolist() == expected_types
     expected_pos = [0] * (n_vae + 2) + [1] * (n_vit + 2) + list(range(2, n_txt + 4))
@@ -176,8 +193,12 @@ def test_edit_contexts_layout(pipe, loaded, source_image):
 
 def test_step0_velocity_hook_matches_direct_branch_call(pipe):
     noise = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
-    res = pipe.text_to_image("a dog", preset("t2i", width=32, height=32, **FAST), return_step0_velocity=True,
-                             given=GivenLatents(initial_noise=noise))
+    res = pipe.text_to_image(
+        "a dog",
+        preset("t2i", width=32, height=32, **FAST),
+        return_step0_velocity=True,
+        given=GivenLatents(initial_noise=noise),
+    )
     v0 = res.step0_velocity
     assert set(v0) == {"gen", "cfg_text", "cfg_img", "guided"}
     ctxs = pipe.build_generation_contexts("t2i", "a dog", width=32, height=32)
@@ -207,8 +228,12 @@ def test_cached_greedy_decoding_equals_recomputation(pipe, loaded, source_image)
         assert isinstance(fresh.cache, FullKVCache)
         ids = torch.tensor(fed[:k])
         positions = torch.arange(fresh.rope, fresh.rope + k)
-        call = AttentionCall(token_types=C._types((TokenType.DECODED_TEXT, k), device=torch.device("cpu")),
-                             rope_positions=positions, causal=True, update=False)
+        call = AttentionCall(
+            token_types=C._types((TokenType.DECODED_TEXT, k), device=torch.device("cpu")),
+            rope_positions=positions,
+            causal=True,
+            update=False,
+        )
         hidden = loaded.model.forward_llm(loaded.model.embed_text(ids), positions, fresh.cache, call)
         logits = loaded.model.lm_logits(hidden)[-1]
         assert torch.allclose(logits, cached_logits[k - 1], atol=1e-4, rtol=1e-4)
@@ -238,10 +263,19 @@ def test_cached_greedy_decoding_equals_recomputation(pipe, loaded, source_image)
 )
 def test_cfg_branches_skipped_as_official(loaded, text_scale, img_scale, interval, expected):
     factory = CountingFactory()
-    res = BagelPipeline(loaded, factory).text_to_image("x", preset(
-        "t2i", width=32, height=32, num_timesteps=5, timestep_shift=1.0, cfg_text_scale=text_scale,
-        cfg_img_scale=img_scale, cfg_interval=interval,
-    ))
+    res = BagelPipeline(loaded, factory).text_to_image(
+        "x",
+        preset(
+            "t2i",
+            width=32,
+            height=32,
+            num_timesteps=5,
+            timestep_shift=1.0,
+            cfg_text_scale=text_scale,
+            cfg_img_scale=img_scale,
+            cfg_interval=interval,
+        ),
+    )
     assert {b: factory.denoise(b) for b in expected} == expected
     assert res.info["forwards"] == expected
 
@@ -264,24 +298,31 @@ def test_progress_once_per_step_and_cancel(pipe):
     assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]
     seen = []
     with pytest.raises(CancelledError, match="step 3"):
-        pipe.text_to_image("x", settings, hooks=RunHooks(progress=lambda s, t: seen.append(s),
-                                                         cancel=lambda: len(seen) >= 2))
+        pipe.text_to_image(
+            "x", settings, hooks=RunHooks(progress=lambda s, t: seen.append(s), cancel=lambda: len(seen) >= 2)
+        )
     assert seen == [1, 2]
     tokens = []
     with pytest.raises(CancelledError):
-        pipe.understand("x", None, preset("understanding", max_new_tokens=10),
-                        hooks=RunHooks(progress=lambda s, t: tokens.append((s, t)), cancel=lambda: len(tokens) >= 3))
+        pipe.understand(
+            "x",
+            None,
+            preset("understanding", max_new_tokens=10),
+            hooks=RunHooks(progress=lambda s, t: tokens.append((s, t)), cancel=lambda: len(tokens) >= 3),
+        )
     assert tokens == [(1, 10), (2, 10), (3, 10)]
 
 
 def test_think_mode_reports_plan_tokens_then_denoising_steps(pipe):
     calls = []
-    result = pipe.text_to_image("x", preset("t2i", width=32, height=32, num_timesteps=3, think=True,
-                                            think_max_new_tokens=4),
-                                hooks=RunHooks(progress=lambda s, t: calls.append((s, t))))
+    result = pipe.text_to_image(
+        "x",
+        preset("t2i", width=32, height=32, num_timesteps=3, think=True, think_max_new_tokens=4),
+        hooks=RunHooks(progress=lambda s, t: calls.append((s, t))),
+    )
     plan_calls = [c for c in calls if c[1] == 4]
     assert plan_calls == [(i + 1, 4) for i in range(len(plan_calls))] and 1 <= len(plan_calls) <= 4
-    assert calls[len(plan_calls):] == [(1, 2), (2, 2)]
+    assert calls[len(plan_calls) :] == [(1, 2), (2, 2)]
     assert result.think_text is not None
 
 
@@ -324,8 +365,9 @@ def test_bad_understanding_and_edit_args(pipe, source_image):
     with pytest.raises(ValueError, match="`image`"):
         pipe.edit("x", None)
     with pytest.raises(ValueError, match="`vae_noise`"):
-        pipe.edit("x", source_image, preset("edit", num_timesteps=2),
-                  given=GivenLatents(vae_noise=torch.zeros(1, 16, 8, 8)))
+        pipe.edit(
+            "x", source_image, preset("edit", num_timesteps=2), given=GivenLatents(vae_noise=torch.zeros(1, 16, 8, 8))
+        )
     with pytest.raises(ValueError, match="`settings` must be a UnderstandingSettings .*got GenerationSettings"):
         pipe.understand("x", None, preset("t2i"))
     with pytest.raises(ValueError, match="`hooks` must be a RunHooks .*got function"):
@@ -335,8 +377,15 @@ def test_bad_understanding_and_edit_args(pipe, source_image):
 
 
 def test_flow_settings_accept_official_defaults():
-    s = GenerationSettings(num_timesteps=50, timestep_shift=3.0, cfg_text_scale=4.0, cfg_img_scale=2.0,
-                           cfg_interval=[0.0, 1.0], cfg_renorm_min=0.0, cfg_renorm_type="text_channel")
+    s = GenerationSettings(
+        num_timesteps=50,
+        timestep_shift=3.0,
+        cfg_text_scale=4.0,
+        cfg_img_scale=2.0,
+        cfg_interval=[0.0, 1.0],
+        cfg_renorm_min=0.0,
+        cfg_renorm_type="text_channel",
+    )
     assert s.cfg_interval == (0.0, 1.0) and s.num_timesteps == 50
     assert preset("edit") == s and preset("t2i") == GenerationSettings()
 
@@ -349,15 +398,30 @@ def test_default_factory_builds_full_caches(pipe):
 
 def test_sampled_think_plan_draws_precede_the_latent_noise_as_official(pipe):
     """Official RNG order (one global stream): plan samples (+ the loop's final discarded draw) → latent noise."""
-    settings = preset("t2i", width=32, height=32, num_timesteps=3, think=True, think_max_new_tokens=3,
-                      think_do_sample=True, think_temperature=5.0)  # high temperature: the 3-token plan hits the limit
+    settings = preset(
+        "t2i",
+        width=32,
+        height=32,
+        num_timesteps=3,
+        think=True,
+        think_max_new_tokens=3,
+        think_do_sample=True,
+        think_temperature=5.0,
+    )  # high temperature: the 3-token plan hits the limit
     run = pipe.text_to_image("a dog", settings, seed=11)
     assert run.think_text is not None
 
     g = torch.Generator().manual_seed(11)
     ctxs = pipe.build_generation_contexts("t2i", "a dog", width=32, height=32, think=True, generator=g)
-    text, ids = decode_text(pipe.loaded, ctxs.gen.clone(branch="gen"), max_new_tokens=3, do_sample=True,
-                            temperature=5.0, generator=g, draw_discarded_sample=True)
+    text, ids = decode_text(
+        pipe.loaded,
+        ctxs.gen.clone(branch="gen"),
+        max_new_tokens=3,
+        do_sample=True,
+        temperature=5.0,
+        generator=g,
+        draw_discarded_sample=True,
+    )
     assert text == run.think_text and len(ids) == 3
     noise = torch.randn(2 * 2, 64, generator=g)
     replay = pipe.text_to_image("a dog", settings, seed=11, given=GivenLatents(initial_noise=noise))
@@ -366,10 +430,12 @@ def test_sampled_think_plan_draws_precede_the_latent_noise_as_official(pipe):
     # without the discarded draw the noise (and so the image) would differ
     g2 = torch.Generator().manual_seed(11)
     ctxs2 = pipe.build_generation_contexts("t2i", "a dog", width=32, height=32, think=True, generator=g2)
-    decode_text(pipe.loaded, ctxs2.gen.clone(branch="gen"), max_new_tokens=3, do_sample=True, temperature=5.0,
-                generator=g2)
-    shifted = pipe.text_to_image("a dog", settings, seed=11,
-                                 given=GivenLatents(initial_noise=torch.randn(4, 64, generator=g2)))
+    decode_text(
+        pipe.loaded, ctxs2.gen.clone(branch="gen"), max_new_tokens=3, do_sample=True, temperature=5.0, generator=g2
+    )
+    shifted = pipe.text_to_image(
+        "a dog", settings, seed=11, given=GivenLatents(initial_noise=torch.randn(4, 64, generator=g2))
+    )
     assert not torch.equal(shifted.latents, run.latents)
 
 
@@ -377,8 +443,12 @@ def test_preview_gives_the_clean_latent_estimate_every_step(loaded):
     """``preview(done, total, x0)``: x0 = x_t - t v after each step; after the last Euler step (dt = t) it IS the
     final latent, so the last preview equals ``result.latents`` exactly."""
     seen = []
-    res = BagelPipeline(loaded).text_to_image("a dog", preset("t2i", width=32, height=32, num_timesteps=4), seed=3,
-                                              hooks=RunHooks(preview=lambda d, t, x0: seen.append((d, t, x0.clone()))))
+    res = BagelPipeline(loaded).text_to_image(
+        "a dog",
+        preset("t2i", width=32, height=32, num_timesteps=4),
+        seed=3,
+        hooks=RunHooks(preview=lambda d, t, x0: seen.append((d, t, x0.clone()))),
+    )
     assert [(d, t) for d, t, _ in seen] == [(1, 3), (2, 3), (3, 3)]
     assert all(x0.shape == res.latents.shape for _, _, x0 in seen)
     assert torch.allclose(seen[-1][2], res.latents, atol=1e-6)
@@ -389,8 +459,9 @@ def test_preview_gives_the_clean_latent_estimate_every_step(loaded):
 
 
 def _count(loaded, task, prompt, settings, image=None):
-    return count_request(loaded.config, loaded.tokenizer, task, prompt, settings,
-                         source_size=None if image is None else image.size)
+    return count_request(
+        loaded.config, loaded.tokenizer, task, prompt, settings, source_size=None if image is None else image.size
+    )
 
 
 def test_edit_branches_hold_the_counted_tokens_and_bytes(pipe, loaded, source_image):
@@ -402,8 +473,10 @@ def test_edit_branches_hold_the_counted_tokens_and_bytes(pipe, loaded, source_im
     assert result.info["context_tokens"] == tokens.branches()
     assert result.info["cache_bytes"] == tokens.kv_bytes(loaded.config, loaded.dtype)
     llm = loaded.config.llm
-    assert kv_bytes_per_token(loaded.config, torch.float32) == 2 * llm.num_hidden_layers * llm.num_key_value_heads \
-        * llm.head_dim * 4
+    assert (
+        kv_bytes_per_token(loaded.config, torch.float32)
+        == 2 * llm.num_hidden_layers * llm.num_key_value_heads * llm.head_dim * 4
+    )
     assert kv_bytes_per_token(loaded.config, torch.bfloat16) * 2 == kv_bytes_per_token(loaded.config, torch.float32)
 
 
@@ -442,9 +515,13 @@ def test_memory_estimate_grows_with_the_request(loaded):
     small = RequestTokens(task="t2i", prompt=10, latent=64)
     large = RequestTokens(task="t2i", prompt=10, latent=4096)
     kv = sum(small.kv_bytes(loaded.config, torch.float32).values())
-    assert kv < request_memory_bytes(loaded.config, torch.float32, small) < request_memory_bytes(
-        loaded.config, torch.float32, large)
+    assert (
+        kv
+        < request_memory_bytes(loaded.config, torch.float32, small)
+        < request_memory_bytes(loaded.config, torch.float32, large)
+    )
     edit = RequestTokens(task="edit", prompt=10, vae=64, vit=49, latent=64)
     assert edit.branches() == {"gen": 64 + 49 + 4 + 12, "cfg_text": 64 + 49 + 4, "cfg_img": 12}
     assert request_memory_bytes(loaded.config, torch.float32, edit) > request_memory_bytes(
-        loaded.config, torch.float32, small)
+        loaded.config, torch.float32, small
+    )

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-
 from oracles import (
     H2OPolicy,
     PyramidKVPolicy,
@@ -19,6 +18,7 @@ from oracles import (
     budget_from_ratio,
     layer_sparsity,
 )
+
 from unicache_core.compression.baselines import pyramid_layer_budgets, vlcache_layer_budgets
 
 POLICIES = [
@@ -80,8 +80,15 @@ def _gqa_inputs():
     return ScoreInputs(keys=keys, queries=queries)
 
 
-@pytest.mark.parametrize("policy", [H2OPolicy(recent_fraction=0.0), SnapKVPolicy(queries_in_keys=False, kernel_size=1),
-                                    VLCachePolicy(queries_in_keys=False)], ids=_ids)
+@pytest.mark.parametrize(
+    "policy",
+    [
+        H2OPolicy(recent_fraction=0.0),
+        SnapKVPolicy(queries_in_keys=False, kernel_size=1),
+        VLCachePolicy(queries_in_keys=False),
+    ],
+    ids=_ids,
+)
 def test_gqa_selection_is_per_kv_head(policy):
     sel = policy.select(_gqa_inputs(), 1)
     assert sel[:, 0].tolist() == [3, 7]

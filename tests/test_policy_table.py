@@ -8,17 +8,32 @@ import json
 import pytest
 
 from unicache_core.compression import make_cache_factory
-from unicache_core.compression.policy_table import (CHECKPOINT_POLICY_FILE, MAX_MEASUREMENT_DEPTH, PolicyTable,
-                                                    PolicyTableError, paper_policy_table, resolve_policy_table)
+from unicache_core.compression.policy_table import (
+    CHECKPOINT_POLICY_FILE,
+    MAX_MEASUREMENT_DEPTH,
+    PolicyTable,
+    PolicyTableError,
+    paper_policy_table,
+    resolve_policy_table,
+)
 from unicache_core.kv.cache import RequestInfo
 from unicache_core.kv.token_types import TokenType as TT
 
 
 def _table_json(measurements=None, tasks=("understanding", "t2i", "edit")) -> dict:
-    entries = [{"task": task, "type": t, "kind": "quantize" if t == "source_vae" else "evict"}
-               for task in tasks for t in ("instruction", "source_vit", "source_vae")]
-    return {"format": "unicache-policy-table", "version": 1, "model_id": "", "source": "calibrated",
-            "entries": entries, "measurements": measurements or {}}
+    entries = [
+        {"task": task, "type": t, "kind": "quantize" if t == "source_vae" else "evict"}
+        for task in tasks
+        for t in ("instruction", "source_vit", "source_vae")
+    ]
+    return {
+        "format": "unicache-policy-table",
+        "version": 1,
+        "model_id": "",
+        "source": "calibrated",
+        "entries": entries,
+        "measurements": measurements or {},
+    }
 
 
 def _nested(depth: int):
@@ -39,8 +54,9 @@ def test_the_default_table_is_the_shipped_paper_table():
 @pytest.mark.parametrize("depth", [MAX_MEASUREMENT_DEPTH + 1, 100_000])
 def test_a_deeply_nested_table_is_one_error_naming_the_file(tmp_path, depth):
     path = tmp_path / "deep.json"
-    text = json.dumps(_table_json()).replace('"measurements": {}', '"measurements": {"runs": ' + "[" * depth
-                                                                     + "]" * depth + "}")
+    text = json.dumps(_table_json()).replace(
+        '"measurements": {}', '"measurements": {"runs": ' + "[" * depth + "]" * depth + "}"
+    )
     path.write_text(text, encoding="utf-8")
     with pytest.raises(PolicyTableError, match="deep.json.*(deep|nests)"):
         PolicyTable.load(path)

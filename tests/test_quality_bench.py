@@ -1,17 +1,21 @@
 """benchmarks.quality runs end to end on the bundled model and writes the documented JSON schema."""
 
-import json
-
 from benchmarks.quality import DEFAULT_CHECKPOINT, PAPER_ROW, QualityConfig, format_table, main, run
 
 
 def test_quality_report_schema_and_scores(tmp_path):
-    cfg = QualityConfig(checkpoint=str(DEFAULT_CHECKPOINT), methods=("full", "unicache", "h2o"),
-                        samples={"und": 3, "t2i": 1, "edit": 1}, num_timesteps=3, targets=("paper",))
+    cfg = QualityConfig(
+        checkpoint=str(DEFAULT_CHECKPOINT),
+        methods=("full", "unicache", "h2o"),
+        samples={"und": 3, "t2i": 1, "edit": 1},
+        num_timesteps=3,
+        targets=("paper",),
+    )
     report = run(cfg)
     rows = report["results"]
-    assert {(r["task"], r["method"]) for r in rows} == {(t, m) for t in ("und", "t2i", "edit")
-                                                        for m in ("full", "unicache", PAPER_ROW, "h2o")}
+    assert {(r["task"], r["method"]) for r in rows} == {
+        (t, m) for t in ("und", "t2i", "edit") for m in ("full", "unicache", PAPER_ROW, "h2o")
+    }
     for r in rows:
         assert set(r) >= {"task", "method", "target_reduction", "achieved_reduction", "score", "metrics"}
         headline = r["metrics"]["psnr_target"] if r["task"] == "edit" else r["metrics"]["accuracy"]
@@ -34,8 +38,9 @@ def test_quality_report_schema_and_scores(tmp_path):
             assert f["n"] == cfg.samples[r["task"]] and abs(f["mean"] * f["n"] - to_full) < 1e-3
         if r["method"] != "full":
             fid = r["metrics"]["per_sample_to_full"]
-            assert len(fid) == cfg.samples[r["task"]] and all(0.0 <= v <= (1.0 if r["task"] == "und" else 100.0)
-                                                              for v in fid)
+            assert len(fid) == cfg.samples[r["task"]] and all(
+                0.0 <= v <= (1.0 if r["task"] == "und" else 100.0) for v in fid
+            )
             steps = r["metrics"]["per_sample_step_fidelity"]  # teacher-forced on full KV's path, dB
             assert len(steps) == cfg.samples[r["task"]] and all(v <= 100.0 for v in steps)
             if r["method"] != "unicache":

@@ -7,12 +7,18 @@ import math
 
 import pytest
 import torch
-
 from oracles import KIVIPolicy
-from unicache_core.compression.ops import KIVI_LOOKUP
+
 import unicache_core.kv.quant as quant_module
+from unicache_core.compression.ops import KIVI_LOOKUP
 from unicache_core.kv.quant import (
-    byte_lut, pack_bits, quantize_keys, quantize_values, quantized_kv_nbytes, unpack_bits, unpack_into,
+    byte_lut,
+    pack_bits,
+    quantize_keys,
+    quantize_values,
+    quantized_kv_nbytes,
+    unpack_bits,
+    unpack_into,
 )
 
 
@@ -89,8 +95,9 @@ def test_fitted_value_ranges_never_lose_to_min_max(bits: int, group: int) -> Non
 
 def test_fitted_ranges_of_gaussian_rows_halve_the_2_bit_error() -> None:
     values = torch.randn(2, 300, 64, generator=torch.Generator().manual_seed(0))
-    errors = [float((quantize_values(values, 2, 64, fit=fit).dequantize() - values).square().sum()) for fit in
-              (False, True)]
+    errors = [
+        float((quantize_values(values, 2, 64, fit=fit).dequantize() - values).square().sum()) for fit in (False, True)
+    ]
     assert errors[1] < 0.6 * errors[0]  # the module docstring's "about 45%"
 
 
@@ -181,8 +188,16 @@ def test_kivi_defaults_and_nominal_ratio() -> None:
 
 @pytest.mark.parametrize(
     "target, expected",
-    [(0.05, (2, 128)), (0.125, (2, 128)), (0.2, (2, 64)), (0.3, (2, 32)), (0.4, (4, 128)), (0.49, (4, 64)),
-     (0.5, (4, 32)), (0.99, (8, 32))],
+    [
+        (0.05, (2, 128)),
+        (0.125, (2, 128)),
+        (0.2, (2, 64)),
+        (0.3, (2, 32)),
+        (0.4, (4, 128)),
+        (0.49, (4, 64)),
+        (0.5, (4, 32)),
+        (0.99, (8, 32)),
+    ],
 )
 def test_for_ratio_lookup(target: float, expected: tuple[int, int]) -> None:
     p = KIVIPolicy.for_ratio(target)
@@ -207,8 +222,12 @@ def test_lut_unpack_equals_shift_unpack(bits: int) -> None:
         assert torch.equal(out, unpack_bits(packed, bits, 64).to(dtype))
     lut = byte_lut(bits, torch.float32)
     assert lut.shape == (256, 8 // bits)
-    assert torch.equal(lut[0b11100100], (torch.arange(8 // bits) * bits).to(torch.float32).new_tensor(
-        [(0b11100100 >> (i * bits)) & (2**bits - 1) for i in range(8 // bits)]))
+    assert torch.equal(
+        lut[0b11100100],
+        (torch.arange(8 // bits) * bits)
+        .to(torch.float32)
+        .new_tensor([(0b11100100 >> (i * bits)) & (2**bits - 1) for i in range(8 // bits)]),
+    )
     with pytest.raises(ValueError, match="out"):
         unpack_into(packed, bits, torch.empty(3, 7, 63))
 

@@ -8,8 +8,15 @@ import torch
 from benchmarks.real_size import DISK_DTYPE_NAME, run
 from unicache_core.bagel.checkpoint.header import read_header
 
-TWIN_LLM = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_window_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, vocab_size=640)
+TWIN_LLM = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_window_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=640,
+)
 TWIN_VIT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 
 
@@ -37,10 +44,19 @@ def test_phase_meter_on_the_twin_sees_the_caches_freed_before_the_decode(tmp_pat
     """benchmarks.gpu_real_size's dry run: every phase is metered, the request's KV is gone when the VAE decode
     begins (it starts lower than the denoising did, by at least the caches' bytes), nothing but the latent
     is left on the decode's live-tensor list, and the plan is within 10% of the metered peak."""
-    from benchmarks.gpu_real_size import format_table, run as run_phases
+    from benchmarks.gpu_real_size import format_table
+    from benchmarks.gpu_real_size import run as run_phases
 
-    report = run_phases(tmp_path / "twin", size=256, weight_dtype="int8", offloads=("none",), device="cpu",
-                        llm=TWIN_LLM, vit=TWIN_VIT, full_vae=False)
+    report = run_phases(
+        tmp_path / "twin",
+        size=256,
+        weight_dtype="int8",
+        offloads=("none",),
+        device="cpu",
+        llm=TWIN_LLM,
+        vit=TWIN_VIT,
+        full_vae=False,
+    )
     rows = report["results"]
     assert [r["kv_method"] for r in rows] == ["full", "unicache"]
     for row in rows:

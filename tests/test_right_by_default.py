@@ -31,8 +31,9 @@ def _run(pipe: BagelPipeline, task: str):
         scene, q = understanding_sample(7)
         return pipe.understand(q.question, scene.render(), preset("understanding", max_new_tokens=4))
     if task == "t2i":
-        return pipe.text_to_image(t2i_sample(7).caption(), preset("t2i", width=128, height=128, num_timesteps=8),
-                                  seed=7)
+        return pipe.text_to_image(
+            t2i_sample(7).caption(), preset("t2i", width=128, height=128, num_timesteps=8), seed=7
+        )
     edit = edit_sample(7)
     return pipe.edit(edit.instruction, edit.source.render(), preset("edit", num_timesteps=8), seed=7)
 
@@ -41,8 +42,11 @@ def _run(pipe: BagelPipeline, task: str):
 @pytest.mark.parametrize("task", ["understanding", "t2i", "edit"])
 def test_default_unicache_holds_the_papers_reductions(bundled, task, table):
     assert (BUNDLED_CHECKPOINT_DIR / CHECKPOINT_POLICY_FILE).is_file()  # the calibrated table is the default
-    kw = {} if table == "calibrated" else {
-        "policy": dataclasses.replace(paper_policy_table(), model_id=model_id_of(BUNDLED_CHECKPOINT_DIR))}
+    kw = (
+        {}
+        if table == "calibrated"
+        else {"policy": dataclasses.replace(paper_policy_table(), model_id=model_id_of(BUNDLED_CHECKPOINT_DIR))}
+    )
     factory = make_cache_factory("unicache", checkpoint_dir=str(BUNDLED_CHECKPOINT_DIR), **kw)
     summary = _run(BagelPipeline(bundled, factory), task).kv_report["summary"]
     assert summary["achieved_ratio"] <= HELD_AT_MOST[task], summary

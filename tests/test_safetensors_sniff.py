@@ -14,14 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_runs import run_bagel_cli
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from cli_runs import run_bagel_cli
+from training.tiny import write_tiny_single_file
 from unicache_core.bagel.checkpoint.header import read_header
 from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.checkpoint.single_file import inspect_single_file
-from training.tiny import write_tiny_single_file
 from unicache_core.errors import CheckpointError
 
 
@@ -59,9 +59,21 @@ def test_cli_runs_on_a_0x80_header_checkpoint(tiny_checkpoint_copy, tmp_path, ca
     resave_with_low_byte(tiny_checkpoint_copy / "ema.safetensors")
     image = tmp_path / "src.png"
     Image.fromarray(np.full((32, 32, 3), 200, dtype=np.uint8)).save(image)
-    code, _, err = run_bagel_cli(capsys, "understand", "--checkpoint", str(tiny_checkpoint_copy), "--image",
-                                 str(image), "--prompt", "what is this?", "--max-new-tokens", "2", "--dtype", "fp32",
-                                 "--quiet")
+    code, _, err = run_bagel_cli(
+        capsys,
+        "understand",
+        "--checkpoint",
+        str(tiny_checkpoint_copy),
+        "--image",
+        str(image),
+        "--prompt",
+        "what is this?",
+        "--max-new-tokens",
+        "2",
+        "--dtype",
+        "fp32",
+        "--quiet",
+    )
     assert code == 0, err
 
 
@@ -113,8 +125,14 @@ def test_header_reader_gives_what_safetensors_reads(tiny_checkpoint):
 @pytest.mark.parametrize(
     "header, data, match",
     [
-        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [1],
-          "data_offsets": [12, 16]}}, b"\0" * 16, "not contiguous at byte 12"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]},
+            },
+            b"\0" * 16,
+            "not contiguous at byte 12",
+        ),
         ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, r"do not hold a F32 \[3\] tensor"),
         ({"a": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "'a' has a malformed header entry"),
         ({"__metadata__": {"k": 1}}, b"", "__metadata__ must map strings to strings"),
@@ -130,8 +148,9 @@ def test_header_reader_refuses_inconsistent_headers(tmp_path, header, data, matc
 def test_header_longer_than_the_limit_is_refused_unread(tmp_path, monkeypatch):
     from unicache_core.bagel.checkpoint import header as header_module
 
-    path = _raw_safetensors(tmp_path / "big.safetensors", {"a": {"dtype": "U8", "shape": [64],
-                                                                 "data_offsets": [0, 64]}}, b"\0" * 64)
+    path = _raw_safetensors(
+        tmp_path / "big.safetensors", {"a": {"dtype": "U8", "shape": [64], "data_offsets": [0, 64]}}, b"\0" * 64
+    )
     assert read_header(path).shapes == {"a": (64,)}
     monkeypatch.setattr(header_module, "MAX_HEADER_BYTES", 16)
     with pytest.raises(CheckpointError, match="header length .* does not fit"):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracles import KIVIPolicy
 
 from unicache_core.kv.cache import AttentionCall, FullKVCache, KVCache
-from oracles import KIVIPolicy
 from unicache_core.kv.segmented_cache import SegmentedKVCache
-from unicache_core.kv.token_types import TokenType
 from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore
+from unicache_core.kv.token_types import TokenType
 
 HKV, HQ, D, LAYERS = 2, 4, 16, 2
 TT = TokenType
@@ -17,8 +17,9 @@ TT = TokenType
 
 def _call(types: list[TokenType], causal: bool, update: bool = True, phase: str = "prefill") -> AttentionCall:
     t = torch.tensor([int(x) for x in types], dtype=torch.int8)
-    return AttentionCall(token_types=t, rope_positions=torch.arange(len(types)), causal=causal, update=update,
-                         phase=phase)
+    return AttentionCall(
+        token_types=t, rope_positions=torch.arange(len(types)), causal=causal, update=update, phase=phase
+    )
 
 
 def _sequence() -> list[AttentionCall]:
@@ -38,8 +39,11 @@ def _sequence() -> list[AttentionCall]:
 
 
 def _qkv(n: int, gen: torch.Generator):
-    return (torch.randn(n, HQ, D, generator=gen), torch.randn(n, HKV, D, generator=gen),
-            torch.randn(n, HKV, D, generator=gen))
+    return (
+        torch.randn(n, HQ, D, generator=gen),
+        torch.randn(n, HKV, D, generator=gen),
+        torch.randn(n, HKV, D, generator=gen),
+    )
 
 
 def _run(caches: list[KVCache], calls: list[AttentionCall], seed: int = 0) -> list[list[torch.Tensor]]:
@@ -62,8 +66,9 @@ def test_uncompressed_equals_full_cache() -> None:
     assert seg.full_bytes() == full.nbytes()
     # one uncompressed store per type: appends of a type are coalesced
     kinds = seg.segments(0)
-    assert sorted(t for t, _, _ in kinds) == sorted({TT.BOUNDARY, TT.INSTRUCTION, TT.SOURCE_VIT, TT.SOURCE_VAE,
-                                                     TT.DECODED_TEXT})
+    assert sorted(t for t, _, _ in kinds) == sorted(
+        {TT.BOUNDARY, TT.INSTRUCTION, TT.SOURCE_VIT, TT.SOURCE_VAE, TT.DECODED_TEXT}
+    )
     assert dict((t, n) for t, _, n in kinds)[TT.INSTRUCTION] == 16
     # stored positions are the original context indices of each type
     keys, _, types, _ = full.layer_kv(0)
@@ -126,9 +131,11 @@ def test_appends_after_compression_open_a_new_store() -> None:
     seg = SegmentedKVCache(1)
     _run([seg], [_call([TT.INSTRUCTION] * 8, causal=True)])
     s = seg.segment_kv(0, TT.INSTRUCTION)
-    seg.replace_segment(0, TT.INSTRUCTION,
-                        EvictedStore.from_selection(s.keys, s.values, s.token_index, torch.tensor([[0, 3]] * HKV),
-                                                    TT.INSTRUCTION))
+    seg.replace_segment(
+        0,
+        TT.INSTRUCTION,
+        EvictedStore.from_selection(s.keys, s.values, s.token_index, torch.tensor([[0, 3]] * HKV), TT.INSTRUCTION),
+    )
     _run([seg], [_call([TT.INSTRUCTION] * 3, causal=True)])
     kinds = seg.segments(0)
     assert [k for _, k, _ in kinds] == ["evicted", "full"]

@@ -3,24 +3,36 @@ protected."""
 
 import pytest
 import torch
-
 from oracles.spans import Span, candidate_mask, is_protected, positions_of, spans_from_types
+
 from unicache_core.kv.token_types import BRANCHES, CANDIDATE_TYPES, PROTECTED_TYPES, TASKS, TokenType
 
-B, VAE, VIT, TXT, LAT, DEC = (TokenType.BOUNDARY, TokenType.SOURCE_VAE, TokenType.SOURCE_VIT,
-                              TokenType.INSTRUCTION, TokenType.CURRENT_LATENT, TokenType.DECODED_TEXT)
+B, VAE, VIT, TXT, LAT, DEC = (
+    TokenType.BOUNDARY,
+    TokenType.SOURCE_VAE,
+    TokenType.SOURCE_VIT,
+    TokenType.INSTRUCTION,
+    TokenType.CURRENT_LATENT,
+    TokenType.DECODED_TEXT,
+)
 
 
 def _edit_context() -> torch.Tensor:
     """An editing context as BAGEL builds it: [vs] VAE [ve] [vs] ViT [ve] [im_start] text [im_end]."""
     runs = [(B, 1), (VAE, 4), (B, 2), (VIT, 3), (B, 2), (TXT, 5), (B, 1)]
-    return torch.cat([torch.full((n, ), int(t), dtype=torch.int8) for t, n in runs])
+    return torch.cat([torch.full((n,), int(t), dtype=torch.int8) for t, n in runs])
 
 
 def test_spans_keep_original_positions_and_order():
     spans = spans_from_types(_edit_context())
     assert [(s.token_type, s.start, s.stop) for s in spans] == [
-        (B, 0, 1), (VAE, 1, 5), (B, 5, 7), (VIT, 7, 10), (B, 10, 12), (TXT, 12, 17), (B, 17, 18)
+        (B, 0, 1),
+        (VAE, 1, 5),
+        (B, 5, 7),
+        (VIT, 7, 10),
+        (B, 10, 12),
+        (TXT, 12, 17),
+        (B, 17, 18),
     ]
     assert sum(s.length for s in spans) == 18
     assert [s.protected for s in spans] == [True, False, True, False, True, False, True]

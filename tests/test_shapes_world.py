@@ -7,8 +7,18 @@ import pytest
 
 from unicache_core.shapes import analyse, edit_sample, judge_t2i, psnr, scenes_match, t2i_sample, unchanged_mask
 from unicache_core.shapes.world import (
-    BACKGROUNDS, EDIT_KINDS, EVAL_SEEDS, QUESTION_KINDS, TRAIN_SEEDS, Scene, Shape, apply_edit, ask, image_array,
-    random_scene, understanding_sample,
+    BACKGROUNDS,
+    EDIT_KINDS,
+    EVAL_SEEDS,
+    QUESTION_KINDS,
+    TRAIN_SEEDS,
+    Scene,
+    Shape,
+    apply_edit,
+    ask,
+    image_array,
+    random_scene,
+    understanding_sample,
 )
 
 
@@ -36,7 +46,8 @@ def test_analyser_reads_blurred_scenes_and_rounded_corners_as_a_person_does():
     triangles and rounded squares as circles)."""
     from PIL import ImageDraw, ImageFilter
 
-    from unicache_core.shapes.world import BACKGROUNDS as BG, COLORS, cell_center
+    from unicache_core.shapes.world import BACKGROUNDS as BG
+    from unicache_core.shapes.world import COLORS, cell_center
 
     rng = random.Random(321)
     for _ in range(300):
@@ -48,8 +59,9 @@ def test_analyser_reads_blurred_scenes_and_rounded_corners_as_a_person_does():
         draw = ImageDraw.Draw(image)
         cx, cy = cell_center(4)
         half = shape_px / 2
-        draw.rounded_rectangle((cx - half, cy - half, cx + half - 1, cy + half - 1), radius=shape_px // 6,
-                               fill=COLORS["blue"])
+        draw.rounded_rectangle(
+            (cx - half, cy - half, cx + half - 1, cy + half - 1), radius=shape_px // 6, fill=COLORS["blue"]
+        )
         assert analyse(image) == Scene("white", (Shape("square", "blue", size, 4),))
     assert BG["white"] != COLORS["blue"]
 
@@ -91,7 +103,10 @@ def test_questions_have_their_exact_answer():
     assert ask(scene, "background", rng).answer == "gray"
     for _ in range(20):
         q = ask(scene, "position", rng)
-        assert q.answer == {"where is the red circle?": "top left", "where is the blue square?": "bottom right"}[q.question]
+        assert (
+            q.answer
+            == {"where is the red circle?": "top left", "where is the blue square?": "bottom right"}[q.question]
+        )
         q = ask(scene, "exists", rng)
         assert q.answer == ("yes" if q.question in ("is there a red circle?", "is there a blue square?") else "no")
     for kind in QUESTION_KINDS:

@@ -41,13 +41,28 @@ def _count_value_quantizations(monkeypatch) -> list[int]:
 
 
 def _fields(store: QuantizedStore) -> list[torch.Tensor]:
-    return [store.qkeys.packed, store.qkeys.scale, store.qkeys.zero, store.qvalues.packed, store.qvalues.scale,
-            store.qvalues.zero, store.res_keys, store.res_values, store.token_index]
+    return [
+        store.qkeys.packed,
+        store.qkeys.scale,
+        store.qkeys.zero,
+        store.qvalues.packed,
+        store.qvalues.scale,
+        store.qvalues.zero,
+        store.res_keys,
+        store.res_values,
+        store.token_index,
+    ]
 
 
 # (first: rows, bits, group, residual) -> (then: rows, group, residual), same bits
-CASES = [((80, 2, 64, 0), (40, 128, 0)), ((80, 4, 32, 6), (50, 64, 4)), ((96, 8, 32, 8), (96, 32, 2)),
-         ((64, 2, 32, 3), (30, 128, 6)), ((120, 4, 128, 0), (7, 128, 0)), ((128, 4, 64, 4), (60, 64, 2))]
+CASES = [
+    ((80, 2, 64, 0), (40, 128, 0)),
+    ((80, 4, 32, 6), (50, 64, 4)),
+    ((96, 8, 32, 8), (96, 32, 2)),
+    ((64, 2, 32, 3), (30, 128, 6)),
+    ((120, 4, 128, 0), (7, 128, 0)),
+    ((128, 4, 64, 4), (60, 64, 2)),
+]
 
 
 @pytest.mark.parametrize("first,then", CASES)
@@ -64,8 +79,12 @@ def test_shrinking_at_the_same_bits_equals_requantizing(first, then, monkeypatch
         stores.append(compress_rows(layer, [0], then[0], bits, then[1], then[2], scores))
         monkeypatch.undo()
     fast, slow = stores
-    assert (fast.bits, fast.group_size, fast.residual, fast.num_tokens) == (slow.bits, slow.group_size,
-                                                                           slow.residual, then[0])
+    assert (fast.bits, fast.group_size, fast.residual, fast.num_tokens) == (
+        slow.bits,
+        slow.group_size,
+        slow.residual,
+        then[0],
+    )
     for a, b in zip(_fields(fast), _fields(slow)):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert fast.nbytes() == slow.nbytes()
@@ -87,8 +106,13 @@ def test_values_are_not_requantized_as_rows_drop_at_the_same_bits(monkeypatch):
 
 
 # a store every head of which holds all 128 rows: (bits, group, residual) -> (group, residual), same bits
-SHARED_CASES = [((2, 32, 1), (32, 0)), ((4, 64, 0), (128, 0)), ((4, 32, 6), (64, 2)), ((8, 128, 2), (128, 8)),
-                ((2, 128, 8), (32, 3))]
+SHARED_CASES = [
+    ((2, 32, 1), (32, 0)),
+    ((4, 64, 0), (128, 0)),
+    ((4, 32, 6), (64, 2)),
+    ((8, 128, 2), (128, 8)),
+    ((2, 128, 8), (32, 3)),
+]
 
 
 @pytest.mark.parametrize("with_scores", [True, False])

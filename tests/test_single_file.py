@@ -12,20 +12,18 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from unicache_core.bagel import contexts as C
-from unicache_core.bagel.latents import (
-    FLUX_SCALE_FACTOR,
-    FLUX_SHIFT_FACTOR,
-    VAEAdapter,
-    from_comfy_latent,
-    latent_factors,
-    to_comfy_latent,
+from training.tiny import (
+    TINY_SINGLE_FILE,
+    build_tiny_models,
+    write_tiny_checkpoint,
+    write_tiny_single_file,
 )
+from training.tiny import (
+    main as tiny_main,
+)
+from unicache_core.bagel import contexts as C
 from unicache_core.bagel.checkpoint.loader import load_bagel
-from unicache_core.bagel.pipeline import BagelPipeline
-from unicache_core.bagel.request import GivenLatents
-from unicache_core.bagel.seeding import seeded_generator
-from unicache_core.bagel.settings import preset
+from unicache_core.bagel.checkpoint.model_id import BAGEL_7B_MOT, model_id_from_variant, model_id_of
 from unicache_core.bagel.checkpoint.single_file import (
     BAGEL_SPECIAL_TOKEN_IDS,
     METADATA_KEY,
@@ -36,16 +34,20 @@ from unicache_core.bagel.checkpoint.single_file import (
     official_layout,
     sidecar_path,
 )
-from training.tiny import (
-    TINY_SINGLE_FILE,
-    build_tiny_models,
-    main as tiny_main,
-    write_tiny_checkpoint,
-    write_tiny_single_file,
+from unicache_core.bagel.latents import (
+    FLUX_SCALE_FACTOR,
+    FLUX_SHIFT_FACTOR,
+    VAEAdapter,
+    from_comfy_latent,
+    latent_factors,
+    to_comfy_latent,
 )
+from unicache_core.bagel.pipeline import BagelPipeline
+from unicache_core.bagel.request import GivenLatents
+from unicache_core.bagel.seeding import seeded_generator
+from unicache_core.bagel.settings import preset
 from unicache_core.bagel.transforms import ImageTransforms
 from unicache_core.errors import CheckpointError
-from unicache_core.bagel.checkpoint.model_id import BAGEL_7B_MOT, model_id_from_variant, model_id_of
 
 FAST = preset("t2i", width=64, height=64, num_timesteps=3)  # run with seed=7
 COMFY_TOKENIZER = Path(__file__).resolve().parents[1] / ".comfyhost/ComfyUI/comfy/text_encoders/qwen25_tokenizer"
@@ -68,7 +70,9 @@ def folder_loaded(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def single_loaded(single):
-    return load_bagel(single, dtype="fp32", tokenizer_dir=single.parent / "tokenizer", vae=single.parent / "ae.safetensors")
+    return load_bagel(
+        single, dtype="fp32", tokenizer_dir=single.parent / "tokenizer", vae=single.parent / "ae.safetensors"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +119,9 @@ def test_full_vocab_single_file_matches_its_folder(tmp_path):
     folder = write_tiny_checkpoint(tmp_path / "f", seed=1, full_vocab=True)
     single = write_tiny_single_file(tmp_path / "s", seed=1, full_vocab=True, sidecar=True)
     a = load_bagel(folder, dtype="fp32")
-    b = load_bagel(single, dtype="fp32", tokenizer_dir=single.parent / "tokenizer", vae=single.parent / "ae.safetensors")
+    b = load_bagel(
+        single, dtype="fp32", tokenizer_dir=single.parent / "tokenizer", vae=single.parent / "ae.safetensors"
+    )
     assert a.config.llm.vocab_size == b.config.llm.vocab_size == 152064
     for tok in (a.tokenizer, b.tokenizer):
         assert {n: tok.token_to_id(n) for n in BAGEL_SPECIAL_TOKEN_IDS} == BAGEL_SPECIAL_TOKEN_IDS
@@ -127,8 +133,9 @@ def test_full_vocab_single_file_matches_its_folder(tmp_path):
         c = load_bagel(single, dtype="fp32", tokenizer_dir=COMFY_TOKENIZER, vae=single.parent / "ae.safetensors")
         assert c.tokenizer.bos_token_id == 151644
         # a folder carrying that tokenizer (--tokenizer-dir) gives the single file's image with it
-        d = load_bagel(write_tiny_checkpoint(tmp_path / "g", seed=1, full_vocab=True, tokenizer_dir=COMFY_TOKENIZER),
-                       dtype="fp32")
+        d = load_bagel(
+            write_tiny_checkpoint(tmp_path / "g", seed=1, full_vocab=True, tokenizer_dir=COMFY_TOKENIZER), dtype="fp32"
+        )
         assert (tmp_path / "g" / "vocab.json").read_bytes() == (COMFY_TOKENIZER / "vocab.json").read_bytes()
         rc = BagelPipeline(c).text_to_image("a blue car", FAST, seed=7)
         rd = BagelPipeline(d).text_to_image("a blue car", FAST, seed=7)
@@ -166,13 +173,17 @@ def test_metadata_and_sidecar(single, tmp_path):
     # the same metadata in a sidecar
     plain = _rewrite(single, tmp_path / "plain.safetensors", None)
     side = sidecar_path(plain)
-    side.write_text(json.dumps({"format": "comfyui_bagel_sidecar", "checkpoint_size": plain.stat().st_size,
-                                "metadata": json.dumps(meta)}))
+    side.write_text(
+        json.dumps(
+            {"format": "comfyui_bagel_sidecar", "checkpoint_size": plain.stat().st_size, "metadata": json.dumps(meta)}
+        )
+    )
     assert inspect_single_file(plain).source == "sidecar"
     assert model_id_of(plain) == "unicache-tiny-random"
     # a sidecar written for another file size is refused
-    side.write_text(json.dumps({"format": "comfyui_bagel_sidecar", "checkpoint_size": plain.stat().st_size + 1,
-                                "metadata": meta}))
+    side.write_text(
+        json.dumps({"format": "comfyui_bagel_sidecar", "checkpoint_size": plain.stat().st_size + 1, "metadata": meta})
+    )
     with pytest.raises(CheckpointError, match="sidecar .* bytes, but plain.safetensors has"):
         inspect_single_file(plain)
     side.write_text(json.dumps({"format": "something_else", "checkpoint_size": plain.stat().st_size}))
@@ -256,7 +267,9 @@ def test_no_metadata_with_the_official_layout_is_bagel_7b_mot(tmp_path):
     # one tensor off: refused
     shapes = dict(layout)
     shapes["llm2vae.weight"] = (32, 3584)
-    with pytest.raises(CheckpointError, match=r"1 with other shapes \(llm2vae.weight \(32, 3584\) instead of \(64, 3584\)"):
+    with pytest.raises(
+        CheckpointError, match=r"1 with other shapes \(llm2vae.weight \(32, 3584\) instead of \(64, 3584\)"
+    ):
         inspect_single_file(_sparse_safetensors(tmp_path / "off.safetensors", shapes))
 
 
@@ -289,14 +302,15 @@ def test_special_token_ids_are_checked(single, tmp_path):
     vision_start = next(k for k, v in decoder.items() if v["content"] == "<|vision_start|>")
     del decoder[vision_start]  # BAGEL's code would add it at a fresh, untrained id
     (tok / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"does not belong to bagel-tiny.safetensors: <\|vision_start\|> is missing"):
+    with pytest.raises(
+        CheckpointError, match=r"does not belong to bagel-tiny.safetensors: <\|vision_start\|> is missing"
+    ):
         load_bagel(single, tokenizer_dir=tok)
     if COMFY_TOKENIZER.is_dir():  # the real Qwen2.5 ids do not fit the small tiny vocabulary
         with pytest.raises(CheckpointError, match=r"<\|im_start\|> has id 151644, the checkpoint expects"):
             load_bagel(single, tokenizer_dir=COMFY_TOKENIZER)
     # metadata of BAGEL-7B-MoT disagreeing with its real ids is refused up front
-    meta = {**inspect_single_file(single).metadata, "variant": NATIVE_VARIANT,
-            "special_token_ids": {"<|im_start|>": 5}}
+    meta = {**inspect_single_file(single).metadata, "variant": NATIVE_VARIANT, "special_token_ids": {"<|im_start|>": 5}}
     bad = _rewrite(single, tmp_path / "bad.safetensors", meta)
     with pytest.raises(CheckpointError, match="disagree with BAGEL-7B-MoT"):
         inspect_single_file(bad)
@@ -351,8 +365,14 @@ def test_external_vae_adapter_is_used(no_vae_loaded, single_loaded, source_image
     with pytest.raises(ValueError, match="`vae` must be an object with encode"):
         BagelPipeline(single_loaded, vae=object())
     with pytest.raises(ValueError, match="`vae_noise` is the sampling noise of the built-in VAE"):
-        pipe.edit("x", source_image, preset("edit", num_timesteps=3), seed=1, vae=adapter,
-                  given=GivenLatents(vae_noise=torch.zeros(1, 16, 8, 8)))
+        pipe.edit(
+            "x",
+            source_image,
+            preset("edit", num_timesteps=3),
+            seed=1,
+            vae=adapter,
+            given=GivenLatents(vae_noise=torch.zeros(1, 16, 8, 8)),
+        )
 
     class Broken(CountingVAE):
         def decode(self, z):
@@ -378,22 +398,33 @@ def test_edit_with_a_given_latent_skips_the_encode(single_loaded, source_image, 
 
     monkeypatch.setattr(single_loaded.vae, "encode", boom)
     monkeypatch.setattr(C, "encode_vae_latent", boom)
-    given = pipe.edit("make it blue", source_image, preset("edit", num_timesteps=3), seed=seed,
-                      given=GivenLatents(source_latent=z))
+    given = pipe.edit(
+        "make it blue", source_image, preset("edit", num_timesteps=3), seed=seed, given=GivenLatents(source_latent=z)
+    )
     assert given.info["source_latent"] == "given"
     assert torch.equal(given.latents, ref.latents)  # same seed → same later noise, same result
     assert np.array_equal(_pixels(given.image), _pixels(ref.image))
     # a latent of another size sets the output size; one off BAGEL's 2x2-cell grid is refused
     with pytest.raises(ValueError, match=r"`source_latent` is 5x4 latent cells .* crop it to 4x4"):
-        pipe.edit("x", source_image, preset("edit", num_timesteps=3), seed=seed,
-                  given=GivenLatents(source_latent=torch.zeros(1, 16, 5, 4)))
+        pipe.edit(
+            "x",
+            source_image,
+            preset("edit", num_timesteps=3),
+            seed=seed,
+            given=GivenLatents(source_latent=torch.zeros(1, 16, 5, 4)),
+        )
     with pytest.raises(ValueError, match="text-to-image takes none"):
         pipe.text_to_image("x", FAST, seed=1, given=GivenLatents(source_latent=z))
     from unicache_core.errors import NumericalError
 
     with pytest.raises(NumericalError, match="source latent"):
-        pipe.edit("x", source_image, preset("edit", num_timesteps=3), seed=seed,
-                  given=GivenLatents(source_latent=torch.full((1, 16, 8, 8), float("nan"))))
+        pipe.edit(
+            "x",
+            source_image,
+            preset("edit", num_timesteps=3),
+            seed=seed,
+            given=GivenLatents(source_latent=torch.full((1, 16, 8, 8), float("nan"))),
+        )
 
 
 def test_latent_helpers_round_trip(single_loaded):

@@ -58,16 +58,18 @@ def test_step_fidelity_orders_caches_by_how_much_they_compress(loaded):
 def test_decoding_follows_the_forced_tokens(loaded):
     pipe = BagelPipeline(loaded)
     free = StepPath()
-    answer = pipe.understand("what is this?", None, preset("understanding", max_new_tokens=4),
-                             hooks=RunHooks(steer=free))
-    assert len(free.outputs) == len(free.nexts) >= 1 and free.nexts[:len(answer.token_ids)] == answer.token_ids
+    answer = pipe.understand(
+        "what is this?", None, preset("understanding", max_new_tokens=4), hooks=RunHooks(steer=free)
+    )
+    assert len(free.outputs) == len(free.nexts) >= 1 and free.nexts[: len(answer.token_ids)] == answer.token_ids
     tok = loaded.tokenizer
     wanted = [t for t in range(tok.vocab_size) if t not in (tok.eos_token_id, tok.bos_token_id)][:3]
     scripted = StepPath()
     scripted.nexts = [*wanted, tok.eos_token_id]  # a path to force: three tokens, then the end
     forced = StepPath(forced=scripted)
-    result = pipe.understand("what is this?", None, preset("understanding", max_new_tokens=4),
-                             hooks=RunHooks(steer=forced))
+    result = pipe.understand(
+        "what is this?", None, preset("understanding", max_new_tokens=4), hooks=RunHooks(steer=forced)
+    )
     assert result.token_ids == wanted and len(forced.outputs) == 4
 
 
@@ -76,8 +78,9 @@ def test_steer_must_return_what_the_loop_continues_from(loaded):
     with pytest.raises(ValueError, match="next latent as a float tensor of shape"):
         pipe.text_to_image("x", preset("t2i", **SETTINGS), hooks=RunHooks(steer=lambda i, v, x: x[:1]))
     with pytest.raises(ValueError, match="next token id as an int >= 0, got 'a'"):
-        pipe.understand("x", None, preset("understanding", max_new_tokens=2),
-                        hooks=RunHooks(steer=lambda i, logits, token: "a"))
+        pipe.understand(
+            "x", None, preset("understanding", max_new_tokens=2), hooks=RunHooks(steer=lambda i, logits, token: "a")
+        )
 
 
 def test_fidelity_db_by_hand():

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from unicache_core.kv.attention import attention_with_lse
 from oracles import KIVIPolicy
-from unicache_core.kv.token_types import TokenType
+
+import unicache_core.kv.stores as stores_module
+from unicache_core.kv.attention import attention_with_lse
 from unicache_core.kv.quant import quantized_kv_nbytes
 from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore
-import unicache_core.kv.stores as stores_module
+from unicache_core.kv.token_types import TokenType
 
 T, HKV, HQ, D = 200, 2, 6, 32
 
@@ -234,8 +234,10 @@ def test_quantized_store_holds_no_reference_to_the_full_tensor():
     store = QuantizedStore.from_kv(keys, values, torch.arange(4096), 2, 32, 16, TokenType.SOURCE_VAE)
     for t in (store.res_keys, store.res_values):
         assert t.untyped_storage().nbytes() == t.nbytes  # not a view into the 1 MB input
-        assert t.untyped_storage().data_ptr() not in (keys.untyped_storage().data_ptr(),
-                                                        values.untyped_storage().data_ptr())
+        assert t.untyped_storage().data_ptr() not in (
+            keys.untyped_storage().data_ptr(),
+            values.untyped_storage().data_ptr(),
+        )
 
 
 def test_large_magnitudes_switch_scales_to_fp32_and_stay_exactly_accounted():
@@ -249,8 +251,9 @@ def test_large_magnitudes_switch_scales_to_fp32_and_stay_exactly_accounted():
     k_hat, v_hat = store.dequantize()
     assert torch.isfinite(k_hat).all() and torch.isfinite(v_hat).all()
     assert store.nbytes() == store.nominal_bytes()
-    small = QuantizedStore.from_kv(keys.clamp(-10, 10), values.clamp(-10, 10), torch.arange(96), 4, 32, 8,
-                                   TokenType.SOURCE_VAE)
+    small = QuantizedStore.from_kv(
+        keys.clamp(-10, 10), values.clamp(-10, 10), torch.arange(96), 4, 32, 8, TokenType.SOURCE_VAE
+    )
     assert small.qkeys.scale.dtype == torch.float16  # the fp16 convention otherwise
     assert small.nbytes() < store.nbytes()
 
@@ -273,11 +276,12 @@ def test_quantized_store_from_head_rows_per_head_and_shared() -> None:
     out, lse = store.attend(q)
     g = HQ // HKV
     for h in range(HKV):  # each query head attends to its KV head's own rows
-        ref, ref_lse = attention_with_lse(q[:, h * g:(h + 1) * g], dk[:, h:h + 1], dv[:, h:h + 1])
-        assert torch.allclose(out[:, h * g:(h + 1) * g], ref, atol=1e-5)
-        assert torch.allclose(lse[:, h * g:(h + 1) * g], ref_lse, atol=1e-5)
-    shared = QuantizedStore.from_head_rows(k.transpose(0, 1), v.transpose(0, 1), torch.arange(40), 2, 128, 0,
-                                           TokenType.SOURCE_VAE)
+        ref, ref_lse = attention_with_lse(q[:, h * g : (h + 1) * g], dk[:, h : h + 1], dv[:, h : h + 1])
+        assert torch.allclose(out[:, h * g : (h + 1) * g], ref, atol=1e-5)
+        assert torch.allclose(lse[:, h * g : (h + 1) * g], ref_lse, atol=1e-5)
+    shared = QuantizedStore.from_head_rows(
+        k.transpose(0, 1), v.transpose(0, 1), torch.arange(40), 2, 128, 0, TokenType.SOURCE_VAE
+    )
     ref_store = QuantizedStore.from_kv(k, v, torch.arange(40), 2, 128, 0, TokenType.SOURCE_VAE)
     assert not shared.per_head_rows and shared.nbytes() == ref_store.nbytes()
     assert all(torch.equal(a, b) for a, b in zip(shared.dequantize(), ref_store.dequantize()))

@@ -6,16 +6,27 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from training import TrainConfig, run
 from training.bagel_stage import SampleMaker
 from training.batches import pack
 from training.model import ShapesGeometry, build_models, shapes_config, shapes_tokenizer, shapes_tokenizer_files
 from training.vae_stage import build_pool
+from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.shapes import t2i_sample
 
-SMALL = dict(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64, vit_hidden=32, vit_layers=1, vit_heads=1,
-             ae_ch=32, ae_mult=(1, 1, 1, 1), ae_res_blocks=1)
+SMALL = dict(
+    hidden=32,
+    layers=2,
+    heads=2,
+    kv_heads=1,
+    intermediate=64,
+    vit_hidden=32,
+    vit_layers=1,
+    vit_heads=1,
+    ae_ch=32,
+    ae_mult=(1, 1, 1, 1),
+    ae_res_blocks=1,
+)
 
 
 def _cfg(**kw):
@@ -23,8 +34,21 @@ def _cfg(**kw):
     # the pool holds 4 pairs, the VAE is scored on 2 held-out scenes and the latent statistics come from 4 pairs
     # (the shipped 64 and 256 made those passes 80% of a run's time, 8/4/8 still a third; what the tests check does
     # not depend on the counts, and a batch draws 2 samples per task from the pool)
-    base = dict(model=SMALL, vae_steps=4, vae_batch=2, pool_size=4, steps=4, stop_at=0, batch={"t2i": 2, "edit": 2, "und": 2},
-                save_every=2, warmup=2, compile=False, und_warmup=0, vae_eval_scenes=2, latent_stat_pairs=4)
+    base = dict(
+        model=SMALL,
+        vae_steps=4,
+        vae_batch=2,
+        pool_size=4,
+        steps=4,
+        stop_at=0,
+        batch={"t2i": 2, "edit": 2, "und": 2},
+        save_every=2,
+        warmup=2,
+        compile=False,
+        und_warmup=0,
+        vae_eval_scenes=2,
+        latent_stat_pairs=4,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -58,10 +82,8 @@ def test_train_resume_export_and_load(tmp_path):
     scene = t2i_sample(0)
     res = pipe.text_to_image(scene.caption(), preset("t2i", width=128, height=128, num_timesteps=3), seed=0)
     assert res.image.size == (128, 128)
-    ans = pipe.understand("what color is the background?", scene.render(),
-                          preset("understanding", max_new_tokens=2))
+    ans = pipe.understand("what color is the background?", scene.render(), preset("understanding", max_new_tokens=2))
     assert isinstance(ans.text, str)
-
 
 
 def test_a_stopped_session_keeps_the_training_time_of_its_last_saved_state(tmp_path):
@@ -84,6 +106,7 @@ def test_a_stopped_session_keeps_the_training_time_of_its_last_saved_state(tmp_p
     assert info["seconds"]["sessions"] == 2 and info["seconds"]["bagel_s"] > first
     assert json.loads((out / "training.json").read_text())["seconds"] == info["seconds"]
 
+
 def _small_maker(**cfg_kw) -> tuple[SampleMaker, object]:
     """A sample maker over a 4-pair pool of the SMALL model (random weights); ``(maker, tokenizer)``."""
     vocab = shapes_tokenizer_files()[2]
@@ -103,16 +126,16 @@ def test_packed_batch_masks_follow_bagel_blocks():
     end = 132 + n + 66
     assert mask[:66, :66].all() and not mask[:66, 66:].any()  # source VAE block: bidirectional, sees nothing later
     assert mask[66:132, :132].all() and not mask[66:132, 132:].any()
-    text = mask[132:132 + n, 132:132 + n]
+    text = mask[132 : 132 + n, 132 : 132 + n]
     assert torch.equal(text, torch.tril(torch.ones_like(text)))  # text is causal, sees both images
-    assert mask[132:132 + n, :132].all() and not mask[132:132 + n, 132 + n:].any()
-    assert mask[132 + n:end, :end].all()  # the noisy latents see everything before and each other
+    assert mask[132 : 132 + n, :132].all() and not mask[132 : 132 + n, 132 + n :].any()
+    assert mask[132 + n : end, :end].all()  # the noisy latents see everything before and each other
     # positions: one RoPE position per image block, one per text token, the latents at the next one
-    pos = batch.positions[edit_group.offset: edit_group.offset + edit_group.length]
+    pos = batch.positions[edit_group.offset : edit_group.offset + edit_group.length]
     assert (pos[:66] == 0).all() and (pos[66:132] == 1).all()
-    assert pos[132:132 + n].tolist() == list(range(2, 2 + n)) and (pos[132 + n:end] == 2 + n).all()
-    assert batch.gen_mask[edit_group.offset + 1: edit_group.offset + 65].all()
-    assert not batch.gen_mask[edit_group.offset + 66: edit_group.offset + 132 + n].any()
+    assert pos[132 : 132 + n].tolist() == list(range(2, 2 + n)) and (pos[132 + n : end] == 2 + n).all()
+    assert batch.gen_mask[edit_group.offset + 1 : edit_group.offset + 65].all()
+    assert not batch.gen_mask[edit_group.offset + 66 : edit_group.offset + 132 + n].any()
     # one MSE target per noisy latent token (t2i and edit samples), CE targets are answer ids shifted by one
     assert batch.mse_slots.numel() == batch.mse_targets.shape[0] == 64 * 4
     answer = samples["und"][0].blocks[2].ids
@@ -163,10 +186,13 @@ def test_vae_from_a_finished_run_replaces_stage_one(tmp_path):
 
 
 def test_understanding_samples_ask_several_kinds_and_hold_some_back():
-    maker, tok = _small_maker(batch={"t2i": 0, "edit": 0, "und": 6}, und_questions=3,
-                              und_late_kinds=["background", "exists"], und_late_from=5)
-    kinds_by_question = {q: kind for kind, q in (("background", "what color is the background?"),
-                                                 ("count", "how many shapes are there?"))}
+    maker, tok = _small_maker(
+        batch={"t2i": 0, "edit": 0, "und": 6}, und_questions=3, und_late_kinds=["background", "exists"], und_late_from=5
+    )
+    kinds_by_question = {
+        q: kind
+        for kind, q in (("background", "what color is the background?"), ("count", "how many shapes are there?"))
+    }
 
     def asked(step):
         out = []
@@ -194,15 +220,18 @@ def test_understanding_samples_ask_several_kinds_and_hold_some_back():
 
 
 def test_training_cli_checks_its_options_before_any_work(tmp_path, capsys):
-    """Bad --und-* and --unit-input-init values stop with one line naming them (the parse itself, --vae-from unset, must succeed)."""
+    """Bad --und-* and --unit-input-init values stop with one line naming them (the parse itself, --vae-from unset,
+    must succeed)."""
     import pytest
 
     from training.__main__ import main
 
-    cases = [(["--und-late", "colour"], "unknown question kind(s) ['colour']"),
-             (["--und-late", "count,exists,background"], "leaves no kind every scene can answer"),
-             (["--und-questions", "0"], "--und-questions must be >= 1, got 0"),
-             (["--unit-input-init", "vit"], "unknown input module(s) ['vit']")]
+    cases = [
+        (["--und-late", "colour"], "unknown question kind(s) ['colour']"),
+        (["--und-late", "count,exists,background"], "leaves no kind every scene can answer"),
+        (["--und-questions", "0"], "--und-questions must be >= 1, got 0"),
+        (["--unit-input-init", "vit"], "unknown input module(s) ['vit']"),
+    ]
     for extra, message in cases:
         with pytest.raises(SystemExit) as exc:
             main([str(tmp_path / "out"), *extra])
@@ -215,7 +244,8 @@ def test_caption_use_probe_compares_right_wrong_and_no_caption(tmp_path):
     prediction (so the three differ), the noise is fixed (so a second call repeats), and the CLI writes JSON."""
     import pytest
 
-    from training.probes import caption_use, main as probe_main
+    from training.probes import caption_use
+    from training.probes import main as probe_main
 
     out = tmp_path / "ckpt"
     run(out, tmp_path / "work", _cfg())
@@ -233,7 +263,8 @@ def test_caption_use_probe_compares_right_wrong_and_no_caption(tmp_path):
 
 
 def test_masked_attention_equals_sdpa_per_sample():
-    """The written-out attention (GQA heads stacked, masked fp32 softmax) is exact attention under each sample's mask."""
+    """The written-out attention (GQA heads stacked, masked fp32 softmax) is exact attention under each sample's
+    mask."""
     from torch.nn import functional as F
 
     from training.attention import MaskedAttention, SampleGroup
@@ -250,8 +281,9 @@ def test_masked_attention_equals_sdpa_per_sample():
     for g in groups:
         sl = slice(g.offset, g.offset + g.count * g.length)
         qs, ks, vs = (t[sl].view(g.count, g.length, t.shape[1], 32).transpose(1, 2) for t in (q, k, v))
-        ref = F.scaled_dot_product_attention(qs, ks.repeat_interleave(2, 1), vs.repeat_interleave(2, 1),
-                                             attn_mask=g.mask[:, None])
+        ref = F.scaled_dot_product_attention(
+            qs, ks.repeat_interleave(2, 1), vs.repeat_interleave(2, 1), attn_mask=g.mask[:, None]
+        )
         torch.testing.assert_close(out[sl], ref.transpose(1, 2).reshape(-1, 4, 32), atol=1e-5, rtol=1e-5)
     # a key a query may not see has no influence on it
     k2 = k.clone()
@@ -348,7 +380,9 @@ def test_generation_path_learning_rate_scale(tmp_path):
     assert is_generation_parameter("language_model.model.layers.3.mlp_moe_gen.up_proj.weight")
     assert is_generation_parameter("vae2llm.weight") and is_generation_parameter("time_embedder.mlp.0.bias")
     assert not is_generation_parameter("language_model.model.layers.3.mlp.up_proj.weight")
-    assert not is_generation_parameter("connector.fc1.weight") and not is_generation_parameter("language_model.lm_head.weight")
+    assert not is_generation_parameter("connector.fc1.weight") and not is_generation_parameter(
+        "language_model.lm_head.weight"
+    )
     work = tmp_path / "work"
     run(tmp_path / "ckpt", work, _cfg(gen_lr_scale=0.0))
     trained = {k[6:]: v for k, v in load_file(str(work / "bagel_state.safetensors")).items() if k.startswith("param.")}

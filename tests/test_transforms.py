@@ -10,6 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
+from training.tiny import TINY_TRANSFORMS, tiny_config
+from unicache_core.bagel.checkpoint.loader import load_bagel
+from unicache_core.bagel.cli_checks import open_image
 from unicache_core.bagel.config import (
     TRANSFORM_CONFIG_FILE,
     BagelConfig,
@@ -17,11 +20,8 @@ from unicache_core.bagel.config import (
     TransformConfig,
     load_bagel_config,
 )
-from unicache_core.bagel.checkpoint.loader import load_bagel
-from unicache_core.bagel.cli_checks import open_image
 from unicache_core.bagel.pipeline import BagelPipeline
 from unicache_core.bagel.settings import preset
-from training.tiny import TINY_TRANSFORMS, tiny_config
 from unicache_core.bagel.transforms import (
     MAX_PIXELS,
     OFFICIAL_TRANSFORMS,
@@ -139,8 +139,9 @@ def _source(width: int = 60, height: int = 45) -> Image.Image:
 
 
 def test_official_transforms_are_the_config_defaults():
-    assert TransformConfig() == TransformConfig(ResizeConfig(1024, 512, 16, 14 * 14 * 9 * 1024),
-                                                ResizeConfig(980, 224, 14, 14 * 14 * 9 * 1024))
+    assert TransformConfig() == TransformConfig(
+        ResizeConfig(1024, 512, 16, 14 * 14 * 9 * 1024), ResizeConfig(980, 224, 14, 14 * 14 * 9 * 1024)
+    )
     assert VAE_TRANSFORM == ImageTransform(1024, 512, 16) and VIT_TRANSFORM == ImageTransform(980, 224, 14)
     assert OFFICIAL_TRANSFORMS == ImageTransforms(VAE_TRANSFORM, VIT_TRANSFORM)
     assert ImageTransforms.from_config(TransformConfig()) == OFFICIAL_TRANSFORMS
@@ -235,8 +236,10 @@ def test_absent_file_checks_the_official_values_against_the_model(tiny_checkpoin
     data = json.loads(path.read_text())
     data.update(patch_size=16, image_size=1120)
     path.write_text(json.dumps(data))
-    match = (r"transform_config\.json \(absent, so the official values are used\): "
-             r"field 'vit\.stride' = 14 must equal the ViT patch_size 16.*write transform_config\.json")
+    match = (
+        r"transform_config\.json \(absent, so the official values are used\): "
+        r"field 'vit\.stride' = 14 must equal the ViT patch_size 16.*write transform_config\.json"
+    )
     with pytest.raises(CheckpointError, match=match):
         load_bagel_config(tiny_checkpoint_copy)
 

@@ -12,22 +12,44 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from training import TrainConfig, run, trainer
 from training.bagel_stage import BAGEL_STATE, UND_WARMUP_STATE, SampleMaker, is_generation_parameter, train_und_warmup
 from training.config import learning_rate
-from training.model import (ShapesGeometry, build_models, shapes_config, shapes_tokenizer,
-                            shapes_tokenizer_files)
+from training.model import ShapesGeometry, build_models, shapes_config, shapes_tokenizer, shapes_tokenizer_files
 from training.state import saved_step
 from training.vae_stage import Pool
 from unicache_core.shapes import world
 
 #: A small geometry and a run of a few steps of each stage (eager, so that a resumed run can match bitwise).
-GEOMETRY = dict(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64, vit_hidden=32, vit_layers=1,
-                vit_heads=1, ae_ch=32, ae_mult=(1, 1, 1, 1), ae_res_blocks=1)
+GEOMETRY = dict(
+    hidden=32,
+    layers=2,
+    heads=2,
+    kv_heads=1,
+    intermediate=64,
+    vit_hidden=32,
+    vit_layers=1,
+    vit_heads=1,
+    ae_ch=32,
+    ae_mult=(1, 1, 1, 1),
+    ae_res_blocks=1,
+)
 WARMUP_STEPS, STAGE2_STEPS = 5, 3
 
 
 def _config(**overrides) -> TrainConfig:
-    base = dict(model=GEOMETRY, vae_steps=2, vae_batch=2, pool_size=4, steps=STAGE2_STEPS,
-                batch={"t2i": 1, "edit": 1, "und": 2}, save_every=2, warmup=2, compile=False,
-                und_warmup=WARMUP_STEPS, und_warmup_batch=2, vae_eval_scenes=4, latent_stat_pairs=8)
+    base = dict(
+        model=GEOMETRY,
+        vae_steps=2,
+        vae_batch=2,
+        pool_size=4,
+        steps=STAGE2_STEPS,
+        batch={"t2i": 1, "edit": 1, "und": 2},
+        save_every=2,
+        warmup=2,
+        compile=False,
+        und_warmup=WARMUP_STEPS,
+        und_warmup_batch=2,
+        vae_eval_scenes=4,
+        latent_stat_pairs=8,
+    )
     base.update(overrides)
     return TrainConfig(**base)
 
@@ -125,18 +147,17 @@ def test_warmup_rate_schedule_and_fresh_stage2_optimiser(warm_run):
     cfg = _config()
     vae_opt, warm_opt, stage2_opt = spy.optimisers
     # the warm-up: its own schedule over its own steps, every group at the same rate, no generation parameter
-    expected = [learning_rate(s, WARMUP_STEPS, cfg.und_warmup_lr, cfg.warmup, cfg.min_lr_ratio)
-                for s in range(WARMUP_STEPS)]
+    expected = [
+        learning_rate(s, WARMUP_STEPS, cfg.und_warmup_lr, cfg.warmup, cfg.min_lr_ratio) for s in range(WARMUP_STEPS)
+    ]
     assert [rates[0] for rates in spy.rates[id(warm_opt)]] == expected
     assert all(len(set(rates)) == 1 for rates in spy.rates[id(warm_opt)])
     names = {id(p): n for n, p in _fresh_model(cfg)[0].named_parameters()}
     warm_params = {id(p) for g in warm_opt.param_groups for p in g["params"]}
     assert warm_params and all(g["lr_scale"] == 1.0 for g in warm_opt.param_groups)
     # stage 2: its schedule from step 0 over its own steps (unchanged by the warm-up), generation path scaled
-    stage2 = [learning_rate(s, STAGE2_STEPS, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
-              for s in range(STAGE2_STEPS)]
-    assert [sorted(set(r)) for r in spy.rates[id(stage2_opt)]] == [[lr, lr * cfg.gen_lr_scale]
-                                                                    for lr in stage2]
+    stage2 = [learning_rate(s, STAGE2_STEPS, cfg.lr, cfg.warmup, cfg.min_lr_ratio) for s in range(STAGE2_STEPS)]
+    assert [sorted(set(r)) for r in spy.rates[id(stage2_opt)]] == [[lr, lr * cfg.gen_lr_scale] for lr in stage2]
     assert [row[0] for row in info["bagel_log"]] == [STAGE2_STEPS]
     # fresh moments: the stage-2 state counts its own steps only, the warm-up state its own
     warm_steps, stage2_steps = _adam_steps(work / UND_WARMUP_STATE), _adam_steps(work / BAGEL_STATE)
@@ -241,8 +262,11 @@ def test_model_card_states_the_warmup():
     text = card_module.card(dict(record, config=cfg, seconds=seconds), None)
     assert "600 understanding-only warm-up steps" in text
     assert "Understanding warm-up: 600 steps in 2.0 min." in text
-    without = dict(record, config=dict(record["config"], und_warmup=0),
-                   seconds={k: v for k, v in record["seconds"].items() if k != "und_warmup_s"})
+    without = dict(
+        record,
+        config=dict(record["config"], und_warmup=0),
+        seconds={k: v for k, v in record["seconds"].items() if k != "und_warmup_s"},
+    )
     before = card_module.card(without, None)
     assert "warm-up" not in before
     total = lambda t: float(t.split("Total: ")[1].split(" min")[0])  # noqa: E731

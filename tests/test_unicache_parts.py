@@ -7,9 +7,9 @@ import random
 
 import pytest
 import torch
-
 from oracles.attention_stats import segment_k90, type_masses
 from oracles.keepsets import MonotonicKeepSet, split_eviction_budget
+
 from unicache_core.compression.allocator import allocate, allocate_integer, allocate_types
 from unicache_core.compression.policy_table import PolicyTable
 from unicache_core.compression.routing import k90, route
@@ -78,8 +78,12 @@ def test_default_policy_table():
 
 def test_policy_table_from_k90_and_json_roundtrip(tmp_path):
     table = PolicyTable.from_k90(
-        {("edit", "instruction"): [0.1, 0.2, 0.9], ("edit", VIT): 0.25, ("edit", VAE): [0.6, 0.7, 0.2],
-         ("edit", TokenType.BOUNDARY): 0.01},
+        {
+            ("edit", "instruction"): [0.1, 0.2, 0.9],
+            ("edit", VIT): 0.25,
+            ("edit", VAE): [0.6, 0.7, 0.2],
+            ("edit", TokenType.BOUNDARY): 0.01,
+        },
         model_id="bagel-7b-mot",
     )
     assert table.kind("edit", INS) == "evict" and table.kind("edit", VIT) == "evict"
@@ -311,12 +315,12 @@ def test_keep_set_random_sequences_are_monotone():
 
 def test_unicache_fits_its_value_ranges_at_the_same_bytes(tiny_checkpoint):
     """``fit_ranges`` (default on) changes UniCache's value codes, not its layout or bytes; KIVI keeps min-max."""
+    from PIL import Image
+
     from unicache_core.bagel.checkpoint.loader import load_bagel
     from unicache_core.bagel.pipeline import BagelPipeline
     from unicache_core.bagel.settings import preset
     from unicache_core.compression import KVConfig, make_cache_factory
-
-    from PIL import Image
 
     loaded = load_bagel(tiny_checkpoint, dtype=torch.float32)
     source = Image.new("RGB", (32, 32), (200, 30, 40))
@@ -326,7 +330,9 @@ def test_unicache_fits_its_value_ranges_at_the_same_bytes(tiny_checkpoint):
         runs[fit] = pipe.edit("make it blue", source, preset("edit", num_timesteps=4), seed=5)
     held = {fit: r.kv_report["summary"]["steady_managed_bytes"] for fit, r in runs.items()}
     assert held[None] == held[True] == held[False] > 0
-    assert runs[None].kv_report["config"]["fit_ranges"] is None and runs[False].kv_report["config"]["fit_ranges"] is False
+    assert (
+        runs[None].kv_report["config"]["fit_ranges"] is None and runs[False].kv_report["config"]["fit_ranges"] is False
+    )
     assert torch.equal(runs[None].latents, runs[True].latents)  # on by default
     assert not torch.equal(runs[True].latents, runs[False].latents)
     with pytest.raises(ValueError, match="`fit_ranges` applies to the unicache method only, not to 'kivi'"):

@@ -47,15 +47,24 @@ def caches(monkeypatch):
 def _understand(bundled, **settings):
     factory = make_cache_factory("unicache", checkpoint_dir=str(BUNDLED_CHECKPOINT_DIR), **settings)
     scene, q = understanding_sample(3)
-    return BagelPipeline(bundled, factory).understand(q.question, scene.render(),
-                                                      preset("understanding", max_new_tokens=4))
+    return BagelPipeline(bundled, factory).understand(
+        q.question, scene.render(), preset("understanding", max_new_tokens=4)
+    )
 
 
 def _store_bytes(cache, layer: int, rows: int, bits: int = 2) -> int:
     """Bytes of ``rows`` rows at ``bits``, largest group, no residual, in one store of this layer."""
     h, d, dtype, _ = cache.layer(layer)._kv_meta
-    segment = Segment(full_rows=rows, held_rows=rows, held_bits=FULL_BITS, held_bytes=0, shared_rows=True,
-                      num_kv_heads=h, head_dim=d, elem=dtype.itemsize)
+    segment = Segment(
+        full_rows=rows,
+        held_rows=rows,
+        held_bits=FULL_BITS,
+        held_bytes=0,
+        shared_rows=True,
+        num_kv_heads=h,
+        head_dim=d,
+        elem=dtype.itemsize,
+    )
     return segment.choice_bytes(JointChoice(rows, bits, max(KIVI_GROUPS), 0))
 
 
@@ -74,8 +83,9 @@ def test_a_budget_under_the_separate_floors_pools_the_types_and_keeps_every_row(
         assert len(managed) == 1 and managed[0].token_type == TT.UNKNOWN and managed[0].kind == "quantized"
         assert managed[0].bits == 2 and managed[0].num_tokens == sum(rows.values())  # no row dropped
         assert managed[0].nbytes() <= budget
-        assert set(cache.state[layer].pooled) == set(rows) and sum(cache.state[layer].pooled.values()) == \
-            pytest.approx(1.0)
+        assert set(cache.state[layer].pooled) == set(rows) and sum(cache.state[layer].pooled.values()) == pytest.approx(
+            1.0
+        )
     summary = result.kv_report["summary"]
     assert summary["achieved_ratio"] <= 0.1 and not summary.get("flags"), summary
 
@@ -94,8 +104,11 @@ def test_the_pool_is_decided_once_and_its_mass_stays_with_its_types(bundled, cac
     later re-allocations shrink one store; the types' masses keep coming from the pooled store."""
     edit = edit_sample(5)
     factory = make_cache_factory("unicache", checkpoint_dir=str(BUNDLED_CHECKPOINT_DIR), rho=0.5, rho_floor=0.1)
-    report = BagelPipeline(bundled, factory).edit(edit.instruction, edit.source.render(),
-                                                  preset("edit", num_timesteps=13), seed=5).kv_report
+    report = (
+        BagelPipeline(bundled, factory)
+        .edit(edit.instruction, edit.source.render(), preset("edit", num_timesteps=13), seed=5)
+        .kv_report
+    )
     gen = next(c for c in caches if c.branch == "gen")
     assert gen.compressions >= 2  # re-allocated after the first compression
     rhos = [s["branches"]["gen"]["rho"] for s in report["steps"] if "gen" in s["branches"]]
@@ -127,8 +140,11 @@ def test_a_branch_under_its_floor_is_paid_for_by_the_others(bundled, caches):
     every layer and the request stays within its budget (docs/compression.md §11.8)."""
     edit = edit_sample(5)
     factory = make_cache_factory("unicache", checkpoint_dir=str(BUNDLED_CHECKPOINT_DIR), kv_target=0.1)
-    report = BagelPipeline(bundled, factory).edit(edit.instruction, edit.source.render(),
-                                                  preset("edit", num_timesteps=6), seed=5).kv_report
+    report = (
+        BagelPipeline(bundled, factory)
+        .edit(edit.instruction, edit.source.render(), preset("edit", num_timesteps=6), seed=5)
+        .kv_report
+    )
     branches = {c.branch: c for c in caches}
     cfg_img = branches["cfg_img"]
     for layer in range(cfg_img.num_layers):

@@ -89,15 +89,16 @@ def test_a_decode_out_of_device_memory_falls_back_to_tiles(loaded, monkeypatch, 
     with torch.inference_mode():
         expected = decode_tiled(vae, latent, 16, 4)
     pixels = torch.from_numpy(np.array(image)).float()
-    reference = ((expected[0].permute(1, 2, 0).clamp(-1, 1) + 1) * 127.5)
+    reference = (expected[0].permute(1, 2, 0).clamp(-1, 1) + 1) * 127.5
     assert float((pixels - reference).abs().max()) <= 1.0  # the same tiles, up to uint8 rounding
 
 
 def test_the_plan_counts_a_tiled_decode_where_the_whole_one_would_not_fit():
     """BAGEL-7B-MoT, 1024 px edit, fp8 weights with layer offload: 8.1 GB with the whole decode (does not fit 8 GB),
     under 8 GB with the tiled one; with room for the whole decode the plan keeps it."""
-    settings = PlanSettings(task="edit", width=1024, height=1024, kv_method="unicache", weight_dtype="fp8_e4m3fn",
-                            offload="layers")
+    settings = PlanSettings(
+        task="edit", width=1024, height=1024, kv_method="unicache", weight_dtype="fp8_e4m3fn", offload="layers"
+    )
     roomy, tight = plan_memory(official_config(), settings, 24 * GB), plan_memory(official_config(), settings, 8 * GB)
     assert roomy.vae_decode == "whole" and roomy.peak_bytes > 8 * GB
     assert tight.vae_decode == "tiled" and tight.fits and tight.peak_bytes < roomy.peak_bytes - GB

@@ -42,9 +42,16 @@ def _object_info():
                 opts = rest[0] if rest else {}
                 if isinstance(kind, list) or kind in WIDGET_KINDS:
                     widgets.append((name, kind, opts))
-        info[node_id] = {"widgets": widgets, "outputs": list(cls.RETURN_TYPES),
-                         "sockets": {n: k for s in ("required", "optional") for n, (k, *_) in spec.get(s, {}).items()
-                                     if not (isinstance(k, list) or k in WIDGET_KINDS)}}
+        info[node_id] = {
+            "widgets": widgets,
+            "outputs": list(cls.RETURN_TYPES),
+            "sockets": {
+                n: k
+                for s in ("required", "optional")
+                for n, (k, *_) in spec.get(s, {}).items()
+                if not (isinstance(k, list) or k in WIDGET_KINDS)
+            },
+        }
     for name, core in CORE_NODES.items():
         info.setdefault(name, {**core, "sockets": {}})
     return info
@@ -86,8 +93,11 @@ def _convert(ui: dict, info: dict) -> tuple[dict, list[str]]:
             if isinstance(kind, list) and value not in kind:
                 problems.append(f"node {node['id']} {node['type']}.{name}: {value!r} not offered")
             if kind in ("INT", "FLOAT"):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind == "INT" and
-                                                                                     not isinstance(value, int)):
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or (kind == "INT" and not isinstance(value, int))
+                ):
                     problems.append(f"node {node['id']} {node['type']}.{name}: {value!r} is not a {kind}")
                 elif not opts.get("min", value) <= value <= opts.get("max", value):
                     problems.append(f"node {node['id']} {node['type']}.{name}: {value} out of range")
@@ -135,9 +145,9 @@ def test_workflow_valid_and_api_matches(name, host_stubs):
     assert converted == {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in api.items()}
 
 
-
 def test_shipped_workflows_are_the_generated_ones():
-    """workflows/ is what tools/make_workflows.py writes from the nodes' current INPUT_TYPES (rerun it after a change)."""
+    """workflows/ is what tools/make_workflows.py writes from the nodes' current INPUT_TYPES (rerun it after a
+    change)."""
     spec = importlib.util.spec_from_file_location("make_workflows", ROOT / "tools" / "make_workflows.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)

@@ -94,8 +94,9 @@ DIE_WITH_PARENT = (
 )
 
 
-def command(port: int, base: Path, extra: list[str] | None = None, cpu: bool = True,
-            die_with_parent: bool = False) -> list[str]:
+def command(
+    port: int, base: Path, extra: list[str] | None = None, cpu: bool = True, die_with_parent: bool = False
+) -> list[str]:
     """The ComfyUI command line; ``cpu=False`` lets it use the GPUs that CUDA_VISIBLE_DEVICES shows."""
     python = [str(host_python()), *(["-c", DIE_WITH_PARENT] if die_with_parent else [])]
     return [
@@ -169,7 +170,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float, rea
             break
         except (OSError, urllib.error.URLError):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"ComfyUI not ready after {timeout:.0f} s; log {log}:\n{log_tail(log)}")
+                raise RuntimeError(f"ComfyUI not ready after {timeout:.0f} s; log {log}:\n{log_tail(log)}") from None
             time.sleep(0.25)
     if ready_node:
         try:
@@ -178,8 +179,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float, rea
             raise RuntimeError(f"/object_info/{ready_node} failed: {e}; log {log}:\n{log_tail(log)}") from e
         if ready_node not in info:
             raise RuntimeError(
-                f"ComfyUI runs but does not list {ready_node}: the pack did not import; log {log}:\n"
-                + log_tail(log)
+                f"ComfyUI runs but does not list {ready_node}: the pack did not import; log {log}:\n" + log_tail(log)
             )
 
 
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
     ap.add_argument("--url", action="store_true", help="status: print only the URL")
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []  # after --: more ComfyUI arguments
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []  # after --: more ComfyUI arguments
     a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     current = read_pid_file(a.name)
     if a.action == "status":

@@ -18,20 +18,26 @@ def _loss_rows(log: list, names: list[str], every: int) -> list[str]:
     rows = [r for r in log if r[0] % every == 0 or r is log[-1]]
     head = "| step | " + " | ".join(names) + " |"
     return [head, "|" + "---|" * (len(names) + 1)] + [
-        "| " + " | ".join([str(r[0])] + [f"{v:.4f}" for v in r[1:]]) + " |" for r in rows]
+        "| " + " | ".join([str(r[0])] + [f"{v:.4f}" for v in r[1:]]) + " |" for r in rows
+    ]
 
 
 def _und_questions(cfg: dict) -> str:
     """How the understanding questions were drawn (one per image, or several turns and a kind curriculum)."""
     n = cfg.get("und_questions", 1)
-    text = ("The question for each image is drawn fresh." if n == 1 else
-            f"Each image gets up to {n} questions of different kinds, drawn fresh, as turns of one sequence.")
+    text = (
+        "The question for each image is drawn fresh."
+        if n == 1
+        else f"Each image gets up to {n} questions of different kinds, drawn fresh, as turns of one sequence."
+    )
     late = cfg.get("und_late_kinds") or []
     if late and cfg.get("und_late_from", 0) > 0:
         text += f" The {' and '.join(late)} questions join at step {cfg['und_late_from']}."
         if "background" in late:
-            text += (" Asked from the start, background (read off the mean colour) kept the object questions at"
-                     " their answer prior.")
+            text += (
+                " Asked from the start, background (read off the mean colour) kept the object questions at"
+                " their answer prior."
+            )
     return text
 
 
@@ -50,41 +56,61 @@ def card(training: dict, quality: dict | None, notes: list[str] | None = None) -
     params = training["parameters"]
     rec = training.get("vae_reconstruction", {})
     stop = min(cfg["steps"], cfg.get("stop_at") or cfg["steps"])
-    stopped = [] if stop == cfg["steps"] else [
-        f"The learning-rate schedule is laid out for {cfg['steps']} BAGEL steps; the run stops at step {stop}",
-        "(`stop_at`) to stay under 60 minutes.",
-        "",
-    ]
-    run_notes = [] if not sec.get("vae_from") else [
-        "- Stage 1 (the VAE) was taken from an earlier run (`--vae-from`, the same seed and VAE settings,",
-        "  checked); its measured VAE time is counted in the total.",
-    ]
+    stopped = (
+        []
+        if stop == cfg["steps"]
+        else [
+            f"The learning-rate schedule is laid out for {cfg['steps']} BAGEL steps; the run stops at step {stop}",
+            "(`stop_at`) to stay under 60 minutes.",
+            "",
+        ]
+    )
+    run_notes = (
+        []
+        if not sec.get("vae_from")
+        else [
+            "- Stage 1 (the VAE) was taken from an earlier run (`--vae-from`, the same seed and VAE settings,",
+            "  checked); its measured VAE time is counted in the total.",
+        ]
+    )
     init = cfg.get("unit_input_init")
     if init:
         names = init.split(",") if isinstance(init, str) else init
-        which = ("The image input path (ViT, connector, timestep embedder, `vae2llm`)" if init in (True, "all") else
-                 "The ViT and the connector" if init == "und" else
-                 "The input modules " + ", ".join(f"`{n}`" for n in names))
+        which = (
+            "The image input path (ViT, connector, timestep embedder, `vae2llm`)"
+            if init in (True, "all")
+            else "The ViT and the connector"
+            if init == "und"
+            else "The input modules " + ", ".join(f"`{n}`" for n in names)
+        )
         run_notes.append(f"- {which} started at unit gain, N(0, 1/fan_in); the other matrices at N(0, 0.02).")
     precision = cfg.get("precision", "fp32")
     run_notes.append(
         "- Matmuls and convolutions under bfloat16 autocast (weights, AdamW state and losses in fp32)."
-        if precision == "bf16" else "- All in fp32.")
+        if precision == "bf16"
+        else "- All in fp32."
+    )
     if cfg.get("compile"):
         run_notes.append("- The LLM's decoder layers compiled with `torch.compile` (dynamic shapes).")
     if cfg.get("gen_lr_scale", 1.0) != 1.0:
-        run_notes.append(f"- The generation path (the gen expert of every layer, `vae2llm`, `llm2vae`, the timestep "
-                         f"embedder) at {cfg['gen_lr_scale']:g}x the learning rate.")
+        run_notes.append(
+            f"- The generation path (the gen expert of every layer, `vae2llm`, `llm2vae`, the timestep "
+            f"embedder) at {cfg['gen_lr_scale']:g}x the learning rate."
+        )
     if warmup_steps:
-        run_notes.append(f"- Before the BAGEL steps, {warmup_steps} understanding-only warm-up steps: "
-                         f"{cfg['und_warmup_batch']} one-object scenes a step, each asked "
-                         f"{_warmup_question(cfg.get('und_warmup_kinds', ['position']))}; the understanding "
-                         f"path alone, its own AdamW at lr {cfg['und_warmup_lr']:g} "
-                         "(same warmup and cosine); the BAGEL steps then start from these weights with a "
-                         "fresh AdamW.")
+        run_notes.append(
+            f"- Before the BAGEL steps, {warmup_steps} understanding-only warm-up steps: "
+            f"{cfg['und_warmup_batch']} one-object scenes a step, each asked "
+            f"{_warmup_question(cfg.get('und_warmup_kinds', ['position']))}; the understanding "
+            f"path alone, its own AdamW at lr {cfg['und_warmup_lr']:g} "
+            "(same warmup and cosine); the BAGEL steps then start from these weights with a "
+            "fresh AdamW."
+        )
     if cfg.get("ema_decay"):
-        run_notes.append(f"- `ema.safetensors` holds an exponential moving average of the BAGEL weights (decay "
-                         f"{cfg['ema_decay']}, ramped up as (1 + step) / (10 + step)).")
+        run_notes.append(
+            f"- `ema.safetensors` holds an exponential moving average of the BAGEL weights (decay "
+            f"{cfg['ema_decay']}, ramped up as (1 + step) / (10 + step))."
+        )
     run_notes += [f"- {note}" for note in notes or []]
     lines = [
         "# unicache-shapes: a small BAGEL trained on the shapes world",
@@ -125,10 +151,14 @@ def card(training: dict, quality: dict | None, notes: list[str] | None = None) -
         *stopped,
         "- Command: `make train` (= `python -m training models/bagel/unicache-shapes`).",
         *run_notes,
-        f"- {training['threads']} torch threads on the project's 2-core CPU machine, over {sec['sessions']} session(s).",
+        f"- {training['threads']} torch threads on the project's 2-core CPU machine, "
+        f"over {sec['sessions']} session(s).",
         f"- VAE: {cfg['vae_steps']} steps in {sec['vae_s'] / 60:.1f} min. Pool encoding: {sec['pool_s'] / 60:.1f} min.",
-        *([f"  Understanding warm-up: {warmup_steps} steps in {sec['und_warmup_s'] / 60:.1f} min."]
-          if warmup_steps else []),
+        *(
+            [f"  Understanding warm-up: {warmup_steps} steps in {sec['und_warmup_s'] / 60:.1f} min."]
+            if warmup_steps
+            else []
+        ),
         f"  BAGEL: {stop} steps in {sec['bagel_s'] / 60:.1f} min. Total: {total_min:.1f} min.",
         f"- AdamW with lr {cfg['lr']}, {cfg['warmup']} warmup steps, cosine decay to {cfg['min_lr_ratio']} of lr,",
         f"  weight decay {cfg['weight_decay']}, gradient clip {cfg['grad_clip']}.",
@@ -157,7 +187,8 @@ def card(training: dict, quality: dict | None, notes: list[str] | None = None) -
         lines += [
             "## Scores (full KV, held-out seeds)",
             "",
-            f"From `python -m benchmarks.quality`, with {qc['samples']['und']} questions, {qc['samples']['t2i']} prompts and",
+            f"From `python -m benchmarks.quality`, with {qc['samples']['und']} questions, {qc['samples']['t2i']} "
+            f"prompts and",
             f"{qc['samples']['edit']} edits, {qc['num_timesteps']} timesteps, and otherwise the official sampling",
             "defaults:",
             "",
@@ -170,15 +201,20 @@ def card(training: dict, quality: dict | None, notes: list[str] | None = None) -
             lines.append(f"| understanding | accuracy {m['accuracy']:.3f} | about 0.33 (mean over kinds) | {kinds} |")
         if "t2i" in full:
             m = full["t2i"]["metrics"]
-            lines.append(f"| text-to-image | accuracy {m['accuracy']:.3f} (all objects right) | about 0.001 | colour "
-                         f"{m['color']:.2f}, shape {m['shape']:.2f}, position {m['position']:.2f}, background "
-                         f"{m['background']:.2f}, count {m['count']:.2f} |")
+            lines.append(
+                f"| text-to-image | accuracy {m['accuracy']:.3f} (all objects right) | about 0.001 | colour "
+                f"{m['color']:.2f}, shape {m['shape']:.2f}, position {m['position']:.2f}, background "
+                f"{m['background']:.2f}, count {m['count']:.2f} |"
+            )
         if "edit" in full:
             m = full["edit"]["metrics"]
             kinds = ", ".join(f"{k[8:]} {v:.2f}" for k, v in m.items() if k.startswith("success_"))
-            lines.append(f"| edit | PSNR to target {m['psnr_target']:.2f} dB | source as output {m['psnr_source_as_output']:.2f} dB | "
-                         f"unchanged region {m['psnr_unchanged']:.2f} dB, success {m['success']:.2f} ({kinds}) |")
-        lines += ["", "The compressed-KV results are in the README, section \"Quality on the bundled model\".", ""]
+            lines.append(
+                f"| edit | PSNR to target {m['psnr_target']:.2f} dB | source as output "
+                f"{m['psnr_source_as_output']:.2f} dB | unchanged region {m['psnr_unchanged']:.2f} dB, success "
+                f"{m['success']:.2f} ({kinds}) |"
+            )
+        lines += ["", 'The compressed-KV results are in the README, section "Quality on the bundled model".', ""]
     return "\n".join(lines)
 
 

@@ -8,5 +8,13 @@ from .config import TrainConfig
 from .model import SHAPES_TRANSFORMS, VARIANT, ShapesGeometry, build_models, shapes_config, shapes_tokenizer
 from .trainer import run
 
-__all__ = ["SHAPES_TRANSFORMS", "ShapesGeometry", "TrainConfig", "VARIANT", "build_models", "run", "shapes_config",
-           "shapes_tokenizer"]
+__all__ = [
+    "SHAPES_TRANSFORMS",
+    "ShapesGeometry",
+    "TrainConfig",
+    "VARIANT",
+    "build_models",
+    "run",
+    "shapes_config",
+    "shapes_tokenizer",
+]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -22,6 +22,7 @@ from unicache_core.bagel.sampling import pack_latent
 from unicache_core.bagel.transforms import ImageTransforms
 from unicache_core.kv.cache import AttentionCall
 from unicache_core.shapes import world
+
 from .attention import MaskedAttention
 from .batches import Block, Sample, pack
 from .config import TrainConfig, autocast, check_und_late_kinds, check_und_warmup_kinds, learning_rate
@@ -104,9 +105,10 @@ class SampleMaker:
         the pool), sample ``i`` asked a question of kind ``und_warmup_kinds[i % len(und_warmup_kinds)]``."""
         first = (self.cfg.seed * 1_000_003 + step) * self.cfg.und_warmup_batch
         kinds = self.cfg.und_warmup_kinds
-        return [world.understanding_sample((first + i) % world.TRAIN_SEEDS.stop, kinds[i % len(kinds)],
-                                           max_objects=1)
-                for i in range(self.cfg.und_warmup_batch)]
+        return [
+            world.understanding_sample((first + i) % world.TRAIN_SEEDS.stop, kinds[i % len(kinds)], max_objects=1)
+            for i in range(self.cfg.und_warmup_batch)
+        ]
 
     def und_warmup_draw(self, step: int) -> dict[str, list[Sample]]:
         """The samples of warm-up step ``step`` (:meth:`und_warmup_questions`, one question per image)."""
@@ -165,12 +167,16 @@ def bagel_loss(model: Bagel, batch, cfg: TrainConfig) -> tuple[Tensor, float, fl
         vit = model.connector(feats) + model.vit_pos_embed(pos_ids)
         embeds = embeds.index_copy(0, batch.vit_slots, vit.to(embeds.dtype))
     if batch.latent_slots.numel():
-        lat = (model.vae2llm(batch.latents) + model.time_embedder(batch.latent_t)
-               + model.latent_pos_embed(batch.latent_pos))
+        lat = (
+            model.vae2llm(batch.latents)
+            + model.time_embedder(batch.latent_t)
+            + model.latent_pos_embed(batch.latent_pos)
+        )
         embeds = embeds.index_copy(0, batch.latent_slots, lat.to(embeds.dtype))
     attention = MaskedAttention(model.num_layers, batch.groups)
-    call = AttentionCall(token_types=batch.token_types, rope_positions=batch.positions, causal=False, update=False,
-                         phase="prefill")
+    call = AttentionCall(
+        token_types=batch.token_types, rope_positions=batch.positions, causal=False, update=False, phase="prefill"
+    )
     out = model.language_model.model(embeds, batch.positions, attention, call, batch.gen_mask)
     mse = ce = torch.zeros((), device=device)
     if batch.mse_slots.numel():
@@ -188,8 +194,11 @@ BAGEL_STATE = "bagel_state.safetensors"
 def trainable_parameters(model: Bagel, generation: bool = True) -> list[tuple[str, torch.nn.Parameter]]:
     """``(name, parameter)`` of every trained parameter, in the model's order (``generation=False``: without
     the generation path)."""
-    return [(n, p) for n, p in model.named_parameters()
-            if p.requires_grad and (generation or not is_generation_parameter(n))]
+    return [
+        (n, p)
+        for n, p in model.named_parameters()
+        if p.requires_grad and (generation or not is_generation_parameter(n))
+    ]
 
 
 def adamw(named: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
@@ -200,8 +209,13 @@ def adamw(named: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig) -> torc
         for decays in (True, False):
             chosen = [p for n, p in named if is_generation_parameter(n) == gen and (p.dim() >= 2) == decays]
             if chosen:
-                groups.append({"params": chosen, "weight_decay": cfg.weight_decay if decays else 0.0,
-                               "lr_scale": cfg.gen_lr_scale if gen else 1.0})
+                groups.append(
+                    {
+                        "params": chosen,
+                        "weight_decay": cfg.weight_decay if decays else 0.0,
+                        "lr_scale": cfg.gen_lr_scale if gen else 1.0,
+                    }
+                )
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98))
 
 
@@ -211,11 +225,22 @@ def compile_layers(model: Bagel) -> None:
         layer.compile(dynamic=True)
 
 
-def optimise(model: Bagel, opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], path: Path,
-             draw: Callable[[int], dict[str, list[Sample]]], rate: Callable[[int], float], last: int,
-             cfg: TrainConfig, tokenizer, *, stage: str, progress: Callable | None = None,
-             snapshot: Callable[[int, list], None] | None = None,
-             average: WeightAverage | None = None) -> list:
+def optimise(
+    model: Bagel,
+    opt: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    path: Path,
+    draw: Callable[[int], dict[str, list[Sample]]],
+    rate: Callable[[int], float],
+    last: int,
+    cfg: TrainConfig,
+    tokenizer,
+    *,
+    stage: str,
+    progress: Callable | None = None,
+    snapshot: Callable[[int, list], None] | None = None,
+    average: WeightAverage | None = None,
+) -> list:
     """Optimise ``model`` on the batches ``draw(step)`` (packed with ``tokenizer``'s image markers) up to step
     ``last``; returns the loss log ``[[step, loss, mse, ce], ...]`` (means over 25-step windows).
 
@@ -224,7 +249,7 @@ def optimise(model: Bagel, opt: torch.optim.Optimizer, params: list[torch.nn.Par
     is saved there every ``cfg.save_every`` steps and at ``last``; ``snapshot(step, log)`` runs after each save
     before ``last``; ``average`` is updated after every step; ``progress(stage, step, last)`` after every step.
     """
-    step, log = (load_state(path, model, opt, average) if path.exists() else (0, []))
+    step, log = load_state(path, model, opt, average) if path.exists() else (0, [])
     model.train()
     window: list[tuple[float, float, float]] = []
     t0 = time.perf_counter()
@@ -232,8 +257,13 @@ def optimise(model: Bagel, opt: torch.optim.Optimizer, params: list[torch.nn.Par
     # the batch is drawn on this thread between steps (a helper thread drawing the next one during the step
     # takes a core from torch's threads on a small machine: docs/shapes.md)
     while step < last:
-        batch = pack(draw(step), start_id=tokenizer.start_of_image, end_id=tokenizer.end_of_image,
-                     vit_patch=model.config.vit.patch_size, max_latent_size=model.config.max_latent_size)
+        batch = pack(
+            draw(step),
+            start_id=tokenizer.start_of_image,
+            end_id=tokenizer.end_of_image,
+            vit_patch=model.config.vit.patch_size,
+            max_latent_size=model.config.max_latent_size,
+        )
         for g in opt.param_groups:
             g["lr"] = rate(step) * g["lr_scale"]
         with autocast(cfg, model.device):
@@ -250,8 +280,9 @@ def optimise(model: Bagel, opt: torch.optim.Optimizer, params: list[torch.nn.Par
             m = [round(sum(w[i] for w in window) / len(window), 5) for i in range(3)]
             log.append([step, *m])
             window.clear()
-            logger.info("%s step %d/%d loss %.4f mse %.4f ce %.4f (%.1fs)", stage, step, last, *m,
-                        time.perf_counter() - t0)
+            logger.info(
+                "%s step %d/%d loss %.4f mse %.4f ce %.4f (%.1fs)", stage, step, last, *m, time.perf_counter() - t0
+            )
         if progress is not None:
             progress(stage, step, last)
         if step % cfg.save_every == 0 or step == last:
@@ -264,9 +295,14 @@ def optimise(model: Bagel, opt: torch.optim.Optimizer, params: list[torch.nn.Par
     return log
 
 
-def train_und_warmup(model: Bagel, maker: SampleMaker, cfg: TrainConfig, work: Path,
-                     progress: Callable | None = None,
-                     snapshot: Callable[[int, list], None] | None = None) -> list:
+def train_und_warmup(
+    model: Bagel,
+    maker: SampleMaker,
+    cfg: TrainConfig,
+    work: Path,
+    progress: Callable | None = None,
+    snapshot: Callable[[int, list], None] | None = None,
+) -> list:
     """The understanding warm-up (``cfg.und_warmup`` steps of :meth:`SampleMaker.und_warmup_draw`); returns
     its loss log (``mse`` is 0).
 
@@ -277,20 +313,39 @@ def train_und_warmup(model: Bagel, maker: SampleMaker, cfg: TrainConfig, work: P
     """
     check_und_warmup_kinds(cfg.und_warmup_kinds)
     if cfg.und_warmup_batch < 1:
-        raise ValueError(f"und_warmup_batch must be >= 1 for a warm-up of {cfg.und_warmup} steps, got "
-                         f"{cfg.und_warmup_batch}")
+        raise ValueError(
+            f"und_warmup_batch must be >= 1 for a warm-up of {cfg.und_warmup} steps, got {cfg.und_warmup_batch}"
+        )
     named = trainable_parameters(model, generation=False)
+
     def rate(step: int) -> float:
         return learning_rate(step, cfg.und_warmup, cfg.und_warmup_lr, cfg.warmup, cfg.min_lr_ratio)
 
-    return optimise(model, adamw(named, cfg), [p for _, p in named], work / UND_WARMUP_STATE,
-                    maker.und_warmup_draw, rate, cfg.und_warmup, cfg, maker.tok, stage="und_warmup",
-                    progress=progress, snapshot=snapshot)
+    return optimise(
+        model,
+        adamw(named, cfg),
+        [p for _, p in named],
+        work / UND_WARMUP_STATE,
+        maker.und_warmup_draw,
+        rate,
+        cfg.und_warmup,
+        cfg,
+        maker.tok,
+        stage="und_warmup",
+        progress=progress,
+        snapshot=snapshot,
+    )
 
 
-def train_bagel(model: Bagel, maker: SampleMaker, cfg: TrainConfig, work: Path,
-                progress: Callable | None = None, snapshot: Callable[[int, list], None] | None = None,
-                average: WeightAverage | None = None) -> list:
+def train_bagel(
+    model: Bagel,
+    maker: SampleMaker,
+    cfg: TrainConfig,
+    work: Path,
+    progress: Callable | None = None,
+    snapshot: Callable[[int, list], None] | None = None,
+    average: WeightAverage | None = None,
+) -> list:
     """Stage 2 (``cfg.last_step`` steps of :meth:`SampleMaker.draw`, a fresh AdamW at ``learning_rate(step,
     steps, lr, warmup, min_lr_ratio)``, the generation path at ``gen_lr_scale`` times that); returns the loss
     log ``[[step, loss, mse, ce], ...]`` (means over logging windows).
@@ -299,9 +354,22 @@ def train_bagel(model: Bagel, maker: SampleMaker, cfg: TrainConfig, work: Path,
     ``average`` (a :class:`WeightAverage` of ``model``) is updated after every step and saved with the state.
     """
     named = trainable_parameters(model)
+
     def rate(step: int) -> float:
         return learning_rate(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
 
-    return optimise(model, adamw(named, cfg), [p for _, p in named], work / BAGEL_STATE, maker.draw, rate,
-                    cfg.last_step, cfg, maker.tok, stage="bagel", progress=progress, snapshot=snapshot,
-                    average=average)
+    return optimise(
+        model,
+        adamw(named, cfg),
+        [p for _, p in named],
+        work / BAGEL_STATE,
+        maker.draw,
+        rate,
+        cfg.last_step,
+        cfg,
+        maker.tok,
+        stage="bagel",
+        progress=progress,
+        snapshot=snapshot,
+        average=average,
+    )

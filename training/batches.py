@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from unicache_core.kv.token_types import TokenType
+
 from .attention import SampleGroup
 
 
@@ -85,8 +86,9 @@ class PackedBatch:
     tasks: list[str]
 
 
-def pack(samples_by_task: dict[str, list[Sample]], *, start_id: int, end_id: int, vit_patch: int,
-         max_latent_size: int) -> PackedBatch:
+def pack(
+    samples_by_task: dict[str, list[Sample]], *, start_id: int, end_id: int, vit_patch: int, max_latent_size: int
+) -> PackedBatch:
     """Pack samples (grouped by task, each group padded to its longest sample) into one batch."""
     text_ids, text_slots, positions, gen_mask, types = [], [], [], [], []
     vit_pixels, vit_slots = [], []
@@ -106,7 +108,7 @@ def pack(samples_by_task: dict[str, list[Sample]], *, start_id: int, end_id: int
             cursor, rope = 0, 0
             spans: list[tuple[int, int, bool]] = []  # (start, end, causal) within the sample
 
-            def put(token_id: int, pos: int, gen: bool, ttype: TokenType, is_text: bool) -> int:
+            def put(token_id: int, pos: int, gen: bool, ttype: TokenType, is_text: bool, base: int = base) -> int:
                 nonlocal cursor
                 slot = base + cursor
                 text_ids.append(token_id)
@@ -122,8 +124,9 @@ def pack(samples_by_task: dict[str, list[Sample]], *, start_id: int, end_id: int
                 if block.kind == "text":
                     n = len(block.ids)
                     for j, tid in enumerate(block.ids):
-                        slot = put(tid, rope + j, False, TokenType.BOUNDARY if j in (0, n - 1) else
-                                   TokenType.INSTRUCTION, True)
+                        slot = put(
+                            tid, rope + j, False, TokenType.BOUNDARY if j in (0, n - 1) else TokenType.INSTRUCTION, True
+                        )
                         if block.loss and j < n - 1:
                             ce_slots.append(slot)
                             ce_targets.append(block.ids[j + 1])

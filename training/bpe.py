@@ -122,8 +122,14 @@ QWEN25_ADDED_TOKENS_START = 151643
 #: Qwen2.5's 22 added tokens in id order from :data:`QWEN25_ADDED_TOKENS_START` (``<|im_start|>`` 151644,
 #: ``<|im_end|>`` 151645, ``<|vision_start|>`` 151652, ``<|vision_end|>`` 151653: BAGEL's ids).
 QWEN25_ADDED_TOKENS = QWEN_SPECIAL_TOKENS + (
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-    "<|repo_name|>", "<|file_sep|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
 )
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
@@ -180,7 +186,10 @@ def bpe_tokenizer_files(
         added = {n_bpe + i: tok for i, tok in enumerate(QWEN_SPECIAL_TOKENS)}
         vocab_size = n_bpe + len(QWEN_SPECIAL_TOKENS)
     merges_text = "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges)
-    files = {"vocab.json": json_text(vocab), "merges.txt": merges_text,
-             "tokenizer_config.json": json_text(_tokenizer_config(added))}
+    files = {
+        "vocab.json": json_text(vocab),
+        "merges.txt": merges_text,
+        "tokenizer_config.json": json_text(_tokenizer_config(added)),
+    }
     ids = {tok: i for i, tok in added.items() if tok in BAGEL_SPECIAL_TOKENS}
     return files, ids, added, vocab_size

@@ -48,26 +48,40 @@ def write_inputs(folder: Path, task: str, count: int) -> tuple[Path, Path | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m training.calibration",
-                           description="Calibrate the shapes model's UniCache policy table (all three tasks).")
+    parser = OneLineParser(
+        prog="python -m training.calibration",
+        description="Calibrate the shapes model's UniCache policy table (all three tasks).",
+    )
     parser.add_argument("checkpoint", type=path_arg, help="checkpoint folder (the table is written into it)")
     parser.add_argument("--prompts", type=int, default=12, help="samples per task (default 12)")
     parser.add_argument("--steps", type=int, default=13, help="num_timesteps of t2i and edit (default 13)")
     parser.add_argument("--sensitivity", action="store_true", help="also compare evict vs quantize per type")
-    parser.add_argument("--grid", action="store_true",
-                        help="also measure each type's (rows kept, bits) grid and write joint entries with their plans")
+    parser.add_argument(
+        "--grid",
+        action="store_true",
+        help="also measure each type's (rows kept, bits) grid and write joint entries with their plans",
+    )
     args = parser.parse_args(argv)
     if args.prompts < 1:
         parser.error(f"--prompts must be >= 1, got {args.prompts}")
     out = Path(args.checkpoint) / CHECKPOINT_POLICY_FILE
-    options = CalibrationOptions(num_timesteps=args.steps, max_new_tokens=4, size=128,
-                                 sensitivity=args.sensitivity, grid=args.grid)
+    options = CalibrationOptions(
+        num_timesteps=args.steps, max_new_tokens=4, size=128, sensitivity=args.sensitivity, grid=args.grid
+    )
     configure_logging(verbose=False)
     with tempfile.TemporaryDirectory() as tmp:
         for i, task in enumerate(("und", "t2i", "edit")):
             prompts, images = write_inputs(Path(tmp) / task, task, args.prompts)
-            job = CalibrationJob(checkpoint=Path(args.checkpoint), task=task, prompts=prompts, out=out,
-                                 images=images, merge=i > 0, options=options, dtype="fp32")
+            job = CalibrationJob(
+                checkpoint=Path(args.checkpoint),
+                task=task,
+                prompts=prompts,
+                out=out,
+                images=images,
+                merge=i > 0,
+                options=options,
+                dtype="fp32",
+            )
             code = run_job(job)
             if code:
                 return code

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from unicache_core.bagel.config import BagelConfig
 from unicache_core.bagel.modeling import AutoEncoder, Bagel
+
 from .bpe import json_text
 
 #: Stored dtypes of the BAGEL weights by name (the VAE is always fp32).
@@ -30,8 +31,15 @@ class CheckpointParts:
 
 
 def model_parts(
-    model: Bagel, vae: AutoEncoder, cfg: BagelConfig, tokenizer_files: dict[str, str], special_token_ids: dict[str, int],
-    *, bos: int, eos: int, dtype: str = "fp32",
+    model: Bagel,
+    vae: AutoEncoder,
+    cfg: BagelConfig,
+    tokenizer_files: dict[str, str],
+    special_token_ids: dict[str, int],
+    *,
+    bos: int,
+    eos: int,
+    dtype: str = "fp32",
 ) -> CheckpointParts:
     """Configs (official field names) and state dicts of ``model`` and ``vae``, ready to write."""
     files, ids = tokenizer_files, special_token_ids
@@ -90,9 +98,16 @@ def model_parts(
     ae_sd = {k: v.detach().contiguous() for k, v in vae.state_dict().items()}  # the VAE stays fp32
     return CheckpointParts(
         tokenizer_files=files,
-        configs={"llm_config.json": llm_json, "vit_config.json": vit_json, "ae_config.json": ae_json,
-                 "transform_config.json": tf_json},
-        ema=ema, ae=ae_sd, special_token_ids=ids, dtype=dtype,
+        configs={
+            "llm_config.json": llm_json,
+            "vit_config.json": vit_json,
+            "ae_config.json": ae_json,
+            "transform_config.json": tf_json,
+        },
+        ema=ema,
+        ae=ae_sd,
+        special_token_ids=ids,
+        dtype=dtype,
     )
 
 

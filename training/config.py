@@ -114,8 +114,19 @@ def learning_rate(step: int, total: int, base: float, warmup: int, min_ratio: fl
 
 
 #: TrainConfig fields that decide stage 1 (a VAE taken from another run must have been trained with these).
-VAE_STAGE_FIELDS = ("seed", "precision", "vae_steps", "vae_batch", "vae_crop", "vae_crop_steps", "vae_full_batch",
-                    "vae_fg_weight", "vae_lr", "vae_kl", "grad_clip")
+VAE_STAGE_FIELDS = (
+    "seed",
+    "precision",
+    "vae_steps",
+    "vae_batch",
+    "vae_crop",
+    "vae_crop_steps",
+    "vae_full_batch",
+    "vae_fg_weight",
+    "vae_lr",
+    "vae_kl",
+    "grad_clip",
+)
 
 
 #: Question kinds that every scene can answer (so an understanding sample always gets a question).
@@ -130,8 +141,9 @@ def check_und_warmup_kinds(kinds: list[str]) -> None:
     """Raise ``ValueError`` unless ``kinds`` is a non-empty list of question kinds (the warm-up asks them in
     turn)."""
     if not kinds or _unknown_kinds(kinds):
-        raise ValueError(f"the warm-up's question kinds must be one or more of {list(world.QUESTION_KINDS)}, got "
-                         f"{kinds}")
+        raise ValueError(
+            f"the warm-up's question kinds must be one or more of {list(world.QUESTION_KINDS)}, got {kinds}"
+        )
 
 
 def check_und_late_kinds(kinds: list[str]) -> None:
@@ -140,5 +152,7 @@ def check_und_late_kinds(kinds: list[str]) -> None:
     if unknown:
         raise ValueError(f"unknown question kind(s) {unknown} to hold back; use some of {list(world.QUESTION_KINDS)}")
     if all(k in kinds for k in ALWAYS_ASKABLE):
-        raise ValueError(f"holding back {kinds} leaves no kind every scene can answer; keep one of "
-                         f"{list(ALWAYS_ASKABLE)} from the start")
+        raise ValueError(
+            f"holding back {kinds} leaves no kind every scene can answer; keep one of "
+            f"{list(ALWAYS_ASKABLE)} from the start"
+        )

@@ -14,6 +14,7 @@ from unicache_core.bagel.config import AEConfig, BagelConfig, LLMConfig, ResizeC
 from unicache_core.bagel.modeling import AutoEncoder, Bagel
 from unicache_core.bagel.tokenizer import BagelTokenizer
 from unicache_core.shapes.world import vocabulary_text
+
 from .bpe import bpe_tokenizer_files, train_tiny_bpe
 
 #: 128 px images: 8x8 = 64 latent tokens (16 px each) and 8x8 = 64 ViT patches (112 px, patch 14).
@@ -50,13 +51,28 @@ def shapes_config(vocab_size: int, geometry: ShapesGeometry = ShapesGeometry()) 
     """A small BAGEL of ``geometry``: MoT Qwen2 LLM, SigLIP NaViT (as built, the file says one layer more),
     FLUX-style VAE."""
     g = geometry
-    llm = LLMConfig(hidden_size=g.hidden, intermediate_size=g.intermediate, num_hidden_layers=g.layers,
-                    num_attention_heads=g.heads, num_key_value_heads=g.kv_heads, vocab_size=vocab_size,
-                    rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=4096)
-    vit = ViTConfig(hidden_size=g.vit_hidden, intermediate_size=2 * g.vit_hidden, num_attention_heads=g.vit_heads,
-                    num_hidden_layers=g.vit_layers, image_size=980, patch_size=14)
-    ae = AEConfig(ch=g.ae_ch, ch_mult=tuple(g.ae_mult), num_res_blocks=g.ae_res_blocks, scale_factor=1.0,
-                  shift_factor=0.0)
+    llm = LLMConfig(
+        hidden_size=g.hidden,
+        intermediate_size=g.intermediate,
+        num_hidden_layers=g.layers,
+        num_attention_heads=g.heads,
+        num_key_value_heads=g.kv_heads,
+        vocab_size=vocab_size,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+    )
+    vit = ViTConfig(
+        hidden_size=g.vit_hidden,
+        intermediate_size=2 * g.vit_hidden,
+        num_attention_heads=g.vit_heads,
+        num_hidden_layers=g.vit_layers,
+        image_size=980,
+        patch_size=14,
+    )
+    ae = AEConfig(
+        ch=g.ae_ch, ch_mult=tuple(g.ae_mult), num_res_blocks=g.ae_res_blocks, scale_factor=1.0, shift_factor=0.0
+    )
     return BagelConfig(llm=llm, vit=vit, ae=ae, transforms=SHAPES_TRANSFORMS)
 
 
@@ -115,13 +131,15 @@ def unit_init_modules(spec: bool | str | Sequence[str]) -> tuple[str, ...]:
     names = [n for n in spec.split(",") if n] if isinstance(spec, str) else list(spec)
     unknown = [n for n in names if n not in INPUT_MODULES]
     if unknown:
-        raise ValueError(f"unknown input module(s) {unknown} for unit-gain init; use 'all', 'und' or some of "
-                         f"{list(INPUT_MODULES)}")
+        raise ValueError(
+            f"unknown input module(s) {unknown} for unit-gain init; use 'all', 'und' or some of {list(INPUT_MODULES)}"
+        )
     return tuple(n for n in INPUT_MODULES if n in names)
 
 
-def build_models(cfg: BagelConfig, seed: int, *,
-                 unit_input_init: bool | str | Sequence[str] = False) -> tuple[Bagel, AutoEncoder]:
+def build_models(
+    cfg: BagelConfig, seed: int, *, unit_input_init: bool | str | Sequence[str] = False
+) -> tuple[Bagel, AutoEncoder]:
     """Freshly initialised fp32 models (N(0, 0.02) linears, fan-in VAE convs, sin-cos position tables).
 
     ``unit_input_init`` (:func:`unit_init_modules`) starts those of the image input modules at
@@ -147,5 +165,5 @@ def build_models(cfg: BagelConfig, seed: int, *,
     vae = AutoEncoder(cfg.ae)
     init_weights(vae, gen, conv_fan_in=True)
     with torch.no_grad():
-        vae.encoder.conv_out.bias[cfg.ae.z_channels:].fill_(-4.0)  # start with a small posterior std
+        vae.encoder.conv_out.bias[cfg.ae.z_channels :].fill_(-4.0)  # start with a small posterior std
     return model, vae

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from unicache_core.shapes import world
-from .batches import Block, Sample, pack
+
 from .bagel_stage import SampleMaker, bagel_loss
+from .batches import Block, Sample, pack
 from .config import TrainConfig
 from .vae_stage import Pool, to_unit
 
@@ -32,8 +33,9 @@ PROBE_SEED_OFFSET = 12345
 
 
 @torch.no_grad()
-def caption_use(model, vae, tokenizer, *, scenes: int = 48, times: tuple[float, ...] = PROBE_TIMES,
-                seed: int = 7) -> dict[str, dict[str, float]]:
+def caption_use(
+    model, vae, tokenizer, *, scenes: int = 48, times: tuple[float, ...] = PROBE_TIMES, seed: int = 7
+) -> dict[str, dict[str, float]]:
     """``{str(t): {"right" | "wrong" | "none": velocity MSE}}`` over ``scenes`` held-out scenes.
 
     ``model`` is a :class:`~unicache_core.bagel.modeling.Bagel` (fp32 on CPU), ``vae`` its autoencoder; the
@@ -58,12 +60,19 @@ def caption_use(model, vae, tokenizer, *, scenes: int = 48, times: tuple[float, 
                 x0 = maker.latent(i, 0, gen)
                 eps = torch.randn(x0.shape, generator=gen)
                 noisy = Block("noisy", latent=(1 - t) * x0 + t * eps, grid=maker.grid, timestep=t, target=eps - x0)
-                caption = {"right": edit.source.caption(), "wrong": pairs[(i + 1) % scenes].source.caption(),
-                           "none": None}[cond]
+                caption = {
+                    "right": edit.source.caption(),
+                    "wrong": pairs[(i + 1) % scenes].source.caption(),
+                    "none": None,
+                }[cond]
                 samples.append(Sample("t2i", ([maker.text(caption)] if caption else []) + [noisy]))
-            batch = pack({"t2i": samples, "edit": [], "und": []}, start_id=tokenizer.start_of_image,
-                         end_id=tokenizer.end_of_image, vit_patch=model.config.vit.patch_size,
-                         max_latent_size=model.config.max_latent_size)
+            batch = pack(
+                {"t2i": samples, "edit": [], "und": []},
+                start_id=tokenizer.start_of_image,
+                end_id=tokenizer.end_of_image,
+                vit_patch=model.config.vit.patch_size,
+                max_latent_size=model.config.max_latent_size,
+            )
             row[cond] = bagel_loss(model, batch, cfg)[1]
         out[str(t)] = row
     model.train(was_training)
@@ -71,8 +80,8 @@ def caption_use(model, vae, tokenizer, *, scenes: int = 48, times: tuple[float, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from unicache_core.cli import OneLineParser, path_arg
     from unicache_core.bagel import load_bagel
+    from unicache_core.cli import OneLineParser, path_arg
 
     parser = OneLineParser(description="How much a shapes checkpoint's text-to-image path uses the caption.")
     parser.add_argument("checkpoint", type=path_arg, help="a checkpoint folder (official layout)")
@@ -88,11 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     if loaded.vae is None:
         parser.error(f"{args.checkpoint} has no VAE (ae.safetensors); the probe encodes scenes with it")
     mse = caption_use(loaded.model, loaded.vae, loaded.tokenizer, scenes=args.scenes)
-    result = {"checkpoint": str(args.checkpoint), "scenes": args.scenes,
-              "mse": {t: {c: round(v, 4) for c, v in row.items()} for t, row in mse.items()}}
+    result = {
+        "checkpoint": str(args.checkpoint),
+        "scenes": args.scenes,
+        "mse": {t: {c: round(v, 4) for c, v in row.items()} for t, row in mse.items()},
+    }
     lines = ["t      right   wrong   none    none - right"]
     for t, row in result["mse"].items():
-        lines.append(f"{t:<6} {row['right']:.4f}  {row['wrong']:.4f}  {row['none']:.4f}  {row['none'] - row['right']:+.4f}")
+        lines.append(
+            f"{t:<6} {row['right']:.4f}  {row['wrong']:.4f}  {row['none']:.4f}  {row['none'] - row['right']:+.4f}"
+        )
     sys.stdout.write("\n".join(lines) + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

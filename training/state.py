@@ -16,13 +16,20 @@ from torch import Tensor
 
 def _atomic_save(tensors: dict[str, Tensor], path: Path, meta: dict) -> None:
     tmp = path.with_suffix(".tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
-              metadata={"state": json.dumps(meta)})
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata={"state": json.dumps(meta)}
+    )
     os.replace(tmp, path)
 
 
-def save_state(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, step: int, log: list,
-               average: "WeightAverage | None" = None) -> None:
+def save_state(
+    path: Path,
+    module: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    step: int,
+    log: list,
+    average: WeightAverage | None = None,
+) -> None:
     """Weights and AdamW moments (keyed by parameter name), the weight average if any, the step and loss log."""
     tensors = {f"param.{k}": v for k, v in module.state_dict().items()}
     if average is not None:
@@ -56,18 +63,22 @@ def saved_log(path: Path) -> list:
     return list(_saved_meta(path)["log"]) if path.is_file() else []
 
 
-def load_state(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer,
-               average: "WeightAverage | None" = None) -> tuple[int, list]:
+def load_state(
+    path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, average: WeightAverage | None = None
+) -> tuple[int, list]:
     """Restore what :func:`save_state` wrote into ``module``, ``opt`` and ``average``; returns ``(step, log)``."""
     tensors = load_file(str(path))
     saved = {k[4:]: v for k, v in tensors.items() if k.startswith("ema.")}
     if average is None and saved:
-        raise ValueError(f"{path} holds a weight average but this run has none (ema_decay 0); resume with the "
-                         "run's own settings")
+        raise ValueError(
+            f"{path} holds a weight average but this run has none (ema_decay 0); resume with the run's own settings"
+        )
     if average is not None:
         if set(saved) != set(average.shadow):
-            raise ValueError(f"{path} holds no weight average of this model (ema_decay was 0 when it was saved, or "
-                             "the model differs); resume with the run's own settings")
+            raise ValueError(
+                f"{path} holds no weight average of this model (ema_decay was 0 when it was saved, or "
+                "the model differs); resume with the run's own settings"
+            )
         for name, value in saved.items():
             average.shadow[name].copy_(value)
     with safe_open(str(path), "pt") as f:
@@ -75,8 +86,11 @@ def load_state(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer,
     module.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("param.")})
     params = dict(module.named_parameters())
     for name, step in meta["adam_steps"].items():
-        opt.state[params[name]] = {"step": torch.tensor(step), "exp_avg": tensors[f"exp_avg.{name}"],
-                                   "exp_avg_sq": tensors[f"exp_avg_sq.{name}"]}
+        opt.state[params[name]] = {
+            "step": torch.tensor(step),
+            "exp_avg": tensors[f"exp_avg.{name}"],
+            "exp_avg_sq": tensors[f"exp_avg_sq.{name}"],
+        }
     return int(meta["step"]), list(meta["log"])
 
 

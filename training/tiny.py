@@ -50,6 +50,7 @@ from unicache_core.bagel.config import AEConfig, BagelConfig, LLMConfig, ResizeC
 from unicache_core.bagel.modeling import AutoEncoder, Bagel
 from unicache_core.bagel.tokenizer import BAGEL_SPECIAL_TOKENS, BagelTokenizer
 from unicache_core.errors import UniCacheError
+
 from .bpe import FULL_VOCAB_SIZE, TOKENIZER_FILES, bpe_tokenizer_files, train_tiny_bpe
 from .checkpoint_files import DTYPES, CheckpointParts, model_parts, write_parts
 from .model import init_weights
@@ -121,14 +122,28 @@ def build_tiny_models(
 #: Every file :func:`write_tiny_checkpoint` writes (``ae_config.json`` marks a small checkpoint: the real
 #: BAGEL folder has none, the official loader hard-codes the VAE size; the same holds for
 #: ``transform_config.json``, which older tiny checkpoints lack).
-TINY_FILES = frozenset({
-    "llm_config.json", "vit_config.json", "ae_config.json", "transform_config.json", "ema.safetensors",
-    "ae.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json",
-})
+TINY_FILES = frozenset(
+    {
+        "llm_config.json",
+        "vit_config.json",
+        "ae_config.json",
+        "transform_config.json",
+        "ema.safetensors",
+        "ae.safetensors",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer_config.json",
+    }
+)
 #: Everything :func:`write_tiny_single_file` writes into its folder.
-TINY_SINGLE_FILE_ENTRIES = frozenset({
-    TINY_SINGLE_FILE, TINY_SINGLE_FILE + ".comfyui-bagel.json", "ae.safetensors", "tokenizer",
-})
+TINY_SINGLE_FILE_ENTRIES = frozenset(
+    {
+        TINY_SINGLE_FILE,
+        TINY_SINGLE_FILE + ".comfyui-bagel.json",
+        "ae.safetensors",
+        "tokenizer",
+    }
+)
 
 
 def _check_target(out: Path, force: bool, *, marker: str = "ae_config.json", allowed: frozenset = TINY_FILES) -> None:
@@ -158,7 +173,9 @@ def _tiny_parts(
         src = Path(tokenizer_dir)
         tokenizer = BagelTokenizer.from_dir(src)  # checks the three files
         if tokenizer.added_special_tokens:
-            raise ValueError(f"the tokenizer in {src} lacks BAGEL's special tokens {list(tokenizer.added_special_tokens)}")
+            raise ValueError(
+                f"the tokenizer in {src} lacks BAGEL's special tokens {list(tokenizer.added_special_tokens)}"
+            )
         files = {name: (src / name).read_text(encoding="utf-8") for name in TOKENIZER_FILES}
         ids = {name: tokenizer.token_to_id(name) for name in BAGEL_SPECIAL_TOKENS}
         vocab_size = FULL_VOCAB_SIZE if full_vocab else tokenizer.vocab_size
@@ -234,8 +251,9 @@ def write_tiny_single_file(
     tok.mkdir(exist_ok=True)
     for name, text in parts.tokenizer_files.items():
         (tok / name).write_text(text, encoding="utf-8")
-    meta = build_metadata(TINY_VARIANT, parts.dtype, parts.configs, parts.special_token_ids,
-                          converter="training.tiny", seed=seed)
+    meta = build_metadata(
+        TINY_VARIANT, parts.dtype, parts.configs, parts.special_token_ids, converter="training.tiny", seed=seed
+    )
     path = write_single_file(parts.ema, out / TINY_SINGLE_FILE, meta, sidecar=sidecar)
     save_file(parts.ae, str(out / "ae.safetensors"), metadata={"format": "pt"})
     logger.info("wrote tiny single-file BAGEL checkpoint to %s", path)
@@ -243,26 +261,45 @@ def write_tiny_single_file(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write a tiny random BAGEL checkpoint (official layout, or the "
-                                                 "single-file form with --single-file).")
+    parser = argparse.ArgumentParser(
+        description="Write a tiny random BAGEL checkpoint (official layout, or the "
+        "single-file form with --single-file)."
+    )
     parser.add_argument("out_dir", help="folder to write (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="RNG seed for the weights (default 0)")
-    parser.add_argument("--force", action="store_true", help="overwrite a non-empty folder that is not a tiny checkpoint")
-    parser.add_argument("--single-file", action="store_true",
-                        help=f"write {TINY_SINGLE_FILE} (configs in its metadata) + ae.safetensors + tokenizer/")
+    parser.add_argument(
+        "--force", action="store_true", help="overwrite a non-empty folder that is not a tiny checkpoint"
+    )
+    parser.add_argument(
+        "--single-file",
+        action="store_true",
+        help=f"write {TINY_SINGLE_FILE} (configs in its metadata) + ae.safetensors + tokenizer/",
+    )
     parser.add_argument("--sidecar", action="store_true", help="with --single-file: metadata in a sidecar JSON")
-    parser.add_argument("--full-vocab", action="store_true",
-                        help="152,064 embedding rows, BAGEL's special tokens at their real ids (151644, ...)")
+    parser.add_argument(
+        "--full-vocab",
+        action="store_true",
+        help="152,064 embedding rows, BAGEL's special tokens at their real ids (151644, ...)",
+    )
     parser.add_argument("--full-vae", action="store_true", help="real FLUX VAE geometry (ch 128, ch_mult 1-2-4-4)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="stored dtype of the BAGEL weights")
-    parser.add_argument("--tokenizer-dir", default=None,
-                        help="use this tokenizer (vocab.json, merges.txt, tokenizer_config.json) instead of the tiny BPE")
+    parser.add_argument(
+        "--tokenizer-dir",
+        default=None,
+        help="use this tokenizer (vocab.json, merges.txt, tokenizer_config.json) instead of the tiny BPE",
+    )
     args = parser.parse_args(argv)
     if args.sidecar and not args.single_file:
         sys.stderr.write("error: --sidecar needs --single-file\n")
         return 2
-    options = dict(seed=args.seed, force=args.force, full_vocab=args.full_vocab, full_vae=args.full_vae,
-                   dtype=args.dtype, tokenizer_dir=args.tokenizer_dir)
+    options = dict(
+        seed=args.seed,
+        force=args.force,
+        full_vocab=args.full_vocab,
+        full_vae=args.full_vae,
+        dtype=args.dtype,
+        tokenizer_dir=args.tokenizer_dir,
+    )
     try:
         if args.single_file:
             written = write_tiny_single_file(args.out_dir, sidecar=args.sidecar, **options)

@@ -32,16 +32,16 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from unicache_core.bagel.config import BagelConfig
 from unicache_core.bagel.modeling import AutoEncoder, Bagel
 from unicache_core.shapes import world
-from .bagel_stage import (BAGEL_STATE, UND_WARMUP_STATE, SampleMaker, compile_layers, train_bagel,
-                          train_und_warmup)
+
+from .bagel_stage import BAGEL_STATE, UND_WARMUP_STATE, SampleMaker, compile_layers, train_bagel, train_und_warmup
 from .checkpoint_files import model_parts, write_parts
 from .config import TrainConfig
 from .model import VARIANT, ShapesGeometry, build_models, shapes_config, shapes_tokenizer, shapes_tokenizer_files
@@ -66,15 +66,19 @@ def check_und_warmup_resume(work: Path, cfg: TrainConfig) -> None:
     warmup_path, stage2_begun = work / UND_WARMUP_STATE, (work / BAGEL_STATE).is_file()
     if not warmup_path.is_file():
         if stage2_begun and cfg.und_warmup:
-            raise ValueError(f"{work} holds a stage 2 begun without the understanding warm-up, but this run "
-                             f"asks for --und-warmup {cfg.und_warmup}; resume with --und-warmup 0 or use a new "
-                             "--work folder")
+            raise ValueError(
+                f"{work} holds a stage 2 begun without the understanding warm-up, but this run "
+                f"asks for --und-warmup {cfg.und_warmup}; resume with --und-warmup 0 or use a new "
+                "--work folder"
+            )
         return
     done = saved_step(warmup_path)
     if done > cfg.und_warmup or (stage2_begun and done != cfg.und_warmup):
-        raise ValueError(f"{work} holds an understanding warm-up of {done} steps, but this run asks for "
-                         f"--und-warmup {cfg.und_warmup}; resume with --und-warmup {done} or use a new --work "
-                         "folder")
+        raise ValueError(
+            f"{work} holds an understanding warm-up of {done} steps, but this run asks for "
+            f"--und-warmup {cfg.und_warmup}; resume with --und-warmup {done} or use a new --work "
+            "folder"
+        )
 
 
 def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = None) -> dict:
@@ -116,7 +120,9 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
     shift, scale = latent_statistics(vae, pairs_for_stats, cfg)
     if not done:  # encoding for stage 2, like the pool (a finished run only re-exports; the check above is no training)
         add_time("pool_s", t)
-    bagel_cfg = dataclasses.replace(bagel_cfg, ae=dataclasses.replace(bagel_cfg.ae, shift_factor=shift, scale_factor=scale))
+    bagel_cfg = dataclasses.replace(
+        bagel_cfg, ae=dataclasses.replace(bagel_cfg.ae, shift_factor=shift, scale_factor=scale)
+    )
     vae.config = bagel_cfg.ae
     vae.shift_factor, vae.scale_factor = shift, scale
     model.config = bagel_cfg
@@ -151,15 +157,18 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
             "variant": VARIANT,
             "final": final,
             "config": cfg.to_dict(),
-            "latent_shift": shift, "latent_scale": scale,
+            "latent_shift": shift,
+            "latent_scale": scale,
             "vae_reconstruction": vae_quality,
             "seconds": dict(times),
             "threads": torch.get_num_threads(),
             "vae_log": vae_log,
             "und_warmup_log": und_warmup_log,
             "bagel_log": bagel_log,
-            "parameters": {"bagel": sum(p.numel() for p in model.parameters()),
-                           "vae": sum(p.numel() for p in vae.parameters())},
+            "parameters": {
+                "bagel": sum(p.numel() for p in model.parameters()),
+                "vae": sum(p.numel() for p in vae.parameters()),
+            },
         }
 
     # made after the warm-up: a fresh stage 2 averages from the warm-up's weights

@@ -8,9 +8,9 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file
@@ -18,6 +18,7 @@ from torch import Tensor
 
 from unicache_core.bagel.modeling import AutoEncoder
 from unicache_core.shapes import world
+
 from .config import VAE_STAGE_FIELDS, TrainConfig, autocast, learning_rate
 from .state import load_state, save_state
 
@@ -33,7 +34,7 @@ def train_vae(vae: AutoEncoder, cfg: TrainConfig, work: Path, progress: Callable
     """Stage 1; returns the loss log ``[[step, loss, l1], ...]``."""
     path = work / "vae_state.safetensors"
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
-    step, log = (load_state(path, vae, opt) if path.exists() else (0, []))
+    step, log = load_state(path, vae, opt) if path.exists() else (0, [])
     vae.train()
     t0 = time.perf_counter()
     while step < cfg.vae_steps:
@@ -44,7 +45,7 @@ def train_vae(vae: AutoEncoder, cfg: TrainConfig, work: Path, progress: Callable
             scene = world.random_scene(rng, min_objects=0)
             x = to_unit(scene.render())
             top, left = rng.randrange(0, world.CANVAS - crop + 1, 8), rng.randrange(0, world.CANVAS - crop + 1, 8)
-            x = x[:, top:top + crop, left:left + crop]
+            x = x[:, top : top + crop, left : left + crop]
             bg = torch.tensor(world.BACKGROUNDS[scene.background]).float()[:, None, None] / 127.5 - 1.0
             weights.append(1.0 + cfg.vae_fg_weight * ((x - bg).abs().amax(0, keepdim=True) > 0.02).float())
             crops.append(x)
@@ -67,8 +68,9 @@ def train_vae(vae: AutoEncoder, cfg: TrainConfig, work: Path, progress: Callable
         step += 1
         if step % 25 == 0 or step == cfg.vae_steps:
             log.append([step, round(float(loss.detach()), 5), round(float(l1.detach()), 5)])
-            logger.info("vae step %d/%d loss %.4f l1 %.4f (%.1fs)", step, cfg.vae_steps, *log[-1][1:],
-                        time.perf_counter() - t0)
+            logger.info(
+                "vae step %d/%d loss %.4f l1 %.4f (%.1fs)", step, cfg.vae_steps, *log[-1][1:], time.perf_counter() - t0
+            )
         if progress is not None:
             progress("vae", step, cfg.vae_steps)
         if step % cfg.save_every == 0 or step == cfg.vae_steps:
@@ -119,7 +121,7 @@ def latent_statistics(vae: AutoEncoder, pairs: list[world.Edit], cfg: TrainConfi
     means = []
     with _channels_last(vae):
         for i in range(0, min(len(pairs), 512), 64):
-            x = torch.stack([to_unit(s.render()) for e in pairs[i:i + 64] for s in (e.source, e.target)])
+            x = torch.stack([to_unit(s.render()) for e in pairs[i : i + 64] for s in (e.source, e.target)])
             means.append(_encode(vae, x, cfg)[0])
     m = torch.cat(means)
     return float(m.mean()), float(1.0 / m.std())
@@ -142,7 +144,7 @@ def build_pool(vae: AutoEncoder, size: int, progress: Callable | None = None, cf
     means, stds = [], []
     with _channels_last(vae):
         for i in range(0, size, 64):
-            x = torch.stack([to_unit(s.render()) for e in pairs[i:i + 64] for s in (e.source, e.target)])
+            x = torch.stack([to_unit(s.render()) for e in pairs[i : i + 64] for s in (e.source, e.target)])
             mean, logvar = _encode(vae, x, cfg or TrainConfig(precision="fp32"))
             means.append(mean.view(-1, 2, *mean.shape[1:]))
             stds.append(torch.exp(0.5 * logvar.clamp(-30, 20)).view(-1, 2, *mean.shape[1:]))
@@ -159,8 +161,11 @@ def vae_from_run(vae: AutoEncoder, cfg: TrainConfig, folder: Path, times: dict) 
         raise ValueError(f"--vae-from {folder}: needs ae.safetensors and training.json of a finished training run")
     record = json.loads(record_path.read_text(encoding="utf-8"))
     theirs = record.get("config", {})
-    diffs = [f"{k}: {theirs.get(k)!r} there, {getattr(cfg, k)!r} here" for k in VAE_STAGE_FIELDS
-             if theirs.get(k) != getattr(cfg, k)]
+    diffs = [
+        f"{k}: {theirs.get(k)!r} there, {getattr(cfg, k)!r} here"
+        for k in VAE_STAGE_FIELDS
+        if theirs.get(k) != getattr(cfg, k)
+    ]
     ae_keys = json.loads(json.dumps({k: v for k, v in cfg.model.items() if k.startswith("ae_")}))  # tuples → lists
     if {k: v for k, v in theirs.get("model", {}).items() if k.startswith("ae_")} != ae_keys:
         diffs.append("VAE geometry (model ae_* overrides)")

@@ -3,8 +3,8 @@
 Importing this package has no side effects and never imports ComfyUI.
 """
 
-from .kv.attention import attention_with_lse, block_causal_mask, merge_attention
 from .errors import CancelledError, CheckpointError, NumericalError, UniCacheError
+from .kv.attention import attention_with_lse, block_causal_mask, merge_attention
 from .kv.cache import AttentionCall, CacheFactory, CacheRequest, FullKVCache, KVCache, full_cache_factory
 from .kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, TASKS, TokenType
 
@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointError",
     "FullKVCache",
     "KVCache",
+    "full_cache_factory",
     "NumericalError",
     "PROTECTED_TYPES",
     "TASKS",

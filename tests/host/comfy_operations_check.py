@@ -7,9 +7,9 @@ and ``comfy.ops.pick_operations(fp8_e4m3fn, bf16)`` (on a CPU host: ``manual_cas
 the weights as ComfyUI does (``load_state_dict`` into the built tensors, cast to their dtype) and runs every
 path (text prefill, a mixed und/gen latent block, logits, velocity, ViT, VAE encode and decode) against the
 default build, and the same build made on the meta device and filled tensor by tensor with
-``assign_checkpoint_tensor`` (a streaming loader's path) against it. Then wraps a build in a ``ModelPatcher`` and loads it with a small ``lowvram_model_memory``:
-the modules that do not fit stay behind with ``comfy_cast_weights`` and fetch their weights per call.
-Prints one JSON object (the last line) for ``test_comfy_operations.py`` to check.
+``assign_checkpoint_tensor`` (a streaming loader's path) against it. Then wraps a build in a ``ModelPatcher`` and loads
+it with a small ``lowvram_model_memory``: the modules that do not fit stay behind with ``comfy_cast_weights`` and fetch
+their weights per call. Prints one JSON object (the last line) for ``test_comfy_operations.py`` to check.
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ def main() -> None:
         return model.requires_grad_(False).eval(), vae.requires_grad_(False).eval()
 
     def call(n, pos, causal, update):
-        return AttentionCall(token_types=type_tensor(TokenType.INSTRUCTION, n), rope_positions=pos, causal=causal,
-                             update=update)
+        return AttentionCall(
+            token_types=type_tensor(TokenType.INSTRUCTION, n), rope_positions=pos, causal=causal, update=update
+        )
 
     @torch.inference_mode()
     def outputs(model, vae):
@@ -62,17 +63,27 @@ def main() -> None:
         lat = model.embed_latents(torch.randn(4, 64, generator=gen), model.latent_position_ids(2, 2), 0.6)
         block = torch.cat([model.embed_text(torch.tensor([1])), lat, model.embed_text(torch.tensor([2]))])
         bpos = torch.full((6,), 12)
-        hidden = model.forward_llm(block, bpos, cache, call(6, bpos, False, False),
-                                   torch.tensor([False, True, True, True, True, False]))
+        hidden = model.forward_llm(
+            block, bpos, cache, call(6, bpos, False, False), torch.tensor([False, True, True, True, True, False])
+        )
         image = torch.rand(3, 28, 28, generator=gen) * 2 - 1
         z = vae.encode(image[None, :, :24, :24], generator=torch.Generator().manual_seed(1))
-        return {"logits": model.lm_logits(text), "velocity": model.latent_velocity(hidden[1:-1]),
-                "vit": model.embed_vit(image), "latent": z, "pixels": vae.decode(z)}
+        return {
+            "logits": model.lm_logits(text),
+            "velocity": model.latent_velocity(hidden[1:-1]),
+            "vit": model.embed_vit(image),
+            "latent": z,
+            "pixels": vae.decode(z),
+        }
 
     def compare(got, want):
-        return {k: {"equal": bool(torch.equal(got[k], want[k])),
-                    "relative_error": float((got[k].float() - want[k].float()).norm() / want[k].float().norm())}
-                for k in want}
+        return {
+            k: {
+                "equal": bool(torch.equal(got[k], want[k])),
+                "relative_error": float((got[k].float() - want[k].float()).norm() / want[k].float().norm()),
+            }
+            for k in want
+        }
 
     bf16 = torch.bfloat16
     reference = outputs(*build(None, bf16))
@@ -88,7 +99,8 @@ def main() -> None:
         model, vae = build(ops, dtype, compute)
         up = model.language_model.model.layers[0].mlp.up_proj
         report["builds"][name] = {
-            "up_proj_dtype": str(up.weight.dtype), "has_comfy_cast_weights": hasattr(up, "comfy_cast_weights"),
+            "up_proj_dtype": str(up.weight.dtype),
+            "has_comfy_cast_weights": hasattr(up, "comfy_cast_weights"),
             "vs_default": compare(outputs(model, vae), reference),
         }
         # the streaming path a loader takes: built on meta, each tensor converted and placed as it is read
@@ -98,7 +110,8 @@ def main() -> None:
             assign_checkpoint_tensor(streamed, key, tensor)
         streamed.reset_buffers("cpu")
         report["builds"][name]["streamed_vs_load_state_dict"] = compare(
-            outputs(streamed.eval(), vae), outputs(model, vae))
+            outputs(streamed.eval(), vae), outputs(model, vae)
+        )
 
     class Modules(torch.nn.Module):
         """BAGEL and its VAE in one module with a plain ``device`` attribute, as the pack's loader wraps them."""
@@ -112,11 +125,18 @@ def main() -> None:
     for name in ("disable_weight_init", "pick_operations_fp8_e4m3fn"):
         ops, dtype, compute = builds[name]
         wrapper = Modules(*build(ops, dtype, compute))
-        patcher = comfy.model_patcher.ModelPatcher(wrapper, load_device=torch.device("cpu"),
-                                                   offload_device=torch.device("cpu"))
-        sizes[name] = {"model_size": patcher.model_size(), "operations_layer_bytes": sum(
-            t.numel() * t.element_size() for m in wrapper.bagel.modules() if hasattr(m, "comfy_cast_weights")
-            for t in m.parameters(recurse=False))}
+        patcher = comfy.model_patcher.ModelPatcher(
+            wrapper, load_device=torch.device("cpu"), offload_device=torch.device("cpu")
+        )
+        sizes[name] = {
+            "model_size": patcher.model_size(),
+            "operations_layer_bytes": sum(
+                t.numel() * t.element_size()
+                for m in wrapper.bagel.modules()
+                if hasattr(m, "comfy_cast_weights")
+                for t in m.parameters(recurse=False)
+            ),
+        }
         full = outputs(wrapper.bagel, wrapper.vae)
         budget = patcher.model_size() // 3
         patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=budget)
@@ -125,9 +145,13 @@ def main() -> None:
         loaded = [m for m in castable if getattr(m, "comfy_patched_weights", False)]
         partial = outputs(wrapper.bagel, wrapper.vae)
         report[f"partial_{name}"] = {
-            "budget": budget, "model_size": patcher.model_size(), "lowvram": bool(wrapper.model_lowvram),
-            "castable_modules": len(castable), "left_with_comfy_cast_weights": len(left),
-            "loaded_modules": len(loaded), "loaded_bytes": patcher.loaded_size(),
+            "budget": budget,
+            "model_size": patcher.model_size(),
+            "lowvram": bool(wrapper.model_lowvram),
+            "castable_modules": len(castable),
+            "left_with_comfy_cast_weights": len(left),
+            "loaded_modules": len(loaded),
+            "loaded_bytes": patcher.loaded_size(),
             "vs_full_load": compare(partial, full),
         }
         patcher.unpatch_model(device_to=torch.device("cpu"))

@@ -51,11 +51,14 @@ def passive_openmp_waits():
 def host_install() -> Path:
     """Install (or reuse) the host; a failure fails the tests, it never skips them."""
     t0 = time.monotonic()
-    proc = subprocess.run(["bash", str(REPO / "tools" / "install_comfyhost.sh")], cwd=REPO,
-                          capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        ["bash", str(REPO / "tools" / "install_comfyhost.sh")], cwd=REPO, capture_output=True, text=True, timeout=3600
+    )
     if proc.returncode != 0:
-        pytest.fail(f"tools/install_comfyhost.sh failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-3000:]}", pytrace=False)
+        pytest.fail(
+            f"tools/install_comfyhost.sh failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}",
+            pytrace=False,
+        )
     print(f"\nhost install: {time.monotonic() - t0:.1f} s ({proc.stdout.strip().splitlines()[-1]})")
     return comfyhost.DEST
 

@@ -36,8 +36,9 @@ class Comfy:
 
     def request(self, method: str, path: str, body=None, timeout: float = 60.0) -> tuple[int, object]:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 raw, status = r.read(), r.status
@@ -83,15 +84,21 @@ class Comfy:
                 if entry["status"].get("status_str") in ("success", "error"):
                     return entry
             time.sleep(0.2)
-        raise AssertionError(f"prompt {prompt_id} not finished after {timeout} s; log tail:\n"
-                             + comfyhost.log_tail(self.log))
+        raise AssertionError(
+            f"prompt {prompt_id} not finished after {timeout} s; log tail:\n" + comfyhost.log_tail(self.log)
+        )
 
     def run(self, prompt: dict, timeout: float = PROMPT_TIMEOUT) -> dict:
         return self.wait(self.submit(prompt), timeout)
 
     def view(self, image: dict) -> bytes:
-        q = urllib.parse.urlencode({"filename": image["filename"], "subfolder": image.get("subfolder", ""),
-                                    "type": image.get("type", "output")})
+        q = urllib.parse.urlencode(
+            {
+                "filename": image["filename"],
+                "subfolder": image.get("subfolder", ""),
+                "type": image.get("type", "output"),
+            }
+        )
         status, data, _ = self.get_bytes("/view?" + q)
         assert status == 200, f"/view {image}: HTTP {status}"
         return data
@@ -106,8 +113,10 @@ def describe(entry: dict) -> str:
     err = messages(entry, "execution_error")
     if err:
         e = err[0]
-        return f"{e.get('node_type')} (node {e.get('node_id')}): {e.get('exception_type')}: " \
-               f"{e.get('exception_message')}\n{''.join(e.get('traceback', []))[-3000:]}"
+        return (
+            f"{e.get('node_type')} (node {e.get('node_id')}): {e.get('exception_type')}: "
+            f"{e.get('exception_message')}\n{''.join(e.get('traceback', []))[-3000:]}"
+        )
     return json.dumps(entry.get("status"))[:2000]
 
 
@@ -191,8 +200,9 @@ def checkpoint_choice(info: dict, want: str) -> str:
     raise AssertionError(f"checkpoint {want!r} is not offered by UniCacheBagelLoader (offered: {choices})")
 
 
-def understand_graph(info: dict, checkpoint: str, prompt: str = "Describe the picture.", kv: dict | None = None,
-                     **understand) -> dict:
+def understand_graph(
+    info: dict, checkpoint: str, prompt: str = "Describe the picture.", kv: dict | None = None, **understand
+) -> dict:
     """Loader -> KVConfig -> Understand -> KVReport (no image: a text-only question)."""
     understand.setdefault("max_new_tokens", 8)
     return {

@@ -1,4 +1,5 @@
-"""Run with the ComfyUI host's Python: the loader node's own ModelPatcher, per ``weight_dtype``, fully and partially loaded.
+"""Run with the ComfyUI host's Python: the loader node's own ModelPatcher, per ``weight_dtype``, fully and partially
+loaded.
 
     <host python> node_patcher_check.py COMFYUI_DIR REPO CHECKPOINT_NAME
 
@@ -33,8 +34,9 @@ def main() -> None:
     import numpy as np
     import torch
 
-    spec = importlib.util.spec_from_file_location("unicache_pack", repo / "__init__.py",
-                                                  submodule_search_locations=[str(repo)])
+    spec = importlib.util.spec_from_file_location(
+        "unicache_pack", repo / "__init__.py", submodule_search_locations=[str(repo)]
+    )
     pack = importlib.util.module_from_spec(spec)
     sys.modules["unicache_pack"] = pack
     spec.loader.exec_module(pack)
@@ -52,8 +54,14 @@ def main() -> None:
         return {"t2i": np.asarray(image, dtype=np.int16), "edit": np.asarray(edited, dtype=np.int16)}
 
     def compare(got: dict, want: dict) -> dict:
-        return {k: {"equal": bool(np.array_equal(got[k], want[k])),
-                    "max_abs": int(np.abs(got[k] - want[k]).max()), "shape": list(got[k].shape)} for k in want}
+        return {
+            k: {
+                "equal": bool(np.array_equal(got[k], want[k])),
+                "max_abs": int(np.abs(got[k] - want[k]).max()),
+                "shape": list(got[k].shape),
+            }
+            for k in want
+        }
 
     report = {}
     outputs = {}
@@ -63,7 +71,8 @@ def main() -> None:
         castable = [m for m in modules.modules() if hasattr(m, "comfy_cast_weights")]
         up = model.loaded.model.language_model.model.layers[0].mlp.up_proj
         entry = {
-            "operations": type(up).__qualname__.split(".")[0], "up_proj_dtype": str(up.weight.dtype),
+            "operations": type(up).__qualname__.split(".")[0],
+            "up_proj_dtype": str(up.weight.dtype),
             "vae_conv_dtype": str(modules.vae.decoder.conv_in.weight.dtype),
             "castable_modules": len(castable),
             "castable_bytes": sum(t.numel() * t.element_size() for m in castable for t in m.parameters(recurse=False)),
@@ -76,8 +85,11 @@ def main() -> None:
         patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=budget)
         left = [m for m in castable if m.comfy_cast_weights and hasattr(m, "prev_comfy_cast_weights")]
         entry["partial"] = {
-            "budget": budget, "lowvram": bool(modules.model_lowvram), "left_with_comfy_cast_weights": len(left),
-            "loaded_bytes": patcher.loaded_size(), "execution_device": str(model.loaded.model.device),
+            "budget": budget,
+            "lowvram": bool(modules.model_lowvram),
+            "left_with_comfy_cast_weights": len(left),
+            "loaded_bytes": patcher.loaded_size(),
+            "execution_device": str(model.loaded.model.device),
             "vs_full_load": compare(run(model), full),
         }
         patcher.unpatch_model(device_to=torch.device("cpu"))
@@ -91,9 +103,9 @@ def main() -> None:
 def real_geometry_model_sizes() -> dict:
     """``model_size()`` of the node's patcher over BAGEL-7B-MoT's geometry (built on the meta device, no files)
     per weight dtype: the bytes ComfyUI plans with."""
-    import torch
     from types import SimpleNamespace
 
+    import torch
     from unicache_pack.nodes import host
     from unicache_pack.nodes.model import BagelModules
 
@@ -105,8 +117,9 @@ def real_geometry_model_sizes() -> dict:
     sizes = {}
     for weight_dtype in ("default", "fp8_e4m3fn"):
         picked = host.host_operations(weight_dtype, "bf16", cpu)
-        model = build_bagel(config, weight_dtype=picked.weight_dtype, dtype=torch.bfloat16, device="meta",
-                            operations=picked.operations)
+        model = build_bagel(
+            config, weight_dtype=picked.weight_dtype, dtype=torch.bfloat16, device="meta", operations=picked.operations
+        )
         vae = AutoEncoder(config.ae, operations=picked.operations, dtype=torch.float32, device="meta")
         modules = BagelModules(SimpleNamespace(model=model, vae=vae, device=cpu, dtype=torch.bfloat16))
         sizes[weight_dtype] = host.make_patcher(modules, cpu, cpu).model_size()

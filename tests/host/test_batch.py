@@ -43,16 +43,35 @@ def workflow_file(comfy, tmp_path_factory) -> Path:
 
 
 def _batch(args: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tools.batch", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tools.batch", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def test_four_prompts_on_two_hosts(two_hosts, workflow_file, tmp_path):
     out, summary = tmp_path / "out", tmp_path / "summary.json"
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("# one prompt a line\na red square\na blue circle\n")
-    args = [str(workflow_file), "--count", "4", "--seed-start", "100", "--prompts", str(prompts), "--out", str(out),
-            "--summary", str(summary), "--depth", "1"]
+    args = [
+        str(workflow_file),
+        "--count",
+        "4",
+        "--seed-start",
+        "100",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--summary",
+        str(summary),
+        "--depth",
+        "1",
+    ]
     for h in two_hosts:
         args += ["--host", h.url]
     proc = _batch(args)
@@ -80,8 +99,25 @@ def test_host_killed_mid_run_is_retried(two_hosts, workflow_file, tmp_path_facto
     wf = tmp_path / "t2i_long.json"
     wf.write_text(json.dumps(graph))
     out, summary = tmp_path / "out", tmp_path / "summary.json"
-    proc = _batch([str(wf), "--count", "4", "--seed-start", "5", "--out", str(out), "--summary", str(summary),
-                   "--host", victim.url, "--host", survivor.url, "--depth", "2"])
+    proc = _batch(
+        [
+            str(wf),
+            "--count",
+            "4",
+            "--seed-start",
+            "5",
+            "--out",
+            str(out),
+            "--summary",
+            str(summary),
+            "--host",
+            victim.url,
+            "--host",
+            survivor.url,
+            "--depth",
+            "2",
+        ]
+    )
     try:
         deadline = time.monotonic() + 300
         victim_client = Comfy(victim.url, Path(victim.base), Path(victim.log))

@@ -108,9 +108,7 @@ def test_shipped_edit_on_two_ray_workers_matches_the_single_host_path(comfy, clu
     assert rc == 0, log
     assert "cannot start its host: no ComfyUI host in" in log and "the batch goes on without it" in log, log
     t0 = time.monotonic()
-    rc, log_single = Batch(
-        wf, "--host", comfy.url, "--depth", "1", "--out", str(tmp_path / "one"), *common
-    ).wait()
+    rc, log_single = Batch(wf, "--host", comfy.url, "--depth", "1", "--out", str(tmp_path / "one"), *common).wait()
     single_s = time.monotonic() - t0
     assert rc == 0, log_single
     ray_summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
@@ -118,20 +116,11 @@ def test_shipped_edit_on_two_ray_workers_matches_the_single_host_path(comfy, clu
     good = check_workers(ray_summary, cluster)
     assert {r["worker"] for r in ray_summary["runs"]} == good, "both workers with a host must take runs"
     for ray_run, one_run in zip(ray_summary["runs"], one_summary["runs"]):
-        assert (
-            ray_run["seed"] == one_run["seed"] and ray_run["status"] == "success" and ray_run["attempts"] == 1
-        )
-        assert (
-            ray_run["node"] == cluster.head_node.node_id
-            and ray_run["kv_bytes_saved"] == one_run["kv_bytes_saved"]
-        )
+        assert ray_run["seed"] == one_run["seed"] and ray_run["status"] == "success" and ray_run["attempts"] == 1
+        assert ray_run["node"] == cluster.head_node.node_id and ray_run["kv_bytes_saved"] == one_run["kv_bytes_saved"]
         index = f"{ray_run['index']:04d}"
-        assert np.array_equal(
-            edit_pixels(tmp_path / "ray" / index), edit_pixels(tmp_path / "one" / index)
-        ), index
-    assert [
-        p for p in processes_mentioning(cluster.temp + "/") if "main.py" in p
-    ] == [], "a host outlived the batch"
+        assert np.array_equal(edit_pixels(tmp_path / "ray" / index), edit_pixels(tmp_path / "one" / index)), index
+    assert [p for p in processes_mentioning(cluster.temp + "/") if "main.py" in p] == [], "a host outlived the batch"
     print(
         f"\n6 edits: Ray (2 workers, hosts started) {ray_s:.1f} s, one host {single_s:.1f} s; "
         f"Ray connect {ray_summary['ray']['startup_s']} s, host ready "
@@ -168,6 +157,4 @@ def test_host_killed_mid_batch_costs_no_run(cluster, tmp_path):
     assert run["host"] != url and f"host {url} went away" in run["retries"][0], run
     assert "Ray restarts the worker and retries the run" in log, log
     check_workers(s, cluster)
-    assert [
-        p for p in processes_mentioning(cluster.temp + "/") if "main.py" in p
-    ] == [], "a host outlived the batch"
+    assert [p for p in processes_mentioning(cluster.temp + "/") if "main.py" in p] == [], "a host outlived the batch"

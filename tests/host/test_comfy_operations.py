@@ -24,13 +24,23 @@ FP8_BOUND = 0.15
 @pytest.fixture(scope="module")
 def report(host_install, tiny_checkpoint: Path) -> dict:
     proc = subprocess.run(
-        [str(comfyhost.host_python()), str(Path(__file__).with_name("comfy_operations_check.py")),
-         str(comfyhost.comfy_dir()), str(REPO), str(tiny_checkpoint)],
-        capture_output=True, text=True, timeout=900, cwd=REPO,
+        [
+            str(comfyhost.host_python()),
+            str(Path(__file__).with_name("comfy_operations_check.py")),
+            str(comfyhost.comfy_dir()),
+            str(REPO),
+            str(tiny_checkpoint),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
     )
     if proc.returncode != 0:
-        pytest.fail(f"comfy_operations_check.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-5000:]}", pytrace=False)
+        pytest.fail(
+            f"comfy_operations_check.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}",
+            pytrace=False,
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -44,8 +54,9 @@ def test_comfy_operations_give_the_default_outputs(report: dict, build: str):
     assert all(v["equal"] for v in entry["vs_default"].values()), entry["vs_default"]
 
 
-@pytest.mark.parametrize("build", ["disable_weight_init", "manual_cast", "manual_cast_fp32_storage",
-                                   "pick_operations_fp8_e4m3fn"])
+@pytest.mark.parametrize(
+    "build", ["disable_weight_init", "manual_cast", "manual_cast_fp32_storage", "pick_operations_fp8_e4m3fn"]
+)
 def test_streaming_assignment_fills_comfy_layers(report: dict, build: str):
     """Built on meta from comfy.ops and filled with assign_checkpoint_tensor (cast to each layer's storage, fp8
     included) = built on the CPU and filled with load_state_dict, as ComfyUI does."""

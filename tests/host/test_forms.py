@@ -34,8 +34,22 @@ SIZE = dict(width=64, height=64)
 def _tiny(out: Path, *extra: str) -> None:
     tok = comfyhost.comfy_dir() / "comfy" / "text_encoders" / "qwen25_tokenizer"
     assert (tok / "vocab.json").is_file(), f"the host ships no Qwen2.5 tokenizer at {tok}"
-    subprocess.run([sys.executable, "-m", "training.tiny", str(out), "--full-vocab", "--full-vae",
-                    "--tokenizer-dir", str(tok), *extra], cwd=REPO, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training.tiny",
+            str(out),
+            "--full-vocab",
+            "--full-vae",
+            "--tokenizer-dir",
+            str(tok),
+            *extra,
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +95,9 @@ def _t2i(info: dict, checkpoint: str, vae: bool) -> dict:
     if vae:
         graph["9"] = _vae_loader(info)
         links["vae"] = ["9", 0]
-    graph["3"] = node(info, "UniCacheTextToImage", links, prompt="a red square on a blue floor", steps=3, seed=7,
-                      **SIZE)
+    graph["3"] = node(
+        info, "UniCacheTextToImage", links, prompt="a red square on a blue floor", steps=3, seed=7, **SIZE
+    )
     graph["4"] = node(info, "SaveImage", {"images": ["3", 0]}, filename_prefix=f"forms_{checkpoint}")
     return graph
 
@@ -115,8 +130,10 @@ def test_our_latent_through_core_vae_decode_matches_our_image(forms):
 
 def test_mismatching_checkpoint_is_an_execution_error_and_the_host_goes_on(forms):
     comfy, info = forms
-    graph = {"1": node(info, "UniCacheBagelLoader", checkpoint="forms-mismatch"),
-             "3": node(info, "UniCacheUnderstand", {"model": ["1", 0]}, prompt="Hello?", max_new_tokens=2)}
+    graph = {
+        "1": node(info, "UniCacheBagelLoader", checkpoint="forms-mismatch"),
+        "3": node(info, "UniCacheUnderstand", {"model": ["1", 0]}, prompt="Hello?", max_new_tokens=2),
+    }
     entry = comfy.run(graph)
     assert entry["status"]["status_str"] == "error"
     err = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"][0]
@@ -143,8 +160,14 @@ def test_edit_takes_a_vae_encode_latent_of_any_size(forms):
         "2": node(info, "LoadImage", image=name),
         "9": _vae_loader(info),
         "5": node(info, "VAEEncode", {"pixels": ["2", 0], "vae": ["9", 0]}),
-        "3": node(info, "UniCacheImageEdit", {"model": ["1", 0], "image": ["2", 0], "latent": ["5", 0]},
-                  prompt="make it blue", steps=2, seed=7),
+        "3": node(
+            info,
+            "UniCacheImageEdit",
+            {"model": ["1", 0], "image": ["2", 0], "latent": ["5", 0]},
+            prompt="make it blue",
+            steps=2,
+            seed=7,
+        ),
         "4": node(info, "SaveImage", {"images": ["3", 0]}, filename_prefix="forms_edit_4x3"),
     }
     entry = comfy.run(graph)

@@ -28,14 +28,17 @@ def _refusal(comfy, graph: dict, node_id: str) -> str:
     return " ".join(e.get("details", "") for e in errors)
 
 
-@pytest.mark.parametrize("inputs, needle", [
-    ({"width": 40}, "width = 40 is not a multiple of 16"),
-    ({"height": 72}, "height = 72 is not a multiple of 16"),
-    ({"cfg_text_scale": "nan"}, "cfg_text_scale = nan is not a finite number"),
-    ({"cfg_img_scale": "inf"}, "cfg_img_scale = inf is not a finite number"),
-    ({"timestep_shift": "-inf"}, "timestep_shift = -inf is not a finite number"),
-    ({"cfg_renorm_min": 2.0}, "cfg_renorm_min = 2.0 is outside [0.0, 1.0]"),
-])
+@pytest.mark.parametrize(
+    "inputs, needle",
+    [
+        ({"width": 40}, "width = 40 is not a multiple of 16"),
+        ({"height": 72}, "height = 72 is not a multiple of 16"),
+        ({"cfg_text_scale": "nan"}, "cfg_text_scale = nan is not a finite number"),
+        ({"cfg_img_scale": "inf"}, "cfg_img_scale = inf is not a finite number"),
+        ({"timestep_shift": "-inf"}, "timestep_shift = -inf is not a finite number"),
+        ({"cfg_renorm_min": 2.0}, "cfg_renorm_min = 2.0 is outside [0.0, 1.0]"),
+    ],
+)
 def test_t2i_bad_value_is_http_400_naming_it(comfy, info, inputs, needle):
     graph = t2i_graph(info, BUNDLED_NAME, width=32, height=32, steps=2)
     graph["3"]["inputs"].update(inputs)
@@ -55,16 +58,24 @@ def _edit_graph(info, latent_node: dict) -> dict:
         "1": node(info, "UniCacheBagelLoader", checkpoint=checkpoint_choice(info, BUNDLED_NAME)),
         "2": node(info, "EmptyImage", width=64, height=64, batch_size=1, color=0x808080),
         "5": latent_node,
-        "3": node(info, "UniCacheImageEdit", {"model": ["1", 0], "image": ["2", 0], "latent": ["5", 0]},
-                  steps=2, prompt="make it blue"),
+        "3": node(
+            info,
+            "UniCacheImageEdit",
+            {"model": ["1", 0], "image": ["2", 0], "latent": ["5", 0]},
+            steps=2,
+            prompt="make it blue",
+        ),
         "4": node(info, "PreviewImage", {"images": ["3", 0]}),
     }
 
 
-@pytest.mark.parametrize("latent_class, needle", [
-    ("EmptySD3LatentImage", "holds only the value 0: an empty latent"),
-    ("EmptyLatentImage", "not a LATENT [batch, 16, H/8, W/8] of BAGEL's FLUX VAE"),
-])
+@pytest.mark.parametrize(
+    "latent_class, needle",
+    [
+        ("EmptySD3LatentImage", "holds only the value 0: an empty latent"),
+        ("EmptyLatentImage", "not a LATENT [batch, 16, H/8, W/8] of BAGEL's FLUX VAE"),
+    ],
+)
 def test_edit_source_latent_of_another_format_is_execution_error(comfy, info, latent_class, needle):
     graph = _edit_graph(info, node(info, latent_class, width=64, height=64, batch_size=1))
     entry = comfy.run(graph)

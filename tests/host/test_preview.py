@@ -29,10 +29,13 @@ def test_generation_sends_a_latent_preview_per_step(preview_host):
 
     comfy = preview_host
     info = comfy.object_info()
-    ws = websocket.create_connection(comfy.url.replace("http", "ws", 1) + f"/ws?clientId={comfy.client_id}",
-                                     timeout=120)
+    ws = websocket.create_connection(
+        comfy.url.replace("http", "ws", 1) + f"/ws?clientId={comfy.client_id}", timeout=120
+    )
     try:
-        prompt_id = comfy.submit(t2i_graph(info, "bagel-tiny", steps=4, seed=3, **small_size(info, "UniCacheTextToImage")))
+        prompt_id = comfy.submit(
+            t2i_graph(info, "bagel-tiny", steps=4, seed=3, **small_size(info, "UniCacheTextToImage"))
+        )
         previews = []
         while True:
             frame = ws.recv()
@@ -44,8 +47,11 @@ def test_generation_sends_a_latent_preview_per_step(preview_host):
                         previews.append(im.size)
                 continue
             msg = json.loads(frame)
-            if msg.get("type") == "executing" and msg["data"].get("node") is None \
-                    and msg["data"].get("prompt_id") == prompt_id:
+            if (
+                msg.get("type") == "executing"
+                and msg["data"].get("node") is None
+                and msg["data"].get("prompt_id") == prompt_id
+            ):
                 break
     finally:
         ws.close()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hostlib import REPO, WORKFLOWS_API, comfyhost, combo_options, describe, find_nodes  # noqa: E402
+from hostlib import REPO, WORKFLOWS_API, combo_options, comfyhost, describe, find_nodes  # noqa: E402
 
 pytestmark = pytest.mark.host
 
@@ -42,13 +42,23 @@ FP8_MEAN_ABS_BOUND = 4.0
 @pytest.fixture(scope="module")
 def patcher_report(host_install) -> dict:
     proc = subprocess.run(
-        [str(comfyhost.host_python()), str(Path(__file__).with_name("node_patcher_check.py")),
-         str(comfyhost.comfy_dir()), str(REPO), BUNDLED],
-        capture_output=True, text=True, timeout=1800, cwd=REPO,
+        [
+            str(comfyhost.host_python()),
+            str(Path(__file__).with_name("node_patcher_check.py")),
+            str(comfyhost.comfy_dir()),
+            str(REPO),
+            BUNDLED,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=REPO,
     )
     if proc.returncode != 0:
-        pytest.fail(f"node_patcher_check.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-5000:]}", pytrace=False)
+        pytest.fail(
+            f"node_patcher_check.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}",
+            pytrace=False,
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -10,8 +10,14 @@
 Layout: keys ``[T, Hkv, d]``, observation queries ``[Tq, Hq, d]`` (GQA), selections ``[Hkv, n]``.
 """
 
-from .base import (EvictionPolicy, ScoreInputs, attention_probabilities, budget_from_ratio, observation_attention,
-                   recent_mask)
+from .base import (
+    EvictionPolicy,
+    ScoreInputs,
+    attention_probabilities,
+    budget_from_ratio,
+    observation_attention,
+    recent_mask,
+)
 from .h2o import H2OPolicy
 from .kivi import KIVIPolicy
 from .pyramidkv import PyramidKVPolicy

@@ -33,8 +33,10 @@ def type_masses(probs: Tensor, token_types: Tensor, retained: Tensor | None = No
     per_head = probs.float().mean(dim=1)  # [Hq, T]
     if retained is not None:
         if retained.dtype != torch.bool or retained.shape[-1] != t or retained.dim() not in (1, 2):
-            raise ValueError(f"`retained` must be a bool [T], [Hkv, T] or [Hq, T] mask with T={t}, got "
-                             f"{retained.dtype} {tuple(retained.shape)}")
+            raise ValueError(
+                f"`retained` must be a bool [T], [Hkv, T] or [Hq, T] mask with T={t}, got "
+                f"{retained.dtype} {tuple(retained.shape)}"
+            )
         mask = retained
         if mask.dim() == 2:
             if mask.shape[0] == 0 or hq % mask.shape[0]:
@@ -52,8 +54,9 @@ def segment_k90(probs: Tensor, token_types: Tensor, coverage: float = K90_COVERA
         probs: ``[Hq, Tq, T]`` attention probabilities; token_types: ``[T]`` :class:`TokenType` ids.
     """
     if probs.dim() != 3 or token_types.dim() != 1 or probs.shape[2] != token_types.shape[0]:
-        raise ValueError(f"`probs` [Hq, Tq, T] and `token_types` [T] disagree: {tuple(probs.shape)} vs "
-                         f"{tuple(token_types.shape)}")
+        raise ValueError(
+            f"`probs` [Hq, Tq, T] and `token_types` [T] disagree: {tuple(probs.shape)} vs {tuple(token_types.shape)}"
+        )
     per_token = probs.float().mean(dim=(0, 1))
     out: dict[TokenType, float] = {}
     for value in torch.unique(token_types).tolist():

@@ -82,8 +82,10 @@ class ScoreInputs:
         if self.force_keep is not None:
             shape = tuple(self.force_keep.shape)
             if self.force_keep.dtype != torch.bool or shape not in ((t,), (t, hkv)):
-                raise ValueError(f"`force_keep` must be a bool [T] or [T, Hkv] mask with T={t}, Hkv={hkv}; got "
-                                 f"{self.force_keep.dtype} {shape}")
+                raise ValueError(
+                    f"`force_keep` must be a bool [T] or [T, Hkv] mask with T={t}, Hkv={hkv}; got "
+                    f"{self.force_keep.dtype} {shape}"
+                )
         if not _is_int(self.num_layers) or self.num_layers < 1:
             raise ValueError(f"`num_layers` must be an int >= 1, got {self.num_layers!r}")
         if not _is_int(self.layer) or not 0 <= self.layer < self.num_layers:
@@ -154,9 +156,7 @@ def observation_attention(inputs: ScoreInputs, *, causal: bool = False, per_quer
     return probs.reshape(hkv, hq // hkv, tq, t).mean(dim=1)
 
 
-def attention_probabilities(
-    q: Tensor, k: Tensor, *, scale: float | None = None, lse: Tensor | None = None
-) -> Tensor:
+def attention_probabilities(q: Tensor, k: Tensor, *, scale: float | None = None, lse: Tensor | None = None) -> Tensor:
     """Softmax probabilities of queries over keys, per query head (for scoring and statistics).
 
     Args:
@@ -230,5 +230,5 @@ def recent_mask(num_tokens: int, num_kv_heads: int, count: int, device: torch.de
     """``[T, Hkv]`` bool mask of the last ``count`` tokens."""
     mask = torch.zeros(num_tokens, num_kv_heads, dtype=torch.bool, device=device)
     if count > 0:
-        mask[max(0, num_tokens - count):] = True
+        mask[max(0, num_tokens - count) :] = True
     return mask

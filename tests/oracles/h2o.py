@@ -38,8 +38,10 @@ class H2OPolicy(EvictionPolicy):
 
     def __post_init__(self) -> None:
         if (self.heavy_ratio is None) != (self.recent_ratio is None):
-            raise ValueError(f"`heavy_ratio` and `recent_ratio` must be set together, got "
-                             f"heavy_ratio={self.heavy_ratio!r}, recent_ratio={self.recent_ratio!r}")
+            raise ValueError(
+                f"`heavy_ratio` and `recent_ratio` must be set together, got "
+                f"heavy_ratio={self.heavy_ratio!r}, recent_ratio={self.recent_ratio!r}"
+            )
         for name in ("heavy_ratio", "recent_ratio"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 1.0:

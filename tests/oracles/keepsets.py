@@ -71,19 +71,23 @@ class MonotonicKeepSet:
         if selection.dim() != 2 or selection.shape[0] != self.num_kv_heads:
             raise ValueError(f"`selection` must be [Hkv={self.num_kv_heads}, n], got {tuple(selection.shape)}")
         if selection.numel() and (int(selection.min()) < 0 or int(selection.max()) >= self.num_tokens):
-            raise ValueError(f"`selection` indices must be in [0, {self.num_tokens}), got "
-                             f"[{int(selection.min())}, {int(selection.max())}]")
+            raise ValueError(
+                f"`selection` indices must be in [0, {self.num_tokens}), got "
+                f"[{int(selection.min())}, {int(selection.max())}]"
+            )
         if scores is not None and tuple(scores.shape) != (self.num_tokens, self.num_kv_heads):
-            raise ValueError(f"`scores` must be [T, Hkv] = {(self.num_tokens, self.num_kv_heads)}, "
-                             f"got {tuple(scores.shape)}")
+            raise ValueError(
+                f"`scores` must be [T, Hkv] = {(self.num_tokens, self.num_kv_heads)}, got {tuple(scores.shape)}"
+            )
         m = self.clamp_budget(int(selection.shape[1]))
         chosen = torch.zeros_like(self._mask)
         chosen.scatter_(1, selection.long().cpu(), True)
         t = self.num_tokens
         recency = torch.arange(t, dtype=torch.float64)
         # Priority: in the new selection (and still kept), then score, then recency; never a dropped token.
-        prio_score = (scores.t().double().cpu() if scores is not None else torch.zeros(self.num_kv_heads, t,
-                                                                                      dtype=torch.float64))
+        prio_score = (
+            scores.t().double().cpu() if scores is not None else torch.zeros(self.num_kv_heads, t, dtype=torch.float64)
+        )
         prio_score = torch.nan_to_num(prio_score, nan=float("-inf"))
         new_mask = torch.zeros_like(self._mask)
         for h in range(self.num_kv_heads):

@@ -13,6 +13,7 @@ from unicache_core.kv.quant import SUPPORTED_BITS, quantized_kv_nbytes
 from unicache_core.kv.stores import QuantizedStore
 from unicache_core.kv.token_types import TokenType
 
+
 @dataclass(frozen=True)
 class KIVIPolicy:
     """Quantize a segment's keys per channel and values per token, keeping the newest rows exact.
@@ -43,8 +44,7 @@ class KIVIPolicy:
         self, keys: Tensor, values: Tensor, positions: Tensor, token_type: TokenType = TokenType.SOURCE_VAE
     ) -> QuantizedStore:
         """Quantize ``keys/values [T, Hkv, d]`` with original ``positions [T]`` into a packed store."""
-        return QuantizedStore.from_kv(keys, values, positions, self.bits, self.group_size, self.residual,
-                                      token_type)
+        return QuantizedStore.from_kv(keys, values, positions, self.bits, self.group_size, self.residual, token_type)
 
     def nominal_ratio(self, num_tokens: int, head_dim: int) -> float:
         """Shape-aware §1 ratio (payload + fp16 scale/zero + fp16 residual) / fp16 K+V, positions excluded."""
@@ -56,7 +56,7 @@ class KIVIPolicy:
         return held / (num_tokens * head_dim * 2 * 2)
 
     @classmethod
-    def for_ratio(cls, target: float) -> "KIVIPolicy | None":
+    def for_ratio(cls, target: float) -> KIVIPolicy | None:
         """Lookup of §8.6: the highest row whose nominal ratio is <= ``target``, residual 32.
 
         ``target >= 1`` means no quantization (returns ``None``). Below the first row (0.125) the

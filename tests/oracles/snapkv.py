@@ -50,8 +50,12 @@ class SnapKVPolicy(EvictionPolicy):
     def __post_init__(self) -> None:
         if not isinstance(self.window_size, int) or isinstance(self.window_size, bool) or self.window_size < 1:
             raise ValueError(f"`window_size` must be an int >= 1, got {self.window_size!r}")
-        if not isinstance(self.kernel_size, int) or isinstance(self.kernel_size, bool) or self.kernel_size < 1 \
-                or self.kernel_size % 2 == 0:
+        if (
+            not isinstance(self.kernel_size, int)
+            or isinstance(self.kernel_size, bool)
+            or self.kernel_size < 1
+            or self.kernel_size % 2 == 0
+        ):
             raise ValueError(f"`kernel_size` must be an odd int >= 1, got {self.kernel_size!r}")
         if self.pooling not in ("avgpool", "maxpool"):
             raise ValueError(f"`pooling` must be 'avgpool' or 'maxpool', got {self.pooling!r}")
@@ -60,8 +64,8 @@ class SnapKVPolicy(EvictionPolicy):
         q = inputs.require_queries(type(self).__name__)
         if q.shape[0] <= self.window_size:
             return inputs
-        lse = None if inputs.query_lse is None else inputs.query_lse[-self.window_size:]
-        return dataclasses.replace(inputs, queries=q[-self.window_size:], query_lse=lse)
+        lse = None if inputs.query_lse is None else inputs.query_lse[-self.window_size :]
+        return dataclasses.replace(inputs, queries=q[-self.window_size :], query_lse=lse)
 
     def window_length(self, inputs: ScoreInputs) -> int:
         """Number of window keys forced to keep (0 when the queries are not in the key set)."""

@@ -36,9 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=Path, help="file with one prompt a line; run i gets line i mod lines")
     ap.add_argument("--out", type=Path, required=True, help="folder for the outputs (DIR/<run>/...)")
     ap.add_argument("--summary", type=Path, help="summary JSON (default DIR/summary.json)")
-    ap.add_argument(
-        "--depth", type=int, default=2, help="without --ray: runs kept queued per host (default 2)"
-    )
+    ap.add_argument("--depth", type=int, default=2, help="without --ray: runs kept queued per host (default 2)")
     ap.add_argument(
         "--retries",
         type=int,
@@ -46,9 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="retries of a run whose host went away (with --ray: Ray's max_restarts and "
         "max_task_retries of each worker; default 2)",
     )
-    ap.add_argument(
-        "--timeout", type=float, default=3600.0, help="seconds for the whole batch (default 3600)"
-    )
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole batch (default 3600)")
     ap.add_argument(
         "--poll",
         type=float,
@@ -57,13 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "completion message triggers one at once)",
     )
     ray_group = ap.add_argument_group("Ray (pip install '.[ray]')")
-    ray_group.add_argument(
-        "--ray", action="store_true", help="run on Ray workers, each owning one ComfyUI host"
-    )
+    ray_group.add_argument("--ray", action="store_true", help="run on Ray workers, each owning one ComfyUI host")
     ray_group.add_argument("--address", help="Ray cluster to join (e.g. 10.0.0.5:6379; default: a local one)")
-    ray_group.add_argument(
-        "--workers", type=int, help="workers (default: one per GPU of the cluster, else 1)"
-    )
+    ray_group.add_argument("--workers", type=int, help="workers (default: one per GPU of the cluster, else 1)")
     ray_group.add_argument(
         "--gpus-per-worker",
         type=float,
@@ -150,9 +142,7 @@ def _run(a: argparse.Namespace, workflow: dict, runs: list[Run]) -> dict:
     if not a.ray:
         from tools.batch.hosts import run_on_hosts
 
-        run_on_hosts(
-            workflow, runs, a.out, a.host, depth=a.depth, retries=a.retries, timeout=a.timeout, poll=a.poll
-        )
+        run_on_hosts(workflow, runs, a.out, a.host, depth=a.depth, retries=a.retries, timeout=a.timeout, poll=a.poll)
         return {"backend": "hosts", "hosts": a.host}
     try:
         from tools.batch.ray_backend import RayOptions, run_on_ray
@@ -218,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
         else f"{len({r.host for r in runs if r.host})} host(s)"
     )
     print(
-        f"tools.batch: {ok}/{a.count} runs succeeded on {where} in {summary['seconds']:.1f} s; "
-        f"summary {summary_path}"
+        f"tools.batch: {ok}/{a.count} runs succeeded on {where} in {summary['seconds']:.1f} s; summary {summary_path}"
     )
     return 0 if ok == a.count else 1

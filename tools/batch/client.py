@@ -19,8 +19,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 logger = logging.getLogger("unicache.batch")
 
@@ -75,9 +75,7 @@ _OPENER = urllib.request.build_opener(_RefuseRedirects)
 def _field(obj: dict, key: str, kind: type | tuple, what: str, default=None):
     value = obj.get(key, default)
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise RunFailed(
-            f"{what}: {key!r} is {one_line(repr(value), 80)}, not {getattr(kind, '__name__', kind)}"
-        )
+        raise RunFailed(f"{what}: {key!r} is {one_line(repr(value), 80)}, not {getattr(kind, '__name__', kind)}")
     return value
 
 
@@ -153,9 +151,7 @@ class HostClient:
             raise RunFailed(_refusal(status, body))
         prompt_id = body.get("prompt_id") if isinstance(body, dict) else None
         if not isinstance(prompt_id, str) or not _ID.fullmatch(prompt_id):
-            raise RunFailed(
-                f"/prompt accepted the graph but gave no usable prompt_id ({one_line(repr(body), 120)})"
-            )
+            raise RunFailed(f"/prompt accepted the graph but gave no usable prompt_id ({one_line(repr(body), 120)})")
         return prompt_id
 
     def history(self, prompt_id: str) -> dict | None:
@@ -344,13 +340,9 @@ def _refusal(status: int, body) -> str:
         for nid, detail in list(node_errors.items())[:1]:
             errors = detail.get("errors") if isinstance(detail, dict) else None
             first = errors[0] if isinstance(errors, list) and errors and isinstance(errors[0], dict) else {}
-            text = " ".join(
-                str(first.get(k, "")) for k in ("message", "details") if isinstance(first.get(k), str)
-            )
+            text = " ".join(str(first.get(k, "")) for k in ("message", "details") if isinstance(first.get(k), str))
             kind = detail.get("class_type") if isinstance(detail, dict) else None
-            parts.append(
-                f"node {one_line(nid, 40)} ({one_line(kind, 60)}): {one_line(text or repr(detail), 200)}"
-            )
+            parts.append(f"node {one_line(nid, 40)} ({one_line(kind, 60)}): {one_line(text or repr(detail), 200)}")
     return f"{head}: {'; '.join(parts)}" if parts else f"{head}: {one_line(repr(body), 200)}"
 
 

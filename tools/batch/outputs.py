@@ -92,9 +92,7 @@ def record_outcome(run: Run, outcome: Outcome, out_root: Path, report_ids: list[
     ui: dict[str, dict] = {nid: {"unicache_kv": data} for nid, data in outcome.kv.items()}
     for nid, text in outcome.texts:
         ui.setdefault(nid, {}).setdefault("text", []).append(text)
-    run.kv_bytes_saved, run.kv_summary = kv_saved(
-        [ui.get(nid, {}) for nid in report_ids] or list(ui.values())
-    )
+    run.kv_bytes_saved, run.kv_summary = kv_saved([ui.get(nid, {}) for nid in report_ids] or list(ui.values()))
     if len(report_ids) > 1:  # e.g. an A/B workflow: every report node's numbers, by node id
         run.kv_by_node = {nid: kv_saved([ui.get(nid, {})])[1] for nid in report_ids}
 
@@ -106,9 +104,7 @@ def _write_files(run: Run, outcome: Outcome, folder: RunFolder) -> None:
         run.outputs.append(str(folder.write(output_name(nid, filename, k), data)))
     for nid, text in outcome.texts:
         k = counts[f"t{nid}"] = counts.get(f"t{nid}", -1) + 1
-        run.outputs.append(
-            str(folder.write(f"node{safe_part(nid, 32)}_{k}.txt", text.encode(errors="replace")))
-        )
+        run.outputs.append(str(folder.write(f"node{safe_part(nid, 32)}_{k}.txt", text.encode(errors="replace"))))
     for nid, data in outcome.kv.items():
         name = f"node{safe_part(nid, 32)}_unicache_kv.json"
         run.outputs.append(str(folder.write(name, json.dumps(data, indent=1).encode())))

@@ -37,11 +37,7 @@ logger = logging.getLogger("unicache.batch")
 def _reason(error: BaseException) -> str:
     """One line from a host start failure: its first line and the last line of the log tail it carries."""
     lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-    return (
-        one_line(lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}")
-        if lines
-        else type(error).__name__
-    )
+    return one_line(lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}") if lines else type(error).__name__
 
 
 def host_device_settings(gpu_ids: list[str]) -> tuple[dict[str, str], bool]:
@@ -57,9 +53,7 @@ def host_device_settings(gpu_ids: list[str]) -> tuple[dict[str, str], bool]:
 class HostWorker:
     """One ComfyUI host on the actor's node (``attach_url``: use that host instead of starting one)."""
 
-    def __init__(
-        self, index: int, attach_url: str | None = None, host_timeout: float = 180.0, poll: float = 1.0
-    ):
+    def __init__(self, index: int, attach_url: str | None = None, host_timeout: float = 180.0, poll: float = 1.0):
         context = ray.get_runtime_context()
         self.gpus = [str(g) for g in ray.get_gpu_ids()]
         self.info = {
@@ -158,9 +152,7 @@ def _connect(options: RayOptions) -> None:
         else:
             ray.init(include_dashboard=False, **quiet)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        raise ValueError(
-            f"--address {options.address or '(local)'}: cannot start or reach Ray: {one_line(e)}"
-        ) from e
+        raise ValueError(f"--address {options.address or '(local)'}: cannot start or reach Ray: {one_line(e)}") from e
 
 
 def _plan(options: RayOptions) -> tuple[int, float]:
@@ -172,9 +164,7 @@ def _plan(options: RayOptions) -> tuple[int, float]:
         per = 1.0 if gpus and not options.attach else 0.0
     if options.attach:
         if options.workers not in (None, len(options.attach)):
-            raise ValueError(
-                f"--workers {options.workers} with {len(options.attach)} --host: give one or the other"
-            )
+            raise ValueError(f"--workers {options.workers} with {len(options.attach)} --host: give one or the other")
         count = len(options.attach)
     else:
         count = options.workers or (int(gpus // per) if per else 1)
@@ -201,9 +191,7 @@ def _start_workers(options: RayOptions, count: int, per_worker_gpus: float) -> t
         max_task_retries=options.retries,
     )
     actors = {
-        i: actor_class.remote(
-            i, options.attach[i] if options.attach else None, options.host_timeout, options.poll
-        )
+        i: actor_class.remote(i, options.attach[i] if options.attach else None, options.host_timeout, options.poll)
         for i in range(count)
     }
     refs = {actors[i].describe.remote(): i for i in actors}
@@ -216,7 +204,7 @@ def _start_workers(options: RayOptions, count: int, per_worker_gpus: float) -> t
                 if ref in ready
                 else {
                     "worker": i,
-                    "error": "not started in time (no node with a " "free CPU and the GPUs it needs?)",
+                    "error": "not started in time (no node with a free CPU and the GPUs it needs?)",
                 }
             )
         except ray.exceptions.RayError as e:
@@ -297,7 +285,7 @@ class _Dispatch:
                     self._step(deadline)
                     bar.n = sum(r.status != "pending" for r in self.runs) + sum(self.progress.values())
                     bar.set_postfix_str(
-                        f"{len(self.live)} workers, {sum(len(r.retries) for r in self.runs)} " "retries",
+                        f"{len(self.live)} workers, {sum(len(r.retries) for r in self.runs)} retries",
                         refresh=True,
                     )
         finally:
@@ -306,17 +294,13 @@ class _Dispatch:
         for run in self.runs:
             if run.status == "pending":
                 run.status = "failed"
-                run.error = (
-                    "no result before the batch deadline" if late else "every worker died (see the log)"
-                )
+                run.error = "no result before the batch deadline" if late else "every worker died (see the log)"
 
     def _step(self, deadline: float) -> None:
         while self.idle and self.pending:
             w, run = self.idle.pop(0), self.pending.popleft()
             graph = vary(self.workflow, run.seed, run.prompt_text)
-            ref = self.live[w].run.remote(
-                run.index, graph, max(deadline - time.monotonic(), 0.0), self.events
-            )
+            ref = self.live[w].run.remote(run.index, graph, max(deadline - time.monotonic(), 0.0), self.events)
             self.busy[ref] = (w, run, time.monotonic())
         ready, _ = ray.wait(list(self.busy), num_returns=1, timeout=0.5)
         for event in self.events.get_nowait_batch(self.events.qsize()):
@@ -341,9 +325,7 @@ class _Dispatch:
             )
 
 
-def run_on_ray(
-    workflow: dict, runs: list[Run], out: Path, options: RayOptions, timeout: float = 3600.0
-) -> dict:
+def run_on_ray(workflow: dict, runs: list[Run], out: Path, options: RayOptions, timeout: float = 3600.0) -> dict:
     """Run ``runs`` on Ray workers; returns the summary's ``ray`` section (address, startup, workers)."""
     t0 = time.monotonic()
     _connect(options)

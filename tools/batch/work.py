@@ -181,9 +181,7 @@ def kv_saved(outputs: list[dict]) -> tuple[int | None, dict | None]:
             }
     for out in outputs:
         for text in out.get("text", []):
-            m = re.search(
-                r"saved\D{0,20}?(\d[\d,]{0,15}(?:\.\d{1,6})?)\s*(GiB|MiB|KiB|GB|MB|KB|B)\b", str(text), re.I
-            )
+            m = re.search(r"saved\D{0,20}?(\d[\d,]{0,15}(?:\.\d{1,6})?)\s*(GiB|MiB|KiB|GB|MB|KB|B)\b", str(text), re.I)
             if m:
                 return int(float(m.group(1).replace(",", "")) * _UNITS[m.group(2).lower()]), None
     return None, None

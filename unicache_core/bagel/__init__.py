@@ -17,16 +17,15 @@ A compressing cache is plugged in with ``BagelPipeline(loaded, cache_factory=...
 Importing this package loads no weights and has no side effects.
 """
 
+from .checkpoint.loader import LoadedBagel, load_bagel
 from .config import AEConfig, BagelConfig, LLMConfig, ResizeConfig, TransformConfig, ViTConfig, load_bagel_config
 from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT, Context, GenerationContexts
 from .latents import VAEAdapter, from_comfy_latent, to_comfy_latent
-from .checkpoint.loader import LoadedBagel, load_bagel
 from .pipeline import BagelPipeline, GenerationResult, UnderstandingResult
 from .request import GivenLatents, RunHooks
 from .sampling import RENORM_TYPES, combine_cfg, timestep_schedule
 from .settings import GenerationSettings, UnderstandingSettings, preset
 from .tokenizer import BagelTokenizer
-from .weights import HostOperations
 from .transforms import (
     OFFICIAL_TRANSFORMS,
     VAE_TRANSFORM,
@@ -36,6 +35,7 @@ from .transforms import (
     pil_img2rgb,
     prepare_input_image,
 )
+from .weights import HostOperations
 
 __all__ = [
     "AEConfig",

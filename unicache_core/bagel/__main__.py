@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..cli import OneLineParser as _Parser, path_arg as _path
+from ..cli import OneLineParser as _Parser
+from ..cli import path_arg as _path
 from ..errors import UniCacheError
 from .cli_checks import preflight, save_image, save_text
 from .memory_cli import add_memory_arguments, add_plan_parser, refuse_unfitting_run, run_plan
@@ -30,14 +31,16 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="python -m unicache_core.bagel", description="BAGEL inference (UniCache core)"
-    )
+    parser = _Parser(prog="python -m unicache_core.bagel", description="BAGEL inference (UniCache core)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--checkpoint", type=_path, default=None,
-                       help=f"BAGEL checkpoint folder (default: the bundled {BUNDLED_CHECKPOINT})")
+        p.add_argument(
+            "--checkpoint",
+            type=_path,
+            default=None,
+            help=f"BAGEL checkpoint folder (default: the bundled {BUNDLED_CHECKPOINT})",
+        )
         text = p.add_mutually_exclusive_group(required=True)
         text.add_argument("--prompt", help="text prompt")
         text.add_argument("--prompt-file", type=_path, help="read the prompt from a UTF-8 text file")
@@ -46,25 +49,42 @@ def _build_parser() -> argparse.ArgumentParser:
         add_memory_arguments(p)
         p.add_argument("--seed", type=int, default=0, help="noise / sampling seed")
         p.add_argument("--think", action="store_true", help="think mode (system prompt + planning text)")
-        p.add_argument("--allow-special-tokens", action="store_true",
-                       help="parse control tokens typed in the prompt (<|im_end|> ...) as the official code does; "
-                            "default: the prompt is plain text")
+        p.add_argument(
+            "--allow-special-tokens",
+            action="store_true",
+            help="parse control tokens typed in the prompt (<|im_end|> ...) as the official code does; "
+            "default: the prompt is plain text",
+        )
         p.add_argument("--do-sample", action="store_true", help="sample text instead of greedy decoding")
-        p.add_argument("--temperature", type=float, default=UNDERSTANDING_DEFAULTS.temperature,
-                       help="sampling temperature")
-        p.add_argument("--max-new-tokens", type=int, default=None,
-                       help=f"max generated tokens (answer: {UNDERSTANDING_DEFAULTS.max_new_tokens}, think plan: "
-                            f"{T2I_DEFAULTS.think_max_new_tokens})")
+        p.add_argument(
+            "--temperature", type=float, default=UNDERSTANDING_DEFAULTS.temperature, help="sampling temperature"
+        )
+        p.add_argument(
+            "--max-new-tokens",
+            type=int,
+            default=None,
+            help=f"max generated tokens (answer: {UNDERSTANDING_DEFAULTS.max_new_tokens}, think plan: "
+            f"{T2I_DEFAULTS.think_max_new_tokens})",
+        )
         p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
         kv = p.add_argument_group("KV-cache compression")
-        kv.add_argument("--kv-method", default="full",
-                        help="full | unicache | h2o | snapkv | pyramidkv | streamingllm | kivi | vlcache")
-        kv.add_argument("--kv-target", default=None,
-                        help="memory of the compressible KV: a retained ratio (0.2, 20%%) or a size (150MB); "
-                             "default: the paper's reduction (80%% understanding/edit, 60%% t2i)")
-        kv.add_argument("--policy", type=_path, default=None,
-                        help="unicache policy table JSON (default: the checkpoint's unicache_policy.json, "
-                             "else the paper's table)")
+        kv.add_argument(
+            "--kv-method",
+            default="full",
+            help="full | unicache | h2o | snapkv | pyramidkv | streamingllm | kivi | vlcache",
+        )
+        kv.add_argument(
+            "--kv-target",
+            default=None,
+            help="memory of the compressible KV: a retained ratio (0.2, 20%%) or a size (150MB); "
+            "default: the paper's reduction (80%% understanding/edit, 60%% t2i)",
+        )
+        kv.add_argument(
+            "--policy",
+            type=_path,
+            default=None,
+            help="unicache policy table JSON (default: the checkpoint's unicache_policy.json, else the paper's table)",
+        )
         kv.add_argument("--rho", type=float, default=None, help="unicache starting retention rho0 in (0, 1]")
         kv.add_argument("--rho-floor", type=float, default=None, help="unicache lowest retention, <= rho")
         kv.add_argument("--report", type=_path, default=None, help="write the per-step KV report (JSON) here")
@@ -101,7 +121,7 @@ class _Bar:
     """A one-line text progress bar on stderr (``progress(step, total)`` callback)."""
 
     #: Every bar made (so an error message never lands on the end of an unfinished bar line).
-    made: list["_Bar"] = []
+    made: list[_Bar] = []
 
     def __init__(self, label: str):
         self.label = label
@@ -142,13 +162,19 @@ def _run(args: argparse.Namespace) -> int:
     from ..compression import make_cache_factory
 
     factory = make_cache_factory(kv_config, checkpoint_dir=str(args.checkpoint))
-    loaded = load_bagel(args.checkpoint, dtype=_DTYPES[args.dtype], device=checked.device,
-                        weight_dtype=args.weight_dtype, offload=args.offload)
+    loaded = load_bagel(
+        args.checkpoint,
+        dtype=_DTYPES[args.dtype],
+        device=checked.device,
+        weight_dtype=args.weight_dtype,
+        offload=args.offload,
+    )
     pipe = BagelPipeline(loaded, factory)
     if args.command == "understand":
         bar = _progress("decoding", args.quiet)
-        result = pipe.understand(checked.prompt, checked.image, checked.settings, seed=checked.seed,
-                                 hooks=RunHooks(progress=bar))
+        result = pipe.understand(
+            checked.prompt, checked.image, checked.settings, seed=checked.seed, hooks=RunHooks(progress=bar)
+        )
         if bar is not None:
             bar.close()
         _write_report(args, result.kv_report)
@@ -183,8 +209,9 @@ def _kv_config(args: argparse.Namespace):
     if args.policy is not None and not args.policy.is_file():
         raise ValueError(f"--policy: {args.policy} is not a file; pass a policy-table JSON file")
     try:
-        return KVConfig(method=args.kv_method, kv_target=args.kv_target, rho=args.rho, rho_floor=args.rho_floor,
-                        policy=args.policy)
+        return KVConfig(
+            method=args.kv_method, kv_target=args.kv_target, rho=args.rho, rho_floor=args.rho_floor, policy=args.policy
+        )
     except ValueError as exc:
         raise ValueError(f"KV flags: {exc}") from None
 
@@ -196,14 +223,23 @@ def _write_report(args: argparse.Namespace, report: dict | None) -> None:
 
     from ..compression.report import REPORT_FORMAT
 
-    payload = report if report is not None else {"format": REPORT_FORMAT, "version": 1, "method": "full",
-                                                 "summary": None, "steps": []}
+    payload = (
+        report
+        if report is not None
+        else {"format": REPORT_FORMAT, "version": 1, "method": "full", "summary": None, "steps": []}
+    )
     save_text(json.dumps(payload, indent=1) + "\n", args.report, "--report")
     summary = payload.get("summary") or {}
     if summary.get("steady_managed_bytes") is not None:
-        logger.info("KV %s: %d of %d managed bytes held (%.1fx less), peak %d bytes; report %s", payload["method"],
-                    summary["steady_managed_bytes"], summary["full_managed_bytes"], summary["compression"] or 0.0,
-                    summary["peak_bytes"], args.report)
+        logger.info(
+            "KV %s: %d of %d managed bytes held (%.1fx less), peak %d bytes; report %s",
+            payload["method"],
+            summary["steady_managed_bytes"],
+            summary["full_managed_bytes"],
+            summary["compression"] or 0.0,
+            summary["peak_bytes"],
+            args.report,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,8 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     _Bar.made.clear()
     try:
         args = _build_parser().parse_args(argv)
-        logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, stream=sys.stderr,
-                            format="%(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.WARNING if args.quiet else logging.INFO,
+            stream=sys.stderr,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
         return _run(args)
     except KeyboardInterrupt:
         _fail("interrupted (Ctrl-C)")
@@ -222,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         _fail("stdout was closed before the answer was written (broken pipe)")
         return 2
     except (MemoryError, torch.OutOfMemoryError) as exc:
-        _fail(f"out of memory ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
-              f"use a smaller --width/--height or --max-new-tokens, --dtype bf16, or another --device")
+        _fail(
+            f"out of memory ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
+            f"use a smaller --width/--height or --max-new-tokens, --dtype bf16, or another --device"
+        )
         return 2
     except (UniCacheError, ValueError, OSError) as exc:  # OSError: unreadable input, unwritable --out
         _fail(str(exc) or type(exc).__name__)

@@ -31,8 +31,9 @@ BOUNDARY_TOKENS = 2
 # ----------------------------------------------------------------------------------------- positions
 
 
-def understanding_positions(tokenizer, prompt: str, *, has_image: bool, think: bool,
-                            special_tokens: bool = False) -> int:
+def understanding_positions(
+    tokenizer, prompt: str, *, has_image: bool, think: bool, special_tokens: bool = False
+) -> int:
     """RoPE positions of an understanding context: ``[system (think)] [ViT image] [prompt]``."""
     used = len(tokenizer.encode(prompt, special_tokens=special_tokens)) + 2 + (1 if has_image else 0)
     if think:
@@ -40,8 +41,7 @@ def understanding_positions(tokenizer, prompt: str, *, has_image: bool, think: b
     return used
 
 
-def generation_positions(tokenizer, prompt: str, *, has_image: bool, think: bool,
-                         special_tokens: bool = False) -> int:
+def generation_positions(tokenizer, prompt: str, *, has_image: bool, think: bool, special_tokens: bool = False) -> int:
     """RoPE positions of a ``gen`` context: ``[system] [VAE image, ViT image] prompt``, then the latent block."""
     used = len(tokenizer.encode(prompt, special_tokens=special_tokens)) + 2 + (2 if has_image else 0) + 1
     if think:
@@ -60,8 +60,7 @@ def check_positions(config: BagelConfig, used: int, extra: int, name: str) -> No
         detail = f"{used} for the context" + (f" + {extra} for decoding" if extra else "")
         raise ValueError(
             f"`{name}` is too long: the request needs {used + extra} RoPE positions ({detail}) but "
-            f"max_position_embeddings = {limit}; shorten the prompt"
-            + (f" or lower `{name}`" if extra else "")
+            f"max_position_embeddings = {limit}; shorten the prompt" + (f" or lower `{name}`" if extra else "")
         )
 
 
@@ -124,8 +123,9 @@ def kv_bytes_per_token(config: BagelConfig, dtype: torch.dtype) -> int:
     return 2 * llm.num_hidden_layers * llm.num_key_value_heads * llm.head_dim * element
 
 
-def image_tokens(config: BagelConfig, source_size: tuple[int, int], *,
-                 vae_size: tuple[int, int] | None = None) -> tuple[int, int]:
+def image_tokens(
+    config: BagelConfig, source_size: tuple[int, int], *, vae_size: tuple[int, int] | None = None
+) -> tuple[int, int]:
     """``(vae, vit)`` content tokens of an input image of ``(width, height)`` pixels after the checkpoint's resize
     rules (every input image is resized by the VAE rule first, then the ViT's); ``vae_size``: the size an edit's
     given source latent sets instead of the VAE rule."""
@@ -136,10 +136,16 @@ def image_tokens(config: BagelConfig, source_size: tuple[int, int], *,
     return (width // step) * (height // step), (vit_width // patch) * (vit_height // patch)
 
 
-def count_request(config: BagelConfig, tokenizer, task: Task, prompt: str,
-                  settings: GenerationSettings | UnderstandingSettings, *,
-                  source_size: tuple[int, int] | None = None,
-                  vae_size: tuple[int, int] | None = None) -> RequestTokens:
+def count_request(
+    config: BagelConfig,
+    tokenizer,
+    task: Task,
+    prompt: str,
+    settings: GenerationSettings | UnderstandingSettings,
+    *,
+    source_size: tuple[int, int] | None = None,
+    vae_size: tuple[int, int] | None = None,
+) -> RequestTokens:
     """The :class:`RequestTokens` of a request (``source_size``: the input image's ``(width, height)``;
     ``vae_size``: an edit's output size set by a given source latent, :func:`image_tokens`)."""
     vae = vit = latent = 0
@@ -154,8 +160,9 @@ def count_request(config: BagelConfig, tokenizer, task: Task, prompt: str,
         latent = vae if task == "edit" else (settings.width // step) * (settings.height // step)
     system = len(tokenizer.encode(system_prompt)) if settings.think else 0
     prompt_tokens = len(tokenizer.encode(prompt, special_tokens=settings.prompt_special_tokens))
-    return RequestTokens(task=task, prompt=prompt_tokens, system=system, vit=vit, vae=vae,
-                         latent=latent, decoded=decoded)
+    return RequestTokens(
+        task=task, prompt=prompt_tokens, system=system, vit=vit, vae=vae, latent=latent, decoded=decoded
+    )
 
 
 # ----------------------------------------------------------------------------------------- memory
@@ -204,9 +211,15 @@ def request_memory_parts(config: BagelConfig, dtype: torch.dtype, tokens: Reques
     mlp = queries * (3 * llm.intermediate_size + (4 + branches) * llm.hidden_size) * element
     encode = vae_working_bytes(config, tokens.vae, decode=False)
     decode = vae_working_bytes(config, tokens.latent, decode=True)
-    return {"kv": int(kv), "attention": int(attention), "mlp": int(mlp), "vae": int(max(encode, decode)),
-            "vae_encode": int(encode), "vae_decode": int(decode),
-            "vae_decode_tiled": tiled_decode_bytes(config, tokens.latent)}
+    return {
+        "kv": int(kv),
+        "attention": int(attention),
+        "mlp": int(mlp),
+        "vae": int(max(encode, decode)),
+        "vae_encode": int(encode),
+        "vae_decode": int(decode),
+        "vae_decode_tiled": tiled_decode_bytes(config, tokens.latent),
+    }
 
 
 def tiled_tokens(config: BagelConfig, latent_tokens: int) -> int:
@@ -224,9 +237,10 @@ def tiled_decode_bytes(config: BagelConfig, latent_tokens: int) -> int:
 
     if latent_tokens <= 0:
         return 0
-    pixels = latent_tokens * config.latent_downsample ** 2
+    pixels = latent_tokens * config.latent_downsample**2
     return vae_working_bytes(config, tiled_tokens(config, latent_tokens), decode=True) + tiled_decode_extra_bytes(
-        pixels, 1)
+        pixels, 1
+    )
 
 
 def _latent_grid(latent_tokens: int, latent_downsample: int, vae_downsample: int) -> tuple[int, int]:

@@ -23,7 +23,12 @@ from typing import Any
 
 from .seeding import check_seed
 from .settings import (
-    T2I_DEFAULTS, UNDERSTANDING_DEFAULTS, GenerationSettings, UnderstandingSettings, check_output_size, check_prompt,
+    T2I_DEFAULTS,
+    UNDERSTANDING_DEFAULTS,
+    GenerationSettings,
+    UnderstandingSettings,
+    check_output_size,
+    check_prompt,
     preset,
 )
 
@@ -76,8 +81,10 @@ def not_found(flag: str, path: Path, what: str) -> OSError:
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 return OSError(f"{flag}: {path} is a symlink loop (it never reaches a real {what}); fix the link")
-        return FileNotFoundError(f"{flag}: {path} is a broken symlink to {os.readlink(path)}, which does not exist; "
-                                 f"fix the link or pass the {what} itself")
+        return FileNotFoundError(
+            f"{flag}: {path} is a broken symlink to {os.readlink(path)}, which does not exist; "
+            f"fix the link or pass the {what} itself"
+        )
     return FileNotFoundError(f"{flag}: {what} not found: {path}")
 
 
@@ -105,8 +112,9 @@ def check_writable_file(flag: str, path: Path, what: str) -> None:
             os.stat(path)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise OSError(f"{flag}: {path} is a symlink loop; fix the link or give the path of the {what} to "
-                              f"write") from None
+                raise OSError(
+                    f"{flag}: {path} is a symlink loop; fix the link or give the path of the {what} to write"
+                ) from None
         path = Path(os.path.realpath(path))
     if path.is_dir():
         raise ValueError(f"{flag}: {path} is a directory; give the path of the {what} to write")
@@ -135,8 +143,9 @@ def check_out_path(out: Path) -> str:
     It must be a writable file path (:func:`check_writable_file`) whose suffix names a supported format.
     """
     if out.is_dir():
-        raise ValueError(f"--out: {out} is a directory; give the path of the image file to write, e.g. "
-                         f"{out / 'out.png'}")
+        raise ValueError(
+            f"--out: {out} is a directory; give the path of the image file to write, e.g. {out / 'out.png'}"
+        )
     check_writable_file("--out", out, "image file")
     fmt = OUT_FORMATS.get(out.suffix.lower())
     if fmt is None:
@@ -160,24 +169,35 @@ def check_distinct_outputs(args) -> None:
     would replace it. ``--out`` may be ``--image`` (an edit in place; the source is read before anything is
     written)."""
     report, out = getattr(args, "report", None), getattr(args, "out", None)
-    inputs = {flag: getattr(args, name, None) for flag, name in
-              (("--image", "image"), ("--prompt-file", "prompt_file"), ("--policy", "policy"))}
+    inputs = {
+        flag: getattr(args, name, None)
+        for flag, name in (("--image", "image"), ("--prompt-file", "prompt_file"), ("--policy", "policy"))
+    }
     if report is not None:
         for flag, other in (("--out", out), *inputs.items()):
             if other is not None and same_file(report, other):
-                raise ValueError(f"--report: {report} is the same file as {flag} {other}; the JSON report would "
-                                 f"overwrite it, give --report its own path (e.g. kv_report.json)")
+                raise ValueError(
+                    f"--report: {report} is the same file as {flag} {other}; the JSON report would "
+                    f"overwrite it, give --report its own path (e.g. kv_report.json)"
+                )
         checkpoint = getattr(args, "checkpoint", None)
-        if (checkpoint is not None and report.is_file()
-                and Path(os.path.realpath(report)).parent == Path(os.path.realpath(checkpoint))):
-            raise ValueError(f"--report: {report} is a file of the checkpoint {checkpoint}; the JSON report would "
-                             f"overwrite it, give --report a path outside the checkpoint folder")
+        if (
+            checkpoint is not None
+            and report.is_file()
+            and Path(os.path.realpath(report)).parent == Path(os.path.realpath(checkpoint))
+        ):
+            raise ValueError(
+                f"--report: {report} is a file of the checkpoint {checkpoint}; the JSON report would "
+                f"overwrite it, give --report a path outside the checkpoint folder"
+            )
     if out is not None:
         for flag in ("--prompt-file", "--policy"):
             other = inputs[flag]
             if other is not None and same_file(out, other):
-                raise ValueError(f"--out: {out} is the same file as {flag} {other}; the image would overwrite it, "
-                                 f"give --out its own path")
+                raise ValueError(
+                    f"--out: {out} is the same file as {flag} {other}; the image would overwrite it, "
+                    f"give --out its own path"
+                )
 
 
 def check_report_path(report: Path) -> None:
@@ -198,8 +218,9 @@ def _write_atomically(flag: str, path: Path, write) -> None:
         write(tmp)
         os.replace(tmp, target)
     except OSError as exc:
-        raise OSError(f"{flag}: cannot write {path} ({exc.strerror or exc}); free space or choose another "
-                      f"path") from None
+        raise OSError(
+            f"{flag}: cannot write {path} ({exc.strerror or exc}); free space or choose another path"
+        ) from None
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -207,8 +228,9 @@ def _write_atomically(flag: str, path: Path, write) -> None:
 
 def save_image(image, out: Path, fmt: str) -> None:
     """Write ``image`` to ``out`` (``--out``) atomically: a temporary file in the same folder, then a rename."""
-    _write_atomically("--out", out, lambda tmp: image.save(tmp, format=fmt,
-                                                            **({"quality": 95} if fmt == "JPEG" else {})))
+    _write_atomically(
+        "--out", out, lambda tmp: image.save(tmp, format=fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    )
 
 
 def save_text(text: str, path: Path, flag: str) -> None:
@@ -243,8 +265,9 @@ def read_prompt_file(path: Path) -> str:
         raise ValueError(f"--prompt-file: {path} is not a regular file; pass a UTF-8 text file")
     size = path.stat().st_size
     if size > MAX_PROMPT_FILE_BYTES:
-        raise ValueError(f"--prompt-file: {path} is {size} bytes; a prompt file may hold at most "
-                         f"{MAX_PROMPT_FILE_BYTES} bytes")
+        raise ValueError(
+            f"--prompt-file: {path} is {size} bytes; a prompt file may hold at most {MAX_PROMPT_FILE_BYTES} bytes"
+        )
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -318,8 +341,10 @@ def check_kv_target_size(kv_target: str | None, config, dtype: str) -> None:
     if isinstance(target, int):
         row = kv_bytes_per_token(config, parse_dtype(dtype))
         if target < row:
-            raise ValueError(f"--kv-target: {kv_target!r} is {target} bytes, less than one cached token of this "
-                             f"checkpoint ({row} bytes in {dtype}); give at least {row} bytes or a ratio (0.2, 20%)")
+            raise ValueError(
+                f"--kv-target: {kv_target!r} is {target} bytes, less than one cached token of this "
+                f"checkpoint ({row} bytes in {dtype}); give at least {row} bytes or a ratio (0.2, 20%)"
+            )
 
 
 def check_policy_table(args, root: Path) -> None:
@@ -329,8 +354,9 @@ def check_policy_table(args, root: Path) -> None:
     from .checkpoint.model_id import model_id_of
 
     policy = getattr(args, "policy", None)
-    if getattr(args, "kv_method", None) != "unicache" or (policy is None and
-                                                         not (root / CHECKPOINT_POLICY_FILE).is_file()):
+    if getattr(args, "kv_method", None) != "unicache" or (
+        policy is None and not (root / CHECKPOINT_POLICY_FILE).is_file()
+    ):
         return  # the shipped paper table (its warning is logged once, by the run)
     table, _ = resolve_policy_table(policy, str(root), model_id_of(root))
     table.require_task("understanding" if args.command == "understand" else args.command)
@@ -370,18 +396,32 @@ def request_settings(args) -> GenerationSettings | UnderstandingSettings:
     ``--max-new-tokens`` and ``--temperature`` set the answer's decoding, or the think plan's in generation.
     """
     if args.command == "understand":
-        return preset("understanding", max_new_tokens=UNDERSTANDING_DEFAULTS.max_new_tokens
-                      if args.max_new_tokens is None else args.max_new_tokens,
-                      do_sample=args.do_sample, temperature=args.temperature, think=args.think,
-                      prompt_special_tokens=args.allow_special_tokens)
+        return preset(
+            "understanding",
+            max_new_tokens=UNDERSTANDING_DEFAULTS.max_new_tokens
+            if args.max_new_tokens is None
+            else args.max_new_tokens,
+            do_sample=args.do_sample,
+            temperature=args.temperature,
+            think=args.think,
+            prompt_special_tokens=args.allow_special_tokens,
+        )
     size = dict(width=args.width, height=args.height) if args.command == "t2i" else {}
     return preset(
-        args.command, num_timesteps=args.steps, timestep_shift=args.timestep_shift,
-        cfg_text_scale=args.cfg_text_scale, cfg_img_scale=args.cfg_img_scale, cfg_interval=tuple(args.cfg_interval),
-        cfg_renorm_min=args.cfg_renorm_min, cfg_renorm_type=args.cfg_renorm_type, think=args.think,
-        think_max_new_tokens=T2I_DEFAULTS.think_max_new_tokens if args.max_new_tokens is None
-        else args.max_new_tokens, think_do_sample=args.do_sample, think_temperature=args.temperature,
-        prompt_special_tokens=args.allow_special_tokens, **size,
+        args.command,
+        num_timesteps=args.steps,
+        timestep_shift=args.timestep_shift,
+        cfg_text_scale=args.cfg_text_scale,
+        cfg_img_scale=args.cfg_img_scale,
+        cfg_interval=tuple(args.cfg_interval),
+        cfg_renorm_min=args.cfg_renorm_min,
+        cfg_renorm_type=args.cfg_renorm_type,
+        think=args.think,
+        think_max_new_tokens=T2I_DEFAULTS.think_max_new_tokens if args.max_new_tokens is None else args.max_new_tokens,
+        think_do_sample=args.do_sample,
+        think_temperature=args.temperature,
+        prompt_special_tokens=args.allow_special_tokens,
+        **size,
     )
 
 
@@ -429,13 +469,23 @@ def preflight(args) -> Checked:
     has_image = image is not None
     try:
         if task == "understand":
-            used = understanding_positions(tokenizer, prompt, has_image=has_image, think=settings.think,
-                                           special_tokens=settings.prompt_special_tokens)
+            used = understanding_positions(
+                tokenizer,
+                prompt,
+                has_image=has_image,
+                think=settings.think,
+                special_tokens=settings.prompt_special_tokens,
+            )
             check_positions(config, used, 0, "prompt")
             check_positions(config, used, settings.max_new_tokens, "max_new_tokens")
         else:
-            used = generation_positions(tokenizer, prompt, has_image=has_image, think=settings.think,
-                                        special_tokens=settings.prompt_special_tokens)
+            used = generation_positions(
+                tokenizer,
+                prompt,
+                has_image=has_image,
+                think=settings.think,
+                special_tokens=settings.prompt_special_tokens,
+            )
             check_positions(config, used, 0, "prompt")
             if settings.think:
                 check_positions(config, used, settings.think_max_new_tokens + 2, "think_max_new_tokens")

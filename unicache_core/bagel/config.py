@@ -173,8 +173,7 @@ def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8/JSON, a 5000-digit integer
         raise CheckpointError(
-            f"cannot parse config file {path}: {type(exc).__name__}: {exc}; re-download it (it must be a JSON "
-            f"object)"
+            f"cannot parse config file {path}: {type(exc).__name__}: {exc}; re-download it (it must be a JSON object)"
         ) from None
     if not isinstance(data, dict):
         raise CheckpointError(
@@ -192,9 +191,7 @@ def _get(data: dict[str, Any], key: str, kind: type, path: Path, default: Any = 
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-        raise CheckpointError(
-            f"config file {path}: field {key!r} = {value!r} must be of type {kind.__name__}"
-        )
+        raise CheckpointError(f"config file {path}: field {key!r} = {value!r} must be of type {kind.__name__}")
     if kind is float and not math.isfinite(value):
         raise CheckpointError(f"config file {path}: field {key!r} = {value!r} must be a finite number")
     return value
@@ -266,8 +263,7 @@ def parse_vit_config(data: dict[str, Any], path: Path) -> ViTConfig:
     file_layers = _get(data, "num_hidden_layers", int, path, 12)
     if file_layers < 2:
         raise CheckpointError(
-            f"config file {path}: num_hidden_layers = {file_layers}; BAGEL drops the last ViT layer, so it "
-            f"must be >= 2"
+            f"config file {path}: num_hidden_layers = {file_layers}; BAGEL drops the last ViT layer, so it must be >= 2"
         )
     cfg = ViTConfig(
         hidden_size=_get(data, "hidden_size", int, path, 768),
@@ -297,8 +293,7 @@ def parse_vit_config(data: dict[str, Any], path: Path) -> ViTConfig:
         )
     if cfg.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
         raise CheckpointError(
-            f"config file {path}: hidden_act {cfg.hidden_act!r} is not supported "
-            f"(allowed: 'gelu_pytorch_tanh', 'gelu')"
+            f"config file {path}: hidden_act {cfg.hidden_act!r} is not supported (allowed: 'gelu_pytorch_tanh', 'gelu')"
         )
     return cfg
 
@@ -314,8 +309,10 @@ def parse_ae_config(data: dict[str, Any] | None, path: Path) -> AEConfig:
     values: dict[str, Any] = {}
     for name, value in data.items():
         if name == "ch_mult":
-            if not isinstance(value, list) or not value or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value
+            if (
+                not isinstance(value, list)
+                or not value
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
             ):
                 raise CheckpointError(f"config file {path}: ch_mult = {value!r} must be a list of ints > 0")
             values[name] = tuple(value)
@@ -441,12 +438,17 @@ def bagel_config_from_dicts(
     Raises:
         CheckpointError: a config is not a JSON object or holds unusable values.
     """
+
     def where(name: str) -> Path:
         return Path(f"{source}:{name}")
 
     parsed: dict[str, dict[str, Any] | None] = {}
-    for name, data, required in ((LLM_CONFIG_FILE, llm, True), (VIT_CONFIG_FILE, vit, True),
-                                 (AE_CONFIG_FILE, ae, False), (TRANSFORM_CONFIG_FILE, transforms, False)):
+    for name, data, required in (
+        (LLM_CONFIG_FILE, llm, True),
+        (VIT_CONFIG_FILE, vit, True),
+        (AE_CONFIG_FILE, ae, False),
+        (TRANSFORM_CONFIG_FILE, transforms, False),
+    ):
         if data is None and not required:
             parsed[name] = None
             continue

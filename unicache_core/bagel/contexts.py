@@ -64,7 +64,7 @@ class Context:
     def num_tokens(self) -> int:
         return self.cache.num_tokens
 
-    def clone(self, branch: str | None = None) -> "Context":
+    def clone(self, branch: str | None = None) -> Context:
         """Independent copy (the official ``deepcopy(gen_context)``)."""
         return Context(self.cache.clone(branch=branch), self.rope)
 
@@ -109,9 +109,7 @@ def append_vit(loaded: LoadedBagel, ctx: Context, image: Tensor) -> int:
     embeds = torch.cat([start, vit.to(start.dtype), end])
     n = embeds.shape[0]
     positions = torch.full((n,), ctx.rope, dtype=torch.long, device=device)
-    types = _types(
-        (TokenType.BOUNDARY, 1), (TokenType.SOURCE_VIT, n - 2), (TokenType.BOUNDARY, 1), device=device
-    )
+    types = _types((TokenType.BOUNDARY, 1), (TokenType.SOURCE_VIT, n - 2), (TokenType.BOUNDARY, 1), device=device)
     call = AttentionCall(token_types=types, rope_positions=positions, causal=False, update=True, phase="prefill")
     loaded.model.forward_llm(embeds, positions, ctx.cache, call)
     ctx.rope += 1
@@ -172,9 +170,7 @@ def append_vae(loaded: LoadedBagel, ctx: Context, latent: Tensor, h: int, w: int
     embeds = latent_block_embeds(loaded, latent, h, w, 0.0)
     n = embeds.shape[0]
     positions = torch.full((n,), ctx.rope, dtype=torch.long, device=device)
-    types = _types(
-        (TokenType.BOUNDARY, 1), (TokenType.SOURCE_VAE, n - 2), (TokenType.BOUNDARY, 1), device=device
-    )
+    types = _types((TokenType.BOUNDARY, 1), (TokenType.SOURCE_VAE, n - 2), (TokenType.BOUNDARY, 1), device=device)
     call = AttentionCall(token_types=types, rope_positions=positions, causal=False, update=True, phase="prefill")
     loaded.model.forward_llm(embeds, positions, ctx.cache, call, gen_mask=latent_gen_mask(n - 2, device))
     ctx.rope += 1
@@ -206,15 +202,18 @@ def latent_velocities(
     """
     device = loaded.device
     n = embeds.shape[0]
-    types = _types(
-        (TokenType.BOUNDARY, 1), (TokenType.CURRENT_LATENT, n - 2), (TokenType.BOUNDARY, 1), device=device
-    )
+    types = _types((TokenType.BOUNDARY, 1), (TokenType.CURRENT_LATENT, n - 2), (TokenType.BOUNDARY, 1), device=device)
     mask = latent_gen_mask(n - 2, device)
     blocks = []
     for ctx in contexts.values():
         positions = torch.full((n,), ctx.rope, dtype=torch.long, device=device)
         call = AttentionCall(
-            token_types=types, rope_positions=positions, causal=False, update=False, phase=phase, step=step,
+            token_types=types,
+            rope_positions=positions,
+            causal=False,
+            update=False,
+            phase=phase,
+            step=step,
             timestep=timestep,
         )
         blocks.append(BranchInput(embeds, positions, ctx.cache, call, mask))
@@ -228,7 +227,9 @@ def decode_step(loaded: LoadedBagel, ctx: Context, token_id: int, step: int, tok
     embeds = loaded.model.embed_text(torch.tensor([token_id], dtype=torch.long, device=device))
     positions = torch.tensor([ctx.rope], dtype=torch.long, device=device)
     types = torch.tensor([int(token_type)], dtype=torch.int8, device=device)
-    call = AttentionCall(token_types=types, rope_positions=positions, causal=True, update=True, phase="decode", step=step)
+    call = AttentionCall(
+        token_types=types, rope_positions=positions, causal=True, update=True, phase="decode", step=step
+    )
     hidden = loaded.model.forward_llm(embeds, positions, ctx.cache, call)
     ctx.rope += 1
     return loaded.model.lm_logits(hidden)[0]
@@ -259,8 +260,15 @@ def new_context(session: CacheSession, branch: str) -> Context:
     return Context(cache=session.new_cache(branch), rope=0)
 
 
-def build_understanding_context(loaded: LoadedBagel, session: CacheSession, image: Image.Image | None,
-                                prompt: str, *, think: bool = False, special_tokens: bool = False) -> Context:
+def build_understanding_context(
+    loaded: LoadedBagel,
+    session: CacheSession,
+    image: Image.Image | None,
+    prompt: str,
+    *,
+    think: bool = False,
+    special_tokens: bool = False,
+) -> Context:
     """``[system (think)] [ViT image] [text]`` in one ``gen`` context (docs/bagel.md §4.6); ``special_tokens``:
     the prompt's control-token strings are parsed (:meth:`~.tokenizer.BagelTokenizer.encode`)."""
     ctx = new_context(session, "gen")
@@ -324,8 +332,9 @@ def build_generation_contexts(
     append_text(loaded, gen, prompt, special_tokens=special_tokens)
     append_text(loaded, cfg_img, prompt, special_tokens=special_tokens)
     width, height = size
-    return GenerationContexts(gen=gen, cfg_text=cfg_text, cfg_img=cfg_img, height=height, width=width,
-                              session=session, source_latent=how)
+    return GenerationContexts(
+        gen=gen, cfg_text=cfg_text, cfg_img=cfg_img, height=height, width=width, session=session, source_latent=how
+    )
 
 
 def release_between_phases(loaded: LoadedBagel) -> None:
@@ -352,16 +361,20 @@ def given_latent_size(loaded: LoadedBagel, z: object) -> tuple[int, int] | None:
             got = type(z).__name__
         else:
             got = tuple(z.shape) if z.is_floating_point() else z.dtype
-        raise ValueError(f"`source_latent` must be one floating-point latent [1, {channels}, H/8, W/8] in BAGEL's "
-                         f"convention, got {got}")
+        raise ValueError(
+            f"`source_latent` must be one floating-point latent [1, {channels}, H/8, W/8] in BAGEL's "
+            f"convention, got {got}"
+        )
     return source_latent_size(loaded.config, z.shape[2], z.shape[3])
 
 
 def _check_latent_tensor(name: str, z: object, shape: tuple[int, ...], width: int, height: int) -> Tensor:
     """A caller's or external VAE's source latent: a float tensor of ``shape`` (finiteness checked after)."""
     if not isinstance(z, Tensor) or not z.is_floating_point():
-        raise ValueError(f"`{name}` must be a floating-point torch.Tensor of shape {shape}, got "
-                         f"{type(z).__name__ if not isinstance(z, Tensor) else z.dtype}")
+        raise ValueError(
+            f"`{name}` must be a floating-point torch.Tensor of shape {shape}, got "
+            f"{type(z).__name__ if not isinstance(z, Tensor) else z.dtype}"
+        )
     if tuple(z.shape) != shape:
         raise ValueError(
             f"`{name}` has shape {tuple(z.shape)}, but the source image is resized to {width}x{height} (BAGEL's VAE "
@@ -371,8 +384,9 @@ def _check_latent_tensor(name: str, z: object, shape: tuple[int, ...], width: in
     return z.detach().to("cpu", torch.float32)
 
 
-def source_latent(loaded: LoadedBagel, vae_input: Tensor, *, vae, given: GivenLatents,
-                  generator: torch.Generator | None) -> tuple[Tensor, str]:
+def source_latent(
+    loaded: LoadedBagel, vae_input: Tensor, *, vae, given: GivenLatents, generator: torch.Generator | None
+) -> tuple[Tensor, str]:
     """Packed ``[(H/16)*(W/16), 64]`` clean latent of an edit's source ``[3, H, W]`` and how it was made.
 
     ``vae``: the VAE that encodes (ignored when ``given.source_latent`` is set).
@@ -387,12 +401,17 @@ def source_latent(loaded: LoadedBagel, vae_input: Tensor, *, vae, given: GivenLa
             check_noise("vae_noise", given.vae_noise, shape)
         latent = encode_vae_latent(loaded, vae_input, noise=given.vae_noise, generator=generator, vae=chosen)
         how = "checkpoint_vae" if chosen is loaded.vae else "external_vae"
-        check_finite(latent, "the VAE encoding of the source image",
-                     "check ae.safetensors (re-download it); the VAE always runs in fp32")
+        check_finite(
+            latent,
+            "the VAE encoding of the source image",
+            "check ae.safetensors (re-download it); the VAE always runs in fp32",
+        )
         return latent, how
     if given.vae_noise is not None:
-        raise ValueError("`vae_noise` is the sampling noise of the built-in VAE encode; it is not used with "
-                         "`source_latent` or an external VAE: leave it None")
+        raise ValueError(
+            "`vae_noise` is the sampling noise of the built-in VAE encode; it is not used with "
+            "`source_latent` or an external VAE: leave it None"
+        )
     if generator is not None:  # the draw the built-in encode makes, so the seed gives the same later noise
         torch.randn(shape, generator=generator, dtype=torch.float32)
     if given.source_latent is not None:
@@ -403,6 +422,5 @@ def source_latent(loaded: LoadedBagel, vae_input: Tensor, *, vae, given: GivenLa
             z = chosen.encode(vae_input.unsqueeze(0).float().cpu())
         z, how = _check_latent_tensor("the external VAE's encode", z, shape, width, height), "external_vae"
         advice = "check the external VAE (its encode must return a finite [1, 16, H/8, W/8] latent)"
-    check_finite(z, "the source latent" if how == "given" else "the external VAE encoding of the source image",
-                 advice)
+    check_finite(z, "the source latent" if how == "given" else "the external VAE encoding of the source image", advice)
     return pack_latent(z[0].float(), cfg.latent_patch_size), how

@@ -60,8 +60,9 @@ def decode_text(
                 session.end_step(info)
         check_logits(logits, step=step, max_new_tokens=max_new_tokens, dtype=loaded.dtype)
         vocab = logits.shape[-1]
-        current = hooks.steered(step, logits, next_token(logits, do_sample=do_sample, temperature=temperature,
-                                                          generator=generator))
+        current = hooks.steered(
+            step, logits, next_token(logits, do_sample=do_sample, temperature=temperature, generator=generator)
+        )
         current_type = TokenType.DECODED_TEXT
         hooks.report(step + 1, max_new_tokens)
         if current == tok.eos_token_id:

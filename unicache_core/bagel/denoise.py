@@ -9,7 +9,7 @@ guided velocity of every step are checked for non-finite values (:func:`~.numeri
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from PIL import Image
@@ -21,8 +21,7 @@ from ..kv.token_types import BRANCHES
 from . import contexts as C
 from .checkpoint.loader import LoadedBagel
 from .contexts import GenerationContexts
-from .modeling import AutoEncoder
-from .modeling import vae_tiling
+from .modeling import AutoEncoder, vae_tiling
 from .numerics import check_finite, check_velocities, model_advice
 from .request import NO_HOOKS, RunHooks
 from .sampling import cfg_active, combine_cfg, timestep_schedule, unpack_latent
@@ -69,8 +68,7 @@ def branch_velocities(
     timestep = float(t)
     embeds = C.latent_block_embeds(loaded, x, h, w, timestep)
     by_name = contexts.branches()
-    return C.latent_velocities(loaded, {name: by_name[name] for name in branches}, embeds, step=step,
-                               timestep=timestep)
+    return C.latent_velocities(loaded, {name: by_name[name] for name in branches}, embeds, step=step, timestep=timestep)
 
 
 @torch.inference_mode()
@@ -88,8 +86,13 @@ def guided_velocity(
     names, text_scale, img_scale = step_branches(t_tensor, settings)
     raw = branch_velocities(loaded, contexts, x, t_tensor, step=step, branches=names)
     guided = combine_cfg(
-        raw["gen"], raw.get("cfg_text"), raw.get("cfg_img"), text_scale=text_scale, img_scale=img_scale,
-        renorm_type=settings.cfg_renorm_type, renorm_min=settings.cfg_renorm_min,
+        raw["gen"],
+        raw.get("cfg_text"),
+        raw.get("cfg_img"),
+        text_scale=text_scale,
+        img_scale=img_scale,
+        renorm_type=settings.cfg_renorm_type,
+        renorm_min=settings.cfg_renorm_min,
     )
     return guided, raw
 
@@ -130,8 +133,15 @@ def denoise(
         finally:
             if contexts.session is not None:
                 contexts.session.end_step(info)
-        check_velocities(raw, v, step=i, total=total, dtype=loaded.dtype,
-                         cfg_text_scale=settings.cfg_text_scale, cfg_img_scale=settings.cfg_img_scale)
+        check_velocities(
+            raw,
+            v,
+            step=i,
+            total=total,
+            dtype=loaded.dtype,
+            cfg_text_scale=settings.cfg_text_scale,
+            cfg_img_scale=settings.cfg_img_scale,
+        )
         for name in raw:
             forwards[name] += 1
         if i == 0 and return_step0_velocity:
@@ -139,8 +149,13 @@ def denoise(
         if hooks.preview is not None:
             lp = cfg.latent_downsample
             estimate = x.float() - float(timesteps[i]) * v.to(x.device).float()
-            hooks.preview(i + 1, total, unpack_latent(estimate, contexts.height // lp, contexts.width // lp,
-                                                      cfg.latent_channel, cfg.latent_patch_size))
+            hooks.preview(
+                i + 1,
+                total,
+                unpack_latent(
+                    estimate, contexts.height // lp, contexts.width // lp, cfg.latent_channel, cfg.latent_patch_size
+                ),
+            )
         # Official order: the velocity (model dtype) times the fp32 0-dim dt stays in the velocity
         # dtype, then it is subtracted from the fp32 latent.
         x = hooks.steered(i, v, x - v.to(x.device) * dts[i].to(x.device))
@@ -149,8 +164,9 @@ def denoise(
 
 
 @torch.inference_mode()
-def decode_latents(loaded: LoadedBagel, x: Tensor, height: int, width: int,
-                   vae=None) -> tuple[Tensor, Image.Image | None]:
+def decode_latents(
+    loaded: LoadedBagel, x: Tensor, height: int, width: int, vae=None
+) -> tuple[Tensor, Image.Image | None]:
     """Packed ``[h*w, 64]`` → ``([1, 16, 2h, 2w] latent, PIL image)`` through ``vae`` (no image when None).
 
     ``vae``: the checkpoint's :class:`~.modeling.AutoEncoder` (runs in fp32) or an external
@@ -167,11 +183,16 @@ def decode_latents(loaded: LoadedBagel, x: Tensor, height: int, width: int,
         advice = "check ae.safetensors (re-download it); the VAE always runs in fp32"
     else:
         pixels = vae.decode(latent.detach().cpu().clone())
-        if not isinstance(pixels, Tensor) or not pixels.is_floating_point() or tuple(pixels.shape) != (
-                1, 3, height, width):
+        if (
+            not isinstance(pixels, Tensor)
+            or not pixels.is_floating_point()
+            or tuple(pixels.shape) != (1, 3, height, width)
+        ):
             got = tuple(pixels.shape) if isinstance(pixels, Tensor) else type(pixels).__name__
-            raise ValueError(f"the external VAE's decode must return a float tensor of shape "
-                             f"{(1, 3, height, width)} in [-1, 1], got {got}")
+            raise ValueError(
+                f"the external VAE's decode must return a float tensor of shape "
+                f"{(1, 3, height, width)} in [-1, 1], got {got}"
+            )
         advice = "check the external VAE (its decode returned non-finite pixels)"
     check_finite(pixels, "the decoded image (VAE output, before the uint8 conversion)", advice)
     return latent, image_from_tensor(pixels)
@@ -187,11 +208,13 @@ def _decode_whole_or_tiled(vae: AutoEncoder, latent: Tensor) -> Tensor:
     if latent.device.type == "cuda":
         torch.cuda.empty_cache()
     height, width = (size * vae.config.downsample for size in latent.shape[2:])
-    logger.warning("the VAE decode of the %dx%d image ran out of device memory: decoding it in overlapping tiles "
-                   "(close to the whole decode, not equal; docs in unicache_core/bagel/modeling/vae_tiling.py)",
-                   width, height)
+    logger.warning(
+        "the VAE decode of the %dx%d image ran out of device memory: decoding it in overlapping tiles "
+        "(close to the whole decode, not equal; docs in unicache_core/bagel/modeling/vae_tiling.py)",
+        width,
+        height,
+    )
     return vae_tiling.decode_tiled(vae, latent, vae_tiling.TILE_CELLS, vae_tiling.OVERLAP_CELLS)
 
 
 __all__ = ["CFG_BRANCHES", "branch_velocities", "decode_latents", "denoise", "guided_velocity", "step_branches"]
-

@@ -75,8 +75,10 @@ def latent_factors(config: Any = None) -> tuple[float, float]:
     scale, shift = getattr(obj, "scale_factor", None), getattr(obj, "shift_factor", None)
     ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (scale, shift))
     if not ok or scale <= 0:
-        raise ValueError(f"`config` ({type(config).__name__}) has no usable scale_factor/shift_factor; pass an "
-                         f"AEConfig, a BagelConfig, a loaded checkpoint or None (FLUX's constants)")
+        raise ValueError(
+            f"`config` ({type(config).__name__}) has no usable scale_factor/shift_factor; pass an "
+            f"AEConfig, a BagelConfig, a loaded checkpoint or None (FLUX's constants)"
+        )
     return float(scale), float(shift)
 
 

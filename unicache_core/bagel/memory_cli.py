@@ -11,14 +11,20 @@ from .weights import WEIGHT_DTYPES
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--weight-dtype`` and ``--offload`` to ``parser``."""
-    parser.add_argument("--weight-dtype", choices=list(WEIGHT_DTYPES), default="auto",
-                        help="storage of the LLM/ViT Linear and Embedding weights, upcast to --dtype at each call: "
-                             "auto (= --dtype), bf16, fp16, fp32, fp8_e4m3fn, fp8_e5m2 (one scale per row) or "
-                             "int8 (weight-only, one scale per row); fp8/int8 halve the weights' memory")
-    parser.add_argument("--offload", choices=list(OFFLOAD_MODES), default="none",
-                        help="layers: keep the decoder layers in host memory and bring each to --device as it runs")
-
-
+    parser.add_argument(
+        "--weight-dtype",
+        choices=list(WEIGHT_DTYPES),
+        default="auto",
+        help="storage of the LLM/ViT Linear and Embedding weights, upcast to --dtype at each call: "
+        "auto (= --dtype), bf16, fp16, fp32, fp8_e4m3fn, fp8_e5m2 (one scale per row) or "
+        "int8 (weight-only, one scale per row); fp8/int8 halve the weights' memory",
+    )
+    parser.add_argument(
+        "--offload",
+        choices=list(OFFLOAD_MODES),
+        default="none",
+        help="layers: keep the decoder layers in host memory and bring each to --device as it runs",
+    )
 
 
 def add_plan_parser(sub) -> None:
@@ -26,16 +32,22 @@ def add_plan_parser(sub) -> None:
     from .memory_plan import OFFICIAL_CHECKPOINT, PLAN_TASKS
 
     p = sub.add_parser("plan", help="predict the peak device memory of a run and whether it fits")
-    p.add_argument("--checkpoint", default=None,
-                   help=f"checkpoint folder, or {OFFICIAL_CHECKPOINT} for BAGEL-7B-MoT's geometry (no files needed)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help=f"checkpoint folder, or {OFFICIAL_CHECKPOINT} for BAGEL-7B-MoT's geometry (no files needed)",
+    )
     p.add_argument("--task", choices=sorted(PLAN_TASKS), required=True)
     p.add_argument("--width", type=int, default=1024, help="image width (und/edit: the input, t2i: the output)")
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--kv-method", default="full")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--device", default="auto",
-                   help="the device whose memory is planned for ('auto': cuda if any, and with --device-memory a GPU; "
-                        "cpu adds the CPU runtime's own memory)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="the device whose memory is planned for ('auto': cuda if any, and with --device-memory a GPU; "
+        "cpu adds the CPU runtime's own memory)",
+    )
     p.add_argument("--device-memory", default=None, help="plan for a device of this size instead (e.g. 24GB)")
     p.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
     p.add_argument("-q", "--quiet", action="store_true", help="no log output")
@@ -68,7 +80,8 @@ def refuse_unfitting_run(args: argparse.Namespace, checked) -> None:
     if not plan.fits:
         raise ValueError(
             f"this run needs about {plan.peak_bytes / 1e9:.1f} GB on {checked.device} (planned), which has "
-            f"{plan.device_bytes / 1e9:.1f} GB; {plan.suggestion} (details: python -m unicache_core.bagel plan)")
+            f"{plan.device_bytes / 1e9:.1f} GB; {plan.suggestion} (details: python -m unicache_core.bagel plan)"
+        )
 
 
 def _plan_of(args, checkpoint, task: str, width: int, height: int, device_memory: str | None, *, device=None):
@@ -87,9 +100,16 @@ def _plan_of(args, checkpoint, task: str, width: int, height: int, device_memory
     else:
         planned = torch.device(device if device is not None else resolve_device(args.device))
         total = device_memory_bytes(planned)
-    settings = PlanSettings(task=task, width=width, height=height, kv_method=args.kv_method,
-                            weight_dtype=args.weight_dtype, dtype=args.dtype, offload=args.offload,
-                            device=planned.type)
+    settings = PlanSettings(
+        task=task,
+        width=width,
+        height=height,
+        kv_method=args.kv_method,
+        weight_dtype=args.weight_dtype,
+        dtype=args.dtype,
+        offload=args.offload,
+        device=planned.type,
+    )
     return plan_memory(config, settings, total)
 
 

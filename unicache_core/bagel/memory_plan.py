@@ -38,9 +38,9 @@ On CUDA (``device="cuda"``) two parts measured on an H200 are added (:func:`cuda
 
 The peak is the sum of the parts not in :data:`NOT_IN_PEAK`; :func:`tensor_peak_bytes` is the peak without the
 runtime's parts (CPU or CUDA). ``python -m benchmarks.gpu_real_size`` checks the CUDA plan phase by phase at
-BAGEL-7B-MoT's geometry. ``python -m benchmarks.memory_plan_check`` checks both on the CPU, on the bundled and the medium
-checkpoints, against a run's tensor accounting and the process's resident set.
-``bagel-7b-mot`` plans BAGEL-7B-MoT's geometry without any file (:data:`OFFICIAL_CHECKPOINT`).
+BAGEL-7B-MoT's geometry. ``python -m benchmarks.memory_plan_check`` checks both on the CPU, on the bundled and the
+medium checkpoints, against a run's tensor accounting and the process's resident set. ``bagel-7b-mot`` plans
+BAGEL-7B-MoT's geometry without any file (:data:`OFFICIAL_CHECKPOINT`).
 """
 
 from __future__ import annotations
@@ -54,8 +54,13 @@ from typing import Any
 
 import torch
 
-from .accounting import (BOUNDARY_TOKENS, RequestTokens, image_tokens, kv_bytes_per_token, request_memory_parts,
-                         tiled_tokens)
+from .accounting import (
+    BOUNDARY_TOKENS,
+    RequestTokens,
+    image_tokens,
+    request_memory_parts,
+    tiled_tokens,
+)
 from .config import BagelConfig, bagel_config_from_dicts, load_bagel_config
 from .settings import UNDERSTANDING_DEFAULTS
 
@@ -66,8 +71,18 @@ OFFICIAL_CHECKPOINT = "bagel-7b-mot"
 #: Prompt tokens a plan assumes (a long instruction; the prompt is small beside the image tokens).
 PLAN_PROMPT_TOKENS = 64
 #: Breakdown entries that detail the peak's parts or lie outside it (the rest add up to ``peak_bytes``).
-NOT_IN_PEAK = ("weights_host", "kv_full", "kv_compressed", "upcast", "attention", "mlp", "vae_working",
-               "cpu_freed_heap", "cpu_vae_heap", "cuda_vae_workspace")
+NOT_IN_PEAK = (
+    "weights_host",
+    "kv_full",
+    "kv_compressed",
+    "upcast",
+    "attention",
+    "mlp",
+    "vae_working",
+    "cpu_freed_heap",
+    "cpu_vae_heap",
+    "cuda_vae_workspace",
+)
 #: Bytes oneDNN keeps per bf16 matrix-product shape it has run (its compiled kernel): 0.55-0.61 MB measured
 #: for 40 row counts each of four weight shapes (64x128 to 1792x896), 0.15-1.1 MB for row counts near 1300.
 CPU_MATMUL_KERNEL_BYTES = 600_000
@@ -92,8 +107,18 @@ CUDA_VAE_ENCODE_PER_PIXEL = 520
 PLAN_TASKS = {"und": "understanding", "understand": "understanding", "t2i": "t2i", "edit": "edit"}
 #: Weight dtypes tried, in order, when the chosen settings do not fit (cheapest in quality first).
 _FALLBACK_WEIGHTS = ("bf16", "fp8_e4m3fn", "int8")
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def official_config() -> BagelConfig:
@@ -160,21 +185,37 @@ class MemoryPlan:
     vae_decode: str = "whole"
 
     def to_json(self) -> dict[str, Any]:
-        return {"peak_bytes": self.peak_bytes, "breakdown": dict(self.breakdown), "device_bytes": self.device_bytes,
-                "fits": self.fits, "suggestion": self.suggestion, "vae_decode": self.vae_decode,
-                "settings": {**self.settings.to_dict(), "kv_branches": dict(self.kv_branches)}}
+        return {
+            "peak_bytes": self.peak_bytes,
+            "breakdown": dict(self.breakdown),
+            "device_bytes": self.device_bytes,
+            "fits": self.fits,
+            "suggestion": self.suggestion,
+            "vae_decode": self.vae_decode,
+            "settings": {**self.settings.to_dict(), "kv_branches": dict(self.kv_branches)},
+        }
 
 
-def request_tokens(config: BagelConfig, task: str, width: int, height: int,
-                   prompt_tokens: int = PLAN_PROMPT_TOKENS, answer_tokens: int | None = None) -> RequestTokens:
+def request_tokens(
+    config: BagelConfig,
+    task: str,
+    width: int,
+    height: int,
+    prompt_tokens: int = PLAN_PROMPT_TOKENS,
+    answer_tokens: int | None = None,
+) -> RequestTokens:
     """The tokens of a plan's request: a ``prompt_tokens`` prompt and a ``width x height`` image (the input of
     ``und``/``edit``, none for an ``und`` of size 0, the output of ``t2i``), default settings (no think mode);
     an ``und`` answer of ``answer_tokens`` (default: the most the default settings decode)."""
     vae, vit = image_tokens(config, (width, height)) if width and height else (0, 0)
     step = config.latent_downsample
     if task == "understanding":
-        return RequestTokens(task="understanding", prompt=prompt_tokens, vit=vit,
-                             decoded=UNDERSTANDING_DEFAULTS.max_new_tokens if answer_tokens is None else answer_tokens)
+        return RequestTokens(
+            task="understanding",
+            prompt=prompt_tokens,
+            vit=vit,
+            decoded=UNDERSTANDING_DEFAULTS.max_new_tokens if answer_tokens is None else answer_tokens,
+        )
     if task == "edit":
         return RequestTokens(task="edit", prompt=prompt_tokens, vit=vit, vae=vae, latent=vae)
     return RequestTokens(task="t2i", prompt=prompt_tokens, latent=(width // step) * (height // step))
@@ -188,8 +229,11 @@ def _weights(config: BagelConfig, weight_dtype: str, dtype: torch.dtype, offload
 
     model = build_bagel(config, weight_dtype=weight_dtype, dtype=dtype, device="meta")
     layers = list(model.language_model.model.layers)
-    kept_on_host = {id(t) for layer in layers[2:] for t in list(layer.parameters()) + list(layer.buffers())} \
-        if offload == "layers" else set()
+    kept_on_host = (
+        {id(t) for layer in layers[2:] for t in list(layer.parameters()) + list(layer.buffers())}
+        if offload == "layers"
+        else set()
+    )
     parts: dict[str, int] = {}
     host = 0
     for tensor in list(model.parameters()) + list(model.buffers()):
@@ -212,8 +256,14 @@ def _weights(config: BagelConfig, weight_dtype: str, dtype: torch.dtype, offload
     return parts, element
 
 
-def plan_memory(config: BagelConfig, settings: PlanSettings, device_bytes: int, *,
-                prompt_tokens: int = PLAN_PROMPT_TOKENS, answer_tokens: int | None = None) -> MemoryPlan:
+def plan_memory(
+    config: BagelConfig,
+    settings: PlanSettings,
+    device_bytes: int,
+    *,
+    prompt_tokens: int = PLAN_PROMPT_TOKENS,
+    answer_tokens: int | None = None,
+) -> MemoryPlan:
     """Predict the peak device memory of ``settings`` on a model of ``config`` (see the module docstring) and,
     when it does not fit ``device_bytes``, the cheapest setting that does (``suggestion``). ``prompt_tokens`` and
     ``answer_tokens`` (understanding) size the text (:func:`request_tokens`)."""
@@ -225,8 +275,13 @@ def plan_memory(config: BagelConfig, settings: PlanSettings, device_bytes: int, 
     return dataclasses.replace(plan, suggestion=_suggest(config, settings, device_bytes))
 
 
-def _predict(config: BagelConfig, settings: PlanSettings, device_bytes: int,
-             prompt_tokens: int = PLAN_PROMPT_TOKENS, answer_tokens: int | None = None) -> MemoryPlan:
+def _predict(
+    config: BagelConfig,
+    settings: PlanSettings,
+    device_bytes: int,
+    prompt_tokens: int = PLAN_PROMPT_TOKENS,
+    answer_tokens: int | None = None,
+) -> MemoryPlan:
     """:func:`plan_memory` without the suggestion."""
     from ..compression import KVConfig
     from .checkpoint.loader import parse_dtype
@@ -262,16 +317,25 @@ def _predict(config: BagelConfig, settings: PlanSettings, device_bytes: int,
         target = KVConfig(method=settings.kv_method).target_ratio(task)
         ratio = float(target) if isinstance(target, float) else 1.0
         parts["kv_compressed"] = int(parts["kv_full"] * ratio)
-    return MemoryPlan(peak_bytes=int(peak), breakdown=parts, device_bytes=int(device_bytes),
-                      fits=peak <= device_bytes, suggestion=None, settings=settings, kv_branches=kv_branches,
-                      vae_decode=vae_decode)
+    return MemoryPlan(
+        peak_bytes=int(peak),
+        breakdown=parts,
+        device_bytes=int(device_bytes),
+        fits=peak <= device_bytes,
+        suggestion=None,
+        settings=settings,
+        kv_branches=kv_branches,
+        vae_decode=vae_decode,
+    )
 
 
 def _working(parts: dict[str, int], freed_heap: int = 0, vae_heap: int = 0) -> int:
     """The working memory of the larger phase: the LLM's (the full KV and a decoder layer's upcast weights,
     attention and MLP, and on the CPU the heap its forward keeps) or a VAE pass's (and on the CPU its heap)."""
-    return max(parts["kv_full"] + parts["upcast"] + parts["attention"] + parts["mlp"] + freed_heap,
-               parts["vae_working"] + vae_heap)
+    return max(
+        parts["kv_full"] + parts["upcast"] + parts["attention"] + parts["mlp"] + freed_heap,
+        parts["vae_working"] + vae_heap,
+    )
 
 
 def tensor_peak_bytes(plan: MemoryPlan) -> int:
@@ -281,16 +345,20 @@ def tensor_peak_bytes(plan: MemoryPlan) -> int:
     return plan.peak_bytes - runtime - (parts["working"] - _working(parts))
 
 
-def cuda_runtime_parts(config: BagelConfig, tokens: RequestTokens, work: dict[str, int], *,
-                       tiled: bool = False) -> dict[str, int]:
+def cuda_runtime_parts(
+    config: BagelConfig, tokens: RequestTokens, work: dict[str, int], *, tiled: bool = False
+) -> dict[str, int]:
     """CUDA's own memory beside the tensors (module docstring): ``cuda_runtime``, and of the VAE pass that needs
     more on CUDA (the source's encode or the output's decode, whole or, when ``tiled``, one tile of it) its
     tensors (``vae_working``, from ``work`` = :func:`~.accounting.request_memory_parts`) and
     ``cuda_vae_workspace``."""
-    pixels_per_token = config.latent_downsample ** 2
+    pixels_per_token = config.latent_downsample**2
     decoded = tiled_tokens(config, tokens.latent) if tiled else tokens.latent
     encode = (work["vae_encode"], CUDA_VAE_ENCODE_PER_PIXEL * tokens.vae * pixels_per_token)
-    decode = (work["vae_decode_tiled" if tiled else "vae_decode"], CUDA_VAE_DECODE_PER_PIXEL * decoded * pixels_per_token)
+    decode = (
+        work["vae_decode_tiled" if tiled else "vae_decode"],
+        CUDA_VAE_DECODE_PER_PIXEL * decoded * pixels_per_token,
+    )
     tensors, workspace = max(encode, decode, key=sum)
     return {"vae_working": tensors, "cuda_runtime": CUDA_RUNTIME_BYTES, "cuda_vae_workspace": workspace}
 
@@ -305,9 +373,18 @@ def matmul_shapes(config: BagelConfig, tokens: RequestTokens) -> set[tuple[int, 
     token.
     """
     llm, vit = config.llm, config.vit
-    hidden, q_out, kv_out = llm.hidden_size, llm.num_attention_heads * llm.head_dim, llm.num_key_value_heads * llm.head_dim
-    decoder = {(hidden, q_out, True), (hidden, kv_out, True), (q_out, hidden, False),
-               (hidden, llm.intermediate_size, False), (llm.intermediate_size, hidden, False)}
+    hidden, q_out, kv_out = (
+        llm.hidden_size,
+        llm.num_attention_heads * llm.head_dim,
+        llm.num_key_value_heads * llm.head_dim,
+    )
+    decoder = {
+        (hidden, q_out, True),
+        (hidden, kv_out, True),
+        (q_out, hidden, False),
+        (hidden, llm.intermediate_size, False),
+        (llm.intermediate_size, hidden, False),
+    }
     rows = {tokens.prompt + BOUNDARY_TOKENS}
     if tokens.system:
         rows.add(tokens.system + BOUNDARY_TOKENS)
@@ -320,16 +397,24 @@ def matmul_shapes(config: BagelConfig, tokens: RequestTokens) -> set[tuple[int, 
         rows.add(1)
     shapes = {(n, k, o, bias) for n in rows for k, o, bias in decoder}
     if tokens.vit:
-        patch = 3 * vit.patch_size ** 2
-        shapes.update((tokens.vit, k, o, True) for k, o in ((patch, vit.hidden_size), (vit.hidden_size, vit.hidden_size),
-                                                       (vit.hidden_size, vit.intermediate_size),
-                                                       (vit.intermediate_size, vit.hidden_size),
-                                                       (vit.hidden_size, hidden), (hidden, hidden)))
+        patch = 3 * vit.patch_size**2
+        shapes.update(
+            (tokens.vit, k, o, True)
+            for k, o in (
+                (patch, vit.hidden_size),
+                (vit.hidden_size, vit.hidden_size),
+                (vit.hidden_size, vit.intermediate_size),
+                (vit.intermediate_size, vit.hidden_size),
+                (vit.hidden_size, hidden),
+                (hidden, hidden),
+            )
+        )
     for gen_tokens in {tokens.vae, tokens.latent} - {0}:
         shapes.add((gen_tokens, config.patch_latent_dim, hidden, True))
     if tokens.latent:
-        shapes.update((tokens.latent, k, o, True) for k, o in ((hidden, config.patch_latent_dim), (256, hidden),
-                                                          (hidden, hidden)))
+        shapes.update(
+            (tokens.latent, k, o, True) for k, o in ((hidden, config.patch_latent_dim), (256, hidden), (hidden, hidden))
+        )
     if tokens.decoded:
         shapes.add((1, hidden, llm.vocab_size, False))
     return shapes
@@ -358,21 +443,31 @@ def cpu_runtime_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTo
     from .accounting import vae_activation_below, vae_convolution_shapes
 
     products = len(matmul_shapes(config, tokens)) if dtype != torch.float32 else 0
-    convolutions = len(vae_convolution_shapes(config, tokens.vae, decode=False)
-                       | vae_convolution_shapes(config, tokens.latent, decode=True))
+    convolutions = len(
+        vae_convolution_shapes(config, tokens.vae, decode=False)
+        | vae_convolution_shapes(config, tokens.latent, decode=True)
+    )
     llm = config.llm
     element = torch.empty((), dtype=dtype).element_size()
     queries = tokens.largest_block()
     branches = 1 if tokens.task == "understanding" else 3
-    blocks = [(2, queries * llm.num_attention_heads * llm.head_dim * 4),
-              (3, queries * llm.intermediate_size * element), (4 + branches, queries * llm.hidden_size * element)]
+    blocks = [
+        (2, queries * llm.num_attention_heads * llm.head_dim * 4),
+        (3, queries * llm.intermediate_size * element),
+        (4 + branches, queries * llm.hidden_size * element),
+    ]
     freed_heap = sum(count * size for count, size in blocks if size < GLIBC_MMAP_THRESHOLD_MAX)
     # the decode's own heap, plus what an edit's encode left resident under it (long-lived tensors made after the
     # encode, the source latent and the prefill's KV, sit between its freed blocks)
-    vae_heap = 2 * (vae_activation_below(config, tokens.vae, GLIBC_MMAP_THRESHOLD_MAX, decode=False)
-                    + vae_activation_below(config, tokens.latent, GLIBC_MMAP_THRESHOLD_MAX, decode=True))
-    return {"kernel_cache": products * CPU_MATMUL_KERNEL_BYTES + convolutions * CPU_CONV_KERNEL_BYTES,
-            "freed_heap": int(freed_heap), "vae_heap": int(vae_heap)}
+    vae_heap = 2 * (
+        vae_activation_below(config, tokens.vae, GLIBC_MMAP_THRESHOLD_MAX, decode=False)
+        + vae_activation_below(config, tokens.latent, GLIBC_MMAP_THRESHOLD_MAX, decode=True)
+    )
+    return {
+        "kernel_cache": products * CPU_MATMUL_KERNEL_BYTES + convolutions * CPU_CONV_KERNEL_BYTES,
+        "freed_heap": int(freed_heap),
+        "vae_heap": int(vae_heap),
+    }
 
 
 def _suggest(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> str:
@@ -386,28 +481,54 @@ def _suggest(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> 
                 continue
             plan = _predict(config, trial, device_bytes)
             if plan.fits:
-                return (f"use --weight-dtype {weight_dtype} --offload {offload} (planned peak "
-                        f"{plan.peak_bytes / 1e9:.1f} GB)")
-    return (f"no weight dtype or offload fits {device_bytes / 1e9:.1f} GB at {settings.width}x{settings.height}: "
-            f"use a smaller --width/--height or a device with more memory")
+                return (
+                    f"use --weight-dtype {weight_dtype} --offload {offload} (planned peak "
+                    f"{plan.peak_bytes / 1e9:.1f} GB)"
+                )
+    return (
+        f"no weight dtype or offload fits {device_bytes / 1e9:.1f} GB at {settings.width}x{settings.height}: "
+        f"use a smaller --width/--height or a device with more memory"
+    )
 
 
 def describe(plan: MemoryPlan) -> str:
     """The plan as a few human-readable lines (for the CLI's stdout)."""
     gb = 1e9
-    lines = [f"{plan.settings.task} {plan.settings.width}x{plan.settings.height}, weights {plan.settings.weight_dtype}"
-             f" (compute {plan.settings.dtype}), KV {plan.settings.kv_method}, offload {plan.settings.offload}:",
-             f"  peak {plan.peak_bytes / gb:.2f} GB of {plan.device_bytes / gb:.2f} GB -> "
-             + ("fits" if plan.fits else f"does not fit: {plan.suggestion}")]
+    lines = [
+        f"{plan.settings.task} {plan.settings.width}x{plan.settings.height}, weights {plan.settings.weight_dtype}"
+        f" (compute {plan.settings.dtype}), KV {plan.settings.kv_method}, offload {plan.settings.offload}:",
+        f"  peak {plan.peak_bytes / gb:.2f} GB of {plan.device_bytes / gb:.2f} GB -> "
+        + ("fits" if plan.fits else f"does not fit: {plan.suggestion}"),
+    ]
     if plan.vae_decode == "tiled":
         lines.append("  the VAE decodes in tiles (the whole decode would not fit; close to it, not equal)")
-    lines += [f"  {name:<28} {size / gb:8.3f} GB" + ("  (detail, not added)" if name in NOT_IN_PEAK else "")
-              for name, size in plan.breakdown.items()]
+    lines += [
+        f"  {name:<28} {size / gb:8.3f} GB" + ("  (detail, not added)" if name in NOT_IN_PEAK else "")
+        for name, size in plan.breakdown.items()
+    ]
     return "\n".join(lines)
 
 
-__all__ = ["CPU_CONV_KERNEL_BYTES", "CPU_MATMUL_KERNEL_BYTES", "CUDA_RUNTIME_BYTES", "CUDA_VAE_DECODE_PER_PIXEL",
-           "CUDA_VAE_ENCODE_PER_PIXEL",
-           "GLIBC_MMAP_THRESHOLD_MAX", "MemoryPlan", "NOT_IN_PEAK", "OFFICIAL_CHECKPOINT", "PlanSettings",
-           "cpu_runtime_parts", "cuda_runtime_parts", "describe", "device_memory_bytes", "matmul_shapes",
-           "official_config", "parse_memory_size", "plan_config", "plan_memory", "request_tokens", "tensor_peak_bytes"]
+__all__ = [
+    "CPU_CONV_KERNEL_BYTES",
+    "CPU_MATMUL_KERNEL_BYTES",
+    "CUDA_RUNTIME_BYTES",
+    "CUDA_VAE_DECODE_PER_PIXEL",
+    "CUDA_VAE_ENCODE_PER_PIXEL",
+    "GLIBC_MMAP_THRESHOLD_MAX",
+    "MemoryPlan",
+    "NOT_IN_PEAK",
+    "OFFICIAL_CHECKPOINT",
+    "PlanSettings",
+    "cpu_runtime_parts",
+    "cuda_runtime_parts",
+    "describe",
+    "device_memory_bytes",
+    "matmul_shapes",
+    "official_config",
+    "parse_memory_size",
+    "plan_config",
+    "plan_memory",
+    "request_tokens",
+    "tensor_peak_bytes",
+]

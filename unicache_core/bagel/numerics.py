@@ -24,8 +24,8 @@ can overflow. Loading a 7B checkpoint therefore adds about one pass over the wei
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -65,10 +65,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def model_advice(dtype: torch.dtype) -> str:
     """What to try when the model's own computation produced NaN/inf (depends on the model dtype)."""
     if dtype == torch.float16:
-        return ("the model runs in fp16, whose range (±65504) overflows easily: load it with dtype='bf16' "
-                "(or 'fp32') instead of 'fp16'")
-    return (f"the model runs in {_dtype_name(dtype)}; check the checkpoint (re-download ema.safetensors, make sure "
-            f"the config files belong to it) or try dtype='fp32'")
+        return (
+            "the model runs in fp16, whose range (±65504) overflows easily: load it with dtype='bf16' "
+            "(or 'fp32') instead of 'fp16'"
+        )
+    return (
+        f"the model runs in {_dtype_name(dtype)}; check the checkpoint (re-download ema.safetensors, make sure "
+        f"the config files belong to it) or try dtype='fp32'"
+    )
 
 
 def check_weight(path: Path, name: str, stored: Tensor, loaded: Tensor) -> None:

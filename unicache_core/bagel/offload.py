@@ -151,8 +151,9 @@ class LayerOffload:
         return sum(entry.device_copies is not None for entry in self.layers)
 
 
-def apply_layer_offload(model: nn.Module, device: torch.device | str, *, prefetch: bool = True,
-                        pin_memory: bool | None = None) -> LayerOffload:
+def apply_layer_offload(
+    model: nn.Module, device: torch.device | str, *, prefetch: bool = True, pin_memory: bool | None = None
+) -> LayerOffload:
     """Keep ``model``'s decoder layers in host memory and bring each to ``device`` just before it runs.
 
     Args:
@@ -176,12 +177,15 @@ def apply_layer_offload(model: nn.Module, device: torch.device | str, *, prefetc
         pin_memory = torch.cuda.is_available()
     decoder_layers = list(model.language_model.model.layers)
     if any(getattr(layer, "_hf_hook", None) is not None for layer in decoder_layers):
-        raise ValueError("the model's decoder layers already carry accelerate hooks (an offload or a device_map "
-                         "dispatch); load the model again without them before apply_layer_offload")
+        raise ValueError(
+            "the model's decoder layers already carry accelerate hooks (an offload or a device_map "
+            "dispatch); load the model again without them before apply_layer_offload"
+        )
     meta = [name for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if meta:
-        raise ValueError(f"apply_layer_offload needs a loaded model; {len(meta)} tensors are on the meta device "
-                         f"(e.g. {meta[0]!r})")
+        raise ValueError(
+            f"apply_layer_offload needs a loaded model; {len(meta)} tensors are on the meta device (e.g. {meta[0]!r})"
+        )
     in_layers = {id(m) for layer in decoder_layers for m in layer.modules()}
     for module in model.modules():  # every module outside the decoder layers goes to the device
         if id(module) in in_layers:
@@ -196,7 +200,7 @@ def apply_layer_offload(model: nn.Module, device: torch.device | str, *, prefetc
     for layer in decoder_layers:
         slots = _layer_tensors(layer)
         host = []
-        for module, name, is_param in slots:
+        for module, name, _ in slots:
             tensor = getattr(module, name).detach().to("cpu")
             host.append(tensor.pin_memory() if pin_memory else tensor)
         entries.append(_HostLayer(layer, slots, host))
@@ -218,8 +222,13 @@ def apply_layer_offload(model: nn.Module, device: torch.device | str, *, prefetc
     for index, layer in enumerate(decoder_layers):
         add_hook_to_module(layer, LayerVisitHook(index))
     model.execution_device = device
-    logger.info("layer offload: %d decoder layers in %s host memory, computing on %s (prefetch %s)",
-                len(entries), "pinned" if pin_memory else "pageable", device, prefetch)
+    logger.info(
+        "layer offload: %d decoder layers in %s host memory, computing on %s (prefetch %s)",
+        len(entries),
+        "pinned" if pin_memory else "pageable",
+        device,
+        prefetch,
+    )
     return offload
 
 

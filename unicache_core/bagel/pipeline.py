@@ -48,8 +48,14 @@ from .numerics import check_noise
 from .request import NO_GIVEN_LATENTS, NO_HOOKS, GivenLatents, RunHooks
 from .seeding import check_seed, seeded_generator
 from .settings import (
-    EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS, GenerationSettings, UnderstandingSettings, check_bool,
-    check_output_size, check_prompt,
+    EDIT_DEFAULTS,
+    T2I_DEFAULTS,
+    UNDERSTANDING_DEFAULTS,
+    GenerationSettings,
+    UnderstandingSettings,
+    check_bool,
+    check_output_size,
+    check_prompt,
 )
 from .transforms import check_image
 
@@ -119,9 +125,16 @@ def _checked(name: str, value, kind: type, default, how: str):
 
 
 def _call_parts(hooks, given) -> tuple[RunHooks, GivenLatents]:
-    return (_checked("hooks", hooks, RunHooks, NO_HOOKS,
-                     "unicache_core.bagel.RunHooks(progress=, cancel=, preview=, steer=, phase=)"),
-            _checked("given", given, GivenLatents, NO_GIVEN_LATENTS, "unicache_core.bagel.GivenLatents"))
+    return (
+        _checked(
+            "hooks",
+            hooks,
+            RunHooks,
+            NO_HOOKS,
+            "unicache_core.bagel.RunHooks(progress=, cancel=, preview=, steer=, phase=)",
+        ),
+        _checked("given", given, GivenLatents, NO_GIVEN_LATENTS, "unicache_core.bagel.GivenLatents"),
+    )
 
 
 class BagelPipeline:
@@ -152,7 +165,9 @@ class BagelPipeline:
         With ``purpose`` (e.g. ``"decode the latents"``) a missing VAE raises a ``ValueError`` that says
         how to give one; without it, ``None`` is returned.
         """
-        chosen = next((v for v in (_check_vae(vae), self.vae, getattr(self.loaded, "vae", None)) if v is not None), None)
+        chosen = next(
+            (v for v in (_check_vae(vae), self.vae, getattr(self.loaded, "vae", None)) if v is not None), None
+        )
         if chosen is None and purpose is not None:
             where = getattr(self.loaded, "checkpoint_dir", "the checkpoint")
             raise ValueError(
@@ -166,26 +181,45 @@ class BagelPipeline:
 
     def start_session(self, task: Task, num_steps: int | None = None) -> CacheSession:
         """The cache session of one request (every context of the request gets its cache from it)."""
-        return self.cache_factory.start(RequestInfo(task=task, num_layers=self.loaded.model.num_layers,
-                                                    num_steps=num_steps, model_id=self.model_id))
+        return self.cache_factory.start(
+            RequestInfo(task=task, num_layers=self.loaded.model.num_layers, num_steps=num_steps, model_id=self.model_id)
+        )
 
     def new_context(self, task: Task, branch: str, session: CacheSession | None = None) -> Context:
         """An empty context whose cache comes from ``session`` (a new session of the factory when None)."""
         return C.new_context(self.start_session(task) if session is None else session, branch)
 
     @torch.inference_mode()
-    def build_understanding_context(self, image: Image.Image | None, prompt: str, *, think: bool = False,
-                                    session: CacheSession | None = None, special_tokens: bool = False) -> Context:
+    def build_understanding_context(
+        self,
+        image: Image.Image | None,
+        prompt: str,
+        *,
+        think: bool = False,
+        session: CacheSession | None = None,
+        special_tokens: bool = False,
+    ) -> Context:
         """:func:`.contexts.build_understanding_context` in ``session`` (a new one when None)."""
         session = self.start_session("understanding") if session is None else session
-        return C.build_understanding_context(self.loaded, session, image, prompt, think=think,
-                                             special_tokens=special_tokens)
+        return C.build_understanding_context(
+            self.loaded, session, image, prompt, think=think, special_tokens=special_tokens
+        )
 
     @torch.inference_mode()
-    def build_generation_contexts(self, task: Task, prompt: str, *, image: Image.Image | None = None,
-                                  width: int | None = None, height: int | None = None, think: bool = False,
-                                  generator: torch.Generator | None = None, session: CacheSession | None = None,
-                                  given: GivenLatents = NO_GIVEN_LATENTS, vae=None) -> GenerationContexts:
+    def build_generation_contexts(
+        self,
+        task: Task,
+        prompt: str,
+        *,
+        image: Image.Image | None = None,
+        width: int | None = None,
+        height: int | None = None,
+        think: bool = False,
+        generator: torch.Generator | None = None,
+        session: CacheSession | None = None,
+        given: GivenLatents = NO_GIVEN_LATENTS,
+        vae=None,
+    ) -> GenerationContexts:
         """:func:`.contexts.build_generation_contexts` in ``session`` (a new one when None); ``width``/``height``
         without ``image``; ``vae`` encodes an edit's source (see :meth:`resolve_vae`)."""
         if image is None and (width is None or height is None):
@@ -194,13 +228,29 @@ class BagelPipeline:
         encoder = None
         if image is not None and given.source_latent is None:
             encoder = self.resolve_vae(vae, "encode the source image")
-        return C.build_generation_contexts(self.loaded, session, prompt, image=image, size=(width, height),
-                                           think=think, generator=generator, given=given, vae=encoder)
+        return C.build_generation_contexts(
+            self.loaded,
+            session,
+            prompt,
+            image=image,
+            size=(width, height),
+            think=think,
+            generator=generator,
+            given=given,
+            vae=encoder,
+        )
 
     # ---------------------------------------------------------------- public procedures
 
-    def understand(self, prompt: str, image: Image.Image | None = None, settings: UnderstandingSettings | None = None,
-                   *, seed: int | None = None, hooks: RunHooks | None = None) -> UnderstandingResult:
+    def understand(
+        self,
+        prompt: str,
+        image: Image.Image | None = None,
+        settings: UnderstandingSettings | None = None,
+        *,
+        seed: int | None = None,
+        hooks: RunHooks | None = None,
+    ) -> UnderstandingResult:
         """Answer ``prompt`` about ``image`` (or a text-only prompt when ``image`` is None), docs/bagel.md §5.2.
 
         ``settings`` defaults to the official ones; ``seed`` seeds sampled decoding (``None``: unseeded);
@@ -212,31 +262,58 @@ class BagelPipeline:
         s = _checked("settings", settings, UnderstandingSettings, UNDERSTANDING_DEFAULTS, PRESET)
         hooks, _ = _call_parts(hooks, None)
         generator = None if seed is None else seeded_generator(check_seed(seed))
-        used = understanding_positions(self.loaded.tokenizer, prompt, has_image=image is not None, think=s.think,
-                                       special_tokens=s.prompt_special_tokens)
+        used = understanding_positions(
+            self.loaded.tokenizer,
+            prompt,
+            has_image=image is not None,
+            think=s.think,
+            special_tokens=s.prompt_special_tokens,
+        )
         check_positions(self.loaded.config, used, 0, "prompt")
         check_positions(self.loaded.config, used, s.max_new_tokens, "max_new_tokens")
         session = self.start_session("understanding", s.max_new_tokens)
         with torch.inference_mode():
             t0 = time.perf_counter()
             hooks.enter("contexts")
-            ctx = C.build_understanding_context(self.loaded, session, image, prompt, think=s.think,
-                                                special_tokens=s.prompt_special_tokens)
+            ctx = C.build_understanding_context(
+                self.loaded, session, image, prompt, think=s.think, special_tokens=s.prompt_special_tokens
+            )
             C.release_between_phases(self.loaded)
             t1 = time.perf_counter()
             context_tokens = ctx.num_tokens
             hooks.enter("answer")
-            text, ids = decode_text(self.loaded, ctx, max_new_tokens=s.max_new_tokens, do_sample=s.do_sample,
-                                    temperature=s.temperature, generator=generator, hooks=hooks, session=session)
+            text, ids = decode_text(
+                self.loaded,
+                ctx,
+                max_new_tokens=s.max_new_tokens,
+                do_sample=s.do_sample,
+                temperature=s.temperature,
+                generator=generator,
+                hooks=hooks,
+                session=session,
+            )
             t2 = time.perf_counter()
-        info = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "context_tokens": {"gen": context_tokens},
-                "cache_bytes": ctx.cache.nbytes()}
+        info = {
+            "prefill_s": t1 - t0,
+            "decode_s": t2 - t1,
+            "context_tokens": {"gen": context_tokens},
+            "cache_bytes": ctx.cache.nbytes(),
+        }
         logger.info("understanding: %d context tokens, %d new tokens, %.2fs", context_tokens, len(ids), t2 - t0)
         return UnderstandingResult(text=text, token_ids=ids, info=info, kv_report=session.finish())
 
-    def text_to_image(self, prompt: str, settings: GenerationSettings | None = None, *, seed: int | None = 0,
-                      hooks: RunHooks | None = None, given: GivenLatents | None = None, vae=None,
-                      decode: bool = True, return_step0_velocity: bool = False) -> GenerationResult:
+    def text_to_image(
+        self,
+        prompt: str,
+        settings: GenerationSettings | None = None,
+        *,
+        seed: int | None = 0,
+        hooks: RunHooks | None = None,
+        given: GivenLatents | None = None,
+        vae=None,
+        decode: bool = True,
+        return_step0_velocity: bool = False,
+    ) -> GenerationResult:
         """Text-to-image (docs/bagel.md §5.3) of ``settings.width x settings.height`` pixels.
 
         Args:
@@ -257,12 +334,32 @@ class BagelPipeline:
         check_output_size(self.loaded.config, s.width, s.height)
         if given.source_latent is not None:
             raise ValueError("`source_latent` is the latent of an edit's source image; text-to-image takes none")
-        return self._generate("t2i", prompt, None, s, seed=seed, hooks=hooks, given=given, vae=vae, decode=decode,
-                              return_step0_velocity=return_step0_velocity)
+        return self._generate(
+            "t2i",
+            prompt,
+            None,
+            s,
+            seed=seed,
+            hooks=hooks,
+            given=given,
+            vae=vae,
+            decode=decode,
+            return_step0_velocity=return_step0_velocity,
+        )
 
-    def edit(self, prompt: str, image: Image.Image, settings: GenerationSettings | None = None, *,
-             seed: int | None = 0, hooks: RunHooks | None = None, given: GivenLatents | None = None, vae=None,
-             decode: bool = True, return_step0_velocity: bool = False) -> GenerationResult:
+    def edit(
+        self,
+        prompt: str,
+        image: Image.Image,
+        settings: GenerationSettings | None = None,
+        *,
+        seed: int | None = 0,
+        hooks: RunHooks | None = None,
+        given: GivenLatents | None = None,
+        vae=None,
+        decode: bool = True,
+        return_step0_velocity: bool = False,
+    ) -> GenerationResult:
         """Edit ``image`` following ``prompt`` (docs/bagel.md §5.4); output size = the VAE-resized source size, or
         that of ``given.source_latent``.
 
@@ -279,12 +376,33 @@ class BagelPipeline:
         check_image(image, "image")
         s = _checked("settings", settings, GenerationSettings, EDIT_DEFAULTS, PRESET)
         hooks, given = _call_parts(hooks, given)
-        return self._generate("edit", prompt, image, s, seed=seed, hooks=hooks, given=given, vae=vae, decode=decode,
-                              return_step0_velocity=return_step0_velocity)
+        return self._generate(
+            "edit",
+            prompt,
+            image,
+            s,
+            seed=seed,
+            hooks=hooks,
+            given=given,
+            vae=vae,
+            decode=decode,
+            return_step0_velocity=return_step0_velocity,
+        )
 
-    def _generate(self, task: Task, prompt: str, image: Image.Image | None, s: GenerationSettings, *,
-                  seed: int | None, hooks: RunHooks, given: GivenLatents, vae, decode: bool,
-                  return_step0_velocity: bool) -> GenerationResult:
+    def _generate(
+        self,
+        task: Task,
+        prompt: str,
+        image: Image.Image | None,
+        s: GenerationSettings,
+        *,
+        seed: int | None,
+        hooks: RunHooks,
+        given: GivenLatents,
+        vae,
+        decode: bool,
+        return_step0_velocity: bool,
+    ) -> GenerationResult:
         """Shared body of :meth:`text_to_image` (``image`` None) and :meth:`edit`."""
         seed = check_seed(seed)
         check_bool("decode", decode)
@@ -292,8 +410,13 @@ class BagelPipeline:
             self.resolve_vae(vae, "encode the source image")
         if decode:
             self.resolve_vae(vae, "decode the latents")
-        used = generation_positions(self.loaded.tokenizer, prompt, has_image=image is not None, think=s.think,
-                                    special_tokens=s.prompt_special_tokens)
+        used = generation_positions(
+            self.loaded.tokenizer,
+            prompt,
+            has_image=image is not None,
+            think=s.think,
+            special_tokens=s.prompt_special_tokens,
+        )
         check_positions(self.loaded.config, used, 0, "prompt")
         if s.think:  # the plan is decoded (<= think_max_new_tokens positions) and then re-fed as a text block
             check_positions(self.loaded.config, used, s.think_max_new_tokens + 2, "think_max_new_tokens")
@@ -303,11 +426,23 @@ class BagelPipeline:
             t0 = time.perf_counter()
             hooks.enter("contexts")
             # as build_generation_contexts, with the prompt read as the settings say
-            encoder = (self.resolve_vae(vae, "encode the source image")
-                       if image is not None and given.source_latent is None else None)
-            contexts = C.build_generation_contexts(self.loaded, session, prompt, image=image, size=(s.width, s.height),
-                                                   think=s.think, generator=generator, given=given, vae=encoder,
-                                                   special_tokens=s.prompt_special_tokens)
+            encoder = (
+                self.resolve_vae(vae, "encode the source image")
+                if image is not None and given.source_latent is None
+                else None
+            )
+            contexts = C.build_generation_contexts(
+                self.loaded,
+                session,
+                prompt,
+                image=image,
+                size=(s.width, s.height),
+                think=s.think,
+                generator=generator,
+                given=given,
+                vae=encoder,
+                special_tokens=s.prompt_special_tokens,
+            )
             C.release_between_phases(self.loaded)
             t1 = time.perf_counter()
             think_text = None
@@ -315,9 +450,16 @@ class BagelPipeline:
                 hooks.enter("think")
                 plan_ctx = Context(session.fork(contexts.gen.cache, "plan"), contexts.gen.rope)
                 think_text, _ = decode_text(
-                    self.loaded, plan_ctx, max_new_tokens=s.think_max_new_tokens, do_sample=s.think_do_sample,
-                    temperature=s.think_temperature, generator=generator, hooks=hooks, draw_discarded_sample=True,
-                    session=session, branch="plan",
+                    self.loaded,
+                    plan_ctx,
+                    max_new_tokens=s.think_max_new_tokens,
+                    do_sample=s.think_do_sample,
+                    temperature=s.think_temperature,
+                    generator=generator,
+                    hooks=hooks,
+                    draw_discarded_sample=True,
+                    session=session,
+                    branch="plan",
                 )
                 session.release("plan")
                 del plan_ctx
@@ -331,13 +473,22 @@ class BagelPipeline:
             else:
                 x = check_noise("initial_noise", given.initial_noise, shape).float().clone()
             hooks.enter("denoise")
-            x, forwards, step0 = denoise(self.loaded, contexts, x.to(self.loaded.device), s, hooks=hooks,
-                                         return_step0_velocity=return_step0_velocity)
+            x, forwards, step0 = denoise(
+                self.loaded,
+                contexts,
+                x.to(self.loaded.device),
+                s,
+                hooks=hooks,
+                return_step0_velocity=return_step0_velocity,
+            )
             t3 = time.perf_counter()
             width, height, branches = contexts.width, contexts.height, contexts.branches()
-            info = {"context_tokens": {name: ctx.num_tokens for name, ctx in branches.items()},
-                    "cache_bytes": {name: ctx.cache.nbytes() for name, ctx in branches.items()},
-                    "forwards": forwards, "source_latent": contexts.source_latent}
+            info = {
+                "context_tokens": {name: ctx.num_tokens for name, ctx in branches.items()},
+                "cache_bytes": {name: ctx.cache.nbytes() for name, ctx in branches.items()},
+                "forwards": forwards,
+                "source_latent": contexts.source_latent,
+            }
             kv_report = session.finish()
             # The caches are done with: free them before the VAE decode, the largest activation of a large image
             # (a 1024 px decode needs 4.3 GB; BAGEL-7B's full KV of that edit is 1.0 GB).
@@ -350,14 +501,27 @@ class BagelPipeline:
             latent, picture = decode_latents(self.loaded, x, height, width, chosen)
             t4 = time.perf_counter()
         scale, shift = latent_factors(self.loaded.config)
-        info.update({
-            "prefill_s": t1 - t0, "think_s": t2 - t1, "denoise_s": t3 - t2, "decode_s": t4 - t3,
-            "vae": None if chosen is None else ("checkpoint" if chosen is self.loaded.vae else "external"),
-            "latent_format": {"convention": "bagel", "scale_factor": scale, "shift_factor": shift},
-        })
+        info.update(
+            {
+                "prefill_s": t1 - t0,
+                "think_s": t2 - t1,
+                "denoise_s": t3 - t2,
+                "decode_s": t4 - t3,
+                "vae": None if chosen is None else ("checkpoint" if chosen is self.loaded.vae else "external"),
+                "latent_format": {"convention": "bagel", "scale_factor": scale, "shift_factor": shift},
+            }
+        )
         logger.info("%s %dx%d: %d steps in %.2fs", task, width, height, s.num_steps, t3 - t2)
-        return GenerationResult(image=picture, latents=latent, num_steps=s.num_steps, seed=seed, info=info,
-                                think_text=think_text, step0_velocity=step0, kv_report=kv_report)
+        return GenerationResult(
+            image=picture,
+            latents=latent,
+            num_steps=s.num_steps,
+            seed=seed,
+            info=info,
+            think_text=think_text,
+            step0_velocity=step0,
+            kv_report=kv_report,
+        )
 
 
 __all__ = ["BagelPipeline", "GenerationResult", "UnderstandingResult"]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from torch import Tensor
 
@@ -58,8 +59,9 @@ class RunHooks:
         if isinstance(proposed, Tensor):
             if not isinstance(chosen, Tensor) or chosen.shape != proposed.shape or not chosen.is_floating_point():
                 got = tuple(chosen.shape) if isinstance(chosen, Tensor) else type(chosen).__name__
-                raise ValueError(f"`steer` must return the next latent as a float tensor of shape "
-                                 f"{tuple(proposed.shape)}, got {got}")
+                raise ValueError(
+                    f"`steer` must return the next latent as a float tensor of shape {tuple(proposed.shape)}, got {got}"
+                )
             return chosen.to(device=proposed.device, dtype=proposed.dtype)
         if isinstance(chosen, bool) or not isinstance(chosen, int) or chosen < 0:
             raise ValueError(f"`steer` must return the next token id as an int >= 0, got {chosen!r}")

@@ -106,9 +106,7 @@ def unpack_latent(tokens: Tensor, h: int, w: int, channels: int = 16, patch: int
     return grid.reshape(1, channels, h * patch, w * patch)
 
 
-def next_token(
-    logits: Tensor, *, do_sample: bool, temperature: float, generator: torch.Generator | None
-) -> int:
+def next_token(logits: Tensor, *, do_sample: bool, temperature: float, generator: torch.Generator | None) -> int:
     """Greedy argmax, or a multinomial draw from ``softmax(logits / temperature)``; ``logits`` ``[V]``."""
     if not do_sample:
         return int(torch.argmax(logits, dim=-1))

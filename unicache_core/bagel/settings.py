@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -62,8 +62,9 @@ def check_int(name: str, value: object, minimum: int, maximum: int | None = None
     return int(value)
 
 
-def check_float(name: str, value: object, minimum: float, *, strict: bool = False,
-                maximum: float | None = None) -> float:
+def check_float(
+    name: str, value: object, minimum: float, *, strict: bool = False, maximum: float | None = None
+) -> float:
     """``float(value)`` when it is a finite real number (Python or numpy, not a bool) ``>= minimum`` (``>`` with
     ``strict``) and ``<= maximum``."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
@@ -92,7 +93,7 @@ def check_prompt(prompt: object) -> str:
         prompt.encode("utf-8")
     except UnicodeEncodeError as exc:  # lone surrogates, e.g. undecodable bytes of a command-line argument
         raise ValueError(
-            f"`prompt` is not valid Unicode text: {prompt[exc.start:exc.end]!r} at index {exc.start} is a lone "
+            f"`prompt` is not valid Unicode text: {prompt[exc.start : exc.end]!r} at index {exc.start} is a lone "
             f"surrogate (an undecodable byte, e.g. from non-UTF-8 input); pass UTF-8 text"
         ) from None
     return prompt
@@ -113,8 +114,14 @@ def check_output_size(config, width: object, height: object) -> tuple[int, int]:
     return width, height
 
 
-def source_latent_size(config, rows: int, cols: int, *, name: str = "source_latent",
-                       fix: str = "encode a smaller image, or leave it None to encode the image here") -> tuple[int, int]:
+def source_latent_size(
+    config,
+    rows: int,
+    cols: int,
+    *,
+    name: str = "source_latent",
+    fix: str = "encode a smaller image, or leave it None to encode the image here",
+) -> tuple[int, int]:
     """Output ``(width, height)`` in pixels of an edit whose source latent is ``[1, C, rows, cols]``.
 
     Each latent cell is ``ae.downsample`` px (8 for BAGEL) and BAGEL packs ``latent_patch_size``² cells
@@ -197,10 +204,19 @@ class GenerationSettings:
         if self.cfg_renorm_type not in RENORM_TYPES:
             raise ValueError(f"`cfg_renorm_type` must be one of {RENORM_TYPES}, got {self.cfg_renorm_type!r}")
         timesteps, dts = timestep_schedule(self.num_timesteps, shift)
-        check_finite(torch.cat([timesteps, dts]), f"the flow schedule of timestep_shift={shift:g}",
-                     "choose a timestep_shift nearer 1 (official default 3.0)")
-        normalised = {"num_timesteps": steps, "timestep_shift": shift, "cfg_text_scale": text_scale, "cfg_img_scale": img_scale,
-                      "cfg_interval": (lo, hi), "cfg_renorm_min": renorm_min}
+        check_finite(
+            torch.cat([timesteps, dts]),
+            f"the flow schedule of timestep_shift={shift:g}",
+            "choose a timestep_shift nearer 1 (official default 3.0)",
+        )
+        normalised = {
+            "num_timesteps": steps,
+            "timestep_shift": shift,
+            "cfg_text_scale": text_scale,
+            "cfg_img_scale": img_scale,
+            "cfg_interval": (lo, hi),
+            "cfg_renorm_min": renorm_min,
+        }
         check_bool("prompt_special_tokens", self.prompt_special_tokens)
         if check_bool("think", self.think):
             normalised["think_max_new_tokens"] = check_int("think_max_new_tokens", self.think_max_new_tokens, 1)
@@ -214,7 +230,7 @@ class GenerationSettings:
         """Euler steps run (``num_timesteps - 1``)."""
         return self.num_timesteps - 1
 
-    def replace(self, **changes) -> "GenerationSettings":
+    def replace(self, **changes) -> GenerationSettings:
         """A copy with ``changes`` applied (checked again)."""
         return dataclasses.replace(self, **changes)
 
@@ -247,7 +263,7 @@ class UnderstandingSettings:
             object.__setattr__(self, "temperature", _check_temperature("temperature", self.temperature))
         check_bool("think", self.think)
 
-    def replace(self, **changes) -> "UnderstandingSettings":
+    def replace(self, **changes) -> UnderstandingSettings:
         """A copy with ``changes`` applied (checked again)."""
         return dataclasses.replace(self, **changes)
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
@@ -39,7 +40,8 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 #: The Qwen2 pre-tokenization pattern (the slow tokenizer's ``PRETOKENIZE_REGEX``).
 QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 ENDOFTEXT = "<|endoftext|>"
@@ -137,8 +139,10 @@ def read_merges(path: Path) -> list[tuple[str, str]]:
             raise CheckpointError(f"tokenizer file {path}, line {i + 1}: expected two tokens, got {raw!r}")
         merges.append((parts[0], parts[1]))
     if not merges:
-        raise CheckpointError(f"tokenizer file {path} holds no merges, so every word would be split into single "
-                              f"bytes the model never saw; re-download {path.name}")
+        raise CheckpointError(
+            f"tokenizer file {path} holds no merges, so every word would be split into single "
+            f"bytes the model never saw; re-download {path.name}"
+        )
     return merges
 
 
@@ -274,7 +278,7 @@ class BagelTokenizer:
         self.added_special_tokens: tuple[str, ...] = tuple(added_here)
 
     @classmethod
-    def from_dir(cls, checkpoint_dir: str | Path) -> "BagelTokenizer":
+    def from_dir(cls, checkpoint_dir: str | Path) -> BagelTokenizer:
         """Build from ``vocab.json`` + ``merges.txt`` + ``tokenizer_config.json`` in ``checkpoint_dir``.
 
         Raises:
@@ -301,8 +305,10 @@ class BagelTokenizer:
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise ValueError(f"`text` has a lone surrogate {text[exc.start]!r} at index {exc.start}, which is no "
-                                 f"character; pass valid Unicode text") from None
+                raise ValueError(
+                    f"`text` has a lone surrogate {text[exc.start]!r} at index {exc.start}, which is no "
+                    f"character; pass valid Unicode text"
+                ) from None
         return (self._tok if special_tokens else self._plain).encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -337,4 +343,11 @@ def check_bagel_tokens(tokenizer: BagelTokenizer, checkpoint_dir: str | Path) ->
         )
 
 
-__all__ = ["BagelTokenizer", "check_bagel_tokens", "QWEN2_PRETOKENIZE_REGEX", "read_added_tokens", "read_merges", "read_vocab"]
+__all__ = [
+    "BagelTokenizer",
+    "check_bagel_tokens",
+    "QWEN2_PRETOKENIZE_REGEX",
+    "read_added_tokens",
+    "read_merges",
+    "read_vocab",
+]

@@ -76,9 +76,7 @@ def parse_transform_config(data: dict[str, Any] | None, path: Path) -> Transform
     known = [f.name for f in fields(TransformConfig)]
     unknown = sorted(set(data) - set(known))
     if unknown:
-        raise CheckpointError(
-            f"config file {path}: unknown fields {unknown}; allowed: {known}. Remove or rename them"
-        )
+        raise CheckpointError(f"config file {path}: unknown fields {unknown}; allowed: {known}. Remove or rename them")
     rules: dict[str, ResizeConfig] = {}
     for name in known:
         base: ResizeConfig = getattr(default, name)

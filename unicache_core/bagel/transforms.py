@@ -49,8 +49,14 @@ def check_image(image: object, name: str = "image") -> Image.Image:
 #: Full scales a high-bit-depth single-band mode may have, smallest first: the pixels are scaled by 255 / the
 #: smallest one that holds every value. ``I;16*`` is 16-bit storage; ``I`` and ``F`` carry no range of their own
 #: (``I`` from a 32-bit file or from ``convert("I")`` of an 8-bit image; ``F`` in [0, 1] or on an integer scale).
-HIGH_BIT_DEPTH_FULL_SCALE = {"I;16": (65535,), "I;16L": (65535,), "I;16B": (65535,), "I;16N": (65535,),
-                             "I": (255, 65535), "F": (1.0, 255, 65535)}
+HIGH_BIT_DEPTH_FULL_SCALE = {
+    "I;16": (65535,),
+    "I;16L": (65535,),
+    "I;16B": (65535,),
+    "I;16N": (65535,),
+    "I": (255, 65535),
+    "F": (1.0, 255, 65535),
+}
 #: Modes with an alpha band that PIL converts to RGBA (composited on white like RGBA).
 ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa")
 

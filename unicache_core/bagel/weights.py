@@ -62,7 +62,8 @@ WEIGHT_DTYPES: dict[str, torch.dtype | None] = {
 
 
 def parse_weight_dtype(value: Any) -> str:
-    """A ``weight_dtype`` name (case-insensitive) or the matching ``torch.dtype`` → its name in :data:`WEIGHT_DTYPES`."""
+    """A ``weight_dtype`` name (case-insensitive) or the matching ``torch.dtype`` → its name in
+    :data:`WEIGHT_DTYPES`."""
     if isinstance(value, torch.dtype):
         for name, dtype in WEIGHT_DTYPES.items():
             if dtype == value:
@@ -114,15 +115,23 @@ def plain_storage_dtype(weight_dtype: Any, compute_dtype: torch.dtype) -> torch.
     check_compute_dtype(compute_dtype, "dtype")
     if name == "int8":
         plain = ", ".join(n for n in WEIGHT_DTYPES if n != "int8")
-        raise ValueError(f"`weight_dtype` 'int8' keeps a scale per output channel, which only the library's own "
-                         f"layers store; with a host's operations (HostOperations) choose one of {plain}, or pass "
-                         f"'int8' alone for the library's layers")
+        raise ValueError(
+            f"`weight_dtype` 'int8' keeps a scale per output channel, which only the library's own "
+            f"layers store; with a host's operations (HostOperations) choose one of {plain}, or pass "
+            f"'int8' alone for the library's layers"
+        )
     storage = WEIGHT_DTYPES[name]
     return compute_dtype if storage is None else storage
 
 
-def build_bagel(config: BagelConfig, *, weight_dtype: Any = "auto", dtype: torch.dtype = torch.bfloat16,
-                device: torch.device | str | None = "meta", operations: Any = None) -> Bagel:
+def build_bagel(
+    config: BagelConfig,
+    *,
+    weight_dtype: Any = "auto",
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = "meta",
+    operations: Any = None,
+) -> Bagel:
     """BAGEL with its Linear/Embedding weights stored as ``weight_dtype``, computing in ``dtype``.
 
     Args:
@@ -144,11 +153,22 @@ def build_bagel(config: BagelConfig, *, weight_dtype: Any = "auto", dtype: torch
     """
     head = head_storage_dtype(weight_dtype, dtype)
     if operations is None:
-        model = Bagel(config, operations=weight_operations(weight_dtype, dtype), dtype=dtype, device=device,
-                      head_operations=None if head is None else weight_operations(head, dtype))
+        model = Bagel(
+            config,
+            operations=weight_operations(weight_dtype, dtype),
+            dtype=dtype,
+            device=device,
+            head_operations=None if head is None else weight_operations(head, dtype),
+        )
     else:
-        model = Bagel(config, operations=check_operations(operations), dtype=plain_storage_dtype(weight_dtype, dtype),
-                      compute_dtype=dtype, device=device, head_dtype=head)
+        model = Bagel(
+            config,
+            operations=check_operations(operations),
+            dtype=plain_storage_dtype(weight_dtype, dtype),
+            compute_dtype=dtype,
+            device=device,
+            head_dtype=head,
+        )
     model.requires_grad_(False)
     return model.eval()
 
@@ -168,8 +188,9 @@ def checkpoint_shapes(model: nn.Module) -> dict[str, torch.Size]:
     return shapes
 
 
-def assign_checkpoint_tensor(model: nn.Module, name: str, tensor: Tensor, *,
-                             device: torch.device | str | None = None) -> None:
+def assign_checkpoint_tensor(
+    model: nn.Module, name: str, tensor: Tensor, *, device: torch.device | str | None = None
+) -> None:
     """Convert one checkpoint tensor to its storage in ``model`` and put it in place (replacing a meta tensor).
 
     A low-precision layer's ``weight`` is quantized where ``tensor`` is (its scale set alongside); every other

@@ -11,8 +11,13 @@ policy table of UniCache in :mod:`.policy_table`.
 from .compressing_cache import CompressingKVCache, CompressionSession
 from .config import METHODS, KVConfig, parse_kv_target
 from .defaults import DEFAULT_K90_THRESHOLD, DEFAULT_REDUCTION
-from .policy_table import (CHECKPOINT_POLICY_FILE, PolicyTable, PolicyTableError, paper_policy_table,
-                           resolve_policy_table)
+from .policy_table import (
+    CHECKPOINT_POLICY_FILE,
+    PolicyTable,
+    PolicyTableError,
+    paper_policy_table,
+    resolve_policy_table,
+)
 from .registry import make_cache_factory
 from .report import REPORT_FORMAT
 from .routing import PolicyKind, k90, route

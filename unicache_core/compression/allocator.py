@@ -7,7 +7,7 @@ saturated types cannot take. Pure functions over plain sequences.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def _check(capacities: Sequence[float], weights: Sequence[float], total: float) -> None:

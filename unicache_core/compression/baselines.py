@@ -10,7 +10,7 @@ matched to the same byte target.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -88,8 +88,9 @@ def vlcache_layer_budgets(sparsities: Sequence[float], total: int, num_tokens: i
     if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
         raise ValueError(f"`num_tokens` must be an int >= 1, got {num_tokens!r}")
     if not isinstance(total, int) or isinstance(total, bool) or not n_layers <= total <= n_layers * num_tokens:
-        raise ValueError(f"`total` must be an int in [{n_layers}, {n_layers * num_tokens}] "
-                         f"(1..T tokens per layer), got {total!r}")
+        raise ValueError(
+            f"`total` must be an int in [{n_layers}, {n_layers * num_tokens}] (1..T tokens per layer), got {total!r}"
+        )
     extra = allocate_integer([num_tokens - 1] * n_layers, [1.0 - g for g in sparsities], total - n_layers)
     return [1 + e for e in extra]
 
@@ -139,7 +140,7 @@ class SnapKVMethod(GlobalEvictionMethod):
             return None  # denoising latents are not in the key set
         n = cache.layer(layer).appended_tokens
         forced = torch.zeros(n, dtype=torch.bool)
-        forced[max(0, n - cache.session.config.window):] = True
+        forced[max(0, n - cache.session.config.window) :] = True
         return forced
 
 
@@ -156,8 +157,11 @@ class PyramidKVMethod(SnapKVMethod):
         total = rows[0]
         keep = sum(budgets) / len(budgets)
         window = min(cache.session.config.window, total)
-        pyramid = pyramid_layer_budgets(total, window, 1.0 - min(1.0, keep / total), len(rows), self.beta) \
-            if keep < total else [total] * len(rows)
+        pyramid = (
+            pyramid_layer_budgets(total, window, 1.0 - min(1.0, keep / total), len(rows), self.beta)
+            if keep < total
+            else [total] * len(rows)
+        )
         # never above the matched mean in total: trim the rounding surplus from the deepest layers
         surplus = sum(pyramid) - sum(budgets)
         layer = len(pyramid) - 1
@@ -203,8 +207,7 @@ class VLCacheMethod(GlobalEvictionMethod):
         total = sum(budgets)
         if not rows or min(rows) == 0 or total < len(rows):
             return budgets
-        sparsity = [cache.state[i].sparsity if cache.state[i].sparsity is not None else 0.0
-                    for i in range(len(rows))]
+        sparsity = [cache.state[i].sparsity if cache.state[i].sparsity is not None else 0.0 for i in range(len(rows))]
         cap = min(rows)
         total = min(total, cap * len(rows))
         return vlcache_layer_budgets(sparsity, total, cap)
@@ -231,25 +234,48 @@ class KIVIMethod(CompressionMethod):
             h, d, _, _ = st._kv_meta
             stores = [st.stores[i] for i in idx]
             n = sum(s.num_tokens for s in stores)
-            segment = Segment(full_rows=n, held_rows=n, held_bits=FULL_BITS, held_bytes=sum(s.nbytes() for s in stores),
-                              shared_rows=shared_rows(stores), num_kv_heads=h, head_dim=d,
-                              elem=cache.row_bytes(layer) // (2 * h * d))
+            segment = Segment(
+                full_rows=n,
+                held_rows=n,
+                held_bits=FULL_BITS,
+                held_bytes=sum(s.nbytes() for s in stores),
+                shared_rows=shared_rows(stores),
+                num_kv_heads=h,
+                head_dim=d,
+                elem=cache.row_bytes(layer) // (2 * h * d),
+            )
             budget = floor_bytes(ratio, cache.managed_full_bytes(layer))
             cache.state[layer].budgets = {"candidate": budget}
             if ratio >= 1.0:
                 continue  # the target keeps everything: nothing is quantized
-            choice = next((c for bits, group in lookup_order(geometry)
-                           if (c := segment.quantized(n, bits, group, geometry, budget)) is not None), None)
+            choice = next(
+                (
+                    c
+                    for bits, group in lookup_order(geometry)
+                    if (c := segment.quantized(n, bits, group, geometry, budget)) is not None
+                ),
+                None,
+            )
             if choice is None:
                 choice = JointChoice(n, min(SUPPORTED_BITS), max(geometry.groups), 0)
                 need = segment.choice_bytes(choice)
                 kept = "it is used" if need < segment.held_bytes else "the rows stay as they are (it would hold more)"
                 cache.state[layer].flags["candidate"] = (
                     f"no KIVI setting fits {budget} B for {n} rows: the smallest is {choice.bits}-bit, "
-                    f"G{choice.group}, R0 ({need} B); {kept}")
+                    f"G{choice.group}, R0 ({need} B); {kept}"
+                )
             if segment.choice_bytes(choice) < segment.held_bytes:  # never a store that holds more
                 quantize(st, idx, choice.bits, choice.group, choice.residual)
 
 
-__all__ = ["H2OMethod", "KIVIMethod", "PyramidKVMethod", "SnapKVMethod", "StreamingLLMMethod", "VLCacheMethod",
-           "pyramid_layer_budgets", "sink_recency_scores", "vlcache_layer_budgets"]
+__all__ = [
+    "H2OMethod",
+    "KIVIMethod",
+    "PyramidKVMethod",
+    "SnapKVMethod",
+    "StreamingLLMMethod",
+    "VLCacheMethod",
+    "pyramid_layer_budgets",
+    "sink_recency_scores",
+    "vlcache_layer_budgets",
+]

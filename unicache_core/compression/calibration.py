@@ -78,8 +78,12 @@ class CalibrationSession(CompressionSession):
     def __init__(self, request: RequestInfo, config: KVConfig | None = None):
         self.pending: dict[str, tuple[str, int | None]] = {}
         self.records: list[list] = []
-        super().__init__(request, CalibrationMethod(), config or KVConfig(method="full"),
-                         {"path": None, "source": "calibration", "warning": None})
+        super().__init__(
+            request,
+            CalibrationMethod(),
+            config or KVConfig(method="full"),
+            {"path": None, "source": "calibration", "warning": None},
+        )
 
     def _harvest(self, branch: str) -> None:
         phase, step = self.pending.pop(branch)
@@ -121,8 +125,7 @@ class CalibrationSession(CompressionSession):
         for branch in list(self.pending):
             self._harvest(branch)
         report = super().finish()
-        report["calibration"] = {"fields": ["branch", "layer", "step", "type", "k90", "mass"],
-                                 "records": self.records}
+        report["calibration"] = {"fields": ["branch", "layer", "step", "type", "k90", "mass"], "records": self.records}
         return report
 
 

@@ -45,7 +45,7 @@ _POOLED = object()
 class CompressingKVCache(SegmentedKVCache):
     """Segmented cache of one branch, compressed by ``session.method`` (see the module docstring)."""
 
-    def __init__(self, session: "CompressionSession", branch: str):
+    def __init__(self, session: CompressionSession, branch: str):
         super().__init__(session.request.num_layers, task=session.request.task, branch=branch)
         self.session = session
         self.types = torch.zeros(0, dtype=torch.int8)  # [T] TokenType of each append index
@@ -68,7 +68,7 @@ class CompressingKVCache(SegmentedKVCache):
         self._types = value
         self._type_rows: dict[int, dict[TokenType, int]] = {}  # prefix length -> its row count per type
 
-    def clone(self, *, branch: str | None = None) -> "CompressingKVCache":
+    def clone(self, *, branch: str | None = None) -> CompressingKVCache:
         other = super().clone(branch=branch)
         other.types = self.types  # shared prefix, its own memo of type_rows
         other.state = [state.copy() for state in self.state]
@@ -85,8 +85,14 @@ class CompressingKVCache(SegmentedKVCache):
         if self._plan.compress_before:
             self.session.compress(self, call)
         if self._plan.observe or self._plan.score:
-            logger.debug("%s %s step %s: observe=%s score=%s", self.branch, call.phase, call.step,
-                         self._plan.observe, self._plan.score)
+            logger.debug(
+                "%s %s step %s: observe=%s score=%s",
+                self.branch,
+                call.phase,
+                call.step,
+                self._plan.observe,
+                self._plan.score,
+            )
         if call.update:
             types = call.token_types.detach().to("cpu", torch.int8)
             self.types = torch.cat([self.types, types])
@@ -121,12 +127,21 @@ class CompressingKVCache(SegmentedKVCache):
 
     # ------------------------------------------------------------------ statistics
 
-    def _observe(self, layer: int, q: Tensor, k_new: Tensor, res: LayerAttention, call: AttentionCall,
-                 plan: CallPlan) -> None:
+    def _observe(
+        self, layer: int, q: Tensor, k_new: Tensor, res: LayerAttention, call: AttentionCall, plan: CallPlan
+    ) -> None:
         st = self.layer(layer)
         ls = self.state[layer]
-        parts = [(_POOLED if ls.pooled and store.token_type == TokenType.UNKNOWN and store.kind != "full"
-                  else store.token_type, lse) for store, lse in zip(st.stores, res.store_lse) if store.num_tokens]
+        parts = [
+            (
+                _POOLED
+                if ls.pooled and store.token_type == TokenType.UNKNOWN and store.kind != "full"
+                else store.token_type,
+                lse,
+            )
+            for store, lse in zip(st.stores, res.store_lse)
+            if store.num_tokens
+        ]
         if res.new_lse is not None:
             parts.append((TokenType.CURRENT_LATENT if call.phase == "denoise" else TokenType.UNKNOWN, res.new_lse))
         masses: dict[TokenType, float] = {}
@@ -143,17 +158,19 @@ class CompressingKVCache(SegmentedKVCache):
                 masses.pop(TokenType.UNKNOWN, None)
                 types = self.types  # begin_call already appended the new block's types
                 per_key = dense.sum(dim=1).cpu() / (n_q * dense.shape[1])
-                tail = per_key[st.appended_tokens:]
-                for t in torch.unique(types[st.appended_tokens: st.appended_tokens + tail.shape[0]]).tolist():
-                    sel = types[st.appended_tokens: st.appended_tokens + tail.shape[0]] == t
+                tail = per_key[st.appended_tokens :]
+                for t in torch.unique(types[st.appended_tokens : st.appended_tokens + tail.shape[0]]).tolist():
+                    sel = types[st.appended_tokens : st.appended_tokens + tail.shape[0]] == t
                     masses[TokenType(t)] = masses.get(TokenType(t), 0.0) + float(tail[sel].sum())
         ls.masses = masses
         if call.phase in ("denoise", "decode") and call.step is not None:
-            self.session.stats.update(layer, int(call.step), {t: m for t, m in masses.items() if t in CANDIDATE_TYPES},
-                                      branch=self.branch)
+            self.session.stats.update(
+                layer, int(call.step), {t: m for t, m in masses.items() if t in CANDIDATE_TYPES}, branch=self.branch
+            )
 
-    def _score(self, layer: int, q: Tensor, k_new: Tensor, res: LayerAttention, call: AttentionCall,
-               plan: CallPlan) -> tuple[Tensor, int]:
+    def _score(
+        self, layer: int, q: Tensor, k_new: Tensor, res: LayerAttention, call: AttentionCall, plan: CallPlan
+    ) -> tuple[Tensor, int]:
         st = self.layer(layer)
         ls = self.state[layer]
         if 0 < plan.num_queries < q.shape[0]:
@@ -174,8 +191,13 @@ class CompressingKVCache(SegmentedKVCache):
                 rows = torch.arange(q.shape[0], device=q.device) if idx is None else idx
                 visible = torch.arange(tn, device=q.device)[None, :] <= rows[:, None]
         # every resident row that can be scored, in one pass (protected rows only for the sparsity count)
-        scored = [store for store in st.stores if store.num_tokens and store.score_keys() is not None
-                  and (plan.sparsity or store.token_type not in PROTECTED_TYPES)]
+        scored = [
+            store
+            for store in st.stores
+            if store.num_tokens
+            and store.score_keys() is not None
+            and (plan.sparsity or store.token_type not in PROTECTED_TYPES)
+        ]
         keys, index = _scored_rows(scored, hkv)
         merged = call.update and visible is None and tn > 0
         if merged:  # every query sees the whole new block: its keys are scored in the same pass
@@ -200,7 +222,7 @@ class CompressingKVCache(SegmentedKVCache):
                 valid += qs.shape[0] * keys.shape[0]
         if call.update and not merged:
             scores, c = key_scores(qs, k_new, lse, visible=visible, count_above=thresholds)
-            dense[st.appended_tokens:] += scores
+            dense[st.appended_tokens :] += scores
             if c is not None:
                 counts += c
                 valid += int(visible.sum()) if visible is not None else qs.shape[0] * tn
@@ -269,8 +291,11 @@ class CompressingKVCache(SegmentedKVCache):
                 entry["rows_per_head"] += store.num_tokens / self.num_layers
                 entry["stores"][store.kind] = entry["stores"].get(store.kind, 0) + 1
                 if store.token_type in MANAGED_TYPES:
-                    entry["policy"] = {"full": "full", "evicted": "evict", "quantized": "quantize"}[store.kind] \
-                        if entry["policy"] in ("protect", "full") else entry["policy"]
+                    entry["policy"] = (
+                        {"full": "full", "evicted": "evict", "quantized": "quantize"}[store.kind]
+                        if entry["policy"] in ("protect", "full")
+                        else entry["policy"]
+                    )
                 if store.kind == "quantized":
                     entry["bits"], entry["group_size"], entry["residual"] = store.bits, store.group_size, store.residual
             for name, budget in ls.budgets.items():
@@ -293,8 +318,9 @@ class CompressingKVCache(SegmentedKVCache):
 class CompressionSession(CacheSession):
     """Per-request state of a compressing method (see the module docstring)."""
 
-    def __init__(self, request: RequestInfo, method: CompressionMethod, config: KVConfig,
-                 policy_info: dict | None = None):
+    def __init__(
+        self, request: RequestInfo, method: CompressionMethod, config: KVConfig, policy_info: dict | None = None
+    ):
         super().__init__(request)
         self.method = method
         self.config = config

@@ -36,8 +36,10 @@ def parse_kv_target(value: Any) -> float | int | None:
             except ValueError:
                 raise ValueError(f"`kv_target` {value!r} is not a percentage like '20%'") from None
             if not math.isfinite(percent) or not 0.0 < percent <= 100.0:
-                raise ValueError(f"`kv_target` {value!r} is outside (0%, 100%]; give the share of the KV to keep, "
-                                 f"e.g. 20% (5x less KV)")
+                raise ValueError(
+                    f"`kv_target` {value!r} is outside (0%, 100%]; give the share of the KV to keep, "
+                    f"e.g. 20% (5x less KV)"
+                )
             return percent / 100.0
         match = _SIZE.match(text)
         if not match:
@@ -46,8 +48,10 @@ def parse_kv_target(value: Any) -> float | int | None:
         if unit:  # a size is always a byte count, even when it comes out as 1
             size = int(number * _UNITS[unit])
             if size <= 1:
-                raise ValueError(f"`kv_target` {value!r} is {size} byte(s), which holds no KV; give a size of at "
-                                 f"least one KV row (e.g. 150MB) or a ratio (0.2, 20%)")
+                raise ValueError(
+                    f"`kv_target` {value!r} is {size} byte(s), which holds no KV; give a size of at "
+                    f"least one KV row (e.g. 150MB) or a ratio (0.2, 20%)"
+                )
             return size
         return parse_kv_target(number if "." in match.group(1) else int(match.group(1)))
     if isinstance(value, int):
@@ -136,8 +140,10 @@ class KVConfig:
         if self.method != "unicache":
             for name in ("rho", "rho_floor", "policy"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"`{name}` applies to the unicache method only, not to {self.method!r}; "
-                                     "use `kv_target` to set a baseline's memory")
+                    raise ValueError(
+                        f"`{name}` applies to the unicache method only, not to {self.method!r}; "
+                        "use `kv_target` to set a baseline's memory"
+                    )
         if self.policy is not None and not isinstance(self.policy, (str, Path, PolicyTable)):
             raise ValueError(f"`policy` must be a policy-table path or PolicyTable, got {type(self.policy).__name__}")
         _positive_int("score_queries", self.score_queries)
@@ -176,10 +182,19 @@ class KVConfig:
         policy = self.policy
         if isinstance(policy, PolicyTable):
             policy = policy.model_id
-        return {"method": self.method, "kv_target": self.kv_target, "rho": self.rho, "rho_floor": self.rho_floor,
-                "policy": None if policy is None else str(policy), "score_queries": self.score_queries,
-                "window": self.window, "recent_fraction": self.recent_fraction,
-                "kivi_residual": self.kivi_residual, "fit_ranges": self.fit_ranges, "fused": self.fused}
+        return {
+            "method": self.method,
+            "kv_target": self.kv_target,
+            "rho": self.rho,
+            "rho_floor": self.rho_floor,
+            "policy": None if policy is None else str(policy),
+            "score_queries": self.score_queries,
+            "window": self.window,
+            "recent_fraction": self.recent_fraction,
+            "kivi_residual": self.kivi_residual,
+            "fit_ranges": self.fit_ranges,
+            "fused": self.fused,
+        }
 
 
 __all__ = ["KVConfig", "METHODS", "parse_kv_target"]

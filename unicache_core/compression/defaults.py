@@ -79,8 +79,8 @@ KIVI_FLOOR = (2, 128)
 KIVI_GROUPS: tuple[int, ...] = (32, 64, 128)
 #: The group sizes a calibrated UniCache table offers its lookup (docs/compression.md §11.2): KIVI's and two
 #: finer ones. A segment shorter than 32 rows (a 19-token t2i prompt) then gets a key scale and zero per 8 rows
-#: instead of one pair for all its rows. On the bundled model at t2i 75% this moved UniCache's step fidelity from level with
-#: KIVI's (+0.32 +- 0.60 dB) to ahead of it (+1.04 +- 0.57 dB; docs/results/quality.json, same bytes).
+#: instead of one pair for all its rows. On the bundled model at t2i 75% this moved UniCache's step fidelity from level
+#: with KIVI's (+0.32 +- 0.60 dB) to ahead of it (+1.04 +- 0.57 dB; docs/results/quality.json, same bytes).
 UNICACHE_GROUPS: tuple[int, ...] = (8, 16, 32, 64, 128)
 #: UniCache quantizes a layer's quantized types as one store while their budgets together cannot hold every
 #: row at this many bits (or one type's budget is under its own 2-bit floor): below it only key groups are left

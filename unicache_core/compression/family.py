@@ -8,15 +8,16 @@ full precision is eviction, ``rows = n`` at b bits is quantization, anything bet
 Quantization geometry follows the segment and the budget (§11.2): the bits and group are the most
 precise whose every row fits the budget; the full-precision residual then takes the bytes left, up to
 ``min(residual_max, floor(rows * residual_share))`` rows (the type's best-scored rows); key groups run
-over the quantized rows, so a segment shorter than its group is one group of its own length. Every choice is costed with the REAL bytes its store will hold (payload, fp16 scale/zero,
-residual, int32 indices), and a choice never holds more than the rows' uncompressed K and V.
+over the quantized rows, so a segment shorter than its group is one group of its own length. Every choice is costed with
+the REAL bytes its store will hold (payload, fp16 scale/zero, residual, int32 indices), and a choice never holds more
+than the rows' uncompressed K and V.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from ..kv.quant import SUPPORTED_BITS, quantized_kv_nbytes
 from .defaults import JOINT_BITS, JOINT_LEVELS, KIVI_GROUPS, KIVI_RESIDUAL, KIVI_RESIDUAL_SHARE
@@ -50,8 +51,12 @@ class QuantGeometry:
         if isinstance(self.residual_max, bool) or not isinstance(self.residual_max, int) or self.residual_max < 0:
             raise ValueError(f"`residual_max` must be an int >= 0, got {self.residual_max!r}")
         share = self.residual_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not math.isfinite(share) \
-                or not 0.0 <= share <= 1.0:
+        if (
+            isinstance(share, bool)
+            or not isinstance(share, (int, float))
+            or not math.isfinite(share)
+            or not 0.0 <= share <= 1.0
+        ):
             raise ValueError(f"`residual_share` must be a number in [0, 1], got {share!r}")
 
     def residual(self, rows: int) -> int:
@@ -59,23 +64,27 @@ class QuantGeometry:
         return min(self.residual_max, int(math.floor(rows * self.residual_share + 1e-9)))
 
     def to_dict(self) -> dict:
-        return {"groups": list(self.groups), "residual_max": self.residual_max,
-                "residual_share": self.residual_share}
+        return {"groups": list(self.groups), "residual_max": self.residual_max, "residual_share": self.residual_share}
 
     @classmethod
-    def from_dict(cls, data: Mapping) -> "QuantGeometry":
+    def from_dict(cls, data: Mapping) -> QuantGeometry:
         """Parse ``{"groups": [...], "residual_max": R, "residual_share": s}`` (missing keys: the defaults)."""
         if not isinstance(data, Mapping):
             raise ValueError(f"quantization geometry must be an object, got {type(data).__name__}")
         unknown = set(data) - {"groups", "residual_max", "residual_share"}
         if unknown:
-            raise ValueError(f"quantization geometry has unknown keys {sorted(unknown)} "
-                             "(known: groups, residual_max, residual_share)")
+            raise ValueError(
+                f"quantization geometry has unknown keys {sorted(unknown)} "
+                "(known: groups, residual_max, residual_share)"
+            )
         groups = data.get("groups", list(KIVI_GROUPS))
         if not isinstance(groups, list):
             raise ValueError(f"`groups` must be a list of ints, got {groups!r}")
-        return cls(groups=tuple(groups), residual_max=data.get("residual_max", KIVI_RESIDUAL),
-                   residual_share=data.get("residual_share", KIVI_RESIDUAL_SHARE))
+        return cls(
+            groups=tuple(groups),
+            residual_max=data.get("residual_max", KIVI_RESIDUAL),
+            residual_share=data.get("residual_share", KIVI_RESIDUAL_SHARE),
+        )
 
 
 @dataclass(frozen=True)
@@ -172,8 +181,9 @@ def lookup_order(geometry: QuantGeometry) -> list[tuple[int, int]]:
     return [(bits, group) for bits in sorted(SUPPORTED_BITS, reverse=True) for group in geometry.groups]
 
 
-def choose(segment: Segment, kind: str, budget: int, geometry: QuantGeometry,
-           plan_bits: int | None = None) -> JointChoice:
+def choose(
+    segment: Segment, kind: str, budget: int, geometry: QuantGeometry, plan_bits: int | None = None
+) -> JointChoice:
     """The (rows, bits) of one type for ``budget`` bytes, never more rows or bits than it holds now.
 
     - ``evict``: the most full-precision rows that fit (the paper's H2O route);
@@ -191,8 +201,11 @@ def choose(segment: Segment, kind: str, budget: int, geometry: QuantGeometry,
     max_rows = segment.held_rows
     allowed = [b for b in FAMILY_BITS if b <= segment.held_bits]
     if kind == "evict":
-        return segment.most_rows(FULL_BITS, budget, geometry, max_rows) if FULL_BITS in allowed else \
-            segment.most_rows(min(allowed), budget, geometry, max_rows)
+        return (
+            segment.most_rows(FULL_BITS, budget, geometry, max_rows)
+            if FULL_BITS in allowed
+            else segment.most_rows(min(allowed), budget, geometry, max_rows)
+        )
     if kind == "joint":
         if plan_bits is None:
             raise ValueError("a joint entry needs the bits of its budget level (`plan_bits`)")
@@ -242,12 +255,17 @@ class JointPlan:
             raise ValueError("a joint plan needs at least one (budget level, bits) pair")
         levels = []
         for level, bits in self.levels:
-            if isinstance(level, bool) or not isinstance(level, (int, float)) or not math.isfinite(level) \
-                    or not 0.0 < level <= 1.0:
+            if (
+                isinstance(level, bool)
+                or not isinstance(level, (int, float))
+                or not math.isfinite(level)
+                or not 0.0 < level <= 1.0
+            ):
                 raise ValueError(f"a joint plan's budget level must be a number in (0, 1], got {level!r}")
             if bits not in FAMILY_BITS:
-                raise ValueError(f"a joint plan's bits must be one of {FAMILY_BITS} ({FULL_BITS} = full precision), "
-                                 f"got {bits!r}")
+                raise ValueError(
+                    f"a joint plan's bits must be one of {FAMILY_BITS} ({FULL_BITS} = full precision), got {bits!r}"
+                )
             levels.append((float(level), int(bits)))
         if len({lv for lv, _ in levels}) != len(levels):
             raise ValueError(f"a joint plan repeats a budget level: {self.levels!r}")
@@ -263,19 +281,20 @@ class JointPlan:
         return [{"budget": level, "bits": bits} for level, bits in self.levels]
 
     @classmethod
-    def from_list(cls, rows: Sequence) -> "JointPlan":
+    def from_list(cls, rows: Sequence) -> JointPlan:
         if not isinstance(rows, (list, tuple)):
             raise ValueError(f"a joint plan must be a list of {{budget, bits}} objects, got {rows!r}")
         pairs = []
         for row in rows:
             if not isinstance(row, Mapping) or set(row) != {"budget", "bits"}:
-                raise ValueError(f"a joint plan row must be {{\"budget\": r, \"bits\": b}}, got {row!r}")
+                raise ValueError(f'a joint plan row must be {{"budget": r, "bits": b}}, got {row!r}')
             pairs.append((row["budget"], row["bits"]))
         return cls(tuple(pairs))
 
 
-def grid_choices(segment: Segment, geometry: QuantGeometry, levels: Sequence[float] = JOINT_LEVELS,
-                 bits: Sequence[int] = JOINT_BITS) -> dict[tuple[float, int], JointChoice]:
+def grid_choices(
+    segment: Segment, geometry: QuantGeometry, levels: Sequence[float] = JOINT_LEVELS, bits: Sequence[int] = JOINT_BITS
+) -> dict[tuple[float, int], JointChoice]:
     """The offline sensitivity grid of one type (docs/compression.md §11.4): at each budget level, for each bit
     width, the most rows that fit ``level`` of the type's full bytes (matched bytes across the bit widths).
 
@@ -305,5 +324,16 @@ def plan_from_errors(errors: Mapping[tuple[float, int], float]) -> JointPlan:
     return JointPlan(tuple((level, b) for level, (_, b) in best.items()))
 
 
-__all__ = ["FAMILY_BITS", "FULL_BITS", "JointChoice", "JointPlan", "QuantGeometry", "Segment", "choose",
-           "grid_choices", "least_quantized_bytes", "lookup_order", "plan_from_errors"]
+__all__ = [
+    "FAMILY_BITS",
+    "FULL_BITS",
+    "JointChoice",
+    "JointPlan",
+    "QuantGeometry",
+    "Segment",
+    "choose",
+    "grid_choices",
+    "least_quantized_bytes",
+    "lookup_order",
+    "plan_from_errors",
+]

@@ -36,7 +36,7 @@ class FullMethod(CompressionMethod):
 class ReportingFullKVCache(FullKVCache):
     """A :class:`FullKVCache` that reports its attention time, attended rows and bytes to its session."""
 
-    def __init__(self, session: "FullSession", branch: str):
+    def __init__(self, session: FullSession, branch: str):
         super().__init__(session.request.num_layers, task=session.request.task, branch=branch)
         self.session = session
         self.state = [LayerState() for _ in range(self.num_layers)]
@@ -76,8 +76,9 @@ class ReportingFullKVCache(FullKVCache):
 
     def managed_full_bytes(self, layer: int | None = None) -> int:
         layers = range(self.num_layers) if layer is None else [layer]
-        return sum(self._row_bytes(i) * sum(n for t, n in self.type_rows(i).items() if t in CANDIDATE_TYPES)
-                   for i in layers)
+        return sum(
+            self._row_bytes(i) * sum(n for t, n in self.type_rows(i).items() if t in CANDIDATE_TYPES) for i in layers
+        )
 
     def split_bytes(self) -> tuple[int, int]:
         managed = self.managed_full_bytes()
@@ -90,8 +91,13 @@ class ReportingFullKVCache(FullKVCache):
         rows = self.type_rows(0)
         for t, n in rows.items():
             policy = "full" if t in CANDIDATE_TYPES else "protect"
-            out[t.name.lower()] = {"policy": policy, "bytes": n * sum(self._row_bytes(i) for i in range(self.num_layers)),
-                                   "rows_per_head": float(n), "full_rows": n, "stores": {"full": self.num_layers}}
+            out[t.name.lower()] = {
+                "policy": policy,
+                "bytes": n * sum(self._row_bytes(i) for i in range(self.num_layers)),
+                "rows_per_head": float(n),
+                "full_rows": n,
+                "stores": {"full": self.num_layers},
+            }
         return out
 
 

@@ -32,7 +32,7 @@ from .ops import evict, evicted_row_bytes, floor_bytes, rows_for_bytes
 from .protocol import CallPlan, CompressibleBranch, MethodSession
 
 
-class CompressionMethod(ABC):
+class CompressionMethod(ABC):  # noqa: B024 (replaced by the method redesign)
     """Base of every method. Subclasses implement :meth:`compress_layers`.
 
     Class attributes:
@@ -73,8 +73,13 @@ class CompressionMethod(ABC):
         task = session.request.task
         if task == "understanding":
             if call.phase == "prefill":
-                return CallPlan(observe=True, score=self.needs_scores, last_queries=True,
-                                num_queries=self._queries(session), sparsity=self.needs_sparsity)
+                return CallPlan(
+                    observe=True,
+                    score=self.needs_scores,
+                    last_queries=True,
+                    num_queries=self._queries(session),
+                    sparsity=self.needs_sparsity,
+                )
             if call.phase == "decode":
                 if cache.compressions == 0:  # the first decoded token already reads compressed KV
                     return CallPlan(observe=True, compress_before=True)
@@ -87,9 +92,14 @@ class CompressionMethod(ABC):
         step = int(call.step or 0)
         if self.is_compression_step(cache, step) and not _recompresses_unread_cache(cache, step):
             # keys are scored at the branch's first observation only (module docstring)
-            return CallPlan(observe=True, score=self.needs_scores and cache.compressions == 0,
-                            last_queries=self.window_queries,
-                            num_queries=self._queries(session), sparsity=self.needs_sparsity, compress_after=True)
+            return CallPlan(
+                observe=True,
+                score=self.needs_scores and cache.compressions == 0,
+                last_queries=self.window_queries,
+                num_queries=self._queries(session),
+                sparsity=self.needs_sparsity,
+                compress_after=True,
+            )
         return CallPlan()  # the fast path: nothing is measured on the steps that do not compress
 
     def plan_decode(self, cache: CompressibleBranch, call: AttentionCall) -> CallPlan:
@@ -111,8 +121,11 @@ class CompressionMethod(ABC):
 def candidate_indices(cache: CompressibleBranch, layer: int) -> list[int]:
     """Store indices of every non-empty candidate (or pooled) segment of ``layer``."""
     st = cache.layer(layer)
-    return [i for i, s in enumerate(st.stores)
-            if s.num_tokens and (s.token_type in CANDIDATE_TYPES or int(s.token_type) == 0)]
+    return [
+        i
+        for i, s in enumerate(st.stores)
+        if s.num_tokens and (s.token_type in CANDIDATE_TYPES or int(s.token_type) == 0)
+    ]
 
 
 class GlobalEvictionMethod(CompressionMethod):
@@ -168,8 +181,9 @@ class GlobalEvictionMethod(CompressionMethod):
                 continue  # the target keeps everything: the segment stays as it is
             st = cache.layer(layer)
             h, d, _, _ = st._kv_meta
-            if keep * evicted_row_bytes(h, d, cache.row_bytes(layer) // (2 * h * d)) >= \
-                    sum(st.stores[i].nbytes() for i in idx):
+            if keep * evicted_row_bytes(h, d, cache.row_bytes(layer) // (2 * h * d)) >= sum(
+                st.stores[i].nbytes() for i in idx
+            ):
                 continue  # the kept rows and their indices would hold as much as the rows do now
             scores = self.layer_scores(cache, layer)
             if scores is None:
@@ -177,8 +191,15 @@ class GlobalEvictionMethod(CompressionMethod):
             recent = 0
             if self.recent_fraction:
                 recent = min(keep, int(keep * self.recent_fraction + 0.5))
-            evict(cache.layer(layer), idx, min(keep, pool_rows[layer]), scores, recent=recent,
-                  forced=self.forced_rows(cache, layer), smooth_kernel=self.smooth_kernel)
+            evict(
+                cache.layer(layer),
+                idx,
+                min(keep, pool_rows[layer]),
+                scores,
+                recent=recent,
+                forced=self.forced_rows(cache, layer),
+                smooth_kernel=self.smooth_kernel,
+            )
 
 
 def _recompresses_unread_cache(cache: CompressibleBranch, step: int) -> bool:
@@ -190,8 +211,9 @@ def _recompresses_unread_cache(cache: CompressibleBranch, step: int) -> bool:
     and its compression cost 10% of a tiny model's step time for nothing.
     """
     info = cache.session.step
-    return cache.compressions > 0 and info is not None and info.phase in ("denoise", "decode") and \
-        step >= info.total - 1
+    return (
+        cache.compressions > 0 and info is not None and info.phase in ("denoise", "decode") and step >= info.total - 1
+    )
 
 
 __all__ = ["CompressionMethod", "GlobalEvictionMethod", "candidate_indices"]

@@ -13,12 +13,11 @@ import math
 import torch
 from torch import Tensor
 
-from ..kv.quant import (SCALE_DTYPE, SUPPORTED_BITS, QuantizedTensor, quantize_keys, quantize_values,
-                        quantized_kv_nbytes)
+from ..kv.quant import SCALE_DTYPE, QuantizedTensor, quantize_keys, quantize_values, quantized_kv_nbytes
 from ..kv.segmented_cache import SegmentedLayer
 from ..kv.stores import EvictedStore, FullStore, KVStore, QuantizedStore
 from ..kv.token_types import TokenType
-from .family import FULL_BITS, QuantGeometry
+from .family import FULL_BITS
 from .selection import residual_last, select_rows
 
 #: UniCache's bits/group lookup (docs/compression.md §8.6): (nominal retained ratio, bits, group size).
@@ -45,8 +44,9 @@ def rows_for_bytes(budget: int, num_kv_heads: int, head_dim: int, elem: int) -> 
     return max(0, int(budget) // evicted_row_bytes(num_kv_heads, head_dim, elem))
 
 
-def quantized_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, bits: int, group: int, residual: int,
-                    elem: int) -> int:
+def quantized_bytes(
+    num_tokens: int, num_kv_heads: int, head_dim: int, bits: int, group: int, residual: int, elem: int
+) -> int:
     """Bytes a :class:`QuantizedStore` of ``num_tokens`` rows holds (fp16 scale/zero, int32 index)."""
     return quantized_kv_nbytes(num_tokens, num_kv_heads, head_dim, bits, group, residual, elem) + 4 * num_tokens
 
@@ -55,8 +55,11 @@ def _per_head_rows(store: KVStore) -> tuple[Tensor, Tensor, Tensor]:
     """``(keys [Hkv, n, d], values [Hkv, n, d], token_index [Hkv, n])`` of a store (quantized rows dequantized)."""
     h = store.num_kv_heads
     if isinstance(store, FullStore):
-        return (store.keys.transpose(0, 1), store.values.transpose(0, 1),
-                store.token_index.long().unsqueeze(0).expand(h, -1))
+        return (
+            store.keys.transpose(0, 1),
+            store.values.transpose(0, 1),
+            store.token_index.long().unsqueeze(0).expand(h, -1),
+        )
     if isinstance(store, EvictedStore):
         return store.keys, store.values, store.keep_idx.long()
     if isinstance(store, QuantizedStore):
@@ -90,8 +93,14 @@ def pooled_type(stores: list[KVStore]) -> TokenType:
 
 
 def evict(
-    layer: SegmentedLayer, indices: list[int], keep: int, scores: Tensor, *, recent: int = 0,
-    forced: Tensor | None = None, smooth_kernel: int = 1,
+    layer: SegmentedLayer,
+    indices: list[int],
+    keep: int,
+    scores: Tensor,
+    *,
+    recent: int = 0,
+    forced: Tensor | None = None,
+    smooth_kernel: int = 1,
 ) -> KVStore:
     """Keep ``keep`` rows per KV head of the stores at ``indices`` (pooled), drop the rest for real.
 
@@ -116,19 +125,32 @@ def evict(
     keys, values, index = pool_rows(stores)
     pooled_scores = torch.gather(scores.float().t().to(index.device), 1, index)  # [Hkv, N]
     pooled_forced = None if forced is None else forced.to(index.device)[index]
-    rows = select_rows(pooled_scores, keep, recent=recent, forced=pooled_forced,
-                       smooth_kernel=smooth_kernel)  # [Hkv, keep], ascending = append order
+    rows = select_rows(
+        pooled_scores, keep, recent=recent, forced=pooled_forced, smooth_kernel=smooth_kernel
+    )  # [Hkv, keep], ascending = append order
     d = keys.shape[2]
     gather = rows.unsqueeze(-1).expand(-1, -1, d)
-    store = EvictedStore(torch.gather(keys, 1, gather).contiguous(), torch.gather(values, 1, gather).contiguous(),
-                         torch.gather(index, 1, rows).to(torch.int32), pooled_type(stores))
+    store = EvictedStore(
+        torch.gather(keys, 1, gather).contiguous(),
+        torch.gather(values, 1, gather).contiguous(),
+        torch.gather(index, 1, rows).to(torch.int32),
+        pooled_type(stores),
+    )
     layer.replace_many(list(indices), store)
     return store
 
 
 def compress_rows(
-    layer: SegmentedLayer, indices: list[int], keep: int, bits: int, group: int, residual: int,
-    scores: Tensor | None, *, recent: int = 0, fit_values: bool = False,
+    layer: SegmentedLayer,
+    indices: list[int],
+    keep: int,
+    bits: int,
+    group: int,
+    residual: int,
+    scores: Tensor | None,
+    *,
+    recent: int = 0,
+    fit_values: bool = False,
 ) -> KVStore:
     """Keep ``keep`` rows per KV head of the pooled stores at ``indices`` (chosen by ``scores``, as :func:`evict`)
     at ``bits`` (:data:`~unicache_core.compression.family.FULL_BITS`: an :class:`EvictedStore`; else a
@@ -150,8 +172,7 @@ def compress_rows(
     if keep >= total and shared_rows(stores):
         return quantize(layer, indices, bits, group, residual, scores, fit_values=fit_values)
     if len(stores) == 1 and keeps_value_codes(stores[0], bits, group):
-        return _shrink_quantized(layer, indices[0], keep, group, residual, scores, recent=recent,
-                                 fit_values=fit_values)
+        return _shrink_quantized(layer, indices[0], keep, group, residual, scores, recent=recent, fit_values=fit_values)
     keys, values, index = pool_rows(stores)
     pooled_scores = None if scores is None else torch.gather(scores.float().t().to(index.device), 1, index)
     position = _kept_positions(pooled_scores, keep, total, residual, recent)
@@ -159,8 +180,9 @@ def compress_rows(
         gather = position.unsqueeze(-1).expand(-1, -1, keys.shape[2])
         keys, values = torch.gather(keys, 1, gather), torch.gather(values, 1, gather)
         index = torch.gather(index, 1, position)
-    store = QuantizedStore.from_head_rows(keys.contiguous(), values.contiguous(), index, bits, group, residual,
-                                          pooled_type(stores), fit_values)
+    store = QuantizedStore.from_head_rows(
+        keys.contiguous(), values.contiguous(), index, bits, group, residual, pooled_type(stores), fit_values
+    )
     layer.replace_many(list(indices), store)
     return store
 
@@ -192,8 +214,17 @@ def keeps_value_codes(store: KVStore, bits: int, group: int) -> bool:
     return same_groups and qv.scale.dtype == SCALE_DTYPE
 
 
-def _shrink_quantized(layer: SegmentedLayer, index: int, keep: int, group: int, residual: int,
-                      scores: Tensor | None, *, recent: int = 0, fit_values: bool = False) -> QuantizedStore:
+def _shrink_quantized(
+    layer: SegmentedLayer,
+    index: int,
+    keep: int,
+    group: int,
+    residual: int,
+    scores: Tensor | None,
+    *,
+    recent: int = 0,
+    fit_values: bool = False,
+) -> QuantizedStore:
     """:func:`compress_rows` of one quantized store at its own bits (:func:`keeps_value_codes`): the same rows, order
     and store, but the value rows that stay quantized keep their codes and scales (no dequantize + quantize);
     only the keys (whose groups span rows) are quantized again."""
@@ -202,8 +233,9 @@ def _shrink_quantized(layer: SegmentedLayer, index: int, keep: int, group: int, 
     held = store.token_index.long()
     held = held if held.dim() == 2 else held.unsqueeze(0).expand(h, -1)  # [Hkv, T] in store order
     position = torch.argsort(held, dim=1)  # [Hkv, T] store rows in append order (the pooled order)
-    pooled_scores = None if scores is None else torch.gather(scores.float().t().to(held.device), 1,
-                                                            torch.gather(held, 1, position))
+    pooled_scores = (
+        None if scores is None else torch.gather(scores.float().t().to(held.device), 1, torch.gather(held, 1, position))
+    )
     kept = _kept_positions(pooled_scores, keep, store.num_tokens, residual, recent)
     if kept is not None:
         position = torch.gather(position, 1, kept)
@@ -216,17 +248,25 @@ def _shrink_quantized(layer: SegmentedLayer, index: int, keep: int, group: int, 
         qvalues = store.qvalues.select_tokens(kept_body, group)
     else:
         qvalues = quantize_values(_value_rows(store, kept_body), store.bits, group, fit=fit_values)
-    new = QuantizedStore(quantize_keys(keys[:, :body], store.bits, group), qvalues,
-                         keys[:, body:].clone(memory_format=torch.contiguous_format),
-                         _value_rows(store, position[:, body:]).contiguous(),
-                         torch.gather(held, 1, position).to(torch.int32), store.token_type, store.bits, group, residual,
-                         store.cache_dtype)
+    new = QuantizedStore(
+        quantize_keys(keys[:, :body], store.bits, group),
+        qvalues,
+        keys[:, body:].clone(memory_format=torch.contiguous_format),
+        _value_rows(store, position[:, body:]).contiguous(),
+        torch.gather(held, 1, position).to(torch.int32),
+        store.token_type,
+        store.bits,
+        group,
+        residual,
+        store.cache_dtype,
+    )
     layer.replace_many([index], new)
     return new
 
 
-def _requantize_shared(layer: SegmentedLayer, index: int, group: int, residual: int,
-                       scores: Tensor | None, fit_values: bool = False) -> QuantizedStore:
+def _requantize_shared(
+    layer: SegmentedLayer, index: int, group: int, residual: int, scores: Tensor | None, fit_values: bool = False
+) -> QuantizedStore:
     """:func:`quantize` of one quantized store whose heads share their rows, at its own bits
     (:func:`keeps_value_codes`): the same rows, order and store as :func:`quantize` gives, but the value rows that
     were quantized keep their codes and scales; only the keys (whose groups span rows) and the values of rows
@@ -254,11 +294,18 @@ def _requantize_shared(layer: SegmentedLayer, index: int, group: int, residual: 
         kept = torch.where(kept >= quantized, quantized + torch.searchsorted(joining, kept), kept)
     keys = _head_keys(store)[:, order]  # [Hkv, n, d]
     tail = order[body:].unsqueeze(0).expand(h, -1)
-    new = QuantizedStore(quantize_keys(keys[:, :body], store.bits, group),
-                         qvalues.select_tokens(kept.unsqueeze(0).expand(h, -1), group),
-                         keys[:, body:].clone(memory_format=torch.contiguous_format),
-                         _value_rows(store, tail).contiguous(), held[order].to(torch.int32), store.token_type,
-                         store.bits, group, residual, store.cache_dtype)
+    new = QuantizedStore(
+        quantize_keys(keys[:, :body], store.bits, group),
+        qvalues.select_tokens(kept.unsqueeze(0).expand(h, -1), group),
+        keys[:, body:].clone(memory_format=torch.contiguous_format),
+        _value_rows(store, tail).contiguous(),
+        held[order].to(torch.int32),
+        store.token_type,
+        store.bits,
+        group,
+        residual,
+        store.cache_dtype,
+    )
     layer.replace_many([index], new)
     return new
 
@@ -272,11 +319,19 @@ def _head_keys(store: QuantizedStore) -> Tensor:
 def _append_rows(first: QuantizedTensor, second: QuantizedTensor, group: int) -> QuantizedTensor:
     """Per-token quantized rows ``first`` then ``second`` (same bits and channel groups) as one tensor labelled
     with ``group``."""
+
     def rows(a: Tensor, b: Tensor) -> Tensor:
         return torch.cat([a, b], dim=1)
 
-    return QuantizedTensor(rows(first.packed, second.packed), rows(first.scale, second.scale),
-                           rows(first.zero, second.zero), first.bits, group, first.head_dim, first.axis)
+    return QuantizedTensor(
+        rows(first.packed, second.packed),
+        rows(first.scale, second.scale),
+        rows(first.zero, second.zero),
+        first.bits,
+        group,
+        first.head_dim,
+        first.axis,
+    )
 
 
 def _value_rows(store: QuantizedStore, position: Tensor) -> Tensor:
@@ -286,16 +341,25 @@ def _value_rows(store: QuantizedStore, position: Tensor) -> Tensor:
     if store.res_values.shape[1] == 0 or bool(in_body.all()):
         return store.qvalues.select_tokens(position).dequantize(store.cache_dtype)
     d = store.head_dim
-    exact = torch.gather(store.res_values.to(store.cache_dtype), 1,
-                         (position - quantized).clamp(min=0).unsqueeze(-1).expand(-1, -1, d))
+    exact = torch.gather(
+        store.res_values.to(store.cache_dtype), 1, (position - quantized).clamp(min=0).unsqueeze(-1).expand(-1, -1, d)
+    )
     if not bool(in_body.any()):  # every row from the residual: nothing to dequantize
         return exact
     rows = store.qvalues.select_tokens(position.clamp(max=quantized - 1)).dequantize(store.cache_dtype)
     return torch.where(in_body.unsqueeze(-1), rows, exact)
 
 
-def quantize(layer: SegmentedLayer, indices: list[int], bits: int, group: int, residual: int,
-             scores: Tensor | None = None, *, fit_values: bool = False) -> QuantizedStore:
+def quantize(
+    layer: SegmentedLayer,
+    indices: list[int],
+    bits: int,
+    group: int,
+    residual: int,
+    scores: Tensor | None = None,
+    *,
+    fit_values: bool = False,
+) -> QuantizedStore:
     """Quantize the (full or wholly quantized) stores at ``indices`` as one KIVI store, in append order; its
     ``residual`` full-precision rows are the best-scored ones (``scores [T_appended, Hkv]``, averaged over
     the KV heads) or, without scores, the newest. ``fit_values``: least-squares value ranges instead of min-max."""
@@ -312,16 +376,16 @@ def quantize(layer: SegmentedLayer, indices: list[int], bits: int, group: int, r
             vs.append(v)
             idx.append(store.token_index.long())
         else:
-            raise ValueError("rows that differ per KV head cannot be quantized as one shared segment "
-                             "(use compress_rows)")
+            raise ValueError(
+                "rows that differ per KV head cannot be quantized as one shared segment (use compress_rows)"
+            )
     index = torch.cat(idx)
     order = torch.argsort(index)
     if residual and scores is not None:
         row_scores = scores.float().mean(dim=1).to(index.device)[index[order]]
         order = order[residual_last(row_scores, residual)]
     keys, values = torch.cat(ks)[order], torch.cat(vs)[order]
-    store = QuantizedStore.from_kv(keys, values, index[order], bits, group, residual, pooled_type(stores),
-                                   fit_values)
+    store = QuantizedStore.from_kv(keys, values, index[order], bits, group, residual, pooled_type(stores), fit_values)
     layer.replace_many(list(indices), store)
     return store
 
@@ -331,5 +395,17 @@ def floor_bytes(ratio: float, full_bytes: int) -> int:
     return int(math.floor(ratio * full_bytes + 1e-9))
 
 
-__all__ = ["KIVI_LOOKUP", "compress_rows", "evict", "evicted_row_bytes", "floor_bytes", "keeps_value_codes",
-           "pool_rows", "pooled_type", "quantize", "quantized_bytes", "rows_for_bytes", "shared_rows"]
+__all__ = [
+    "KIVI_LOOKUP",
+    "compress_rows",
+    "evict",
+    "evicted_row_bytes",
+    "floor_bytes",
+    "keeps_value_codes",
+    "pool_rows",
+    "pooled_type",
+    "quantize",
+    "quantized_bytes",
+    "rows_for_bytes",
+    "shared_rows",
+]

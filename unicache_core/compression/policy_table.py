@@ -14,10 +14,10 @@ import json
 import logging
 import math
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from ..kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, TASKS, TokenType
 from .defaults import DEFAULT_K90_THRESHOLD, RHO0, UNICACHE_GROUPS
@@ -102,16 +102,18 @@ class PolicyTable:
         for (task, ttype), kind in self.entries.items():
             _check_task(task)
             if kind not in POLICY_KINDS:
-                raise ValueError(f"policy kind for ({task}, {TokenType(ttype).name}) must be one of "
-                                 f"{POLICY_KINDS}, got {kind!r}")
+                raise ValueError(
+                    f"policy kind for ({task}, {TokenType(ttype).name}) must be one of {POLICY_KINDS}, got {kind!r}"
+                )
             if kind == "joint" and (task, ttype) not in self.plans:
-                raise ValueError(f"the joint entry ({task}, {TokenType(ttype).name.lower()}) needs its plan "
-                                 "(bits per budget level)")
+                raise ValueError(
+                    f"the joint entry ({task}, {TokenType(ttype).name.lower()}) needs its plan (bits per budget level)"
+                )
         if self.source not in ("paper", "calibrated"):
             raise ValueError(f"`source` must be 'paper' or 'calibrated', got {self.source!r}")
 
     @classmethod
-    def default(cls) -> "PolicyTable":
+    def default(cls) -> PolicyTable:
         """The paper's assignment (docs/compression.md §8.1, the shipped table's entries): instruction and
         source-ViT evicted, source-VAE quantized; made for any model."""
         return cls()
@@ -123,7 +125,7 @@ class PolicyTable:
         threshold: float = DEFAULT_K90_THRESHOLD,
         model_id: str = "",
         measurements: Mapping | None = None,
-    ) -> "PolicyTable":
+    ) -> PolicyTable:
         """Build from calibration K90 values: a float per pair, or a list whose median is used (§8.4)."""
         entries: dict[tuple[str, TokenType], str] = {}
         medians: dict[tuple[str, TokenType], float] = {}
@@ -139,8 +141,14 @@ class PolicyTable:
                 continue
             medians[key] = med
             entries[key] = route(med, threshold)
-        return cls(entries=entries, threshold=threshold, k90=medians, model_id=model_id, source="calibrated",
-                   measurements=dict(measurements or {}))
+        return cls(
+            entries=entries,
+            threshold=threshold,
+            k90=medians,
+            model_id=model_id,
+            source="calibrated",
+            measurements=dict(measurements or {}),
+        )
 
     def strength(self, task: str, token_type: TokenType | str | int) -> float:
         """Default retained ratio of an entry (its table value, else the task's starting rho)."""
@@ -162,7 +170,8 @@ class PolicyTable:
             raise PolicyTableError(
                 f"{where} has no entry for the {task!r} task (it covers {', '.join(sorted(self.tasks()))}); "
                 "calibrate the task into it (python -m unicache_core.bagel.calibrate --merge --out <that file>) or "
-                "pass a table that covers it")
+                "pass a table that covers it"
+            )
 
     def kind(self, task: str, token_type: TokenType | str | int) -> PolicyKind:
         """Policy family of ``token_type`` in ``task``."""
@@ -174,9 +183,11 @@ class PolicyTable:
             return self.entries[(task, ttype)]  # type: ignore[return-value]
         except KeyError:
             where = f"policy table {self.origin!r}" if self.origin else "this table"
-            raise ValueError(f"no policy for (task={task!r}, token_type={ttype.name.lower()}) in {where}; "
-                             f"known pairs: {sorted((t, k.name.lower()) for t, k in self.entries)}; calibrate "
-                             "the task into it (python -m unicache_core.bagel.calibrate --merge)") from None
+            raise ValueError(
+                f"no policy for (task={task!r}, token_type={ttype.name.lower()}) in {where}; "
+                f"known pairs: {sorted((t, k.name.lower()) for t, k in self.entries)}; calibrate "
+                "the task into it (python -m unicache_core.bagel.calibrate --merge)"
+            ) from None
 
     def plan(self, task: str) -> dict[TokenType, PolicyKind]:
         """``{type: kind}`` for every :class:`TokenType` in ``task`` (missing candidate pairs are skipped)."""
@@ -190,31 +201,47 @@ class PolicyTable:
         """The table as the JSON object :meth:`save` writes (entries sorted by task and type)."""
         rows = []
         for (task, ttype), kind in sorted(self.entries.items(), key=lambda kv: (kv[0][0], int(kv[0][1]))):
-            row = {"task": task, "type": TokenType(ttype).name.lower(), "kind": kind,
-                   "strength": self.strength(task, ttype)}
+            row = {
+                "task": task,
+                "type": TokenType(ttype).name.lower(),
+                "kind": kind,
+                "strength": self.strength(task, ttype),
+            }
             if (task, ttype) in self.k90:
                 row["k90"] = self.k90[(task, ttype)]
             if (task, ttype) in self.plans:
                 row["plan"] = self.plans[(task, ttype)].to_list()
             rows.append(row)
-        return {"format": "unicache-policy-table", "version": TABLE_VERSION, "model_id": self.model_id,
-                "source": self.source, "threshold": self.threshold, "quantization": self.geometry.to_dict(),
-                "entries": rows, "measurements": dict(self.measurements)}
+        return {
+            "format": "unicache-policy-table",
+            "version": TABLE_VERSION,
+            "model_id": self.model_id,
+            "source": self.source,
+            "threshold": self.threshold,
+            "quantization": self.geometry.to_dict(),
+            "entries": rows,
+            "measurements": dict(self.measurements),
+        }
 
     @classmethod
-    def from_dict(cls, data: Mapping, origin: str = "policy table") -> "PolicyTable":
+    def from_dict(cls, data: Mapping, origin: str = "policy table") -> PolicyTable:
         """Parse and validate a table; every problem is one :class:`PolicyTableError` naming ``origin``."""
+
         def bad(msg: str) -> PolicyTableError:
-            return PolicyTableError(f"{origin}: {msg}; write it with `python -m unicache_core.bagel.calibrate` or start "
-                                    "from unicache_core/compression/tables/bagel-7b-mot.json")
+            return PolicyTableError(
+                f"{origin}: {msg}; write it with `python -m unicache_core.bagel.calibrate` or start "
+                "from unicache_core/compression/tables/bagel-7b-mot.json"
+            )
 
         if not isinstance(data, Mapping):
             raise bad(f"expected a JSON object, got {type(data).__name__}")
         if data.get("format") != "unicache-policy-table":
             raise bad(f"`format` must be 'unicache-policy-table', got {data.get('format')!r}")
         if data.get("version") not in READABLE_VERSIONS:
-            raise bad(f"unsupported `version` {data.get('version')!r} (this library reads versions "
-                      f"{', '.join(map(str, READABLE_VERSIONS))})")
+            raise bad(
+                f"unsupported `version` {data.get('version')!r} (this library reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))})"
+            )
         model_id = data.get("model_id", "")
         if not isinstance(model_id, str):
             raise bad(f"`model_id` must be a string, got {model_id!r}")
@@ -244,11 +271,15 @@ class PolicyTable:
             try:
                 ttype = TokenType.parse(row.get("type"))
             except (ValueError, TypeError):
-                raise bad(f"`entries[{i}].type` {row.get('type')!r} is not a token type "
-                          f"({', '.join(t.name.lower() for t in CANDIDATE_TYPES)})") from None
+                raise bad(
+                    f"`entries[{i}].type` {row.get('type')!r} is not a token type "
+                    f"({', '.join(t.name.lower() for t in CANDIDATE_TYPES)})"
+                ) from None
             if ttype not in CANDIDATE_TYPES:
-                raise bad(f"`entries[{i}].type` {ttype.name.lower()} is protected or unknown; only "
-                          f"{', '.join(t.name.lower() for t in CANDIDATE_TYPES)} get a policy")
+                raise bad(
+                    f"`entries[{i}].type` {ttype.name.lower()} is protected or unknown; only "
+                    f"{', '.join(t.name.lower() for t in CANDIDATE_TYPES)} get a policy"
+                )
             kind = row.get("kind")
             if kind not in POLICY_KINDS:
                 raise bad(f"`entries[{i}].kind` must be one of {POLICY_KINDS}, got {kind!r}")
@@ -259,8 +290,12 @@ class PolicyTable:
             for name, target in (("k90", k90s), ("strength", strengths)):
                 if name in row:
                     value = row[name]
-                    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                            or not 0.0 <= value <= 1.0:
+                    if (
+                        isinstance(value, bool)
+                        or not isinstance(value, (int, float))
+                        or not math.isfinite(value)
+                        or not 0.0 <= value <= 1.0
+                    ):
                         raise bad(f"`entries[{i}].{name}` must be a number in [0, 1], got {value!r}")
                     target[key] = float(value)
             if "plan" in row:
@@ -275,15 +310,24 @@ class PolicyTable:
             raise bad("`measurements` must be an object")
         if _nesting_depth(measurements) > MAX_MEASUREMENT_DEPTH:
             raise bad(f"`measurements` nests more than {MAX_MEASUREMENT_DEPTH} levels deep")
-        return cls(entries=entries, threshold=float(threshold), k90=k90s, model_id=model_id, source=source,
-                   strengths=strengths, measurements=dict(measurements), plans=plans, geometry=geometry)
+        return cls(
+            entries=entries,
+            threshold=float(threshold),
+            k90=k90s,
+            model_id=model_id,
+            source=source,
+            strengths=strengths,
+            measurements=dict(measurements),
+            plans=plans,
+            geometry=geometry,
+        )
 
     def save(self, path: str | Path) -> None:
         """Write the table as JSON (``policy_table.json``)."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
 
     @classmethod
-    def load(cls, path: str | Path, *, model_id: str | None = None) -> "PolicyTable":
+    def load(cls, path: str | Path, *, model_id: str | None = None) -> PolicyTable:
         """Read a table written by :meth:`save`; with ``model_id``, refuse a table made for another model."""
         path = Path(path)
         try:
@@ -299,16 +343,19 @@ class PolicyTable:
         except json.JSONDecodeError as exc:
             raise PolicyTableError(f"policy table {str(path)!r} is not valid JSON: {exc}") from None
         except RecursionError:
-            raise PolicyTableError(f"policy table {str(path)!r} nests JSON too deeply to be read; a policy table is "
-                                   "a flat list of entries: write it with `python -m unicache_core.bagel.calibrate` "
-                                   "or start from unicache_core/compression/tables/bagel-7b-mot.json") from None
+            raise PolicyTableError(
+                f"policy table {str(path)!r} nests JSON too deeply to be read; a policy table is "
+                "a flat list of entries: write it with `python -m unicache_core.bagel.calibrate` "
+                "or start from unicache_core/compression/tables/bagel-7b-mot.json"
+            ) from None
         table = cls.from_dict(data, origin=f"policy table {str(path)!r}")
         table = replace(table, origin=str(path))
         if model_id is not None and table.model_id and table.model_id != model_id:
             raise PolicyTableError(
                 f"policy table {str(path)!r} was made for model {table.model_id!r}, not for this checkpoint "
-                f"({model_id!r}); calibrate one for it (python -m unicache_core.bagel.calibrate) or drop --policy to use "
-                "the default")
+                f"({model_id!r}); calibrate one for it (python -m unicache_core.bagel.calibrate) or drop --policy to "
+                f"use the default"
+            )
         return table
 
 
@@ -330,8 +377,9 @@ def resolve_policy_table(policy, checkpoint_dir: str, model_id: str) -> tuple[Po
         else:
             table, origin = PolicyTable.load(policy, model_id=model_id or None), str(policy)
         if isinstance(policy, PolicyTable) and model_id and table.model_id and table.model_id != model_id:
-            raise PolicyTableError(f"the given policy table was made for {table.model_id!r}, not for this "
-                                   f"checkpoint ({model_id!r})")
+            raise PolicyTableError(
+                f"the given policy table was made for {table.model_id!r}, not for this checkpoint ({model_id!r})"
+            )
         return table, {"path": origin, "model_id": table.model_id, "source": table.source, "warning": None}
     if checkpoint_dir:
         local = Path(checkpoint_dir) / CHECKPOINT_POLICY_FILE
@@ -341,11 +389,22 @@ def resolve_policy_table(policy, checkpoint_dir: str, model_id: str) -> tuple[Po
     table = paper_policy_table()
     warning = None
     if model_id != table.model_id:
-        warning = (f"no policy table calibrated on this checkpoint ({model_id or 'unknown model'}): using the paper's "
-                   f"assignment for {table.model_id}; run `python -m unicache_core.bagel.calibrate` to make one")
+        warning = (
+            f"no policy table calibrated on this checkpoint ({model_id or 'unknown model'}): using the paper's "
+            f"assignment for {table.model_id}; run `python -m unicache_core.bagel.calibrate` to make one"
+        )
         logger.warning(warning)
     return table, {"path": PAPER_TABLE, "model_id": table.model_id, "source": table.source, "warning": warning}
 
 
-__all__ = ["CHECKPOINT_POLICY_FILE", "MAX_MEASUREMENT_DEPTH", "PAPER_TABLE", "PolicyTable", "PolicyTableError",
-           "READABLE_VERSIONS", "TABLE_VERSION", "paper_policy_table", "resolve_policy_table"]
+__all__ = [
+    "CHECKPOINT_POLICY_FILE",
+    "MAX_MEASUREMENT_DEPTH",
+    "PAPER_TABLE",
+    "PolicyTable",
+    "PolicyTableError",
+    "READABLE_VERSIONS",
+    "TABLE_VERSION",
+    "paper_policy_table",
+    "resolve_policy_table",
+]

@@ -56,10 +56,19 @@ class LayerState:
     #: bytes this layer's budget gets (> 0) or gives (< 0) so every branch can keep its quantized floor (UniCache)
     grant: int = 0
 
-    def copy(self) -> "LayerState":
+    def copy(self) -> LayerState:
         """A copy whose dicts are new (the score tensors are shared: they are replaced, never edited)."""
-        return LayerState(self.scores, self.last_scores, self.last_score_queries, self.sparsity, dict(self.masses),
-                          dict(self.budgets), dict(self.flags), dict(self.pooled), self.grant)
+        return LayerState(
+            self.scores,
+            self.last_scores,
+            self.last_score_queries,
+            self.sparsity,
+            dict(self.masses),
+            dict(self.budgets),
+            dict(self.flags),
+            dict(self.pooled),
+            self.grant,
+        )
 
 
 class NamedMethod(Protocol):
@@ -89,8 +98,8 @@ class ReportedBranch(Protocol):
 class ReportedSession(Protocol):
     """One request's session as the report reads it."""
 
-    request: "RequestInfo"
-    config: "KVConfig"
+    request: RequestInfo
+    config: KVConfig
     method: NamedMethod
     target_ratio: float | None
 
@@ -104,11 +113,11 @@ class ReportedSession(Protocol):
 class MethodSession(Protocol):
     """One request's session as a method reads it."""
 
-    request: "RequestInfo"
-    config: "KVConfig"
-    stats: "ChunkedAttentionStats"
+    request: RequestInfo
+    config: KVConfig
+    stats: ChunkedAttentionStats
     schedules: dict
-    step: "StepInfo | None"  # the step (denoising or decoded token) running now; None before the first
+    step: StepInfo | None  # the step (denoising or decoded token) running now; None before the first
 
     def resolve_target(self) -> float:
         """The memory target as a ratio of the full managed bytes."""
@@ -120,7 +129,7 @@ class CompressibleBranch(ReportedBranch, Protocol):
     session: MethodSession
     state: list[LayerState]
 
-    def layer(self, index: int) -> "SegmentedLayer":
+    def layer(self, index: int) -> SegmentedLayer:
         """The segmented stores of one layer."""
 
     def row_bytes(self, layer: int) -> int:
@@ -130,5 +139,12 @@ class CompressibleBranch(ReportedBranch, Protocol):
         """Uncompressed row count per token type of ``layer``."""
 
 
-__all__ = ["CallPlan", "CompressibleBranch", "LayerState", "MethodSession", "NamedMethod", "ReportedBranch",
-           "ReportedSession"]
+__all__ = [
+    "CallPlan",
+    "CompressibleBranch",
+    "LayerState",
+    "MethodSession",
+    "NamedMethod",
+    "ReportedBranch",
+    "ReportedSession",
+]

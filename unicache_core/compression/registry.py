@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..kv.cache import CacheFactory, CacheSession, RequestInfo
 from .baselines import H2OMethod, KIVIMethod, PyramidKVMethod, SnapKVMethod, StreamingLLMMethod, VLCacheMethod
@@ -14,8 +14,12 @@ from .policy_table import resolve_policy_table
 from .unicache import UniCacheMethod
 
 _BASELINES: dict[str, Callable[[], CompressionMethod]] = {
-    "h2o": H2OMethod, "snapkv": SnapKVMethod, "pyramidkv": PyramidKVMethod, "streamingllm": StreamingLLMMethod,
-    "kivi": KIVIMethod, "vlcache": VLCacheMethod,
+    "h2o": H2OMethod,
+    "snapkv": SnapKVMethod,
+    "pyramidkv": PyramidKVMethod,
+    "streamingllm": StreamingLLMMethod,
+    "kivi": KIVIMethod,
+    "vlcache": VLCacheMethod,
 }
 
 
@@ -51,14 +55,15 @@ class FullCacheFactory(CacheFactory):
         return FullSession(request, FullMethod(), self.config)
 
 
-def make_cache_factory(method: str | KVConfig = "full", config: KVConfig | None = None, *,
-                       checkpoint_dir: str = "", **settings) -> CacheFactory:
+def make_cache_factory(
+    method: str | KVConfig = "full", config: KVConfig | None = None, *, checkpoint_dir: str = "", **settings
+) -> CacheFactory:
     """The :class:`CacheFactory` of a method selected by name.
 
     ``make_cache_factory("unicache")``, ``make_cache_factory("h2o", kv_target=0.2)`` or
     ``make_cache_factory(KVConfig(method="kivi", kv_target="40%"))``. ``full`` gives uncompressed caches
-    (bit-identical to no factory) that report bytes and attention time like every method. ``checkpoint_dir``: where unicache looks for the checkpoint's
-    own policy table.
+    (bit-identical to no factory) that report bytes and attention time like every method. ``checkpoint_dir``: where
+    unicache looks for the checkpoint's own policy table.
     """
     if isinstance(method, KVConfig):
         config, method = method, method.method

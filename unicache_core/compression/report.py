@@ -26,10 +26,14 @@ def type_name(t: TokenType) -> str:
 def branch_snapshot(cache: ReportedBranch) -> dict:
     """Bytes, rows and settings per type of one branch cache, summed over its layers."""
     managed, protected = cache.split_bytes()
-    return {"types": cache.snapshot_types(), "managed_bytes": managed, "protected_bytes": protected,
-            "full_managed_bytes": cache.managed_full_bytes(),
-            "rho": (round(statistics.fmean(cache.rho.values()), 6) if cache.rho else None),
-            "compressed": cache.compressions > 0}
+    return {
+        "types": cache.snapshot_types(),
+        "managed_bytes": managed,
+        "protected_bytes": protected,
+        "full_managed_bytes": cache.managed_full_bytes(),
+        "rho": (round(statistics.fmean(cache.rho.values()), 6) if cache.rho else None),
+        "compressed": cache.compressions > 0,
+    }
 
 
 class ReportBuilder:
@@ -61,7 +65,7 @@ class ReportBuilder:
     def note_compression(self, cache: CompressibleBranch) -> None:
         """Mark ``cache`` compressed in this step and keep the flags of budgets it could not reach."""
         self._compressed_now.add(cache.branch)
-        for layer, ls in enumerate(cache.state):
+        for ls in cache.state:
             for t, reason in ls.flags.items():
                 self.flags[f"{cache.branch}/{type_name(t) if isinstance(t, TokenType) else t}"] = reason
 
@@ -82,28 +86,42 @@ class ReportBuilder:
         for cache in caches.values():
             m, p = cache.split_bytes()
             managed, protected = managed + m, protected + p
-        self.steps.append({
-            "phase": step.phase, "step": step.step, "timestep": step.timestep, "branches": branches,
-            "managed_bytes_all": managed, "protected_bytes_all": protected, "held_bytes": self.session.held_bytes(),
-            "attention_s": timers["attention"], "stats_s": timers["stats"], "alloc_s": timers["alloc"],
-            "step_s": timers.get("step"),
-        })
+        self.steps.append(
+            {
+                "phase": step.phase,
+                "step": step.step,
+                "timestep": step.timestep,
+                "branches": branches,
+                "managed_bytes_all": managed,
+                "protected_bytes_all": protected,
+                "held_bytes": self.session.held_bytes(),
+                "attention_s": timers["attention"],
+                "stats_s": timers["stats"],
+                "alloc_s": timers["alloc"],
+                "step_s": timers.get("step"),
+            }
+        )
 
     def build(self) -> dict:
         """The report: format, method, task, config, policy, the summary over the steps, and the steps."""
         session = self.session
         caches = [c for c in session.live_caches() if c.branch != "plan"]
         full = sum(c.managed_full_bytes() for c in caches)
-        first = next((i for i, s in enumerate(self.steps)
-                      if any(b.get("compressed") for b in s["branches"].values())), None)
+        first = next(
+            (i for i, s in enumerate(self.steps) if any(b.get("compressed") for b in s["branches"].values())), None
+        )
         after = self.steps[first:] if first is not None else []
         if session.method.name == "full":
             after = [s for s in self.steps if s["phase"] != "decode" or "plan" not in s["branches"]]
         steady = statistics.fmean(s["managed_bytes_all"] for s in after) if after else None
         target = session.target_ratio
         rho_weighted = None
-        weights = [(b["rho"], b["full_managed_bytes"]) for s in after for b in s["branches"].values()
-                   if b.get("rho") is not None]
+        weights = [
+            (b["rho"], b["full_managed_bytes"])
+            for s in after
+            for b in s["branches"].values()
+            if b.get("rho") is not None
+        ]
         if weights and sum(w for _, w in weights):
             rho_weighted = sum(r * w for r, w in weights) / sum(w for _, w in weights)
         summary = {
@@ -128,9 +146,15 @@ class ReportBuilder:
             summary["within_budget"] = summary["achieved_ratio"] <= budget * (1 + 1e-9)
             summary["budget_unreachable"] = bool(self.flags)  # see `flags`: fixed parts exceed the budget
         return {
-            "format": REPORT_FORMAT, "version": 1, "method": session.method.name, "task": session.request.task,
-            "model_id": session.request.model_id, "config": session.config.to_dict(), "policy": self.policy_info,
-            "summary": summary, "steps": self.steps,
+            "format": REPORT_FORMAT,
+            "version": 1,
+            "method": session.method.name,
+            "task": session.request.task,
+            "model_id": session.request.model_id,
+            "config": session.config.to_dict(),
+            "policy": self.policy_info,
+            "summary": summary,
+            "steps": self.steps,
         }
 
 

@@ -6,12 +6,19 @@ from __future__ import annotations
 from PIL import Image, ImageDraw, ImageFont
 
 from .report import REPORT_FORMAT
+
 #: Most points per series in the compact chart data (long decodes are subsampled evenly).
 MAX_POINTS = 64
 BRANCH_COLORS = {"gen": (66, 133, 244), "cfg_text": (234, 67, 53), "cfg_img": (52, 168, 83), "plan": (251, 188, 4)}
-TYPE_COLORS = {"instruction": (171, 71, 188), "source_vit": (0, 172, 193), "source_vae": (255, 112, 67),
-               "boundary": (120, 144, 156), "candidate": (141, 110, 99), "current_latent": (158, 157, 36),
-               "decoded_text": (92, 107, 192)}
+TYPE_COLORS = {
+    "instruction": (171, 71, 188),
+    "source_vit": (0, 172, 193),
+    "source_vae": (255, 112, 67),
+    "boundary": (120, 144, 156),
+    "candidate": (141, 110, 99),
+    "current_latent": (158, 157, 36),
+    "decoded_text": (92, 107, 192),
+}
 _FALLBACK = (150, 150, 150)
 
 
@@ -53,11 +60,17 @@ def chart_data(report: dict) -> dict:
     for name, branch in (last.get("branches") or {}).items():
         types[name] = {t: int(v.get("bytes", 0)) for t, v in (branch.get("types") or {}).items()}
     return {
-        "method": report.get("method"), "task": report.get("task"),
-        "full_bytes": full, "steady_bytes": steady, "peak_bytes": summary.get("peak_bytes"),
+        "method": report.get("method"),
+        "task": report.get("task"),
+        "full_bytes": full,
+        "steady_bytes": steady,
+        "peak_bytes": summary.get("peak_bytes"),
         "saved_bytes": None if steady is None else max(0, full - steady),
-        "reduction": summary.get("reduction"), "compression": summary.get("compression"),
-        "rho_mean": summary.get("rho_mean"), "series": series, "types": types,
+        "reduction": summary.get("reduction"),
+        "compression": summary.get("compression"),
+        "rho_mean": summary.get("rho_mean"),
+        "series": series,
+        "types": types,
     }
 
 
@@ -78,19 +91,25 @@ def summary_text(report: dict) -> str:
     s = report.get("summary") or {}
     lines = [f"KV method {report.get('method')} on {report.get('task')} ({report.get('model_id') or 'model'})"]
     if s.get("steady_managed_bytes") is not None:
-        lines.append(f"compressible KV: {_fmt_bytes(s.get('full_managed_bytes'))} full -> "
-                     f"{_fmt_bytes(s.get('steady_managed_bytes'))} held "
-                     f"({(s.get('reduction') or 0) * 100:.1f}% saved, {s.get('compression') or 0:.2f}x less)")
+        lines.append(
+            f"compressible KV: {_fmt_bytes(s.get('full_managed_bytes'))} full -> "
+            f"{_fmt_bytes(s.get('steady_managed_bytes'))} held "
+            f"({(s.get('reduction') or 0) * 100:.1f}% saved, {s.get('compression') or 0:.2f}x less)"
+        )
     else:
         lines.append(f"compressible KV: {_fmt_bytes(s.get('full_managed_bytes'))} (not compressed)")
-    lines.append(f"peak KV (all branches, protected included): {_fmt_bytes(s.get('peak_bytes'))}; protected: "
-                 f"{_fmt_bytes(s.get('protected_bytes'))}")
+    lines.append(
+        f"peak KV (all branches, protected included): {_fmt_bytes(s.get('peak_bytes'))}; protected: "
+        f"{_fmt_bytes(s.get('protected_bytes'))}"
+    )
     if s.get("rho_mean") is not None:
         lines.append(f"mean retention rho: {s['rho_mean']:.3f}")
     if s.get("within_budget") is not None:
         lines.append(f"within budget {s.get('budget_ratio'):.3f}: {'yes' if s['within_budget'] else 'no'}")
-    lines.append(f"time: attention {s.get('attention_seconds') or 0:.2f}s, statistics {s.get('stats_seconds') or 0:.2f}s"
-                 f", allocation {s.get('alloc_seconds') or 0:.2f}s")
+    lines.append(
+        f"time: attention {s.get('attention_seconds') or 0:.2f}s, statistics {s.get('stats_seconds') or 0:.2f}s"
+        f", allocation {s.get('alloc_seconds') or 0:.2f}s"
+    )
     for key, reason in (s.get("flags") or {}).items():
         lines.append(f"flag {key}: {reason}")
     warning = (report.get("policy") or {}).get("warning")
@@ -109,8 +128,10 @@ def render_plot(report: dict, width: int = 768, height: int = 512) -> Image.Imag
     draw = ImageDraw.Draw(img)
     font = ImageFont.load_default()
     pad = 12
-    title = (f"{data['method']} / {data['task']}: {_fmt_bytes(data['steady_bytes'] or data['full_bytes'])} of "
-             f"{_fmt_bytes(data['full_bytes'])} compressible KV held")
+    title = (
+        f"{data['method']} / {data['task']}: {_fmt_bytes(data['steady_bytes'] or data['full_bytes'])} of "
+        f"{_fmt_bytes(data['full_bytes'])} compressible KV held"
+    )
     draw.text((pad, pad), title, fill=(0, 0, 0), font=font)
     # --- top panel: bytes per type and branch
     top, mid = pad + 20, height // 2

@@ -51,7 +51,7 @@ class RetentionSchedule:
         self._rho = self.rho0
 
     @classmethod
-    def for_task(cls, task: str) -> "RetentionSchedule":
+    def for_task(cls, task: str) -> RetentionSchedule:
         """Preset of the task (:data:`~unicache_core.compression.defaults.RHO0`, ``RHO_FLOOR``): understanding fixed
         at 0.2; t2i 0.5 -> floor 0.35; edit 0.5 -> floor 0.1."""
         if task not in RHO0:
@@ -73,7 +73,7 @@ class RetentionSchedule:
         if self.fixed or self.m0 is None or self.m0 <= 1e-12:
             return self.rho0
         rel = max(0.0, mass) / self.m0
-        return min(self.rho0, max(self.floor, self.rho0 * rel ** self.gamma))
+        return min(self.rho0, max(self.floor, self.rho0 * rel**self.gamma))
 
     def observe(self, step_chunk: int, mass: float) -> float:
         """Record the summed candidate mass ``mass`` of ``step_chunk``; return the scheduled ``rho``."""
@@ -87,8 +87,9 @@ class RetentionSchedule:
             self.m0 = float(mass)
             return self._rho
         if self.m0 is None:
-            logger.debug("retention schedule: chunk %d observed before the reference chunk 0; rho unchanged",
-                         step_chunk)
+            logger.debug(
+                "retention schedule: chunk %d observed before the reference chunk 0; rho unchanged", step_chunk
+            )
             return self._rho
         proposed = self.ratio_for(mass)
         if proposed <= self.floor or proposed <= self._rho * (1.0 - self.min_fall):

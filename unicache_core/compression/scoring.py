@@ -61,7 +61,12 @@ def _query_subsample(num_queries: int, limit: int, last: bool, device: torch.dev
 
 
 def key_scores(
-    q: Tensor, keys: Tensor, lse: Tensor, *, scale: float | None = None, visible: Tensor | None = None,
+    q: Tensor,
+    keys: Tensor,
+    lse: Tensor,
+    *,
+    scale: float | None = None,
+    visible: Tensor | None = None,
     count_above: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention each key receives, summed over the given queries and averaged over each KV group's heads.

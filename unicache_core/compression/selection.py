@@ -40,7 +40,7 @@ def _top_rows(ranked: Tensor, n: int) -> Tensor:
     are the highest values with the later rows of a tie."""
     t = ranked.shape[1]
     n = max(0, min(int(n), t))
-    order = torch.sort(ranked, dim=1, stable=True).indices[:, t - n:]
+    order = torch.sort(ranked, dim=1, stable=True).indices[:, t - n :]
     return order.sort(dim=1).values
 
 
@@ -59,8 +59,9 @@ def pool_scores(scores: Tensor, kernel_size: int, pooling: str = "avgpool") -> T
     return x.squeeze(1)
 
 
-def select_rows(scores: Tensor, keep: int, *, recent: int = 0, forced: Tensor | None = None,
-                smooth_kernel: int = 1) -> Tensor:
+def select_rows(
+    scores: Tensor, keep: int, *, recent: int = 0, forced: Tensor | None = None, smooth_kernel: int = 1
+) -> Tensor:
     """The rows an eviction keeps out of a pool of ``N`` rows in append order, per KV head.
 
     Args:
@@ -82,11 +83,11 @@ def select_rows(scores: Tensor, keep: int, *, recent: int = 0, forced: Tensor | 
         # (+inf) keeps the same rows as forcing them (NaN still ranks lowest; ties still go to the newer row)
         ranked = torch.nan_to_num(scores.float(), nan=float("-inf"))
         if recent > 0 and keep > 0:
-            ranked[:, max(0, n - min(recent, keep)):].fill_(float("inf"))
+            ranked[:, max(0, n - min(recent, keep)) :].fill_(float("inf"))
         return _top_rows(ranked, keep)
     mask = torch.zeros(h, n, dtype=torch.bool, device=scores.device)
     if recent > 0:
-        mask[:, max(0, n - min(recent, keep)):] = True
+        mask[:, max(0, n - min(recent, keep)) :] = True
     mask |= forced
     return topk_per_head(scores.t(), keep, mask.t())
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 from ..kv.token_types import TokenType
 from .defaults import EMA_DECAY, LAYER_CHUNK_SIZE, RHO0, STEP_CHUNK_SIZE, UNDERSTANDING_EMA_WINDOW
@@ -87,7 +87,7 @@ class ChunkedAttentionStats:
             raise ValueError(f"`decay` must be in [0, 1), got {self.decay!r}")
 
     @classmethod
-    def for_task(cls, task: str, ema_window_size: int = UNDERSTANDING_EMA_WINDOW) -> "ChunkedAttentionStats":
+    def for_task(cls, task: str, ema_window_size: int = UNDERSTANDING_EMA_WINDOW) -> ChunkedAttentionStats:
         """Presets of §8.5: t2i/edit decay 0.8; understanding decay ``1 - 1/ema_window_size``, carried."""
         if task == "understanding":
             if not isinstance(ema_window_size, int) or ema_window_size < 1:
@@ -127,9 +127,11 @@ class ChunkedAttentionStats:
         for name, values in (("mass", masses), ("k90", k90s or {})):
             for ttype, value in values.items():
                 if not (math.isfinite(value) and value >= 0):
-                    raise ValueError(f"attention {name} of {TokenType(ttype).name.lower()} at layer {layer}, step "
-                                     f"{step} ({branch}) is {value!r}; the attention produced non-finite values "
-                                     "(check the model dtype for overflow)")
+                    raise ValueError(
+                        f"attention {name} of {TokenType(ttype).name.lower()} at layer {layer}, step "
+                        f"{step} ({branch}) is {value!r}; the attention produced non-finite values "
+                        "(check the model dtype for overflow)"
+                    )
         c, s = self.cell(layer, step)
         for ttype, value in masses.items():
             self._ema(self._mass, self._last_mass, (branch, c, s, TokenType(ttype)), float(value))
@@ -148,8 +150,9 @@ class ChunkedAttentionStats:
         """EMA K90 of one cell and type, or ``None``."""
         return self._k90.get((branch, layer_chunk_idx, step_chunk_idx, TokenType(token_type)))
 
-    def cell_masses(self, layer_chunk_idx: int, step_chunk_idx: int, types: Iterable[TokenType],
-                    branch: str = "gen") -> dict[TokenType, float] | None:
+    def cell_masses(
+        self, layer_chunk_idx: int, step_chunk_idx: int, types: Iterable[TokenType], branch: str = "gen"
+    ) -> dict[TokenType, float] | None:
         """Masses of ``types`` in one cell (0.0 for a type never observed there); ``None`` if none was."""
         types = [TokenType(t) for t in types]
         values = {t: self.mass(layer_chunk_idx, step_chunk_idx, t, branch) for t in types}
@@ -157,14 +160,16 @@ class ChunkedAttentionStats:
             return None
         return {t: (0.0 if v is None else v) for t, v in values.items()}
 
-    def total_mass(self, layer_chunk_idx: int, step_chunk_idx: int, types: Iterable[TokenType],
-                   branch: str = "gen") -> float | None:
+    def total_mass(
+        self, layer_chunk_idx: int, step_chunk_idx: int, types: Iterable[TokenType], branch: str = "gen"
+    ) -> float | None:
         """``m_s`` of §8.7: summed EMA mass of ``types`` in one cell, or ``None``."""
         masses = self.cell_masses(layer_chunk_idx, step_chunk_idx, types, branch)
         return None if masses is None else sum(masses.values())
 
-    def budget_masses(self, layer: int, step: int, types: Iterable[TokenType],
-                      branch: str = "gen") -> dict[TokenType, float] | None:
+    def budget_masses(
+        self, layer: int, step: int, types: Iterable[TokenType], branch: str = "gen"
+    ) -> dict[TokenType, float] | None:
         """Weights for the budgets of ``(layer, step)``: cell ``(c, s-1)``; understanding falls back to ``(c-1, s)``.
 
         Returns ``None`` when neither exists; the caller then uses :func:`fallback_budget_ratio`.

@@ -32,8 +32,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Iterable
 
 from ..kv.cache import AttentionCall
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
@@ -43,8 +43,8 @@ from .family import FULL_BITS, JointChoice, QuantGeometry, Segment, choose, leas
 from .method import CompressionMethod
 from .ops import compress_rows, floor_bytes, shared_rows
 from .policy_table import PolicyTable
-from .report import type_name
 from .protocol import CallPlan, CompressibleBranch, MethodSession
+from .report import type_name
 from .schedule import RetentionSchedule
 from .stats import fallback_budget_ratio, layer_chunks, step_chunk
 
@@ -155,8 +155,9 @@ class UniCacheMethod(CompressionMethod):
         for layers, caps, weights, rho, floor in chunks:
             ratios = self._type_ratios(session, cache, layers[0], caps, weights, rho)
             for layer in layers:
-                carry = self._apply(session, cache, layer, ratios, carry + cache.state[layer].grant,
-                                    floor / rho if rho > 0 else 1.0)
+                carry = self._apply(
+                    session, cache, layer, ratios, carry + cache.state[layer].grant, floor / rho if rho > 0 else 1.0
+                )
 
     def _least_budgets(self, session: MethodSession, cache: CompressibleBranch) -> dict[int, tuple[int, int]]:
         """Per layer of ``cache``: ``(budget, floor)`` bytes at the least retention its schedule can reach: the
@@ -169,8 +170,11 @@ class UniCacheMethod(CompressionMethod):
             least = self.schedule(session, cache.branch, c).least
             for layer in layers:
                 meta = cache.layer(layer)._kv_meta
-                rows = {t: n for t, n in cache.type_rows(layer).items() if t in CANDIDATE_TYPES
-                        and self.table.kind(task, t) != "protect"}
+                rows = {
+                    t: n
+                    for t, n in cache.type_rows(layer).items()
+                    if t in CANDIDATE_TYPES and self.table.kind(task, t) != "protect"
+                }
                 if meta is None or not rows:
                     continue
                 h, d, dtype, _ = meta
@@ -190,22 +194,35 @@ class UniCacheMethod(CompressionMethod):
         drop them; the other branches' bytes above their floors pay for it, in proportion to what they have
         above, so the request's total stays within its budget. Every branch computes the same plan from the
         same live branches at the same retention, so what one branch is given the others give."""
-        plans = {c.branch: self._least_budgets(session, c) for c in session.live_caches()
-                 if c.num_layers == cache.num_layers}
-        deficit = {(b, layer): max(0, need - budget) for b, plan in plans.items() for layer, (budget, need) in
-                   plan.items()}
-        surplus = {(b, layer): max(0, budget - need) for b, plan in plans.items() for layer, (budget, need) in
-                   plan.items()}
+        plans = {
+            c.branch: self._least_budgets(session, c) for c in session.live_caches() if c.num_layers == cache.num_layers
+        }
+        deficit = {
+            (b, layer): max(0, need - budget) for b, plan in plans.items() for layer, (budget, need) in plan.items()
+        }
+        surplus = {
+            (b, layer): max(0, budget - need) for b, plan in plans.items() for layer, (budget, need) in plan.items()
+        }
         short, spare = sum(deficit.values()), sum(surplus.values())
         moved = min(short, spare)
         if moved == 0:
             return {}
         mine = plans.get(cache.branch, {})
-        return {layer: (deficit[(cache.branch, layer)] * moved) // short
-                - -((-surplus[(cache.branch, layer)] * moved) // spare) for layer in mine}
+        return {
+            layer: (deficit[(cache.branch, layer)] * moved) // short
+            - -((-surplus[(cache.branch, layer)] * moved) // spare)
+            for layer in mine
+        }
 
-    def _type_ratios(self, session: MethodSession, cache: CompressibleBranch, layer: int, caps: dict,
-                     weights: dict | None, rho: float) -> dict[TokenType, float]:
+    def _type_ratios(
+        self,
+        session: MethodSession,
+        cache: CompressibleBranch,
+        layer: int,
+        caps: dict,
+        weights: dict | None,
+        rho: float,
+    ) -> dict[TokenType, float]:
         """Each type's retained ratio for a layer chunk (``layer``: its first): ``rho * sum(caps)`` shared by mass,
         no quantized type under its floor (§8.6); without masses, every type at ``rho`` (at most the fallback)."""
         task = session.request.task
@@ -215,16 +232,20 @@ class UniCacheMethod(CompressionMethod):
         h, d, dtype, _ = cache.layer(layer)._kv_meta
         geometry = self.geometry(session)
         row = cache.row_bytes(layer)
-        floors = {t: _floor_bytes(n, h, d, dtype.itemsize, geometry) / (n * row) for t, n in caps.items()
-                  if self.table.kind(task, t) == "quantize"}
+        floors = {
+            t: _floor_bytes(n, h, d, dtype.itemsize, geometry) / (n * row)
+            for t, n in caps.items()
+            if self.table.kind(task, t) == "quantize"
+        }
         return _allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
 
     def geometry(self, session: MethodSession):
         """The quantization geometry: the table's, with the config's fixed residual when it sets one."""
         return session.config.quant_geometry(self.table.geometry)
 
-    def _segments(self, cache: CompressibleBranch, layer: int, types: Iterable[TokenType],
-                  pool: frozenset = frozenset()) -> dict[TokenType, tuple[Segment, list[int]]]:
+    def _segments(
+        self, cache: CompressibleBranch, layer: int, types: Iterable[TokenType], pool: frozenset = frozenset()
+    ) -> dict[TokenType, tuple[Segment, list[int]]]:
         """The rows of each of ``types`` in ``layer`` as a family choice sees them, and their store indices (one
         pass over the layer's stores). :data:`POOL` stands for the quantized types ``pool`` shares one store
         among: its rows are those of its members and of the pooled store."""
@@ -244,13 +265,30 @@ class UniCacheMethod(CompressionMethod):
         for t, idx in found.items():
             stores = [st.stores[i] for i in idx]
             bits = min((s.bits if s.kind == "quantized" else FULL_BITS for s in stores), default=FULL_BITS)
-            out[t] = (Segment(full_rows=full_rows.get(t, 0), held_rows=sum(s.num_tokens for s in stores),
-                              held_bits=bits, held_bytes=sum(s.nbytes() for s in stores),
-                              shared_rows=shared_rows(stores), num_kv_heads=h, head_dim=d, elem=elem), idx)
+            out[t] = (
+                Segment(
+                    full_rows=full_rows.get(t, 0),
+                    held_rows=sum(s.num_tokens for s in stores),
+                    held_bits=bits,
+                    held_bytes=sum(s.nbytes() for s in stores),
+                    shared_rows=shared_rows(stores),
+                    num_kv_heads=h,
+                    head_dim=d,
+                    elem=elem,
+                ),
+                idx,
+            )
         return out
 
-    def _pool(self, session: MethodSession, cache: CompressibleBranch, layer: int, budgets: dict[TokenType, int],
-              kinds: dict[TokenType, str], at_floor: float) -> frozenset:
+    def _pool(
+        self,
+        session: MethodSession,
+        cache: CompressibleBranch,
+        layer: int,
+        budgets: dict[TokenType, int],
+        kinds: dict[TokenType, str],
+        at_floor: float,
+    ) -> frozenset:
         """The quantized types of ``layer`` that share one store (docs/compression.md §11.7), decided once, at the
         branch's first compression, for the least budget its schedule can reach (``budgets`` x ``at_floor``, the
         schedule's floor over its rho): with two or more quantized types present, all of them when their budgets
@@ -273,18 +311,28 @@ class UniCacheMethod(CompressionMethod):
         if len(segments) < 2:
             return frozenset()
         rows = sum(segment.full_rows for segment in segments.values())
-        shared = replace(next(iter(segments.values())), full_rows=rows, held_rows=rows, held_bits=FULL_BITS,
-                         shared_rows=True)
+        shared = replace(
+            next(iter(segments.values())), full_rows=rows, held_rows=rows, held_bits=FULL_BITS, shared_rows=True
+        )
         geometry = self.geometry(session)
         finer = shared.choice_bytes(JointChoice(rows, POOL_BELOW_BITS, max(geometry.groups), 0))
-        if sum(budgets[t] for t in segments) >= finer and \
-                all(budgets[t] >= _floor_bytes(segment.full_rows, segment.num_kv_heads, segment.head_dim, segment.elem,
-                                               geometry) for t, segment in segments.items()):
+        if sum(budgets[t] for t in segments) >= finer and all(
+            budgets[t]
+            >= _floor_bytes(segment.full_rows, segment.num_kv_heads, segment.head_dim, segment.elem, geometry)
+            for t, segment in segments.items()
+        ):
             return frozenset()
         return frozenset(quantized)
 
-    def _apply(self, session: MethodSession, cache: CompressibleBranch, layer: int,
-               ratios: dict[TokenType, float], carry: int = 0, at_floor: float = 1.0) -> int:
+    def _apply(
+        self,
+        session: MethodSession,
+        cache: CompressibleBranch,
+        layer: int,
+        ratios: dict[TokenType, float],
+        carry: int = 0,
+        at_floor: float = 1.0,
+    ) -> int:
         """Give each type its (rows, bits) for its bytes (docs/compression.md §11.3), never more rows or bits than
         it holds. ``carry`` (bytes earlier layers left unused) is added to the types' budgets in proportion to
         them. Types are served coarsest first (quantize, joint, evict): what a type leaves of its budget goes to
@@ -334,14 +382,25 @@ class UniCacheMethod(CompressionMethod):
                     raise RuntimeError(f"unicache: layer {layer} of branch {cache.branch} was never scored")
                 recent = min(choice.rows, int(choice.rows * session.config.recent_fraction + 0.5))
                 stores_before = len(st.stores)
-                compress_rows(st, idx, choice.rows, choice.bits, choice.group, choice.residual, ls.scores,
-                              recent=recent, fit_values=session.config.fits_value_ranges)
+                compress_rows(
+                    st,
+                    idx,
+                    choice.rows,
+                    choice.bits,
+                    choice.group,
+                    choice.residual,
+                    ls.scores,
+                    recent=recent,
+                    fit_values=session.config.fits_value_ranges,
+                )
                 if len(st.stores) != stores_before:  # pooled stores became one: the later types' indices moved
-                    segments = self._segments(cache, layer, order[position + 1:], pool)
+                    segments = self._segments(cache, layer, order[position + 1 :], pool)
             held = sum(s.nbytes() for s in st.stores if _unit(s, pool) == t)
             if held > budgets[t]:
-                ls.flags[t] = (f"{segment.held_rows} rows held ({held} B) exceed their budget of {budgets[t]} B: "
-                               "rows and bits never grow back, and nothing smaller fits this policy")
+                ls.flags[t] = (
+                    f"{segment.held_rows} rows held ({held} B) exceed their budget of {budgets[t]} B: "
+                    "rows and bits never grow back, and nothing smaller fits this policy"
+                )
             leftover += max(0, budgets[t] - held)
             held_all += held
         ls.budgets = {type_name(t): b for t, b in budgets.items()}
@@ -366,8 +425,16 @@ def _floor_bytes(rows: int, num_kv_heads: int, head_dim: int, elem: int, geometr
     """The floor of a quantized type of ``rows`` rows: the bytes of every row at the lowest bits and largest group
     without residual in a store of its own, or its uncompressed bytes when quantizing would not shrink it. Pure,
     so cached: a layer's rows per type stay fixed once appended."""
-    whole = Segment(full_rows=rows, held_rows=rows, held_bits=FULL_BITS, held_bytes=0, shared_rows=True,
-                    num_kv_heads=num_kv_heads, head_dim=head_dim, elem=elem)
+    whole = Segment(
+        full_rows=rows,
+        held_rows=rows,
+        held_bits=FULL_BITS,
+        held_bytes=0,
+        shared_rows=True,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        elem=elem,
+    )
     return least_quantized_bytes(whole, geometry)
 
 

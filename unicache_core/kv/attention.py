@@ -40,9 +40,13 @@ def _check_gqa(q: Tensor, k: Tensor, v: Tensor) -> int:
 
 def _uses_cpu_flash(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether :func:`_head_major_attention` (no mask) dispatches to the CPU flash kernel."""
-    return (q.device.type == "cpu" and _cpu_flash is not None
-            and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and k.dtype == q.dtype and v.dtype == q.dtype)
+    return (
+        q.device.type == "cpu"
+        and _cpu_flash is not None
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+    )
 
 
 def _head_major_attention(
@@ -81,12 +85,17 @@ def _cuda_fused_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal:
         if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
             res = torch.ops.aten._scaled_dot_product_flash_attention(qq, kk, vv, 0.0, causal, False, scale=scale)
         else:
-            res = torch.ops.aten._scaled_dot_product_efficient_attention(qq, kk, vv, None, True, 0.0, causal,
-                                                                          scale=scale)
+            res = torch.ops.aten._scaled_dot_product_efficient_attention(
+                qq, kk, vv, None, True, 0.0, causal, scale=scale
+            )
     except (RuntimeError, NotImplementedError, AttributeError) as exc:
         _CUDA_FUSED_FAILED.add(key)
-        logger.info("fused CUDA attention unavailable for %s head dim %d (%s); using the chunked reference",
-                    q.dtype, q.shape[-1], str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        logger.info(
+            "fused CUDA attention unavailable for %s head dim %d (%s); using the chunked reference",
+            q.dtype,
+            q.shape[-1],
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
         return None
     out, lse = res[0], res[1]
     return out.squeeze(0), lse.squeeze(0)[..., : q.shape[1]].float()
@@ -125,8 +134,11 @@ def _reference_attention(
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
-def block_causal_mask(lengths: list[int] | tuple[int, ...], causal: list[bool] | tuple[bool, ...],
-                      device: torch.device | str | None = None) -> Tensor:
+def block_causal_mask(
+    lengths: list[int] | tuple[int, ...],
+    causal: list[bool] | tuple[bool, ...],
+    device: torch.device | str | None = None,
+) -> Tensor:
     """Visibility ``[T, T]`` bool (True = visible) of a packed sequence of blocks, as BAGEL packs them.
 
     Block ``i`` sees every earlier block fully; inside itself it is causal (text) when ``causal[i]``,
@@ -149,7 +161,12 @@ def block_causal_mask(lengths: list[int] | tuple[int, ...], causal: list[bool] |
 
 
 def attention_with_lse(
-    q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, causal: bool = False,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
     mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of packed queries over packed keys/values, returning the log-sum-exp too.
@@ -174,8 +191,9 @@ def attention_with_lse(
     vh = v.permute(1, 0, 2)
     if mask is not None:
         if mask.dtype != torch.bool or tuple(mask.shape) != (tq, k.shape[0]):
-            raise ValueError(f"`mask` must be a bool tensor of shape ({tq}, {k.shape[0]}), got "
-                             f"{mask.dtype} {tuple(mask.shape)}")
+            raise ValueError(
+                f"`mask` must be a bool tensor of shape ({tq}, {k.shape[0]}), got {mask.dtype} {tuple(mask.shape)}"
+            )
         visible = mask.to(q.device)
         if causal:
             visible = visible & torch.ones(tq, k.shape[0], dtype=torch.bool, device=q.device).tril(k.shape[0] - tq)

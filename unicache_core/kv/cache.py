@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
 from .attention import attention_with_lse, merge_attention
-from .token_types import BRANCHES, TASKS, Branch, Task, TokenType
+from .token_types import BRANCHES, TASKS, Branch, Task
 
 Phase = Literal["prefill", "decode", "denoise"]
 
@@ -97,8 +98,9 @@ class RequestInfo:
             raise ValueError(f"`task` must be one of {TASKS}, got {self.task!r}")
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers <= 0:
             raise ValueError(f"`num_layers` must be an int > 0, got {self.num_layers!r}")
-        if self.num_steps is not None and (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
-                                           or self.num_steps < 0):
+        if self.num_steps is not None and (
+            isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 0
+        ):
             raise ValueError(f"`num_steps` must be an int >= 0 or None, got {self.num_steps!r}")
 
 
@@ -163,7 +165,7 @@ class KVCache(ABC):
     def nbytes(self) -> int:
         """Bytes of the tensors this cache actually holds, over all layers."""
 
-    def clone(self, *, branch: Branch | None = None) -> "KVCache":
+    def clone(self, *, branch: Branch | None = None) -> KVCache:
         """Independent copy (BAGEL's ``deepcopy(gen)`` for the ``cfg_text`` context).
 
         The default deep-copies; caches whose tensors are never modified in place override it to share
@@ -220,7 +222,7 @@ class FullKVCache(KVCache):
 
     @staticmethod
     def _attend_sdpa(
-        state: "_FullLayer", q: Tensor, k: Tensor, v: Tensor, causal: bool, new_block_mask: Tensor | None = None
+        state: _FullLayer, q: Tensor, k: Tensor, v: Tensor, causal: bool, new_block_mask: Tensor | None = None
     ) -> Tensor:
         """One fused SDPA call over ``[cached ; new]`` keys, as BAGEL's ``flash_attn_varlen_func`` does.
 
@@ -241,8 +243,11 @@ class FullKVCache(KVCache):
             rows = torch.arange(tq, device=q.device)[:, None] + (tk - tq)
             mask = torch.arange(tk, device=q.device)[None, :] <= rows
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1],
+            q.transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            enable_gqa=q.shape[1] != keys.shape[1],
         )
         return out.squeeze(0).transpose(0, 1)
 
@@ -260,8 +265,10 @@ class FullKVCache(KVCache):
         if k.shape != v.shape:
             raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} must have the same shape")
         if state.keys is not None and (k.shape[1:] != state.keys.shape[1:] or k.device != state.keys.device):
-            raise ValueError(f"new keys [*, {k.shape[1]}, {k.shape[2]}] on {k.device} do not match layer {layer}'s "
-                             f"cache [*, {state.keys.shape[1]}, {state.keys.shape[2]}] on {state.keys.device}")
+            raise ValueError(
+                f"new keys [*, {k.shape[1]}, {k.shape[2]}] on {k.device} do not match layer {layer}'s "
+                f"cache [*, {state.keys.shape[1]}, {state.keys.shape[2]}] on {state.keys.device}"
+            )
         types = token_types.to(torch.int8)
         if state.keys is None:
             state.keys, state.values = k.detach().clone(), v.detach().clone()
@@ -291,7 +298,7 @@ class FullKVCache(KVCache):
             raise ValueError(f"layer {layer} of this cache is empty")
         return state.keys, state.values, state.token_types, state.rope_positions
 
-    def clone(self, *, branch: Branch | None = None) -> "FullKVCache":
+    def clone(self, *, branch: Branch | None = None) -> FullKVCache:
         """A copy sharing the cached tensors (appends build new tensors, so the two stay independent)."""
         other = copy.copy(self)  # same class (subclasses keep their behaviour), new layer list below
         other.layers = [_FullLayer(s.keys, s.values, s.token_types, s.rope_positions) for s in self.layers]
@@ -315,8 +322,9 @@ def unique_nbytes(tensors: Iterable[Tensor]) -> int:
         if t is None or t.numel() == 0:
             continue
         storage = t.untyped_storage()
-        seen[(str(t.device), storage.data_ptr())] = max(seen.get((str(t.device), storage.data_ptr()), 0),
-                                                       storage.nbytes())
+        seen[(str(t.device), storage.data_ptr())] = max(
+            seen.get((str(t.device), storage.data_ptr()), 0), storage.nbytes()
+        )
     return sum(seen.values())
 
 
@@ -391,14 +399,15 @@ class _CallableFactory(CacheFactory):
         return CacheSession(request, lambda branch: self.fn(CacheRequest(request.task, branch, request.num_layers)))
 
 
-def as_cache_factory(factory: "CacheFactory | Callable[[CacheRequest], KVCache]") -> CacheFactory:
+def as_cache_factory(factory: CacheFactory | Callable[[CacheRequest], KVCache]) -> CacheFactory:
     """A :class:`CacheFactory` as is, or a plain ``fn(CacheRequest) -> KVCache`` wrapped in one."""
     if isinstance(factory, CacheFactory):
         return factory
     if callable(factory):
         return _CallableFactory(factory)
-    raise ValueError(f"`cache_factory` must be a CacheFactory or a callable(CacheRequest) -> KVCache, "
-                     f"got {type(factory).__name__}")
+    raise ValueError(
+        f"`cache_factory` must be a CacheFactory or a callable(CacheRequest) -> KVCache, got {type(factory).__name__}"
+    )
 
 
 #: The default factory: uncompressed caches.

@@ -122,7 +122,6 @@ def _unpack(packed: Tensor, bits: int, n: int) -> Tensor:
     """:func:`unpack_bits` without validation or copies when ``n`` fills the bytes (hot path)."""
     if bits == 8:
         return packed
-    per = 8 // bits
     shifts = _shifts(bits, packed.device)
     codes = ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(*packed.shape[:-1], -1)
     return codes if codes.shape[-1] == n else codes[..., :n].contiguous()
@@ -210,23 +209,27 @@ class QuantizedTensor:
         self.dequantize_into(out, start, stop)
         return out
 
-    def select_tokens(self, rows: Tensor, group_size: int | None = None) -> "QuantizedTensor":
+    def select_tokens(self, rows: Tensor, group_size: int | None = None) -> QuantizedTensor:
         """The rows ``rows [Hkv, m]`` (positions per head) of a per-token tensor (values), codes and scales as they
         are: dropping rows of a per-token tensor needs no re-quantization. ``group_size`` relabels the channel
         groups when the new size groups the channels the same way (one group per row: any size >= d)."""
         if self.axis != "token":
-            raise ValueError("only per-token (value) rows can be selected without re-quantizing; key groups span "
-                             "several rows")
+            raise ValueError(
+                "only per-token (value) rows can be selected without re-quantizing; key groups span several rows"
+            )
         group = self.group_size if group_size is None else group_size
-        if -(-self.head_dim // group) != self.scale.shape[-1] or (self.scale.shape[-1] > 1 and group != self.group_size):
+        if -(-self.head_dim // group) != self.scale.shape[-1] or (
+            self.scale.shape[-1] > 1 and group != self.group_size
+        ):
             raise ValueError(f"channel groups of {group} do not match the stored groups of {self.group_size}")
         rows = rows.long()
 
         def pick(t: Tensor) -> Tensor:
             return torch.gather(t, 1, rows.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
 
-        return QuantizedTensor(pick(self.packed), pick(self.scale), pick(self.zero), self.bits, group,
-                               self.head_dim, self.axis)
+        return QuantizedTensor(
+            pick(self.packed), pick(self.scale), pick(self.zero), self.bits, group, self.head_dim, self.axis
+        )
 
     def _span(self, start: int, stop: int | None) -> tuple[int, int]:
         t = self.num_tokens
@@ -264,8 +267,9 @@ class QuantizedTensor:
             if full:
                 s = self.scale[:, g0 : g0 + full].to(work).unsqueeze(2)  # [H, full, 1, d]
                 z = self.zero[:, g0 : g0 + full].to(work).unsqueeze(2)
-                torch.addcmul(z, codes[:, : full * g].view(h, full, g, d), s,
-                              out=out[:, : full * g].view(h, full, g, d))
+                torch.addcmul(
+                    z, codes[:, : full * g].view(h, full, g, d), s, out=out[:, : full * g].view(h, full, g, d)
+                )
             if n > full * g:
                 s = self.scale[:, g0 + full].to(work).unsqueeze(1)  # [H, 1, d]
                 z = self.zero[:, g0 + full].to(work).unsqueeze(1)
@@ -353,8 +357,10 @@ def _checked_scale_dtype(name: str, x: Tensor) -> torch.dtype:
     largest = float(x.abs().max())
     if not math.isfinite(largest):
         bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(f"`{name}` has {bad} non-finite (NaN/inf) values; they cannot be quantized. "
-                         "Check the model's dtype/overflow before compressing this segment.")
+        raise ValueError(
+            f"`{name}` has {bad} non-finite (NaN/inf) values; they cannot be quantized. "
+            "Check the model's dtype/overflow before compressing this segment."
+        )
     return _scale_dtype_for_largest(largest)
 
 
@@ -369,8 +375,13 @@ def quantize_keys(keys: Tensor, bits: int, group_size: int) -> QuantizedTensor:
     if not t:
         empty = torch.empty(h, 0, d, dtype=meta_dtype, device=keys.device)
         return QuantizedTensor(
-            pack_bits(torch.empty(h, 0, d, dtype=torch.uint8, device=keys.device), bits), empty, empty.clone(),
-            bits, g, d, "channel",
+            pack_bits(torch.empty(h, 0, d, dtype=torch.uint8, device=keys.device), bits),
+            empty,
+            empty.clone(),
+            bits,
+            g,
+            d,
+            "channel",
         )
     groups = -(-t // g)
     pad = groups * g - t
@@ -412,8 +423,15 @@ def quantize_values(values: Tensor, bits: int, group_size: int, fit: bool = Fals
 
 
 def quantized_kv_nbytes(
-    num_tokens: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int, residual: int, elem_bytes: int,
-    key_group_bytes: int = BYTES_PER_GROUP, value_group_bytes: int = BYTES_PER_GROUP,
+    num_tokens: int,
+    num_kv_heads: int,
+    head_dim: int,
+    bits: int,
+    group_size: int,
+    residual: int,
+    elem_bytes: int,
+    key_group_bytes: int = BYTES_PER_GROUP,
+    value_group_bytes: int = BYTES_PER_GROUP,
 ) -> int:
     """Bytes of packed KIVI K+V for ``num_tokens`` tokens (docs/compression.md §1, fp16 scale/zero).
 

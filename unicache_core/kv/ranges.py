@@ -42,8 +42,9 @@ def _infinity(sign: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 FIT_ROUNDS = 3
 
 
-def fit_ranges(x: Tensor, dim: int, scale: Tensor, zero: Tensor, bits: int,
-                weight: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def fit_ranges(
+    x: Tensor, dim: int, scale: Tensor, zero: Tensor, bits: int, weight: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Least-squares ``(scale, zero)`` per group of ``x`` (fp32, groups along ``dim``), from the min-max ones
     (the ``fit`` of :func:`~.quant.quantize_values`).
 
@@ -51,6 +52,7 @@ def fit_ranges(x: Tensor, dim: int, scale: Tensor, zero: Tensor, bits: int,
     Returns ``(scale, zero, codes)``: ``scale``/``zero`` in their dtype, shaped as ``x`` without ``dim``; ``codes``
     uint8 shaped as ``x``. No group's squared error exceeds its min-max error.
     """
+
     def codes_and_error(s: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
         s32, z32 = s.float().unsqueeze(dim), z.float().unsqueeze(dim)
         c = codes_for(x, s32, z32, bits)

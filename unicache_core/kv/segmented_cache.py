@@ -15,8 +15,8 @@ from torch import Tensor
 
 from .attention import attention_with_lse, merge_attention
 from .cache import AttentionCall, Branch, KVCache, Task
-from .token_types import TokenType
 from .stores import EvictedStore, FullStore, KVStore, QuantizedStore, StoreKind
+from .token_types import TokenType
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,14 @@ class SegmentedLayer:
     # ------------------------------------------------------------------ attention
 
     def attend(
-        self, q: Tensor, k_new: Tensor | None = None, v_new: Tensor | None = None, causal: bool = False,
-        scale: float | None = None, fused: bool = False, new_mask: Tensor | None = None,
+        self,
+        q: Tensor,
+        k_new: Tensor | None = None,
+        v_new: Tensor | None = None,
+        causal: bool = False,
+        scale: float | None = None,
+        fused: bool = False,
+        new_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Attention of ``q [Tq, Hq, d]`` over every store plus the new block ``k_new/v_new [Tq, Hkv, d]``.
 
@@ -79,8 +85,14 @@ class SegmentedLayer:
         return result.out, result.lse
 
     def attend_parts(
-        self, q: Tensor, k_new: Tensor | None = None, v_new: Tensor | None = None, *, causal: bool = False,
-        scale: float | None = None, new_mask: Tensor | None = None,
+        self,
+        q: Tensor,
+        k_new: Tensor | None = None,
+        v_new: Tensor | None = None,
+        *,
+        causal: bool = False,
+        scale: float | None = None,
+        new_mask: Tensor | None = None,
     ) -> LayerAttention:
         """Store-by-store attention keeping every store's LSE (attention mass per store at no extra cost)."""
         if not self.stores and k_new is None:
@@ -107,7 +119,11 @@ class SegmentedLayer:
 
     @staticmethod
     def _attend_fused(
-        q: Tensor, stores: list[KVStore], k_new: Tensor | None, v_new: Tensor | None, causal: bool,
+        q: Tensor,
+        stores: list[KVStore],
+        k_new: Tensor | None,
+        v_new: Tensor | None,
+        causal: bool,
         scale: float | None,
     ) -> tuple[Tensor, Tensor]:
         """One attention call over a per-step workspace ``[Hkv, T_resident (+ Tq), d]`` in ``q.dtype``.
@@ -153,13 +169,18 @@ class SegmentedLayer:
         if token_types.shape != (tn,):
             raise ValueError(f"`token_types` must be [{tn}], got shape {tuple(token_types.shape)}")
         if keys.shape != values.shape or keys.dim() != 3:
-            raise ValueError(f"`keys`/`values` must both be [Tn, Hkv, d], got {tuple(keys.shape)}, {tuple(values.shape)}")
+            raise ValueError(
+                f"`keys`/`values` must both be [Tn, Hkv, d], got {tuple(keys.shape)}, {tuple(values.shape)}"
+            )
         if values.dtype != keys.dtype or values.device != keys.device:
-            raise ValueError(f"`keys` ({keys.dtype}, {keys.device}) and `values` ({values.dtype}, {values.device}) "
-                             "must share dtype and device")
+            raise ValueError(
+                f"`keys` ({keys.dtype}, {keys.device}) and `values` ({values.dtype}, {values.device}) "
+                "must share dtype and device"
+            )
         self._check_meta(keys.shape[1], keys.shape[2], keys.dtype, keys.device, "appended keys")
-        token_index = torch.arange(self.appended_tokens, self.appended_tokens + tn, dtype=torch.int32,
-                                   device=keys.device)
+        token_index = torch.arange(
+            self.appended_tokens, self.appended_tokens + tn, dtype=torch.int32, device=keys.device
+        )
         self.appended_tokens += tn
         types = token_types.to(device=keys.device, dtype=torch.int64)
         for t in torch.unique(types).tolist():
@@ -175,12 +196,16 @@ class SegmentedLayer:
         """``(token_type, store kind, num_tokens)`` per store, in order."""
         return [(s.token_type, s.kind, s.num_tokens) for s in self.stores]
 
-    def find(self, token_type: TokenType | str | int, kind: StoreKind | tuple[StoreKind, ...] | None = None) -> list[int]:
-        """Indices of the stores of ``token_type`` (of store ``kind`` when given: ``"full"``, ``"evicted"``, ``"quantized"``)."""
+    def find(
+        self, token_type: TokenType | str | int, kind: StoreKind | tuple[StoreKind, ...] | None = None
+    ) -> list[int]:
+        """Indices of the stores of ``token_type`` (of store ``kind`` when given: ``"full"``, ``"evicted"``,
+        ``"quantized"``)."""
         token_type = TokenType.parse(token_type)
         kinds = (kind,) if isinstance(kind, str) else kind
-        return [i for i, s in enumerate(self.stores)
-                if s.token_type == token_type and (kinds is None or s.kind in kinds)]
+        return [
+            i for i, s in enumerate(self.stores) if s.token_type == token_type and (kinds is None or s.kind in kinds)
+        ]
 
     def replace(self, index: int, store: KVStore) -> KVStore:
         """Swap store ``index`` for ``store`` (same token type, heads, head dim, dtype, device); returns the old one."""
@@ -222,7 +247,7 @@ class SegmentedLayer:
         self.stores = kept
         return removed
 
-    def share(self) -> "SegmentedLayer":
+    def share(self) -> SegmentedLayer:
         """A copy whose stores are new objects over the same tensors (a branch clone)."""
         other = SegmentedLayer()
         other.stores = [s.share() for s in self.stores]
@@ -272,8 +297,9 @@ class SegmentedKVCache(KVCache):
             state.append(k, v, call.token_types)
         return out
 
-    def replace_segment(self, layer: int, token_type: TokenType | str | int, store: KVStore,
-                        index: int | None = None) -> KVStore:
+    def replace_segment(
+        self, layer: int, token_type: TokenType | str | int, store: KVStore, index: int | None = None
+    ) -> KVStore:
         """Replace the uncompressed segment of ``token_type`` in ``layer`` by ``store``; returns the old store.
 
         With ``index`` (position in :meth:`segments`) any store of that type may be replaced, e.g. an
@@ -309,7 +335,7 @@ class SegmentedKVCache(KVCache):
             raise ValueError(f"layer {layer} has {len(found)} uncompressed segments of type {token_type!r}")
         return state.stores[found[0]]
 
-    def clone(self, *, branch: Branch | None = None) -> "SegmentedKVCache":
+    def clone(self, *, branch: Branch | None = None) -> SegmentedKVCache:
         """A branch copy sharing every tensor (stores are never modified in place, so sharing is safe)."""
         other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)

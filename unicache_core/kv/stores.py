@@ -41,9 +41,7 @@ def _check_kv(keys: Tensor, values: Tensor, token_index: Tensor) -> None:
     if not isinstance(keys, Tensor) or not isinstance(values, Tensor):
         raise ValueError(f"`keys`/`values` must be tensors, got {type(keys).__name__}, {type(values).__name__}")
     if keys.dim() != 3 or keys.shape != values.shape:
-        raise ValueError(
-            f"`keys`/`values` must both be [T, Hkv, d]; got {tuple(keys.shape)} and {tuple(values.shape)}"
-        )
+        raise ValueError(f"`keys`/`values` must both be [T, Hkv, d]; got {tuple(keys.shape)} and {tuple(values.shape)}")
     if keys.dtype != values.dtype or not keys.dtype.is_floating_point:
         raise ValueError(f"`keys` ({keys.dtype}) and `values` ({values.dtype}) must share one floating dtype")
     if keys.device != values.device:
@@ -105,7 +103,7 @@ class KVStore(ABC):
         """``nbytes()`` from the closed-form formula of docs/compression.md §1."""
 
     @abstractmethod
-    def share(self) -> "KVStore":
+    def share(self) -> KVStore:
         """A new store object over the SAME tensors (a branch clone; tensors are never modified in place)."""
 
 
@@ -151,8 +149,9 @@ class FullStore(_RowStore):
         self.token_type = TokenType(token_type)
 
     @classmethod
-    def from_runs(cls, keys: Tensor, values: Tensor, runs: tuple[tuple[int, int], ...],
-                  token_type: TokenType) -> "FullStore":
+    def from_runs(
+        cls, keys: Tensor, values: Tensor, runs: tuple[tuple[int, int], ...], token_type: TokenType
+    ) -> FullStore:
         """A store over ``keys/values [T, Hkv, d]`` whose rows are named by ``runs`` (no index tensor is built)."""
         store = object.__new__(cls)
         store.keys, store.values, store.runs, store.token_type = keys, values, tuple(runs), TokenType(token_type)
@@ -190,7 +189,7 @@ class FullStore(_RowStore):
         t, h, d = self.keys.shape
         return 2 * t * h * d * self.keys.element_size()
 
-    def share(self) -> "FullStore":
+    def share(self) -> FullStore:
         return FullStore.from_runs(self.keys, self.values, self.runs, self.token_type)
 
     def append(self, keys: Tensor, values: Tensor, token_index: Tensor) -> None:
@@ -198,8 +197,10 @@ class FullStore(_RowStore):
         (a branch clone sharing them keeps its rows)."""
         _check_kv(keys, values, token_index)
         if keys.shape[1:] != self.keys.shape[1:]:
-            raise ValueError(f"appended rows are [*, {keys.shape[1]}, {keys.shape[2]}] but this store holds "
-                             f"[*, {self.num_kv_heads}, {self.head_dim}] (KV heads, head dim)")
+            raise ValueError(
+                f"appended rows are [*, {keys.shape[1]}, {keys.shape[2]}] but this store holds "
+                f"[*, {self.num_kv_heads}, {self.head_dim}] (KV heads, head dim)"
+            )
         if keys.device != self.device:
             raise ValueError(f"appended rows are on {keys.device}, this store on {self.device}")
         self.keys = torch.cat([self.keys, keys.to(self.keys.dtype)])
@@ -236,18 +237,21 @@ class EvictedStore(_RowStore):
                 f"{tuple(self.values.shape)}"
             )
         if self.keys.dtype != self.values.dtype or self.keys.device != self.values.device:
-            raise ValueError(f"`keys` ({self.keys.dtype}, {self.keys.device}) and `values` ({self.values.dtype}, "
-                             f"{self.values.device}) must share dtype and device")
+            raise ValueError(
+                f"`keys` ({self.keys.dtype}, {self.keys.device}) and `values` ({self.values.dtype}, "
+                f"{self.values.device}) must share dtype and device"
+            )
         if tuple(self.keep_idx.shape) != tuple(self.keys.shape[:2]):
-            raise ValueError(f"`keep_idx` must be [Hkv, n_keep]={tuple(self.keys.shape[:2])}, got "
-                             f"{tuple(self.keep_idx.shape)}")
+            raise ValueError(
+                f"`keep_idx` must be [Hkv, n_keep]={tuple(self.keys.shape[:2])}, got {tuple(self.keep_idx.shape)}"
+            )
         self.keep_idx = self.keep_idx.to(torch.int32)
         self.token_type = TokenType(self.token_type)
 
     @classmethod
     def from_selection(
         cls, keys: Tensor, values: Tensor, token_index: Tensor, keep: Tensor, token_type: TokenType
-    ) -> "EvictedStore":
+    ) -> EvictedStore:
         """Compact ``keys/values [T, Hkv, d]`` to the rows ``keep [Hkv, n_keep]`` (indices into T) per head."""
         _check_kv(keys, values, token_index)
         t, h, d = keys.shape
@@ -300,10 +304,10 @@ class EvictedStore(_RowStore):
         h, n, d = self.keys.shape
         return h * n * (2 * d * self.keys.element_size() + 4)
 
-    def share(self) -> "EvictedStore":
+    def share(self) -> EvictedStore:
         return EvictedStore(self.keys, self.values, self.keep_idx, self.token_type)
 
-    def shrink(self, keep_sub: Tensor) -> "EvictedStore":
+    def shrink(self, keep_sub: Tensor) -> EvictedStore:
         """A new store keeping rows ``keep_sub [Hkv, n_new]`` (indices into this store's rows, n_new <= n_keep).
 
         Eviction is monotonic: rows can only be dropped, never added back.
@@ -312,29 +316,35 @@ class EvictedStore(_RowStore):
         if keep_sub.dim() != 2 or keep_sub.shape[0] != h:
             raise ValueError(f"`keep_sub` must be [Hkv={h}, n_new], got shape {tuple(keep_sub.shape)}")
         if keep_sub.shape[1] > n:
-            raise ValueError(f"`keep_sub` asks for {keep_sub.shape[1]} rows but the store holds {n}; "
-                             "eviction never adds rows")
+            raise ValueError(
+                f"`keep_sub` asks for {keep_sub.shape[1]} rows but the store holds {n}; eviction never adds rows"
+            )
         if keep_sub.numel() and (keep_sub.min() < 0 or keep_sub.max() >= n):
-            raise ValueError(f"`keep_sub` indices must lie in [0, {n}) (rows of this store), "
-                             f"got range [{keep_sub.min()}, {keep_sub.max()}]")
+            raise ValueError(
+                f"`keep_sub` indices must lie in [0, {n}) (rows of this store), "
+                f"got range [{keep_sub.min()}, {keep_sub.max()}]"
+            )
         keep_sub = torch.sort(keep_sub.long().to(self.device), dim=1).values
         if keep_sub.shape[1] > 1 and bool((keep_sub[:, 1:] == keep_sub[:, :-1]).any()):
             raise ValueError("`keep_sub` must not repeat a row within a head")
         return self.take(keep_sub)
 
-    def take(self, rows: Tensor) -> "EvictedStore":
+    def take(self, rows: Tensor) -> EvictedStore:
         """A new store of ``rows [Hkv, n_new]`` int64: positions into this store's rows, ascending and distinct per
         head (not checked: :meth:`shrink` checks them; an eviction's own selection is built that way)."""
         idx = rows.unsqueeze(-1).expand(-1, -1, self.keys.shape[2])
         return EvictedStore(
-            torch.gather(self.keys, 1, idx), torch.gather(self.values, 1, idx),
-            torch.gather(self.keep_idx, 1, rows.to(self.keep_idx.device)), self.token_type,
+            torch.gather(self.keys, 1, idx),
+            torch.gather(self.values, 1, idx),
+            torch.gather(self.keep_idx, 1, rows.to(self.keep_idx.device)),
+            self.token_type,
         )
 
 
 @dataclass(eq=False)
 class QuantizedStore(KVStore):
-    """KIVI store: keys per-channel, values per-token, ``bits``-bit packed; the last ``residual`` rows in full precision.
+    """KIVI store: keys per-channel, values per-token, ``bits``-bit packed; the last ``residual`` rows in full
+    precision.
 
     The rows are the same for every KV head (``token_index [T]``: a whole segment quantized) or chosen per
     KV head (``token_index [Hkv, T]``: the rows a joint eviction kept, then quantized; row ``i`` of head
@@ -361,26 +371,52 @@ class QuantizedStore(KVStore):
 
     @classmethod
     def from_kv(
-        cls, keys: Tensor, values: Tensor, token_index: Tensor, bits: int = 2, group_size: int = 32,
-        residual: int = 128, token_type: TokenType = TokenType.SOURCE_VAE, fit_values: bool = False,
-    ) -> "QuantizedStore":
+        cls,
+        keys: Tensor,
+        values: Tensor,
+        token_index: Tensor,
+        bits: int = 2,
+        group_size: int = 32,
+        residual: int = 128,
+        token_type: TokenType = TokenType.SOURCE_VAE,
+        fit_values: bool = False,
+    ) -> QuantizedStore:
         """Quantize ``keys/values [T, Hkv, d]``; the last ``min(residual, T)`` rows stay exact."""
         _check_kv(keys, values, token_index)
-        return cls.from_head_rows(keys.transpose(0, 1), values.transpose(0, 1), token_index, bits, group_size,
-                                  residual, token_type, fit_values)
+        return cls.from_head_rows(
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            token_index,
+            bits,
+            group_size,
+            residual,
+            token_type,
+            fit_values,
+        )
 
     @classmethod
     def from_head_rows(
-        cls, keys: Tensor, values: Tensor, token_index: Tensor, bits: int, group_size: int, residual: int,
-        token_type: TokenType, fit_values: bool = False,
-    ) -> "QuantizedStore":
+        cls,
+        keys: Tensor,
+        values: Tensor,
+        token_index: Tensor,
+        bits: int,
+        group_size: int,
+        residual: int,
+        token_type: TokenType,
+        fit_values: bool = False,
+    ) -> QuantizedStore:
         """Quantize head-major ``keys/values [Hkv, T, d]``, rows ``token_index`` (``[T]`` shared or ``[Hkv, T]`` per
         head, ascending); each head's last ``min(residual, T)`` rows stay exact; ``fit_values``: :mod:`.ranges`."""
         if keys.dim() != 3 or keys.shape != values.shape:
-            raise ValueError(f"`keys`/`values` must both be [Hkv, T, d]; got {tuple(keys.shape)}, {tuple(values.shape)}")
+            raise ValueError(
+                f"`keys`/`values` must both be [Hkv, T, d]; got {tuple(keys.shape)}, {tuple(values.shape)}"
+            )
         if keys.dtype != values.dtype or not keys.dtype.is_floating_point or keys.device != values.device:
-            raise ValueError(f"`keys` ({keys.dtype}, {keys.device}) and `values` ({values.dtype}, {values.device}) "
-                             "must share one floating dtype and device")
+            raise ValueError(
+                f"`keys` ({keys.dtype}, {keys.device}) and `values` ({values.dtype}, {values.device}) "
+                "must share one floating dtype and device"
+            )
         h, t, _ = keys.shape
         if tuple(token_index.shape) not in ((t,), (h, t)):
             raise ValueError(f"`token_index` must be [T]=({t},) or [Hkv, T]=({h}, {t}), got {tuple(token_index.shape)}")
@@ -389,11 +425,16 @@ class QuantizedStore(KVStore):
         r = min(residual, t)
         qvalues = quantize_values(values[:, : t - r], bits, group_size, fit=fit_values)
         return cls(
-            quantize_keys(keys[:, : t - r], bits, group_size), qvalues,
+            quantize_keys(keys[:, : t - r], bits, group_size),
+            qvalues,
             keys[:, t - r :].clone(memory_format=torch.contiguous_format),
             values[:, t - r :].clone(memory_format=torch.contiguous_format),
             token_index.to(device=keys.device, dtype=torch.int32).clone(),
-            TokenType(token_type), bits, group_size, residual, keys.dtype,
+            TokenType(token_type),
+            bits,
+            group_size,
+            residual,
+            keys.dtype,
         )
 
     @property
@@ -476,25 +517,62 @@ class QuantizedStore(KVStore):
             v_out[:, n:] = self.res_values
 
     def tensors(self) -> list[Tensor]:
-        return [self.qkeys.packed, self.qkeys.scale, self.qkeys.zero, self.qvalues.packed, self.qvalues.scale,
-                self.qvalues.zero, self.res_keys, self.res_values, self.token_index]
+        return [
+            self.qkeys.packed,
+            self.qkeys.scale,
+            self.qkeys.zero,
+            self.qvalues.packed,
+            self.qvalues.scale,
+            self.qvalues.zero,
+            self.res_keys,
+            self.res_values,
+            self.token_index,
+        ]
 
     def nominal_bytes(self) -> int:
         h, _, d = self.res_keys.shape
         elem = torch.empty(0, dtype=self.cache_dtype).element_size()
-        return quantized_kv_nbytes(
-            self.num_tokens, h, d, self.bits, self.group_size, self.residual, elem,
-            key_group_bytes=2 * self.qkeys.scale.element_size(),
-            value_group_bytes=2 * self.qvalues.scale.element_size(),
-        ) + 4 * self.token_index.numel()
+        return (
+            quantized_kv_nbytes(
+                self.num_tokens,
+                h,
+                d,
+                self.bits,
+                self.group_size,
+                self.residual,
+                elem,
+                key_group_bytes=2 * self.qkeys.scale.element_size(),
+                value_group_bytes=2 * self.qvalues.scale.element_size(),
+            )
+            + 4 * self.token_index.numel()
+        )
 
-    def share(self) -> "QuantizedStore":
-        return QuantizedStore(self.qkeys, self.qvalues, self.res_keys, self.res_values, self.token_index,
-                              self.token_type, self.bits, self.group_size, self.residual, self.cache_dtype)
+    def share(self) -> QuantizedStore:
+        return QuantizedStore(
+            self.qkeys,
+            self.qvalues,
+            self.res_keys,
+            self.res_values,
+            self.token_index,
+            self.token_type,
+            self.bits,
+            self.group_size,
+            self.residual,
+            self.cache_dtype,
+        )
 
 
 #: Any physical store.
 Store = KVStore
 
-__all__ = ["DEQUANT_CHUNK", "EvictedStore", "FullStore", "KVStore", "QuantizedStore", "Store", "StoreKind", "index_runs",
-           "runs_index"]
+__all__ = [
+    "DEQUANT_CHUNK",
+    "EvictedStore",
+    "FullStore",
+    "KVStore",
+    "QuantizedStore",
+    "Store",
+    "StoreKind",
+    "index_runs",
+    "runs_index",
+]

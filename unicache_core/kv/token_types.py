@@ -31,7 +31,7 @@ class TokenType(IntEnum):
     DECODED_TEXT = 6  # tokens generated while answering (understanding)
 
     @classmethod
-    def parse(cls, value: "TokenType | str | int") -> "TokenType":
+    def parse(cls, value: TokenType | str | int) -> TokenType:
         """Accept an enum member, its name (any case) or its integer id."""
         if isinstance(value, TokenType):
             return value

@@ -52,7 +52,7 @@ def classify_shape(alpha: np.ndarray) -> tuple[str, int, int]:
     shipped one's; docs/shapes.md).
     """
     ys, xs = np.nonzero(alpha > 0.5)
-    box = alpha[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
+    box = alpha[ys.min() : ys.max() + 1, xs.min() : xs.max() + 1]
     h, w = box.shape
     rows = box.sum(axis=1)
     widest = max(float(rows.max()), 1e-6)
@@ -73,8 +73,9 @@ def _pixels(image: Image.Image | np.ndarray) -> np.ndarray:
 def analyse(image: Image.Image | np.ndarray) -> Scene:
     """The scene an image shows (objects whose colour and shape repeat keep the first, by cell)."""
     px = _pixels(image)
-    border = np.concatenate([px[:3].reshape(-1, 3), px[-3:].reshape(-1, 3), px[:, :3].reshape(-1, 3),
-                             px[:, -3:].reshape(-1, 3)])
+    border = np.concatenate(
+        [px[:3].reshape(-1, 3), px[-3:].reshape(-1, 3), px[:, :3].reshape(-1, 3), px[:, -3:].reshape(-1, 3)]
+    )
     background = _nearest(np.median(border, axis=0), BACKGROUNDS)
     bg_rgb = np.array(BACKGROUNDS[background], dtype=np.float64)
     dist = np.sqrt(((px - bg_rgb) ** 2).sum(axis=2))

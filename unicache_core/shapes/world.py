@@ -13,8 +13,8 @@ drawn at 4x and box-filtered down, so edges are anti-aliased but identical on ev
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Iterator
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -43,9 +43,15 @@ SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 SIZES: dict[str, int] = {"small": 22, "large": 36}
 #: Cell index (row * 3 + col) → position phrase.
 POSITIONS: tuple[str, ...] = (
-    "top left", "top", "top right",
-    "left", "center", "right",
-    "bottom left", "bottom", "bottom right",
+    "top left",
+    "top",
+    "top right",
+    "left",
+    "center",
+    "right",
+    "bottom left",
+    "bottom",
+    "bottom right",
 )
 COUNT_WORDS: tuple[str, ...] = ("zero", "one", "two", "three")
 MAX_OBJECTS = 3
@@ -181,12 +187,20 @@ def apply_edit(scene: Scene, kind: str, rng: random.Random) -> Edit | None:
         taken = {o.name for o in rest}
         colors = [c for c in COLORS if c != obj.color and f"{c} {obj.shape}" not in taken]
         color = rng.choice(colors)
-        return Edit(kind, f"make the {obj.name} {color}", scene,
-                    Scene(scene.background, tuple(rest + [replace(obj, color=color)])))
+        return Edit(
+            kind,
+            f"make the {obj.name} {color}",
+            scene,
+            Scene(scene.background, tuple(rest + [replace(obj, color=color)])),
+        )
     if kind == "move":
         cell = rng.choice(scene.free_cells())
-        return Edit(kind, f"move the {obj.name} to the {POSITIONS[cell]}", scene,
-                    Scene(scene.background, tuple(rest + [replace(obj, cell=cell)])))
+        return Edit(
+            kind,
+            f"move the {obj.name} to the {POSITIONS[cell]}",
+            scene,
+            Scene(scene.background, tuple(rest + [replace(obj, cell=cell)])),
+        )
     raise ValueError(f"unknown edit kind {kind!r}; one of {EDIT_KINDS}")
 
 
@@ -275,8 +289,9 @@ def edit_sample(seed: int, kind: str | None = None) -> Edit:
             return edit
 
 
-def understanding_sample(seed: int, kind: str | None = None, *,
-                         max_objects: int = MAX_OBJECTS) -> tuple[Scene, Question]:
+def understanding_sample(
+    seed: int, kind: str | None = None, *, max_objects: int = MAX_OBJECTS
+) -> tuple[Scene, Question]:
     """The question sample of ``seed``: a scene with 1..``max_objects`` objects and one question about it."""
     rng = random.Random(_check_seed(seed) * 4 + 3)
     while True:
@@ -296,7 +311,7 @@ def vocabulary_text() -> list[str]:
     """Lines covering every word the world uses (a tokenizer trained on them encodes each word whole)."""
     rng = random.Random(0)
     lines = []
-    for i in range(3000):
+    for _ in range(3000):
         scene = random_scene(rng, min_objects=0)
         lines.append(scene.caption())
         for kind in EDIT_KINDS:
@@ -316,8 +331,31 @@ def image_array(image: Image.Image) -> np.ndarray:
 
 
 __all__ = [
-    "BACKGROUNDS", "CANVAS", "COLORS", "COUNT_WORDS", "EDIT_KINDS", "EVAL_SEEDS", "Edit", "GRID", "MAX_OBJECTS",
-    "POSITIONS", "QUESTION_KINDS", "Question", "SHAPES", "SIZES", "Scene", "Shape", "TRAIN_SEEDS", "apply_edit",
-    "ask", "cell_center", "edit_sample", "eval_seeds", "image_array", "random_scene", "t2i_sample",
-    "understanding_sample", "vocabulary_text",
+    "BACKGROUNDS",
+    "CANVAS",
+    "COLORS",
+    "COUNT_WORDS",
+    "EDIT_KINDS",
+    "EVAL_SEEDS",
+    "Edit",
+    "GRID",
+    "MAX_OBJECTS",
+    "POSITIONS",
+    "QUESTION_KINDS",
+    "Question",
+    "SHAPES",
+    "SIZES",
+    "Scene",
+    "Shape",
+    "TRAIN_SEEDS",
+    "apply_edit",
+    "ask",
+    "cell_center",
+    "edit_sample",
+    "eval_seeds",
+    "image_array",
+    "random_scene",
+    "t2i_sample",
+    "understanding_sample",
+    "vocabulary_text",
 ]

@@ -2,8 +2,8 @@
 
 Modules: :mod:`.options` (task names, :class:`CalibrationOptions`), :mod:`.inputs` (prompts file, image
 folder, synthetic images), :mod:`.requests` (one request through the pipeline), :mod:`.run`
-(:func:`calibrate`), :mod:`.aggregate`, :mod:`.sensitivity`, :mod:`.grid`, :mod:`.tables` (completing, checking and writing
-tables), :mod:`.job` (:class:`CalibrationJob`: files in, table file out) and :mod:`.cli` (the command line,
+(:func:`calibrate`), :mod:`.aggregate`, :mod:`.sensitivity`, :mod:`.grid`, :mod:`.tables` (completing, checking and
+writing tables), :mod:`.job` (:class:`CalibrationJob`: files in, table file out) and :mod:`.cli` (the command line,
 ``python -m unicache_core.bagel.calibrate``). Functions, not argv, are the interface::
 
     from unicache_core.bagel.calibration import CalibrationJob, CalibrationOptions, calibrate_job

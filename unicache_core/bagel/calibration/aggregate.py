@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
 
 from ...compression.stats import layer_chunk, step_chunk
 from ...kv.token_types import TokenType
@@ -51,12 +51,24 @@ def aggregate(records_per_prompt: Sequence[Sequence[Sequence]]) -> dict:
         cell_mass = [statistics.fmean(ms) for _, ms in per_prompt_cells[key]]
         k90s.setdefault(ttype, []).extend(cell_k90)
         masses.setdefault(ttype, []).extend(cell_mass)
-        rows.append({"type": ttype, "layer_chunk": c, "step_chunk": s, "k90": round(median(cell_k90), 6),
-                     "mass": round(statistics.fmean(cell_mass), 6), "prompts": len(cell_k90),
-                     "samples": sum(len(ks) for ks, _ in per_prompt_cells[key])})
+        rows.append(
+            {
+                "type": ttype,
+                "layer_chunk": c,
+                "step_chunk": s,
+                "k90": round(median(cell_k90), 6),
+                "mass": round(statistics.fmean(cell_mass), 6),
+                "prompts": len(cell_k90),
+                "samples": sum(len(ks) for ks, _ in per_prompt_cells[key]),
+            }
+        )
     per_branch = {t: {b: round(median(v), 6) for b, v in sorted(by.items())} for t, by in branch_k90.items()}
-    return {"k90s": k90s, "cells": rows, "per_branch": per_branch,
-            "mass": {t: round(statistics.fmean(v), 6) for t, v in masses.items()}}
+    return {
+        "k90s": k90s,
+        "cells": rows,
+        "per_branch": per_branch,
+        "mass": {t: round(statistics.fmean(v), 6) for t, v in masses.items()},
+    }
 
 
 __all__ = ["aggregate", "median"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -33,31 +33,54 @@ logger = logging.getLogger("unicache_core.bagel.calibrate")
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m unicache_core.bagel.calibrate``."""
     defaults = CalibrationOptions()
-    p = OneLineParser(prog="python -m unicache_core.bagel.calibrate",
-                      description="Calibrate a UniCache policy table (K90 routing, docs/compression.md §8.4) "
-                                  "on a checkpoint")
+    p = OneLineParser(
+        prog="python -m unicache_core.bagel.calibrate",
+        description="Calibrate a UniCache policy table (K90 routing, docs/compression.md §8.4) on a checkpoint",
+    )
     p.add_argument("--checkpoint", required=True, type=path_arg, help="BAGEL checkpoint folder")
     p.add_argument("--task", required=True, choices=sorted(TASK_NAMES), help="und (understanding) | t2i | edit")
     p.add_argument("--prompts", required=True, type=path_arg, help="UTF-8 text file, one prompt per line")
-    p.add_argument("--images", type=path_arg, default=None,
-                   help="folder of input images for edit / und (sorted, paired with the prompts round-robin); "
-                        "default: deterministic synthetic images")
+    p.add_argument(
+        "--images",
+        type=path_arg,
+        default=None,
+        help="folder of input images for edit / und (sorted, paired with the prompts round-robin); "
+        "default: deterministic synthetic images",
+    )
     p.add_argument("--out", required=True, type=path_arg, help="policy-table JSON to write")
-    p.add_argument("--merge", action="store_true",
-                   help="keep the other tasks' entries of an existing --out table (same model)")
-    p.add_argument("--sensitivity", action="store_true",
-                   help="also run each type evicted vs quantized alone and compare with the K90 choice")
-    p.add_argument("--grid", action="store_true",
-                   help="also measure each type's (rows kept, bits) grid at matched bytes and make it a joint entry "
-                        "with the calibrated bits per budget level (docs/compression.md §11.4)")
-    p.add_argument("--steps", type=int, default=defaults.num_timesteps,
-                   help="num_timesteps of t2i / edit (steps-1 denoising steps), as in python -m unicache_core.bagel")
-    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
-                   help="most decoded tokens per understanding prompt")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=CalibrationJob.dtype,
-                   help="LLM/ViT dtype (VAE is fp32)")
-    p.add_argument("--size", type=int, default=defaults.size,
-                   help="t2i output side and synthetic image width in px (multiple of 16)")
+    p.add_argument(
+        "--merge", action="store_true", help="keep the other tasks' entries of an existing --out table (same model)"
+    )
+    p.add_argument(
+        "--sensitivity",
+        action="store_true",
+        help="also run each type evicted vs quantized alone and compare with the K90 choice",
+    )
+    p.add_argument(
+        "--grid",
+        action="store_true",
+        help="also measure each type's (rows kept, bits) grid at matched bytes and make it a joint entry "
+        "with the calibrated bits per budget level (docs/compression.md §11.4)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=defaults.num_timesteps,
+        help="num_timesteps of t2i / edit (steps-1 denoising steps), as in python -m unicache_core.bagel",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=defaults.max_new_tokens,
+        help="most decoded tokens per understanding prompt",
+    )
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=CalibrationJob.dtype, help="LLM/ViT dtype (VAE is fp32)")
+    p.add_argument(
+        "--size",
+        type=int,
+        default=defaults.size,
+        help="t2i output side and synthetic image width in px (multiple of 16)",
+    )
     p.add_argument("--device", default=CalibrationJob.device, help="torch device, or 'auto' (cuda when available)")
     p.add_argument("--seed", type=int, default=defaults.seed, help="noise seed of every run")
     p.add_argument("-v", "--verbose", action="store_true", help="progress and library logs on stderr")
@@ -66,17 +89,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 def job_from_args(args: argparse.Namespace) -> CalibrationJob:
     """The :class:`CalibrationJob` parsed command-line arguments ask for."""
-    options = CalibrationOptions(num_timesteps=args.steps, max_new_tokens=args.max_new_tokens, size=args.size,
-                                 seed=args.seed, sensitivity=args.sensitivity, grid=args.grid)
-    return CalibrationJob(checkpoint=args.checkpoint, task=args.task, prompts=args.prompts, out=args.out,
-                          images=args.images, merge=args.merge, options=options, dtype=args.dtype,
-                          device=args.device)
+    options = CalibrationOptions(
+        num_timesteps=args.steps,
+        max_new_tokens=args.max_new_tokens,
+        size=args.size,
+        seed=args.seed,
+        sensitivity=args.sensitivity,
+        grid=args.grid,
+    )
+    return CalibrationJob(
+        checkpoint=args.checkpoint,
+        task=args.task,
+        prompts=args.prompts,
+        out=args.out,
+        images=args.images,
+        merge=args.merge,
+        options=options,
+        dtype=args.dtype,
+        device=args.device,
+    )
 
 
 def configure_logging(verbose: bool) -> None:
     """Library logs on stderr: INFO and up with ``verbose``, else warnings only."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
 
 
 def _fail(message: str) -> None:
@@ -89,13 +129,17 @@ def _summary(job: CalibrationJob, table) -> str:
     parts = [f"{t} K90 {v:.3f} -> {meas['choice'][t]}" for t, v in meas["k90"].items()]
     for key, plan in table.plans.items():
         if key[0] == TASK_NAMES[job.task]:
-            parts.append(f"{TokenType(key[1]).name.lower()} plan " + ", ".join(
-                f"{level:g}: {'full' if bits == 16 else f'{bits}-bit'}" for level, bits in plan.levels))
+            parts.append(
+                f"{TokenType(key[1]).name.lower()} plan "
+                + ", ".join(f"{level:g}: {'full' if bits == 16 else f'{bits}-bit'}" for level, bits in plan.levels)
+            )
     agree = meas.get("sensitivity_agrees")
     if agree is not None:
         parts.append("sensitivity agrees: " + ", ".join(f"{t}={v}" for t, v in agree.items()))
-    return (f"calibrated {job.task} on {meas['prompts']} prompt(s) ({table.model_id}): {'; '.join(parts)}; "
-            f"wrote {job.out}\n")
+    return (
+        f"calibrated {job.task} on {meas['prompts']} prompt(s) ({table.model_id}): {'; '.join(parts)}; "
+        f"wrote {job.out}\n"
+    )
 
 
 def run_job(job: CalibrationJob, progress: Callable[[str], None] | None = None) -> int:
@@ -112,8 +156,10 @@ def run_job(job: CalibrationJob, progress: Callable[[str], None] | None = None) 
         _fail("interrupted (Ctrl-C)")
         return 130
     except (MemoryError, torch.OutOfMemoryError) as exc:
-        _fail(f"out of memory ({type(exc).__name__}); use fewer --steps, a smaller --size, --dtype bf16 or another "
-              "--device")
+        _fail(
+            f"out of memory ({type(exc).__name__}); use fewer --steps, a smaller --size, --dtype bf16 or another "
+            "--device"
+        )
         return 2
     except (UniCacheError, ValueError, OSError) as exc:
         _fail(str(exc) or type(exc).__name__)

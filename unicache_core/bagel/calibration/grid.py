@@ -3,7 +3,7 @@ at matched bytes; the least mean change per level becomes the type's ``joint`` p
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ...compression.defaults import JOINT_BITS, JOINT_LEVELS
 from ...compression.family import JointPlan, plan_from_errors
@@ -12,16 +12,28 @@ from .options import CalibrationOptions
 from .sensitivity import single_type_table, type_alone
 
 
-def joint_grid(loaded, task: str, inputs: Sequence[tuple[str, object]], references: Sequence, types: Sequence[str],
-               model_id: str, options: CalibrationOptions, progress: Callable[[str], None] | None = None) -> dict:
+def joint_grid(
+    loaded,
+    task: str,
+    inputs: Sequence[tuple[str, object]],
+    references: Sequence,
+    types: Sequence[str],
+    model_id: str,
+    options: CalibrationOptions,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
     """The grid of every type in ``types`` (names), each alone, against the full-KV ``references``.
 
     Returns ``{"grid": measurements, "plans": {type name: JointPlan}}``; the measurements keep every point's
     mean change and the bytes the type held (``type_retained``).
     """
-    out: dict = {"levels": list(JOINT_LEVELS), "bits": list(JOINT_BITS),
-                 "metric": "1 - token agreement" if task == "understanding" else "latent relative L2",
-                 "reference": "the calibration run (full KV)", "types": {}}
+    out: dict = {
+        "levels": list(JOINT_LEVELS),
+        "bits": list(JOINT_BITS),
+        "metric": "1 - token agreement" if task == "understanding" else "latent relative L2",
+        "reference": "the calibration run (full KV)",
+        "types": {},
+    }
     plans: dict[str, JointPlan] = {}
     for name in types:
         ttype = TokenType.parse(name)
@@ -33,8 +45,14 @@ def joint_grid(loaded, task: str, inputs: Sequence[tuple[str, object]], referenc
                 table = single_type_table(task, ttype, "joint", model_id, JointPlan(((1.0, bits),)))
                 measured = type_alone(loaded, task, ttype, table, level, inputs, references, options)
                 change = errors[(level, bits)] = measured["change"]
-                points.append({"budget": level, "bits": bits, "change": round(change, 8),
-                               "type_retained": measured["type_retained"]})
+                points.append(
+                    {
+                        "budget": level,
+                        "bits": bits,
+                        "change": round(change, 8),
+                        "type_retained": measured["type_retained"],
+                    }
+                )
                 if progress is not None:
                     progress(f"grid {name} level {level} bits {bits}: change {change:.4g}")
         plans[name] = plan_from_errors(errors)

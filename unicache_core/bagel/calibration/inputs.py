@@ -3,8 +3,8 @@ of prompts with images."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 MAX_PROMPTS_FILE_BYTES = 16 << 20
@@ -25,8 +25,10 @@ def read_prompts(path: Path) -> list[str]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"--prompts: {path} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset "
-                         f"{exc.start}); save it as UTF-8") from None
+        raise ValueError(
+            f"--prompts: {path} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start}); save it as UTF-8"
+        ) from None
     return [p for _, p in _numbered(path, text)]
 
 
@@ -64,8 +66,16 @@ def read_images(folder: Path) -> list[tuple[str, object]]:
 
 
 #: Colours of the synthetic images (background, rectangle) — fixed, so calibration runs are reproducible.
-_PALETTE = ((200, 40, 40), (40, 160, 60), (40, 70, 200), (230, 200, 40), (150, 60, 170), (30, 170, 180),
-            (240, 130, 30), (120, 120, 120))
+_PALETTE = (
+    (200, 40, 40),
+    (40, 160, 60),
+    (40, 70, 200),
+    (230, 200, 40),
+    (150, 60, 170),
+    (30, 170, 180),
+    (240, 130, 30),
+    (120, 120, 120),
+)
 
 
 def synthetic_image(index: int, size: int):
@@ -85,8 +95,9 @@ def synthetic_image(index: int, size: int):
     return image
 
 
-def pair_inputs(task: str, prompts: Sequence[str], images: Sequence[tuple[str, object]] | None,
-                size: int) -> tuple[list[tuple[str, object]], list[str | None]]:
+def pair_inputs(
+    task: str, prompts: Sequence[str], images: Sequence[tuple[str, object]] | None, size: int
+) -> tuple[list[tuple[str, object]], list[str | None]]:
     """``([(prompt, image or None)], [image name or None])``: one request input per prompt.
 
     t2i takes no image; edit / understanding prompts get ``images`` round-robin, or without ``images`` the
@@ -108,5 +119,12 @@ def pair_inputs(task: str, prompts: Sequence[str], images: Sequence[tuple[str, o
     return inputs, image_names
 
 
-__all__ = ["IMAGE_SUFFIXES", "MAX_PROMPTS_FILE_BYTES", "pair_inputs", "prompt_line_numbers", "read_images",
-           "read_prompts", "synthetic_image"]
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "MAX_PROMPTS_FILE_BYTES",
+    "pair_inputs",
+    "prompt_line_numbers",
+    "read_images",
+    "read_prompts",
+    "synthetic_image",
+]

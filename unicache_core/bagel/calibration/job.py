@@ -3,9 +3,9 @@ checkpoint, calibrate the task, complete the table and write it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ...compression.policy_table import PolicyTable
 from ..settings import preset
@@ -44,11 +44,22 @@ class CalibrationJob:
     def arguments(self, device: str) -> dict:
         """The job as the measurements record it (``device`` = the resolved device)."""
         o = self.options
-        return {"checkpoint": str(self.checkpoint), "task": self.task, "prompts": str(self.prompts),
-                "images": None if self.images is None else str(self.images), "out": str(self.out),
-                "merge": self.merge, "sensitivity": o.sensitivity, "grid": o.grid, "steps": o.num_timesteps,
-                "max_new_tokens": o.max_new_tokens, "dtype": self.dtype, "size": o.size, "device": device,
-                "seed": o.seed}
+        return {
+            "checkpoint": str(self.checkpoint),
+            "task": self.task,
+            "prompts": str(self.prompts),
+            "images": None if self.images is None else str(self.images),
+            "out": str(self.out),
+            "merge": self.merge,
+            "sensitivity": o.sensitivity,
+            "grid": o.grid,
+            "steps": o.num_timesteps,
+            "max_new_tokens": o.max_new_tokens,
+            "dtype": self.dtype,
+            "size": o.size,
+            "device": device,
+            "seed": o.seed,
+        }
 
 
 def _check_prompt_lengths(job: CalibrationJob, task: str, prompts: list[str], config, tokenizer) -> None:
@@ -67,8 +78,9 @@ def _check_prompt_lengths(job: CalibrationJob, task: str, prompts: list[str], co
             try:
                 check_positions(config, used, job.options.max_new_tokens, "max_new_tokens")
             except ValueError as exc:
-                raise ValueError(f"--max-new-tokens: with the prompt of line {lineno} of {job.prompts}: {exc}") \
-                    from None
+                raise ValueError(
+                    f"--max-new-tokens: with the prompt of line {lineno} of {job.prompts}: {exc}"
+                ) from None
 
 
 def check_job(job: CalibrationJob) -> dict:
@@ -78,12 +90,12 @@ def check_job(job: CalibrationJob) -> dict:
     prompts, the ``[(name, image)]`` of ``job.images`` (or ``None``), the resolved device, the checkpoint's
     model id and the ``--merge`` table (or ``None``).
     """
+    from ..checkpoint.model_id import model_id_of
     from ..cli_checks import check_checkpoint_dir, resolve_device, with_flag
     from ..config import load_bagel_config
     from ..seeding import check_seed
     from ..settings import check_int, check_output_size
     from ..tokenizer import BagelTokenizer
-    from ..checkpoint.model_id import model_id_of
 
     if job.task not in TASK_NAMES:
         raise ValueError(f"--task: {job.task!r} is not a calibration task; use one of {sorted(TASK_NAMES)}")
@@ -131,8 +143,15 @@ def calibrate_job(job: CalibrationJob, progress: Callable[[str], None] | None = 
     checked = check_job(job)
     loaded = load_bagel(job.checkpoint, dtype=DTYPES[job.dtype], device=checked["device"])
     task = checked["task"]
-    table = calibrate(loaded, task, checked["prompts"], checked["images"], job.options,
-                      arguments=job.arguments(checked["device"]), progress=progress)
+    table = calibrate(
+        loaded,
+        task,
+        checked["prompts"],
+        checked["images"],
+        job.options,
+        arguments=job.arguments(checked["device"]),
+        progress=progress,
+    )
     final = finish_table(table, task, checked["base"])
     write_table(final, job.out)
     return final

@@ -18,8 +18,9 @@ def run_request(pipe, task: str, prompt: str, image, options: CalibrationOptions
         return pipe.text_to_image(prompt, settings, seed=options.seed)
     if task == "edit":
         return pipe.edit(prompt, image, preset("edit", num_timesteps=options.num_timesteps), seed=options.seed)
-    return pipe.understand(prompt, image, preset("understanding", max_new_tokens=options.max_new_tokens),
-                           seed=options.seed)
+    return pipe.understand(
+        prompt, image, preset("understanding", max_new_tokens=options.max_new_tokens), seed=options.seed
+    )
 
 
 __all__ = ["run_request"]

@@ -4,14 +4,14 @@ alone quantized at the task's target retention, compared with the full-KV calibr
 from __future__ import annotations
 
 import statistics
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from ...kv.cache import CacheFactory
-from ...kv.token_types import CANDIDATE_TYPES, TokenType
 from ...compression.family import JointPlan
 from ...compression.policy_table import PolicyTable
+from ...kv.cache import CacheFactory
+from ...kv.token_types import CANDIDATE_TYPES, TokenType
 from .options import SENSITIVITY_RATIO, CalibrationOptions
 from .requests import run_request
 
@@ -34,14 +34,19 @@ def output_change(task: str, result, reference) -> dict:
     return {"latent_rel_l2": rel, "one_minus_cosine": max(0.0, 1.0 - cos), "change": rel}
 
 
-def single_type_table(task: str, ttype: TokenType, kind: str, model_id: str,
-                      plan: JointPlan | None = None) -> PolicyTable:
+def single_type_table(
+    task: str, ttype: TokenType, kind: str, model_id: str, plan: JointPlan | None = None
+) -> PolicyTable:
     """A table that applies ``kind`` to ``ttype`` in ``task`` and protects every other candidate type (``plan``:
     the bits of a ``joint`` kind)."""
     entries = {(task, t): (kind if t == ttype else "protect") for t in CANDIDATE_TYPES}
-    return PolicyTable(entries=entries, model_id=model_id, source="calibrated",
-                       plans={} if plan is None else {(task, ttype): plan},
-                       measurements={"purpose": f"sensitivity: {kind} {ttype.name.lower()} only"})
+    return PolicyTable(
+        entries=entries,
+        model_id=model_id,
+        source="calibrated",
+        plans={} if plan is None else {(task, ttype): plan},
+        measurements={"purpose": f"sensitivity: {kind} {ttype.name.lower()} only"},
+    )
 
 
 class _KeepSession(CacheFactory):
@@ -97,13 +102,21 @@ def type_retained(keep: _KeepSession, ttype: TokenType) -> float | None:
     return None if full == 0 else held / full
 
 
-def type_alone(loaded, task: str, ttype: TokenType, table: PolicyTable, ratio: float,
-               inputs: Sequence[tuple[str, object]], references: Sequence, options: CalibrationOptions) -> dict:
+def type_alone(
+    loaded,
+    task: str,
+    ttype: TokenType,
+    table: PolicyTable,
+    ratio: float,
+    inputs: Sequence[tuple[str, object]],
+    references: Sequence,
+    options: CalibrationOptions,
+) -> dict:
     """Every input run under ``table`` (``ttype`` compressed alone, :func:`single_type_table`) with rho fixed at
     ``ratio``: mean output change against ``references``, per-prompt metrics, the most bytes of ``ttype`` held
     (``type_retained``) and the report's flags."""
-    from ..pipeline import BagelPipeline
     from ...compression import KVConfig, make_cache_factory
+    from ..pipeline import BagelPipeline
 
     keep = _KeepSession(make_cache_factory(KVConfig(method="unicache", rho=ratio, rho_floor=ratio, policy=table)))
     pipe = BagelPipeline(loaded, keep)
@@ -117,20 +130,47 @@ def type_alone(loaded, task: str, ttype: TokenType, table: PolicyTable, ratio: f
             retained.append(r)
         keep.last = None
     metrics = {k: [round(c[k], 8) for c in changes] for k in changes[0] if k != "change"}
-    return {"change": statistics.fmean(c["change"] for c in changes), "per_prompt": metrics,
-            "type_retained": None if not retained else round(max(retained), 6), "flags": flags}
+    return {
+        "change": statistics.fmean(c["change"] for c in changes),
+        "per_prompt": metrics,
+        "type_retained": None if not retained else round(max(retained), 6),
+        "flags": flags,
+    }
 
 
-def _one_policy(loaded, task: str, ttype: TokenType, kind: str, model_id: str, inputs: Sequence[tuple[str, object]],
-                references: Sequence, options: CalibrationOptions) -> dict:
+def _one_policy(
+    loaded,
+    task: str,
+    ttype: TokenType,
+    kind: str,
+    model_id: str,
+    inputs: Sequence[tuple[str, object]],
+    references: Sequence,
+    options: CalibrationOptions,
+) -> dict:
     """Every input run with only ``ttype`` handled by ``kind`` at the task's sensitivity ratio."""
-    return type_alone(loaded, task, ttype, single_type_table(task, ttype, kind, model_id), SENSITIVITY_RATIO[task],
-                      inputs, references, options)
+    return type_alone(
+        loaded,
+        task,
+        ttype,
+        single_type_table(task, ttype, kind, model_id),
+        SENSITIVITY_RATIO[task],
+        inputs,
+        references,
+        options,
+    )
 
 
-def sensitivity(loaded, task: str, inputs: Sequence[tuple[str, object]], references: Sequence,
-                k90_choice: dict[str, str], model_id: str, options: CalibrationOptions,
-                progress: Callable[[str], None] | None = None) -> dict:
+def sensitivity(
+    loaded,
+    task: str,
+    inputs: Sequence[tuple[str, object]],
+    references: Sequence,
+    k90_choice: dict[str, str],
+    model_id: str,
+    options: CalibrationOptions,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
     """The single-type ablation of §8.4 for each type of ``k90_choice``; returns the ``sensitivity`` measurements.
 
     Args:
@@ -148,8 +188,12 @@ def sensitivity(loaded, task: str, inputs: Sequence[tuple[str, object]], referen
     is ``None``.
     """
     ratio = SENSITIVITY_RATIO[task]
-    out: dict = {"ratio": ratio, "metric": "1 - token agreement" if task == "understanding" else "latent relative L2",
-                 "reference": "the calibration run (full KV)", "types": {}}
+    out: dict = {
+        "ratio": ratio,
+        "metric": "1 - token agreement" if task == "understanding" else "latent relative L2",
+        "reference": "the calibration run (full KV)",
+        "types": {},
+    }
     agrees: dict[str, bool | None] = {}
     for name in k90_choice:
         ttype = TokenType.parse(name)
@@ -157,11 +201,15 @@ def sensitivity(loaded, task: str, inputs: Sequence[tuple[str, object]], referen
         for kind in ("evict", "quantize"):
             entry[kind] = _one_policy(loaded, task, ttype, kind, model_id, inputs, references, options)
             if progress is not None:
-                progress(f"sensitivity {name} {kind}: change {entry[kind]['change']:.4g}, "
-                         f"retained {entry[kind]['type_retained']}")
+                progress(
+                    f"sensitivity {name} {kind}: change {entry[kind]['change']:.4g}, "
+                    f"retained {entry[kind]['type_retained']}"
+                )
         ev, qu = entry["evict"]["change"], entry["quantize"]["change"]
-        comparable = all(entry[k]["type_retained"] is not None and entry[k]["type_retained"] <= ratio * (1 + 1e-6)
-                         for k in ("evict", "quantize"))
+        comparable = all(
+            entry[k]["type_retained"] is not None and entry[k]["type_retained"] <= ratio * (1 + 1e-6)
+            for k in ("evict", "quantize")
+        )
         preferred = None if ev == qu else ("evict" if ev < qu else "quantize")
         entry["comparable"] = comparable
         entry["preferred"] = preferred
@@ -169,10 +217,12 @@ def sensitivity(loaded, task: str, inputs: Sequence[tuple[str, object]], referen
         entry["agrees"] = None if preferred is None or not comparable else preferred == k90_choice[name]
         agrees[name] = entry["agrees"]
         out["types"][name] = entry
-    out["note"] = ("'type_retained': the most bytes of the type held after a run (over the live branches) as a share "
-                   "of its uncompressed bytes; a comparison counts ('comparable') only when both policies are at or "
-                   "under 'ratio'; 'flags': budgets a quantized segment could not reach even at 2-bit/G128 with "
-                   "the 32-row residual")
+    out["note"] = (
+        "'type_retained': the most bytes of the type held after a run (over the live branches) as a share "
+        "of its uncompressed bytes; a comparison counts ('comparable') only when both policies are at or "
+        "under 'ratio'; 'flags': budgets a quantized segment could not reach even at 2-bit/G128 with "
+        "the 32-row residual"
+    )
     return {"sensitivity": out, "sensitivity_agrees": agrees}
 
 

@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from ...kv.token_types import TokenType
 from ...compression.policy_table import PolicyTable, PolicyTableError
+from ...kv.token_types import TokenType
 from .run import TOOL
 
 
@@ -29,8 +29,9 @@ def finish_table(table: PolicyTable, task: str, base: PolicyTable | None = None)
         tasks_meas.update((base.measurements or {}).get("tasks", {}) or {})
         base_filled = dict((base.measurements or {}).get("filled", {}) or {})
     filled: dict[str, str] = {}
-    for key in sorted(set(paper.entries) | set(base.entries if base else {}) | set(table.entries),
-                      key=lambda k: (k[0], int(k[1]))):
+    for key in sorted(
+        set(paper.entries) | set(base.entries if base else {}) | set(table.entries), key=lambda k: (k[0], int(k[1]))
+    ):
         label = f"{key[0]}/{TokenType(key[1]).name.lower()}"
         if key in table.entries:  # measured now
             entries[key] = table.entries[key]
@@ -53,13 +54,24 @@ def finish_table(table: PolicyTable, task: str, base: PolicyTable | None = None)
             entries[key] = paper.entries[key]
             filled[label] = "paper"
     tasks_meas.update(table.measurements.get("tasks", {}))
-    measurements = {"tool": TOOL, "tasks": tasks_meas,
-                    "filled": dict(sorted(filled.items())),
-                    "filled_note": "pairs not measured by a calibration run: 'paper' = the paper's assignment "
-                                   "(unicache_core/compression/tables/bagel-7b-mot.json), 'merged' = kept from the --merge table"}
-    return PolicyTable(entries=entries, threshold=table.threshold, k90=k90s, model_id=table.model_id,
-                       source="calibrated", strengths=strengths, plans=plans, geometry=table.geometry,
-                       measurements=measurements)
+    measurements = {
+        "tool": TOOL,
+        "tasks": tasks_meas,
+        "filled": dict(sorted(filled.items())),
+        "filled_note": "pairs not measured by a calibration run: 'paper' = the paper's assignment "
+        "(unicache_core/compression/tables/bagel-7b-mot.json), 'merged' = kept from the --merge table",
+    }
+    return PolicyTable(
+        entries=entries,
+        threshold=table.threshold,
+        k90=k90s,
+        model_id=table.model_id,
+        source="calibrated",
+        strengths=strengths,
+        plans=plans,
+        geometry=table.geometry,
+        measurements=measurements,
+    )
 
 
 def check_out(out: Path, merge: bool, model_id: str) -> PolicyTable | None:
@@ -68,8 +80,9 @@ def check_out(out: Path, merge: bool, model_id: str) -> PolicyTable | None:
     The merged table must be of ``model_id``'s model (one ``--merge:`` error otherwise).
     """
     if out.is_dir():
-        raise ValueError(f"--out: {out} is a directory; give the path of the JSON file to write, e.g. "
-                         f"{out / 'unicache_policy.json'}")
+        raise ValueError(
+            f"--out: {out} is a directory; give the path of the JSON file to write, e.g. {out / 'unicache_policy.json'}"
+        )
     if out.exists() and not out.is_file():
         raise ValueError(f"--out: {out} exists and is not a regular file")
     probe = out.parent

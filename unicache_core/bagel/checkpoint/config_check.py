@@ -14,7 +14,8 @@ llm_config.json`` for a single file's metadata) and the weights file it disagree
 from __future__ import annotations
 
 import re
-from typing import Mapping, NoReturn
+from collections.abc import Mapping
+from typing import NoReturn
 
 from ...errors import CheckpointError
 from ..config import AEConfig, BagelConfig
@@ -58,8 +59,10 @@ class _HeaderCheck:
         if name not in self.shapes:
             self.fail(f"{self.file_name} lacks the tensor {name!r}")
         if tuple(self.shapes[name]) != tuple(expected):
-            self.fail(f"{fields} give {name} the shape {tuple(expected)}, but {self.file_name} stores "
-                      f"{tuple(self.shapes[name])}")
+            self.fail(
+                f"{fields} give {name} the shape {tuple(expected)}, but {self.file_name} stores "
+                f"{tuple(self.shapes[name])}"
+            )
 
 
 def check_model_config(config: BagelConfig, ema: SafetensorsHeader, *, llm_source: str, vit_source: str) -> None:
@@ -75,23 +78,44 @@ def check_model_config(config: BagelConfig, ema: SafetensorsHeader, *, llm_sourc
     lm = "language_model.model."
     lm_check.count(f"{lm}layers.", f"num_hidden_layers = {llm.num_hidden_layers} layers", llm.num_hidden_layers)
     lm_check.shape(f"{lm}embed_tokens.weight", (llm.vocab_size, llm.hidden_size), "vocab_size and hidden_size")
-    lm_check.shape(f"{lm}layers.0.mlp.gate_proj.weight", (llm.intermediate_size, llm.hidden_size),
-                   "intermediate_size and hidden_size")
-    lm_check.shape(f"{lm}layers.0.self_attn.q_proj.weight", (llm.num_attention_heads * llm.head_dim, llm.hidden_size),
-                   "num_attention_heads and hidden_size")
-    lm_check.shape(f"{lm}layers.0.self_attn.k_proj.weight", (llm.num_key_value_heads * llm.head_dim, llm.hidden_size),
-                   "num_key_value_heads and hidden_size")
+    lm_check.shape(
+        f"{lm}layers.0.mlp.gate_proj.weight",
+        (llm.intermediate_size, llm.hidden_size),
+        "intermediate_size and hidden_size",
+    )
+    lm_check.shape(
+        f"{lm}layers.0.self_attn.q_proj.weight",
+        (llm.num_attention_heads * llm.head_dim, llm.hidden_size),
+        "num_attention_heads and hidden_size",
+    )
+    lm_check.shape(
+        f"{lm}layers.0.self_attn.k_proj.weight",
+        (llm.num_key_value_heads * llm.head_dim, llm.hidden_size),
+        "num_key_value_heads and hidden_size",
+    )
     vm = "vit_model.vision_model."
     # the file counts one more ViT layer than is built (BAGEL drops the last one)
-    vit_check.count(f"{vm}encoder.layers.",
-                    f"num_hidden_layers = {vit.num_hidden_layers + 1} means {vit.num_hidden_layers} built layers (the "
-                    f"last is dropped)", vit.num_hidden_layers)
-    vit_check.shape(f"{vm}embeddings.patch_embedding.weight", (vit.hidden_size, vit.num_channels * vit.patch_size**2),
-                    "hidden_size, num_channels and patch_size")
-    vit_check.shape(f"{vm}embeddings.position_embedding.weight", (vit.num_positions, vit.hidden_size),
-                    "image_size, patch_size and hidden_size")
-    vit_check.shape(f"{vm}encoder.layers.0.mlp.fc1.weight", (vit.intermediate_size, vit.hidden_size),
-                    "intermediate_size and hidden_size")
+    vit_check.count(
+        f"{vm}encoder.layers.",
+        f"num_hidden_layers = {vit.num_hidden_layers + 1} means {vit.num_hidden_layers} built layers (the "
+        f"last is dropped)",
+        vit.num_hidden_layers,
+    )
+    vit_check.shape(
+        f"{vm}embeddings.patch_embedding.weight",
+        (vit.hidden_size, vit.num_channels * vit.patch_size**2),
+        "hidden_size, num_channels and patch_size",
+    )
+    vit_check.shape(
+        f"{vm}embeddings.position_embedding.weight",
+        (vit.num_positions, vit.hidden_size),
+        "image_size, patch_size and hidden_size",
+    )
+    vit_check.shape(
+        f"{vm}encoder.layers.0.mlp.fc1.weight",
+        (vit.intermediate_size, vit.hidden_size),
+        "intermediate_size and hidden_size",
+    )
 
 
 def check_vae_config(config: AEConfig, ae: SafetensorsHeader, *, source: str) -> None:
@@ -111,10 +135,14 @@ def check_vae_config(config: AEConfig, ae: SafetensorsHeader, *, source: str) ->
         check.count(f"encoder.down.{level}.block.", blocks, config.num_res_blocks)
         check.count(f"decoder.up.{level}.block.", f"{blocks} (+1 in the decoder)", config.num_res_blocks + 1)
     check.shape("encoder.conv_in.weight", (config.ch, config.in_channels, 3, 3), "ch and in_channels")
-    check.shape("encoder.conv_out.weight", (2 * config.z_channels, config.ch * config.ch_mult[-1], 3, 3),
-                "z_channels, ch and ch_mult")
-    check.shape("decoder.conv_out.weight", (config.out_ch, config.ch * config.ch_mult[0], 3, 3),
-                "out_ch, ch and ch_mult")
+    check.shape(
+        "encoder.conv_out.weight",
+        (2 * config.z_channels, config.ch * config.ch_mult[-1], 3, 3),
+        "z_channels, ch and ch_mult",
+    )
+    check.shape(
+        "decoder.conv_out.weight", (config.out_ch, config.ch * config.ch_mult[0], 3, 3), "out_ch, ch and ch_mult"
+    )
 
 
 __all__ = ["check_model_config", "check_vae_config"]

@@ -28,8 +28,23 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 #: Largest header accepted (the safetensors library's own limit; BAGEL-7B-MoT's is about 150 KB).
 MAX_HEADER_BYTES = 100_000_000
 #: Bytes per element of the dtypes a header may name.
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 #: First bytes of a ``torch.save`` zip archive.
 _ZIP_MAGIC = b"PK\x03\x04"
 #: Protocols a raw pickle stream announces after its ``0x80`` PROTO opcode.
@@ -128,8 +143,12 @@ def _parse_entries(header: dict, bad, data_base: int) -> tuple[dict[str, TensorE
         ok = isinstance(entry, dict) and entry.get("dtype") in DTYPE_BYTES and isinstance(entry.get("shape"), list)
         ok = ok and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry["shape"])
         offsets = entry.get("data_offsets") if ok else None
-        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(
-            isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ok = (
+            ok
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        )
         if not ok:
             raise bad(f"tensor {name!r} has a malformed header entry")
         count = 1
@@ -159,8 +178,10 @@ def read_header(path: str | Path, *, check_data_size: bool = True) -> Safetensor
     _check_is_weights_file(path)
 
     def bad(detail: str) -> CheckpointError:
-        return CheckpointError(f"cannot read {path}: {detail}. The file is corrupt or truncated (or not a safetensors "
-                               f"file); re-download or re-convert it")
+        return CheckpointError(
+            f"cannot read {path}: {detail}. The file is corrupt or truncated (or not a safetensors "
+            f"file); re-download or re-convert it"
+        )
 
     size = path.stat().st_size
     with open(path, "rb") as fh:

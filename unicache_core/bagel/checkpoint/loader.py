@@ -21,21 +21,26 @@ VAE is always kept in fp32, as officially.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from ...errors import CheckpointError
 from ..config import AE_CONFIG_FILE, BagelConfig
 from ..modeling import AutoEncoder, Bagel
+from ..modeling.operations import check_operations
 from ..numerics import check_weight
 from ..offload import LayerOffload, apply_layer_offload
 from ..tokenizer import BagelTokenizer
-from ..modeling.operations import check_operations
 from ..weights import (
-    HostOperations, assign_checkpoint_tensor, build_bagel, checkpoint_shapes, parse_weight_dtype,
+    HostOperations,
+    assign_checkpoint_tensor,
+    build_bagel,
+    checkpoint_shapes,
+    parse_weight_dtype,
     plain_storage_dtype,
 )
 from .config_check import check_vae_config
@@ -59,11 +64,11 @@ class LoadedBagel:
             pipeline call that encodes or decodes needs an external VAE, see :class:`BagelPipeline`).
         checkpoint_dir: the checkpoint folder, or the ``.safetensors`` file of a single-file checkpoint.
         form: ``"folder"`` or ``"single_file"``.
-        model_id: the id policy tables and reports use (:mod:`unicache_core.bagel.checkpoint.model_id`); ``""`` = unknown.
-        variant: the single file's metadata ``variant`` (``None`` for a folder).
-        metadata: the single file's ``comfyui_bagel`` metadata (``None`` for a folder).
-        tokenizer_dir: where the tokenizer files were read (the folder itself for the folder form).
-        weight_dtype: how the Linear/Embedding weights are stored (:data:`~..weights.WEIGHT_DTYPES`; ``dtype`` is
+        model_id: the id policy tables and reports use (:mod:`unicache_core.bagel.checkpoint.model_id`); ``""`` =
+        unknown. variant: the single file's metadata ``variant`` (``None`` for a folder). metadata: the single file's
+        ``comfyui_bagel`` metadata (``None`` for a folder). tokenizer_dir: where the tokenizer files were read (the
+        folder itself for the folder form). weight_dtype: how the Linear/Embedding weights are stored
+        (:data:`~..weights.WEIGHT_DTYPES`; ``dtype`` is
             the compute dtype they are upcast to).
         offload: the layer offload handle with ``offload="layers"`` (:mod:`..offload`), else ``None``.
     """
@@ -147,8 +152,14 @@ def _load_weights(module: torch.nn.Module, header: SafetensorsHeader, *, device:
 def parse_dtype(dtype: Any) -> torch.dtype:
     """``dtype`` (a torch dtype, or ``"bf16"``/``"fp16"``/``"fp32"`` and their long names) -> torch dtype."""
     if isinstance(dtype, str):
-        aliases = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                   "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+        aliases = {
+            "bf16": torch.bfloat16,
+            "bfloat16": torch.bfloat16,
+            "fp16": torch.float16,
+            "float16": torch.float16,
+            "fp32": torch.float32,
+            "float32": torch.float32,
+        }
         if dtype.lower() not in aliases:
             raise ValueError(f"`dtype` {dtype!r} is not supported; allowed: {sorted(aliases)}")
         return aliases[dtype.lower()]
@@ -235,7 +246,9 @@ def _dispatch(
     first = next((dev for dev in device_map.values() if str(dev) not in ("cpu", "disk")), "cpu")
     main_device = torch.device("cuda", first) if isinstance(first, int) else torch.device(first)
     model = accelerate.dispatch_model(
-        model, device_map=device_map, main_device=str(main_device),
+        model,
+        device_map=device_map,
+        main_device=str(main_device),
         offload_dir=str(offload_folder) if offload_folder is not None else None,
     )
     model.execution_device = main_device
@@ -263,13 +276,21 @@ def _build_and_read(
     once tensor by tensor and assign in place (``where``: the checkpoint, named when the config cannot be
     built); then dispatch or offload as ``placement`` says."""
     try:
-        model = build_bagel(config, weight_dtype=placement.weight_dtype, dtype=placement.dtype, device="meta",
-                            operations=placement.operations)
+        model = build_bagel(
+            config,
+            weight_dtype=placement.weight_dtype,
+            dtype=placement.dtype,
+            device="meta",
+            operations=placement.operations,
+        )
         with torch.device("meta"):
             vae = None
             if ae is not None:  # fp32 in any namespace: the VAE always computes in fp32
-                vae = AutoEncoder(config.ae, operations=placement.operations,
-                                  dtype=None if placement.operations is None else torch.float32)
+                vae = AutoEncoder(
+                    config.ae,
+                    operations=placement.operations,
+                    dtype=None if placement.operations is None else torch.float32,
+                )
     except (RuntimeError, ValueError, OverflowError) as exc:  # e.g. a width whose storage size overflows
         raise CheckpointError(
             f"cannot build the model described by the config files of {where}: {type(exc).__name__}: {exc}; "
@@ -286,8 +307,7 @@ def _build_and_read(
     model.eval()
     offload = None
     if placement.device_map is not None:
-        model = _dispatch(model, placement.device_map, placement.dtype, placement.offload_folder,
-                          placement.max_memory)
+        model = _dispatch(model, placement.device_map, placement.dtype, placement.offload_folder, placement.max_memory)
     elif placement.offload == "layers":
         offload = apply_layer_offload(model, placement.device)
     return model, vae, offload
@@ -367,8 +387,16 @@ def load_bagel(
     offload = parse_offload(offload)
     if offload != "none" and device_map is not None:
         raise ValueError(f"`offload` {offload!r} and `device_map` both place the weights; pass only one of them")
-    placement = _Placement(dtype, device, device_map, Path(offload_folder) if offload_folder is not None else None,
-                           max_memory, weight_dtype, offload, operations)
+    placement = _Placement(
+        dtype,
+        device,
+        device_map,
+        Path(offload_folder) if offload_folder is not None else None,
+        max_memory,
+        weight_dtype,
+        offload,
+        operations,
+    )
     if root.is_file():
         return _load_single_file(root, tokenizer_dir, vae, placement)
     if not root.exists():
@@ -386,8 +414,17 @@ def load_bagel(
     model, ae, handle = _build_and_read(folder.config, folder.ema, folder.ae, placement, root)
     logger.info("loaded BAGEL from %s (%s on %s, weights %s, offload %s)", root, dtype, device, weight_dtype, offload)
     return LoadedBagel(
-        model=model, vae=ae, tokenizer=folder.tokenizer, config=folder.config, checkpoint_dir=root, dtype=dtype,
-        device=device, form="folder", model_id=folder.model_id, tokenizer_dir=root, weight_dtype=weight_dtype,
+        model=model,
+        vae=ae,
+        tokenizer=folder.tokenizer,
+        config=folder.config,
+        checkpoint_dir=root,
+        dtype=dtype,
+        device=device,
+        form="folder",
+        model_id=folder.model_id,
+        tokenizer_dir=root,
+        weight_dtype=weight_dtype,
         offload=handle,
     )
 
@@ -422,15 +459,35 @@ def _load_single_file(
     if vae is not None:
         ae = read_header(Path(vae))
         has_ae = AE_CONFIG_FILE in (info.metadata.get("model_configs") or {})
-        check_vae_config(config.ae, ae, source=f"{path.name}[{info.source}]:{AE_CONFIG_FILE}" if has_ae
-                         else "the built-in FLUX VAE config")
+        check_vae_config(
+            config.ae,
+            ae,
+            source=f"{path.name}[{info.source}]:{AE_CONFIG_FILE}" if has_ae else "the built-in FLUX VAE config",
+        )
     model, vae_module, handle = _build_and_read(config, info.header, ae, placement, path)
-    logger.info("loaded BAGEL %s from the single file %s (%s on %s, VAE: %s)", info.variant, path, placement.dtype,
-                placement.device, ae.path if ae is not None else "none")
+    logger.info(
+        "loaded BAGEL %s from the single file %s (%s on %s, VAE: %s)",
+        info.variant,
+        path,
+        placement.dtype,
+        placement.device,
+        ae.path if ae is not None else "none",
+    )
     return LoadedBagel(
-        model=model, vae=vae_module, tokenizer=tokenizer, config=config, checkpoint_dir=path, dtype=placement.dtype,
-        device=placement.device, form="single_file", model_id=info.model_id, variant=info.variant,
-        metadata=info.metadata, tokenizer_dir=tok_dir, weight_dtype=placement.weight_dtype, offload=handle,
+        model=model,
+        vae=vae_module,
+        tokenizer=tokenizer,
+        config=config,
+        checkpoint_dir=path,
+        dtype=placement.dtype,
+        device=placement.device,
+        form="single_file",
+        model_id=info.model_id,
+        variant=info.variant,
+        metadata=info.metadata,
+        tokenizer_dir=tok_dir,
+        weight_dtype=placement.weight_dtype,
+        offload=handle,
     )
 
 

@@ -15,8 +15,9 @@ variant, quantization, another latent format, variant options); :func:`build_met
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ...errors import CheckpointError
 from ..config import LLM_CONFIG_FILE, VIT_CONFIG_FILE
@@ -34,8 +35,12 @@ NATIVE_VARIANT = "BAGEL-7B-MoT"
 TINY_VARIANT = "UniCache-tiny-random"
 KNOWN_VARIANTS = (NATIVE_VARIANT, TINY_VARIANT)
 #: The ids BAGEL-7B-MoT's embeddings give its special tokens (Qwen2.5's added tokens).
-BAGEL_SPECIAL_TOKEN_IDS = {"<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652,
-                           "<|vision_end|>": 151653}
+BAGEL_SPECIAL_TOKEN_IDS = {
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
+    "<|vision_start|>": 151652,
+    "<|vision_end|>": 151653,
+}
 #: Metadata dtype names → safetensors header dtype strings.
 DTYPE_NAMES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 #: Largest accepted metadata JSON / sidecar (real ones are a few KB).
@@ -54,7 +59,9 @@ def parse_json_text(text: str, where: str) -> Any:
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{where} is not valid JSON ({exc}); re-convert the file or rewrite its sidecar") from None
+        raise CheckpointError(
+            f"{where} is not valid JSON ({exc}); re-convert the file or rewrite its sidecar"
+        ) from None
 
 
 def read_sidecar(path: Path, sidecar: Path, size: int) -> Any:
@@ -71,8 +78,10 @@ def read_sidecar(path: Path, sidecar: Path, size: int) -> Any:
     data = parse_json_text(text, where)
     if not isinstance(data, dict) or data.get("format") != SIDECAR_FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise CheckpointError(f"{where} has format {found!r}, expected {SIDECAR_FORMAT!r}; it is not a ComfyUI-BAGEL "
-                              f"sidecar (remove or rewrite it)")
+        raise CheckpointError(
+            f"{where} has format {found!r}, expected {SIDECAR_FORMAT!r}; it is not a ComfyUI-BAGEL "
+            f"sidecar (remove or rewrite it)"
+        )
     expected = data.get("checkpoint_size")
     if isinstance(expected, bool) or not isinstance(expected, int) or expected != size:
         raise CheckpointError(
@@ -90,7 +99,9 @@ def validate_metadata(meta: Any, where: str) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise CheckpointError(f"{where} must be a JSON object, got {type(meta).__name__}; re-convert the file")
     if meta.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{where} has format {meta.get('format')!r}, expected {FORMAT_NAME!r}; re-convert the file")
+        raise CheckpointError(
+            f"{where} has format {meta.get('format')!r}, expected {FORMAT_NAME!r}; re-convert the file"
+        )
     version = meta.get("format_version")
     if isinstance(version, bool) or version != FORMAT_VERSION:
         raise CheckpointError(
@@ -108,22 +119,29 @@ def validate_metadata(meta: Any, where: str) -> dict[str, Any]:
         raise CheckpointError(f"{where}: dtype {dtype!r} is not supported (allowed: {sorted(DTYPE_NAMES)})")
     quant = meta.get("quantization")
     if quant not in (None, "", "none"):
-        raise CheckpointError(f"{where}: quantization {quant!r} is not supported (only unquantized bf16/fp16/fp32 "
-                              f"files); use the unquantized checkpoint")
+        raise CheckpointError(
+            f"{where}: quantization {quant!r} is not supported (only unquantized bf16/fp16/fp32 "
+            f"files); use the unquantized checkpoint"
+        )
     latent = meta.get("latent_format")
     if latent not in (None, "flux"):
         raise CheckpointError(f"{where}: latent_format {latent!r} is not supported (BAGEL uses the FLUX VAE: 'flux')")
     for key in ("model_options", "additional_special_tokens"):
         if meta.get(key):
-            raise CheckpointError(f"{where}: field {key!r} = {meta[key]!r} needs a variant adapter this engine does "
-                                  f"not have; use a plain {NATIVE_VARIANT} checkpoint")
+            raise CheckpointError(
+                f"{where}: field {key!r} = {meta[key]!r} needs a variant adapter this engine does "
+                f"not have; use a plain {NATIVE_VARIANT} checkpoint"
+            )
     configs = meta.get("model_configs")
     if not isinstance(configs, dict):
-        raise CheckpointError(f"{where} lacks 'model_configs' (the checkpoint's {LLM_CONFIG_FILE} and "
-                              f"{VIT_CONFIG_FILE}); re-convert the file")
+        raise CheckpointError(
+            f"{where} lacks 'model_configs' (the checkpoint's {LLM_CONFIG_FILE} and "
+            f"{VIT_CONFIG_FILE}); re-convert the file"
+        )
     ids = meta.get("special_token_ids", {}) or {}
-    if not isinstance(ids, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
-                                            for k, v in ids.items()):
+    if not isinstance(ids, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in ids.items()
+    ):
         raise CheckpointError(f"{where}: special_token_ids must map token strings to integer ids, got {ids!r}")
     return meta
 
@@ -142,13 +160,17 @@ def expected_special_ids(meta: dict[str, Any], variant: str, where: str) -> dict
     if variant == NATIVE_VARIANT:
         wrong = {k: v for k, v in given.items() if BAGEL_SPECIAL_TOKEN_IDS[k] != v}
         if wrong:
-            raise CheckpointError(f"{where}: special_token_ids {wrong} disagree with {NATIVE_VARIANT}'s "
-                                  f"{BAGEL_SPECIAL_TOKEN_IDS}; the metadata is wrong, re-convert the file")
+            raise CheckpointError(
+                f"{where}: special_token_ids {wrong} disagree with {NATIVE_VARIANT}'s "
+                f"{BAGEL_SPECIAL_TOKEN_IDS}; the metadata is wrong, re-convert the file"
+            )
         return dict(BAGEL_SPECIAL_TOKEN_IDS)
     missing = [k for k in BAGEL_SPECIAL_TOKENS if k not in given]
     if missing:
-        raise CheckpointError(f"{where}: special_token_ids lacks {missing}; a {variant} file must name the ids of "
-                              f"{list(BAGEL_SPECIAL_TOKENS)}")
+        raise CheckpointError(
+            f"{where}: special_token_ids lacks {missing}; a {variant} file must name the ids of "
+            f"{list(BAGEL_SPECIAL_TOKENS)}"
+        )
     return {k: given[k] for k in BAGEL_SPECIAL_TOKENS}
 
 
@@ -161,9 +183,15 @@ def build_metadata(
 ) -> dict[str, Any]:
     """The ``comfyui_bagel`` metadata object (``extra`` fields are added, e.g. ``converter``)."""
     meta = {
-        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "architecture": "Bagel", "variant": variant,
-        "dtype": dtype, "quantization": "none", "latent_format": "flux",
-        "special_token_ids": dict(special_token_ids), "model_configs": {k: dict(v) for k, v in model_configs.items()},
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "architecture": "Bagel",
+        "variant": variant,
+        "dtype": dtype,
+        "quantization": "none",
+        "latent_format": "flux",
+        "special_token_ids": dict(special_token_ids),
+        "model_configs": {k: dict(v) for k, v in model_configs.items()},
     }
     meta.update(extra)
     return validate_metadata(meta, "the metadata to write")

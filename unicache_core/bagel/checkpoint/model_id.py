@@ -17,16 +17,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ...errors import CheckpointError
 from .header import read_header
 
 BAGEL_7B_MOT = "bagel-7b-mot"
 #: Geometry of BAGEL-7B-MoT (official llm_config.json / vit_config.json values).
-_BAGEL_7B_LLM = {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
-                 "num_key_value_heads": 4, "vocab_size": 152064}
+_BAGEL_7B_LLM = {
+    "hidden_size": 3584,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+}
 _BAGEL_7B_VIT = {"hidden_size": 1152}
 
 
@@ -34,8 +40,9 @@ def _read(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"{path} is missing: a BAGEL checkpoint folder needs llm_config.json and vit_config.json") \
-            from None
+        raise ValueError(
+            f"{path} is missing: a BAGEL checkpoint folder needs llm_config.json and vit_config.json"
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path} is not a readable JSON file ({exc})") from None
     if not isinstance(data, dict):
@@ -45,7 +52,9 @@ def _read(path: Path) -> dict[str, Any]:
 
 def model_id_from_configs(llm: Mapping[str, Any], vit: Mapping[str, Any]) -> str:
     """The id of a model given its parsed ``llm_config.json`` and ``vit_config.json``."""
-    if all(llm.get(k) == v for k, v in _BAGEL_7B_LLM.items()) and all(vit.get(k) == v for k, v in _BAGEL_7B_VIT.items()):
+    if all(llm.get(k) == v for k, v in _BAGEL_7B_LLM.items()) and all(
+        vit.get(k) == v for k, v in _BAGEL_7B_VIT.items()
+    ):
         return BAGEL_7B_MOT
     canonical = json.dumps({"llm": llm, "vit": vit}, sort_keys=True, separators=(",", ":"), default=str)
     return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]

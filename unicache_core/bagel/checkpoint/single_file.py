@@ -36,9 +36,10 @@ import functools
 import json
 import logging
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -80,20 +81,45 @@ from .model_id import BAGEL_7B_MOT, SIDECAR_SUFFIX, model_id_from_variant, model
 logger = logging.getLogger(__name__)
 
 #: The eight module roots of the official ``ema.safetensors`` names.
-MODULE_ROOTS = ("language_model", "vit_model", "connector", "vae2llm", "llm2vae", "latent_pos_embed",
-                "vit_pos_embed", "time_embedder")
+MODULE_ROOTS = (
+    "language_model",
+    "vit_model",
+    "connector",
+    "vae2llm",
+    "llm2vae",
+    "latent_pos_embed",
+    "vit_pos_embed",
+    "time_embedder",
+)
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 #: The architecture fields of BAGEL-7B-MoT's ``llm_config.json`` / ``vit_config.json`` (the ones read).
 OFFICIAL_LLM_CONFIG = {
-    "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 3584, "intermediate_size": 18944,
-    "max_position_embeddings": 32768, "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
-    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
-    "tie_word_embeddings": False, "vocab_size": 152064,
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 32768,
+    "model_type": "qwen2",
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 152064,
 }
 OFFICIAL_VIT_CONFIG = {
-    "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1152, "image_size": 980, "intermediate_size": 4304,
-    "layer_norm_eps": 1e-06, "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_channels": 3,
-    "num_hidden_layers": 27, "patch_size": 14,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_size": 1152,
+    "image_size": 980,
+    "intermediate_size": 4304,
+    "layer_norm_eps": 1e-06,
+    "model_type": "siglip_vision_model",
+    "num_attention_heads": 16,
+    "num_channels": 3,
+    "num_hidden_layers": 27,
+    "patch_size": 14,
 }
 _MAX_LISTED = 8
 _CONFIG_FILES = (LLM_CONFIG_FILE, VIT_CONFIG_FILE, AE_CONFIG_FILE, TRANSFORM_CONFIG_FILE)
@@ -107,12 +133,11 @@ class SingleFileInfo:
         path, size: the file and its size in bytes.
         source: where the configs came from: ``"metadata"`` (embedded), ``"sidecar"`` or ``"layout"``
             (no metadata: recognised as BAGEL-7B-MoT by its tensor names and shapes).
-        variant, model_id: the metadata ``variant`` and its model id (:func:`~unicache_core.bagel.checkpoint.model_id.model_id_from_variant`).
-        metadata: the ``comfyui_bagel`` JSON (built from the official configs for ``"layout"``).
-        config: the parsed configs (checked against the header).
-        dtype: the stored dtype (``bf16``/``fp16``/``fp32``).
-        special_token_ids: ``{token: id}`` the tokenizer must give BAGEL's four special tokens.
-        header: the file's safetensors header (tensor names, dtypes and shapes).
+        variant, model_id: the metadata ``variant`` and its model id
+        (:func:`~unicache_core.bagel.checkpoint.model_id.model_id_from_variant`). metadata: the ``comfyui_bagel`` JSON
+        (built from the official configs for ``"layout"``). config: the parsed configs (checked against the header).
+        dtype: the stored dtype (``bf16``/``fp16``/``fp32``). special_token_ids: ``{token: id}`` the tokenizer must give
+        BAGEL's four special tokens. header: the file's safetensors header (tensor names, dtypes and shapes).
     """
 
     path: Path
@@ -173,8 +198,11 @@ def _check_layout(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> None:
 def check_single_file_name(path: Path) -> None:
     """Refuse a file that is not ``*.safetensors`` (a pickle suffix gets its own reason)."""
     if path.suffix.lower() != ".safetensors":
-        why = (" (a pickle file, which is never read: unpickling can run arbitrary code)"
-               if path.suffix.lower() in PICKLE_SUFFIXES else "")
+        why = (
+            " (a pickle file, which is never read: unpickling can run arbitrary code)"
+            if path.suffix.lower() in PICKLE_SUFFIXES
+            else ""
+        )
         raise CheckpointError(
             f"checkpoint {path} is a file, not a directory, and not a .safetensors file{why}: pass a BAGEL "
             f"checkpoint folder or a single converted .safetensors file"
@@ -212,34 +240,53 @@ def inspect_single_file(path: str | Path) -> SingleFileInfo:
         _check_layout(path, shapes)
         names = {v: k for k, v in DTYPE_NAMES.items()}
         if len(stored) != 1 or stored[0] not in names:
-            raise CheckpointError(f"{path}: tensors are stored as {stored}; a single-file checkpoint holds one "
-                                  f"float dtype of {sorted(names)}")
-        meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "variant": NATIVE_VARIANT,
-                "dtype": names[stored[0]], "quantization": "none", "latent_format": "flux",
-                "special_token_ids": dict(BAGEL_SPECIAL_TOKEN_IDS),
-                "model_configs": {LLM_CONFIG_FILE: dict(OFFICIAL_LLM_CONFIG), VIT_CONFIG_FILE: dict(OFFICIAL_VIT_CONFIG)}}
+            raise CheckpointError(
+                f"{path}: tensors are stored as {stored}; a single-file checkpoint holds one "
+                f"float dtype of {sorted(names)}"
+            )
+        meta = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "variant": NATIVE_VARIANT,
+            "dtype": names[stored[0]],
+            "quantization": "none",
+            "latent_format": "flux",
+            "special_token_ids": dict(BAGEL_SPECIAL_TOKEN_IDS),
+            "model_configs": {LLM_CONFIG_FILE: dict(OFFICIAL_LLM_CONFIG), VIT_CONFIG_FILE: dict(OFFICIAL_VIT_CONFIG)},
+        }
     else:
         meta = validate_metadata(raw, where)
         want = DTYPE_NAMES[meta.get("dtype", "bf16")]
         if stored != [want]:
-            raise CheckpointError(f"{where} says dtype {meta.get('dtype', 'bf16')!r} ({want}), but the tensors are "
-                                  f"stored as {stored}; the metadata does not belong to this file (re-convert it)")
+            raise CheckpointError(
+                f"{where} says dtype {meta.get('dtype', 'bf16')!r} ({want}), but the tensors are "
+                f"stored as {stored}; the metadata does not belong to this file (re-convert it)"
+            )
     outside = sorted(n for n in shapes if n.split(".", 1)[0] not in MODULE_ROOTS)
     if outside:
         raise CheckpointError(
-            f"{path} holds {len(outside)} tensors outside BAGEL's module roots {list(MODULE_ROOTS)} ({_listing(outside)}); "
-            f"a single-file checkpoint holds only the official ema.safetensors tensors (no VAE, no tokenizer)"
+            f"{path} holds {len(outside)} tensors outside BAGEL's module roots {list(MODULE_ROOTS)} "
+            f"({_listing(outside)}); a single-file checkpoint holds only the official ema.safetensors tensors (no VAE, "
+            f"no tokenizer)"
         )
     configs = meta["model_configs"]
     source_name = f"{path.name}[{source}]"
     config = bagel_config_from_dicts(*(config_dict(configs, n, where) for n in _CONFIG_FILES), source=source_name)
-    check_model_config(config, header, llm_source=f"{source_name}:{LLM_CONFIG_FILE}",
-                       vit_source=f"{source_name}:{VIT_CONFIG_FILE}")
+    check_model_config(
+        config, header, llm_source=f"{source_name}:{LLM_CONFIG_FILE}", vit_source=f"{source_name}:{VIT_CONFIG_FILE}"
+    )
     variant = meta["variant"]
     return SingleFileInfo(
-        path=path, size=size, source=source, variant=variant, model_id=model_id_from_variant(variant),
-        metadata=meta, config=config, dtype=meta.get("dtype", "bf16"),
-        special_token_ids=expected_special_ids(meta, variant, where), header=header,
+        path=path,
+        size=size,
+        source=source,
+        variant=variant,
+        model_id=model_id_from_variant(variant),
+        metadata=meta,
+        config=config,
+        dtype=meta.get("dtype", "bf16"),
+        special_token_ids=expected_special_ids(meta, variant, where),
+        header=header,
     )
 
 
@@ -258,11 +305,15 @@ def check_tokenizer(tokenizer: BagelTokenizer, info: SingleFileInfo, tokenizer_d
         if got != expected:
             problems.append(f"{name} has id {got}, the checkpoint expects {expected}")
     if tokenizer.vocab_size > info.config.llm.vocab_size:
-        problems.append(f"it has {tokenizer.vocab_size} ids, more than the model's {info.config.llm.vocab_size} "
-                        f"embedding rows")
+        problems.append(
+            f"it has {tokenizer.vocab_size} ids, more than the model's {info.config.llm.vocab_size} embedding rows"
+        )
     if problems:
-        hint = (" (for BAGEL-7B-MoT use the Qwen2.5 tokenizer, e.g. ComfyUI's comfy/text_encoders/qwen25_tokenizer)"
-                if info.variant == NATIVE_VARIANT else "")
+        hint = (
+            " (for BAGEL-7B-MoT use the Qwen2.5 tokenizer, e.g. ComfyUI's comfy/text_encoders/qwen25_tokenizer)"
+            if info.variant == NATIVE_VARIANT
+            else ""
+        )
         raise CheckpointError(
             f"the tokenizer in {tokenizer_dir} does not belong to {info.path.name}: {'; '.join(problems)}; pass the "
             f"tokenizer folder of this checkpoint{hint}"
@@ -298,9 +349,20 @@ def write_single_file(
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(out), metadata=header)
     side = sidecar_path(out)
     if sidecar:
-        side.write_text(json.dumps({"format": SIDECAR_FORMAT, "format_version": 1,
-                                    "checkpoint_size": out.stat().st_size, "metadata": dict(metadata)},
-                                   indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        side.write_text(
+            json.dumps(
+                {
+                    "format": SIDECAR_FORMAT,
+                    "format_version": 1,
+                    "checkpoint_size": out.stat().st_size,
+                    "metadata": dict(metadata),
+                },
+                indent=2,
+                sort_keys=True,
+            )
+            + "\n",
+            encoding="utf-8",
+        )
     elif side.exists():
         side.unlink()
     return out
@@ -352,8 +414,10 @@ def convert_folder(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Convert a BAGEL checkpoint folder (official layout) into the "
-                                                 "single-file form ComfyUI-BAGEL reads (no VAE, no tokenizer).")
+    parser = argparse.ArgumentParser(
+        description="Convert a BAGEL checkpoint folder (official layout) into the "
+        "single-file form ComfyUI-BAGEL reads (no VAE, no tokenizer)."
+    )
     parser.add_argument("checkpoint_dir")
     parser.add_argument("out", help="the .safetensors file to write")
     parser.add_argument("--variant", default=None, help=f"metadata variant (known: {', '.join(KNOWN_VARIANTS)})")
@@ -361,8 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sidecar", action="store_true", help="write the metadata to <out>.comfyui-bagel.json")
     args = parser.parse_args(argv)
     try:
-        out = convert_folder(args.checkpoint_dir, args.out, variant=args.variant, dtype=args.dtype,
-                             sidecar=args.sidecar)
+        out = convert_folder(
+            args.checkpoint_dir, args.out, variant=args.variant, dtype=args.dtype, sidecar=args.sidecar
+        )
     except (UniCacheError, ValueError, OSError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2

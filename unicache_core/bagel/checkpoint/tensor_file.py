@@ -26,13 +26,22 @@ RELEASE_EVERY_BYTES = 16 << 20
 #: safetensors dtype names → torch dtypes (the floating ones a checkpoint of BAGEL may hold, and the rest so
 #: a wrong tensor is named by its dtype).
 TORCH_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _malloc_trim():
     """glibc's ``malloc_trim``, or ``None`` on another C library."""
     try:
@@ -71,7 +80,7 @@ class TensorFile:
         except OSError as exc:
             raise CheckpointError(f"cannot open {header.path}: {exc.strerror or exc}") from None
 
-    def __enter__(self) -> "TensorFile":
+    def __enter__(self) -> TensorFile:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -186,8 +186,15 @@ class AutoEncoder(nn.Module):
     ``dtype``, else torch's default dtype) is the dtype inputs are brought to before the network.
     """
 
-    def __init__(self, config: AEConfig | None = None, *, operations: Any = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, compute_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        config: AEConfig | None = None,
+        *,
+        operations: Any = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        compute_dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         layers = LayerBuilder.create(operations, dtype, device, compute_dtype)
         self.compute_dtype = check_compute_dtype(layers.own_dtype)

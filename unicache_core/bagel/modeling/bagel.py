@@ -9,7 +9,8 @@ given at build time (:mod:`.operations`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -60,9 +61,17 @@ class Bagel(nn.Module):
             (:func:`~..weights.build_bagel`).
     """
 
-    def __init__(self, config: BagelConfig, *, operations: Any = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, compute_dtype: torch.dtype | None = None,
-                 head_operations: Any = None, head_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        config: BagelConfig,
+        *,
+        operations: Any = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        compute_dtype: torch.dtype | None = None,
+        head_operations: Any = None,
+        head_dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         layers = LayerBuilder.create(operations, dtype, device, compute_dtype).with_head(head_operations, head_dtype)
         self.config = config
@@ -152,13 +161,9 @@ class Bagel(nn.Module):
             ``[N, H]`` = ``vae2llm(x) + time_embedder(t) + latent_pos_embed[pos]``.
         """
         if x.dim() != 2 or x.shape[1] != self.config.patch_latent_dim:
-            raise ValueError(
-                f"`x` must be [N, {self.config.patch_latent_dim}], got shape {tuple(x.shape)}"
-            )
+            raise ValueError(f"`x` must be [N, {self.config.patch_latent_dim}], got shape {tuple(x.shape)}")
         if position_ids.shape != (x.shape[0],):
-            raise ValueError(
-                f"`position_ids` must have shape ({x.shape[0]},), got {tuple(position_ids.shape)}"
-            )
+            raise ValueError(f"`position_ids` must have shape ({x.shape[0]},), got {tuple(position_ids.shape)}")
         t = torch.tensor([float(timestep)], device=self.device)
         emb = self.vae2llm(x.to(self.device, self.dtype))
         emb = emb + self.time_embedder(t, self.dtype) + self.latent_pos_embed(position_ids.to(self.device))

@@ -111,4 +111,3 @@ class MLPconnector(nn.Module):
 
 
 __all__ = ["MLPconnector", "PositionEmbedding", "TimestepEmbedder", "sincos_1d", "sincos_2d_table"]
-

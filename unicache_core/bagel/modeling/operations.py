@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -112,18 +113,23 @@ class LayerBuilder:
     dtype: torch.dtype | None = None
     device: torch.device | str | None = None
     compute_dtype: torch.dtype | None = None
-    head: "LayerBuilder | None" = None
+    head: LayerBuilder | None = None
 
     @classmethod
-    def create(cls, operations: Any = None, dtype: torch.dtype | None = None,
-               device: torch.device | str | None = None, compute_dtype: torch.dtype | None = None) -> "LayerBuilder":
+    def create(
+        cls,
+        operations: Any = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        compute_dtype: torch.dtype | None = None,
+    ) -> LayerBuilder:
         """Check the arguments: the namespace's layer classes, and a compute dtype that can hold hidden states."""
         own = compute_dtype if compute_dtype is not None else dtype
         if own is not None:
             check_compute_dtype(own, "compute_dtype" if compute_dtype is not None else "dtype")
         return cls(check_operations(operations), dtype, device, compute_dtype)
 
-    def with_head(self, operations: Any = None, dtype: torch.dtype | None = None) -> "LayerBuilder":
+    def with_head(self, operations: Any = None, dtype: torch.dtype | None = None) -> LayerBuilder:
         """This builder with an output head built from ``operations`` (``None``: this namespace) and ``dtype``
         (``None``: this dtype); unchanged when both are ``None``."""
         if operations is None and dtype is None:
@@ -144,14 +150,17 @@ class LayerBuilder:
         """The language model's ``lm_head`` (no bias), from :attr:`head` when set."""
         return (self.head or self).linear(in_features, out_features, bias=False)
 
-    def conv2d(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
-               padding: int = 0) -> nn.Module:
-        return self.operations.Conv2d(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
-                                      device=self.device, dtype=self.dtype)
+    def conv2d(
+        self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, padding: int = 0
+    ) -> nn.Module:
+        return self.operations.Conv2d(
+            in_channels, out_channels, kernel_size, stride=stride, padding=padding, device=self.device, dtype=self.dtype
+        )
 
     def group_norm(self, num_groups: int, num_channels: int, eps: float) -> nn.Module:
-        return self.operations.GroupNorm(num_groups, num_channels, eps=eps, affine=True, device=self.device,
-                                         dtype=self.dtype)
+        return self.operations.GroupNorm(
+            num_groups, num_channels, eps=eps, affine=True, device=self.device, dtype=self.dtype
+        )
 
     def layer_norm(self, size: int, eps: float) -> nn.Module:
         return self.operations.LayerNorm(size, eps=eps, device=self.device, dtype=self.dtype)
@@ -193,7 +202,7 @@ def store_weight(weight: Tensor, storage: torch.dtype) -> tuple[Tensor, Tensor |
     # in row chunks of about 16M values, so the fp32 working copy stays small beside a 545M-value table
     step = max(1, (1 << 24) // max(1, rows.shape[1]))
     for start in range(0, rows.shape[0], step):
-        chunk = rows[start:start + step].to(torch.float32, copy=True)  # never divide the caller's tensor
+        chunk = rows[start : start + step].to(torch.float32, copy=True)  # never divide the caller's tensor
         absmax = chunk.abs().amax(dim=1)
         chunk_scale = torch.where(absmax > 0, absmax / largest, torch.ones_like(absmax))
         chunk.div_(chunk_scale[:, None])
@@ -201,8 +210,8 @@ def store_weight(weight: Tensor, storage: torch.dtype) -> tuple[Tensor, Tensor |
             chunk.round_().clamp_(-127, 127)
         else:
             chunk.clamp_(-largest, largest)
-        data[start:start + step] = chunk.to(storage)
-        scale[start:start + step] = chunk_scale
+        data[start : start + step] = chunk.to(storage)
+        scale[start : start + step] = chunk_scale
     return data.reshape(weight.shape), scale
 
 
@@ -218,8 +227,9 @@ def _e4m3fn_as_half(data: Tensor) -> Tensor:
     return bits.view(torch.float16)
 
 
-def upcast_weight(data: Tensor, scale: Tensor | None, dtype: torch.dtype, device: torch.device,
-                  *, scale_output: bool) -> tuple[Tensor, Tensor | None]:
+def upcast_weight(
+    data: Tensor, scale: Tensor | None, dtype: torch.dtype, device: torch.device, *, scale_output: bool
+) -> tuple[Tensor, Tensor | None]:
     """Bring a stored weight to ``dtype`` on ``device`` (the inverse of :func:`store_weight`).
 
     Args:
@@ -308,8 +318,9 @@ class _LowPrecisionWeight(nn.Module):
         The stored tensors land on the device ``weight`` is on.
         """
         if tuple(weight.shape) != tuple(self.weight.shape):
-            raise ValueError(f"weight of shape {tuple(weight.shape)} given to a layer of shape "
-                             f"{tuple(self.weight.shape)}")
+            raise ValueError(
+                f"weight of shape {tuple(weight.shape)} given to a layer of shape {tuple(self.weight.shape)}"
+            )
         data, scale = store_weight(weight, self.storage)
         self.weight = nn.Parameter(data, requires_grad=False)
         if scale is not None:
@@ -342,17 +353,22 @@ class LowPrecisionLinear(_LowPrecisionWeight):
         self.in_features, self.out_features = in_features, out_features
         self._init_weight((out_features, in_features), device, dtype)
         if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features, dtype=self.compute_dtype, device=device),
-                                     requires_grad=False)
+            self.bias = nn.Parameter(
+                torch.zeros(out_features, dtype=self.compute_dtype, device=device), requires_grad=False
+            )
         else:
             self.register_parameter("bias", None)
 
     def _int8_kernel_fits(self, x: Tensor) -> bool:
         """Whether ``x`` goes through torch's CPU int8 kernel (few rows, a width and dtype it handles)."""
-        return (self.storage == torch.int8 and x.device.type == "cpu" and self.weight.device.type == "cpu"
-                and x.dtype in (torch.bfloat16, torch.float32)  # fp16: a small row's scale underflows
-                and self.in_features % INT8_KERNEL_WIDTH_MULTIPLE == 0
-                and x.numel() <= INT8_KERNEL_MAX_ROWS * self.in_features)
+        return (
+            self.storage == torch.int8
+            and x.device.type == "cpu"
+            and self.weight.device.type == "cpu"
+            and x.dtype in (torch.bfloat16, torch.float32)  # fp16: a small row's scale underflows
+            and self.in_features % INT8_KERNEL_WIDTH_MULTIPLE == 0
+            and x.numel() <= INT8_KERNEL_MAX_ROWS * self.in_features
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         """``x [..., in]`` → ``[..., out]`` in ``x``'s dtype."""
@@ -392,7 +408,7 @@ class LowPrecisionEmbedding(_LowPrecisionWeight):
         return f"{self.num_embeddings}, {self.embedding_dim}, storage={self.storage}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def low_precision_operations(storage: torch.dtype) -> type:
     """The namespace whose ``Linear`` and ``Embedding`` store weights in ``storage`` (norms and convs: torch's).
 
@@ -403,10 +419,16 @@ def low_precision_operations(storage: torch.dtype) -> type:
     name = str(storage).removeprefix("torch.")
     linear = type(f"Linear_{name}", (LowPrecisionLinear,), {"storage": storage})
     embedding = type(f"Embedding_{name}", (LowPrecisionEmbedding,), {"storage": storage})
-    return type(f"LowPrecisionOperations_{name}", (TorchOperations,), {
-        "__doc__": f"Linear and Embedding weights stored as {name}, upcast per call.",
-        "Linear": linear, "Embedding": embedding, "storage": storage,
-    })
+    return type(
+        f"LowPrecisionOperations_{name}",
+        (TorchOperations,),
+        {
+            "__doc__": f"Linear and Embedding weights stored as {name}, upcast per call.",
+            "Linear": linear,
+            "Embedding": embedding,
+            "storage": storage,
+        },
+    )
 
 
 def is_low_precision(module: nn.Module) -> bool:

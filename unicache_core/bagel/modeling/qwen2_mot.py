@@ -13,8 +13,8 @@ projections, MLPs, ``embed_tokens`` and ``lm_head`` come from the build's operat
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -110,7 +110,7 @@ class Routing:
     order: Tensor | None = None
 
     @classmethod
-    def from_mask(cls, gen_mask: Tensor | None, num_tokens: int) -> "Routing":
+    def from_mask(cls, gen_mask: Tensor | None, num_tokens: int) -> Routing:
         if gen_mask is None:
             return cls("und")
         if gen_mask.dim() != 1 or gen_mask.shape[0] != num_tokens:
@@ -296,9 +296,7 @@ class Qwen2Model(nn.Module):
         prepared = []
         for b in branches:
             if b.embeds.dim() != 2 or b.embeds.shape[1] != self.config.hidden_size:
-                raise ValueError(
-                    f"`embeds` must be [T, {self.config.hidden_size}], got shape {tuple(b.embeds.shape)}"
-                )
+                raise ValueError(f"`embeds` must be [T, {self.config.hidden_size}], got shape {tuple(b.embeds.shape)}")
             if b.positions.dim() != 1 or b.positions.shape[0] != b.embeds.shape[0]:
                 raise ValueError(
                     f"`positions` must be 1-D of length {b.embeds.shape[0]}, got shape {tuple(b.positions.shape)}"

@@ -11,7 +11,7 @@ namespace (:mod:`.operations`).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -68,8 +68,10 @@ class SiglipAttention(nn.Module):
         lengths = set(seqlens)
         if len(lengths) == 1:  # images of one size (a training batch): one call over [images, heads, L, d]
             length = lengths.pop()
+
             def split(t: Tensor) -> Tensor:
                 return t.reshape(self.num_heads, n // length, length, self.head_dim).transpose(0, 1)
+
             out = F.scaled_dot_product_attention(split(q), split(k), split(v))  # [images, heads, L, d]
             out = out.transpose(0, 1).reshape(self.num_heads, n, self.head_dim)
         else:

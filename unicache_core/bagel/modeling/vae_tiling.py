@@ -59,8 +59,8 @@ def decode_tiled(vae, z: Tensor, tile: int = TILE_CELLS, overlap: int = OVERLAP_
             w_rows = _ramp(pixels.shape[2], fade if top else 0, fade if bottom < height else 0, pixels.device)
             w_cols = _ramp(pixels.shape[3], fade if left else 0, fade if right < width else 0, pixels.device)
             blend = w_rows[:, None] * w_cols[None, :]
-            out[:, :, top * ds:bottom * ds, left * ds:right * ds] += pixels * blend
-            weights[:, :, top * ds:bottom * ds, left * ds:right * ds] += blend
+            out[:, :, top * ds : bottom * ds, left * ds : right * ds] += pixels * blend
+            weights[:, :, top * ds : bottom * ds, left * ds : right * ds] += blend
             del pixels
     return out / weights
 
