@@ -259,6 +259,10 @@ def test_web_extension_parses_and_draws(host_stubs, tmp_path):
     script = tmp_path / "draw.mjs"
     script.write_text(_JS_DRAW)
     subprocess.run([node, str(script), str(js), json.dumps(chart)], check=True, timeout=30)
+    two_images = dict(
+        chart, images={"0": {"full_bytes": 4096, "held_bytes": 1024}, "1": {"full_bytes": 4096, "held_bytes": 512}}
+    )
+    subprocess.run([node, str(script), str(js), json.dumps(two_images)], check=True, timeout=30)
 
 
 # ------------------------------------------------------------------------------- external VAE and LATENT

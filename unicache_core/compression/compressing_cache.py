@@ -32,7 +32,7 @@ from .plan import BranchPlan, CallPlan, Keep
 from .protocol import LayerState
 from .report import type_name
 from .scoring import key_scores, masses_from_lse, query_subsample, row_max_logits
-from .view import BranchView, key_of
+from .view import BranchView, SegmentKey, key_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from .session import CompressionSession
@@ -52,6 +52,7 @@ class CompressingKVCache(SegmentedKVCache):
         super().__init__(session.request.num_layers, task=session.request.task, branch=branch)
         self.session = session
         self.types = torch.zeros(0, dtype=torch.int8)  # [T] TokenType of each append index
+        self.images = torch.zeros(0, dtype=torch.int16)  # [T] input image of each append index, -1 for none
         self.state = [LayerState() for _ in range(self.num_layers)]
         self.first_denoise_step: int | None = None
         self.compressions = 0
@@ -72,9 +73,20 @@ class CompressingKVCache(SegmentedKVCache):
         self._types = value
         self._type_rows: dict[int, dict[TokenType, int]] = {}  # prefix length -> its row count per type
 
+    @property
+    def images(self) -> Tensor:
+        """``[T]`` int16 input image of each append index (-1: no image's row; assigned whole; only ever grows)."""
+        return self._images
+
+    @images.setter
+    def images(self, value: Tensor) -> None:
+        self._images = value
+        self._segment_rows: dict[int, dict[SegmentKey, int]] = {}  # prefix length -> its row count per segment
+
     def clone(self, *, branch: str | None = None) -> CompressingKVCache:
         other = super().clone(branch=branch)
         other.types = self.types  # shared prefix, its own memo of type_rows
+        other.images = self.images
         other.state = [state.copy() for state in self.state]
         other.rho = dict(self.rho)
         other.method_state = self.method_state  # a frozen value: shared
@@ -102,6 +114,8 @@ class CompressingKVCache(SegmentedKVCache):
         if call.update:
             types = call.token_types.detach().to("cpu", torch.int8)
             self.types = torch.cat([self.types, types])
+            image = -1 if call.image is None else int(call.image)
+            self.images = torch.cat([self.images, torch.full(types.shape, image, dtype=torch.int16)])
         self._call_rows = 0
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:
@@ -122,7 +136,7 @@ class CompressingKVCache(SegmentedKVCache):
             self._observe(layer, q, k, res, call, plan)
             timers["stats"] += self.session.clock(q) - mid
         if call.update:
-            st.append(k, v, call.token_types)
+            st.append(k, v, call.token_types, call.image)
         return out
 
     def end_call(self, call: AttentionCall) -> None:
@@ -151,12 +165,19 @@ class CompressingKVCache(SegmentedKVCache):
         if res.new_lse is not None:
             parts.append((TokenType.CURRENT_LATENT if call.phase == "denoise" else TokenType.UNKNOWN, res.new_lse))
         masses: dict[TokenType, float] = {}
-        for (token_type, _), mass in zip(parts, masses_from_lse([lse for _, lse in parts], res.lse)):
+        segment_masses: dict[SegmentKey, float] = {}
+        part_masses = masses_from_lse([lse for _, lse in parts], res.lse)
+        for (token_type, _), mass in zip(parts, part_masses):
             if token_type is _POOLED:  # one store of several types: its mass in the shares they had when pooled
                 for member, share in ls.pooled.items():
                     masses[member] = masses.get(member, 0.0) + mass * share
             else:
                 masses[token_type] = masses.get(token_type, 0.0) + mass
+        for store, mass in zip((s for s in st.stores if s.num_tokens), part_masses):
+            if store.token_type in CANDIDATE_TYPES:
+                key = key_of(store)
+                segment_masses[key] = segment_masses.get(key, 0.0) + mass
+        ls.segment_masses = segment_masses
         if plan.score:
             dense, n_q = self._score(layer, q, k_new, res, call, plan)
             if call.phase == "prefill" and call.update:
@@ -256,6 +277,27 @@ class CompressingKVCache(SegmentedKVCache):
             self._type_rows[n] = {TokenType(i): c for i, c in enumerate(counts) if c}
         return dict(self._type_rows[n])
 
+    def segment_rows(self, layer: int) -> dict[SegmentKey, int]:
+        """Uncompressed row count per segment of ``layer``: per (candidate type, input image), and per protected
+        type (image ``None``)."""
+        n = self.layer(layer).appended_tokens
+        if n not in self._segment_rows:
+            types, images = self.types[:n].long(), self.images[:n].long()
+            if images.shape[0] < n:  # rows appended to a layer directly (not through a call) name no image
+                images = torch.cat([images, torch.full((n - images.shape[0],), -1, dtype=torch.long)])
+            candidate = torch.zeros(n, dtype=torch.bool)
+            for t in CANDIDATE_TYPES:
+                candidate |= types == int(t)
+            images = torch.where(candidate, images, torch.full_like(images, -1))
+            width = int(images.max()) + 2 if n else 1
+            counts = torch.bincount(types * width + images + 1, minlength=len(TokenType) * width).tolist()
+            self._segment_rows[n] = {
+                SegmentKey(TokenType(i // width), None if i % width == 0 else i % width - 1): c
+                for i, c in enumerate(counts)
+                if c
+            }
+        return dict(self._segment_rows[n])
+
     def row_bytes(self, layer: int) -> int:
         """Bytes of one uncompressed row (K+V over the KV heads) in ``layer``; 0 while empty."""
         geometry = self.layer(layer).geometry
@@ -339,6 +381,39 @@ class CompressingKVCache(SegmentedKVCache):
                     protected += store.nbytes()
         return managed, protected
 
+    def snapshot_images(self) -> dict[str, dict]:
+        """Per input image (its index as a string), summed over the layers: per candidate type the bytes held, the
+        rows held per KV head and the rows it had, and the image's bytes held and full bytes (the report's
+        ``images``). A store of one image's rows counts for that image; a store pooling several (a pool of types or
+        a baseline's one store) is split by the images its rows belong to. ``{}`` without image rows."""
+        rows = {key: n for key, n in self.segment_rows(0).items() if key.image is not None}
+        if not rows:
+            return {}
+        row_bytes = sum(self.row_bytes(layer) for layer in range(self.num_layers))
+        out: dict[str, dict] = {}
+        for key, n in sorted(rows.items(), key=lambda kv: (kv[0].image, kv[0].type)):
+            image = out.setdefault(str(key.image), {"bytes": 0, "full_bytes": 0, "types": {}})
+            image["types"][type_name(key.type)] = {"bytes": 0, "rows_per_head": 0.0, "full_rows": n}
+            image["full_bytes"] += n * row_bytes
+        for st in self.layers:
+            for store in st.stores:
+                if not store.num_tokens or store.token_type not in MANAGED_TYPES:
+                    continue
+                for (image, token_type), share in _image_shares(self, store).items():
+                    entry = out.get(str(image), {}).get("types", {}).get(type_name(token_type))
+                    if entry is None:
+                        continue
+                    nbytes = store.nbytes() * share
+                    entry["bytes"] += nbytes
+                    entry["rows_per_head"] += store.num_tokens * share / self.num_layers
+                    out[str(image)]["bytes"] += nbytes
+        for image in out.values():
+            image["bytes"] = int(round(image["bytes"]))
+            for entry in image["types"].values():
+                entry["bytes"] = int(round(entry["bytes"]))
+                entry["rows_per_head"] = round(entry["rows_per_head"], 2)
+        return out
+
     def snapshot_types(self) -> dict[str, dict]:
         """Per type name, summed over the layers: the policy acting on it, bytes held, rows per KV head, store
         kinds, KIVI settings, budget bytes, attention mass and uncompressed rows (the report's ``types``)."""
@@ -374,6 +449,24 @@ class CompressingKVCache(SegmentedKVCache):
             if "mass" in entry:
                 entry["mass"] = round(entry["mass"], 6)
         return types
+
+
+def _image_shares(cache: CompressingKVCache, store) -> dict[tuple[int, TokenType], float]:
+    """The share of ``store``'s rows that belongs to each (input image, type) (rows of no image left out)."""
+    if store.image is not None:
+        return {(store.image, store.token_type): 1.0}
+    index = store.token_index.long().reshape(-1).cpu()
+    known = index < cache.images.shape[0]  # rows appended to a layer directly name no image
+    images = torch.full_like(index, -1)
+    images[known] = cache.images[index[known]].long()
+    types = cache.types[index].long()
+    mine = images >= 0
+    if not bool(mine.any()):
+        return {}
+    width = len(TokenType)
+    counts = torch.bincount(images[mine] * width + types[mine]).tolist()
+    total = index.numel()
+    return {(i // width, TokenType(i % width)): c / total for i, c in enumerate(counts) if c}
 
 
 def _scored_rows(stores: list, num_kv_heads: int) -> tuple[Tensor | None, Tensor | None]:

@@ -26,6 +26,7 @@ class LayerState:
     last_score_queries: int = 0
     sparsity: float | None = None
     masses: dict = field(default_factory=dict)  # {TokenType: mass} of the last observed call
+    segment_masses: dict = field(default_factory=dict)  # {SegmentKey: mass} of the candidate stores, same call
     budgets: dict = field(default_factory=dict)  # {type name: budget bytes} set at the last compression
     flags: dict = field(default_factory=dict)  # {TokenType or type name: reason} for budgets out of reach
     #: {TokenType: share} of the candidate types quantized as one store (UniCache, docs/compression.md §11.7): the
@@ -40,6 +41,7 @@ class LayerState:
             self.last_score_queries,
             self.sparsity,
             dict(self.masses),
+            dict(self.segment_masses),
             dict(self.budgets),
             dict(self.flags),
             dict(self.pooled),
@@ -57,6 +59,10 @@ class ReportedBranch(Protocol):
 
     def snapshot_types(self) -> dict[str, dict]:
         """Per type name: the policy, bytes held, rows per KV head, budgets, stores, mass (report ``types``)."""
+        ...
+
+    def snapshot_images(self) -> dict[str, dict]:
+        """Per input image: bytes held and full, and per candidate type bytes and rows (report ``images``)."""
         ...
 
     def split_bytes(self) -> tuple[int, int]:

@@ -97,6 +97,11 @@ class LayerView:
         """Uncompressed row count per token type (every appended row, compressed or not)."""
         return self._cache.type_rows(self.index)
 
+    @cached_property
+    def segment_rows(self) -> dict[SegmentKey, int]:
+        """Uncompressed row count per segment: per (candidate type, input image); protected types with image None."""
+        return self._cache.segment_rows(self.index)
+
     @property
     def managed_full_bytes(self) -> int:
         """K + V bytes the candidate rows would hold uncompressed."""
@@ -136,7 +141,7 @@ class LayerView:
     def segment(self, keys: Iterable[SegmentKey], full_rows: int | None = None) -> Segment:
         """The rows of the stores of ``keys`` as one choice sees them (:class:`~.family.Segment`).
 
-        ``full_rows``: the rows they had uncompressed (default: the type rows of the keys' types).
+        ``full_rows``: the rows they had uncompressed (default: the rows of their segments).
         """
         keys = list(keys)
         stores = self._stores(keys)
@@ -144,7 +149,7 @@ class LayerView:
         if geo is None:
             raise ValueError(f"layer {self.index} holds no rows")
         if full_rows is None:
-            full_rows = sum(self.type_rows.get(t, 0) for t in {k.type for k in keys})
+            full_rows = sum(self.segment_rows.get(k, 0) for k in set(keys))
         bits = min((s.bits if s.kind == "quantized" else FULL_BITS for s in stores), default=FULL_BITS)
         return Segment(
             full_rows=full_rows,
@@ -200,6 +205,11 @@ class LayerView:
     def masses(self) -> Mapping[TokenType, float]:
         """Attention mass per type of the last observed call."""
         return self._state.masses
+
+    @property
+    def segment_masses(self) -> Mapping[SegmentKey, float]:
+        """Attention mass per candidate segment (per input image) of the last observed call."""
+        return self._state.segment_masses
 
     @property
     def pooled(self) -> Mapping[TokenType, float]:

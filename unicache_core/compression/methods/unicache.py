@@ -266,14 +266,52 @@ class UniCache(Method):
         if weights is None or sum(weights.values()) <= 0:
             ratio = min(rho, fallback_budget_ratio(view.task))
             return {t: ratio for t in caps}
-        geo = layer.geometry
-        geometry = self.geometry()
         floors = {
-            t: _floor_bytes(n, geo.num_kv_heads, geo.head_dim, geo.elem, geometry) / (n * layer.row_bytes)
+            t: self._type_floor(layer, t) / (n * layer.row_bytes)
             for t, n in caps.items()
             if self.table.kind(view.task, t) == "quantize"
         }
         return allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
+
+    def _type_floor(self, layer: LayerView, token_type: TokenType) -> int:
+        """The floor of a quantized type: every row of each of its segments (one per input image) at the lowest bits
+        and largest group, each segment a store of its own."""
+        geo = layer.geometry
+        assert geo is not None
+        geometry = self.geometry()
+        return sum(
+            _floor_bytes(rows, geo.num_kv_heads, geo.head_dim, geo.elem, geometry)
+            for key, rows in layer.segment_rows.items()
+            if key.type == token_type
+        )
+
+    def _parts(
+        self, layer: LayerView, unit: TokenType, keys: tuple[SegmentKey, ...], budget: int, kind: str, pool: frozenset
+    ) -> list[tuple[tuple[SegmentKey, ...], int, int]]:
+        """A unit's segments and each one's share of the unit's ``budget`` bytes: ``(keys, budget, full rows)``.
+
+        A type's rows of several input images are split by the attention mass each image's rows drew in the last
+        observed call (by their rows without one), capped by their rows, no quantized segment under its 2-bit floor
+        (docs/compression.md §12.1). One segment, or the pool of several types, takes the whole budget."""
+        rows = layer.segment_rows
+        if unit == POOL or len(keys) < 2:
+            return [(keys, budget, self._unit_segment(layer, unit, keys, pool).full_rows)]
+        caps = {key: rows.get(key, 0) for key in keys}
+        masses = {key: layer.segment_masses.get(key, 0.0) for key in keys}
+        weights = masses if sum(masses.values()) > 0 else {key: float(n) for key, n in caps.items()}
+        floors = {}
+        if kind == "quantize":
+            geo = layer.geometry
+            assert geo is not None
+            geometry = self.geometry()
+            floors = {
+                key: _floor_bytes(n, geo.num_kv_heads, geo.head_dim, geo.elem, geometry) / (n * layer.row_bytes)
+                for key, n in caps.items()
+                if n
+            }
+        live = {key: n for key, n in caps.items() if n}
+        ratios = allocate_with_floors(live, weights, budget / layer.row_bytes, floors) if live else {}
+        return [((key,), floor_bytes(ratios.get(key, 0.0), caps[key] * layer.row_bytes), caps[key]) for key in keys]
 
     def _unit_keys(self, layer: LayerView, unit: TokenType, pool: frozenset) -> tuple[SegmentKey, ...]:
         """The segment keys of a unit: a type's own, or (:data:`POOL`) the pooled types' and the pooled store's."""
@@ -321,8 +359,7 @@ class UniCache(Method):
         geometry = self.geometry()
         finer = shared.choice_bytes(JointChoice(rows, POOL_BELOW_BITS, max(geometry.groups), 0))
         if sum(budgets[t] for t in segments) >= finer and all(
-            budgets[t] >= _floor_bytes(s.full_rows, s.num_kv_heads, s.head_dim, s.elem, geometry)
-            for t, s in segments.items()
+            budgets[t] >= self._type_floor(layer, t) for t in segments
         ):
             return frozenset()
         return frozenset(quantized)
@@ -340,7 +377,6 @@ class UniCache(Method):
             the layer's plan and the bytes it leaves unused, for the next layer.
         """
         task = view.task
-        geometry = self.geometry()
         rows = layer.type_rows
         budgets = {t: floor_bytes(r, rows[t] * layer.row_bytes) for t, r in ratios.items()}
         base = sum(budgets.values())
@@ -370,31 +406,22 @@ class UniCache(Method):
             keys = self._unit_keys(layer, t, pool)
             if not keys:
                 continue
-            segment = self._unit_segment(layer, t, keys, pool)
             joint = self.table.plan_for(task, t) if kind == "joint" else None
-            choice = choose(segment, kind, budgets[t], geometry, joint.bits_for(ratios[t]) if joint else None)
-            fewer = choice.rows < segment.held_rows or choice.bits < segment.held_bits
-            held = segment.held_bytes
-            if fewer or (segment.held_bytes > budgets[t] and segment.choice_bytes(choice) < segment.held_bytes):
-                if choice.rows < segment.held_rows and layer.scores is None:
-                    raise RuntimeError(f"unicache: layer {layer.index} of branch {view.branch} was never scored")
-                held = segment.choice_bytes(choice)
-                keeps.append(
-                    Keep(
-                        segments=keys,
-                        rows=choice.rows,
-                        bits=choice.bits,
-                        group=choice.group,
-                        residual=choice.residual,
-                        scores=layer.scores,
-                        recent=min(choice.rows, int(choice.rows * self.recent_fraction + 0.5)),
-                        fit_values=self.fit_ranges,
-                        expected_bytes=held,
-                    )
-                )
+            plan_bits = joint.bits_for(ratios[t]) if joint else None
+            held = held_rows = 0
+            spare = 0  # what the unit's earlier segments left of their share
+            for part_keys, part_budget, full_rows in self._parts(layer, t, keys, budgets[t], kind, pool):
+                part_budget += spare
+                segment = layer.segment(part_keys, full_rows=full_rows)
+                keep, part_held = self._choose(view, layer, segment, part_keys, kind, part_budget, plan_bits)
+                if keep is not None:
+                    keeps.append(keep)
+                spare = max(0, part_budget - part_held)
+                held += part_held
+                held_rows += segment.held_rows
             if held > budgets[t]:
                 flags[t] = (
-                    f"{segment.held_rows} rows held ({held} B) exceed their budget of {budgets[t]} B: "
+                    f"{held_rows} rows held ({held} B) exceed their budget of {budgets[t]} B: "
                     "rows and bits never grow back, and nothing smaller fits this policy"
                 )
             leftover += max(0, budgets[t] - held)
@@ -403,6 +430,38 @@ class UniCache(Method):
             keeps=tuple(keeps), budgets={type_name(t): b for t, b in budgets.items()}, flags=flags, pooled=pooled
         )
         return plan, max(0, base + carry - held_all)  # a type over its budget (flagged) uses up what others left
+
+    def _choose(
+        self,
+        view: BranchView,
+        layer: LayerView,
+        segment: Segment,
+        keys: tuple[SegmentKey, ...],
+        kind: str,
+        budget: int,
+        plan_bits: int | None,
+    ) -> tuple[Keep | None, int]:
+        """The (rows, bits) of one segment for ``budget`` bytes (:func:`~.family.choose`): the change to apply (or
+        ``None`` when it keeps what it holds) and the bytes it holds after."""
+        choice = choose(segment, kind, budget, self.geometry(), plan_bits)
+        fewer = choice.rows < segment.held_rows or choice.bits < segment.held_bits
+        if not (fewer or (segment.held_bytes > budget and segment.choice_bytes(choice) < segment.held_bytes)):
+            return None, segment.held_bytes
+        if choice.rows < segment.held_rows and layer.scores is None:
+            raise RuntimeError(f"unicache: layer {layer.index} of branch {view.branch} was never scored")
+        held = segment.choice_bytes(choice)
+        keep = Keep(
+            segments=keys,
+            rows=choice.rows,
+            bits=choice.bits,
+            group=choice.group,
+            residual=choice.residual,
+            scores=layer.scores,
+            recent=min(choice.rows, int(choice.rows * self.recent_fraction + 0.5)),
+            fit_values=self.fit_ranges,
+            expected_bytes=held,
+        )
+        return keep, held
 
 
 @functools.lru_cache(maxsize=4096)
