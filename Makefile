@@ -22,10 +22,12 @@ DURATIONS = --durations=12
 test: setup lint
 	$(PY) -m pytest $(PYTEST_PARALLEL) $(DURATIONS) tests
 
-# Lint and format checks (ruff, pinned in pyproject's test extra); `make format` rewrites the files.
+# Lint, format and type checks (ruff and mypy, pinned in pyproject's test extra; mypy's files are in pyproject);
+# `make format` rewrites the files.
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 format: setup
 	$(PY) -m ruff check --fix .

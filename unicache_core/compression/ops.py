@@ -232,6 +232,7 @@ def _shrink_quantized(
     and store, but the value rows that stay quantized keep their codes and scales (no dequantize + quantize);
     only the keys (whose groups span rows) are quantized again."""
     store = layer.stores[index]
+    assert isinstance(store, QuantizedStore)
     h, d = store.num_kv_heads, store.head_dim
     held = store.token_index.long()
     held = held if held.dim() == 2 else held.unsqueeze(0).expand(h, -1)  # [Hkv, T] in store order
@@ -276,6 +277,7 @@ def _requantize_shared(
     that leave the residual are quantized. Falls back to :func:`quantize` when those rows would need wider
     scales than the store's."""
     store = layer.stores[index]
+    assert isinstance(store, QuantizedStore)
     h = store.num_kv_heads
     held = store.token_index.long()  # [T] store order: the quantized rows, then the residual
     order = torch.argsort(held)  # store positions in append order, as quantize() lays them out

@@ -329,7 +329,7 @@ class UniCache(Method):
         view: BranchView,
         layer: LayerView,
         budgets: dict[TokenType, int],
-        kinds: dict[TokenType, str],
+        kinds: Mapping[TokenType, str],
         at_floor: float,
     ) -> frozenset:
         """The quantized types of ``layer`` that share one store (docs/compression.md §11.7), decided once, at the
