@@ -64,8 +64,19 @@ def test_the_engine_names_what_a_folder_lacks(tmp_path, tiny_checkpoint):
     partial = tmp_path / "partial"
     shutil.copytree(tiny_checkpoint, partial)
     (partial / "ema.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"is missing ema\.safetensors \(29\.2 GB\);"):
+    # a checkpoint folder that lacks its weights: the file's own message, with the published size
+    with pytest.raises(
+        CheckpointError, match=r"missing weights file .*ema\.safetensors; download ema\.safetensors \(29\.2 GB\)"
+    ):
         load_bagel(partial)
+    # a folder with some of BAGEL's files but not its llm_config.json: what it lacks, each with its size
+    configs_only = tmp_path / "configs-only"
+    configs_only.mkdir()
+    shutil.copy(tiny_checkpoint / "vocab.json", configs_only / "vocab.json")
+    with pytest.raises(CheckpointError) as error:
+        load_bagel(configs_only)
+    lacks = str(error.value).split(";")[0]
+    assert "is missing llm_config.json (663 B)" in lacks and "vocab.json" not in lacks
 
 
 def test_the_command_line_says_it_in_one_line(capsys, tmp_path):

@@ -10,11 +10,14 @@ in fp32 (335,278,732 bytes); the JSON and tokenizer sizes are the files' as publ
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 #: Where BAGEL-7B-MoT's files are published.
 OFFICIAL_REPOSITORY = "ByteDance-Seed/BAGEL-7B-MoT"
+#: The file that makes a folder a BAGEL checkpoint folder (the loader node lists folders holding it).
+MARKER_FILE = "llm_config.json"
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,11 @@ OFFICIAL_FILES = (
 )
 
 
+def official_size(name: str) -> int | None:
+    """The published size of the official file ``name`` (``None`` for a name not in :data:`OFFICIAL_FILES`)."""
+    return next((f.size for f in OFFICIAL_FILES if f.name == name), None)
+
+
 def human_size(size: int) -> str:
     """``29214520256`` → ``"29.2 GB"`` (decimal units, three significant digits; bytes below 1 kB)."""
     if size < 1000:
@@ -55,9 +63,16 @@ def official_files_line() -> str:
 
 
 def missing_official_files(folder: str | Path) -> list[OfficialFile]:
-    """The official files ``folder`` does not hold (all of them when it is not a folder)."""
+    """The official files ``folder`` does not hold (all of them when it is not a folder). A name that is there
+    but is not a readable file (a folder, a FIFO, a dangling link) is not missing: the file's own check names it."""
     folder = Path(folder)
-    return [f for f in OFFICIAL_FILES if not (folder / f.name).is_file()]
+    return [f for f in OFFICIAL_FILES if not os.path.lexists(folder / f.name)]
+
+
+def is_checkpoint_folder(folder: str | Path) -> bool:
+    """Does ``folder`` look like a BAGEL checkpoint folder (it holds :data:`MARKER_FILE`)? A folder that does is
+    checked file by file later, each missing or broken file named on its own (weights, tokenizer, pickles)."""
+    return os.path.lexists(Path(folder) / MARKER_FILE)
 
 
 def not_a_checkpoint_message(folder: str | Path, where: str = "") -> str:
@@ -79,9 +94,12 @@ def not_a_checkpoint_message(folder: str | Path, where: str = "") -> str:
 __all__ = [
     "OFFICIAL_FILES",
     "OFFICIAL_REPOSITORY",
+    "MARKER_FILE",
     "OfficialFile",
     "human_size",
+    "is_checkpoint_folder",
     "missing_official_files",
     "not_a_checkpoint_message",
     "official_files_line",
+    "official_size",
 ]
