@@ -1,4 +1,4 @@
-# Targets named in README.md. PY points at the project venv made by `make setup`.
+# Targets named in README.md and docs/development.md. PY points at the project venv made by `make setup`.
 PY ?= .venv/bin/python
 PIP_TORCH = torch==2.14.1 torchvision==0.29.1
 
@@ -40,7 +40,7 @@ bench: setup
 bench-quick: setup
 	$(PY) -m benchmarks.kv_attention --quick --json out/kv_attention_quick.json
 
-# --- ComfyUI host (tools/install_comfyhost.sh, tools/comfyhost.py; README "Running in a ComfyUI host") ---
+# --- ComfyUI host (tools/install_comfyhost.sh, tools/comfyhost.py; docs/host.md) ---
 HOST_DIR ?= .comfyhost
 export COMFYHOST_DIR = $(abspath $(HOST_DIR))
 BUNDLED = models/bagel/bagel-tiny
