@@ -12,7 +12,7 @@ import statistics
 
 from ..kv.cache import AttentionCall, StepInfo
 from ..kv.token_types import TokenType
-from .protocol import CompressibleBranch, ReportedBranch, ReportedSession
+from .protocol import ReportedBranch, ReportedSession
 
 #: The ``format`` field of every KV report (and what a report reader checks first).
 REPORT_FORMAT = "unicache-kv-report"
@@ -62,7 +62,7 @@ class ReportBuilder:
         if call.phase in ("denoise", "decode"):
             self._rows[branch] = self._rows.get(branch, 0) + rows
 
-    def note_compression(self, cache: CompressibleBranch) -> None:
+    def note_compression(self, cache: ReportedBranch) -> None:
         """Mark ``cache`` compressed in this step and keep the flags of budgets it could not reach."""
         self._compressed_now.add(cache.branch)
         for ls in cache.state:
@@ -151,7 +151,7 @@ class ReportBuilder:
             "method": session.method.name,
             "task": session.request.task,
             "model_id": session.request.model_id,
-            "config": session.config.to_dict(),
+            "config": dict(session.settings),
             "policy": self.policy_info,
             "summary": summary,
             "steps": self.steps,

@@ -192,6 +192,11 @@ class SegmentedLayer:
                 continue
             self.stores.append(FullStore(k.clone(), v.clone(), p, TokenType(t)))
 
+    @property
+    def geometry(self) -> tuple[int, int, torch.dtype] | None:
+        """``(KV heads, head dim, dtype)`` of every row of the layer, or ``None`` while it is empty."""
+        return None if self._kv_meta is None else self._kv_meta[:3]
+
     def segments(self) -> list[tuple[TokenType, str, int]]:
         """``(token_type, store kind, num_tokens)`` per store, in order."""
         return [(s.token_type, s.kind, s.num_tokens) for s in self.stores]
@@ -219,6 +224,7 @@ class SegmentedLayer:
         if store.num_tokens > old.num_tokens:
             raise ValueError(f"`store` holds {store.num_tokens} rows, more than segment {index} ({old.num_tokens})")
         self._check_meta(store.num_kv_heads, store.head_dim, store.dtype, store.device, "the replacing store")
+        store.image = old.image
         self.stores[index] = store
         return old
 
@@ -241,6 +247,8 @@ class SegmentedLayer:
         self._check_meta(store.num_kv_heads, store.head_dim, store.dtype, store.device, "the replacing store")
         first = min(indices)
         removed = [self.stores[i] for i in indices]
+        images = {s.image for s in removed}
+        store.image = images.pop() if len(images) == 1 else None  # one image's rows, or a pool of several
         dropped = set(indices)
         kept = [s for i, s in enumerate(self.stores) if i not in dropped or i == first]
         kept[kept.index(self.stores[first])] = store
@@ -250,7 +258,7 @@ class SegmentedLayer:
     def share(self) -> SegmentedLayer:
         """A copy whose stores are new objects over the same tensors (a branch clone)."""
         other = SegmentedLayer()
-        other.stores = [s.share() for s in self.stores]
+        other.stores = [_shared(s) for s in self.stores]
         other.appended_tokens = self.appended_tokens
         other._kv_meta = self._kv_meta
         return other
@@ -272,6 +280,13 @@ class SegmentedLayer:
     def num_tokens(self) -> int:
         """Rows held (per KV head for evicted stores)."""
         return sum(s.num_tokens for s in self.stores)
+
+
+def _shared(store: KVStore) -> KVStore:
+    """``store.share()`` naming the same image."""
+    other = store.share()
+    other.image = store.image
+    return other
 
 
 class SegmentedKVCache(KVCache):

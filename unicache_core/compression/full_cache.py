@@ -1,4 +1,5 @@
-"""``full`` as a method: the uncompressed cache, measured and reported like every other method.
+"""The caches and session of ``full`` (:class:`~unicache_core.compression.methods.full.Full`): the uncompressed
+cache, measured and reported like every other method's.
 
 The caches are :class:`~unicache_core.kv.cache.FullKVCache` (the same attention code, so results are
 bit-identical to running without a factory); they only add clocks, attended-row counts and the byte
@@ -12,25 +13,8 @@ from torch import Tensor
 
 from ..kv.cache import AttentionCall, CacheSession, FullKVCache, KVCache
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
-from .compressing_cache import CompressionSession
-from .method import CompressionMethod
-from .protocol import CallPlan, LayerState
-
-
-class FullMethod(CompressionMethod):
-    """Never observes, never compresses."""
-
-    name = "full"
-    needs_scores = False
-
-    def target(self, session) -> float:
-        return 1.0
-
-    def plan_call(self, cache, call: AttentionCall) -> CallPlan:
-        return CallPlan()
-
-    def compress_layers(self, session, cache) -> None:  # pragma: no cover - never called
-        return None
+from .protocol import LayerState
+from .session import CompressionSession
 
 
 class ReportingFullKVCache(FullKVCache):
@@ -114,4 +98,4 @@ class FullSession(CompressionSession):
         return [c for c in self.caches.values() if isinstance(c, ReportingFullKVCache)]
 
 
-__all__ = ["FullMethod", "FullSession", "ReportingFullKVCache"]
+__all__ = ["FullSession", "ReportingFullKVCache"]
