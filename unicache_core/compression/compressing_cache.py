@@ -28,7 +28,7 @@ from ..kv.segmented_cache import LayerAttention, SegmentedKVCache
 from ..kv.stores import QuantizedStore
 from ..kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, TokenType
 from .family import FULL_BITS
-from .ops import compress_rows
+from .ops import compress_rows, evict
 from .plan import BranchPlan, CallPlan, Keep
 from .protocol import LayerState
 from .report import type_name
@@ -342,21 +342,30 @@ class CompressingKVCache(SegmentedKVCache):
                 f"{self.session.method.name}: layer {index} of branch {self.branch} holds none of "
                 f"the segments {list(keep.segments)} its plan names"
             )
-        if keep.bits == FULL_BITS and keep.scores is None:
-            raise RuntimeError(f"{self.session.method.name}: evicting rows of layer {index} needs their scores")
-        store = compress_rows(
-            st,
-            stores,
-            keep.rows,
-            keep.bits,
-            keep.group,
-            keep.residual,
-            keep.scores,
-            recent=keep.recent,
-            forced=keep.forced,
-            smooth_kernel=keep.smooth_kernel,
-            fit_values=keep.fit_values,
-        )
+        if keep.bits == FULL_BITS:  # full-precision rows: an eviction (SnapKV's window and pooling included)
+            if keep.scores is None:
+                raise RuntimeError(f"{self.session.method.name}: evicting rows of layer {index} needs their scores")
+            store = evict(
+                st,
+                stores,
+                keep.rows,
+                keep.scores,
+                recent=keep.recent,
+                forced=keep.forced,
+                smooth_kernel=keep.smooth_kernel,
+            )
+        else:
+            store = compress_rows(
+                st,
+                stores,
+                keep.rows,
+                keep.bits,
+                keep.group,
+                keep.residual,
+                keep.scores,
+                recent=keep.recent,
+                fit_values=keep.fit_values,
+            )
         if keep.expected_bytes is not None and store.nbytes() != keep.expected_bytes:
             reason = (
                 f"the store holds {store.nbytes()} B where the plan counted {keep.expected_bytes} B "

@@ -194,12 +194,11 @@ class Method:
 
 
 def method_from_name(name: str | Method, **settings: Any) -> Method:
-    """The method registered as ``name`` with ``settings`` (a :class:`Method` is returned as it is).
+    """The method registered as ``name`` with ``settings`` (a :class:`Method` is returned as it is; the built-in methods
+    are registered when :mod:`unicache_core.compression` is imported, which importing this module does first).
 
     A setting the method does not take is one clear error naming the settings it does take.
     """
-    from . import methods  # noqa: F401  (registers the built-in methods)
-
     if isinstance(name, Method):
         if settings:
             raise ValueError("pass either a method object or a name with settings, not both")
