@@ -37,10 +37,11 @@ from typing import Any
 
 from ...kv.cache import AttentionCall, RequestInfo
 from ...kv.token_types import CANDIDATE_TYPES, TokenType
+from ...validation import check_bool, check_ratio
 from ..allocator import allocate_with_floors, mass_shares
 from ..defaults import FIT_VALUE_RANGES, POOL_BELOW_BITS, RECENT_FRACTION
 from ..family import FULL_BITS, JointChoice, QuantGeometry, Segment, choose, quantized_floor_bytes
-from ..method import Method, check_ratio
+from ..method import Method
 from ..ops import floor_bytes
 from ..plan import BranchPlan, CallPlan, Keep, LayerPlan
 from ..policy_table import PolicyTable, resolve_policy_table
@@ -99,8 +100,7 @@ class UniCache(Method):
             raise ValueError(f"`policy` must be a policy-table path or PolicyTable, got {type(self.policy).__name__}")
         check_ratio("recent_fraction", self.recent_fraction, allow_zero=True)
         QuantGeometry().with_residual(self.residual)
-        if not isinstance(self.fit_ranges, bool):
-            raise ValueError(f"`fit_ranges` must be True or False, got {self.fit_ranges!r}")
+        check_bool("fit_ranges", self.fit_ranges)
 
     # ------------------------------------------------------------------ settings
 
