@@ -246,12 +246,6 @@ def raise_interrupt() -> None:
     raise mm.InterruptProcessingException()
 
 
-def interrupt_exception_type():
-    import comfy.model_management as mm
-
-    return mm.InterruptProcessingException
-
-
 __all__ = [
     "BAGEL_FOLDER",
     "PACK_BAGEL_DIR",

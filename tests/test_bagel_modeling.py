@@ -317,16 +317,6 @@ def test_timestep_embedding_cos_first(model: Bagel):
     torch.testing.assert_close(freq, torch.cat([torch.cos(t * f), torch.sin(t * f)]), rtol=1e-6, atol=1e-6)
 
 
-def test_embed_latents(model: Bagel):
-    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(4))
-    ids = model.latent_position_ids(2, 3)
-    assert ids.tolist() == [0, 1, 2, 64, 65, 66]
-    got = model.embed_latents(x, ids, 0.25)
-    freq = model.time_embedder.frequency_embedding(torch.tensor([0.25]), 256)
-    want = model.vae2llm(x) + model.time_embedder.mlp(freq) + model.latent_pos_embed.pos_embed[ids]
-    torch.testing.assert_close(got, want)
-
-
 def test_embed_vit_patch_order_and_positions(model: Bagel, loaded):
     p = loaded.config.vit.patch_size
     rows, cols = 2, 3

@@ -5,7 +5,7 @@ import pytest
 import torch
 from oracles.spans import Span, candidate_mask, is_protected, positions_of, spans_from_types
 
-from unicache_core.kv.token_types import BRANCHES, CANDIDATE_TYPES, PROTECTED_TYPES, TASKS, TokenType
+from unicache_core.kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, TokenType
 
 B, VAE, VIT, TXT, LAT, DEC = (
     TokenType.BOUNDARY,
@@ -44,14 +44,6 @@ def test_positions_of_a_type_across_disjoint_spans():
     assert positions_of(types, "instruction").tolist() == [1, 2, 6]
     assert positions_of(types, TokenType.SOURCE_VIT).tolist() == [4]
     assert positions_of(types, TokenType.SOURCE_VAE).tolist() == []
-
-
-def test_tasks_and_branches_have_one_home():
-    import unicache_core.kv.cache as cache
-
-    assert TASKS == ("understanding", "t2i", "edit")
-    assert BRANCHES == ("gen", "cfg_text", "cfg_img", "plan")
-    assert cache.TASKS is TASKS and cache.BRANCHES is BRANCHES  # the cache seam validates with these
 
 
 def test_candidate_and_protected_sets():
