@@ -431,6 +431,7 @@ def preflight(args) -> Checked:
     checkpoint's config, the input image and ``--out``. Nothing here loads weights.
     """
     from .accounting import check_positions, generation_positions, understanding_positions
+    from .checkpoint.folder import check_folder_weights
     from .config import load_bagel_config
     from .tokenizer import BagelTokenizer, check_bagel_tokens
 
@@ -491,6 +492,7 @@ def preflight(args) -> Checked:
                 check_positions(config, used, settings.think_max_new_tokens + 2, "think_max_new_tokens")
     except ValueError as exc:
         raise with_flag(exc, prompt_flag) from None
+    check_folder_weights(root, config)  # the weights' headers, so the plan and the load never build a claimed geometry
     return Checked(prompt=prompt, image=image, out_format=out_format, device=device, settings=settings, seed=seed)
 
 

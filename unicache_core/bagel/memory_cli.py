@@ -87,13 +87,24 @@ def refuse_unfitting_run(args: argparse.Namespace, checked) -> None:
 def _plan_of(args, checkpoint, task: str, width: int, height: int, device_memory: str | None, *, device=None):
     import torch
 
+    from .checkpoint.folder import check_folder_weights
     from .cli_checks import resolve_device
-    from .memory_plan import PlanSettings, device_memory_bytes, parse_memory_size, plan_config, plan_memory
+    from .memory_plan import (
+        OFFICIAL_CHECKPOINT,
+        PlanSettings,
+        device_memory_bytes,
+        parse_memory_size,
+        plan_config,
+        plan_memory,
+    )
     from .settings import BUNDLED_CHECKPOINT_DIR
 
     if width < 0 or height < 0:
         raise ValueError(f"--width/--height must be positive, got {width}x{height}")
-    config = plan_config(checkpoint if checkpoint is not None else BUNDLED_CHECKPOINT_DIR)
+    root = checkpoint if checkpoint is not None else BUNDLED_CHECKPOINT_DIR
+    config = plan_config(root)
+    if str(root).lower() != OFFICIAL_CHECKPOINT:  # a folder: its weights' headers, where they are downloaded
+        check_folder_weights(root, config, missing_ok=True)
     if device_memory is not None:  # a device that need not be here: a GPU unless --device names the CPU
         total = parse_memory_size(device_memory)
         planned = torch.device(device if device is not None else "cuda" if args.device == "auto" else args.device)
