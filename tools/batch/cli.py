@@ -14,12 +14,13 @@ from pathlib import Path
 
 from tools.batch import __doc__ as USAGE
 from tools.batch.work import SEED_MAX, Run, load_workflow, make_runs, read_prompts, read_seeds
+from unicache_core.cli import OneLineParser  # one-line errors; a single-value flag given twice is refused
 
 logger = logging.getLogger("unicache.batch")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m tools.batch", description=USAGE.split("\n\n")[0])
+    ap = OneLineParser(prog="python -m tools.batch", description=USAGE.split("\n\n")[0])
     ap.add_argument("workflow", type=Path, help="API-format workflow JSON (workflows/api/*.json)")
     ap.add_argument(
         "--host",

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,18 +107,8 @@ CUDA_VAE_ENCODE_PER_PIXEL = 520
 PLAN_TASKS = {"und": "understanding", "understand": "understanding", "t2i": "t2i", "edit": "edit"}
 #: Weight dtypes tried, in order, when the chosen settings do not fit (cheapest in quality first).
 _FALLBACK_WEIGHTS = ("bf16", "fp8_e4m3fn", "int8")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+#: The smallest ``--device-memory`` a plan accepts (64 MiB: less is no GPU, nor a machine running torch).
+MIN_DEVICE_BYTES = 64 << 20
 
 
 def official_config() -> BagelConfig:
@@ -138,11 +127,11 @@ def plan_config(checkpoint: str | Path) -> BagelConfig:
 
 
 def parse_memory_size(value: str) -> int:
-    """``"24GB"``, ``"24 GiB"``, ``"1.5e10"`` → bytes (decimal units for kB/MB/GB, binary for KiB/MiB/GiB)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if match is None or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f"--device-memory {value!r} is not a memory size; write e.g. 24GB, 12GiB or 8e9")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    """``"24GB"``, ``"24 GiB"``, ``"1.5e10"`` → bytes (:func:`~unicache_core.sizes.parse_size`: decimal units for
+    kB/MB/GB, binary for KiB/MiB/GiB; at least :data:`MIN_DEVICE_BYTES`, at most 1 PiB)."""
+    from ..sizes import parse_size
+
+    return parse_size(value, "--device-memory", minimum=MIN_DEVICE_BYTES)
 
 
 def device_memory_bytes(device: torch.device) -> int:

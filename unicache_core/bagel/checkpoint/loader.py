@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError
+from ...sizes import parse_size
 from ..config import AE_CONFIG_FILE, BagelConfig
 from ..modeling import AutoEncoder, Bagel
 from ..modeling.operations import check_operations
@@ -353,6 +354,10 @@ def load_bagel(
         raise ValueError(f"`max_memory` is only used with device_map='auto', got device_map={device_map!r}")
     if max_memory is not None and not isinstance(max_memory, Mapping):
         raise ValueError(f"`max_memory` must be a mapping device -> size such as {{'cpu': '8GiB'}}, got {max_memory!r}")
+    if max_memory is not None:  # byte counts for accelerate, each read by the one size parser
+        max_memory = {
+            key: parse_size(size, f"`max_memory`[{key!r}]", example="8GiB") for key, size in max_memory.items()
+        }
     operations = None
     if isinstance(weight_dtype, HostOperations):
         operations, weight_dtype = check_operations(weight_dtype.operations), weight_dtype.weight_dtype
