@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
+from ..cli import path_arg
 from .checkpoint.loader import OFFLOAD_MODES
 from .weights import WEIGHT_DTYPES
 
@@ -49,7 +49,7 @@ def add_plan_parser(sub) -> None:
         "cpu adds the CPU runtime's own memory)",
     )
     p.add_argument("--device-memory", default=None, help="plan for a device of this size instead (e.g. 24GB)")
-    p.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
+    p.add_argument("--json", type=path_arg, default=None, help="also write the plan as JSON here")
     p.add_argument("-q", "--quiet", action="store_true", help="no log output")
     add_memory_arguments(p)
 
@@ -59,11 +59,14 @@ def run_plan(args: argparse.Namespace) -> int:
     import json
     import sys
 
+    from ..output_files import check_output_file, save_text
+
+    if args.json is not None:  # before the plan: never a checkpoint's file, a device or a FIFO; written whole
+        check_output_file("--json", args.json, "plan JSON", checkpoints=[args.checkpoint])
     plan = _plan_of(args, args.checkpoint, args.task, args.width, args.height, args.device_memory)
     sys.stdout.write(describe(plan) + "\n")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(plan.to_json(), indent=1) + "\n", encoding="utf-8")
+        save_text(json.dumps(plan.to_json(), indent=1) + "\n", args.json, "--json")
     return 0
 
 
