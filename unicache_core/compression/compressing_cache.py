@@ -400,7 +400,8 @@ class CompressionSession(CacheSession):
     def compress(self, cache: CompressingKVCache, call: AttentionCall | None) -> None:
         """Run the method's compression on ``cache`` (at ``call``), timed as allocation and recorded."""
         start = self.clock()
-        self.method.compress(self, cache, call)
+        if self.resolve_target() < 1.0:  # a target of 100% (or bytes >= the full KV) keeps every row, for every method
+            self.method.compress(self, cache, call)
         cache.compressions += 1
         self.timers["alloc"] += self.clock() - start
         self.report.note_compression(cache)
