@@ -102,10 +102,9 @@ def _plan_of(args, checkpoint, task: str, width: int, height: int, device_memory
     )
     from .settings import BUNDLED_CHECKPOINT_DIR
 
-    if width < 0 or height < 0:
-        raise ValueError(f"--width/--height must be positive, got {width}x{height}")
     root = checkpoint if checkpoint is not None else BUNDLED_CHECKPOINT_DIR
     config = plan_config(root)
+    check_plan_size(config, task, width, height)
     if str(root).lower() != OFFICIAL_CHECKPOINT:  # a folder: its weights' headers, where they are downloaded
         check_folder_weights(root, config, missing_ok=True)
     if device_memory is not None:  # a device that need not be here: a GPU unless --device names the CPU
@@ -127,10 +126,34 @@ def _plan_of(args, checkpoint, task: str, width: int, height: int, device_memory
     return plan_memory(config, settings, total)
 
 
+def check_plan_size(config, task: str, width: int, height: int) -> None:
+    """``--width``/``--height`` of a plan, refused as the run would refuse them: a text-to-image output a positive
+    multiple of the latent patch within the position table (:func:`~.settings.check_output_size`); an input image
+    (edit, and understanding unless both are 0 for none) at least 1 px a side and at most PIL's decoding limit."""
+    from PIL import Image
+
+    from .settings import check_output_size
+
+    if task == "t2i":
+        try:
+            check_output_size(config, width, height)
+        except ValueError as exc:
+            flag = "--height" if "`height`" in str(exc) else "--width"
+            raise ValueError(f"{flag}: {exc} (the size of the image the run would make)") from None
+        return
+    if task in ("und", "understand") and width == height == 0:
+        return  # an understanding request without an image
+    if width < 1 or height < 1 or width * height > Image.MAX_IMAGE_PIXELS:
+        raise ValueError(
+            f"--width/--height: an input image of {width}x{height} px cannot be read by the run: give its size, at "
+            f"least 1x1 and at most {Image.MAX_IMAGE_PIXELS} pixels (0x0 plans an understanding without image)"
+        )
+
+
 def describe(plan) -> str:
     from .memory_plan import describe as describe_plan
 
     return describe_plan(plan)
 
 
-__all__ = ["add_memory_arguments", "add_plan_parser", "refuse_unfitting_run", "run_plan"]
+__all__ = ["add_memory_arguments", "add_plan_parser", "check_plan_size", "refuse_unfitting_run", "run_plan"]
