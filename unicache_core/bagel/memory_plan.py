@@ -127,8 +127,7 @@ def plan_config(checkpoint: str | Path) -> BagelConfig:
 
 
 def parse_memory_size(value: str) -> int:
-    """``"24GB"``, ``"24 GiB"``, ``"1.5e10"`` → bytes (:func:`~unicache_core.sizes.parse_size`: decimal units for
-    kB/MB/GB, binary for KiB/MiB/GiB; at least :data:`MIN_DEVICE_BYTES`, at most 1 PiB)."""
+    """``"24GB"``, ``"24 GiB"``, ``"1.5e10"`` → bytes (:func:`~unicache_core.sizes.parse_size`, >= 64 MiB)."""
     from ..sizes import parse_size
 
     return parse_size(value, "--device-memory", minimum=MIN_DEVICE_BYTES)
