@@ -76,7 +76,8 @@ def test_every_module_imports_without_comfyui(probe):
     """Walk the whole package (compression, stores, quant, segmented, bagel.*) and the benchmarks."""
     names, loaded = probe["every"]
     for expected in (
-        "unicache_core.compression.baselines",
+        "unicache_core.compression.methods.h2o",
+        "unicache_core.compression.methods.unicache",
         "unicache_core.compression.schedule",
         "unicache_core.kv.stores",
         "unicache_core.kv.segmented_cache",
@@ -120,7 +121,7 @@ def test_engine_constants_and_node_glue_have_one_home():
 
     root = Path(__file__).resolve().parents[1]
     seeds, flux, bundled, probes = [], [], [], []
-    for folder in ("unicache_core", "nodes", "benchmarks", "tools", "training"):
+    for folder in ("unicache_core", "unicache_commands", "nodes", "benchmarks", "tools", "training"):
         for path in (root / folder).rglob("*.py"):
             rel = path.relative_to(root).as_posix()
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from cli_runs import exit_status, run_bagel_cli
 
+from unicache_commands.input_files import read_regular_file, read_text_file
+from unicache_commands.output_files import check_output_file, save_text, write_atomically
 from unicache_core.bagel.calibration import cli as calibrate_cli
 from unicache_core.bagel.calibration.inputs import read_prompts as calibration_prompts
 from unicache_core.bagel.calibration.tables import check_out
 from unicache_core.compression.policy_table import PolicyTable, PolicyTableError
-from unicache_core.input_files import read_regular_file, read_text_file
-from unicache_core.output_files import check_output_file, save_text, write_atomically
 
 REPO = Path(__file__).resolve().parents[1]
 GRAPH = {
@@ -287,7 +287,7 @@ def test_plan_json_write_error_is_one_line_and_leaves_nothing(tmp_path, monkeypa
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr("unicache_core.output_files.os.replace", full)
+    monkeypatch.setattr("unicache_commands.output_files.os.replace", full)
     target = tmp_path / "plan.json"
     code, _, err = run_bagel_cli(
         capsys,

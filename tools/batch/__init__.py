@@ -28,8 +28,8 @@ refused), ``--summary`` passes the library's output guard (never a device, an in
 atomically), ``--count`` is at most 100000, and each ``--host`` (or the Ray ``--address``) must accept a connection
 within 5 s (:mod:`tools.batch.reachable`); ``ray.init`` may take ``--ray-timeout`` seconds (default 120).
 
-The plain path needs the project's library (its argument parser and file guards, ``unicache_core.cli``,
-``unicache_core.input_files``, ``unicache_core.output_files``) and ``websocket-client`` (the ``batch`` extra);
-``--ray`` needs the ``ray`` extra. Nothing here imports ComfyUI, Ray's workers import no torch, and the node pack
+The plain path needs only the standard library, the project's command helpers (:mod:`unicache_commands`: the
+argument parser, the input and output file guards; standard library only) and ``websocket-client`` (the ``batch``
+extra); ``--ray`` needs the ``ray`` extra. Nothing here imports ComfyUI, torch or the library, and the node pack
 never imports this.
 """

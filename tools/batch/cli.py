@@ -13,7 +13,8 @@ from pathlib import Path
 from tools.batch import __doc__ as USAGE
 from tools.batch.reachable import check_hosts
 from tools.batch.work import MAX_COUNT, SEED_MAX, Run, load_workflow, make_runs, read_prompts, read_seeds
-from unicache_core.cli import OneLineParser  # one-line errors; a single-value flag given twice is refused
+from unicache_commands.flags import OneLineParser  # one-line errors; a single-value flag given twice is refused
+from unicache_commands.output_files import check_output_file, write_atomically
 
 logger = logging.getLogger("unicache.batch")
 
@@ -126,8 +127,6 @@ def _check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 def _writable_paths(a: argparse.Namespace, summary: Path) -> None:
     """Create ``--out`` and check that ``summary`` can be written (the library's output guard: never a device, a
     FIFO, an input file, a weights or checkpoint file), before any run starts."""
-    from unicache_core.output_files import check_output_file
-
     if a.out.exists() and not a.out.is_dir():
         raise ValueError(f"--out {a.out} is not a folder; give the folder the outputs go to (DIR/<run>/...)")
     try:
@@ -140,7 +139,6 @@ def _writable_paths(a: argparse.Namespace, summary: Path) -> None:
 
 def write_summary(path: Path, summary: dict) -> None:
     """Write ``summary`` as strict JSON via a temp file and a rename (never a partial file)."""
-    from unicache_core.output_files import write_atomically
 
     def write(tmp: Path) -> None:
         with open(tmp, "w") as fh:

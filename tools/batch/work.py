@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from unicache_commands.input_files import read_text_file
+
 logger = logging.getLogger("unicache.batch")
 
 #: Nodes whose ``seed``/``prompt`` inputs a run varies.
@@ -91,10 +93,7 @@ def report_node_ids(workflow: dict) -> list[str]:
 
 
 def _read_text(path: Path, label: str, max_bytes: int, advice: str) -> str:
-    """A regular UTF-8 file of at most ``max_bytes`` (a FIFO or /dev/zero refused; the driver alone reads files, so
-    the library, and torch with it, is imported here and not in Ray's workers)."""
-    from unicache_core.input_files import read_text_file
-
+    """A regular UTF-8 file of at most ``max_bytes`` (a FIFO or /dev/zero refused, a byte-order mark dropped)."""
     return read_text_file(path, label=label, max_bytes=max_bytes, advice=advice)
 
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..input_files import read_text_file
-from ..output_files import check_output_file, same_file, save_text, write_atomically
+from unicache_commands.input_files import read_text_file
+from unicache_commands.output_files import check_output_file, same_file, save_text, write_atomically
+
 from .seeding import check_seed
 from .settings import (
     T2I_DEFAULTS,
@@ -90,7 +91,8 @@ def not_found(flag: str, path: Path, what: str) -> OSError:
 
 
 def check_checkpoint_dir(path: Path) -> Path:
-    """``--checkpoint`` must be an existing folder (a file or a missing path is a one-line error)."""
+    """``--checkpoint`` must be an existing BAGEL checkpoint folder (a file, a missing path or a folder with no
+    ``llm_config.json`` is a one-line error; the last names every file of the official layout and its size)."""
     if path.is_file():
         raise ValueError(
             f"--checkpoint: {path} is a file, not a folder; pass the folder that holds llm_config.json, "
@@ -100,13 +102,18 @@ def check_checkpoint_dir(path: Path) -> Path:
         if path.exists():
             raise FileNotFoundError(f"--checkpoint: is not a folder: {path}")
         raise not_found("--checkpoint", path, "folder")
+    from .checkpoint.official_layout import is_checkpoint_folder, not_a_checkpoint_message
+
+    if not is_checkpoint_folder(path):
+        raise FileNotFoundError(f"--checkpoint: {not_a_checkpoint_message(path)}")
     return path
 
 
 def check_writable_file(flag: str, path: Path, what: str) -> None:
-    """``path`` can be written as the ``what`` (``"image file"``): :func:`~unicache_core.output_files.check_output_file`
-    (not a folder, device, FIFO or socket, not under a file, not a weights or checkpoint file, its folder writable
-    or creatable; a symlink loop is named as such, a dangling symlink is written through)."""
+    """``path`` can be written as the ``what`` (``"image file"``):
+    :func:`~unicache_commands.output_files.check_output_file` (not a folder, device, FIFO or socket, not under a
+    file, not a weights or checkpoint file, its folder writable or creatable; a symlink loop is named as such, a
+    dangling symlink is written through)."""
     check_output_file(flag, path, what)
 
 
@@ -194,7 +201,7 @@ def check_text_argument(flag: str, text: str) -> str:
 
 def read_prompt_file(path: Path) -> str:
     """``--prompt-file``: a regular file of at most :data:`MAX_PROMPT_FILE_BYTES`, strict UTF-8 (an initial BOM and
-    one final newline are dropped; :func:`~unicache_core.input_files.read_text_file`)."""
+    one final newline are dropped; :func:`~unicache_commands.input_files.read_text_file`)."""
     if not path.exists() and not path.is_dir():
         raise not_found("--prompt-file", path, "file")
     text = read_text_file(path, label=f"--prompt-file: {path}", max_bytes=MAX_PROMPT_FILE_BYTES)

@@ -59,7 +59,7 @@ def run_plan(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    from ..output_files import check_output_file, save_text
+    from unicache_commands.output_files import check_output_file, save_text
 
     if args.json is not None:  # before the plan: never a checkpoint's file, a device or a FIFO; written whole
         check_output_file("--json", args.json, "plan JSON", checkpoints=[args.checkpoint])

@@ -14,12 +14,13 @@ import json
 import logging
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
-from ..input_files import read_text_file
+from unicache_commands.input_files import read_text_file
+
 from ..kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, TASKS, TokenType
 from .defaults import DEFAULT_K90_THRESHOLD, RHO0, UNICACHE_GROUPS
 from .family import JointPlan, QuantGeometry
@@ -55,6 +56,7 @@ def _nesting_depth(value: object) -> int:
     deepest, stack = 0, [(value, 0)]
     while stack:
         item, depth = stack.pop()
+        children: Iterable
         if isinstance(item, Mapping):
             children = item.values()
         elif isinstance(item, list):
@@ -272,8 +274,8 @@ class PolicyTable:
             if task not in TASKS:
                 raise bad(f"`entries[{i}].task` must be one of {TASKS}, got {task!r}")
             try:
-                ttype = TokenType.parse(row.get("type"))
-            except (ValueError, TypeError):
+                ttype = TokenType.parse(row["type"])
+            except (ValueError, TypeError, KeyError):
                 raise bad(
                     f"`entries[{i}].type` {row.get('type')!r} is not a token type "
                     f"({', '.join(t.name.lower() for t in CANDIDATE_TYPES)})"

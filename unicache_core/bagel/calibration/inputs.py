@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ...input_files import read_text_file
+from unicache_commands.input_files import read_text_file
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 MAX_PROMPTS_FILE_BYTES = 16 << 20
@@ -14,7 +14,7 @@ MAX_PROMPTS_FILE_BYTES = 16 << 20
 
 def read_prompts(path: Path) -> list[str]:
     """One prompt per line (a regular file of strict UTF-8, BOM dropped, surrounding whitespace stripped, blank lines
-    skipped; :func:`~unicache_core.input_files.read_text_file`)."""
+    skipped; :func:`~unicache_commands.input_files.read_text_file`)."""
     return [p for _, p in _numbered(path, _read(path))]
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from unicache_commands.output_files import check_output_file, save_text
+
 from ...compression.policy_table import CHECKPOINT_POLICY_FILE, PolicyTable, PolicyTableError
 from ...kv.token_types import TokenType
-from ...output_files import check_output_file, save_text
 from .run import TOOL
 
 
@@ -78,7 +79,7 @@ def check_out(
     out: Path, merge: bool, model_id: str, *, checkpoint: Path | None = None, prompts: Path | None = None
 ) -> PolicyTable | None:
     """Refuse an ``--out`` that cannot be written or whose write would harm a file
-    (:func:`~unicache_core.output_files.check_output_file`: never ``--prompts``, a weights file or a checkpoint's
+    (:func:`~unicache_commands.output_files.check_output_file`: never ``--prompts``, a weights file or a checkpoint's
     file other than its ``unicache_policy.json``); with ``merge``, return the existing table at ``out`` (if any).
 
     The merged table must be of ``model_id``'s model (one ``--merge:`` error otherwise).

@@ -13,7 +13,7 @@ before any work starts, and written whole or not at all.
 
 :func:`write_atomically` writes into a new temporary file beside the target, then renames it onto the target, so a
 failed or interrupted write leaves no partial or empty file and an existing one unchanged; a replaced file keeps its
-permission bits. Every error is one line naming the flag and the path. Nothing here imports torch.
+permission bits. Every error is one line naming the flag and the path.
 """
 
 from __future__ import annotations
