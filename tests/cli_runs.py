@@ -24,6 +24,22 @@ def exit_status(main: Callable[[list[str]], int], argv: Sequence[str]) -> int:
         return exc.code
 
 
+def with_flags(base: Sequence[str], *extra: str) -> list[str]:
+    """``base`` then ``extra``, where a flag of ``extra`` replaces the same flag of ``base`` and its values (the
+    commands refuse a single-value flag given twice; a value never starts with ``-`` in ``base``)."""
+    given = {arg for arg in extra if arg.startswith("-")}
+    kept, index = [], 0
+    while index < len(base):
+        if base[index] in given:
+            index += 1
+            while index < len(base) and not base[index].startswith("-"):
+                index += 1
+            continue
+        kept.append(base[index])
+        index += 1
+    return kept + list(extra)
+
+
 def run_bagel_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
     """``python -m unicache_core.bagel ARGS`` in this process: ``(exit status, stdout, stderr)``.
 

@@ -93,20 +93,13 @@ def test_unwritable_out_is_refused_before_any_run(tmp_path, capsys):
     assert len(err) == 1 and "cannot write under --out" in err[0], err
 
 
-def test_unreachable_host_fails_every_run(tmp_path):
-    """No host answers: every run is reported failed (exit 1), the summary is still written."""
+def test_unreachable_host_is_refused_before_any_run(tmp_path, capsys):
+    """No host answers at the start: one line naming the URL, exit 2, nothing run or written (issue 45.4; a host
+    that goes away during the batch still fails its runs, tests/test_batch_hostile.py)."""
     wf = tmp_path / "wf.json"
     wf.write_text(json.dumps(GRAPH))
-    rc = cli.main(
-        [
-            str(wf),
-            "--host",
-            "http://127.0.0.1:9",
-            "--out",
-            str(tmp_path / "o"),
-            *"--count 2 --timeout 30".split(),
-        ]
-    )
-    assert rc == 1
-    s = json.loads((tmp_path / "o" / "summary.json").read_text())
-    assert s["succeeded"] == 0 and [r["status"] for r in s["runs"]] == ["failed", "failed"]
+    argv = [str(wf), "--host", "http://127.0.0.1:9", "--out", str(tmp_path / "o"), *"--count 2 --timeout 30".split()]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tools.batch: --host http://127.0.0.1:9: "), err
+    assert "start ComfyUI there" in err[0] and not (tmp_path / "o" / "summary.json").exists()

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cli_runs import with_flags
 from fakehost import PNG, Answer, FakeHost, ok_history, ok_ws, text_frame
 
 from tools.batch import cli, client
@@ -52,7 +53,7 @@ def run_batch(tmp_path: Path, fake: FakeHost, count: int = 2, extra: tuple = ())
     out = tmp_path / "work" / "out"
     with fake:
         options = f"--count {count} --depth 1 --poll 0.05 --retries 0 --timeout 60".split()
-        rc = cli.main([str(wf), "--host", fake.url, "--out", str(out), *options, *extra])
+        rc = cli.main(with_flags([str(wf), "--host", fake.url, "--out", str(out), *options], *extra))
     summary = json.loads((out / "summary.json").read_text())  # strict JSON: no NaN may reach it
     outside = [p for p in tmp_path.rglob("*") if p.is_file() and out not in p.parents and p != wf]
     assert outside == [], f"files written outside --out: {outside}"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoint_edits import edit_json, rewrite_tensors, set_value
-from cli_runs import exit_status, forbid_weight_loading, run_bagel_cli
+from cli_runs import exit_status, forbid_weight_loading, run_bagel_cli, with_flags
 from PIL import Image
 
 from unicache_core.bagel import __main__ as cli
@@ -51,23 +51,25 @@ def _one_line_error(capsys) -> str:
 
 
 def _t2i(checkpoint, *extra):
-    return [
-        "t2i",
-        "--checkpoint",
-        str(checkpoint),
-        "--prompt",
-        "x",
-        "--width",
-        "32",
-        "--height",
-        "32",
-        "--steps",
-        "2",
-        "--dtype",
-        "fp32",
-        "-q",
+    return with_flags(
+        [
+            "t2i",
+            "--checkpoint",
+            str(checkpoint),
+            "--prompt",
+            "x",
+            "--width",
+            "32",
+            "--height",
+            "32",
+            "--steps",
+            "2",
+            "--dtype",
+            "fp32",
+            "-q",
+        ],
         *extra,
-    ]
+    )
 
 
 @pytest.mark.parametrize(

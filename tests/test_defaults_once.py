@@ -15,7 +15,7 @@ HOME = ROOT / "unicache_core" / "compression" / "defaults.py"
 
 
 def _code_files():
-    for folder in ("unicache_core", "nodes", "benchmarks", "tools", "training"):
+    for folder in ("unicache_core", "unicache_commands", "nodes", "benchmarks", "tools", "training"):
         yield from (ROOT / folder).rglob("*.py")
 
 

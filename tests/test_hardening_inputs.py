@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoint_edits import edit_json
+from cli_runs import with_flags
 from PIL import Image
 from test_cli_errors import _exit_code, _one_line_error, no_weights  # noqa: F401  (no_weights: a fixture)
 
@@ -33,25 +34,27 @@ from unicache_core.errors import CheckpointError
 
 
 def _t2i(checkpoint, tmp_path, *extra):
-    return [
-        "t2i",
-        "--checkpoint",
-        str(checkpoint),
-        "--prompt",
-        "x",
-        "--width",
-        "32",
-        "--height",
-        "32",
-        "--steps",
-        "2",
-        "--dtype",
-        "fp32",
-        "-q",
-        "--out",
-        str(tmp_path / "o.png"),
+    return with_flags(
+        [
+            "t2i",
+            "--checkpoint",
+            str(checkpoint),
+            "--prompt",
+            "x",
+            "--width",
+            "32",
+            "--height",
+            "32",
+            "--steps",
+            "2",
+            "--dtype",
+            "fp32",
+            "-q",
+            "--out",
+            str(tmp_path / "o.png"),
+        ],
         *extra,
-    ]
+    )
 
 
 # ------------------------------------------------------------------------------------ tokenizer files

@@ -121,7 +121,7 @@ def test_engine_constants_and_node_glue_have_one_home():
 
     root = Path(__file__).resolve().parents[1]
     seeds, flux, bundled, probes = [], [], [], []
-    for folder in ("unicache_core", "nodes", "benchmarks", "tools", "training"):
+    for folder in ("unicache_core", "unicache_commands", "nodes", "benchmarks", "tools", "training"):
         for path in (root / folder).rglob("*.py"):
             rel = path.relative_to(root).as_posix()
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

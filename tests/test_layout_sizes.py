@@ -12,12 +12,10 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("unicache_core", "nodes", "tools", "training", "benchmarks")
+PACKAGES = ("unicache_core", "unicache_commands", "nodes", "tools", "training", "benchmarks")
 MAX_LINES = 500
 #: Files already over MAX_LINES and the most lines each may grow to before it is split.
 LONG_FILES = {
-    "unicache_core/bagel/cli_checks.py": 550,
-    "unicache_core/bagel/memory_plan.py": 550,
     "unicache_core/bagel/pipeline.py": 550,
     "unicache_core/kv/stores.py": 600,
     "nodes/task_nodes.py": 650,

@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     from .model import unit_init_modules
 
     defaults = TrainConfig()
-    parser = OneLineParser(description="Train the bundled shapes BAGEL (VAE, then LLM+ViT) and export it.")
+    parser = OneLineParser(
+        prog="python -m training", description="Train the bundled shapes BAGEL (VAE, then LLM+ViT) and export it."
+    )
     parser.add_argument("out_dir", type=path_arg, help="checkpoint folder to write (official layout)")
     parser.add_argument("--work", type=path_arg, default=None, help="resumable state folder (default OUT_DIR.work)")
     parser.add_argument("--seed", type=int, default=defaults.seed)

@@ -1,23 +1,9 @@
-"""Command-line helpers shared by the project's tools: one-line errors, non-empty path arguments."""
+"""Command-line helpers of the library's commands: one-line errors, non-empty path arguments, and single-value
+flags that refuse to be given twice. They live in :mod:`unicache_commands.flags` (standard library only, shared with
+the batch runner, which runs without the library); this module keeps the library's name for them."""
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
+from unicache_commands.flags import OneLineParser, SingleValueAction, path_arg, refuse_repeated_flags
 
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse with the one-line error format of every tool here (``error: ...``, exit status 2)."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
-
-
-def path_arg(value: str) -> Path:
-    """A path argument; the empty string is refused (``Path('')`` would silently mean the current folder)."""
-    if not value:
-        raise argparse.ArgumentTypeError("empty path ''")
-    return Path(value)
-
-
-__all__ = ["OneLineParser", "path_arg"]
+__all__ = ["OneLineParser", "SingleValueAction", "path_arg", "refuse_repeated_flags"]

@@ -23,6 +23,13 @@ prompt, attempts and why earlier attempts were abandoned, KV bytes saved (``full
 steady_managed_bytes`` from the report node's ui output, else the first byte count in its text), outputs and
 error. Exit status: 0 when every run succeeded, 1 otherwise, 2 for bad arguments.
 
-The plain path needs only the standard library and ``websocket-client`` (the ``batch`` extra); ``--ray``
-needs the ``ray`` extra. Nothing here imports ComfyUI or torch, and the node pack never imports this.
+Before any run, every input file is read only if it is a regular file of bounded size (a FIFO or ``/dev/zero`` is
+refused), ``--summary`` passes the library's output guard (never a device, an input or a checkpoint file; written
+atomically), ``--count`` is at most 100000, and each ``--host`` (or the Ray ``--address``) must accept a connection
+within 5 s (:mod:`tools.batch.reachable`); ``ray.init`` may take ``--ray-timeout`` seconds (default 120).
+
+The plain path needs only the standard library, the project's command helpers (:mod:`unicache_commands`: the
+argument parser, the input and output file guards; standard library only) and ``websocket-client`` (the ``batch``
+extra); ``--ray`` needs the ``ray`` extra. Nothing here imports ComfyUI, torch or the library, and the node pack
+never imports this.
 """

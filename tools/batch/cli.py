@@ -5,21 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
-import tempfile
 import time
 import urllib.parse
 from pathlib import Path
 
 from tools.batch import __doc__ as USAGE
-from tools.batch.work import SEED_MAX, Run, load_workflow, make_runs, read_prompts, read_seeds
+from tools.batch.reachable import check_hosts
+from tools.batch.work import MAX_COUNT, SEED_MAX, Run, load_workflow, make_runs, read_prompts, read_seeds
+from unicache_commands.flags import OneLineParser  # one-line errors; a single-value flag given twice is refused
+from unicache_commands.output_files import check_output_file, write_atomically
 
 logger = logging.getLogger("unicache.batch")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m tools.batch", description=USAGE.split("\n\n")[0])
+    ap = OneLineParser(prog="python -m tools.batch", description=USAGE.split("\n\n")[0])
     ap.add_argument("workflow", type=Path, help="API-format workflow JSON (workflows/api/*.json)")
     ap.add_argument(
         "--host",
@@ -66,6 +67,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         help="CPUs each worker takes; its host computes with that many threads (default 1)",
     )
+    ray_group.add_argument(
+        "--ray-timeout",
+        type=float,
+        help="seconds Ray may take to start or join the cluster before the batch gives up (default 120)",
+    )
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     _check(ap, a)
@@ -73,8 +79,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    if a.count < 1:
-        ap.error(f"--count must be >= 1, got {a.count}")
+    if not 1 <= a.count <= MAX_COUNT:
+        ap.error(
+            f"--count must be within 1..{MAX_COUNT} (the summary keeps a record of every run), got {a.count}; "
+            f"split a larger batch with --seed-start"
+        )
     if a.depth < 1:
         ap.error(f"--depth must be >= 1, got {a.depth}")
     if a.retries < 0:
@@ -97,6 +106,7 @@ def _check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                 ("--workers", a.workers),
                 ("--gpus-per-worker", a.gpus_per_worker),
                 ("--cpus-per-worker", a.cpus_per_worker),
+                ("--ray-timeout", a.ray_timeout),
             )
             if value is not None
         ]
@@ -108,33 +118,33 @@ def _check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         ap.error(f"--workers must be >= 1, got {a.workers}")
     if a.gpus_per_worker is not None and not 0 <= a.gpus_per_worker <= 64:
         ap.error(f"--gpus-per-worker must be within 0..64, got {a.gpus_per_worker}")
+    if a.ray_timeout is not None and not 0 < a.ray_timeout <= 3600:
+        ap.error(f"--ray-timeout must be within 0..3600 seconds, got {a.ray_timeout}")
     if a.cpus_per_worker is not None and not 0.01 <= a.cpus_per_worker <= 1024:
         ap.error(f"--cpus-per-worker must be within 0.01..1024, got {a.cpus_per_worker}")
 
 
-def _writable_paths(out: Path, summary: Path) -> None:
-    """Create ``out`` and check that ``summary`` can be written, before any run starts."""
+def _writable_paths(a: argparse.Namespace, summary: Path) -> None:
+    """Create ``--out`` and check that ``summary`` can be written (the library's output guard: never a device, a
+    FIFO, an input file, a weights or checkpoint file), before any run starts."""
+    if a.out.exists() and not a.out.is_dir():
+        raise ValueError(f"--out {a.out} is not a folder; give the folder the outputs go to (DIR/<run>/...)")
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        summary.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=summary.parent, prefix=".summary-"):
-            pass
+        a.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"cannot write under --out {out} / --summary {summary}: {e.strerror or e}") from e
-    if summary.is_dir():
-        raise ValueError(f"--summary {summary} is a folder; give a file name")
+        raise ValueError(f"cannot write under --out {a.out}: {e.strerror or e}") from e
+    inputs = [("the workflow", a.workflow), ("--seeds", a.seeds), ("--prompts", a.prompts)]
+    check_output_file("--summary", summary, "summary JSON", inputs=inputs)
 
 
 def write_summary(path: Path, summary: dict) -> None:
     """Write ``summary`` as strict JSON via a temp file and a rename (never a partial file)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".summary-")
-    try:
-        with os.fdopen(fd, "w") as fh:
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w") as fh:
             json.dump(summary, fh, indent=1, allow_nan=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    write_atomically("--summary", path, write)
 
 
 def _run(a: argparse.Namespace, workflow: dict, runs: list[Run]) -> dict:
@@ -156,6 +166,7 @@ def _run(a: argparse.Namespace, workflow: dict, runs: list[Run]) -> dict:
         attach=a.host,
         retries=a.retries,
         poll=a.poll,
+        connect_timeout=120.0 if a.ray_timeout is None else a.ray_timeout,
     )
     ray_info = run_on_ray(workflow, runs, a.out, options, timeout=a.timeout)
     hosts = sorted({h for r in runs for h in r.hosts_tried})
@@ -176,9 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         workflow = load_workflow(a.workflow)
-        seeds = read_seeds(a.seeds, a.count) if a.seeds else [a.seed_start + i for i in range(a.count)]
+        seeds = read_seeds(a.seeds, a.count) if a.seeds else range(a.seed_start, a.seed_start + a.count)
         prompts = read_prompts(a.prompts) if a.prompts else None
-        _writable_paths(a.out, summary_path)
+        _writable_paths(a, summary_path)
+        if not a.ray:  # a mistyped URL ends here, in seconds (with --ray the workers reach their hosts)
+            check_hosts(a.host)
         runs = make_runs(a.count, seeds, prompts)
         backend = _run(a, workflow, runs)
     except (OSError, ValueError) as e:
@@ -201,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.monotonic() - t0, 3),
         "runs": [r.summary() for r in runs],
     }
-    write_summary(summary_path, summary)
+    try:
+        write_summary(summary_path, summary)
+    except (OSError, ValueError) as e:
+        print(f"tools.batch: {e}", file=sys.stderr)
+        return 2
     where = (
         f"{len(backend['ray']['workers'])} Ray worker(s)"
         if a.ray

@@ -18,7 +18,9 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,7 @@ from ray.util.queue import Queue
 from tools import comfyhost
 from tools.batch.client import HostClient, HostGone, RunFailed, one_line
 from tools.batch.outputs import record_outcome
+from tools.batch.reachable import check_ray_address
 from tools.batch.work import Run, report_node_ids, vary
 
 logger = logging.getLogger("unicache.batch")
@@ -132,7 +135,7 @@ class RayOptions:
     """``--ray`` settings: cluster ``address`` (None: start or find a local one), ``workers`` (None: one per
     GPU, or one), ``gpus_per_worker`` (None: 1 on a cluster with GPUs, else 0), ``cpus_per_worker`` (Ray sets
     the host's OMP_NUM_THREADS from it), ``attach`` (host URLs, one worker each, instead of starting hosts),
-    ``retries`` (Ray's max_restarts and max_task_retries)."""
+    ``retries`` (Ray's max_restarts and max_task_retries), ``connect_timeout`` (seconds ``ray.init`` may take)."""
 
     address: str | None = None
     workers: int | None = None
@@ -142,10 +145,18 @@ class RayOptions:
     retries: int = 2
     host_timeout: float = 180.0
     poll: float = 1.0
+    connect_timeout: float = 120.0
 
 
 def _connect(options: RayOptions) -> None:
+    """Join the cluster at ``options.address`` (its port checked first: one line at once when nothing answers), or
+    start a local one; ``ray.init`` has no timeout of its own, so a watchdog ends the process with one line after
+    ``options.connect_timeout`` seconds (a local start stuck for memory, a cluster that never answers)."""
+    check_ray_address(options.address)
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
+    watchdog = threading.Timer(options.connect_timeout, _give_up, args=(options,))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         if options.address:
             ray.init(address=options.address, **quiet)
@@ -153,6 +164,39 @@ def _connect(options: RayOptions) -> None:
             ray.init(include_dashboard=False, **quiet)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise ValueError(f"--address {options.address or '(local)'}: cannot start or reach Ray: {one_line(e)}") from e
+    finally:
+        watchdog.cancel()
+
+
+def _give_up(options: RayOptions) -> None:
+    """The watchdog of :func:`_connect`: ``ray.init`` cannot be interrupted, so the process ends here (status 2)."""
+    where = f"--address {options.address}" if options.address else "--ray (a local cluster)"
+    sys.stderr.write(
+        f"tools.batch: {where}: Ray did not start or connect within {options.connect_timeout:g} s (--ray-timeout); "
+        f"check `ray status` and the machine's free memory (a local start needs about 2 GB), or raise --ray-timeout\n"
+    )
+    sys.stderr.flush()
+    for pid in _descendants(os.getpid()):  # the part of a local cluster already started (GCS, raylet, agents)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    os._exit(2)
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` (read from ``/proc``; none where there is no ``/proc``)."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                if entry.isdigit():
+                    with open(f"/proc/{entry}/stat") as fh:  # "pid (comm) state ppid ..."
+                        children[int(fh.read().rsplit(")", 1)[1].split()[1])].append(int(entry))
+    found, queue = [], [root]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
 
 
 def _plan(options: RayOptions) -> tuple[int, float]:

@@ -7,8 +7,11 @@ import json
 import logging
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from unicache_commands.input_files import read_text_file
 
 logger = logging.getLogger("unicache.batch")
 
@@ -16,6 +19,13 @@ logger = logging.getLogger("unicache.batch")
 SEEDED_NODES = ("UniCacheTextToImage", "UniCacheImageEdit", "UniCacheUnderstand")
 REPORT_NODE = "UniCacheKVReport"
 SEED_MAX = 2**64 - 1
+#: Most runs in one batch: the summary keeps one record per run (about 1 KB in memory and in the JSON), so a batch
+#: is bounded; split a larger one with --seed-start.
+MAX_COUNT = 100_000
+#: Largest workflow file read (the shipped ones are a few KB).
+MAX_WORKFLOW_BYTES = 16 << 20
+#: Largest --seeds / --prompts file read.
+MAX_LIST_BYTES = 64 << 20
 
 
 @dataclass
@@ -50,8 +60,11 @@ class Run:
         return asdict(self)
 
 
-def make_runs(count: int, seeds: list[int], prompts: list[str] | None) -> list[Run]:
-    """``count`` runs: run ``i`` has ``seeds[i]`` and prompt line ``i mod len(prompts)`` (or no prompt)."""
+def make_runs(count: int, seeds: Sequence[int], prompts: list[str] | None) -> list[Run]:
+    """``count`` runs (at most :data:`MAX_COUNT`): run ``i`` has ``seeds[i]`` and prompt line ``i mod len(prompts)``
+    (or no prompt). ``seeds`` may be a ``range``: nothing is made per run before the count is checked."""
+    if not 1 <= count <= MAX_COUNT:
+        raise ValueError(f"--count {count}: a batch holds 1 to {MAX_COUNT} runs")
     return [Run(i, seeds[i], prompts[i % len(prompts)] if prompts else None) for i in range(count)]
 
 
@@ -79,10 +92,17 @@ def report_node_ids(workflow: dict) -> list[str]:
     return sorted(ids, key=lambda x: (len(x), x))
 
 
+def _read_text(path: Path, label: str, max_bytes: int, advice: str) -> str:
+    """A regular UTF-8 file of at most ``max_bytes`` (a FIFO or /dev/zero refused, a byte-order mark dropped)."""
+    return read_text_file(path, label=label, max_bytes=max_bytes, advice=advice)
+
+
 def load_workflow(path: Path) -> dict:
+    """The API-format graph of the workflow file (a regular file of at most :data:`MAX_WORKFLOW_BYTES`)."""
+    text = _read_text(path, f"workflow {path}", MAX_WORKFLOW_BYTES, "pass an API-format workflow JSON file")
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError, RecursionError) as e:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
         raise ValueError(f"workflow {path}: {e}") from e
     if isinstance(data, dict) and "nodes" in data and "links" in data:
         raise ValueError(f"workflow {path} is in the UI format; export it in the API format (workflows/api/)")
@@ -96,8 +116,10 @@ def load_workflow(path: Path) -> dict:
 
 
 def read_seeds(path: Path, count: int) -> list[int]:
+    """The first ``count`` seeds of ``--seeds`` (one integer a line; ``#`` lines and blank lines skipped)."""
     seeds = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    text = _read_text(path, f"--seeds {path}", MAX_LIST_BYTES, "pass a text file of one seed a line")
+    for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -108,14 +130,17 @@ def read_seeds(path: Path, count: int) -> list[int]:
         if not 0 <= s <= SEED_MAX:
             raise ValueError(f"--seeds {path} line {n}: {s} is outside 0..2**64-1")
         seeds.append(s)
+        if len(seeds) == count:
+            break
     if len(seeds) < count:
         raise ValueError(f"--seeds {path} has {len(seeds)} seeds, --count asks for {count}")
-    return seeds[:count]
+    return seeds
 
 
 def read_prompts(path: Path) -> list[str]:
-    lines = [ln.rstrip("\n") for ln in Path(path).read_text().splitlines()]
-    prompts = [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    """The prompt lines of ``--prompts`` (UTF-8, a byte-order mark dropped; ``#`` lines and blank lines skipped)."""
+    text = _read_text(path, f"--prompts {path}", MAX_LIST_BYTES, "pass a UTF-8 text file of one prompt a line")
+    prompts = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     if not prompts:
         raise ValueError(f"--prompts {path} has no prompt lines")
     return prompts

@@ -28,6 +28,8 @@ from .settings import BUNDLED_CHECKPOINT, BUNDLED_CHECKPOINT_DIR, EDIT_DEFAULTS,
 logger = logging.getLogger("unicache_core.bagel.cli")
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: The error of a second --image (a repeated single-value flag is refused, never dropped: unicache_core.cli).
+_ONE_IMAGE = "one image is taken per run: pass --image once"
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -101,7 +103,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     p_und = sub.add_parser("understand", help="answer a question about an image")
     common(p_und)
-    p_und.add_argument("--image", type=_path, default=None, help="input image (optional)")
+    p_und.add_argument("--image", type=_path, default=None, help="input image (optional)", repeat_hint=_ONE_IMAGE)
 
     p_t2i = sub.add_parser("t2i", help="text to image")
     common(p_t2i)
@@ -112,7 +114,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p_edit = sub.add_parser("edit", help="edit an image")
     common(p_edit)
     flow(p_edit, EDIT_DEFAULTS)
-    p_edit.add_argument("--image", type=_path, required=True, help="source image")
+    p_edit.add_argument("--image", type=_path, required=True, help="source image", repeat_hint=_ONE_IMAGE)
     add_plan_parser(sub)
     return parser
 

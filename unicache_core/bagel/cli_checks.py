@@ -15,11 +15,13 @@ from __future__ import annotations
 import errno
 import os
 import re
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from unicache_commands.input_files import read_text_file
+from unicache_commands.output_files import check_output_file, same_file, save_text, write_atomically
 
 from .seeding import check_seed
 from .settings import (
@@ -108,38 +110,11 @@ def check_checkpoint_dir(path: Path) -> Path:
 
 
 def check_writable_file(flag: str, path: Path, what: str) -> None:
-    """``path`` can be written as a file: not a folder, device, FIFO or socket, not under a file, and its folder
-    writable (a test file is created and removed) or creatable (missing folders are created at write time).
-    A symlink loop is named as such; a dangling symlink is written through, so the file it names is checked.
-    ``what`` names the file in the advice (``"image file"``)."""
-    if path.is_symlink() and not path.exists():
-        try:
-            os.stat(path)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise OSError(
-                    f"{flag}: {path} is a symlink loop; fix the link or give the path of the {what} to write"
-                ) from None
-        path = Path(os.path.realpath(path))
-    if path.is_dir():
-        raise ValueError(f"{flag}: {path} is a directory; give the path of the {what} to write")
-    if path.exists() and not path.is_file():
-        raise ValueError(f"{flag}: {path} exists and is not a regular file; give the path of the {what} to write")
-    folder = path.parent
-    probe = folder
-    while not probe.exists() and not probe.is_symlink() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ValueError(f"{flag}: {probe} is not a directory, so {path} cannot be created")
-    if probe == folder:
-        try:
-            fd, name = tempfile.mkstemp(dir=folder, prefix=".unicache-write-test-")
-            os.close(fd)
-            os.unlink(name)
-        except OSError as exc:
-            raise OSError(f"{flag}: cannot write into the folder {folder} ({exc.strerror or exc})") from None
-    elif not os.access(probe, os.W_OK | os.X_OK):
-        raise OSError(f"{flag}: cannot create the folder {folder}: {probe} is not writable")
+    """``path`` can be written as the ``what`` (``"image file"``):
+    :func:`~unicache_commands.output_files.check_output_file` (not a folder, device, FIFO or socket, not under a
+    file, not a weights or checkpoint file, its folder writable or creatable; a symlink loop is named as such, a
+    dangling symlink is written through)."""
+    check_output_file(flag, path, what)
 
 
 def check_out_path(out: Path) -> str:
@@ -156,16 +131,6 @@ def check_out_path(out: Path) -> str:
     if fmt is None:
         raise ValueError(f"--out: unsupported image suffix {out.suffix!r} in {out}; use one of {sorted(OUT_FORMATS)}")
     return fmt
-
-
-def same_file(a: Path, b: Path) -> bool:
-    """``a`` and ``b`` name one file: the same path after resolving symlinks, or one inode (a hard link)."""
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist yet
-        return False
 
 
 def check_distinct_outputs(args) -> None:
@@ -210,37 +175,11 @@ def check_report_path(report: Path) -> None:
     check_writable_file("--report", report, "JSON report")
 
 
-def _write_atomically(flag: str, path: Path, write) -> None:
-    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it onto ``path``.
-
-    A failed or interrupted write leaves nothing partial behind (an existing file stays unchanged); an
-    ``OSError`` names ``flag`` and the path. Missing folders are created; a symlink is written through.
-    """
-    target = Path(os.path.realpath(path)) if path.is_symlink() else path
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
-        os.replace(tmp, target)
-    except OSError as exc:
-        raise OSError(
-            f"{flag}: cannot write {path} ({exc.strerror or exc}); free space or choose another path"
-        ) from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def save_image(image, out: Path, fmt: str) -> None:
     """Write ``image`` to ``out`` (``--out``) atomically: a temporary file in the same folder, then a rename."""
-    _write_atomically(
+    write_atomically(
         "--out", out, lambda tmp: image.save(tmp, format=fmt, **({"quality": 95} if fmt == "JPEG" else {}))
     )
-
-
-def save_text(text: str, path: Path, flag: str) -> None:
-    """Write UTF-8 ``text`` to ``path`` (named ``flag`` in errors) atomically, as :func:`save_image`."""
-    _write_atomically(flag, path, lambda tmp: tmp.write_bytes(text.encode("utf-8")))
 
 
 # ------------------------------------------------------------------------------------------- text
@@ -261,27 +200,11 @@ def check_text_argument(flag: str, text: str) -> str:
 
 
 def read_prompt_file(path: Path) -> str:
-    """``--prompt-file``: strict UTF-8 (an initial BOM and one final newline are dropped)."""
-    if path.is_dir():
-        raise ValueError(f"--prompt-file: {path} is a directory; pass a UTF-8 text file")
-    if not path.exists():
+    """``--prompt-file``: a regular file of at most :data:`MAX_PROMPT_FILE_BYTES`, strict UTF-8 (an initial BOM and
+    one final newline are dropped; :func:`~unicache_commands.input_files.read_text_file`)."""
+    if not path.exists() and not path.is_dir():
         raise not_found("--prompt-file", path, "file")
-    if not path.is_file():
-        raise ValueError(f"--prompt-file: {path} is not a regular file; pass a UTF-8 text file")
-    size = path.stat().st_size
-    if size > MAX_PROMPT_FILE_BYTES:
-        raise ValueError(
-            f"--prompt-file: {path} is {size} bytes; a prompt file may hold at most {MAX_PROMPT_FILE_BYTES} bytes"
-        )
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"--prompt-file: {path} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
-            f"save it as UTF-8"
-        ) from None
-    text = text.removeprefix("\ufeff")
+    text = read_text_file(path, label=f"--prompt-file: {path}", max_bytes=MAX_PROMPT_FILE_BYTES)
     if text.endswith("\r\n"):
         text = text[:-2]
     elif text.endswith("\n"):
@@ -436,6 +359,7 @@ def preflight(args) -> Checked:
     checkpoint's config, the input image and ``--out``. Nothing here loads weights.
     """
     from .accounting import check_positions, generation_positions, understanding_positions
+    from .checkpoint.folder import check_folder_weights
     from .config import load_bagel_config
     from .tokenizer import BagelTokenizer, check_bagel_tokens
 
@@ -496,6 +420,7 @@ def preflight(args) -> Checked:
                 check_positions(config, used, settings.think_max_new_tokens + 2, "think_max_new_tokens")
     except ValueError as exc:
         raise with_flag(exc, prompt_flag) from None
+    check_folder_weights(root, config)  # the weights' headers, so the plan and the load never build a claimed geometry
     return Checked(prompt=prompt, image=image, out_format=out_format, device=device, settings=settings, seed=seed)
 
 

@@ -150,6 +150,9 @@ class BagelConfig:
 MAX_CONFIG_BYTES = 1 << 20
 #: Largest accepted ``max_position_embeddings`` (Qwen2.5 uses 32768 to 131072; 1M-context variants exist).
 MAX_POSITION_EMBEDDINGS = 1 << 24
+#: Most VAE levels (``len(ch_mult)``) and blocks per level (FLUX's VAE: 4 of 2): the VAE is built and traced block by
+#: block, also by a memory plan made before ``ae.safetensors`` is downloaded (nothing to check the config against).
+MAX_VAE_LEVELS, MAX_VAE_BLOCKS = 8, 32
 
 
 def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
@@ -199,8 +202,9 @@ def _get(data: dict[str, Any], key: str, kind: type, path: Path, default: Any = 
 
 def _positive(path: Path, **values: int | float) -> None:
     for name, value in values.items():
-        if value <= 0:
-            raise CheckpointError(f"config file {path}: field {name!r} = {value} must be > 0")
+        if value <= 0 or (name.endswith("_eps") and value >= 1):  # an epsilon of 1 or more drowns the variance
+            bound = " and < 1 (BAGEL's is 1e-06)" if name.endswith("_eps") else ""
+            raise CheckpointError(f"config file {path}: field {name!r} = {value} must be > 0{bound}")
 
 
 def parse_llm_config(data: dict[str, Any], path: Path) -> LLMConfig:
@@ -311,10 +315,12 @@ def parse_ae_config(data: dict[str, Any] | None, path: Path) -> AEConfig:
         if name == "ch_mult":
             if (
                 not isinstance(value, list)
-                or not value
+                or not 0 < len(value) <= MAX_VAE_LEVELS
                 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
             ):
-                raise CheckpointError(f"config file {path}: ch_mult = {value!r} must be a list of ints > 0")
+                raise CheckpointError(
+                    f"config file {path}: ch_mult = {value!r} must be a list of 1 to {MAX_VAE_LEVELS} ints > 0"
+                )
             values[name] = tuple(value)
         elif name in ("scale_factor", "shift_factor"):
             values[name] = _get(data, name, float, path)
@@ -323,6 +329,8 @@ def parse_ae_config(data: dict[str, Any] | None, path: Path) -> AEConfig:
         else:
             values[name] = _get(data, name, int, path)
             _positive(path, **{name: values[name]})
+            if name == "num_res_blocks" and values[name] > MAX_VAE_BLOCKS:
+                raise CheckpointError(f"config file {path}: field {name!r} = {value} must be <= {MAX_VAE_BLOCKS}")
     cfg = AEConfig(**values)
     if cfg.downsample != 2 ** (len(cfg.ch_mult) - 1):
         raise CheckpointError(

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
+from ..cli import path_arg
 from .checkpoint.loader import OFFLOAD_MODES
 from .weights import WEIGHT_DTYPES
 
@@ -49,7 +49,7 @@ def add_plan_parser(sub) -> None:
         "cpu adds the CPU runtime's own memory)",
     )
     p.add_argument("--device-memory", default=None, help="plan for a device of this size instead (e.g. 24GB)")
-    p.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
+    p.add_argument("--json", type=path_arg, default=None, help="also write the plan as JSON here")
     p.add_argument("-q", "--quiet", action="store_true", help="no log output")
     add_memory_arguments(p)
 
@@ -59,11 +59,14 @@ def run_plan(args: argparse.Namespace) -> int:
     import json
     import sys
 
+    from unicache_commands.output_files import check_output_file, save_text
+
+    if args.json is not None:  # before the plan: never a checkpoint's file, a device or a FIFO; written whole
+        check_output_file("--json", args.json, "plan JSON", checkpoints=[args.checkpoint])
     plan = _plan_of(args, args.checkpoint, args.task, args.width, args.height, args.device_memory)
     sys.stdout.write(describe(plan) + "\n")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(plan.to_json(), indent=1) + "\n", encoding="utf-8")
+        save_text(json.dumps(plan.to_json(), indent=1) + "\n", args.json, "--json")
     return 0
 
 
@@ -87,13 +90,23 @@ def refuse_unfitting_run(args: argparse.Namespace, checked) -> None:
 def _plan_of(args, checkpoint, task: str, width: int, height: int, device_memory: str | None, *, device=None):
     import torch
 
+    from .checkpoint.folder import check_folder_weights
     from .cli_checks import resolve_device
-    from .memory_plan import PlanSettings, device_memory_bytes, parse_memory_size, plan_config, plan_memory
+    from .memory_plan import (
+        OFFICIAL_CHECKPOINT,
+        PlanSettings,
+        device_memory_bytes,
+        parse_memory_size,
+        plan_config,
+        plan_memory,
+    )
     from .settings import BUNDLED_CHECKPOINT_DIR
 
-    if width < 0 or height < 0:
-        raise ValueError(f"--width/--height must be positive, got {width}x{height}")
-    config = plan_config(checkpoint if checkpoint is not None else BUNDLED_CHECKPOINT_DIR)
+    root = checkpoint if checkpoint is not None else BUNDLED_CHECKPOINT_DIR
+    config = plan_config(root)
+    check_plan_size(config, task, width, height)
+    if str(root).lower() != OFFICIAL_CHECKPOINT:  # a folder: its weights' headers, where they are downloaded
+        check_folder_weights(root, config, missing_ok=True)
     if device_memory is not None:  # a device that need not be here: a GPU unless --device names the CPU
         total = parse_memory_size(device_memory)
         planned = torch.device(device if device is not None else "cuda" if args.device == "auto" else args.device)
@@ -113,10 +126,34 @@ def _plan_of(args, checkpoint, task: str, width: int, height: int, device_memory
     return plan_memory(config, settings, total)
 
 
+def check_plan_size(config, task: str, width: int, height: int) -> None:
+    """``--width``/``--height`` of a plan, refused as the run would refuse them: a text-to-image output a positive
+    multiple of the latent patch within the position table (:func:`~.settings.check_output_size`); an input image
+    (edit, and understanding unless both are 0 for none) at least 1 px a side and at most PIL's decoding limit."""
+    from PIL import Image
+
+    from .settings import check_output_size
+
+    if task == "t2i":
+        try:
+            check_output_size(config, width, height)
+        except ValueError as exc:
+            flag = "--height" if "`height`" in str(exc) else "--width"
+            raise ValueError(f"{flag}: {exc} (the size of the image the run would make)") from None
+        return
+    if task in ("und", "understand") and width == height == 0:
+        return  # an understanding request without an image
+    if width < 1 or height < 1 or width * height > Image.MAX_IMAGE_PIXELS:
+        raise ValueError(
+            f"--width/--height: an input image of {width}x{height} px cannot be read by the run: give its size, at "
+            f"least 1x1 and at most {Image.MAX_IMAGE_PIXELS} pixels (0x0 plans an understanding without image)"
+        )
+
+
 def describe(plan) -> str:
     from .memory_plan import describe as describe_plan
 
     return describe_plan(plan)
 
 
-__all__ = ["add_memory_arguments", "add_plan_parser", "refuse_unfitting_run", "run_plan"]
+__all__ = ["add_memory_arguments", "add_plan_parser", "check_plan_size", "refuse_unfitting_run", "run_plan"]

@@ -2,8 +2,9 @@
 
 :func:`plan_memory` adds up, for one request shape and one choice of settings:
 
-- ``weights_device_<dtype>``: the bytes of BAGEL's weights on the compute device per stored dtype (counted on
-  a model built on the meta device with that ``weight_dtype``, so the figure is what the loaded tensors hold);
+- ``weights_device_<dtype>``: the bytes of BAGEL's weights on the compute device per stored dtype (counted from
+  the config's tensor shapes as a build with that ``weight_dtype`` stores them, :mod:`.weight_layout`: nothing is
+  built, so a config claiming millions of layers costs no more to plan than the real one);
   with ``offload="layers"`` only two decoder layers (the running one and the prefetched one) are there and
   the rest is ``weights_host``;
 - ``vae``: the fp32 VAE's weights;
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,18 +107,8 @@ CUDA_VAE_ENCODE_PER_PIXEL = 520
 PLAN_TASKS = {"und": "understanding", "understand": "understanding", "t2i": "t2i", "edit": "edit"}
 #: Weight dtypes tried, in order, when the chosen settings do not fit (cheapest in quality first).
 _FALLBACK_WEIGHTS = ("bf16", "fp8_e4m3fn", "int8")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+#: The smallest ``--device-memory`` a plan accepts (64 MiB: less is no GPU, nor a machine running torch).
+MIN_DEVICE_BYTES = 64 << 20
 
 
 def official_config() -> BagelConfig:
@@ -137,11 +127,10 @@ def plan_config(checkpoint: str | Path) -> BagelConfig:
 
 
 def parse_memory_size(value: str) -> int:
-    """``"24GB"``, ``"24 GiB"``, ``"1.5e10"`` → bytes (decimal units for kB/MB/GB, binary for KiB/MiB/GiB)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if match is None or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f"--device-memory {value!r} is not a memory size; write e.g. 24GB, 12GiB or 8e9")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    """``"24GB"``, ``"24 GiB"``, ``"1.5e10"`` → bytes (:func:`~unicache_core.sizes.parse_size`, >= 64 MiB)."""
+    from ..sizes import parse_size
+
+    return parse_size(value, "--device-memory", minimum=MIN_DEVICE_BYTES)
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -222,38 +211,15 @@ def request_tokens(
 
 
 def _weights(config: BagelConfig, weight_dtype: str, dtype: torch.dtype, offload: str) -> tuple[dict[str, int], int]:
-    """(``weights_device_<dtype>``, ``weights_host``, ``vae``, ``upcast`` bytes, the largest upcast block)."""
-    from .modeling import AutoEncoder
-    from .modeling.operations import is_low_precision
-    from .weights import build_bagel
+    """(``weights_device_<dtype>``, ``weights_host``, ``vae``, ``upcast`` bytes, the compute dtype's element size),
+    counted from the config's tensor shapes (:mod:`.weight_layout`): nothing is built, at any layer count."""
+    from .weight_layout import bagel_layout, vae_bytes, weight_bytes
 
-    model = build_bagel(config, weight_dtype=weight_dtype, dtype=dtype, device="meta")
-    layers = list(model.language_model.model.layers)
-    kept_on_host = (
-        {id(t) for layer in layers[2:] for t in list(layer.parameters()) + list(layer.buffers())}
-        if offload == "layers"
-        else set()
-    )
-    parts: dict[str, int] = {}
-    host = 0
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        size = tensor.numel() * tensor.element_size()
-        if id(tensor) in kept_on_host:
-            host += size
-        else:
-            key = f"weights_device_{str(tensor.dtype).removeprefix('torch.')}"
-            parts[key] = parts.get(key, 0) + size
-    parts["weights_host"] = host
-    with torch.device("meta"):
-        vae = AutoEncoder(config.ae)
-    parts["vae"] = sum(t.numel() * t.element_size() for t in vae.parameters())
-    element = torch.empty((), dtype=dtype).element_size()
-
-    def upcast_of(module: torch.nn.Module) -> int:
-        return sum(m.weight.numel() * element for m in module.modules() if is_low_precision(m))
-
-    parts["upcast"] = max(upcast_of(layers[0]) if layers else 0, upcast_of(model.language_model.lm_head))
-    return parts, element
+    parts = weight_bytes(bagel_layout(config), weight_dtype, dtype, offload)
+    upcast = parts.pop("upcast")
+    parts["vae"] = vae_bytes(config.ae)
+    parts["upcast"] = upcast
+    return parts, dtype.itemsize
 
 
 def plan_memory(

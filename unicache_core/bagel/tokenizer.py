@@ -146,8 +146,9 @@ def read_merges(path: Path) -> list[tuple[str, str]]:
     return merges
 
 
-#: Content of an added token that would match inside ordinary text (letters, digits, spaces only).
-_ORDINARY_TEXT = re.compile(r"[\w\s]+")
+#: Content of an added token that would match inside ordinary text: letters, digits and spaces only, or no letter or
+#: digit at all (". ", "--", "..."); every real control token mixes both (``<|im_end|>``, ``<tool_call>``).
+_ORDINARY_TEXT = re.compile(r"[\w\s]+|[\W_]+")
 
 
 def read_added_tokens(path: Path) -> list[AddedTokenSpec]:
@@ -173,7 +174,8 @@ def read_added_tokens(path: Path) -> list[AddedTokenSpec]:
         if len(content) == 1 or _ORDINARY_TEXT.fullmatch(content):
             raise CheckpointError(
                 f"tokenizer file {path}: added token {token_id} has the content {content!r}, which is ordinary "
-                f"text: every {content!r} in a prompt would become token {token_id}; re-download the file"
+                f"text (a control token mixes letters with other characters, as <|im_end|>): every {content!r} in a "
+                f"prompt would become token {token_id}; re-download the file"
             )
         opts = entry if isinstance(entry, dict) else {}
         specs.append(

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
+from unicache_commands.input_files import read_text_file
+
 from ..kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, TASKS, TokenType
 from .defaults import DEFAULT_K90_THRESHOLD, RHO0, UNICACHE_GROUPS
 from .family import JointPlan, QuantGeometry
@@ -32,6 +34,8 @@ CHECKPOINT_POLICY_FILE = "unicache_policy.json"
 PAPER_TABLE = "bagel-7b-mot.json"
 #: Deepest nesting of a table's free ``measurements`` JSON (calibration writes a few levels).
 MAX_MEASUREMENT_DEPTH = 64
+#: Largest policy-table file read (the calibrated tables with their measurements are well under 1 MB).
+MAX_TABLE_BYTES = 64 << 20
 #: The version :meth:`PolicyTable.save` writes, and every version :meth:`PolicyTable.from_dict` reads.
 TABLE_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -331,14 +335,16 @@ class PolicyTable:
     def load(cls, path: str | Path, *, model_id: str | None = None) -> PolicyTable:
         """Read a table written by :meth:`save`; with ``model_id``, refuse a table made for another model."""
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
+        try:  # a regular file of bounded size only: a FIFO would block, /dev/zero never end
+            text = read_text_file(
+                path, label=f"policy table {str(path)!r}", max_bytes=MAX_TABLE_BYTES, advice="pass a JSON file"
+            )
         except FileNotFoundError:
             raise PolicyTableError(f"policy table {str(path)!r} does not exist; pass an existing JSON file") from None
         except IsADirectoryError:
             raise PolicyTableError(f"policy table {str(path)!r} is a folder; pass the JSON file inside it") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise PolicyTableError(f"policy table {str(path)!r} cannot be read as UTF-8 text ({exc})") from None
+        except (OSError, ValueError) as exc:
+            raise PolicyTableError(str(exc)) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

@@ -147,6 +147,16 @@ class CompressionSession(CacheSession):
                 self.target_ratio = float(target)
         return self.target_ratio
 
+    def _keeps_every_row(self) -> bool:
+        """Whether the target is 100% (a ratio of 1, or bytes >= the full KV): then no method compresses anything.
+        Read without resolving the target, so a method that never asks for it (UniCache's schedule) reports none."""
+        if self.target_ratio is not None:
+            return self.target_ratio >= 1.0
+        target = self.method.target(self.request.task)
+        if isinstance(target, int):
+            return target >= sum(c.managed_full_bytes() for c in self.live_caches() if c.branch != "plan")
+        return float(target) >= 1.0
+
     def grant(self, branch: str, layer: int) -> int:
         """Bytes ``layer`` of ``branch`` receives (> 0) or gives (< 0) so every branch keeps its floor (0: none)."""
         return (self._grants or {}).get(branch, {}).get(layer, 0)
@@ -170,8 +180,8 @@ class CompressionSession(CacheSession):
         start = self.clock()
         if self._grants is None and cache.compressions == 0:
             self._decide_grants(cache)
-        plan = self.method.plan(BranchView(cache, call))
-        cache.apply(plan)
+        if not self._keeps_every_row():
+            cache.apply(self.method.plan(BranchView(cache, call)))
         cache.compressions += 1
         self.timers["alloc"] += self.clock() - start
         self.report.note_compression(cache)

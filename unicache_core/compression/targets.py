@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmg]i?b|b)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+from ..sizes import parse_size, split_size
 
 
 def parse_kv_target(value: Any) -> float | int | None:
@@ -32,25 +30,27 @@ def parse_kv_target(value: Any) -> float | int | None:
                     f"e.g. 20% (5x less KV)"
                 )
             return percent / 100.0
-        match = _SIZE.match(text)
-        if not match:
+        parsed = split_size(text)
+        if parsed is None:
             raise ValueError(f"`kv_target` {value!r} is neither a ratio (0.2, 20%) nor a size (150MB, 64MiB, 123456)")
-        number, unit = float(match.group(1)), (match.group(2) or "").lower()
-        if unit:  # a size is always a byte count, even when it comes out as 1
-            size = int(number * _UNITS[unit])
+        number, unit = parsed
+        if unit:  # a size is always a byte count, even when it comes out as 1 (unicache_core.sizes: one parser)
+            size = parse_size(text, "`kv_target`", minimum=0, example="150MB")
             if size <= 1:
                 raise ValueError(
                     f"`kv_target` {value!r} is {size} byte(s), which holds no KV; give a size of at "
                     f"least one KV row (e.g. 150MB) or a ratio (0.2, 20%)"
                 )
             return size
-        return parse_kv_target(number if "." in match.group(1) else int(match.group(1)))
+        if number.as_integer_ratio()[1] != 1 or "." in text or "e" in text.lower():
+            return parse_kv_target(float(number))  # 0.2, 1e-1: a ratio
+        return parse_kv_target(int(number))  # 123456: bytes; 1: the whole KV
     if isinstance(value, int):
         if value == 1:
             return 1.0
         if value < 1:
             raise ValueError(f"`kv_target` must be a ratio in (0, 1] or a byte count > 1, got {value!r}")
-        return value
+        return parse_size(value, "`kv_target`", example="150MB")  # at most unicache_core.sizes.MAX_BYTES
     if isinstance(value, float):
         if not math.isfinite(value) or not 0.0 < value <= 1.0:
             raise ValueError(f"`kv_target` ratio must be in (0, 1] (e.g. 0.2 = keep 20%, 5x less KV), got {value!r}")

@@ -6,34 +6,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from unicache_commands.input_files import read_text_file
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 MAX_PROMPTS_FILE_BYTES = 16 << 20
 
 
 def read_prompts(path: Path) -> list[str]:
-    """One prompt per line (strict UTF-8, BOM dropped, surrounding whitespace stripped, blank lines skipped)."""
-    if path.is_dir():
-        raise ValueError(f"--prompts: {path} is a directory; pass a UTF-8 text file with one prompt per line")
-    if not path.exists():
+    """One prompt per line (a regular file of strict UTF-8, BOM dropped, surrounding whitespace stripped, blank lines
+    skipped; :func:`~unicache_commands.input_files.read_text_file`)."""
+    return [p for _, p in _numbered(path, _read(path))]
+
+
+def _read(path: Path) -> str:
+    advice = "pass a UTF-8 text file with one prompt per line"
+    if not path.exists() and not path.is_symlink():
         raise FileNotFoundError(f"--prompts: file not found: {path}")
-    if not path.is_file():
-        raise ValueError(f"--prompts: {path} is not a regular file; pass a UTF-8 text file")
-    size = path.stat().st_size
-    if size > MAX_PROMPTS_FILE_BYTES:
-        raise ValueError(f"--prompts: {path} is {size} bytes; at most {MAX_PROMPTS_FILE_BYTES} bytes are read")
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"--prompts: {path} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset "
-            f"{exc.start}); save it as UTF-8"
-        ) from None
-    return [p for _, p in _numbered(path, text)]
+    return read_text_file(path, label=f"--prompts: {path}", max_bytes=MAX_PROMPTS_FILE_BYTES, advice=advice)
 
 
 def _numbered(path: Path, text: str) -> list[tuple[int, str]]:
-    lines = [(i + 1, line.strip()) for i, line in enumerate(text.removeprefix("\ufeff").splitlines())]
+    lines = [(i + 1, line.strip()) for i, line in enumerate(text.splitlines())]
     lines = [(n, p) for n, p in lines if p]
     if not lines:
         raise ValueError(f"--prompts: {path} holds no prompt (every line is blank); write one prompt per line")
@@ -42,7 +35,7 @@ def _numbered(path: Path, text: str) -> list[tuple[int, str]]:
 
 def prompt_line_numbers(path: Path) -> list[int]:
     """File line number of each prompt :func:`read_prompts` returns (for error messages)."""
-    return [n for n, _ in _numbered(path, path.read_bytes().decode("utf-8"))]
+    return [n for n, _ in _numbered(path, _read(path))]
 
 
 def read_images(folder: Path) -> list[tuple[str, object]]:

@@ -4,10 +4,11 @@ checking the output path, and writing the JSON atomically."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from ...compression.policy_table import PolicyTable, PolicyTableError
+from unicache_commands.output_files import check_output_file, save_text
+
+from ...compression.policy_table import CHECKPOINT_POLICY_FILE, PolicyTable, PolicyTableError
 from ...kv.token_types import TokenType
 from .run import TOOL
 
@@ -74,24 +75,23 @@ def finish_table(table: PolicyTable, task: str, base: PolicyTable | None = None)
     )
 
 
-def check_out(out: Path, merge: bool, model_id: str) -> PolicyTable | None:
-    """Refuse an ``--out`` that cannot be written; with ``merge``, return the existing table at ``out`` (if any).
+def check_out(
+    out: Path, merge: bool, model_id: str, *, checkpoint: Path | None = None, prompts: Path | None = None
+) -> PolicyTable | None:
+    """Refuse an ``--out`` that cannot be written or whose write would harm a file
+    (:func:`~unicache_commands.output_files.check_output_file`: never ``--prompts``, a weights file or a checkpoint's
+    file other than its ``unicache_policy.json``); with ``merge``, return the existing table at ``out`` (if any).
 
     The merged table must be of ``model_id``'s model (one ``--merge:`` error otherwise).
     """
-    if out.is_dir():
-        raise ValueError(
-            f"--out: {out} is a directory; give the path of the JSON file to write, e.g. {out / 'unicache_policy.json'}"
-        )
-    if out.exists() and not out.is_file():
-        raise ValueError(f"--out: {out} exists and is not a regular file")
-    probe = out.parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ValueError(f"--out: {probe} is not a directory, so {out} cannot be created")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise OSError(f"--out: cannot write into {probe}")
+    check_output_file(
+        "--out",
+        out,
+        "policy table",
+        inputs=[("--prompts", prompts)],
+        checkpoints=[checkpoint],
+        allowed_names=[CHECKPOINT_POLICY_FILE],
+    )
     if merge and out.is_file():
         try:
             return PolicyTable.load(out, model_id=model_id)
@@ -102,14 +102,7 @@ def check_out(out: Path, merge: bool, model_id: str) -> PolicyTable | None:
 
 def write_table(table: PolicyTable, out: Path) -> None:
     """Write ``table`` as JSON to ``out`` (parents made; replaced atomically, no partial file on failure)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(table.to_dict(), indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    save_text(json.dumps(table.to_dict(), indent=1) + "\n", out, "--out")
 
 
 __all__ = ["check_out", "finish_table", "write_table"]

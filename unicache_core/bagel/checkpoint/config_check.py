@@ -4,8 +4,9 @@ Building follows the config, so a config saying ``num_hidden_layers: 10000000`` 
 must fail here (cheaply, from the headers' names and shapes) rather than make the loader build millions
 of modules or overflow. Checked: LLM layers, vocabulary and width, MLP width, attention widths; ViT
 layers, width, MLP width, patch and position table; VAE levels and blocks per level, base width and
-latent channels. Everything else is then checked exactly against the model built on the meta device
-(whose size is now bounded by the files).
+latent channels. Every name and shape is then checked against the layout the config implies
+(:func:`check_names_and_shapes` with :mod:`..weight_layout`, whose expansion is now bounded by the files), still
+before any module is built.
 
 Each message names where the config came from (a folder's JSON file, or ``file.safetensors[metadata]:
 llm_config.json`` for a single file's metadata) and the weights file it disagrees with.
@@ -14,12 +15,47 @@ llm_config.json`` for a single file's metadata) and the weights file it disagree
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
 from ...errors import CheckpointError
 from ..config import AEConfig, BagelConfig
 from .header import SafetensorsHeader
+
+#: Names listed in a message before "... and N more".
+MAX_LISTED = 20
+
+
+def listing(names: list[str]) -> str:
+    """``"N: a, b, c … and M more"``: a count and the first :data:`MAX_LISTED` names."""
+    shown = ", ".join(names[:MAX_LISTED])
+    more = f" … and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else ""
+    return f"{len(names)}: {shown}{more}"
+
+
+def check_names_and_shapes(header: SafetensorsHeader, expected: Mapping[str, Sequence[int]]) -> None:
+    """Refuse a weights file whose tensor names or shapes differ from ``expected`` (the layout the configs give,
+    :mod:`..weight_layout`, or a built model's); the message lists the names."""
+    path, shapes = header.path, header.shapes
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {listing(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys {listing(unexpected)}")
+        raise CheckpointError(
+            f"{path} does not match the model built from the config files: {'; '.join(parts)}. "
+            f"Check that the config JSON (the folder's files, or a single file's metadata) belongs to "
+            f"these weights"
+        )
+    for name in sorted(shapes):
+        if tuple(shapes[name]) != tuple(expected[name]):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {tuple(shapes[name])}, the config expects "
+                f"{tuple(expected[name])}; the config JSON files do not match these weights"
+            )
 
 
 def _indices(names: Mapping[str, object], prefix: str) -> set[int]:
@@ -145,4 +181,4 @@ def check_vae_config(config: AEConfig, ae: SafetensorsHeader, *, source: str) ->
     )
 
 
-__all__ = ["check_model_config", "check_vae_config"]
+__all__ = ["MAX_LISTED", "check_model_config", "check_names_and_shapes", "check_vae_config", "listing"]

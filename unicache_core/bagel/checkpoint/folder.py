@@ -14,7 +14,8 @@ from pathlib import Path
 from ...errors import CheckpointError
 from ..config import AE_CONFIG_FILE, LLM_CONFIG_FILE, VIT_CONFIG_FILE, BagelConfig, load_bagel_config
 from ..tokenizer import BagelTokenizer, check_bagel_tokens
-from .config_check import check_model_config, check_vae_config
+from ..weight_layout import bagel_layout, vae_layout
+from .config_check import check_model_config, check_names_and_shapes, check_vae_config
 from .header import SafetensorsHeader, read_header
 from .model_id import model_id_of
 from .official_layout import is_checkpoint_folder, not_a_checkpoint_message
@@ -53,6 +54,32 @@ def _vae_config_source(root: Path) -> str:
 def check_folder_model_config(config: BagelConfig, root: Path, ema: SafetensorsHeader) -> None:
     """:func:`~.config_check.check_model_config` with the messages naming the folder's config files."""
     check_model_config(config, ema, llm_source=str(root / LLM_CONFIG_FILE), vit_source=str(root / VIT_CONFIG_FILE))
+
+
+def check_folder_weights(root: str | Path, config: BagelConfig, *, missing_ok: bool = False) -> None:
+    """The folder's configs against its weight files' headers, before anything is built: layer and block counts,
+    the main widths (naming the config file and key), then every tensor name and shape (:mod:`..weight_layout`).
+
+    ``missing_ok``: a weights file that is absent is skipped (a memory plan before the download).
+
+    Raises:
+        CheckpointError: a corrupt or pickle weights file, or one the configs do not describe.
+    """
+    root = Path(root)
+
+    def header(path: Path) -> SafetensorsHeader | None:
+        return None if missing_ok and not path.exists() and not path.is_symlink() else read_header(path)
+
+    ema, ae = header(root / EMA_FILE), header(root / AE_FILE)
+    # counts and main widths first (their messages name the config key), then every name and shape
+    if ema is not None:
+        check_folder_model_config(config, root, ema)
+    if ae is not None:
+        check_vae_config(config.ae, ae, source=_vae_config_source(root))
+    if ema is not None:
+        check_names_and_shapes(ema, bagel_layout(config).checkpoint_shapes())
+    if ae is not None:
+        check_names_and_shapes(ae, {spec.name: spec.shape for spec in vae_layout(config.ae)})
 
 
 def check_official_files(root: str | Path) -> None:
@@ -97,6 +124,7 @@ __all__ = [
     "EMA_FILE",
     "FolderCheckpoint",
     "check_folder_model_config",
+    "check_folder_weights",
     "check_official_files",
     "inspect_folder",
 ]

@@ -29,12 +29,14 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError
+from ...sizes import parse_size
 from ..config import AE_CONFIG_FILE, BagelConfig
 from ..modeling import AutoEncoder, Bagel
 from ..modeling.operations import check_operations
 from ..numerics import check_weight
 from ..offload import LayerOffload, apply_layer_offload
 from ..tokenizer import BagelTokenizer
+from ..weight_layout import bagel_layout, vae_layout
 from ..weights import (
     HostOperations,
     assign_checkpoint_tensor,
@@ -43,7 +45,7 @@ from ..weights import (
     parse_weight_dtype,
     plain_storage_dtype,
 )
-from .config_check import check_vae_config
+from .config_check import check_names_and_shapes, check_vae_config, listing
 from .folder import inspect_folder
 from .header import SafetensorsHeader, read_header
 from .single_file import check_single_file_name, check_tokenizer, inspect_single_file
@@ -52,7 +54,6 @@ from .tensor_file import TensorFile
 logger = logging.getLogger(__name__)
 
 ALLOWED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_MAX_LISTED = 20
 
 
 @dataclass
@@ -89,36 +90,6 @@ class LoadedBagel:
     offload: LayerOffload | None = None
 
 
-def _listing(names: list[str]) -> str:
-    shown = ", ".join(names[:_MAX_LISTED])
-    more = f" … and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
-    return f"{len(names)}: {shown}{more}"
-
-
-def _check_names_and_shapes(header: SafetensorsHeader, expected: Mapping[str, torch.Size]) -> None:
-    """Refuse a weights file whose tensor names or shapes differ from the model built from the configs."""
-    path, shapes = header.path, header.shapes
-    missing = sorted(set(expected) - set(shapes))
-    unexpected = sorted(set(shapes) - set(expected))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys {_listing(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys {_listing(unexpected)}")
-        raise CheckpointError(
-            f"{path} does not match the model built from the config files: {'; '.join(parts)}. "
-            f"Check that the config JSON (the folder's files, or a single file's metadata) belongs to "
-            f"these weights"
-        )
-    for name in sorted(shapes):
-        if torch.Size(shapes[name]) != expected[name]:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} has shape {tuple(shapes[name])}, the config expects "
-                f"{tuple(expected[name])}; the config JSON files do not match these weights"
-            )
-
-
 def _read_tensor(file: TensorFile, name: str) -> torch.Tensor:
     """Tensor ``name`` of ``file`` as stored; a non-float tensor is refused."""
     stored = file.read(name)
@@ -136,7 +107,7 @@ def _load_weights(module: torch.nn.Module, header: SafetensorsHeader, *, device:
     """Check the names/shapes of ``header`` against ``module`` (built on the meta device), then read its tensors
     one at a time, each converted to the storage ``module`` declares for it, placed on ``device`` and checked
     to be finite before the next is read (:func:`~..weights.assign_checkpoint_tensor`)."""
-    _check_names_and_shapes(header, checkpoint_shapes(module))
+    check_names_and_shapes(header, checkpoint_shapes(module))
     with TensorFile(header) as file:
         for name in sorted(header.tensors):
             stored = _read_tensor(file, name)
@@ -237,7 +208,7 @@ def _dispatch(
     on_disk = sorted(name for name, dev in device_map.items() if dev == "disk")
     if on_disk and offload_folder is None:
         raise ValueError(
-            f"`offload_folder` is required: the device map puts {_listing(on_disk)} on 'disk'; pass "
+            f"`offload_folder` is required: the device map puts {listing(on_disk)} on 'disk'; pass "
             f"offload_folder=<a writable folder with room for those weights>"
         )
     if offload_folder is not None:
@@ -274,7 +245,11 @@ def _build_and_read(
 ) -> tuple[Bagel, AutoEncoder | None, LayerOffload | None]:
     """Build on the meta device with the weight storage of ``placement``, check every name/shape, read each file
     once tensor by tensor and assign in place (``where``: the checkpoint, named when the config cannot be
-    built); then dispatch or offload as ``placement`` says."""
+    built); then dispatch or offload as ``placement`` says. Every name and shape of the files is checked against
+    the config's layout (:mod:`..weight_layout`) before any module is built."""
+    check_names_and_shapes(ema, bagel_layout(config).checkpoint_shapes())
+    if ae is not None:
+        check_names_and_shapes(ae, {spec.name: spec.shape for spec in vae_layout(config.ae)})
     try:
         model = build_bagel(
             config,
@@ -379,6 +354,10 @@ def load_bagel(
         raise ValueError(f"`max_memory` is only used with device_map='auto', got device_map={device_map!r}")
     if max_memory is not None and not isinstance(max_memory, Mapping):
         raise ValueError(f"`max_memory` must be a mapping device -> size such as {{'cpu': '8GiB'}}, got {max_memory!r}")
+    if max_memory is not None:  # byte counts for accelerate, each read by the one size parser
+        max_memory = {
+            key: parse_size(size, f"`max_memory`[{key!r}]", example="8GiB") for key, size in max_memory.items()
+        }
     operations = None
     if isinstance(weight_dtype, HostOperations):
         operations, weight_dtype = check_operations(weight_dtype.operations), weight_dtype.weight_dtype

@@ -31,7 +31,6 @@ embeddings were trained with (:data:`BAGEL_SPECIAL_TOKEN_IDS` for BAGEL-7B-MoT).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import logging
@@ -43,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ...cli import OneLineParser
 from ...errors import CheckpointError, UniCacheError
 from ..config import (
     AE_CONFIG_FILE,
@@ -414,9 +414,10 @@ def convert_folder(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
+        prog="python -m unicache_core.bagel.checkpoint.single_file",
         description="Convert a BAGEL checkpoint folder (official layout) into the "
-        "single-file form ComfyUI-BAGEL reads (no VAE, no tokenizer)."
+        "single-file form ComfyUI-BAGEL reads (no VAE, no tokenizer).",
     )
     parser.add_argument("checkpoint_dir")
     parser.add_argument("out", help="the .safetensors file to write")

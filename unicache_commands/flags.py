@@ -1,0 +1,84 @@
+"""Command-line helpers shared by the project's tools: one-line errors, non-empty path arguments, and no flag
+silently dropped.
+
+argparse keeps the last value of a flag given twice (``--image a.png --image b.png`` runs on ``b.png`` and says
+nothing). :class:`OneLineParser` makes every flag that stores one value (argparse's ``store`` action, the default)
+refuse a second use in one line instead; a flag opts into repeating by its action (``action="append"``, whose
+values are all kept). ``repeat_hint=`` adds a flag's own advice to that line. Every command of the project parses
+with it: ``python -m unicache_core.bagel``, ``python -m unicache_core.bagel.calibrate``, ``python -m tools.batch``,
+``python -m training`` and the single-file converter (the library's commands through :mod:`unicache_core.cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+#: Namespace attribute holding, while one command line is parsed, the first value of each single-value flag seen
+#: (removed before the namespace is returned).
+_SEEN = "_one_line_parser_seen"
+
+
+class SingleValueAction(argparse._StoreAction):
+    """argparse's ``store`` that refuses a second use of its flag in one command line (see the module docstring).
+
+    ``repeat_hint``: advice appended to the error (``"one image is taken: pass --image once"``).
+    """
+
+    def __init__(self, option_strings, dest, *, repeat_hint: str | None = None, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.repeat_hint = repeat_hint
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = namespace.__dict__.setdefault(_SEEN, {})
+        if option_string is not None and id(self) in seen:
+            first_flag, first = seen[id(self)]
+            hint = self.repeat_hint or f"it takes one value: pass {option_string} once"
+            parser.error(
+                f"{option_string} given twice ({first_flag} {_shown(first)}, then {option_string} {_shown(values)}); "
+                f"{hint}"
+            )
+        seen[id(self)] = (option_string, values)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _shown(values) -> str:
+    """A flag's parsed value(s) as typed (``a.png``, ``0.2 0.8``), for the repeat error."""
+    if isinstance(values, (list, tuple)):
+        return " ".join(str(v) for v in values)
+    return str(values)
+
+
+def refuse_repeated_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Make every ``store`` flag added to ``parser`` from now on a :class:`SingleValueAction` (its groups and
+    subcommands' parsers made by :class:`OneLineParser` included); returns ``parser``."""
+    parser.register("action", None, SingleValueAction)
+    parser.register("action", "store", SingleValueAction)
+    return parser
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with the one-line error format of every tool here (``error: ...``, exit status 2) whose
+    single-value flags refuse to be given twice (:func:`refuse_repeated_flags`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        refuse_repeated_flags(self)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        namespace.__dict__.pop(_SEEN, None)
+        return namespace, extras
+
+
+def path_arg(value: str) -> Path:
+    """A path argument; the empty string is refused (``Path('')`` would silently mean the current folder)."""
+    if not value:
+        raise argparse.ArgumentTypeError("empty path ''")
+    return Path(value)
+
+
+__all__ = ["OneLineParser", "SingleValueAction", "path_arg", "refuse_repeated_flags"]

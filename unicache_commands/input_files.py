@@ -1,0 +1,88 @@
+"""Files a command reads on a user's behalf (a prompt file, a policy table, a batch's workflow, seeds and prompts):
+read only when they are regular files, and never more than a stated size.
+
+A FIFO blocks its reader forever, ``/dev/zero`` never ends (a ``MemoryError`` later) and a device can do anything on
+open, so :func:`read_regular_file` looks at the path without opening it, opens a regular file without blocking,
+checks again on the open file (the path may have changed in between) and reads at most ``max_bytes + 1`` bytes. Every
+failure is one line that starts with the caller's ``label`` (``"--prompts /x/p.txt"``): a missing file is a
+:class:`FileNotFoundError`, a folder an :class:`IsADirectoryError`, an unreadable one an :class:`OSError`, anything
+else (not a regular file, too large, not UTF-8) a :class:`ValueError`.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+#: What a path that is not a regular file is, by its ``stat`` type.
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def file_kind(mode: int) -> str:
+    """``"a FIFO (named pipe)"``, ``"a character device"``, ... for a ``st_mode`` that is no regular file or folder."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _check_regular(mode: int, label: str, advice: str) -> None:
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(f"{label} is a directory; {advice}")
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{label} is {file_kind(mode)}, not a regular file; {advice}")
+
+
+def read_regular_file(path: str | Path, *, label: str, max_bytes: int, advice: str = "pass a regular file") -> bytes:
+    """The bytes of the regular file ``path``, at most ``max_bytes`` of them (see the module docstring).
+
+    Args:
+        path: the file (a symlink is followed).
+        label: how errors name it, first (``"--seeds /x/s.txt"``, ``"policy table '/x/t.json'"``).
+        max_bytes: the largest file accepted.
+        advice: what to do instead, ending each error.
+    """
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode  # never opened when it is no regular file: opening a FIFO would block
+    except FileNotFoundError:
+        broken = f" (a broken symlink to {os.readlink(path)})" if path.is_symlink() else ""
+        raise FileNotFoundError(f"{label} does not exist{broken}; {advice}") from None
+    except OSError as exc:  # a symlink loop, a path through a file, no permission on a folder
+        raise OSError(f"{label} cannot be read ({exc.strerror or exc}); {advice}") from None
+    _check_regular(mode, label, advice)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise OSError(f"{label} cannot be read ({exc.strerror or exc}); {advice}") from None
+    with os.fdopen(fd, "rb") as fh:
+        status = os.fstat(fh.fileno())
+        _check_regular(status.st_mode, label, advice)  # the path may name another file by now
+        if status.st_size > max_bytes:
+            raise ValueError(f"{label} is {status.st_size} bytes, more than the {max_bytes} accepted; {advice}")
+        try:
+            data = fh.read(max_bytes + 1)
+        except OSError as exc:
+            raise OSError(f"{label} cannot be read ({exc.strerror or exc}); {advice}") from None
+    if len(data) > max_bytes:  # it grew while it was read
+        raise ValueError(f"{label} holds more than the {max_bytes} bytes accepted; {advice}")
+    return data
+
+
+def read_text_file(path: str | Path, *, label: str, max_bytes: int, advice: str = "pass a UTF-8 text file") -> str:
+    """:func:`read_regular_file` decoded as strict UTF-8, a leading byte-order mark (U+FEFF) dropped: an editor's
+    BOM is no text anyone typed."""
+    data = read_regular_file(path, label=label, max_bytes=max_bytes, advice=advice)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{label} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}); save it as UTF-8"
+        ) from None
+    return text.removeprefix("\ufeff")
+
+
+__all__ = ["file_kind", "read_regular_file", "read_text_file"]
