@@ -181,6 +181,7 @@ def run_generation(
             initial_noise=given.initial_noise if last else None,
             decode=decode or not last,
             return_step0_velocity=call.return_step0_velocity and last,
+            keep_sources=not last,
         )
         if not last:
             earlier.append(result)
@@ -201,9 +202,10 @@ def _round(
     initial_noise: Tensor | None,
     decode: bool,
     return_step0_velocity: bool,
+    keep_sources: bool,
 ) -> GenerationResult:
     """One generation from ``items`` (texts and images): encode the images not yet encoded, build the contexts,
-    [think], denoise, release the caches, decode."""
+    [think], denoise, release the caches, decode. ``keep_sources``: keep ``prepared`` for a later round."""
     loaded, s, hooks, generator = pipe.loaded, request.settings, request.hooks, request.generator
     session = pipe.start_session(request.task, s.num_steps)
     with torch.inference_mode():
@@ -225,6 +227,8 @@ def _round(
         contexts = build_generation_contexts(
             loaded, session, items, prepared, size=size, think=s.think, special_tokens=s.prompt_special_tokens
         )
+        if not keep_sources:  # no later round prefills them again: nothing but the caches outlives the prefill
+            prepared.clear()
         C.release_between_phases(loaded)
         t1 = time.perf_counter()
         think_text = None

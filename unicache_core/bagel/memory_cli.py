@@ -40,6 +40,12 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--task", choices=sorted(PLAN_TASKS), required=True)
     p.add_argument("--width", type=int, default=1024, help="image width (und/edit: the input, t2i: the output)")
     p.add_argument("--height", type=int, default=1024)
+    p.add_argument(
+        "--image-sizes",
+        default=None,
+        help="the input images' sizes in request order, e.g. 1024x1024,1024x1024,768x512 (und/edit; t2i: reference "
+        "images); instead of --width/--height for und and edit (an edit's output takes the last one's size)",
+    )
     p.add_argument("--kv-method", default="full")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument(
@@ -59,7 +65,8 @@ def run_plan(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    plan = _plan_of(args, args.checkpoint, args.task, args.width, args.height, args.device_memory)
+    images = parse_image_sizes(args.image_sizes) if args.image_sizes is not None else ()
+    plan = _plan_of(args, args.checkpoint, args.task, args.width, args.height, args.device_memory, images=images)
     sys.stdout.write(describe(plan) + "\n")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -67,16 +74,45 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_image_sizes(value: str) -> tuple[tuple[int, int], ...]:
+    """``--image-sizes "1024x1024,768x512"`` → ``((1024, 1024), (768, 512))``; a one-line ValueError names a bad
+    entry."""
+    import re
+
+    sizes = []
+    for index, entry in enumerate(str(value).split(",")):
+        match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", entry)
+        if match is None or int(match.group(1)) <= 0 or int(match.group(2)) <= 0:
+            raise ValueError(
+                f"--image-sizes: entry {index + 1} ({entry.strip()!r}) is not WIDTHxHEIGHT with positive sides; write "
+                f"e.g. 1024x1024,768x512"
+            )
+        sizes.append((int(match.group(1)), int(match.group(2))))
+    return tuple(sizes)
+
+
 def refuse_unfitting_run(args: argparse.Namespace, checked) -> None:
-    """Before a run loads anything: raise a one-line ValueError when its plan does not fit the device."""
+    """Before a run loads anything: raise a one-line ValueError when its plan does not fit the device (several
+    input images: how many of them would fit)."""
     if args.command == "t2i":
         width, height = checked.settings.width, checked.settings.height
     elif checked.image is not None:
         width, height = checked.image.size
     else:
         width = height = 0
+    images = ()
+    if checked.items is not None:
+        from .items import GenerateItem, ImageItem
+
+        sizes = []
+        for item in checked.items:  # a GENERATE marker's image is the size of the one before it
+            if isinstance(item, ImageItem):
+                sizes.append(item.image.size)
+            elif isinstance(item, GenerateItem):
+                sizes.append(sizes[-1] if sizes and args.command == "edit" else (width, height))
+        images = tuple(sizes)
     task = {"understand": "und"}.get(args.command, args.command)
-    plan = _plan_of(args, args.checkpoint, task, width, height, None, device=checked.device)
+    plan = _plan_of(args, args.checkpoint, task, width, height, None, device=checked.device, images=images)
     if not plan.fits:
         raise ValueError(
             f"this run needs about {plan.peak_bytes / 1e9:.1f} GB on {checked.device} (planned), which has "
@@ -84,7 +120,9 @@ def refuse_unfitting_run(args: argparse.Namespace, checked) -> None:
         )
 
 
-def _plan_of(args, checkpoint, task: str, width: int, height: int, device_memory: str | None, *, device=None):
+def _plan_of(
+    args, checkpoint, task: str, width: int, height: int, device_memory: str | None, *, device=None, images=()
+):
     import torch
 
     from .cli_checks import resolve_device
@@ -109,6 +147,7 @@ def _plan_of(args, checkpoint, task: str, width: int, height: int, device_memory
         dtype=args.dtype,
         offload=args.offload,
         device=planned.type,
+        images=tuple(images),
     )
     return plan_memory(config, settings, total)
 
@@ -119,4 +158,4 @@ def describe(plan) -> str:
     return describe_plan(plan)
 
 
-__all__ = ["add_memory_arguments", "add_plan_parser", "refuse_unfitting_run", "run_plan"]
+__all__ = ["add_memory_arguments", "add_plan_parser", "parse_image_sizes", "refuse_unfitting_run", "run_plan"]

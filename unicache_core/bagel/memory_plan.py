@@ -8,13 +8,27 @@
   the rest is ``weights_host``;
 - ``vae``: the fp32 VAE's weights;
 - ``working``: the larger of the two phases that never overlap (:func:`~.accounting.request_memory_parts`):
-  - the LLM's: ``kv_full``, the uncompressed KV of every branch (:mod:`.accounting`; compression runs after
-    the first step or the prompt, so the LLM phase's peak holds it), plus its largest forward (``upcast`` +
+  - the LLM's: ``kv_held``, the uncompressed KV the branches hold together (compression runs after the first
+    step or the prompt, so the LLM phase's peak holds it): ``kv_full``, every branch's KV (:mod:`.accounting`),
+    for ``full`` (a :class:`~unicache_core.kv.cache.FullKVCache` copies ``gen``'s rows when the prompt is appended
+    after the ``cfg_text`` fork), less the input images' rows ``cfg_text`` shares with ``gen`` for a compressing
+    method (segmented caches share them until the first compression: measured on the H200, the 1024 px edit's
+    denoising started 0.52 GB lower with UniCache than with full KV), plus its largest forward (``upcast`` +
     ``attention`` + ``mlp``). ``upcast`` is, with low-precision storage, the largest weights upcast at once to
     the compute dtype (one decoder layer inside :func:`~.modeling.operations.shared_upcasts`, or ``lm_head``);
   - the VAE's encode or decode (``vae_working``): an edit's source is encoded before any image or prompt
     token is cached, and the pipeline releases the caches before it decodes, so no KV is held beside it.
-  ``kv_compressed`` (a detail) is what the method keeps after its first compression.
+  ``kv_compressing``: when the first of ``gen`` and ``cfg_text`` is compressed, its compressed copy exists beside
+  the rows the other still shares (``gen``'s KV times the target ratio below); the LLM phase's peak is the larger
+  of that and the largest forward on top of ``kv_held``. ``kv_compressed`` (a detail) is what the method keeps
+  after its first compression: ``kv_full`` times the
+  method's default memory target for the task (it assumes the target's ratio of the compressible rows holds for
+  every row; the protected boundary rows are few).
+
+A request may hold several input images (``PlanSettings.images``, the CLI's ``--image-sizes``): each one's VAE
+and ViT tokens (ViT only for understanding) are counted in ``gen`` and ``cfg_text`` as the official contexts hold
+them (:meth:`MemoryPlan.to_json`'s ``settings.kv_images``: each image's bytes per branch); the sources are encoded
+one at a time before any of them is prefilled, so the encode counts the largest image only.
 
 On the CPU (``device="cpu"``) two parts the tensors do not show are added (:func:`cpu_runtime_parts`):
 
@@ -45,6 +59,7 @@ BAGEL-7B-MoT's geometry without any file (:data:`OFFICIAL_CHECKPOINT`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -74,6 +89,8 @@ PLAN_PROMPT_TOKENS = 64
 NOT_IN_PEAK = (
     "weights_host",
     "kv_full",
+    "kv_held",
+    "kv_compressing",
     "kv_compressed",
     "upcast",
     "attention",
@@ -164,9 +181,12 @@ class PlanSettings:
     offload: str = "none"
     #: the device type planned for; ``"cpu"`` adds the CPU runtime's own memory (:func:`cpu_runtime_parts`)
     device: str = "cuda"
+    #: ``(width, height)`` of each input image in request order (und, edit; text-to-image: references); empty: one
+    #: input image of ``width x height`` for und and edit (none for an und of size 0), none for text-to-image
+    images: tuple[tuple[int, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "images": [list(size) for size in self.images]}
 
 
 @dataclass(frozen=True)
@@ -183,6 +203,8 @@ class MemoryPlan:
     #: ``"tiled"`` when the whole VAE decode would not fit and the plan counts the tiled one the pipeline falls
     #: back to on CUDA (:mod:`.modeling.vae_tiling`), else ``"whole"``
     vae_decode: str = "whole"
+    #: each input image's uncompressed KV: ``{"size", "vae_tokens", "vit_tokens", "bytes_per_branch"}``
+    kv_images: tuple[dict[str, Any], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -192,7 +214,11 @@ class MemoryPlan:
             "fits": self.fits,
             "suggestion": self.suggestion,
             "vae_decode": self.vae_decode,
-            "settings": {**self.settings.to_dict(), "kv_branches": dict(self.kv_branches)},
+            "settings": {
+                **self.settings.to_dict(),
+                "kv_branches": dict(self.kv_branches),
+                "kv_images": [dict(image) for image in self.kv_images],
+            },
         }
 
 
@@ -203,24 +229,64 @@ def request_tokens(
     height: int,
     prompt_tokens: int = PLAN_PROMPT_TOKENS,
     answer_tokens: int | None = None,
+    images: tuple[tuple[int, int], ...] | None = None,
 ) -> RequestTokens:
-    """The tokens of a plan's request: a ``prompt_tokens`` prompt and a ``width x height`` image (the input of
-    ``und``/``edit``, none for an ``und`` of size 0, the output of ``t2i``), default settings (no think mode);
-    an ``und`` answer of ``answer_tokens`` (default: the most the default settings decode)."""
-    vae, vit = image_tokens(config, (width, height)) if width and height else (0, 0)
-    step = config.latent_downsample
+    """The tokens of a plan's request: its input ``images`` (``(width, height)`` each, in order, then a
+    ``prompt_tokens`` prompt; None: one ``width x height`` input image for ``und``/``edit``, none for an ``und`` of
+    size 0 or ``t2i``), default settings (no think mode); the output of an edit is its last image, of ``t2i``
+    ``width x height``; an ``und`` answer of ``answer_tokens`` (default: the most the default settings decode)."""
+    if images is None:
+        images = ((width, height),) if width and height and task != "t2i" else ()
+    blocks = tuple(image_tokens(config, size) for size in images)
     if task == "understanding":
-        return RequestTokens(
-            task="understanding",
-            prompt=prompt_tokens,
-            vit=vit,
-            decoded=UNDERSTANDING_DEFAULTS.max_new_tokens if answer_tokens is None else answer_tokens,
-        )
+        blocks = tuple((0, vit) for _, vit in blocks)
+    step = config.latent_downsample
+    latent = 0
     if task == "edit":
-        return RequestTokens(task="edit", prompt=prompt_tokens, vit=vit, vae=vae, latent=vae)
-    return RequestTokens(task="t2i", prompt=prompt_tokens, latent=(width // step) * (height // step))
+        latent = blocks[-1][0] if blocks else 0
+    elif task == "t2i":
+        latent = (width // step) * (height // step)
+    return RequestTokens(
+        task=task,
+        prompt=prompt_tokens,
+        vit=sum(vit for _, vit in blocks),
+        vae=sum(vae for vae, _ in blocks),
+        latent=latent,
+        decoded=(UNDERSTANDING_DEFAULTS.max_new_tokens if answer_tokens is None else answer_tokens)
+        if task == "understanding"
+        else 0,
+        images=blocks if len(blocks) > 1 else (),
+    )
 
 
+def kv_per_image(
+    config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, sizes, *, shared: bool
+) -> tuple[dict, ...]:
+    """Each input image's uncompressed KV bytes per branch (its blocks, boundaries included, in ``gen`` and, for a
+    generation, in ``cfg_text``, which holds every image when the prompt comes last) and ``held_bytes``, what the
+    branches hold of it together (``shared``: a compressing method's ``cfg_text`` shares the image's content rows
+    with ``gen``)."""
+    from .accounting import kv_bytes_per_token
+
+    per_token = kv_bytes_per_token(config, dtype)
+    rows = []
+    for size, (vae, vit) in zip(sizes, tokens.image_blocks()):
+        blocks = vit + BOUNDARY_TOKENS + (vae + BOUNDARY_TOKENS if vae else 0)
+        branches = ("gen",) if tokens.task == "understanding" else ("gen", "cfg_text")
+        held = len(branches) * blocks - (vae + vit if shared and len(branches) > 1 else 0)
+        rows.append(
+            {
+                "size": list(size),
+                "vae_tokens": vae,
+                "vit_tokens": vit,
+                "bytes_per_branch": {name: blocks * per_token for name in branches},
+                "held_bytes": held * per_token,
+            }
+        )
+    return tuple(rows)
+
+
+@functools.lru_cache(maxsize=16)
 def _weights(config: BagelConfig, weight_dtype: str, dtype: torch.dtype, offload: str) -> tuple[dict[str, int], int]:
     """(``weights_device_<dtype>``, ``weights_host``, ``vae``, ``upcast`` bytes, the largest upcast block)."""
     from .modeling import AutoEncoder
@@ -275,6 +341,12 @@ def plan_memory(
     return dataclasses.replace(plan, suggestion=_suggest(config, settings, device_bytes))
 
 
+def plan_without_suggestion(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> MemoryPlan:
+    """:func:`plan_memory` at the default text lengths without searching for a setting that fits (what a search over
+    settings calls)."""
+    return _predict(config, settings, device_bytes)
+
+
 def _predict(
     config: BagelConfig,
     settings: PlanSettings,
@@ -284,14 +356,25 @@ def _predict(
 ) -> MemoryPlan:
     """:func:`plan_memory` without the suggestion."""
     from ..compression import KVConfig
+    from .accounting import kv_bytes_per_token
     from .checkpoint.loader import parse_dtype
 
     task = PLAN_TASKS[settings.task]
     dtype = parse_dtype(settings.dtype)
-    tokens = request_tokens(config, task, settings.width, settings.height, prompt_tokens, answer_tokens)
+    images = tuple(tuple(size) for size in settings.images) or None
+    tokens = request_tokens(config, task, settings.width, settings.height, prompt_tokens, answer_tokens, images)
     parts, _ = _weights(config, settings.weight_dtype, dtype, settings.offload)
+    parts = dict(parts)
     kv_branches = tokens.kv_bytes(config, dtype)
     parts["kv_full"] = sum(kv_branches.values())
+    shared = 0 if settings.kv_method == "full" else tokens.shared_fork_tokens() * kv_bytes_per_token(config, dtype)
+    parts["kv_held"] = parts["kv_full"] - shared
+    ratio = 1.0
+    if settings.kv_method != "full":
+        target = KVConfig(method=settings.kv_method).target_ratio(task)
+        ratio = float(target) if isinstance(target, float) else 1.0
+    if shared:  # the first branch compressed holds its smaller copy while the other still holds the shared rows
+        parts["kv_compressing"] = int(kv_branches["gen"] * ratio)
     work = request_memory_parts(config, dtype, tokens)
     parts.update(attention=work["attention"], mlp=work["mlp"], vae_working=work["vae"])
     freed_heap = vae_heap = 0
@@ -314,9 +397,8 @@ def _predict(
         if tiled_peak < peak:
             parts, peak, vae_decode = tiled, tiled_peak, "tiled"
     if settings.kv_method != "full":
-        target = KVConfig(method=settings.kv_method).target_ratio(task)
-        ratio = float(target) if isinstance(target, float) else 1.0
         parts["kv_compressed"] = int(parts["kv_full"] * ratio)
+    sizes = images if images is not None else ((settings.width, settings.height),)
     return MemoryPlan(
         peak_bytes=int(peak),
         breakdown=parts,
@@ -326,14 +408,18 @@ def _predict(
         settings=settings,
         kv_branches=kv_branches,
         vae_decode=vae_decode,
+        kv_images=kv_per_image(config, dtype, tokens, sizes, shared=shared > 0),
     )
 
 
 def _working(parts: dict[str, int], freed_heap: int = 0, vae_heap: int = 0) -> int:
-    """The working memory of the larger phase: the LLM's (the full KV and a decoder layer's upcast weights,
-    attention and MLP, and on the CPU the heap its forward keeps) or a VAE pass's (and on the CPU its heap)."""
+    """The working memory of the larger phase: the LLM's (the KV the branches hold and a decoder layer's upcast
+    weights, attention and MLP, and on the CPU the heap its forward keeps; or, after the first step, that KV and the
+    first compressed branch's copy), or a VAE pass's (and on the CPU its heap)."""
+    held = parts.get("kv_held", parts["kv_full"])
     return max(
-        parts["kv_full"] + parts["upcast"] + parts["attention"] + parts["mlp"] + freed_heap,
+        held + parts["upcast"] + parts["attention"] + parts["mlp"] + freed_heap,
+        held + parts.get("kv_compressing", 0),
         parts["vae_working"] + vae_heap,
     )
 
@@ -354,7 +440,7 @@ def cuda_runtime_parts(
     ``cuda_vae_workspace``."""
     pixels_per_token = config.latent_downsample**2
     decoded = tiled_tokens(config, tokens.latent) if tiled else tokens.latent
-    encode = (work["vae_encode"], CUDA_VAE_ENCODE_PER_PIXEL * tokens.vae * pixels_per_token)
+    encode = (work["vae_encode"], CUDA_VAE_ENCODE_PER_PIXEL * tokens.largest_image()[0] * pixels_per_token)
     decode = (
         work["vae_decode_tiled" if tiled else "vae_decode"],
         CUDA_VAE_DECODE_PER_PIXEL * decoded * pixels_per_token,
@@ -388,18 +474,19 @@ def matmul_shapes(config: BagelConfig, tokens: RequestTokens) -> set[tuple[int, 
     rows = {tokens.prompt + BOUNDARY_TOKENS}
     if tokens.system:
         rows.add(tokens.system + BOUNDARY_TOKENS)
-    if tokens.vit:
-        rows.add(tokens.vit + BOUNDARY_TOKENS)
-    for gen_tokens in (tokens.vae, tokens.latent):
-        if gen_tokens:
-            rows.update((gen_tokens, BOUNDARY_TOKENS))
+    images = tokens.image_blocks()
+    vits = {patches for _, patches in images if patches}
+    gen_blocks = {latents for latents, _ in images if latents} | ({tokens.latent} if tokens.latent else set())
+    rows.update(patches + BOUNDARY_TOKENS for patches in vits)
+    for gen_tokens in gen_blocks:
+        rows.update((gen_tokens, BOUNDARY_TOKENS))
     if tokens.decoded:
         rows.add(1)
     shapes = {(n, k, o, bias) for n in rows for k, o, bias in decoder}
-    if tokens.vit:
-        patch = 3 * vit.patch_size**2
+    patch = 3 * vit.patch_size**2
+    for vit_tokens in vits:
         shapes.update(
-            (tokens.vit, k, o, True)
+            (vit_tokens, k, o, True)
             for k, o in (
                 (patch, vit.hidden_size),
                 (vit.hidden_size, vit.hidden_size),
@@ -409,7 +496,7 @@ def matmul_shapes(config: BagelConfig, tokens: RequestTokens) -> set[tuple[int, 
                 (hidden, hidden),
             )
         )
-    for gen_tokens in {tokens.vae, tokens.latent} - {0}:
+    for gen_tokens in gen_blocks:
         shapes.add((gen_tokens, config.patch_latent_dim, hidden, True))
     if tokens.latent:
         shapes.update(
@@ -443,8 +530,9 @@ def cpu_runtime_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTo
     from .accounting import vae_activation_below, vae_convolution_shapes
 
     products = len(matmul_shapes(config, tokens)) if dtype != torch.float32 else 0
+    encodes = {vae for vae, _ in tokens.image_blocks() if vae}
     convolutions = len(
-        vae_convolution_shapes(config, tokens.vae, decode=False)
+        frozenset().union(*(vae_convolution_shapes(config, vae, decode=False) for vae in encodes))
         | vae_convolution_shapes(config, tokens.latent, decode=True)
     )
     llm = config.llm
@@ -460,7 +548,7 @@ def cpu_runtime_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTo
     # the decode's own heap, plus what an edit's encode left resident under it (long-lived tensors made after the
     # encode, the source latent and the prefill's KV, sit between its freed blocks)
     vae_heap = 2 * (
-        vae_activation_below(config, tokens.vae, GLIBC_MMAP_THRESHOLD_MAX, decode=False)
+        vae_activation_below(config, tokens.largest_image()[0], GLIBC_MMAP_THRESHOLD_MAX, decode=False)
         + vae_activation_below(config, tokens.latent, GLIBC_MMAP_THRESHOLD_MAX, decode=True)
     )
     return {
@@ -471,9 +559,29 @@ def cpu_runtime_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTo
 
 
 def _suggest(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> str:
-    """The first of (weight dtype x offload) that fits, as flags; else a smaller size."""
+    """The first of (weight dtype x offload) that fits, as flags; else a smaller size. With several input images,
+    first how many of them fit with these settings (:func:`~.card_fit.fitting_images`)."""
     import dataclasses
 
+    if len(settings.images) > 1:
+        from .card_fit import fitting_images
+
+        count = len(settings.images)
+        fit = fitting_images(config, settings, device_bytes)
+        head = (
+            f"{count} input images need more than {device_bytes / 1e9:.1f} GB; at most {fit} of them fit with these "
+            f"settings (keep the last {fit})"
+            if fit
+            else f"{count} input images need more than {device_bytes / 1e9:.1f} GB and not even the last one fits "
+            f"with these settings"
+        )
+        other = _suggest(config, dataclasses.replace(settings, images=settings.images[-1:]), device_bytes)
+        for offload in ("none", "layers"):
+            for weight_dtype in _FALLBACK_WEIGHTS:
+                trial = dataclasses.replace(settings, weight_dtype=weight_dtype, offload=offload)
+                if trial != settings and _predict(config, trial, device_bytes).fits:
+                    return f"{head}; or, for all {count}, use --weight-dtype {weight_dtype} --offload {offload}"
+        return head if fit else f"{head}; for one image: {other}"
     for offload in ("none", "layers"):
         for weight_dtype in _FALLBACK_WEIGHTS:
             trial = dataclasses.replace(settings, weight_dtype=weight_dtype, offload=offload)
@@ -494,8 +602,14 @@ def _suggest(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> 
 def describe(plan: MemoryPlan) -> str:
     """The plan as a few human-readable lines (for the CLI's stdout)."""
     gb = 1e9
+    images = plan.settings.images
+    shape = (
+        f"{len(images)} images ({', '.join(f'{w}x{h}' for w, h in images)})"
+        if images
+        else f"{plan.settings.width}x{plan.settings.height}"
+    )
     lines = [
-        f"{plan.settings.task} {plan.settings.width}x{plan.settings.height}, weights {plan.settings.weight_dtype}"
+        f"{plan.settings.task} {shape}, weights {plan.settings.weight_dtype}"
         f" (compute {plan.settings.dtype}), KV {plan.settings.kv_method}, offload {plan.settings.offload}:",
         f"  peak {plan.peak_bytes / gb:.2f} GB of {plan.device_bytes / gb:.2f} GB -> "
         + ("fits" if plan.fits else f"does not fit: {plan.suggestion}"),
@@ -506,6 +620,13 @@ def describe(plan: MemoryPlan) -> str:
         f"  {name:<28} {size / gb:8.3f} GB" + ("  (detail, not added)" if name in NOT_IN_PEAK else "")
         for name, size in plan.breakdown.items()
     ]
+    if len(plan.kv_images) > 1:
+        lines += [
+            f"  image {i} {image['size'][0]}x{image['size'][1]}: KV "
+            + ", ".join(f"{branch} {size / gb:.3f} GB" for branch, size in image["bytes_per_branch"].items())
+            + f", held {image['held_bytes'] / gb:.3f} GB"
+            for i, image in enumerate(plan.kv_images)
+        ]
     return "\n".join(lines)
 
 
@@ -529,6 +650,7 @@ __all__ = [
     "parse_memory_size",
     "plan_config",
     "plan_memory",
+    "plan_without_suggestion",
     "request_tokens",
     "tensor_peak_bytes",
 ]
