@@ -1,6 +1,7 @@
 """Write the shipped example workflows: ``workflows/<name>.json`` (UI format, drag-and-drop, frontend 1.32) and
 ``workflows/api/<name>.json`` (API format, for ``POST /prompt`` and ``python -m tools.batch``), plus the example
-input images ``workflows/assets/unicache_example.png`` and ``unicache_position.png``.
+input images ``workflows/assets/unicache_example.png``, ``unicache_position.png`` and, for the several-image
+workflows (issue #43), ``unicache_reference.png``.
 
 Run from the repo root after changing a node's inputs: ``.venv/bin/python tools/make_workflows.py``.
 Widget order and socket lists come from the nodes' own ``INPUT_TYPES``; tests/test_nodes.py checks the result.
@@ -27,6 +28,13 @@ POSITION_IMAGE = "unicache_position.png"
 T2I_PROMPT = "a large red circle at the top left and a small blue square at the center on a white background"
 EDIT_PROMPT = "change the background to black"
 QUESTION = "where is the red circle?"
+#: The several-image workflows' extra input: a one-object scene on gray (``reference_scene()``).
+REFERENCE_IMAGE = "unicache_reference.png"
+#: Two-image requests and the iterative edit, in the bundled model's language (it never saw two images in one
+#: request: docs/nodes.md says so next to these workflows).
+TWO_IMAGE_EDIT_PROMPT = "add a small green triangle at the bottom left"
+TWO_IMAGE_QUESTION = "how many shapes are there?"
+ITERATIVE_PROMPTS = ("change the background to black", "remove the blue square")
 # core nodes: (socket inputs [(name, type)], widget names, outputs [(name, type)])
 CORE = {
     "LoadImage": ([], ["image", "upload"], [("IMAGE", "IMAGE"), ("MASK", "MASK")]),
@@ -53,15 +61,27 @@ def _schema(node_type: str):
     return sockets, widgets, list(zip(cls.RETURN_NAMES, cls.RETURN_TYPES))
 
 
+def _slots(node: dict) -> list[tuple[str, str, bool]]:
+    """The node's input slots in the UI format: its sockets, then each widget it links (a converted widget input,
+    e.g. a prompt from a Text Item's ``text``): ``(name, type, is_widget)``."""
+    sockets, widgets, _ = _schema(node["type"])
+    linked = [name for name, _ in widgets if name in node.get("links", {})]
+    kinds = {}
+    if linked:
+        spec = NODE_CLASS_MAPPINGS[node["type"]].INPUT_TYPES()
+        kinds = {n: k for section in ("required", "optional") for n, (k, *_) in spec.get(section, {}).items()}
+    return [(name, kind, False) for name, kind in sockets] + [(name, kinds[name], True) for name in linked]
+
+
 def build(graph: list[dict]) -> tuple[dict, dict]:
     """``graph``: nodes ``{id, type, title?, pos, widgets: {name: value}, links: {input: (src_id, slot)}}``
-    in execution order → (UI workflow, API prompt)."""
+    in execution order → (UI workflow, API prompt). A link to a widget's name feeds that widget from another
+    node's output (the widget keeps its value in ``widgets_values``, as the frontend saves it)."""
     by_id = {n["id"]: n for n in graph}
     links, ui_nodes, api = [], [], {}
     outputs_links: dict[tuple[int, int], list[int]] = {}
     for node in graph:
-        sockets, _, _ = _schema(node["type"])
-        for slot, (name, kind) in enumerate(sockets):
+        for slot, (name, kind, _) in enumerate(_slots(node)):
             if name in node.get("links", {}):
                 src, src_slot = node["links"][name]
                 link_id = len(links) + 1
@@ -81,7 +101,8 @@ def build(graph: list[dict]) -> tuple[dict, dict]:
             api_inputs[name] = value
             if opts.get("control_after_generate"):
                 values.append("fixed")
-        for name, _ in sockets:
+        slots = _slots(node)
+        for name, _, _ in slots:
             if name in node.get("links", {}):
                 src, src_slot = node["links"][name]
                 api_inputs[name] = [str(src), src_slot]
@@ -96,8 +117,13 @@ def build(graph: list[dict]) -> tuple[dict, dict]:
                 "order": order,
                 "mode": 0,
                 "inputs": [
-                    {"name": name, "type": kind, "link": link_of.get((node["id"], slot))}
-                    for slot, (name, kind) in enumerate(sockets)
+                    {
+                        "name": name,
+                        "type": kind,
+                        **({"widget": {"name": name}} if is_widget else {}),
+                        "link": link_of.get((node["id"], slot)),
+                    }
+                    for slot, (name, kind, is_widget) in enumerate(slots)
                 ],
                 "outputs": [
                     {"name": name, "type": kind, "slot_index": slot, "links": outputs_links.get((node["id"], slot), [])}
@@ -322,7 +348,114 @@ def workflows() -> dict[str, list[dict]]:
         _report(9, 5, (1180, 80), "KV report A (full)"),
         _report(10, 6, (1180, 640), "KV report B (unicache)"),
     ]
-    return {"text_to_image": t2i, "image_edit": edit, "understanding": und, "ab_edit_full_vs_unicache": ab}
+    return {
+        "text_to_image": t2i,
+        "image_edit": edit,
+        "understanding": und,
+        "ab_edit_full_vs_unicache": ab,
+        **several_image_workflows(),
+    }
+
+
+def _save(node_id, src, pos, prefix, title=None):
+    return {
+        "id": node_id,
+        "type": "SaveImage",
+        "pos": pos,
+        "size": (320, 320),
+        "title": title,
+        "links": {"images": (src, 0)},
+        "widgets": {"filename_prefix": prefix},
+    }
+
+
+def _image_item(node_id, image_node, pos, items=None):
+    links = {"image": (image_node, 0), **({"items": items} if items else {})}
+    return {"id": node_id, "type": "UniCacheImageItem", "pos": pos, "size": (300, 100), "links": links, "widgets": {}}
+
+
+def several_image_workflows() -> dict[str, list[dict]]:
+    """Requests of several images (issue #43): an edit with a reference image before the edited one, a question
+    about two images, and an iterative edit (the second edit's context holds the first's image, instruction and
+    output: the official list ``[image, "p1", out1, "p2"]``)."""
+    two_edit = [
+        _loader(),
+        _kv(2),
+        _load_image(3, (40, 480), REFERENCE_IMAGE),
+        _image_item(4, 3, (420, 480)),
+        _load_image(5, (40, 840)),
+        {
+            "id": 6,
+            "type": "UniCacheImageEdit",
+            "pos": (780, 80),
+            "size": (360, 560),
+            "links": {"model": (1, 0), "image": (5, 0), "kv": (2, 0), "items": (4, 0)},
+            "widgets": {"prompt": TWO_IMAGE_EDIT_PROMPT, **_flow(25, 42, True)},
+        },
+        _save(7, 6, (1180, 80), "unicache/two_image_edit"),
+        _report(8, 6, (1180, 440)),
+    ]
+    two_und = [
+        _loader(),
+        _kv(2),
+        _load_image(3, (40, 480), REFERENCE_IMAGE),
+        _image_item(4, 3, (420, 480)),
+        _load_image(5, (40, 840), POSITION_IMAGE),
+        {
+            "id": 6,
+            "type": "UniCacheUnderstand",
+            "pos": (780, 80),
+            "size": (360, 360),
+            "links": {"model": (1, 0), "image": (5, 0), "kv": (2, 0), "items": (4, 0)},
+            "widgets": {
+                "prompt": TWO_IMAGE_QUESTION,
+                "max_new_tokens": 8,
+                "do_sample": False,
+                "temperature": 0.3,
+                "seed": 0,
+                "think": False,
+            },
+        },
+        _report(7, None, (1180, 80)),
+    ]
+    two_und[-1]["links"] = {"report": (6, 1)}
+    first, second = ITERATIVE_PROMPTS
+    iterative = [
+        _loader(),
+        _kv(2),
+        _load_image(3, (40, 480)),
+        _image_item(4, 3, (420, 480)),
+        {
+            "id": 5,
+            "type": "UniCacheTextItem",
+            "pos": (420, 640),
+            "size": (300, 160),
+            "links": {"items": (4, 0)},
+            "widgets": {"text": first},
+        },
+        {
+            "id": 6,
+            "type": "UniCacheImageEdit",
+            "pos": (780, 80),
+            "size": (360, 560),
+            "title": "Edit 1",
+            "links": {"model": (1, 0), "image": (3, 0), "kv": (2, 0), "prompt": (5, 1)},
+            "widgets": {"prompt": first, **_flow(25, 42, True)},
+        },
+        {
+            "id": 7,
+            "type": "UniCacheImageEdit",
+            "pos": (780, 700),
+            "size": (360, 560),
+            "title": "Edit 2 (after edit 1, in one context)",
+            "links": {"model": (1, 0), "image": (6, 0), "kv": (2, 0), "items": (5, 0)},
+            "widgets": {"prompt": second, **_flow(25, 42, True)},
+        },
+        _save(8, 6, (1180, 80), "unicache/iterative_1", "Edit 1"),
+        _save(9, 7, (1180, 440), "unicache/iterative_2", "Edit 2"),
+        _report(10, 7, (1540, 80), "KV report of edit 2"),
+    ]
+    return {"two_image_edit": two_edit, "two_image_understanding": two_und, "iterative_edit": iterative}
 
 
 def example_scene():
@@ -348,6 +481,13 @@ def position_scene():
     return Scene("white", (Shape("circle", "red", "large", 2),))
 
 
+def reference_scene():
+    """The several-image workflows' first image: one object of another colour and shape, on gray."""
+    from unicache_core.shapes import Scene, Shape
+
+    return Scene("gray", (Shape("triangle", "green", "small", 6),))
+
+
 def example_image(path: Path, scene=None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     (scene or example_scene()).render().save(path, optimize=True)
@@ -362,6 +502,7 @@ def main() -> int:
         (out / "api" / f"{name}.json").write_text(json.dumps(api, indent=1) + "\n")
     example_image(out / "assets" / EXAMPLE_IMAGE)
     example_image(out / "assets" / POSITION_IMAGE, position_scene())
+    example_image(out / "assets" / REFERENCE_IMAGE, reference_scene())
     print(f"wrote {len(workflows())} workflows (UI + API) and the example images under {out}")
     return 0
 
