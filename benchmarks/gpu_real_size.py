@@ -4,7 +4,10 @@
 [--offload none,layers] [--methods full,unicache] [--json PATH] [--device cuda]``
 
 ``--images N`` edits with ``N`` sources of ``--size`` px in one request (the item list ``[image 1 .. image N, prompt]``:
-``N - 1`` references and the edited image, issue #43), planned with the same ``N`` images.
+``N - 1`` references and the edited image, issue #43), planned with the same ``N`` images. ``--layers L`` keeps
+``L`` decoder and ViT layers at the real widths (hidden 3584, MLP 18944, 28/4 heads, vocab 152,064, SigLIP 1152):
+with ``--device cpu`` that checks every per-layer figure of the plan against tensor accounting at BAGEL-7B-MoT's
+geometry in a few GB (depth only scales the KV and the weights; docs/results/real_width_images.json).
 
 The checkpoint is :mod:`benchmarks.real_size`'s (random weights at the official geometry, written in fp8, 14.6 GB;
 its transform rule keeps the ``--size`` source at its size). For each offload mode the model is loaded on the
@@ -318,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint folder (about 15 GB)")
     parser.add_argument("--size", type=int, default=1024, help="edit size in pixels (the source's)")
     parser.add_argument("--images", type=int, default=1, help="source images of --size px in the edit request")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="keep this many decoder and ViT layers (real widths; default: all)"
+    )
     parser.add_argument("--weight-dtype", default="fp8_e4m3fn", choices=("bf16", "fp8_e4m3fn", "fp8_e5m2", "int8"))
     parser.add_argument("--offload", default="none,layers", help="comma-separated offload modes")
     parser.add_argument("--methods", default="full,unicache", help="comma-separated KV methods")
@@ -349,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         methods=tuple(args.methods.split(",")),
         device=args.device,
         images=args.images,
+        llm=None if args.layers is None else {"num_hidden_layers": args.layers, "max_window_layers": args.layers},
+        vit=None if args.layers is None else {"num_hidden_layers": args.layers + 1},  # the last one is dropped
     )
     sys.stdout.write(format_table(report["results"]) + "\n")
     if args.json is not None:

@@ -284,7 +284,10 @@ def test_most_images_is_the_plans_boundary():
     assert fitting_images(config, many, 12 * GB) == most_images(config, many, 12 * GB, (1024, 1024))
 
 
-def test_card_table_rows_grow_with_the_card_and_unicache_never_fits_fewer():
+def test_card_table_rows_grow_with_the_card():
+    """More memory never fits fewer images; an edit fits more with UniCache (the images' rows shared by gen and
+    cfg_text until the first compression), an understanding question not more (one branch, nothing shared, and the
+    key scorer's transient on top)."""
     rows = card_table()
     assert len(rows) == len(CARD_SIZES_GB) * 2 * 2 * 2
     by = {(r.card_gb, r.offload, r.kv_method, r.task): r.most_images for r in rows}
@@ -295,6 +298,7 @@ def test_card_table_rows_grow_with_the_card_and_unicache_never_fits_fewer():
                 assert counts == sorted(counts)
     for key, count in by.items():
         if key[2] == "unicache":
-            assert count >= by[(key[0], key[1], "full", key[3])]
+            full = by[(key[0], key[1], "full", key[3])]
+            assert count >= full if key[3] == "edit" else full * 0.85 <= count <= full
     assert by[(24, "none", "unicache", "edit")] > by[(24, "none", "full", "edit")] >= 3
     assert by[(24, "layers", "full", "und")] > by[(24, "layers", "full", "edit")]

@@ -35,6 +35,15 @@ REFERENCE_IMAGE = "unicache_reference.png"
 TWO_IMAGE_EDIT_PROMPT = "add a small green triangle at the bottom left"
 TWO_IMAGE_QUESTION = "how many shapes are there?"
 ITERATIVE_PROMPTS = ("change the background to black", "remove the blue square")
+#: The frontend's note (UI workflows only: it is not part of a prompt).
+NOTE = "Note"
+#: Said next to the several-image workflows' outputs.
+TWO_IMAGES_NOTE = (
+    "The bundled unicache-shapes model was trained on one image per request and never saw two: this workflow shows "
+    "the wiring (items before the task node's own image and prompt) and runs end to end, but what the model draws "
+    "or answers after two images is not a multi-image model's result. For BAGEL-7B-MoT choose its checkpoint "
+    "(docs/nodes.md)."
+)
 # core nodes: (socket inputs [(name, type)], widget names, outputs [(name, type)])
 CORE = {
     "LoadImage": ([], ["image", "upload"], [("IMAGE", "IMAGE"), ("MASK", "MASK")]),
@@ -45,6 +54,8 @@ CORE = {
 
 def _schema(node_type: str):
     """(sockets [(name, type)], widgets [(name, opts)], outputs [(name, type)])."""
+    if node_type == NOTE:
+        return [], [("text", {})], []
     if node_type in CORE:
         sockets, widgets, outputs = CORE[node_type]
         return sockets, [(w, {}) for w in widgets], outputs
@@ -134,6 +145,8 @@ def build(graph: list[dict]) -> tuple[dict, dict]:
                 **({"title": title} if title else {}),
             }
         )
+        if node["type"] == NOTE:  # the frontend's own node: in the UI workflow only
+            continue
         api[str(node["id"])] = {
             "class_type": node["type"],
             "inputs": api_inputs,
@@ -369,6 +382,10 @@ def _save(node_id, src, pos, prefix, title=None):
     }
 
 
+def _note(node_id, pos):
+    return {"id": node_id, "type": NOTE, "pos": pos, "size": (360, 140), "widgets": {"text": TWO_IMAGES_NOTE}}
+
+
 def _image_item(node_id, image_node, pos, items=None):
     links = {"image": (image_node, 0), **({"items": items} if items else {})}
     return {"id": node_id, "type": "UniCacheImageItem", "pos": pos, "size": (300, 100), "links": links, "widgets": {}}
@@ -394,6 +411,7 @@ def several_image_workflows() -> dict[str, list[dict]]:
         },
         _save(7, 6, (1180, 80), "unicache/two_image_edit"),
         _report(8, 6, (1180, 440)),
+        _note(9, (1540, 80)),
     ]
     two_und = [
         _loader(),
@@ -417,8 +435,9 @@ def several_image_workflows() -> dict[str, list[dict]]:
             },
         },
         _report(7, None, (1180, 80)),
+        _note(8, (1180, 480)),
     ]
-    two_und[-1]["links"] = {"report": (6, 1)}
+    two_und[-2]["links"] = {"report": (6, 1)}
     first, second = ITERATIVE_PROMPTS
     iterative = [
         _loader(),
@@ -454,6 +473,7 @@ def several_image_workflows() -> dict[str, list[dict]]:
         _save(8, 6, (1180, 80), "unicache/iterative_1", "Edit 1"),
         _save(9, 7, (1180, 440), "unicache/iterative_2", "Edit 2"),
         _report(10, 7, (1540, 80), "KV report of edit 2"),
+        _note(11, (1540, 480)),
     ]
     return {"two_image_edit": two_edit, "two_image_understanding": two_und, "iterative_edit": iterative}
 

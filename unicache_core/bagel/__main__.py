@@ -23,7 +23,8 @@ import torch
 from ..cli import OneLineParser as _Parser
 from ..cli import path_arg as _path
 from ..errors import UniCacheError
-from .cli_checks import preflight, save_image, save_text
+from .cli_checks import save_image, save_text
+from .cli_items import preflight_request
 from .memory_cli import add_memory_arguments, add_plan_parser, refuse_unfitting_run, run_plan
 from .request import RunHooks
 from .settings import BUNDLED_CHECKPOINT, BUNDLED_CHECKPOINT_DIR, EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
@@ -185,7 +186,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.checkpoint is None:
         args.checkpoint = BUNDLED_CHECKPOINT_DIR
-    checked = preflight(args)  # every argument, the image and --out: before any weights load
+    checked = preflight_request(args)  # every argument, the images and --out: before any weights load
     refuse_unfitting_run(args, checked)  # the planned peak against the device's memory
     kv_config = _kv_config(args)  # every KV flag is checked before the model loads
     logger.info("loading %s (%s on %s)", args.checkpoint, args.dtype, checked.device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from . import image_fit
 from .config import BagelConfig
 from .memory_plan import PlanSettings, official_config, plan_without_suggestion
 
@@ -56,15 +57,7 @@ def most_images(
 def fitting_images(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> int:
     """The most of ``settings.images`` that fit in ``device_bytes`` by the plan, keeping the last ones (an edit edits
     its last image; the earlier ones are references): 0 when not even the last one fits."""
-    images = settings.images
-    low, high = 0, len(images) + 1  # the last `low` fit; the last `high` do not (or there are not that many)
-    while high - low > 1:
-        middle = (low + high) // 2
-        if plan_without_suggestion(config, replace(settings, images=images[-middle:]), device_bytes).fits:
-            low = middle
-        else:
-            high = middle
-    return low
+    return image_fit.fitting_images(settings, lambda trial: plan_without_suggestion(config, trial, device_bytes).fits)
 
 
 @dataclass(frozen=True)

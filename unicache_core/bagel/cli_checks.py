@@ -430,13 +430,14 @@ def request_settings(args) -> GenerationSettings | UnderstandingSettings:
     )
 
 
-def preflight(args) -> Checked:
+def preflight(args, *, items: bool = False) -> Checked:
     """Validate a parsed command line (``args.command``: ``understand``, ``t2i`` or ``edit``): the prompt, the
     request's settings and seed, the device, the output size and the prompt's positions against the
-    checkpoint's config, the input image and ``--out``. Nothing here loads weights.
+    checkpoint's config, the input image and ``--out``. Nothing here loads weights. ``items``: the request is an
+    item list (:func:`~.cli_items.preflight_request` checks its images, texts and positions), so the image and the
+    prompt's positions are left to it.
     """
     from .accounting import check_positions, generation_positions, understanding_positions
-    from .cli_items import check_item_request, request_images, round_outputs
     from .config import load_bagel_config
     from .tokenizer import BagelTokenizer, check_bagel_tokens
 
@@ -472,15 +473,17 @@ def preflight(args) -> Checked:
             check_output_size(config, settings.width, settings.height)
         except ValueError as exc:
             raise with_flag(exc) from None
-    image, items, image_paths = request_images(args, prompt)
+    if items:
+        return Checked(prompt, None, out_format, device, settings, seed)
+    paths = args.image if isinstance(args.image, list) else [p for p in (getattr(args, "image", None),) if p]
+    if task == "edit" and not paths:
+        raise ValueError("--image: an edit needs its source image: give --image FILE (or --items FILE.json)")
+    image = open_image(paths[0]) if paths else None
     tokenizer = BagelTokenizer.from_dir(root)
     check_bagel_tokens(tokenizer, root)
     has_image = image is not None
-    rounds_out = tuple(round_outputs(out, items, image_paths)) if out is not None else ()
     try:
-        if items is not None:
-            check_item_request(config, tokenizer, items, settings, args)
-        elif task == "understand":
+        if task == "understand":
             used = understanding_positions(
                 tokenizer,
                 prompt,
@@ -503,7 +506,7 @@ def preflight(args) -> Checked:
                 check_positions(config, used, settings.think_max_new_tokens + 2, "think_max_new_tokens")
     except ValueError as exc:
         raise with_flag(exc, prompt_flag) from None
-    return Checked(prompt, image, out_format, device, settings, seed, items, rounds_out)
+    return Checked(prompt, image, out_format, device, settings, seed)
 
 
 __all__ = [

@@ -9,17 +9,41 @@ and ``--image``. Everything here runs before the weights load; a mistake is one 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+from .cli_checks import Checked, check_writable_file, open_image, preflight, same_file
 from .items import GenerateItem, ImageItem, Item, TextItem, request_items
+from .items_file import open_items
+
+
+def is_item_request(args) -> bool:
+    """Is the command line an item list: ``--items``, several ``--image``, or ``t2i`` with reference images?"""
+    paths = getattr(args, "image", None) or []
+    return getattr(args, "items", None) is not None or len(paths) > 1 or (args.command == "t2i" and bool(paths))
+
+
+def preflight_request(args) -> Checked:
+    """:func:`~.cli_checks.preflight` of any command line, an item list's images, texts, positions and round outputs
+    included: every check before the weights load."""
+    if not is_item_request(args):
+        return preflight(args)
+    from .config import load_bagel_config
+    from .tokenizer import BagelTokenizer
+
+    checked = preflight(args, items=True)  # every other argument first
+    image, items, paths = request_images(args, checked.prompt)
+    check_item_request(
+        load_bagel_config(args.checkpoint), BagelTokenizer.from_dir(args.checkpoint), items, checked.settings, args
+    )
+    out = getattr(args, "out", None)
+    rounds_out = tuple(round_outputs(out, items, paths)) if out is not None else ()
+    return dataclasses.replace(checked, image=image, items=items, rounds_out=rounds_out)
 
 
 def request_images(args, prompt: str | None):
     """``(image, items, image_paths)`` of a parsed ``understand``/``t2i``/``edit`` command line: the one image of a
     single-image request (``items`` None), or the request's checked item list (``image`` its last image)."""
-    from .cli_checks import open_image
-    from .items_file import open_items
-
     task = args.command
     paths = list(getattr(args, "image", None) or [])
     items_file = getattr(args, "items", None)
@@ -71,7 +95,6 @@ def check_item_request(config, tokenizer, items: tuple[Item, ...], settings, arg
 def round_outputs(out: Path, items: tuple[Item, ...] | None, inputs: list[Path]) -> list[Path]:
     """Where the images of an iterative request's earlier rounds are written: ``<out stem>-<round><suffix>`` beside
     ``--out`` (round 1 first), each checked writable and distinct from every input file."""
-    from .cli_checks import check_writable_file, same_file
 
     count = 0 if items is None else sum(isinstance(item, GenerateItem) for item in items)
     paths = [out.with_name(f"{out.stem}-{number}{out.suffix}") for number in range(1, count + 1)]
@@ -86,4 +109,4 @@ def round_outputs(out: Path, items: tuple[Item, ...] | None, inputs: list[Path])
     return paths
 
 
-__all__ = ["check_item_request", "request_images", "round_outputs"]
+__all__ = ["check_item_request", "is_item_request", "preflight_request", "request_images", "round_outputs"]

@@ -153,9 +153,43 @@ def _plan_of(
 
 
 def describe(plan) -> str:
-    from .memory_plan import describe as describe_plan
+    """The plan (:class:`~.memory_plan.MemoryPlan`) as a few human-readable lines (for the CLI's stdout)."""
+    from .memory_plan import NOT_IN_PEAK
 
-    return describe_plan(plan)
+    gb = 1e9
+    images = plan.settings.images
+    shape = (
+        f"{len(images)} images ({', '.join(f'{w}x{h}' for w, h in images)})"
+        if images
+        else f"{plan.settings.width}x{plan.settings.height}"
+    )
+    lines = [
+        f"{plan.settings.task} {shape}, weights {plan.settings.weight_dtype}"
+        f" (compute {plan.settings.dtype}), KV {plan.settings.kv_method}, offload {plan.settings.offload}:",
+        f"  peak {plan.peak_bytes / gb:.2f} GB of {plan.device_bytes / gb:.2f} GB -> "
+        + ("fits" if plan.fits else f"does not fit: {plan.suggestion}"),
+    ]
+    if plan.vae_decode == "tiled":
+        lines.append("  the VAE decodes in tiles (the whole decode would not fit; close to it, not equal)")
+    lines += [
+        f"  {name:<28} {size / gb:8.3f} GB" + ("  (detail, not added)" if name in NOT_IN_PEAK else "")
+        for name, size in plan.breakdown.items()
+    ]
+    if len(plan.kv_images) > 1:
+        lines += [
+            f"  image {i} {image['size'][0]}x{image['size'][1]}: KV "
+            + ", ".join(f"{branch} {size / gb:.3f} GB" for branch, size in image["bytes_per_branch"].items())
+            + f", held {image['held_bytes'] / gb:.3f} GB"
+            for i, image in enumerate(plan.kv_images)
+        ]
+    return "\n".join(lines)
 
 
-__all__ = ["add_memory_arguments", "add_plan_parser", "parse_image_sizes", "refuse_unfitting_run", "run_plan"]
+__all__ = [
+    "add_memory_arguments",
+    "add_plan_parser",
+    "describe",
+    "parse_image_sizes",
+    "refuse_unfitting_run",
+    "run_plan",
+]

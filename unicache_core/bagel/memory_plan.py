@@ -8,27 +8,16 @@
   the rest is ``weights_host``;
 - ``vae``: the fp32 VAE's weights;
 - ``working``: the larger of the two phases that never overlap (:func:`~.accounting.request_memory_parts`):
-  - the LLM's: ``kv_held``, the uncompressed KV the branches hold together (compression runs after the first
-    step or the prompt, so the LLM phase's peak holds it): ``kv_full``, every branch's KV (:mod:`.accounting`),
-    for ``full`` (a :class:`~unicache_core.kv.cache.FullKVCache` copies ``gen``'s rows when the prompt is appended
-    after the ``cfg_text`` fork), less the input images' rows ``cfg_text`` shares with ``gen`` for a compressing
-    method (segmented caches share them until the first compression: measured on the H200, the 1024 px edit's
-    denoising started 0.52 GB lower with UniCache than with full KV), plus its largest forward (``upcast`` +
-    ``attention`` + ``mlp``). ``upcast`` is, with low-precision storage, the largest weights upcast at once to
-    the compute dtype (one decoder layer inside :func:`~.modeling.operations.shared_upcasts`, or ``lm_head``);
-  - the VAE's encode or decode (``vae_working``): an edit's source is encoded before any image or prompt
-    token is cached, and the pipeline releases the caches before it decodes, so no KV is held beside it.
-  ``kv_compressing``: when the first of ``gen`` and ``cfg_text`` is compressed, its compressed copy exists beside
-  the rows the other still shares (``gen``'s KV times the target ratio below); the LLM phase's peak is the larger
-  of that and the largest forward on top of ``kv_held``. ``kv_compressed`` (a detail) is what the method keeps
-  after its first compression: ``kv_full`` times the
-  method's default memory target for the task (it assumes the target's ratio of the compressible rows holds for
-  every row; the protected boundary rows are few).
+  - the LLM's: ``kv_held``, the KV the branches hold together before the first compression, plus its largest
+    forward (``upcast`` + ``attention`` + ``mlp`` + a key-scoring method's ``kv_scoring``), or ``kv_held`` plus
+    ``kv_compressing`` when the first branch is compressed (the KV terms: :mod:`.plan_kv`). ``upcast`` is, with
+    low-precision storage, the largest weights upcast at once to the compute dtype (one decoder layer inside
+    :func:`~.modeling.operations.shared_upcasts`, or ``lm_head``);
+  - the VAE's encode or decode (``vae_working``): every source is encoded before any image or prompt token is
+    cached (one at a time: the largest counts), and the pipeline releases the caches before it decodes.
 
-A request may hold several input images (``PlanSettings.images``, the CLI's ``--image-sizes``): each one's VAE
-and ViT tokens (ViT only for understanding) are counted in ``gen`` and ``cfg_text`` as the official contexts hold
-them (:meth:`MemoryPlan.to_json`'s ``settings.kv_images``: each image's bytes per branch); the sources are encoded
-one at a time before any of them is prefilled, so the encode counts the largest image only.
+Several input images (``PlanSettings.images``, the CLI's ``--image-sizes``) are counted in ``gen`` and ``cfg_text``
+as the official contexts hold them (``settings.kv_images`` of :meth:`MemoryPlan.to_json`: each one's bytes).
 
 On the CPU (``device="cpu"``) two parts the tensors do not show are added (:func:`cpu_runtime_parts`):
 
@@ -77,6 +66,8 @@ from .accounting import (
     tiled_tokens,
 )
 from .config import BagelConfig, bagel_config_from_dicts, load_bagel_config
+from .image_fit import suggest_fewer_images
+from .plan_kv import kv_parts, kv_per_image
 from .settings import UNDERSTANDING_DEFAULTS
 
 logger = logging.getLogger(__name__)
@@ -91,6 +82,7 @@ NOT_IN_PEAK = (
     "kv_full",
     "kv_held",
     "kv_compressing",
+    "kv_scoring",
     "kv_compressed",
     "upcast",
     "attention",
@@ -123,7 +115,7 @@ CUDA_VAE_ENCODE_PER_PIXEL = 520
 #: Tasks a plan accepts (the CLI's names).
 PLAN_TASKS = {"und": "understanding", "understand": "understanding", "t2i": "t2i", "edit": "edit"}
 #: Weight dtypes tried, in order, when the chosen settings do not fit (cheapest in quality first).
-_FALLBACK_WEIGHTS = ("bf16", "fp8_e4m3fn", "int8")
+FALLBACK_WEIGHTS = ("bf16", "fp8_e4m3fn", "int8")
 _UNITS = {
     "": 1,
     "b": 1,
@@ -259,33 +251,6 @@ def request_tokens(
     )
 
 
-def kv_per_image(
-    config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, sizes, *, shared: bool
-) -> tuple[dict, ...]:
-    """Each input image's uncompressed KV bytes per branch (its blocks, boundaries included, in ``gen`` and, for a
-    generation, in ``cfg_text``, which holds every image when the prompt comes last) and ``held_bytes``, what the
-    branches hold of it together (``shared``: a compressing method's ``cfg_text`` shares the image's content rows
-    with ``gen``)."""
-    from .accounting import kv_bytes_per_token
-
-    per_token = kv_bytes_per_token(config, dtype)
-    rows = []
-    for size, (vae, vit) in zip(sizes, tokens.image_blocks()):
-        blocks = vit + BOUNDARY_TOKENS + (vae + BOUNDARY_TOKENS if vae else 0)
-        branches = ("gen",) if tokens.task == "understanding" else ("gen", "cfg_text")
-        held = len(branches) * blocks - (vae + vit if shared and len(branches) > 1 else 0)
-        rows.append(
-            {
-                "size": list(size),
-                "vae_tokens": vae,
-                "vit_tokens": vit,
-                "bytes_per_branch": {name: blocks * per_token for name in branches},
-                "held_bytes": held * per_token,
-            }
-        )
-    return tuple(rows)
-
-
 @functools.lru_cache(maxsize=16)
 def _weights(config: BagelConfig, weight_dtype: str, dtype: torch.dtype, offload: str) -> tuple[dict[str, int], int]:
     """(``weights_device_<dtype>``, ``weights_host``, ``vae``, ``upcast`` bytes, the largest upcast block)."""
@@ -355,8 +320,6 @@ def _predict(
     answer_tokens: int | None = None,
 ) -> MemoryPlan:
     """:func:`plan_memory` without the suggestion."""
-    from ..compression import KVConfig
-    from .accounting import kv_bytes_per_token
     from .checkpoint.loader import parse_dtype
 
     task = PLAN_TASKS[settings.task]
@@ -366,15 +329,9 @@ def _predict(
     parts, _ = _weights(config, settings.weight_dtype, dtype, settings.offload)
     parts = dict(parts)
     kv_branches = tokens.kv_bytes(config, dtype)
-    parts["kv_full"] = sum(kv_branches.values())
-    shared = 0 if settings.kv_method == "full" else tokens.shared_fork_tokens() * kv_bytes_per_token(config, dtype)
-    parts["kv_held"] = parts["kv_full"] - shared
-    ratio = 1.0
-    if settings.kv_method != "full":
-        target = KVConfig(method=settings.kv_method).target_ratio(task)
-        ratio = float(target) if isinstance(target, float) else 1.0
-    if shared:  # the first branch compressed holds its smaller copy while the other still holds the shared rows
-        parts["kv_compressing"] = int(kv_branches["gen"] * ratio)
+    kv = kv_parts(config, dtype, tokens, settings.kv_method)
+    compressed = kv.pop("kv_compressed", None)
+    parts.update(kv)
     work = request_memory_parts(config, dtype, tokens)
     parts.update(attention=work["attention"], mlp=work["mlp"], vae_working=work["vae"])
     freed_heap = vae_heap = 0
@@ -396,8 +353,8 @@ def _predict(
         tiled_peak = sum(v for k, v in tiled.items() if k not in NOT_IN_PEAK)
         if tiled_peak < peak:
             parts, peak, vae_decode = tiled, tiled_peak, "tiled"
-    if settings.kv_method != "full":
-        parts["kv_compressed"] = int(parts["kv_full"] * ratio)
+    if compressed is not None:
+        parts["kv_compressed"] = compressed
     sizes = images if images is not None else ((settings.width, settings.height),)
     return MemoryPlan(
         peak_bytes=int(peak),
@@ -408,7 +365,7 @@ def _predict(
         settings=settings,
         kv_branches=kv_branches,
         vae_decode=vae_decode,
-        kv_images=kv_per_image(config, dtype, tokens, sizes, shared=shared > 0),
+        kv_images=kv_per_image(config, dtype, tokens, sizes, shared=settings.kv_method != "full"),
     )
 
 
@@ -418,7 +375,7 @@ def _working(parts: dict[str, int], freed_heap: int = 0, vae_heap: int = 0) -> i
     first compressed branch's copy), or a VAE pass's (and on the CPU its heap)."""
     held = parts.get("kv_held", parts["kv_full"])
     return max(
-        held + parts["upcast"] + parts["attention"] + parts["mlp"] + freed_heap,
+        held + parts["upcast"] + parts["attention"] + parts["mlp"] + parts.get("kv_scoring", 0) + freed_heap,
         held + parts.get("kv_compressing", 0),
         parts["vae_working"] + vae_heap,
     )
@@ -564,26 +521,15 @@ def _suggest(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> 
     import dataclasses
 
     if len(settings.images) > 1:
-        from .card_fit import fitting_images
-
-        count = len(settings.images)
-        fit = fitting_images(config, settings, device_bytes)
-        head = (
-            f"{count} input images need more than {device_bytes / 1e9:.1f} GB; at most {fit} of them fit with these "
-            f"settings (keep the last {fit})"
-            if fit
-            else f"{count} input images need more than {device_bytes / 1e9:.1f} GB and not even the last one fits "
-            f"with these settings"
+        return suggest_fewer_images(
+            settings,
+            device_bytes,
+            lambda trial: _predict(config, trial, device_bytes).fits,
+            FALLBACK_WEIGHTS,
+            lambda one: _suggest(config, one, device_bytes),
         )
-        other = _suggest(config, dataclasses.replace(settings, images=settings.images[-1:]), device_bytes)
-        for offload in ("none", "layers"):
-            for weight_dtype in _FALLBACK_WEIGHTS:
-                trial = dataclasses.replace(settings, weight_dtype=weight_dtype, offload=offload)
-                if trial != settings and _predict(config, trial, device_bytes).fits:
-                    return f"{head}; or, for all {count}, use --weight-dtype {weight_dtype} --offload {offload}"
-        return head if fit else f"{head}; for one image: {other}"
     for offload in ("none", "layers"):
-        for weight_dtype in _FALLBACK_WEIGHTS:
+        for weight_dtype in FALLBACK_WEIGHTS:
             trial = dataclasses.replace(settings, weight_dtype=weight_dtype, offload=offload)
             if trial == settings:
                 continue
@@ -599,37 +545,6 @@ def _suggest(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> 
     )
 
 
-def describe(plan: MemoryPlan) -> str:
-    """The plan as a few human-readable lines (for the CLI's stdout)."""
-    gb = 1e9
-    images = plan.settings.images
-    shape = (
-        f"{len(images)} images ({', '.join(f'{w}x{h}' for w, h in images)})"
-        if images
-        else f"{plan.settings.width}x{plan.settings.height}"
-    )
-    lines = [
-        f"{plan.settings.task} {shape}, weights {plan.settings.weight_dtype}"
-        f" (compute {plan.settings.dtype}), KV {plan.settings.kv_method}, offload {plan.settings.offload}:",
-        f"  peak {plan.peak_bytes / gb:.2f} GB of {plan.device_bytes / gb:.2f} GB -> "
-        + ("fits" if plan.fits else f"does not fit: {plan.suggestion}"),
-    ]
-    if plan.vae_decode == "tiled":
-        lines.append("  the VAE decodes in tiles (the whole decode would not fit; close to it, not equal)")
-    lines += [
-        f"  {name:<28} {size / gb:8.3f} GB" + ("  (detail, not added)" if name in NOT_IN_PEAK else "")
-        for name, size in plan.breakdown.items()
-    ]
-    if len(plan.kv_images) > 1:
-        lines += [
-            f"  image {i} {image['size'][0]}x{image['size'][1]}: KV "
-            + ", ".join(f"{branch} {size / gb:.3f} GB" for branch, size in image["bytes_per_branch"].items())
-            + f", held {image['held_bytes'] / gb:.3f} GB"
-            for i, image in enumerate(plan.kv_images)
-        ]
-    return "\n".join(lines)
-
-
 __all__ = [
     "CPU_CONV_KERNEL_BYTES",
     "CPU_MATMUL_KERNEL_BYTES",
@@ -643,7 +558,6 @@ __all__ = [
     "PlanSettings",
     "cpu_runtime_parts",
     "cuda_runtime_parts",
-    "describe",
     "device_memory_bytes",
     "matmul_shapes",
     "official_config",
