@@ -32,7 +32,7 @@ SCORING_METHODS = ("unicache", "h2o", "snapkv", "pyramidkv", "vlcache")
 def kv_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, kv_method: str) -> dict[str, int]:
     """``kv_full``, ``kv_held`` and, as they apply, ``kv_compressing``, ``kv_scoring``, ``kv_compressed`` bytes
     (module docstring) of ``tokens`` under ``kv_method``."""
-    from ..compression import KVConfig
+    from ..compression import method_from_name
 
     branches = tokens.kv_bytes(config, dtype)
     full = sum(branches.values())
@@ -40,7 +40,7 @@ def kv_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, kv_
     parts = {"kv_full": full, "kv_held": full - shared}
     if kv_method == "full":
         return parts
-    target = KVConfig(method=kv_method).target_ratio(tokens.task)
+    target = method_from_name(kv_method).target(tokens.task)
     ratio = float(target) if isinstance(target, float) else 1.0
     if shared:
         parts["kv_compressing"] = int(branches["gen"] * ratio)

@@ -15,9 +15,10 @@ than the rows' uncompressed K and V.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..kv.quant import SUPPORTED_BITS, quantized_kv_nbytes
 from .defaults import JOINT_BITS, JOINT_LEVELS, KIVI_GROUPS, KIVI_RESIDUAL, KIVI_RESIDUAL_SHARE
@@ -62,6 +63,15 @@ class QuantGeometry:
     def residual(self, rows: int) -> int:
         """The most full-precision residual rows a quantized segment of ``rows`` rows may keep."""
         return min(self.residual_max, int(math.floor(rows * self.residual_share + 1e-9)))
+
+    def with_residual(self, residual: int | None) -> QuantGeometry:
+        """This geometry with a fixed number of full-precision residual rows when ``residual`` is set (at most the
+        segment, dropped when it does not fit the budget); ``None``: the residual follows the segment's length."""
+        if residual is None:
+            return self
+        if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
+            raise ValueError(f"`residual` must be an integer >= 0 or None, got {residual!r}")
+        return replace(self, residual_max=residual, residual_share=1.0)
 
     def to_dict(self) -> dict:
         return {"groups": list(self.groups), "residual_max": self.residual_max, "residual_share": self.residual_share}
@@ -231,6 +241,24 @@ def choose(
         if evicted.rows >= subset.rows:
             return evicted
     return subset
+
+
+@functools.lru_cache(maxsize=4096)
+def quantized_floor_bytes(rows: int, num_kv_heads: int, head_dim: int, elem: int, geometry: QuantGeometry) -> int:
+    """The floor of a quantized segment of ``rows`` rows: the bytes of every row at the lowest bits and largest group
+    without residual in a store of its own, or its uncompressed bytes when quantizing would not shrink it. Pure, so
+    cached: a layer's rows per segment stay fixed once appended."""
+    whole = Segment(
+        full_rows=rows,
+        held_rows=rows,
+        held_bits=FULL_BITS,
+        held_bytes=0,
+        shared_rows=True,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        elem=elem,
+    )
+    return least_quantized_bytes(whole, geometry)
 
 
 def least_quantized_bytes(segment: Segment, geometry: QuantGeometry) -> int:

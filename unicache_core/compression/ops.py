@@ -158,8 +158,8 @@ def compress_rows(
     or the newest ones without scores).
 
     Every row of a pool whose heads share their rows is quantized as one segment (one ``[T]`` index).
-    ``scores``: ``[T_appended, Hkv]`` (needed only when rows are dropped). ``fit_values``: values quantized from
-    here on get least-squares ranges (:func:`~unicache_core.kv.quant.quantize_values`); codes kept stay as they are.
+    ``scores``: ``[T_appended, Hkv]`` (needed only when rows are dropped). ``fit_values``: values quantized from here on
+    get least-squares ranges (:func:`~unicache_core.kv.quant.quantize_values`); codes kept stay as they are.
     """
     stores = [layer.stores[i] for i in indices]
     total = sum(s.num_tokens for s in stores)
@@ -229,6 +229,7 @@ def _shrink_quantized(
     and store, but the value rows that stay quantized keep their codes and scales (no dequantize + quantize);
     only the keys (whose groups span rows) are quantized again."""
     store = layer.stores[index]
+    assert isinstance(store, QuantizedStore)
     h, d = store.num_kv_heads, store.head_dim
     held = store.token_index.long()
     held = held if held.dim() == 2 else held.unsqueeze(0).expand(h, -1)  # [Hkv, T] in store order
@@ -273,6 +274,7 @@ def _requantize_shared(
     that leave the residual are quantized. Falls back to :func:`quantize` when those rows would need wider
     scales than the store's."""
     store = layer.stores[index]
+    assert isinstance(store, QuantizedStore)
     h = store.num_kv_heads
     held = store.token_index.long()  # [T] store order: the quantized rows, then the residual
     order = torch.argsort(held)  # store positions in append order, as quantize() lays them out

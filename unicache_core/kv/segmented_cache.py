@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from .attention import attention_with_lse, merge_attention
-from .cache import AttentionCall, Branch, KVCache, Task
+from .cache import AttentionCall, KVCache, Task
 from .stores import EvictedStore, FullStore, KVStore, QuantizedStore, StoreKind
-from .token_types import TokenType
+from .token_types import CANDIDATE_TYPES, TokenType
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ class SegmentedLayer:
             store_lse.append(part[1])
         new_lse = None
         if k_new is not None:
+            assert v_new is not None, "a new block needs its values"
             if new_mask is not None:
                 part = attention_with_lse(q, k_new, v_new, scale=scale, mask=new_mask)
             else:
@@ -134,18 +135,20 @@ class SegmentedLayer:
         h, d = stores[0].num_kv_heads, stores[0].head_dim
         rows = [store.num_tokens for store in stores]
         append_new = k_new is not None and not causal
-        total = sum(rows) + (k_new.shape[0] if append_new else 0)
+        total = sum(rows) + (k_new.shape[0] if k_new is not None and append_new else 0)
         k_ws = torch.empty(h, total, d, dtype=q.dtype, device=q.device)
         v_ws = torch.empty_like(k_ws)
         off = 0
         for store, n in zip(stores, rows):
             store.write_kv(k_ws[:, off : off + n], v_ws[:, off : off + n])
             off += n
-        if append_new:
-            k_ws[:, off:] = k_new.transpose(0, 1)
-            v_ws[:, off:] = v_new.transpose(0, 1)
+        if k_new is not None:
+            assert v_new is not None, "a new block needs its values"
+            if append_new:
+                k_ws[:, off:] = k_new.transpose(0, 1)
+                v_ws[:, off:] = v_new.transpose(0, 1)
         out = attention_with_lse(q, k_ws.transpose(0, 1), v_ws.transpose(0, 1), scale=scale)
-        if k_new is None or append_new:
+        if k_new is None or v_new is None or append_new:
             return out
         return merge_attention([out, attention_with_lse(q, k_new, v_new, scale=scale, causal=True)])
 
@@ -163,8 +166,12 @@ class SegmentedLayer:
         if torch.device(device) != torch.device(want[3]):
             raise ValueError(f"{what} is on {device}, but this layer's cache is on {want[3]}; move it first")
 
-    def append(self, keys: Tensor, values: Tensor, token_types: Tensor) -> None:
-        """Append ``[Tn, Hkv, d]`` rows with ``[Tn]`` types; their ``token_index`` are the next append indices."""
+    def append(self, keys: Tensor, values: Tensor, token_types: Tensor, image: int | None = None) -> None:
+        """Append ``[Tn, Hkv, d]`` rows with ``[Tn]`` types; their ``token_index`` are the next append indices.
+
+        ``image``: the input image the rows belong to (an image block). Rows of a candidate type join the open
+        store of their (type, image), so each image's ViT and VAE rows stay a segment of their own; rows of a
+        protected type join their type's store whatever the image."""
         tn = keys.shape[0]
         if token_types.shape != (tn,):
             raise ValueError(f"`token_types` must be [{tn}], got shape {tuple(token_types.shape)}")
@@ -186,11 +193,21 @@ class SegmentedLayer:
         for t in torch.unique(types).tolist():
             sel = (types == t).nonzero().squeeze(1)
             k, v, p = keys.index_select(0, sel).detach(), values.index_select(0, sel).detach(), token_index[sel]
-            open_stores = self.find(TokenType(t), "full")
+            segment_image = image if TokenType(t) in CANDIDATE_TYPES else None
+            open_stores = [i for i in self.find(TokenType(t), "full") if self.stores[i].image == segment_image]
             if open_stores:
-                self.stores[open_stores[-1]].append(k, v, p)
+                store = self.stores[open_stores[-1]]
+                assert isinstance(store, FullStore)
+                store.append(k, v, p)
                 continue
-            self.stores.append(FullStore(k.clone(), v.clone(), p, TokenType(t)))
+            new = FullStore(k.clone(), v.clone(), p, TokenType(t))
+            new.image = segment_image
+            self.stores.append(new)
+
+    @property
+    def geometry(self) -> tuple[int, int, torch.dtype] | None:
+        """``(KV heads, head dim, dtype)`` of every row of the layer, or ``None`` while it is empty."""
+        return None if self._kv_meta is None else self._kv_meta[:3]
 
     def segments(self) -> list[tuple[TokenType, str, int]]:
         """``(token_type, store kind, num_tokens)`` per store, in order."""
@@ -219,6 +236,7 @@ class SegmentedLayer:
         if store.num_tokens > old.num_tokens:
             raise ValueError(f"`store` holds {store.num_tokens} rows, more than segment {index} ({old.num_tokens})")
         self._check_meta(store.num_kv_heads, store.head_dim, store.dtype, store.device, "the replacing store")
+        store.image = old.image
         self.stores[index] = store
         return old
 
@@ -241,6 +259,8 @@ class SegmentedLayer:
         self._check_meta(store.num_kv_heads, store.head_dim, store.dtype, store.device, "the replacing store")
         first = min(indices)
         removed = [self.stores[i] for i in indices]
+        images = {s.image for s in removed}
+        store.image = images.pop() if len(images) == 1 else None  # one image's rows, or a pool of several
         dropped = set(indices)
         kept = [s for i, s in enumerate(self.stores) if i not in dropped or i == first]
         kept[kept.index(self.stores[first])] = store
@@ -250,7 +270,7 @@ class SegmentedLayer:
     def share(self) -> SegmentedLayer:
         """A copy whose stores are new objects over the same tensors (a branch clone)."""
         other = SegmentedLayer()
-        other.stores = [s.share() for s in self.stores]
+        other.stores = [_shared(s) for s in self.stores]
         other.appended_tokens = self.appended_tokens
         other._kv_meta = self._kv_meta
         return other
@@ -274,10 +294,17 @@ class SegmentedLayer:
         return sum(s.num_tokens for s in self.stores)
 
 
+def _shared(store: KVStore) -> KVStore:
+    """``store.share()`` naming the same image."""
+    other = store.share()
+    other.image = store.image
+    return other
+
+
 class SegmentedKVCache(KVCache):
     """:class:`KVCache` whose layers are :class:`SegmentedLayer` s; compression swaps typed segments."""
 
-    def __init__(self, num_layers: int, *, task: Task | None = None, branch: Branch | None = None):
+    def __init__(self, num_layers: int, *, task: Task | None = None, branch: str | None = None):
         super().__init__(num_layers, task=task, branch=branch)
         self.layers = [SegmentedLayer() for _ in range(num_layers)]
 
@@ -294,7 +321,7 @@ class SegmentedKVCache(KVCache):
         state = self.layer(layer)
         out, _ = state.attend(q, k, v, causal=call.causal, new_mask=call.new_block_mask)
         if call.update:
-            state.append(k, v, call.token_types)
+            state.append(k, v, call.token_types, call.image)
         return out
 
     def replace_segment(
@@ -333,9 +360,11 @@ class SegmentedKVCache(KVCache):
         found = state.find(TokenType.parse(token_type), "full")
         if len(found) != 1:
             raise ValueError(f"layer {layer} has {len(found)} uncompressed segments of type {token_type!r}")
-        return state.stores[found[0]]
+        store = state.stores[found[0]]
+        assert isinstance(store, FullStore)
+        return store
 
-    def clone(self, *, branch: Branch | None = None) -> SegmentedKVCache:
+    def clone(self, *, branch: str | None = None) -> SegmentedKVCache:
         """A branch copy sharing every tensor (stores are never modified in place, so sharing is safe)."""
         other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)
