@@ -266,12 +266,9 @@ def _source_latents(latent, count: int, loaded) -> tuple[list, tuple[int, int]]:
     return [from_comfy_latent(samples[min(i, samples.shape[0] - 1) :][:1], loaded) for i in range(count)], size
 
 
-def _chain_items(chain, loaded, vae) -> list:
-    """The engine's items of an item chain (its latents checked and converted); with a ComfyUI ``vae``, the chain's
-    images without a latent are encoded by it now, before BAGEL is placed (as the sources are)."""
-    if vae is None:
-        return request_items(chain, loaded)
-    return request_items(chain, loaded, lambda pil: _encode_sources(vae, loaded, [pil])[0])
+def _chain_items(items, loaded, vae) -> list:
+    """The engine's items of an item chain; a ComfyUI ``vae`` encodes its images now, before BAGEL is placed."""
+    return request_items(check_items(items), loaded, vae and (lambda pil: _encode_sources(vae, loaded, [pil])[0]))
 
 
 def _merge_reports(reports: list[dict]) -> dict:
@@ -402,7 +399,6 @@ class UniCacheTextToImage:
         vae=None,
         items=None,
     ):
-        chain = check_items(items)
         settings = _generation_settings(
             "t2i",
             steps,
@@ -420,15 +416,17 @@ class UniCacheTextToImage:
         _check_model(model)
         check_output_size(model.loaded.config, width, height)  # before anything is loaded onto the device
         memory = _memory(model, "t2i", prompt, settings)
-        if chain.items:  # the chain's items, then the prompt
-            request = request_of(_chain_items(chain, model.loaded, vae), None, prompt)
-            memory = memory_of(model.loaded, "t2i", request, settings)
+        prior = _chain_items(items, model.loaded, vae)
+        if prior:  # the chain's items, then the prompt
+            memory = memory_of(model.loaded, "t2i", request_of(prior, None, prompt), settings)
         external = _external_vae(model.loaded, vae)
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(1, steps - 1, model.loaded)
         hooks = _hooks(progress, preview=True)
-        if chain.items:
-            result = _run(pipe.generate, "t2i", request, settings, seed=seed, hooks=hooks, vae=external)
+        if prior:
+            result = _run(
+                pipe.generate, "t2i", request_of(prior, None, prompt), settings, seed=seed, hooks=hooks, vae=external
+            )
         else:
             result = _run(pipe.text_to_image, prompt, settings, seed=seed, hooks=hooks, vae=external)
         return _generation_outputs([result], pipe)
@@ -513,7 +511,6 @@ class UniCacheImageEdit:
         latent=None,
         items=None,
     ):
-        chain = check_items(items)
         settings = _generation_settings(
             "edit",
             steps,
@@ -534,7 +531,7 @@ class UniCacheImageEdit:
         memory = _memory(model, "edit", prompt, settings, source_size=sources[0].size, vae_size=size)
         if latent is None and vae is not None:
             latents = _encode_sources(vae, model.loaded, sources)
-        prior = _chain_items(chain, model.loaded, vae)
+        prior = _chain_items(items, model.loaded, vae)
         if prior:  # the chain's items, then each source and the prompt
             memory = memory_of(model.loaded, "edit", request_of(prior, sources[0], prompt, latents[0]), settings)
         external = _external_vae(model.loaded, vae)
@@ -627,7 +624,6 @@ class UniCacheUnderstand:
     def understand(
         self, model, prompt, max_new_tokens, do_sample, temperature, seed, think, image=None, kv=None, items=None
     ):
-        chain = check_items(items)
         settings = preset(
             "understanding", max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, think=think
         )
@@ -636,7 +632,7 @@ class UniCacheUnderstand:
         memory = _memory(
             model, "understanding", prompt, settings, source_size=None if sources[0] is None else sources[0].size
         )
-        prior = _chain_items(chain, model.loaded, None)
+        prior = _chain_items(items, model.loaded, None)
         if prior:  # the chain's items, then each image and the prompt
             memory = memory_of(model.loaded, "understanding", request_of(prior, sources[0], prompt), settings)
         pipe = _pipeline(model, kv, memory)

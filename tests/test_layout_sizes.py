@@ -18,7 +18,6 @@ MAX_LINES = 500
 LONG_FILES = {
     "unicache_core/bagel/cli_checks.py": 550,
     "unicache_core/bagel/memory_plan.py": 550,
-    "unicache_core/bagel/pipeline.py": 550,
     "unicache_core/kv/stores.py": 600,
     "nodes/task_nodes.py": 650,
     "benchmarks/quality.py": 550,

@@ -24,11 +24,13 @@ from ..kv.cache import Task
 from .config import BagelConfig
 from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT
 from .items import GenerateItem, ImageItem, Item, TextItem
-from .settings import GenerationSettings, UnderstandingSettings
+from .settings import UNDERSTANDING_DEFAULTS, GenerationSettings, UnderstandingSettings
 from .transforms import ImageTransforms
 
 #: Tokens a block adds around its content (``<|im_start|>``/``<|im_end|>``, or an image's start/end).
 BOUNDARY_TOKENS = 2
+#: Prompt tokens a plan assumes (a long instruction; the prompt is small beside the image tokens).
+PLAN_PROMPT_TOKENS = 64
 
 
 # ----------------------------------------------------------------------------------------- positions
@@ -313,6 +315,43 @@ def _latent_size(config: BagelConfig, latent) -> tuple[int, int] | None:
     return latent.shape[3] * config.ae.downsample, latent.shape[2] * config.ae.downsample
 
 
+def request_tokens(
+    config: BagelConfig,
+    task: str,
+    width: int,
+    height: int,
+    prompt_tokens: int = PLAN_PROMPT_TOKENS,
+    answer_tokens: int | None = None,
+    images: tuple[tuple[int, int], ...] | None = None,
+) -> RequestTokens:
+    """The tokens of a plan's request: its input ``images`` (``(width, height)`` each, in order, then a
+    ``prompt_tokens`` prompt; None: one ``width x height`` input image for ``und``/``edit``, none for an ``und`` of
+    size 0 or ``t2i``), default settings (no think mode); the output of an edit is its last image, of ``t2i``
+    ``width x height``; an ``und`` answer of ``answer_tokens`` (default: the most the default settings decode)."""
+    if images is None:
+        images = ((width, height),) if width and height and task != "t2i" else ()
+    blocks = tuple(image_tokens(config, size) for size in images)
+    if task == "understanding":
+        blocks = tuple((0, vit) for _, vit in blocks)
+    step = config.latent_downsample
+    latent = 0
+    if task == "edit":
+        latent = blocks[-1][0] if blocks else 0
+    elif task == "t2i":
+        latent = (width // step) * (height // step)
+    return RequestTokens(
+        task=task,
+        prompt=prompt_tokens,
+        vit=sum(vit for _, vit in blocks),
+        vae=sum(vae for vae, _ in blocks),
+        latent=latent,
+        decoded=(UNDERSTANDING_DEFAULTS.max_new_tokens if answer_tokens is None else answer_tokens)
+        if task == "understanding"
+        else 0,
+        images=blocks if len(blocks) > 1 else (),
+    )
+
+
 # ----------------------------------------------------------------------------------------- memory
 
 
@@ -439,6 +478,7 @@ def vae_convolution_shapes(config: BagelConfig, latent_tokens: int, *, decode: b
 
 __all__ = [
     "BOUNDARY_TOKENS",
+    "PLAN_PROMPT_TOKENS",
     "RequestTokens",
     "check_positions",
     "check_item_positions",
@@ -450,6 +490,7 @@ __all__ = [
     "kv_bytes_per_token",
     "request_memory_bytes",
     "request_memory_parts",
+    "request_tokens",
     "tiled_decode_bytes",
     "tiled_tokens",
     "understanding_positions",

@@ -60,22 +60,20 @@ import torch
 
 from .accounting import (
     BOUNDARY_TOKENS,
+    PLAN_PROMPT_TOKENS,
     RequestTokens,
-    image_tokens,
     request_memory_parts,
+    request_tokens,
     tiled_tokens,
 )
 from .config import BagelConfig, bagel_config_from_dicts, load_bagel_config
 from .image_fit import suggest_fewer_images
 from .plan_kv import kv_parts, kv_per_image
-from .settings import UNDERSTANDING_DEFAULTS
 
 logger = logging.getLogger(__name__)
 
 #: The ``--checkpoint`` name that plans BAGEL-7B-MoT's geometry from its published configs (no files).
 OFFICIAL_CHECKPOINT = "bagel-7b-mot"
-#: Prompt tokens a plan assumes (a long instruction; the prompt is small beside the image tokens).
-PLAN_PROMPT_TOKENS = 64
 #: Breakdown entries that detail the peak's parts or lie outside it (the rest add up to ``peak_bytes``).
 NOT_IN_PEAK = (
     "weights_host",
@@ -212,43 +210,6 @@ class MemoryPlan:
                 "kv_images": [dict(image) for image in self.kv_images],
             },
         }
-
-
-def request_tokens(
-    config: BagelConfig,
-    task: str,
-    width: int,
-    height: int,
-    prompt_tokens: int = PLAN_PROMPT_TOKENS,
-    answer_tokens: int | None = None,
-    images: tuple[tuple[int, int], ...] | None = None,
-) -> RequestTokens:
-    """The tokens of a plan's request: its input ``images`` (``(width, height)`` each, in order, then a
-    ``prompt_tokens`` prompt; None: one ``width x height`` input image for ``und``/``edit``, none for an ``und`` of
-    size 0 or ``t2i``), default settings (no think mode); the output of an edit is its last image, of ``t2i``
-    ``width x height``; an ``und`` answer of ``answer_tokens`` (default: the most the default settings decode)."""
-    if images is None:
-        images = ((width, height),) if width and height and task != "t2i" else ()
-    blocks = tuple(image_tokens(config, size) for size in images)
-    if task == "understanding":
-        blocks = tuple((0, vit) for _, vit in blocks)
-    step = config.latent_downsample
-    latent = 0
-    if task == "edit":
-        latent = blocks[-1][0] if blocks else 0
-    elif task == "t2i":
-        latent = (width // step) * (height // step)
-    return RequestTokens(
-        task=task,
-        prompt=prompt_tokens,
-        vit=sum(vit for _, vit in blocks),
-        vae=sum(vae for vae, _ in blocks),
-        latent=latent,
-        decoded=(UNDERSTANDING_DEFAULTS.max_new_tokens if answer_tokens is None else answer_tokens)
-        if task == "understanding"
-        else 0,
-        images=blocks if len(blocks) > 1 else (),
-    )
 
 
 @functools.lru_cache(maxsize=16)
