@@ -1,7 +1,13 @@
 """The memory plan against a real run at BAGEL-7B-MoT's geometry on a GPU, phase by phase.
 
-``python -m benchmarks.gpu_real_size [--out DIR] [--size 1024] [--weight-dtype fp8_e4m3fn] [--offload none,layers]
-[--methods full,unicache] [--json PATH] [--device cuda]``
+``python -m benchmarks.gpu_real_size [--out DIR] [--size 1024] [--images N] [--weight-dtype fp8_e4m3fn]
+[--offload none,layers] [--methods full,unicache] [--json PATH] [--device cuda]``
+
+``--images N`` edits with ``N`` sources of ``--size`` px in one request (the item list ``[image 1 .. image N, prompt]``:
+``N - 1`` references and the edited image, issue #43), planned with the same ``N`` images. ``--layers L`` keeps
+``L`` decoder and ViT layers at the real widths (hidden 3584, MLP 18944, 28/4 heads, vocab 152,064, SigLIP 1152):
+with ``--device cpu`` that checks every per-layer figure of the plan against tensor accounting at BAGEL-7B-MoT's
+geometry in a few GB (depth only scales the KV and the weights; docs/results/real_width_images.json).
 
 The checkpoint is :mod:`benchmarks.real_size`'s (random weights at the official geometry, written in fp8, 14.6 GB;
 its transform rule keeps the ``--size`` source at its size). For each offload mode the model is loaded on the
@@ -127,8 +133,10 @@ def _plan(
     offload: str,
     device: torch.device,
     prompt_tokens: int,
+    images: int = 1,
 ):
     settings = PlanSettings(
+        images=((size, size),) * images if images > 1 else (),
         task="edit",
         width=size,
         height=size,
@@ -147,25 +155,41 @@ def real_size_config(size: int) -> BagelConfig:
     return dataclasses.replace(official_config(), transforms=rules)
 
 
-def measure_edit(loaded, checkpoint: Path, size: int, method: str, *, weight_dtype: str, offload: str) -> dict:
-    """One edit of a ``size`` px source with ``method``: phase bytes, the run's peak and the plan's."""
+def measure_edit(
+    loaded, checkpoint: Path, size: int, method: str, *, weight_dtype: str, offload: str, images: int = 1
+) -> dict:
+    """One edit of ``images`` sources of ``size`` px with ``method``: phase bytes, the run's peak and the plan's."""
     device = loaded.device
     pipe = BagelPipeline(loaded, make_cache_factory(method, checkpoint_dir=str(checkpoint)))
-    image = Image.new("RGB", (size, size), (40, 120, 200))
+    sources = [Image.new("RGB", (size, size), (40 + (50 * i) % 200, 120, 200)) for i in range(images)]
+    settings = preset("edit", num_timesteps=TIMESTEPS)
+
+    def edit(hooks: RunHooks):
+        if images == 1:  # the single-image call, as the rows before --images were measured
+            return pipe.edit(PROMPT, sources[0], settings, hooks=hooks)
+        return pipe.generate("edit", [*sources, PROMPT], settings, hooks=hooks)
+
     gc.collect()
     tracker = None if device.type == "cuda" else TensorMemoryTracker()
     meter = PhaseMeter(device, tracker, parameter_bytes(loaded.model) + parameter_bytes(loaded.vae))
     start = time.perf_counter()
     if tracker is None:
-        result = pipe.edit(PROMPT, image, preset("edit", num_timesteps=TIMESTEPS), hooks=RunHooks(phase=meter))
+        result = edit(RunHooks(phase=meter))
         meter.close()
     else:
         with torch.inference_mode(), tracker:
-            result = pipe.edit(PROMPT, image, preset("edit", num_timesteps=TIMESTEPS), hooks=RunHooks(phase=meter))
+            result = edit(RunHooks(phase=meter))
             meter.close()
     seconds = time.perf_counter() - start
     plan = _plan(
-        plan_config(checkpoint), size, method, weight_dtype, offload, device, len(loaded.tokenizer.encode(PROMPT))
+        plan_config(checkpoint),
+        size,
+        method,
+        weight_dtype,
+        offload,
+        device,
+        len(loaded.tokenizer.encode(PROMPT)),
+        images,
     )
     planned = tensor_peak_bytes(plan)  # on the CPU without the runtime's own memory, which the meter cannot see
     return {
@@ -173,6 +197,7 @@ def measure_edit(loaded, checkpoint: Path, size: int, method: str, *, weight_dty
         "weight_dtype": weight_dtype,
         "offload": offload,
         "size": list(result.image.size),
+        "images": images,
         "prompt_tokens": len(loaded.tokenizer.encode(PROMPT)),
         "peak_bytes": meter.overall_peak,
         "plan_bytes": planned,
@@ -197,8 +222,10 @@ def run(
     llm: dict | None = None,
     vit: dict | None = None,
     full_vae: bool = True,
+    images: int = 1,
 ) -> dict:
-    """Write (if needed) the checkpoint, then one row per (offload, method); see the module docstring."""
+    """Write (if needed) the checkpoint, then one row per (offload, method) of an edit with ``images`` sources; see
+    the module docstring."""
     checkpoint = write_real_size_checkpoint(out, llm=llm, vit=vit, full_vae=full_vae, source_size=size)
     rows = []
     for offload in offloads:
@@ -206,7 +233,9 @@ def run(
         loaded = load_bagel(checkpoint, device=device, weight_dtype=weight_dtype, offload=offload)
         load_seconds = round(time.perf_counter() - start, 2)
         for method in methods:
-            row = measure_edit(loaded, checkpoint, size, method, weight_dtype=weight_dtype, offload=offload)
+            row = measure_edit(
+                loaded, checkpoint, size, method, weight_dtype=weight_dtype, offload=offload, images=images
+            )
             row["load_seconds"] = load_seconds
             logger.info("%s", format_table([row]).splitlines()[-1])
             rows.append(row)
@@ -256,6 +285,7 @@ def replan(report: dict) -> dict:
             row["offload"],
             torch.device("cuda"),
             tokens,
+            row.get("images", 1),
         )
         rows.append(
             {
@@ -272,13 +302,13 @@ def replan(report: dict) -> dict:
 def format_table(rows: list[dict]) -> str:
     gb = 1e9
     lines = [
-        f"{'weights':11s} {'offload':7s} {'method':9s} {'px':>5s} {'peak GB':>8s} {'plan GB':>8s} {'err':>7s} "
-        f"{'ctx GB':>7s} {'denoise':>8s} {'decode':>7s} {'dec in':>7s}"
+        f"{'weights':11s} {'offload':7s} {'method':9s} {'px':>5s} {'n':>3s} {'peak GB':>8s} {'plan GB':>8s} "
+        f"{'err':>7s} {'ctx GB':>7s} {'denoise':>8s} {'decode':>7s} {'dec in':>7s}"
     ]
     for r in rows:
         p, e = r["phase_peak_bytes"], r["phase_entry_bytes"]
         lines.append(
-            f"{r['weight_dtype']:11s} {r['offload']:7s} {r['kv_method']:9s} {r['size'][0]:5d} "
+            f"{r['weight_dtype']:11s} {r['offload']:7s} {r['kv_method']:9s} {r['size'][0]:5d} {r.get('images', 1):3d} "
             f"{r['peak_bytes'] / gb:8.2f} {r['plan_bytes'] / gb:8.2f} {r['plan_error']:+7.1%} "
             f"{p.get('contexts', 0) / gb:7.2f} {p.get('denoise', 0) / gb:8.2f} {p.get('decode', 0) / gb:7.2f} "
             f"{e.get('decode', 0) / gb:7.2f}"
@@ -290,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_real_size", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint folder (about 15 GB)")
     parser.add_argument("--size", type=int, default=1024, help="edit size in pixels (the source's)")
+    parser.add_argument("--images", type=int, default=1, help="source images of --size px in the edit request")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="keep this many decoder and ViT layers (real widths; default: all)"
+    )
     parser.add_argument("--weight-dtype", default="fp8_e4m3fn", choices=("bf16", "fp8_e4m3fn", "fp8_e5m2", "int8"))
     parser.add_argument("--offload", default="none,layers", help="comma-separated offload modes")
     parser.add_argument("--methods", default="full,unicache", help="comma-separated KV methods")
@@ -320,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         offloads=tuple(args.offload.split(",")),
         methods=tuple(args.methods.split(",")),
         device=args.device,
+        images=args.images,
+        llm=None if args.layers is None else {"num_hidden_layers": args.layers, "max_window_layers": args.layers},
+        vit=None if args.layers is None else {"num_hidden_layers": args.layers + 1},  # the last one is dropped
     )
     sys.stdout.write(format_table(report["results"]) + "\n")
     if args.json is not None:

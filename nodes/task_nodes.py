@@ -33,6 +33,7 @@ from unicache_core.errors import CancelledError
 
 from . import host
 from .convert import ComfyVAEAdapter, from_comfy_latent, image_to_pils, pils_to_image, to_comfy_latent
+from .items_nodes import ITEMS_INPUT, check_items, memory_of, request_items, request_of
 from .model import BagelModel
 from .validation import check_source_latent, check_widgets, fit_source_latent
 
@@ -265,6 +266,11 @@ def _source_latents(latent, count: int, loaded) -> tuple[list, tuple[int, int]]:
     return [from_comfy_latent(samples[min(i, samples.shape[0] - 1) :][:1], loaded) for i in range(count)], size
 
 
+def _chain_items(items, loaded, vae) -> list:
+    """The engine's items of an item chain; a ComfyUI ``vae`` encodes its images now, before BAGEL is placed."""
+    return request_items(check_items(items), loaded, vae and (lambda pil: _encode_sources(vae, loaded, [pil])[0]))
+
+
 def _merge_reports(reports: list[dict]) -> dict:
     if len(reports) == 1:
         return reports[0]
@@ -346,7 +352,7 @@ class UniCacheTextToImage:
                 ),
                 **_generation_inputs(d),
             },
-            "optional": {"kv": KV_INPUT, "vae": VAE_INPUT},
+            "optional": {"kv": KV_INPUT, "vae": VAE_INPUT, "items": ITEMS_INPUT},
         }
 
     @classmethod
@@ -391,6 +397,7 @@ class UniCacheTextToImage:
         think,
         kv=None,
         vae=None,
+        items=None,
     ):
         settings = _generation_settings(
             "t2i",
@@ -409,12 +416,19 @@ class UniCacheTextToImage:
         _check_model(model)
         check_output_size(model.loaded.config, width, height)  # before anything is loaded onto the device
         memory = _memory(model, "t2i", prompt, settings)
+        prior = _chain_items(items, model.loaded, vae)
+        if prior:  # the chain's items, then the prompt
+            memory = memory_of(model.loaded, "t2i", request_of(prior, None, prompt), settings)
         external = _external_vae(model.loaded, vae)
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(1, steps - 1, model.loaded)
-        result = _run(
-            pipe.text_to_image, prompt, settings, seed=seed, hooks=_hooks(progress, preview=True), vae=external
-        )
+        hooks = _hooks(progress, preview=True)
+        if prior:
+            result = _run(
+                pipe.generate, "t2i", request_of(prior, None, prompt), settings, seed=seed, hooks=hooks, vae=external
+            )
+        else:
+            result = _run(pipe.text_to_image, prompt, settings, seed=seed, hooks=hooks, vae=external)
         return _generation_outputs([result], pipe)
 
 
@@ -459,6 +473,7 @@ class UniCacheImageEdit:
                         "size for BAGEL's ViT. At most 1024 px per side."
                     },
                 ),
+                "items": ITEMS_INPUT,
             },
         }
 
@@ -494,6 +509,7 @@ class UniCacheImageEdit:
         kv=None,
         vae=None,
         latent=None,
+        items=None,
     ):
         settings = _generation_settings(
             "edit",
@@ -515,24 +531,20 @@ class UniCacheImageEdit:
         memory = _memory(model, "edit", prompt, settings, source_size=sources[0].size, vae_size=size)
         if latent is None and vae is not None:
             latents = _encode_sources(vae, model.loaded, sources)
+        prior = _chain_items(items, model.loaded, vae)
+        if prior:  # the chain's items, then each source and the prompt
+            memory = memory_of(model.loaded, "edit", request_of(prior, sources[0], prompt, latents[0]), settings)
         external = _external_vae(model.loaded, vae)
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(len(sources), steps - 1, model.loaded)
         results = []
         for i, (source, z) in enumerate(zip(sources, latents)):
             progress.item = i
-            results.append(
-                _run(
-                    pipe.edit,
-                    prompt,
-                    source,
-                    settings,
-                    seed=(seed + i) % (MAX_SEED + 1),
-                    hooks=_hooks(progress, preview=True),
-                    given=GivenLatents(source_latent=z),
-                    vae=external,
-                )
-            )
+            seeded = dict(seed=(seed + i) % (MAX_SEED + 1), hooks=_hooks(progress, preview=True), vae=external)
+            if prior:
+                results.append(_run(pipe.generate, "edit", request_of(prior, source, prompt, z), settings, **seeded))
+            else:
+                results.append(_run(pipe.edit, prompt, source, settings, given=GivenLatents(source_latent=z), **seeded))
         return _generation_outputs(results, pipe)
 
 
@@ -601,6 +613,7 @@ class UniCacheUnderstand:
             "optional": {
                 "image": ("IMAGE", {"tooltip": "The image(s) to ask about; none = a text-only prompt."}),
                 "kv": KV_INPUT,
+                "items": ITEMS_INPUT,
             },
         }
 
@@ -608,7 +621,9 @@ class UniCacheUnderstand:
     def VALIDATE_INPUTS(cls, temperature):
         return check_widgets(cls, temperature=temperature)
 
-    def understand(self, model, prompt, max_new_tokens, do_sample, temperature, seed, think, image=None, kv=None):
+    def understand(
+        self, model, prompt, max_new_tokens, do_sample, temperature, seed, think, image=None, kv=None, items=None
+    ):
         settings = preset(
             "understanding", max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, think=think
         )
@@ -617,21 +632,19 @@ class UniCacheUnderstand:
         memory = _memory(
             model, "understanding", prompt, settings, source_size=None if sources[0] is None else sources[0].size
         )
+        prior = _chain_items(items, model.loaded, None)
+        if prior:  # the chain's items, then each image and the prompt
+            memory = memory_of(model.loaded, "understanding", request_of(prior, sources[0], prompt), settings)
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(len(sources), max_new_tokens)
         results = []
         for i, source in enumerate(sources):
             progress.item = i
-            results.append(
-                _run(
-                    pipe.understand,
-                    prompt,
-                    source,
-                    settings,
-                    seed=(seed + i) % (MAX_SEED + 1),
-                    hooks=_hooks(progress, preview=False),
-                )
-            )
+            seeded = dict(seed=(seed + i) % (MAX_SEED + 1), hooks=_hooks(progress, preview=False))
+            if prior:
+                results.append(_run(pipe.understand_items, request_of(prior, source, prompt), settings, **seeded))
+            else:
+                results.append(_run(pipe.understand, prompt, source, settings, **seeded))
         text = "\n\n".join(r.text for r in results)
         report = _merge_reports([r.kv_report for r in results])
         return {"ui": {"text": [text], "unicache_kv": [chart_data(report)]}, "result": (text, report)}

@@ -64,6 +64,8 @@ def test_pack_entry_exports(pack):
         "UniCacheImageEdit",
         "UniCacheUnderstand",
         "UniCacheKVReport",
+        "UniCacheImageItem",
+        "UniCacheTextItem",
     }
     assert set(pack.NODE_DISPLAY_NAME_MAPPINGS) == set(pack.NODE_CLASS_MAPPINGS)
     assert pack.WEB_DIRECTORY == "./web" and (ROOT / "web" / "unicache.js").is_file()

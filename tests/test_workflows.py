@@ -13,7 +13,15 @@ from comfy_stubs import host_stubs  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / "workflows"
-WORKFLOW_NAMES = ("text_to_image", "image_edit", "understanding", "ab_edit_full_vs_unicache")
+WORKFLOW_NAMES = (
+    "text_to_image",
+    "image_edit",
+    "understanding",
+    "ab_edit_full_vs_unicache",
+    "two_image_edit",
+    "two_image_understanding",
+    "iterative_edit",
+)
 
 # Core nodes the shipped workflows may use: widget inputs in order, as ComfyUI 0.3.75's /object_info has them.
 CORE_NODES = {

@@ -1,6 +1,7 @@
 """Write the shipped example workflows: ``workflows/<name>.json`` (UI format, drag-and-drop, frontend 1.32) and
 ``workflows/api/<name>.json`` (API format, for ``POST /prompt`` and ``python -m tools.batch``), plus the example
-input images ``workflows/assets/unicache_example.png`` and ``unicache_position.png``.
+input images ``workflows/assets/unicache_example.png``, ``unicache_position.png`` and, for the several-image
+workflows (issue #43), ``unicache_reference.png``.
 
 Run from the repo root after changing a node's inputs: ``.venv/bin/python tools/make_workflows.py``.
 Widget order and socket lists come from the nodes' own ``INPUT_TYPES``; tests/test_nodes.py checks the result.
@@ -15,11 +16,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nodes import NODE_CLASS_MAPPINGS  # noqa: E402
+from tools.workflow_format import NOTE, build  # noqa: E402
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT  # noqa: E402
 from unicache_core.compression.defaults import SCORE_QUERIES  # noqa: E402
 
-WIDGET_KINDS = {"INT", "FLOAT", "STRING", "BOOLEAN"}
 EXAMPLE_IMAGE = "unicache_example.png"
 #: The understanding workflow's input: one object, asked where it is (``position_scene()``).
 POSITION_IMAGE = "unicache_position.png"
@@ -27,106 +27,20 @@ POSITION_IMAGE = "unicache_position.png"
 T2I_PROMPT = "a large red circle at the top left and a small blue square at the center on a white background"
 EDIT_PROMPT = "change the background to black"
 QUESTION = "where is the red circle?"
-# core nodes: (socket inputs [(name, type)], widget names, outputs [(name, type)])
-CORE = {
-    "LoadImage": ([], ["image", "upload"], [("IMAGE", "IMAGE"), ("MASK", "MASK")]),
-    "SaveImage": ([("images", "IMAGE")], ["filename_prefix"], []),
-    "PreviewImage": ([("images", "IMAGE")], [], []),
-}
-
-
-def _schema(node_type: str):
-    """(sockets [(name, type)], widgets [(name, opts)], outputs [(name, type)])."""
-    if node_type in CORE:
-        sockets, widgets, outputs = CORE[node_type]
-        return sockets, [(w, {}) for w in widgets], outputs
-    cls = NODE_CLASS_MAPPINGS[node_type]
-    spec = cls.INPUT_TYPES()
-    sockets, widgets = [], []
-    for section in ("required", "optional"):
-        for name, (kind, *rest) in spec.get(section, {}).items():
-            opts = rest[0] if rest else {}
-            if isinstance(kind, list) or kind in WIDGET_KINDS:
-                widgets.append((name, opts))
-            else:
-                sockets.append((name, kind))
-    return sockets, widgets, list(zip(cls.RETURN_NAMES, cls.RETURN_TYPES))
-
-
-def build(graph: list[dict]) -> tuple[dict, dict]:
-    """``graph``: nodes ``{id, type, title?, pos, widgets: {name: value}, links: {input: (src_id, slot)}}``
-    in execution order → (UI workflow, API prompt)."""
-    by_id = {n["id"]: n for n in graph}
-    links, ui_nodes, api = [], [], {}
-    outputs_links: dict[tuple[int, int], list[int]] = {}
-    for node in graph:
-        sockets, _, _ = _schema(node["type"])
-        for slot, (name, kind) in enumerate(sockets):
-            if name in node.get("links", {}):
-                src, src_slot = node["links"][name]
-                link_id = len(links) + 1
-                links.append([link_id, src, src_slot, node["id"], slot, kind])
-                outputs_links.setdefault((src, src_slot), []).append(link_id)
-    link_of = {(link[3], link[4]): link[0] for link in links}
-    for order, node in enumerate(graph):
-        sockets, widgets, outputs = _schema(node["type"])
-        values = []
-        api_inputs = {}
-        for name, opts in widgets:
-            if name == "upload":
-                values.append("image")
-                continue
-            value = node["widgets"][name]
-            values.append(value)
-            api_inputs[name] = value
-            if opts.get("control_after_generate"):
-                values.append("fixed")
-        for name, _ in sockets:
-            if name in node.get("links", {}):
-                src, src_slot = node["links"][name]
-                api_inputs[name] = [str(src), src_slot]
-        title = node.get("title")
-        ui_nodes.append(
-            {
-                "id": node["id"],
-                "type": node["type"],
-                "pos": list(node["pos"]),
-                "size": list(node.get("size", (320, 180))),
-                "flags": {},
-                "order": order,
-                "mode": 0,
-                "inputs": [
-                    {"name": name, "type": kind, "link": link_of.get((node["id"], slot))}
-                    for slot, (name, kind) in enumerate(sockets)
-                ],
-                "outputs": [
-                    {"name": name, "type": kind, "slot_index": slot, "links": outputs_links.get((node["id"], slot), [])}
-                    for slot, (name, kind) in enumerate(outputs)
-                ],
-                "properties": {"Node name for S&R": node["type"]},
-                "widgets_values": values,
-                **({"title": title} if title else {}),
-            }
-        )
-        api[str(node["id"])] = {
-            "class_type": node["type"],
-            "inputs": api_inputs,
-            "_meta": {"title": title or node["type"]},
-        }
-    assert set(by_id) == {n["id"] for n in ui_nodes}
-    ui = {
-        "id": "00000000-0000-4000-8000-0000000000" + f"{graph[0]['id']:02d}",
-        "revision": 0,
-        "last_node_id": max(by_id),
-        "last_link_id": len(links),
-        "nodes": ui_nodes,
-        "links": links,
-        "groups": [],
-        "config": {},
-        "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}, "frontendVersion": "1.32.9"},
-        "version": 0.4,
-    }
-    return ui, api
+#: The several-image workflows' extra input: a one-object scene on gray (``reference_scene()``).
+REFERENCE_IMAGE = "unicache_reference.png"
+#: Two-image requests and the iterative edit, in the bundled model's language (it never saw two images in one
+#: request: docs/nodes.md says so next to these workflows).
+TWO_IMAGE_EDIT_PROMPT = "add a small green triangle at the bottom left"
+TWO_IMAGE_QUESTION = "how many shapes are there?"
+ITERATIVE_PROMPTS = ("change the background to black", "remove the blue square")
+#: Said next to the several-image workflows' outputs.
+TWO_IMAGES_NOTE = (
+    "The bundled unicache-shapes model was trained on one image per request and never saw two: this workflow shows "
+    "the wiring (items before the task node's own image and prompt) and runs end to end, but what the model draws "
+    "or answers after two images is not a multi-image model's result. For BAGEL-7B-MoT choose its checkpoint "
+    "(docs/nodes.md)."
+)
 
 
 def _loader(node_id=1, pos=(40, 80)):
@@ -322,7 +236,121 @@ def workflows() -> dict[str, list[dict]]:
         _report(9, 5, (1180, 80), "KV report A (full)"),
         _report(10, 6, (1180, 640), "KV report B (unicache)"),
     ]
-    return {"text_to_image": t2i, "image_edit": edit, "understanding": und, "ab_edit_full_vs_unicache": ab}
+    return {
+        "text_to_image": t2i,
+        "image_edit": edit,
+        "understanding": und,
+        "ab_edit_full_vs_unicache": ab,
+        **several_image_workflows(),
+    }
+
+
+def _save(node_id, src, pos, prefix, title=None):
+    return {
+        "id": node_id,
+        "type": "SaveImage",
+        "pos": pos,
+        "size": (320, 320),
+        "title": title,
+        "links": {"images": (src, 0)},
+        "widgets": {"filename_prefix": prefix},
+    }
+
+
+def _note(node_id, pos):
+    return {"id": node_id, "type": NOTE, "pos": pos, "size": (360, 140), "widgets": {"text": TWO_IMAGES_NOTE}}
+
+
+def _image_item(node_id, image_node, pos, items=None):
+    links = {"image": (image_node, 0), **({"items": items} if items else {})}
+    return {"id": node_id, "type": "UniCacheImageItem", "pos": pos, "size": (300, 100), "links": links, "widgets": {}}
+
+
+def several_image_workflows() -> dict[str, list[dict]]:
+    """Requests of several images (issue #43): an edit with a reference image before the edited one, a question
+    about two images, and an iterative edit (the second edit's context holds the first's image, instruction and
+    output: the official list ``[image, "p1", out1, "p2"]``)."""
+    two_edit = [
+        _loader(),
+        _kv(2),
+        _load_image(3, (40, 480), REFERENCE_IMAGE),
+        _image_item(4, 3, (420, 480)),
+        _load_image(5, (40, 840)),
+        {
+            "id": 6,
+            "type": "UniCacheImageEdit",
+            "pos": (780, 80),
+            "size": (360, 560),
+            "links": {"model": (1, 0), "image": (5, 0), "kv": (2, 0), "items": (4, 0)},
+            "widgets": {"prompt": TWO_IMAGE_EDIT_PROMPT, **_flow(25, 42, True)},
+        },
+        _save(7, 6, (1180, 80), "unicache/two_image_edit"),
+        _report(8, 6, (1180, 440)),
+        _note(9, (1540, 80)),
+    ]
+    two_und = [
+        _loader(),
+        _kv(2),
+        _load_image(3, (40, 480), REFERENCE_IMAGE),
+        _image_item(4, 3, (420, 480)),
+        _load_image(5, (40, 840), POSITION_IMAGE),
+        {
+            "id": 6,
+            "type": "UniCacheUnderstand",
+            "pos": (780, 80),
+            "size": (360, 360),
+            "links": {"model": (1, 0), "image": (5, 0), "kv": (2, 0), "items": (4, 0)},
+            "widgets": {
+                "prompt": TWO_IMAGE_QUESTION,
+                "max_new_tokens": 8,
+                "do_sample": False,
+                "temperature": 0.3,
+                "seed": 0,
+                "think": False,
+            },
+        },
+        _report(7, None, (1180, 80)),
+        _note(8, (1180, 480)),
+    ]
+    two_und[-2]["links"] = {"report": (6, 1)}
+    first, second = ITERATIVE_PROMPTS
+    iterative = [
+        _loader(),
+        _kv(2),
+        _load_image(3, (40, 480)),
+        _image_item(4, 3, (420, 480)),
+        {
+            "id": 5,
+            "type": "UniCacheTextItem",
+            "pos": (420, 640),
+            "size": (300, 160),
+            "links": {"items": (4, 0)},
+            "widgets": {"text": first},
+        },
+        {
+            "id": 6,
+            "type": "UniCacheImageEdit",
+            "pos": (780, 80),
+            "size": (360, 560),
+            "title": "Edit 1",
+            "links": {"model": (1, 0), "image": (3, 0), "kv": (2, 0), "prompt": (5, 1)},
+            "widgets": {"prompt": first, **_flow(25, 42, True)},
+        },
+        {
+            "id": 7,
+            "type": "UniCacheImageEdit",
+            "pos": (780, 700),
+            "size": (360, 560),
+            "title": "Edit 2 (after edit 1, in one context)",
+            "links": {"model": (1, 0), "image": (6, 0), "kv": (2, 0), "items": (5, 0)},
+            "widgets": {"prompt": second, **_flow(25, 42, True)},
+        },
+        _save(8, 6, (1180, 80), "unicache/iterative_1", "Edit 1"),
+        _save(9, 7, (1180, 440), "unicache/iterative_2", "Edit 2"),
+        _report(10, 7, (1540, 80), "KV report of edit 2"),
+        _note(11, (1540, 480)),
+    ]
+    return {"two_image_edit": two_edit, "two_image_understanding": two_und, "iterative_edit": iterative}
 
 
 def example_scene():
@@ -348,6 +376,13 @@ def position_scene():
     return Scene("white", (Shape("circle", "red", "large", 2),))
 
 
+def reference_scene():
+    """The several-image workflows' first image: one object of another colour and shape, on gray."""
+    from unicache_core.shapes import Scene, Shape
+
+    return Scene("gray", (Shape("triangle", "green", "small", 6),))
+
+
 def example_image(path: Path, scene=None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     (scene or example_scene()).render().save(path, optimize=True)
@@ -362,6 +397,7 @@ def main() -> int:
         (out / "api" / f"{name}.json").write_text(json.dumps(api, indent=1) + "\n")
     example_image(out / "assets" / EXAMPLE_IMAGE)
     example_image(out / "assets" / POSITION_IMAGE, position_scene())
+    example_image(out / "assets" / REFERENCE_IMAGE, reference_scene())
     print(f"wrote {len(workflows())} workflows (UI + API) and the example images under {out}")
     return 0
 

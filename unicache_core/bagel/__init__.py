@@ -8,6 +8,7 @@ Typical use::
     image = pipe.text_to_image("a red cube", preset("t2i", width=512, height=512), seed=42).image
     edited = pipe.edit("make it blue", image, seed=42).image          # the official edit settings
     answer = pipe.understand("What colour is the cube?", image).text
+    both = pipe.generate("edit", [image, edited, "put the cube of the first image into the second"]).image
 
 A compressing cache is plugged in with ``BagelPipeline(loaded, cache_factory=...)``. A single converted
 ``.safetensors`` (ComfyUI-BAGEL's form) loads with ``load_bagel(file, tokenizer_dir=..., vae=None or
@@ -20,6 +21,7 @@ Importing this package loads no weights and has no side effects.
 from .checkpoint.loader import LoadedBagel, load_bagel
 from .config import AEConfig, BagelConfig, LLMConfig, ResizeConfig, TransformConfig, ViTConfig, load_bagel_config
 from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT, Context, GenerationContexts
+from .items import GENERATE, ImageItem, TextItem
 from .latents import VAEAdapter, from_comfy_latent, to_comfy_latent
 from .pipeline import BagelPipeline, GenerationResult, UnderstandingResult
 from .request import GivenLatents, RunHooks
@@ -43,12 +45,14 @@ __all__ = [
     "BagelPipeline",
     "BagelTokenizer",
     "Context",
+    "GENERATE",
     "GEN_THINK_SYSTEM_PROMPT",
     "GenerationContexts",
     "GenerationResult",
     "GenerationSettings",
     "GivenLatents",
     "HostOperations",
+    "ImageItem",
     "ImageTransform",
     "ImageTransforms",
     "LLMConfig",
@@ -57,6 +61,7 @@ __all__ = [
     "RENORM_TYPES",
     "ResizeConfig",
     "RunHooks",
+    "TextItem",
     "TransformConfig",
     "UnderstandingResult",
     "UnderstandingSettings",

@@ -1,6 +1,9 @@
 """Command line: ``python -m unicache_core.bagel {understand,t2i,edit} --checkpoint DIR --prompt TEXT ...``.
 
-``t2i``/``edit`` write a PNG (``--out``); ``understand`` prints the answer on stdout. Progress goes to
+``t2i``/``edit`` write a PNG (``--out``); ``understand`` prints the answer on stdout. ``--image`` may be given
+several times (the images in that order, then the prompt), and ``--items FILE.json`` gives any interleaved list of
+texts and images instead (:mod:`.items_file`, :mod:`.cli_items`); an iterative request's earlier images are written
+beside ``--out`` as ``<stem>-1.png``, ``<stem>-2.png``... Progress goes to
 stderr. Every argument is checked before the weights load (:mod:`.cli_checks`). Expected failures (bad
 arguments, missing or broken checkpoint or image, unavailable device, file-system errors, non-finite
 values, out of memory, cancelled run) exit with status 2 and a one-line ``error: ...`` message; Ctrl-C
@@ -20,7 +23,8 @@ import torch
 from ..cli import OneLineParser as _Parser
 from ..cli import path_arg as _path
 from ..errors import UniCacheError
-from .cli_checks import preflight, save_image, save_text
+from .cli_checks import save_image, save_text
+from .cli_items import preflight_request
 from .memory_cli import add_memory_arguments, add_plan_parser, refuse_unfitting_run, run_plan
 from .request import RunHooks
 from .settings import BUNDLED_CHECKPOINT, BUNDLED_CHECKPOINT_DIR, EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
@@ -29,7 +33,6 @@ logger = logging.getLogger("unicache_core.bagel.cli")
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: The error of a second --image (a repeated single-value flag is refused, never dropped: unicache_core.cli).
-_ONE_IMAGE = "one image is taken per run: pass --image once"
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -43,9 +46,16 @@ def _build_parser() -> argparse.ArgumentParser:
             default=None,
             help=f"BAGEL checkpoint folder (default: the bundled {BUNDLED_CHECKPOINT})",
         )
-        text = p.add_mutually_exclusive_group(required=True)
+        text = p.add_mutually_exclusive_group()  # one of them, or --items (checked by _check_request_text)
         text.add_argument("--prompt", help="text prompt")
         text.add_argument("--prompt-file", type=_path, help="read the prompt from a UTF-8 text file")
+        p.add_argument(
+            "--items",
+            type=_path,
+            help='the request as a JSON list of texts and images in order: {"items": [{"image": "a.png"}, '
+            '{"image": "b.png"}, {"text": "..."}]} (paths relative to the file; t2i/edit: {"generate": true} '
+            "generates an image there and goes on with it)",
+        )
         p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="LLM/ViT dtype (VAE is fp32)")
         p.add_argument("--device", default="auto", help="torch device, or 'auto' (cuda when available)")
         add_memory_arguments(p)
@@ -101,20 +111,40 @@ def _build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cfg-renorm-min", type=float, default=d.cfg_renorm_min)
         p.add_argument("--cfg-renorm-type", default=d.cfg_renorm_type, help="global | channel | text_channel")
 
-    p_und = sub.add_parser("understand", help="answer a question about an image")
+    p_und = sub.add_parser("understand", help="answer a question about images")
     common(p_und)
-    p_und.add_argument("--image", type=_path, default=None, help="input image (optional)", repeat_hint=_ONE_IMAGE)
+    p_und.add_argument(
+        "--image",
+        type=_path,
+        action="append",
+        default=None,
+        help="input image (optional; repeat it for several: the images in the given order, then the prompt)",
+    )
 
     p_t2i = sub.add_parser("t2i", help="text to image")
     common(p_t2i)
     flow(p_t2i, T2I_DEFAULTS)
     p_t2i.add_argument("--width", type=int, default=T2I_DEFAULTS.width)
     p_t2i.add_argument("--height", type=int, default=T2I_DEFAULTS.height)
+    p_t2i.add_argument(
+        "--image",
+        type=_path,
+        action="append",
+        default=None,
+        help="reference image (repeatable), before the prompt in the given order; the output keeps --width/--height",
+    )
 
     p_edit = sub.add_parser("edit", help="edit an image")
     common(p_edit)
     flow(p_edit, EDIT_DEFAULTS)
-    p_edit.add_argument("--image", type=_path, required=True, help="source image", repeat_hint=_ONE_IMAGE)
+    p_edit.add_argument(
+        "--image",
+        type=_path,
+        action="append",
+        default=None,
+        help="source image (required unless --items; repeat it for several: the images in the given order, then the "
+        "prompt; the output takes the last one's size)",
+    )
     add_plan_parser(sub)
     return parser
 
@@ -157,7 +187,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.checkpoint is None:
         args.checkpoint = BUNDLED_CHECKPOINT_DIR
-    checked = preflight(args)  # every argument, the image and --out: before any weights load
+    checked = preflight_request(args)  # every argument, the images and --out: before any weights load
     refuse_unfitting_run(args, checked)  # the planned peak against the device's memory
     kv_config = _kv_config(args)  # every KV flag is checked before the model loads
     logger.info("loading %s (%s on %s)", args.checkpoint, args.dtype, checked.device)
@@ -174,9 +204,11 @@ def _run(args: argparse.Namespace) -> int:
     pipe = BagelPipeline(loaded, factory)
     if args.command == "understand":
         bar = _progress("decoding", args.quiet)
-        result = pipe.understand(
-            checked.prompt, checked.image, checked.settings, seed=checked.seed, hooks=RunHooks(progress=bar)
-        )
+        hooks = RunHooks(progress=bar)
+        if checked.items is not None:
+            result = pipe.understand_items(checked.items, checked.settings, seed=checked.seed, hooks=hooks)
+        else:
+            result = pipe.understand(checked.prompt, checked.image, checked.settings, seed=checked.seed, hooks=hooks)
         if bar is not None:
             bar.close()
         _write_report(args, result.kv_report)
@@ -184,16 +216,29 @@ def _run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         return 0
     hooks = RunHooks(progress=_progress("denoising", args.quiet))
-    if args.command == "t2i":
+    if checked.items is not None:
+        result = pipe.generate(args.command, checked.items, checked.settings, seed=checked.seed, hooks=hooks)
+    elif args.command == "t2i":
         result = pipe.text_to_image(checked.prompt, checked.settings, seed=checked.seed, hooks=hooks)
     else:
         result = pipe.edit(checked.prompt, checked.image, checked.settings, seed=checked.seed, hooks=hooks)
     if result.think_text is not None:
         logger.info("plan: %s", result.think_text)
+    for earlier, path in zip(result.rounds, checked.rounds_out):
+        save_image(earlier.image, path, checked.out_format)
+        logger.info("wrote %s (an earlier round)", path)
     save_image(result.image, args.out, checked.out_format)
     logger.info("wrote %s (%dx%d)", args.out, *result.image.size)
-    _write_report(args, result.kv_report)
+    _write_report(args, _with_rounds(result))
     return 0
+
+
+def _with_rounds(result) -> dict | None:
+    """The KV report of the last generation, with the earlier rounds' reports (an iterative request) under
+    ``rounds``."""
+    if not result.rounds or result.kv_report is None:
+        return result.kv_report
+    return {**result.kv_report, "rounds": [earlier.kv_report for earlier in result.rounds]}
 
 
 def _fail(message: str) -> None:
@@ -244,11 +289,26 @@ def _write_report(args: argparse.Namespace, report: dict | None) -> None:
         )
 
 
+def _check_request_text(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A request's text comes from exactly one of ``--prompt``, ``--prompt-file`` and ``--items``."""
+    if args.command == "plan":
+        return
+    given = [
+        flag for flag, value in (("--prompt", args.prompt), ("--prompt-file", args.prompt_file)) if value is not None
+    ]
+    if args.items is not None and given:
+        parser.error(f"argument --items: not allowed with argument {given[0]} (the items file holds the texts)")
+    if args.items is None and not given:
+        parser.error("one of the arguments --prompt --prompt-file is required (or --items FILE.json)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the process exit status (0 ok, 2 expected failure, 130 interrupted)."""
     _Bar.made.clear()
     try:
-        args = _build_parser().parse_args(argv)
+        parser = _build_parser()
+        args = parser.parse_args(argv)
+        _check_request_text(parser, args)
         logging.basicConfig(
             level=logging.WARNING if args.quiet else logging.INFO,
             stream=sys.stderr,

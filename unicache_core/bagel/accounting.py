@@ -1,9 +1,10 @@
 """Token and memory accounting of a BAGEL request, from its shape alone (no forward runs).
 
-* RoPE positions of a request's context (:func:`understanding_positions`, :func:`generation_positions`)
-  and the refusal of a request longer than the model's positions (:func:`check_positions`);
-* the tokens each branch's cache holds (:func:`count_request` → :class:`RequestTokens`), their KV bytes
-  at the checkpoint's layer geometry (:func:`kv_bytes_per_token`, :meth:`RequestTokens.kv_bytes`);
+* RoPE positions of a request's context (:func:`item_positions` for an item list, :func:`understanding_positions`,
+  :func:`generation_positions` for one image and a prompt) and the refusal of a request longer than the model's
+  positions (:func:`check_positions`, :func:`check_item_positions`: too many images names what would fit);
+* the tokens each branch's cache holds (:func:`count_items`, :func:`count_request` → :class:`RequestTokens`), their
+  KV bytes at the checkpoint's layer geometry (:func:`kv_bytes_per_token`, :meth:`RequestTokens.kv_bytes`);
 * the device memory a request needs besides the weights (:func:`request_memory_bytes`).
 
 Token counts follow the blocks of :mod:`.contexts`: a text block is its tokens plus ``<|im_start|>`` and
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,11 +23,14 @@ import torch
 from ..kv.cache import Task
 from .config import BagelConfig
 from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT
-from .settings import GenerationSettings, UnderstandingSettings
+from .items import GenerateItem, ImageItem, Item, TextItem
+from .settings import UNDERSTANDING_DEFAULTS, GenerationSettings, UnderstandingSettings
 from .transforms import ImageTransforms
 
 #: Tokens a block adds around its content (``<|im_start|>``/``<|im_end|>``, or an image's start/end).
 BOUNDARY_TOKENS = 2
+#: Prompt tokens a plan assumes (a long instruction; the prompt is small beside the image tokens).
+PLAN_PROMPT_TOKENS = 64
 
 
 # ----------------------------------------------------------------------------------------- positions
@@ -49,6 +54,57 @@ def generation_positions(tokenizer, prompt: str, *, has_image: bool, think: bool
     return used
 
 
+def item_positions(
+    tokenizer, items: Sequence[Item], *, generation: bool, think: bool, special_tokens: bool = False
+) -> int:
+    """RoPE positions of the largest context of an item list (:mod:`.items`): every text its tokens plus two, every
+    image one per block (VAE and ViT for a generation, ViT for understanding; a :data:`~.items.GENERATE` marker's
+    image as well, for the rounds after it), a generation's latent block one, and the think system prompt."""
+    per_image = 2 if generation else 1
+    used = 1 if generation else 0
+    for item in items:
+        if isinstance(item, TextItem):
+            used += len(tokenizer.encode(item.text, special_tokens=special_tokens)) + BOUNDARY_TOKENS
+        else:
+            used += per_image
+    if think:
+        prompt = GEN_THINK_SYSTEM_PROMPT if generation else VLM_THINK_SYSTEM_PROMPT
+        used += len(tokenizer.encode(prompt)) + BOUNDARY_TOKENS
+    return used
+
+
+def check_item_positions(
+    config: BagelConfig,
+    tokenizer,
+    items: Sequence[Item],
+    *,
+    generation: bool,
+    think: bool,
+    special_tokens: bool = False,
+    extra: int = 0,
+    extra_name: str = "max_new_tokens",
+    name: str = "items",
+) -> None:
+    """Refuse (before any forward) an item list needing more RoPE positions than the model has: a one-line
+    ValueError naming the count of images, the limit and how many images would fit with these texts; ``extra``
+    positions decoded after the context (``extra_name``: the setting to lower); ``name``: what the message calls
+    the request (``prompt`` for a single-image call)."""
+    used = item_positions(tokenizer, items, generation=generation, think=think, special_tokens=special_tokens)
+    images = sum(isinstance(item, (ImageItem, GenerateItem)) for item in items)
+    limit = config.llm.max_position_embeddings
+    if used > limit and images > 1:
+        per_image = 2 if generation else 1
+        fit = max(0, (limit - (used - images * per_image)) // per_image)
+        raise ValueError(
+            f"`{name}` holds {images} images, more than the model's positions allow: the request needs {used} RoPE "
+            f"positions ({per_image} per image) but max_position_embeddings = {limit}; at most {fit} images fit "
+            f"with these texts: drop images or shorten the texts"
+        )
+    check_positions(config, used, 0, name)
+    if extra:
+        check_positions(config, used, extra, extra_name)
+
+
 def check_positions(config: BagelConfig, used: int, extra: int, name: str) -> None:
     """Refuse (before any forward) a request needing more RoPE positions than the model was trained on.
 
@@ -60,7 +116,8 @@ def check_positions(config: BagelConfig, used: int, extra: int, name: str) -> No
         detail = f"{used} for the context" + (f" + {extra} for decoding" if extra else "")
         raise ValueError(
             f"`{name}` is too long: the request needs {used + extra} RoPE positions ({detail}) but "
-            f"max_position_embeddings = {limit}; shorten the prompt" + (f" or lower `{name}`" if extra else "")
+            f"max_position_embeddings = {limit}; shorten the {'texts' if name == 'items' else 'prompt'}"
+            + (f" or lower `{name}`" if extra else "")
         )
 
 
@@ -73,12 +130,17 @@ class RequestTokens:
 
     Attributes:
         task: ``understanding``, ``t2i`` or ``edit``.
-        prompt: prompt text tokens.
+        prompt: text tokens (of every text item).
         system: think-mode system prompt tokens (0 without think mode).
-        vit: ViT patch tokens of the input image (0 without one).
-        vae: latent tokens of an edit's source image (0 otherwise).
+        vit: ViT patch tokens of the input images (0 without one).
+        vae: latent tokens of a generation's input images (0 otherwise).
         latent: latent tokens denoised (t2i and edit: ``(H/16) * (W/16)`` of the output).
         decoded: most tokens decoded: the answer (understanding) or the think plan (generation).
+        images: ``(vae, vit)`` tokens of each input image in request order; empty: one image of ``vae``/``vit``
+            tokens when either is set (the single-image requests).
+        texts: text blocks (each adds its two boundary tokens).
+        cfg_text_tail: tokens (boundaries included) at the end of ``gen`` that ``cfg_text`` does not hold: the last
+            item when it is a text, 0 when it is an image; None: the one prompt after the images.
     """
 
     task: Task
@@ -88,26 +150,55 @@ class RequestTokens:
     vae: int = 0
     latent: int = 0
     decoded: int = 0
+    images: tuple[tuple[int, int], ...] = ()
+    texts: int = 1
+    cfg_text_tail: int | None = None
+
+    def image_blocks(self) -> tuple[tuple[int, int], ...]:
+        """``(vae, vit)`` tokens of every input image, in request order."""
+        if self.images:
+            return self.images
+        return ((self.vae, self.vit),) if self.vae or self.vit else ()
 
     def branches(self) -> dict[str, int]:
         """Most tokens each branch's cache holds (uncompressed): ``{"gen"}`` for understanding; ``gen``,
         ``cfg_text``, ``cfg_img`` (and ``plan`` in think mode: a fork of ``gen`` the plan is decoded in)
         for generation. The plan is then appended to ``gen`` as a text block."""
         system = self.system + BOUNDARY_TOKENS if self.system else 0
-        prompt = self.prompt + BOUNDARY_TOKENS
+        texts = self.prompt + BOUNDARY_TOKENS * self.texts
         if self.task == "understanding":
-            vit = self.vit + BOUNDARY_TOKENS if self.vit else 0
-            return {"gen": system + vit + prompt + self.decoded}
-        image = (self.vae + self.vit + 2 * BOUNDARY_TOKENS) if self.vae else 0
-        counts = {"gen": system + image + prompt, "cfg_text": system + image, "cfg_img": system + prompt}
+            vit = sum(v + BOUNDARY_TOKENS for _, v in self.image_blocks() if v)
+            return {"gen": system + vit + texts + self.decoded}
+        images = sum(vae + vit + 2 * BOUNDARY_TOKENS for vae, vit in self.image_blocks() if vae)
+        tail = self.prompt + BOUNDARY_TOKENS if self.cfg_text_tail is None else self.cfg_text_tail
+        gen = system + images + texts
+        counts = {"gen": gen, "cfg_text": gen - tail, "cfg_img": system + texts}
         if self.system:
             counts["plan"] = counts["gen"] + self.decoded
             counts["gen"] += self.decoded + BOUNDARY_TOKENS
         return counts
 
+    def shared_fork_tokens(self) -> int:
+        """Rows ``cfg_text`` shares with ``gen`` in a segmented (compressing) cache until the first compression:
+        the input images' rows (a text appended to ``gen`` after the fork copies its text and boundary stores), or
+        all of them when nothing follows the fork. A :class:`~unicache_core.kv.cache.FullKVCache` shares none: its
+        next append to ``gen`` builds new tensors of every row."""
+        if self.task == "understanding":
+            return 0
+        counts = self.branches()
+        if self.cfg_text_tail == 0 and not self.system:
+            return counts["cfg_text"]
+        return sum(vae + vit for vae, vit in self.image_blocks() if vae)
+
+    def largest_image(self) -> tuple[int, int]:
+        """``(vae, vit)``: the most tokens of one input image's VAE block and of one ViT block (encoded and
+        prefilled one image at a time)."""
+        blocks = self.image_blocks()
+        return max((vae for vae, _ in blocks), default=0), max((vit for _, vit in blocks), default=0)
+
     def largest_block(self) -> int:
         """Tokens of the largest single forward: a prefilled block or the latent query block."""
-        blocks = [self.prompt, self.system, self.vit, self.vae, self.latent]
+        blocks = [self.prompt, self.system, *self.largest_image(), self.latent]
         return max(blocks) + BOUNDARY_TOKENS
 
     def kv_bytes(self, config: BagelConfig, dtype: torch.dtype) -> dict[str, int]:
@@ -165,6 +256,102 @@ def count_request(
     )
 
 
+def count_items(
+    config: BagelConfig,
+    tokenizer,
+    task: Task,
+    items: Sequence[Item],
+    settings: GenerationSettings | UnderstandingSettings,
+) -> RequestTokens:
+    """The :class:`RequestTokens` of an item list (:mod:`.items`) at its largest round: every image at its size
+    (an image item with a given latent at the latent's size; a :data:`~.items.GENERATE` marker's image at the output
+    size it is generated at), every text, the output (an edit's last image, or the text-to-image size)."""
+    generation = task != "understanding"
+    images: list[tuple[int, int]] = []
+    prompt = texts = tail = 0
+    output_size = (settings.width, settings.height) if task == "t2i" else None
+    last_vae_size = None
+    for item in items:
+        if isinstance(item, TextItem):
+            tokens = len(tokenizer.encode(item.text, special_tokens=settings.prompt_special_tokens))
+            prompt, texts, tail = prompt + tokens, texts + 1, tokens + BOUNDARY_TOKENS
+            continue
+        tail = 0
+        if isinstance(item, GenerateItem):  # its image is generated at the size of the one before it
+            vae_size = last_vae_size if output_size is None else output_size
+            vae, vit = image_tokens(config, vae_size, vae_size=vae_size)
+        else:
+            vae_size = _latent_size(config, item.latent) if generation else None
+            vae, vit = image_tokens(config, item.image.size, vae_size=vae_size)
+            if vae_size is None:
+                vae_size = ImageTransforms.from_config(config).vae.resize.size_for(*item.image.size)
+        last_vae_size = vae_size
+        images.append((vae if generation else 0, vit))
+    step = config.latent_downsample
+    if task == "understanding":
+        system_prompt, decoded, latent = VLM_THINK_SYSTEM_PROMPT, settings.max_new_tokens, 0
+    else:
+        system_prompt, decoded = GEN_THINK_SYSTEM_PROMPT, settings.think_max_new_tokens if settings.think else 0
+        width, height = output_size if output_size is not None else last_vae_size or (0, 0)
+        latent = (width // step) * (height // step)
+    return RequestTokens(
+        task=task,
+        prompt=prompt,
+        system=len(tokenizer.encode(system_prompt)) if settings.think else 0,
+        vit=sum(vit for _, vit in images),
+        vae=sum(vae for vae, _ in images),
+        latent=latent,
+        decoded=decoded,
+        images=tuple(images),
+        texts=texts,
+        cfg_text_tail=tail,
+    )
+
+
+def _latent_size(config: BagelConfig, latent) -> tuple[int, int] | None:
+    """The pixel size a given source latent ``[1, C, H/8, W/8]`` sets (None without one)."""
+    if latent is None:
+        return None
+    return latent.shape[3] * config.ae.downsample, latent.shape[2] * config.ae.downsample
+
+
+def request_tokens(
+    config: BagelConfig,
+    task: str,
+    width: int,
+    height: int,
+    prompt_tokens: int = PLAN_PROMPT_TOKENS,
+    answer_tokens: int | None = None,
+    images: tuple[tuple[int, int], ...] | None = None,
+) -> RequestTokens:
+    """The tokens of a plan's request: its input ``images`` (``(width, height)`` each, in order, then a
+    ``prompt_tokens`` prompt; None: one ``width x height`` input image for ``und``/``edit``, none for an ``und`` of
+    size 0 or ``t2i``), default settings (no think mode); the output of an edit is its last image, of ``t2i``
+    ``width x height``; an ``und`` answer of ``answer_tokens`` (default: the most the default settings decode)."""
+    if images is None:
+        images = ((width, height),) if width and height and task != "t2i" else ()
+    blocks = tuple(image_tokens(config, size) for size in images)
+    if task == "understanding":
+        blocks = tuple((0, vit) for _, vit in blocks)
+    step = config.latent_downsample
+    latent = 0
+    if task == "edit":
+        latent = blocks[-1][0] if blocks else 0
+    elif task == "t2i":
+        latent = (width // step) * (height // step)
+    return RequestTokens(
+        task=task,
+        prompt=prompt_tokens,
+        vit=sum(vit for _, vit in blocks),
+        vae=sum(vae for vae, _ in blocks),
+        latent=latent,
+        decoded=(UNDERSTANDING_DEFAULTS.max_new_tokens if answer_tokens is None else answer_tokens)
+        if task == "understanding"
+        else 0,
+        images=blocks if len(blocks) > 1 else (),
+    )
+
+
 # ----------------------------------------------------------------------------------------- memory
 
 
@@ -209,7 +396,7 @@ def request_memory_parts(config: BagelConfig, dtype: torch.dtype, tokens: Reques
     branches = 1 if tokens.task == "understanding" else 3
     attention = queries * 2 * llm.num_attention_heads * llm.head_dim * 4
     mlp = queries * (3 * llm.intermediate_size + (4 + branches) * llm.hidden_size) * element
-    encode = vae_working_bytes(config, tokens.vae, decode=False)
+    encode = vae_working_bytes(config, tokens.largest_image()[0], decode=False)
     decode = vae_working_bytes(config, tokens.latent, decode=True)
     return {
         "kv": int(kv),
@@ -291,14 +478,19 @@ def vae_convolution_shapes(config: BagelConfig, latent_tokens: int, *, decode: b
 
 __all__ = [
     "BOUNDARY_TOKENS",
+    "PLAN_PROMPT_TOKENS",
     "RequestTokens",
     "check_positions",
+    "check_item_positions",
+    "count_items",
     "count_request",
     "generation_positions",
     "image_tokens",
+    "item_positions",
     "kv_bytes_per_token",
     "request_memory_bytes",
     "request_memory_parts",
+    "request_tokens",
     "tiled_decode_bytes",
     "tiled_tokens",
     "understanding_positions",

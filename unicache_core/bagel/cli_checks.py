@@ -134,17 +134,18 @@ def check_out_path(out: Path) -> str:
 
 
 def check_distinct_outputs(args) -> None:
-    """``--report`` must not name ``--out``, an input (``--image``, ``--prompt-file``, ``--policy``) or a file that
-    exists in the checkpoint folder, and ``--out`` must not name the prompt file or the policy table: the write
-    would replace it. ``--out`` may be ``--image`` (an edit in place; the source is read before anything is
-    written)."""
+    """``--report`` must not name ``--out``, an input (``--image``, ``--items``, ``--prompt-file``, ``--policy``) or a
+    file that exists in the checkpoint folder, and ``--out`` must not name the prompt file, the items file or the
+    policy table: the write would replace it. ``--out`` may be an ``--image`` (an edit in place; the sources are read
+    before anything is written)."""
     report, out = getattr(args, "report", None), getattr(args, "out", None)
-    inputs = {
-        flag: getattr(args, name, None)
-        for flag, name in (("--image", "image"), ("--prompt-file", "prompt_file"), ("--policy", "policy"))
-    }
+    images = getattr(args, "image", None)
+    inputs = [("--image", image) for image in (images if isinstance(images, list) else [images])] + [
+        (flag, getattr(args, name, None))
+        for flag, name in (("--items", "items"), ("--prompt-file", "prompt_file"), ("--policy", "policy"))
+    ]
     if report is not None:
-        for flag, other in (("--out", out), *inputs.items()):
+        for flag, other in (("--out", out), *inputs):
             if other is not None and same_file(report, other):
                 raise ValueError(
                     f"--report: {report} is the same file as {flag} {other}; the JSON report would "
@@ -161,9 +162,8 @@ def check_distinct_outputs(args) -> None:
                 f"overwrite it, give --report a path outside the checkpoint folder"
             )
     if out is not None:
-        for flag in ("--prompt-file", "--policy"):
-            other = inputs[flag]
-            if other is not None and same_file(out, other):
+        for flag, other in inputs:
+            if flag != "--image" and other is not None and same_file(out, other):
                 raise ValueError(
                     f"--out: {out} is the same file as {flag} {other}; the image would overwrite it, "
                     f"give --out its own path"
@@ -215,8 +215,9 @@ def read_prompt_file(path: Path) -> str:
 # ------------------------------------------------------------------------------------------- images
 
 
-def open_image(path: Path):
-    """Decode ``--image`` as PIL does (no EXIF transpose, as officially); refuses decompression bombs.
+def open_image(path: Path, flag: str = "--image"):
+    """Decode ``--image`` (``flag`` names it in errors) as PIL does (no EXIF transpose, as officially); refuses
+    decompression bombs.
 
     Images above PIL's ``Image.MAX_IMAGE_PIXELS`` are refused before their pixels are decoded (PIL
     only warns between 1x and 2x that limit; here both are errors). The RGB conversion
@@ -227,11 +228,11 @@ def open_image(path: Path):
     from .transforms import pil_img2rgb
 
     if path.is_dir():
-        raise ValueError(f"--image: {path} is a directory; pass an image file")
+        raise ValueError(f"{flag}: {path} is a directory; pass an image file")
     if not path.exists():
-        raise not_found("--image", path, "file")
+        raise not_found(flag, path, "file")
     if not path.is_file():
-        raise ValueError(f"--image: {path} is not a regular file; pass an image file")
+        raise ValueError(f"{flag}: {path} is not a regular file; pass an image file")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -240,15 +241,15 @@ def open_image(path: Path):
                 image = img.copy()
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ValueError(
-            f"--image: {path} is too large to decode safely ({exc}); downscale it below "
+            f"{flag}: {path} is too large to decode safely ({exc}); downscale it below "
             f"{Image.MAX_IMAGE_PIXELS} pixels first (BAGEL resizes every input to at most 1024 px per side)"
         ) from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
-        raise ValueError(f"--image: cannot read {path} as an image ({exc})") from None
+        raise ValueError(f"{flag}: cannot read {path} as an image ({exc})") from None
     try:
         pil_img2rgb(image, "image")
     except ValueError as exc:
-        raise ValueError(f"--image: {path}: {exc}") from None
+        raise ValueError(f"{flag}: {path}: {exc}") from None
     return image
 
 
@@ -293,14 +294,18 @@ def check_policy_table(args, root: Path) -> None:
 @dataclass
 class Checked:
     """What :func:`preflight` validated: the prompt text, the decoded image, the output format, the device, the
-    request's settings and seed."""
+    request's settings and seed; ``items``: the request's item list when it is not a single-image request (several
+    ``--image``, ``--items``: :mod:`.cli_items`; ``image`` is then its last image), ``rounds_out``: where an
+    iterative request writes its earlier images."""
 
-    prompt: str
+    prompt: str | None
     image: Any
     out_format: str | None
     device: str
     settings: GenerationSettings | UnderstandingSettings
     seed: int
+    items: tuple | None = None
+    rounds_out: tuple[Path, ...] = ()
 
 
 def resolve_device(device: str) -> str:
@@ -353,10 +358,12 @@ def request_settings(args) -> GenerationSettings | UnderstandingSettings:
     )
 
 
-def preflight(args) -> Checked:
+def preflight(args, *, items: bool = False) -> Checked:
     """Validate a parsed command line (``args.command``: ``understand``, ``t2i`` or ``edit``): the prompt, the
     request's settings and seed, the device, the output size and the prompt's positions against the
-    checkpoint's config, the input image and ``--out``. Nothing here loads weights.
+    checkpoint's config, the input image and ``--out``. Nothing here loads weights. ``items``: the request is an
+    item list (:func:`~.cli_items.preflight_request` checks its images, texts and positions), so the image and the
+    prompt's positions are left to it.
     """
     from .accounting import check_positions, generation_positions, understanding_positions
     from .checkpoint.folder import check_folder_weights
@@ -364,7 +371,10 @@ def preflight(args) -> Checked:
     from .tokenizer import BagelTokenizer, check_bagel_tokens
 
     root = check_checkpoint_dir(args.checkpoint)
-    if getattr(args, "prompt_file", None) is not None:
+    prompt_flag = None
+    if getattr(args, "items", None) is not None:
+        prompt = None  # the texts are in the items file
+    elif getattr(args, "prompt_file", None) is not None:
         prompt = read_prompt_file(args.prompt_file)
         prompt_flag = {"prompt": f"--prompt-file {args.prompt_file}"}
     else:
@@ -377,7 +387,8 @@ def preflight(args) -> Checked:
     check_distinct_outputs(args)
     task = args.command
     try:
-        check_prompt(prompt)
+        if prompt is not None:
+            check_prompt(prompt)
         settings = request_settings(args)
         seed = check_seed(args.seed)
     except ValueError as exc:
@@ -391,8 +402,12 @@ def preflight(args) -> Checked:
             check_output_size(config, settings.width, settings.height)
         except ValueError as exc:
             raise with_flag(exc) from None
-    image_path = getattr(args, "image", None)
-    image = open_image(image_path) if image_path is not None else None
+    if items:
+        return Checked(prompt, None, out_format, device, settings, seed)
+    paths = args.image if isinstance(args.image, list) else [p for p in (getattr(args, "image", None),) if p]
+    if task == "edit" and not paths:
+        raise ValueError("--image: an edit needs its source image: give --image FILE (or --items FILE.json)")
+    image = open_image(paths[0]) if paths else None
     tokenizer = BagelTokenizer.from_dir(root)
     check_bagel_tokens(tokenizer, root)
     has_image = image is not None
@@ -421,7 +436,7 @@ def preflight(args) -> Checked:
     except ValueError as exc:
         raise with_flag(exc, prompt_flag) from None
     check_folder_weights(root, config)  # the weights' headers, so the plan and the load never build a claimed geometry
-    return Checked(prompt=prompt, image=image, out_format=out_format, device=device, settings=settings, seed=seed)
+    return Checked(prompt, image, out_format, device, settings, seed)
 
 
 __all__ = [

@@ -14,9 +14,11 @@ latents    ``[vs] noisy latents (t) [ve]``        gen*     bidirect.   all ``r``
 
 (*) boundary tokens use the und expert, latent tokens the gen expert (``gen_mask``).
 
-The contexts of a request: :func:`build_understanding_context` (one ``gen`` context) and
-:func:`build_generation_contexts` (``gen``, ``cfg_text``, ``cfg_img``, docs/bagel.md §5.3-§5.4), every
-cache from the request's :class:`~unicache_core.kv.cache.CacheSession`.
+An image block names the input image it belongs to (``index``: 0-based among the request's images, in request
+order; :attr:`~unicache_core.kv.cache.AttentionCall.image`), so a cache can keep each image's rows apart. The
+contexts of a request are built from its item list by :mod:`.interleave` (one ``gen`` context for understanding;
+``gen``, ``cfg_text``, ``cfg_img`` for generation: :class:`GenerationContexts`), every cache from the request's
+:class:`~unicache_core.kv.cache.CacheSession`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from PIL import Image
 from torch import Tensor
 
 from ..kv.cache import AttentionCall, CacheSession, KVCache, Phase
@@ -33,11 +34,7 @@ from .checkpoint.loader import LoadedBagel
 from .checkpoint.tensor_file import release_freed_host_memory
 from .modeling import AutoEncoder
 from .modeling.qwen2_mot import BranchInput
-from .numerics import check_finite, check_noise
-from .request import NO_GIVEN_LATENTS, GivenLatents
 from .sampling import pack_latent
-from .settings import source_latent_size
-from .transforms import ImageTransforms, pil_img2rgb, to_tensor
 
 #: System prompt prefilled before an understanding request in think mode (prompt text of inferencer.py).
 VLM_THINK_SYSTEM_PROMPT = (
@@ -101,8 +98,9 @@ def append_text(loaded: LoadedBagel, ctx: Context, text: str, *, special_tokens:
     return n
 
 
-def append_vit(loaded: LoadedBagel, ctx: Context, image: Tensor) -> int:
-    """Prefill a ViT image block; ``image`` is ``[3, H, W]`` in ``[-1, 1]`` (ViT transform applied)."""
+def append_vit(loaded: LoadedBagel, ctx: Context, image: Tensor, *, index: int | None = None) -> int:
+    """Prefill a ViT image block; ``image`` is ``[3, H, W]`` in ``[-1, 1]`` (ViT transform applied); ``index``: the
+    input image's 0-based place among the request's images (:attr:`~unicache_core.kv.cache.AttentionCall.image`)."""
     device = loaded.device
     vit = loaded.model.embed_vit(image.to(device))  # [N, H]
     start, end = _boundary_embeds(loaded)
@@ -110,7 +108,9 @@ def append_vit(loaded: LoadedBagel, ctx: Context, image: Tensor) -> int:
     n = embeds.shape[0]
     positions = torch.full((n,), ctx.rope, dtype=torch.long, device=device)
     types = _types((TokenType.BOUNDARY, 1), (TokenType.SOURCE_VIT, n - 2), (TokenType.BOUNDARY, 1), device=device)
-    call = AttentionCall(token_types=types, rope_positions=positions, causal=False, update=True, phase="prefill")
+    call = AttentionCall(
+        token_types=types, rope_positions=positions, causal=False, update=True, phase="prefill", image=index
+    )
     loaded.model.forward_llm(embeds, positions, ctx.cache, call)
     ctx.rope += 1
     return n
@@ -164,14 +164,17 @@ def latent_gen_mask(num_latents: int, device: torch.device) -> Tensor:
     return mask
 
 
-def append_vae(loaded: LoadedBagel, ctx: Context, latent: Tensor, h: int, w: int) -> int:
-    """Prefill a clean VAE image block (t = 0, gen mode) from packed latents ``[h*w, 64]``."""
+def append_vae(loaded: LoadedBagel, ctx: Context, latent: Tensor, h: int, w: int, *, index: int | None = None) -> int:
+    """Prefill a clean VAE image block (t = 0, gen mode) from packed latents ``[h*w, 64]``; ``index``: the input
+    image's 0-based place among the request's images (:attr:`~unicache_core.kv.cache.AttentionCall.image`)."""
     device = loaded.device
     embeds = latent_block_embeds(loaded, latent, h, w, 0.0)
     n = embeds.shape[0]
     positions = torch.full((n,), ctx.rope, dtype=torch.long, device=device)
     types = _types((TokenType.BOUNDARY, 1), (TokenType.SOURCE_VAE, n - 2), (TokenType.BOUNDARY, 1), device=device)
-    call = AttentionCall(token_types=types, rope_positions=positions, causal=False, update=True, phase="prefill")
+    call = AttentionCall(
+        token_types=types, rope_positions=positions, causal=False, update=True, phase="prefill", image=index
+    )
     loaded.model.forward_llm(embeds, positions, ctx.cache, call, gen_mask=latent_gen_mask(n - 2, device))
     ctx.rope += 1
     return n
@@ -248,8 +251,11 @@ class GenerationContexts:
     height: int
     width: int
     session: CacheSession | None = None
-    #: how the source latent of an edit was made (``"checkpoint_vae"``, ``"external_vae"``, ``"given"``).
+    #: how the last input image's source latent was made (``"checkpoint_vae"``, ``"external_vae"``, ``"given"``;
+    #: None without an input image)
     source_latent: str | None = None
+    #: the same for every input image, in request order
+    source_latents: tuple[str, ...] = ()
 
     def branches(self) -> dict[str, Context]:
         return {"gen": self.gen, "cfg_text": self.cfg_text, "cfg_img": self.cfg_img}
@@ -258,83 +264,6 @@ class GenerationContexts:
 def new_context(session: CacheSession, branch: str) -> Context:
     """An empty context whose cache comes from ``session``."""
     return Context(cache=session.new_cache(branch), rope=0)
-
-
-def build_understanding_context(
-    loaded: LoadedBagel,
-    session: CacheSession,
-    image: Image.Image | None,
-    prompt: str,
-    *,
-    think: bool = False,
-    special_tokens: bool = False,
-) -> Context:
-    """``[system (think)] [ViT image] [text]`` in one ``gen`` context (docs/bagel.md §4.6); ``special_tokens``:
-    the prompt's control-token strings are parsed (:meth:`~.tokenizer.BagelTokenizer.encode`)."""
-    ctx = new_context(session, "gen")
-    if think:
-        append_text(loaded, ctx, VLM_THINK_SYSTEM_PROMPT)
-    if image is not None:
-        transforms = ImageTransforms.from_config(loaded.config)
-        resized = transforms.prepare(image, "image")
-        append_vit(loaded, ctx, transforms.vit(resized))
-    append_text(loaded, ctx, prompt, special_tokens=special_tokens)
-    return ctx
-
-
-def build_generation_contexts(
-    loaded: LoadedBagel,
-    session: CacheSession,
-    prompt: str,
-    *,
-    image: Image.Image | None = None,
-    size: tuple[int, int] | None = None,
-    think: bool = False,
-    generator: torch.Generator | None = None,
-    given: GivenLatents = NO_GIVEN_LATENTS,
-    vae=None,
-    special_tokens: bool = False,
-) -> GenerationContexts:
-    """Build ``gen``, ``cfg_text`` and ``cfg_img`` as ``interleave_inference`` does (image, then text).
-
-    Without ``image`` the output ``size`` is ``(width, height)``; for an edit it is the VAE-resized
-    source size, or the size of ``given.source_latent`` when one is given (BAGEL's convention, any size on
-    BAGEL's grid: :func:`given_latent_size`; the ViT then sees the image resized to it). Without a given
-    latent the source latent comes from ``vae``'s encode (the chosen VAE: the checkpoint's
-    :class:`~.modeling.AutoEncoder`, sampling with ``given.vae_noise`` or noise drawn from
-    ``generator``, or an external :class:`~.latents.VAEAdapter`). ``special_tokens``: the prompt's control-token
-    strings are parsed (:meth:`~.tokenizer.BagelTokenizer.encode`).
-    """
-    gen = new_context(session, "gen")
-    cfg_img = new_context(session, "cfg_img")
-    if think:
-        append_text(loaded, gen, GEN_THINK_SYSTEM_PROMPT)
-        append_text(loaded, cfg_img, GEN_THINK_SYSTEM_PROMPT)
-    how = None
-    if image is not None:
-        transforms = ImageTransforms.from_config(loaded.config)
-        resized = transforms.prepare(image, "image")
-        vae_input = transforms.vae(resized)
-        latent_size = given_latent_size(loaded, given.source_latent)
-        if latent_size not in (None, resized.size):
-            # the output follows the given latent; the ViT sees the image resized to the latent's pixel size
-            resized = pil_img2rgb(image, "image").resize(latent_size, Image.BICUBIC)
-            vae_input = to_tensor(resized)
-        size = resized.size
-        lp = loaded.config.latent_downsample
-        h, w = vae_input.shape[1] // lp, vae_input.shape[2] // lp
-        latent, how = source_latent(loaded, vae_input, vae=vae, given=given, generator=generator)
-        release_between_phases(loaded)  # the encoder's activations, before the prefill's
-        append_vae(loaded, gen, latent, h, w)
-        append_vit(loaded, gen, transforms.vit(resized))
-    # the official deepcopy(gen) point: after the image, before the text; the session builds it from gen
-    cfg_text = Context(session.fork(gen.cache, "cfg_text"), gen.rope)
-    append_text(loaded, gen, prompt, special_tokens=special_tokens)
-    append_text(loaded, cfg_img, prompt, special_tokens=special_tokens)
-    width, height = size
-    return GenerationContexts(
-        gen=gen, cfg_text=cfg_text, cfg_img=cfg_img, height=height, width=width, session=session, source_latent=how
-    )
 
 
 def release_between_phases(loaded: LoadedBagel) -> None:
@@ -347,80 +276,3 @@ def release_between_phases(loaded: LoadedBagel) -> None:
     """
     if loaded.device.type == "cpu":
         release_freed_host_memory()
-
-
-def given_latent_size(loaded: LoadedBagel, z: object) -> tuple[int, int] | None:
-    """Output ``(width, height)`` of an edit given the source latent ``z`` ``[1, C, H/8, W/8]`` (``None`` when
-    ``z`` is None): its cells times ``ae.downsample``, checked against BAGEL's grid
-    (:func:`~.settings.source_latent_size`)."""
-    if z is None:
-        return None
-    channels = loaded.config.ae.z_channels
-    if not isinstance(z, Tensor) or not z.is_floating_point() or z.ndim != 4 or tuple(z.shape[:2]) != (1, channels):
-        if not isinstance(z, Tensor):
-            got = type(z).__name__
-        else:
-            got = tuple(z.shape) if z.is_floating_point() else z.dtype
-        raise ValueError(
-            f"`source_latent` must be one floating-point latent [1, {channels}, H/8, W/8] in BAGEL's "
-            f"convention, got {got}"
-        )
-    return source_latent_size(loaded.config, z.shape[2], z.shape[3])
-
-
-def _check_latent_tensor(name: str, z: object, shape: tuple[int, ...], width: int, height: int) -> Tensor:
-    """A caller's or external VAE's source latent: a float tensor of ``shape`` (finiteness checked after)."""
-    if not isinstance(z, Tensor) or not z.is_floating_point():
-        raise ValueError(
-            f"`{name}` must be a floating-point torch.Tensor of shape {shape}, got "
-            f"{type(z).__name__ if not isinstance(z, Tensor) else z.dtype}"
-        )
-    if tuple(z.shape) != shape:
-        raise ValueError(
-            f"`{name}` has shape {tuple(z.shape)}, but the source image is resized to {width}x{height} (BAGEL's VAE "
-            f"transform), whose latent is {shape}; encode the image at {width}x{height} (e.g. resize it before "
-            f"VAEEncode) or leave it None to encode here"
-        )
-    return z.detach().to("cpu", torch.float32)
-
-
-def source_latent(
-    loaded: LoadedBagel, vae_input: Tensor, *, vae, given: GivenLatents, generator: torch.Generator | None
-) -> tuple[Tensor, str]:
-    """Packed ``[(H/16)*(W/16), 64]`` clean latent of an edit's source ``[3, H, W]`` and how it was made.
-
-    ``vae``: the VAE that encodes (ignored when ``given.source_latent`` is set).
-    """
-    cfg = loaded.config
-    ds = cfg.ae.downsample
-    height, width = vae_input.shape[1], vae_input.shape[2]
-    shape = (1, cfg.ae.z_channels, height // ds, width // ds)
-    chosen = None if given.source_latent is not None else vae
-    if isinstance(chosen, AutoEncoder):
-        if given.vae_noise is not None:
-            check_noise("vae_noise", given.vae_noise, shape)
-        latent = encode_vae_latent(loaded, vae_input, noise=given.vae_noise, generator=generator, vae=chosen)
-        how = "checkpoint_vae" if chosen is loaded.vae else "external_vae"
-        check_finite(
-            latent,
-            "the VAE encoding of the source image",
-            "check ae.safetensors (re-download it); the VAE always runs in fp32",
-        )
-        return latent, how
-    if given.vae_noise is not None:
-        raise ValueError(
-            "`vae_noise` is the sampling noise of the built-in VAE encode; it is not used with "
-            "`source_latent` or an external VAE: leave it None"
-        )
-    if generator is not None:  # the draw the built-in encode makes, so the seed gives the same later noise
-        torch.randn(shape, generator=generator, dtype=torch.float32)
-    if given.source_latent is not None:
-        z, how = _check_latent_tensor("source_latent", given.source_latent, shape, width, height), "given"
-        advice = "pass a finite latent (e.g. from_comfy_latent of VAEEncode's samples)"
-    else:
-        with torch.inference_mode():
-            z = chosen.encode(vae_input.unsqueeze(0).float().cpu())
-        z, how = _check_latent_tensor("the external VAE's encode", z, shape, width, height), "external_vae"
-        advice = "check the external VAE (its encode must return a finite [1, 16, H/8, W/8] latent)"
-    check_finite(z, "the source latent" if how == "given" else "the external VAE encoding of the source image", advice)
-    return pack_latent(z[0].float(), cfg.latent_patch_size), how

@@ -40,6 +40,12 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--task", choices=sorted(PLAN_TASKS), required=True)
     p.add_argument("--width", type=int, default=1024, help="image width (und/edit: the input, t2i: the output)")
     p.add_argument("--height", type=int, default=1024)
+    p.add_argument(
+        "--image-sizes",
+        default=None,
+        help="the input images' sizes in request order, e.g. 1024x1024,1024x1024,768x512 (und/edit; t2i: reference "
+        "images); instead of --width/--height for und and edit (an edit's output takes the last one's size)",
+    )
     p.add_argument("--kv-method", default="full")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument(
@@ -63,23 +69,53 @@ def run_plan(args: argparse.Namespace) -> int:
 
     if args.json is not None:  # before the plan: never a checkpoint's file, a device or a FIFO; written whole
         check_output_file("--json", args.json, "plan JSON", checkpoints=[args.checkpoint])
-    plan = _plan_of(args, args.checkpoint, args.task, args.width, args.height, args.device_memory)
+    images = parse_image_sizes(args.image_sizes) if args.image_sizes is not None else ()
+    plan = _plan_of(args, args.checkpoint, args.task, args.width, args.height, args.device_memory, images=images)
     sys.stdout.write(describe(plan) + "\n")
     if args.json is not None:
         save_text(json.dumps(plan.to_json(), indent=1) + "\n", args.json, "--json")
     return 0
 
 
+def parse_image_sizes(value: str) -> tuple[tuple[int, int], ...]:
+    """``--image-sizes "1024x1024,768x512"`` → ``((1024, 1024), (768, 512))``; a one-line ValueError names a bad
+    entry."""
+    import re
+
+    sizes = []
+    for index, entry in enumerate(str(value).split(",")):
+        match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", entry)
+        if match is None or int(match.group(1)) <= 0 or int(match.group(2)) <= 0:
+            raise ValueError(
+                f"--image-sizes: entry {index + 1} ({entry.strip()!r}) is not WIDTHxHEIGHT with positive sides; write "
+                f"e.g. 1024x1024,768x512"
+            )
+        sizes.append((int(match.group(1)), int(match.group(2))))
+    return tuple(sizes)
+
+
 def refuse_unfitting_run(args: argparse.Namespace, checked) -> None:
-    """Before a run loads anything: raise a one-line ValueError when its plan does not fit the device."""
+    """Before a run loads anything: raise a one-line ValueError when its plan does not fit the device (several
+    input images: how many of them would fit)."""
     if args.command == "t2i":
         width, height = checked.settings.width, checked.settings.height
     elif checked.image is not None:
         width, height = checked.image.size
     else:
         width = height = 0
+    images = ()
+    if checked.items is not None:
+        from .items import GenerateItem, ImageItem
+
+        sizes = []
+        for item in checked.items:  # a GENERATE marker's image is the size of the one before it
+            if isinstance(item, ImageItem):
+                sizes.append(item.image.size)
+            elif isinstance(item, GenerateItem):
+                sizes.append(sizes[-1] if sizes and args.command == "edit" else (width, height))
+        images = tuple(sizes)
     task = {"understand": "und"}.get(args.command, args.command)
-    plan = _plan_of(args, args.checkpoint, task, width, height, None, device=checked.device)
+    plan = _plan_of(args, args.checkpoint, task, width, height, None, device=checked.device, images=images)
     if not plan.fits:
         raise ValueError(
             f"this run needs about {plan.peak_bytes / 1e9:.1f} GB on {checked.device} (planned), which has "
@@ -87,7 +123,9 @@ def refuse_unfitting_run(args: argparse.Namespace, checked) -> None:
         )
 
 
-def _plan_of(args, checkpoint, task: str, width: int, height: int, device_memory: str | None, *, device=None):
+def _plan_of(
+    args, checkpoint, task: str, width: int, height: int, device_memory: str | None, *, device=None, images=()
+):
     import torch
 
     from .checkpoint.folder import check_folder_weights
@@ -122,6 +160,7 @@ def _plan_of(args, checkpoint, task: str, width: int, height: int, device_memory
         dtype=args.dtype,
         offload=args.offload,
         device=planned.type,
+        images=tuple(images),
     )
     return plan_memory(config, settings, total)
 
@@ -151,9 +190,44 @@ def check_plan_size(config, task: str, width: int, height: int) -> None:
 
 
 def describe(plan) -> str:
-    from .memory_plan import describe as describe_plan
+    """The plan (:class:`~.memory_plan.MemoryPlan`) as a few human-readable lines (for the CLI's stdout)."""
+    from .memory_plan import NOT_IN_PEAK
 
-    return describe_plan(plan)
+    gb = 1e9
+    images = plan.settings.images
+    shape = (
+        f"{len(images)} images ({', '.join(f'{w}x{h}' for w, h in images)})"
+        if images
+        else f"{plan.settings.width}x{plan.settings.height}"
+    )
+    lines = [
+        f"{plan.settings.task} {shape}, weights {plan.settings.weight_dtype}"
+        f" (compute {plan.settings.dtype}), KV {plan.settings.kv_method}, offload {plan.settings.offload}:",
+        f"  peak {plan.peak_bytes / gb:.2f} GB of {plan.device_bytes / gb:.2f} GB -> "
+        + ("fits" if plan.fits else f"does not fit: {plan.suggestion}"),
+    ]
+    if plan.vae_decode == "tiled":
+        lines.append("  the VAE decodes in tiles (the whole decode would not fit; close to it, not equal)")
+    lines += [
+        f"  {name:<28} {size / gb:8.3f} GB" + ("  (detail, not added)" if name in NOT_IN_PEAK else "")
+        for name, size in plan.breakdown.items()
+    ]
+    if len(plan.kv_images) > 1:
+        lines += [
+            f"  image {i} {image['size'][0]}x{image['size'][1]}: KV "
+            + ", ".join(f"{branch} {size / gb:.3f} GB" for branch, size in image["bytes_per_branch"].items())
+            + f", held {image['held_bytes'] / gb:.3f} GB"
+            for i, image in enumerate(plan.kv_images)
+        ]
+    return "\n".join(lines)
 
 
-__all__ = ["add_memory_arguments", "add_plan_parser", "check_plan_size", "refuse_unfitting_run", "run_plan"]
+__all__ = [
+    "add_memory_arguments",
+    "add_plan_parser",
+    "check_plan_size",
+    "describe",
+    "parse_image_sizes",
+    "refuse_unfitting_run",
+    "run_plan",
+]

@@ -9,13 +9,16 @@
   the rest is ``weights_host``;
 - ``vae``: the fp32 VAE's weights;
 - ``working``: the larger of the two phases that never overlap (:func:`~.accounting.request_memory_parts`):
-  - the LLM's: ``kv_full``, the uncompressed KV of every branch (:mod:`.accounting`; compression runs after
-    the first step or the prompt, so the LLM phase's peak holds it), plus its largest forward (``upcast`` +
-    ``attention`` + ``mlp``). ``upcast`` is, with low-precision storage, the largest weights upcast at once to
-    the compute dtype (one decoder layer inside :func:`~.modeling.operations.shared_upcasts`, or ``lm_head``);
-  - the VAE's encode or decode (``vae_working``): an edit's source is encoded before any image or prompt
-    token is cached, and the pipeline releases the caches before it decodes, so no KV is held beside it.
-  ``kv_compressed`` (a detail) is what the method keeps after its first compression.
+  - the LLM's: ``kv_held``, the KV the branches hold together before the first compression, plus its largest
+    forward (``upcast`` + ``attention`` + ``mlp`` + a key-scoring method's ``kv_scoring``), or ``kv_held`` plus
+    ``kv_compressing`` when the first branch is compressed (the KV terms: :mod:`.plan_kv`). ``upcast`` is, with
+    low-precision storage, the largest weights upcast at once to the compute dtype (one decoder layer inside
+    :func:`~.modeling.operations.shared_upcasts`, or ``lm_head``);
+  - the VAE's encode or decode (``vae_working``): every source is encoded before any image or prompt token is
+    cached (one at a time: the largest counts), and the pipeline releases the caches before it decodes.
+
+Several input images (``PlanSettings.images``, the CLI's ``--image-sizes``) are counted in ``gen`` and ``cfg_text``
+as the official contexts hold them (``settings.kv_images`` of :meth:`MemoryPlan.to_json`: each one's bytes).
 
 On the CPU (``device="cpu"``) two parts the tensors do not show are added (:func:`cpu_runtime_parts`):
 
@@ -46,6 +49,7 @@ BAGEL-7B-MoT's geometry without any file (:data:`OFFICIAL_CHECKPOINT`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -56,24 +60,27 @@ import torch
 
 from .accounting import (
     BOUNDARY_TOKENS,
+    PLAN_PROMPT_TOKENS,
     RequestTokens,
-    image_tokens,
     request_memory_parts,
+    request_tokens,
     tiled_tokens,
 )
 from .config import BagelConfig, bagel_config_from_dicts, load_bagel_config
-from .settings import UNDERSTANDING_DEFAULTS
+from .image_fit import suggest_fewer_images
+from .plan_kv import kv_parts, kv_per_image
 
 logger = logging.getLogger(__name__)
 
 #: The ``--checkpoint`` name that plans BAGEL-7B-MoT's geometry from its published configs (no files).
 OFFICIAL_CHECKPOINT = "bagel-7b-mot"
-#: Prompt tokens a plan assumes (a long instruction; the prompt is small beside the image tokens).
-PLAN_PROMPT_TOKENS = 64
 #: Breakdown entries that detail the peak's parts or lie outside it (the rest add up to ``peak_bytes``).
 NOT_IN_PEAK = (
     "weights_host",
     "kv_full",
+    "kv_held",
+    "kv_compressing",
+    "kv_scoring",
     "kv_compressed",
     "upcast",
     "attention",
@@ -106,7 +113,7 @@ CUDA_VAE_ENCODE_PER_PIXEL = 520
 #: Tasks a plan accepts (the CLI's names).
 PLAN_TASKS = {"und": "understanding", "understand": "understanding", "t2i": "t2i", "edit": "edit"}
 #: Weight dtypes tried, in order, when the chosen settings do not fit (cheapest in quality first).
-_FALLBACK_WEIGHTS = ("bf16", "fp8_e4m3fn", "int8")
+FALLBACK_WEIGHTS = ("bf16", "fp8_e4m3fn", "int8")
 #: The smallest ``--device-memory`` a plan accepts (64 MiB: less is no GPU, nor a machine running torch).
 MIN_DEVICE_BYTES = 64 << 20
 
@@ -153,9 +160,12 @@ class PlanSettings:
     offload: str = "none"
     #: the device type planned for; ``"cpu"`` adds the CPU runtime's own memory (:func:`cpu_runtime_parts`)
     device: str = "cuda"
+    #: ``(width, height)`` of each input image in request order (und, edit; text-to-image: references); empty: one
+    #: input image of ``width x height`` for und and edit (none for an und of size 0), none for text-to-image
+    images: tuple[tuple[int, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "images": [list(size) for size in self.images]}
 
 
 @dataclass(frozen=True)
@@ -172,6 +182,8 @@ class MemoryPlan:
     #: ``"tiled"`` when the whole VAE decode would not fit and the plan counts the tiled one the pipeline falls
     #: back to on CUDA (:mod:`.modeling.vae_tiling`), else ``"whole"``
     vae_decode: str = "whole"
+    #: each input image's uncompressed KV: ``{"size", "vae_tokens", "vit_tokens", "bytes_per_branch"}``
+    kv_images: tuple[dict[str, Any], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -181,35 +193,15 @@ class MemoryPlan:
             "fits": self.fits,
             "suggestion": self.suggestion,
             "vae_decode": self.vae_decode,
-            "settings": {**self.settings.to_dict(), "kv_branches": dict(self.kv_branches)},
+            "settings": {
+                **self.settings.to_dict(),
+                "kv_branches": dict(self.kv_branches),
+                "kv_images": [dict(image) for image in self.kv_images],
+            },
         }
 
 
-def request_tokens(
-    config: BagelConfig,
-    task: str,
-    width: int,
-    height: int,
-    prompt_tokens: int = PLAN_PROMPT_TOKENS,
-    answer_tokens: int | None = None,
-) -> RequestTokens:
-    """The tokens of a plan's request: a ``prompt_tokens`` prompt and a ``width x height`` image (the input of
-    ``und``/``edit``, none for an ``und`` of size 0, the output of ``t2i``), default settings (no think mode);
-    an ``und`` answer of ``answer_tokens`` (default: the most the default settings decode)."""
-    vae, vit = image_tokens(config, (width, height)) if width and height else (0, 0)
-    step = config.latent_downsample
-    if task == "understanding":
-        return RequestTokens(
-            task="understanding",
-            prompt=prompt_tokens,
-            vit=vit,
-            decoded=UNDERSTANDING_DEFAULTS.max_new_tokens if answer_tokens is None else answer_tokens,
-        )
-    if task == "edit":
-        return RequestTokens(task="edit", prompt=prompt_tokens, vit=vit, vae=vae, latent=vae)
-    return RequestTokens(task="t2i", prompt=prompt_tokens, latent=(width // step) * (height // step))
-
-
+@functools.lru_cache(maxsize=16)
 def _weights(config: BagelConfig, weight_dtype: str, dtype: torch.dtype, offload: str) -> tuple[dict[str, int], int]:
     """(``weights_device_<dtype>``, ``weights_host``, ``vae``, ``upcast`` bytes, the compute dtype's element size),
     counted from the config's tensor shapes (:mod:`.weight_layout`): nothing is built, at any layer count."""
@@ -241,6 +233,12 @@ def plan_memory(
     return dataclasses.replace(plan, suggestion=_suggest(config, settings, device_bytes))
 
 
+def plan_without_suggestion(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> MemoryPlan:
+    """:func:`plan_memory` at the default text lengths without searching for a setting that fits (what a search over
+    settings calls)."""
+    return _predict(config, settings, device_bytes)
+
+
 def _predict(
     config: BagelConfig,
     settings: PlanSettings,
@@ -249,15 +247,18 @@ def _predict(
     answer_tokens: int | None = None,
 ) -> MemoryPlan:
     """:func:`plan_memory` without the suggestion."""
-    from ..compression import method_from_name
     from .checkpoint.loader import parse_dtype
 
     task = PLAN_TASKS[settings.task]
     dtype = parse_dtype(settings.dtype)
-    tokens = request_tokens(config, task, settings.width, settings.height, prompt_tokens, answer_tokens)
+    images = tuple(tuple(size) for size in settings.images) or None
+    tokens = request_tokens(config, task, settings.width, settings.height, prompt_tokens, answer_tokens, images)
     parts, _ = _weights(config, settings.weight_dtype, dtype, settings.offload)
+    parts = dict(parts)
     kv_branches = tokens.kv_bytes(config, dtype)
-    parts["kv_full"] = sum(kv_branches.values())
+    kv = kv_parts(config, dtype, tokens, settings.kv_method)
+    compressed = kv.pop("kv_compressed", None)
+    parts.update(kv)
     work = request_memory_parts(config, dtype, tokens)
     parts.update(attention=work["attention"], mlp=work["mlp"], vae_working=work["vae"])
     freed_heap = vae_heap = 0
@@ -279,10 +280,9 @@ def _predict(
         tiled_peak = sum(v for k, v in tiled.items() if k not in NOT_IN_PEAK)
         if tiled_peak < peak:
             parts, peak, vae_decode = tiled, tiled_peak, "tiled"
-    if settings.kv_method != "full":
-        target = method_from_name(settings.kv_method).target(task)
-        ratio = float(target) if isinstance(target, float) else 1.0
-        parts["kv_compressed"] = int(parts["kv_full"] * ratio)
+    if compressed is not None:
+        parts["kv_compressed"] = compressed
+    sizes = images if images is not None else ((settings.width, settings.height),)
     return MemoryPlan(
         peak_bytes=int(peak),
         breakdown=parts,
@@ -292,14 +292,18 @@ def _predict(
         settings=settings,
         kv_branches=kv_branches,
         vae_decode=vae_decode,
+        kv_images=kv_per_image(config, dtype, tokens, sizes, shared=settings.kv_method != "full"),
     )
 
 
 def _working(parts: dict[str, int], freed_heap: int = 0, vae_heap: int = 0) -> int:
-    """The working memory of the larger phase: the LLM's (the full KV and a decoder layer's upcast weights,
-    attention and MLP, and on the CPU the heap its forward keeps) or a VAE pass's (and on the CPU its heap)."""
+    """The working memory of the larger phase: the LLM's (the KV the branches hold and a decoder layer's upcast
+    weights, attention and MLP, and on the CPU the heap its forward keeps; or, after the first step, that KV and the
+    first compressed branch's copy), or a VAE pass's (and on the CPU its heap)."""
+    held = parts.get("kv_held", parts["kv_full"])
     return max(
-        parts["kv_full"] + parts["upcast"] + parts["attention"] + parts["mlp"] + freed_heap,
+        held + parts["upcast"] + parts["attention"] + parts["mlp"] + parts.get("kv_scoring", 0) + freed_heap,
+        held + parts.get("kv_compressing", 0),
         parts["vae_working"] + vae_heap,
     )
 
@@ -320,7 +324,7 @@ def cuda_runtime_parts(
     ``cuda_vae_workspace``."""
     pixels_per_token = config.latent_downsample**2
     decoded = tiled_tokens(config, tokens.latent) if tiled else tokens.latent
-    encode = (work["vae_encode"], CUDA_VAE_ENCODE_PER_PIXEL * tokens.vae * pixels_per_token)
+    encode = (work["vae_encode"], CUDA_VAE_ENCODE_PER_PIXEL * tokens.largest_image()[0] * pixels_per_token)
     decode = (
         work["vae_decode_tiled" if tiled else "vae_decode"],
         CUDA_VAE_DECODE_PER_PIXEL * decoded * pixels_per_token,
@@ -354,18 +358,19 @@ def matmul_shapes(config: BagelConfig, tokens: RequestTokens) -> set[tuple[int, 
     rows = {tokens.prompt + BOUNDARY_TOKENS}
     if tokens.system:
         rows.add(tokens.system + BOUNDARY_TOKENS)
-    if tokens.vit:
-        rows.add(tokens.vit + BOUNDARY_TOKENS)
-    for gen_tokens in (tokens.vae, tokens.latent):
-        if gen_tokens:
-            rows.update((gen_tokens, BOUNDARY_TOKENS))
+    images = tokens.image_blocks()
+    vits = {patches for _, patches in images if patches}
+    gen_blocks = {latents for latents, _ in images if latents} | ({tokens.latent} if tokens.latent else set())
+    rows.update(patches + BOUNDARY_TOKENS for patches in vits)
+    for gen_tokens in gen_blocks:
+        rows.update((gen_tokens, BOUNDARY_TOKENS))
     if tokens.decoded:
         rows.add(1)
     shapes = {(n, k, o, bias) for n in rows for k, o, bias in decoder}
-    if tokens.vit:
-        patch = 3 * vit.patch_size**2
+    patch = 3 * vit.patch_size**2
+    for vit_tokens in vits:
         shapes.update(
-            (tokens.vit, k, o, True)
+            (vit_tokens, k, o, True)
             for k, o in (
                 (patch, vit.hidden_size),
                 (vit.hidden_size, vit.hidden_size),
@@ -375,7 +380,7 @@ def matmul_shapes(config: BagelConfig, tokens: RequestTokens) -> set[tuple[int, 
                 (hidden, hidden),
             )
         )
-    for gen_tokens in {tokens.vae, tokens.latent} - {0}:
+    for gen_tokens in gen_blocks:
         shapes.add((gen_tokens, config.patch_latent_dim, hidden, True))
     if tokens.latent:
         shapes.update(
@@ -409,8 +414,9 @@ def cpu_runtime_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTo
     from .accounting import vae_activation_below, vae_convolution_shapes
 
     products = len(matmul_shapes(config, tokens)) if dtype != torch.float32 else 0
+    encodes = {vae for vae, _ in tokens.image_blocks() if vae}
     convolutions = len(
-        vae_convolution_shapes(config, tokens.vae, decode=False)
+        frozenset().union(*(vae_convolution_shapes(config, vae, decode=False) for vae in encodes))
         | vae_convolution_shapes(config, tokens.latent, decode=True)
     )
     llm = config.llm
@@ -426,7 +432,7 @@ def cpu_runtime_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTo
     # the decode's own heap, plus what an edit's encode left resident under it (long-lived tensors made after the
     # encode, the source latent and the prefill's KV, sit between its freed blocks)
     vae_heap = 2 * (
-        vae_activation_below(config, tokens.vae, GLIBC_MMAP_THRESHOLD_MAX, decode=False)
+        vae_activation_below(config, tokens.largest_image()[0], GLIBC_MMAP_THRESHOLD_MAX, decode=False)
         + vae_activation_below(config, tokens.latent, GLIBC_MMAP_THRESHOLD_MAX, decode=True)
     )
     return {
@@ -437,11 +443,20 @@ def cpu_runtime_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTo
 
 
 def _suggest(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> str:
-    """The first of (weight dtype x offload) that fits, as flags; else a smaller size."""
+    """The first of (weight dtype x offload) that fits, as flags; else a smaller size. With several input images,
+    first how many of them fit with these settings (:func:`~.card_fit.fitting_images`)."""
     import dataclasses
 
+    if len(settings.images) > 1:
+        return suggest_fewer_images(
+            settings,
+            device_bytes,
+            lambda trial: _predict(config, trial, device_bytes).fits,
+            FALLBACK_WEIGHTS,
+            lambda one: _suggest(config, one, device_bytes),
+        )
     for offload in ("none", "layers"):
-        for weight_dtype in _FALLBACK_WEIGHTS:
+        for weight_dtype in FALLBACK_WEIGHTS:
             trial = dataclasses.replace(settings, weight_dtype=weight_dtype, offload=offload)
             if trial == settings:
                 continue
@@ -457,24 +472,6 @@ def _suggest(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> 
     )
 
 
-def describe(plan: MemoryPlan) -> str:
-    """The plan as a few human-readable lines (for the CLI's stdout)."""
-    gb = 1e9
-    lines = [
-        f"{plan.settings.task} {plan.settings.width}x{plan.settings.height}, weights {plan.settings.weight_dtype}"
-        f" (compute {plan.settings.dtype}), KV {plan.settings.kv_method}, offload {plan.settings.offload}:",
-        f"  peak {plan.peak_bytes / gb:.2f} GB of {plan.device_bytes / gb:.2f} GB -> "
-        + ("fits" if plan.fits else f"does not fit: {plan.suggestion}"),
-    ]
-    if plan.vae_decode == "tiled":
-        lines.append("  the VAE decodes in tiles (the whole decode would not fit; close to it, not equal)")
-    lines += [
-        f"  {name:<28} {size / gb:8.3f} GB" + ("  (detail, not added)" if name in NOT_IN_PEAK else "")
-        for name, size in plan.breakdown.items()
-    ]
-    return "\n".join(lines)
-
-
 __all__ = [
     "CPU_CONV_KERNEL_BYTES",
     "CPU_MATMUL_KERNEL_BYTES",
@@ -488,13 +485,13 @@ __all__ = [
     "PlanSettings",
     "cpu_runtime_parts",
     "cuda_runtime_parts",
-    "describe",
     "device_memory_bytes",
     "matmul_shapes",
     "official_config",
     "parse_memory_size",
     "plan_config",
     "plan_memory",
+    "plan_without_suggestion",
     "request_tokens",
     "tensor_peak_bytes",
 ]

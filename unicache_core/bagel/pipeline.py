@@ -1,13 +1,16 @@
-"""The three BAGEL procedures (understanding, text-to-image, editing) over pluggable KV caches.
+"""The BAGEL procedures (understanding, text-to-image, editing) over pluggable KV caches.
 
-Mirrors ``InterleaveInferencer.interleave_inference`` (docs/bagel.md §5): contexts are built block by
-block (:mod:`.contexts`), every cache comes from a :data:`~unicache_core.kv.cache.CacheFactory`
-(``cfg_text`` is a fork of ``gen`` taken at the official point), text is decoded by :mod:`.decoding` and
-latents by the flow loop of :mod:`.denoise`. Each procedure takes its validated settings
+Mirrors ``InterleaveInferencer.interleave_inference`` (docs/bagel.md §5): a request is an ordered item list of
+texts and images (:mod:`.items`; :meth:`BagelPipeline.understand_items` and :meth:`BagelPipeline.generate` take
+one, with any number of images), whose contexts are built block by block by one mechanism (:mod:`.interleave`);
+``understand``, ``text_to_image`` and ``edit`` are its lists ``[image, prompt]`` and ``[prompt]``. Every cache
+comes from a :data:`~unicache_core.kv.cache.CacheFactory` (``cfg_text`` is a fork of ``gen`` taken at the official
+point), text is decoded by :mod:`.decoding` and latents by the flow loop of :mod:`.denoise` (a generation's run,
+in rounds for iterative editing: :mod:`.generation`). Each procedure takes its validated settings
 (:mod:`.settings`), a seed, run-time hooks and given latents (:mod:`.request`).
 
 Randomness: one CPU ``torch.Generator`` seeded with ``seed`` gives, in order, the VAE-encode noise of
-an edit's source image, the think-mode plan samples (including the official loop's final discarded
+every input image (in item order), the think-mode plan samples (including the official loop's final discarded
 draw) and the initial latent noise: the official code draws all of them from the global CPU RNG in
 that order, so seeded runs reproduce it (checked against the official code, sampled think mode too).
 Seeds below ``2**32`` seed it with ``manual_seed`` exactly as officially; every larger seed (up to
@@ -29,22 +32,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from PIL import Image
-from torch import Tensor
 
 from ..kv.cache import CacheFactory, CacheSession, RequestInfo, Task, as_cache_factory, full_cache_factory
 from . import contexts as C
-from .accounting import check_positions, generation_positions, understanding_positions
+from .accounting import check_item_positions
 from .checkpoint.loader import LoadedBagel
 from .checkpoint.model_id import model_id_of
 from .contexts import Context, GenerationContexts
 from .decoding import decode_text
-from .denoise import decode_latents, denoise
-from .latents import latent_factors
-from .numerics import check_noise
+from .generation import GenerationCall, GenerationResult, run_generation
+from .interleave import build_generation_contexts, build_understanding_context
+from .items import Item, check_image_item, image_items, request_items, single_request
 from .request import NO_GIVEN_LATENTS, NO_HOOKS, GivenLatents, RunHooks
 from .seeding import check_seed, seeded_generator
 from .settings import (
@@ -53,46 +56,15 @@ from .settings import (
     UNDERSTANDING_DEFAULTS,
     GenerationSettings,
     UnderstandingSettings,
-    check_bool,
     check_output_size,
     check_prompt,
+    preset,
 )
-from .transforms import check_image
+from .source_images import prepare_image
 
 logger = logging.getLogger(__name__)
 
 PRESET = "unicache_core.bagel.settings.preset"
-
-
-@dataclass
-class GenerationResult:
-    """Output of :meth:`BagelPipeline.text_to_image` / :meth:`BagelPipeline.edit`.
-
-    Attributes:
-        image: RGB PIL image, ``width x height`` (``None`` when called with ``decode=False``).
-        latents: ``[1, 16, H/8, W/8]`` fp32 final latent in BAGEL's convention (what the VAE decoded;
-            ComfyUI's ``LATENT["samples"]`` is :func:`~.latents.to_comfy_latent` of it).
-        num_steps: denoising steps run (``num_timesteps - 1``).
-        seed: seed of the noise generator.
-        info: timings (``prefill_s``, ``think_s``, ``denoise_s``, ``decode_s``), context sizes
-            (``context_tokens``) and cache bytes (``cache_bytes``) per branch, denoising forwards per branch
-            (``forwards``), which VAE decoded (``vae``: ``"checkpoint"``, ``"external"`` or ``None``), how an
-            edit's source latent was made (``source_latent``: ``"checkpoint_vae"``, ``"external_vae"``,
-            ``"given"``) and the latent constants (``latent_format``).
-        think_text: the plan decoded in think mode, else ``None``.
-        step0_velocity: with ``return_step0_velocity=True``: ``{"gen", "cfg_text", "cfg_img"
-            (branches computed), "guided"}`` ``[h*w, 64]`` velocities of step 0.
-        kv_report: the cache session's report (see :mod:`unicache_core.compression`).
-    """
-
-    image: Image.Image | None
-    latents: Tensor
-    num_steps: int
-    seed: int
-    info: dict = field(default_factory=dict)
-    think_text: str | None = None
-    step0_velocity: dict[str, Tensor] | None = None
-    kv_report: dict | None = None
 
 
 @dataclass
@@ -199,10 +171,13 @@ class BagelPipeline:
         session: CacheSession | None = None,
         special_tokens: bool = False,
     ) -> Context:
-        """:func:`.contexts.build_understanding_context` in ``session`` (a new one when None)."""
+        """The context of ``[image, prompt]`` (:func:`.interleave.build_understanding_context`) in ``session`` (a new
+        one when None)."""
         session = self.start_session("understanding") if session is None else session
-        return C.build_understanding_context(
-            self.loaded, session, image, prompt, think=think, special_tokens=special_tokens
+        items = single_request(prompt, image)
+        prepared = {item: prepare_image(self.loaded, item.image, generation=False) for item in image_items(items)}
+        return build_understanding_context(
+            self.loaded, session, items, prepared, think=think, special_tokens=special_tokens
         )
 
     @torch.inference_mode()
@@ -220,25 +195,27 @@ class BagelPipeline:
         given: GivenLatents = NO_GIVEN_LATENTS,
         vae=None,
     ) -> GenerationContexts:
-        """:func:`.contexts.build_generation_contexts` in ``session`` (a new one when None); ``width``/``height``
-        without ``image``; ``vae`` encodes an edit's source (see :meth:`resolve_vae`)."""
+        """The contexts of ``[image, prompt]`` (or ``[prompt]``; :func:`.interleave.build_generation_contexts`) in
+        ``session`` (a new one when None); ``width``/``height`` without ``image``; ``vae`` encodes an edit's source
+        (see :meth:`resolve_vae`) unless ``given.source_latent`` is set."""
         if image is None and (width is None or height is None):
             raise ValueError("`width` and `height` are required without a source image")
         session = self.start_session(task) if session is None else session
-        encoder = None
-        if image is not None and given.source_latent is None:
-            encoder = self.resolve_vae(vae, "encode the source image")
-        return C.build_generation_contexts(
-            self.loaded,
-            session,
-            prompt,
-            image=image,
-            size=(width, height),
-            think=think,
-            generator=generator,
-            given=given,
-            vae=encoder,
-        )
+        items = single_request(prompt, image, latent=given.source_latent, vae_noise=given.vae_noise)
+        prepared = {}
+        for item in image_items(items):
+            encoder = None if item.latent is not None else self.resolve_vae(vae, "encode the source image")
+            prepared[item] = prepare_image(
+                self.loaded,
+                item.image,
+                generation=True,
+                latent=item.latent,
+                vae_noise=item.vae_noise,
+                vae=encoder,
+                generator=generator,
+            )
+        size = (width, height) if image is None else None
+        return build_generation_contexts(self.loaded, session, items, prepared, size=size, think=think)
 
     # ---------------------------------------------------------------- public procedures
 
@@ -251,32 +228,51 @@ class BagelPipeline:
         seed: int | None = None,
         hooks: RunHooks | None = None,
     ) -> UnderstandingResult:
-        """Answer ``prompt`` about ``image`` (or a text-only prompt when ``image`` is None), docs/bagel.md §5.2.
+        """Answer ``prompt`` about ``image`` (or a text-only prompt when ``image`` is None), docs/bagel.md §5.2: the
+        item list ``[image, prompt]`` (:meth:`understand_items`).
 
         ``settings`` defaults to the official ones; ``seed`` seeds sampled decoding (``None``: unseeded);
         ``hooks``: progress per decoded token, cancel polled before each.
         """
         check_prompt(prompt)
         if image is not None:
-            check_image(image, "image")
+            check_image_item(0, image, name="image")
+        return self._understand(single_request(prompt, image), settings, seed, hooks, name="prompt")
+
+    def understand_items(
+        self,
+        items: Sequence[Item | str | Image.Image],
+        settings: UnderstandingSettings | None = None,
+        *,
+        seed: int | None = None,
+        hooks: RunHooks | None = None,
+    ) -> UnderstandingResult:
+        """Answer after an item list (:mod:`.items`: texts and images in order, e.g. ``[img_a, img_b, "what differs
+        between the two pictures?"]``), built as ``interleave_inference`` builds it; arguments as :meth:`understand`.
+        """
+        return self._understand(request_items(items, generation=False), settings, seed, hooks, name="items")
+
+    def _understand(self, items, settings, seed, hooks, *, name: str) -> UnderstandingResult:
         s = _checked("settings", settings, UnderstandingSettings, UNDERSTANDING_DEFAULTS, PRESET)
         hooks, _ = _call_parts(hooks, None)
         generator = None if seed is None else seeded_generator(check_seed(seed))
-        used = understanding_positions(
+        check_item_positions(
+            self.loaded.config,
             self.loaded.tokenizer,
-            prompt,
-            has_image=image is not None,
+            items,
+            generation=False,
             think=s.think,
             special_tokens=s.prompt_special_tokens,
+            extra=s.max_new_tokens,
+            name=name,
         )
-        check_positions(self.loaded.config, used, 0, "prompt")
-        check_positions(self.loaded.config, used, s.max_new_tokens, "max_new_tokens")
         session = self.start_session("understanding", s.max_new_tokens)
         with torch.inference_mode():
             t0 = time.perf_counter()
             hooks.enter("contexts")
-            ctx = C.build_understanding_context(
-                self.loaded, session, image, prompt, think=s.think, special_tokens=s.prompt_special_tokens
+            prepared = {item: prepare_image(self.loaded, item.image, generation=False) for item in image_items(items)}
+            ctx = build_understanding_context(
+                self.loaded, session, items, prepared, think=s.think, special_tokens=s.prompt_special_tokens
             )
             C.release_between_phases(self.loaded)
             t1 = time.perf_counter()
@@ -298,6 +294,7 @@ class BagelPipeline:
             "decode_s": t2 - t1,
             "context_tokens": {"gen": context_tokens},
             "cache_bytes": ctx.cache.nbytes(),
+            "images": len(prepared),
         }
         logger.info("understanding: %d context tokens, %d new tokens, %.2fs", context_tokens, len(ids), t2 - t0)
         return UnderstandingResult(text=text, token_ids=ids, info=info, kv_report=session.finish())
@@ -314,7 +311,8 @@ class BagelPipeline:
         decode: bool = True,
         return_step0_velocity: bool = False,
     ) -> GenerationResult:
-        """Text-to-image (docs/bagel.md §5.3) of ``settings.width x settings.height`` pixels.
+        """Text-to-image (docs/bagel.md §5.3) of ``settings.width x settings.height`` pixels: the item list
+        ``[prompt]`` (:meth:`generate`).
 
         Args:
             prompt: the instruction text (wrapped as ``<|im_start|> prompt <|im_end|>``, no chat template).
@@ -334,18 +332,10 @@ class BagelPipeline:
         check_output_size(self.loaded.config, s.width, s.height)
         if given.source_latent is not None:
             raise ValueError("`source_latent` is the latent of an edit's source image; text-to-image takes none")
-        return self._generate(
-            "t2i",
-            prompt,
-            None,
-            s,
-            seed=seed,
-            hooks=hooks,
-            given=given,
-            vae=vae,
-            decode=decode,
-            return_step0_velocity=return_step0_velocity,
+        call = GenerationCall(
+            seed, hooks, GivenLatents(initial_noise=given.initial_noise), vae, decode, return_step0_velocity, True
         )
+        return run_generation(self, "t2i", single_request(prompt), s, call)
 
     def edit(
         self,
@@ -360,8 +350,8 @@ class BagelPipeline:
         decode: bool = True,
         return_step0_velocity: bool = False,
     ) -> GenerationResult:
-        """Edit ``image`` following ``prompt`` (docs/bagel.md §5.4); output size = the VAE-resized source size, or
-        that of ``given.source_latent``.
+        """Edit ``image`` following ``prompt`` (docs/bagel.md §5.4): the item list ``[image, prompt]``
+        (:meth:`generate`); output size = the VAE-resized source size, or that of ``given.source_latent``.
 
         The source goes through the VAE (clean latents, gen expert) and the ViT (und expert); the
         ``cfg_text`` branch sees the image without the text, ``cfg_img`` the text without the image.
@@ -373,155 +363,46 @@ class BagelPipeline:
         and the ViT sees ``image`` resized to it).
         """
         check_prompt(prompt)
-        check_image(image, "image")
+        check_image_item(0, image, name="image")
         s = _checked("settings", settings, GenerationSettings, EDIT_DEFAULTS, PRESET)
         hooks, given = _call_parts(hooks, given)
-        return self._generate(
-            "edit",
-            prompt,
-            image,
-            s,
-            seed=seed,
-            hooks=hooks,
-            given=given,
-            vae=vae,
-            decode=decode,
-            return_step0_velocity=return_step0_velocity,
+        items = single_request(prompt, image, latent=given.source_latent, vae_noise=given.vae_noise)
+        call = GenerationCall(
+            seed, hooks, GivenLatents(initial_noise=given.initial_noise), vae, decode, return_step0_velocity, True
         )
+        return run_generation(self, "edit", items, s, call)
 
-    def _generate(
+    def generate(
         self,
         task: Task,
-        prompt: str,
-        image: Image.Image | None,
-        s: GenerationSettings,
+        items: Sequence[Item | str | Image.Image],
+        settings: GenerationSettings | None = None,
         *,
-        seed: int | None,
-        hooks: RunHooks,
-        given: GivenLatents,
-        vae,
-        decode: bool,
-        return_step0_velocity: bool,
+        seed: int | None = 0,
+        hooks: RunHooks | None = None,
+        given: GivenLatents | None = None,
+        vae=None,
+        decode: bool = True,
+        return_step0_velocity: bool = False,
     ) -> GenerationResult:
-        """Shared body of :meth:`text_to_image` (``image`` None) and :meth:`edit`."""
-        seed = check_seed(seed)
-        check_bool("decode", decode)
-        if image is not None and given.source_latent is None:  # a missing VAE is refused before any forward
-            self.resolve_vae(vae, "encode the source image")
-        if decode:
-            self.resolve_vae(vae, "decode the latents")
-        used = generation_positions(
-            self.loaded.tokenizer,
-            prompt,
-            has_image=image is not None,
-            think=s.think,
-            special_tokens=s.prompt_special_tokens,
-        )
-        check_positions(self.loaded.config, used, 0, "prompt")
-        if s.think:  # the plan is decoded (<= think_max_new_tokens positions) and then re-fed as a text block
-            check_positions(self.loaded.config, used, s.think_max_new_tokens + 2, "think_max_new_tokens")
-        generator = seeded_generator(seed)
-        session = self.start_session(task, s.num_steps)
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            hooks.enter("contexts")
-            # as build_generation_contexts, with the prompt read as the settings say
-            encoder = (
-                self.resolve_vae(vae, "encode the source image")
-                if image is not None and given.source_latent is None
-                else None
-            )
-            contexts = C.build_generation_contexts(
-                self.loaded,
-                session,
-                prompt,
-                image=image,
-                size=(s.width, s.height),
-                think=s.think,
-                generator=generator,
-                given=given,
-                vae=encoder,
-                special_tokens=s.prompt_special_tokens,
-            )
-            C.release_between_phases(self.loaded)
-            t1 = time.perf_counter()
-            think_text = None
-            if s.think:
-                hooks.enter("think")
-                plan_ctx = Context(session.fork(contexts.gen.cache, "plan"), contexts.gen.rope)
-                think_text, _ = decode_text(
-                    self.loaded,
-                    plan_ctx,
-                    max_new_tokens=s.think_max_new_tokens,
-                    do_sample=s.think_do_sample,
-                    temperature=s.think_temperature,
-                    generator=generator,
-                    hooks=hooks,
-                    draw_discarded_sample=True,
-                    session=session,
-                    branch="plan",
-                )
-                session.release("plan")
-                del plan_ctx
-                # the model's own plan text is re-fed as the official code does (its control tokens parsed)
-                C.append_text(self.loaded, contexts.gen, think_text, special_tokens=True)
-            t2 = time.perf_counter()
-            lp = self.loaded.config.latent_downsample
-            shape = ((contexts.height // lp) * (contexts.width // lp), self.loaded.config.patch_latent_dim)
-            if given.initial_noise is None:
-                x = torch.randn(shape, generator=generator, dtype=torch.float32)
-            else:
-                x = check_noise("initial_noise", given.initial_noise, shape).float().clone()
-            hooks.enter("denoise")
-            x, forwards, step0 = denoise(
-                self.loaded,
-                contexts,
-                x.to(self.loaded.device),
-                s,
-                hooks=hooks,
-                return_step0_velocity=return_step0_velocity,
-            )
-            t3 = time.perf_counter()
-            width, height, branches = contexts.width, contexts.height, contexts.branches()
-            info = {
-                "context_tokens": {name: ctx.num_tokens for name, ctx in branches.items()},
-                "cache_bytes": {name: ctx.cache.nbytes() for name, ctx in branches.items()},
-                "forwards": forwards,
-                "source_latent": contexts.source_latent,
-            }
-            kv_report = session.finish()
-            # The caches are done with: free them before the VAE decode, the largest activation of a large image
-            # (a 1024 px decode needs 4.3 GB; BAGEL-7B's full KV of that edit is 1.0 GB).
-            for name in branches:
-                session.release(name)
-            del contexts, branches
-            C.release_between_phases(self.loaded)
-            hooks.enter("decode")
-            chosen = self.resolve_vae(vae, "decode the latents") if decode else None
-            latent, picture = decode_latents(self.loaded, x, height, width, chosen)
-            t4 = time.perf_counter()
-        scale, shift = latent_factors(self.loaded.config)
-        info.update(
-            {
-                "prefill_s": t1 - t0,
-                "think_s": t2 - t1,
-                "denoise_s": t3 - t2,
-                "decode_s": t4 - t3,
-                "vae": None if chosen is None else ("checkpoint" if chosen is self.loaded.vae else "external"),
-                "latent_format": {"convention": "bagel", "scale_factor": scale, "shift_factor": shift},
-            }
-        )
-        logger.info("%s %dx%d: %d steps in %.2fs", task, width, height, s.num_steps, t3 - t2)
-        return GenerationResult(
-            image=picture,
-            latents=latent,
-            num_steps=s.num_steps,
-            seed=seed,
-            info=info,
-            think_text=think_text,
-            step0_velocity=step0,
-            kv_report=kv_report,
-        )
+        """Generate after an item list (:mod:`.items`), built as ``interleave_inference`` builds it: a multi-reference
+        edit ``[img_a, img_b, "put the cat of the first image into the second"]``, or iterative editing
+        ``[img, "make it blue", GENERATE, "move it left"]`` (rounds: :mod:`.generation`).
+
+        ``task``: ``"edit"`` (the output takes the last image's size; the official edit preset by default) or
+        ``"t2i"`` (``settings.width x settings.height``, images as references; the T2I preset). Each image's source
+        latent or encode noise goes in its :class:`~.items.ImageItem`; ``given.initial_noise`` starts the last
+        generation. Other arguments as in :meth:`edit`; :attr:`GenerationResult.rounds` holds the earlier rounds.
+        """
+        if task not in ("t2i", "edit"):
+            raise ValueError(f"`task` must be 't2i' or 'edit', got {task!r} (understanding: understand_items)")
+        checked = request_items(items, generation=True)
+        s = _checked("settings", settings, GenerationSettings, preset(task), PRESET)
+        hooks, given = _call_parts(hooks, given)
+        if task == "t2i":
+            check_output_size(self.loaded.config, s.width, s.height)
+        call = GenerationCall(seed, hooks, given, vae, decode, return_step0_velocity)
+        return run_generation(self, task, checked, s, call)
 
 
 __all__ = ["BagelPipeline", "GenerationResult", "UnderstandingResult"]

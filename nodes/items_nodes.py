@@ -1,0 +1,182 @@
+"""The item nodes: several images and texts, in order, before a task node's own image and prompt (``BAGEL_ITEMS``).
+
+``UniCache BAGEL Image Item`` and ``UniCache BAGEL Text Item`` each add to a chain, as core ComfyUI's reference
+latent nodes chain a conditioning: ``Image Item (A) -> Image Edit (items, image B, "put the circle of the first
+image into the second")`` is the request ``[A, B, prompt]`` (docs/nodes.md). A task node puts its ``items`` first,
+then its own image (each image of its batch on its own, seed + i, as without items) and its prompt. The text item
+also outputs its text, so one text can be a task node's prompt and part of a later node's items: iterative editing
+is ``Edit 1 (image A, prompt <- text item "p1")`` then ``Edit 2 (items <- [A, "p1"], image <- Edit 1's image, "p2")``,
+the official list ``[A, "p1", out1, "p2"]``.
+
+An image item keeps ComfyUI's pixels and, when given, a core ``VAEEncode`` LATENT per image; the task node, which
+knows the checkpoint, puts the latent on BAGEL's grid and converts it (:func:`request_items`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unicache_core.bagel.items import ImageItem, TextItem
+
+from .convert import from_comfy_latent, image_to_pils
+from .validation import check_source_latent, fit_source_latent
+
+ITEMS_TYPE = "BAGEL_ITEMS"
+ITEMS_INPUT = (
+    ITEMS_TYPE,
+    {
+        "tooltip": "Texts and images that come first, in order (UniCache BAGEL Image Item / Text Item chain); "
+        "this node's own image and prompt follow them."
+    },
+)
+
+
+@dataclass(frozen=True, eq=False)
+class NodeImage:
+    """One image of an image item: RGB pixels and, optionally, the ``[1, C, h, w]`` VAEEncode samples of it."""
+
+    pixels: object
+    samples: object = None
+
+
+@dataclass(frozen=True)
+class BagelItems:
+    """The ``BAGEL_ITEMS`` value: :class:`NodeImage` and :class:`~unicache_core.bagel.items.TextItem` in order."""
+
+    items: tuple = ()
+
+    def __add__(self, more: tuple) -> BagelItems:
+        return BagelItems(self.items + tuple(more))
+
+
+def check_items(items, name: str = "items") -> BagelItems:
+    """``items`` when it comes from an item node (None: empty), else a ValueError naming the input."""
+    if items is None:
+        return BagelItems()
+    if not isinstance(items, BagelItems):
+        raise ValueError(f"`{name}` must come from UniCache BAGEL Image Item or Text Item, got {type(items).__name__}")
+    return items
+
+
+def request_items(items: BagelItems, loaded, encode=None) -> list:
+    """The engine's items of a chain for the checkpoint ``loaded``: each image item's LATENT checked, put on BAGEL's
+    grid and converted (:func:`~.validation.fit_source_latent`); ``encode(pil) -> latent``: an external VAE's encode
+    of the images given without one (None: the engine encodes them)."""
+    out = []
+    for index, item in enumerate(items.items):
+        if isinstance(item, TextItem):
+            out.append(item)
+            continue
+        latent = None
+        if item.samples is not None:
+            name = f"items[{index}] latent"
+            samples = check_source_latent({"samples": item.samples}, loaded.config.ae.z_channels, name)
+            samples, _ = fit_source_latent(samples, loaded.config, name)
+            latent = from_comfy_latent(samples, loaded)
+        elif encode is not None:
+            latent = encode(item.pixels)
+        out.append(ImageItem(item.pixels, latent=latent))
+    return out
+
+
+def request_of(prior: list, source, prompt: str, latent=None) -> list:
+    """One request of a task node: the chain's items, then its own image (None: none) and its prompt."""
+    own = [] if source is None else [ImageItem(source, latent=latent)]
+    return [*prior, *own, TextItem(prompt)]
+
+
+def memory_of(loaded, task: str, request: list, settings) -> int:
+    """The device memory an item request needs besides the weights (its KV at its largest and working memory)."""
+    from unicache_core.bagel.accounting import count_items, request_memory_bytes
+    from unicache_core.bagel.items import request_items as checked
+
+    tokens = count_items(
+        loaded.config, loaded.tokenizer, task, checked(request, generation=task != "understanding"), settings
+    )
+    return request_memory_bytes(loaded.config, loaded.dtype, tokens)
+
+
+class UniCacheImageItem:
+    DESCRIPTION = (
+        "Adds image(s) to a BAGEL item list, after the connected items: a batch of N images adds N images in batch "
+        "order. Connect the list to a task node's `items` (several reference images for an edit, several images "
+        "to ask about). Optional: a core VAEEncode LATENT of the image(s), one per image, used instead of "
+        "encoding them."
+    )
+    CATEGORY = "UniCache/BAGEL"
+    FUNCTION = "add"
+    RETURN_TYPES = (ITEMS_TYPE,)
+    RETURN_NAMES = ("items",)
+    OUTPUT_TOOLTIPS = ("The items so far, this image (or batch) last.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {"image": ("IMAGE", {"tooltip": "The image(s) to add (a batch adds each in order)."})},
+            "optional": {
+                "items": (ITEMS_TYPE, {"tooltip": "The items that come before this image."}),
+                "latent": (
+                    "LATENT",
+                    {
+                        "tooltip": "Optional core VAEEncode of these images (FLUX VAE), one latent per image: used "
+                        "instead of encoding them (any size up to 1024 px per side, rounded down to BAGEL's "
+                        "16-px grid; the image is resized to it for BAGEL's ViT)."
+                    },
+                ),
+            },
+        }
+
+    def add(self, image, items=None, latent=None):
+        chain = check_items(items)
+        pixels = image_to_pils(image, "image")
+        samples = [None] * len(pixels)
+        if latent is not None:
+            batch = latent.get("samples") if isinstance(latent, dict) else None
+            count = getattr(batch, "shape", (None,))[0] if batch is not None and getattr(batch, "ndim", 0) else None
+            if count != len(pixels):
+                raise ValueError(
+                    f"`latent` holds {count if count is not None else 'no'} latent(s) for {len(pixels)} image(s); "
+                    f"encode the same batch with VAEEncode (one latent per image)"
+                )
+            samples = [batch[i : i + 1] for i in range(count)]
+        return (chain + tuple(NodeImage(p, s) for p, s in zip(pixels, samples)),)
+
+
+class UniCacheTextItem:
+    DESCRIPTION = (
+        "Adds a text to a BAGEL item list, after the connected items, and outputs the text too (connect it to a task "
+        "node's prompt, and the list to a later node's `items`: iterative editing in one context)."
+    )
+    CATEGORY = "UniCache/BAGEL"
+    FUNCTION = "add"
+    RETURN_TYPES = (ITEMS_TYPE, "STRING")
+    RETURN_NAMES = ("items", "text")
+    OUTPUT_TOOLTIPS = ("The items so far, this text last.", "The text itself (e.g. for a task node's prompt).")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "text": ("STRING", {"multiline": True, "default": "", "tooltip": "The text (a block of its own)."})
+            },
+            "optional": {"items": (ITEMS_TYPE, {"tooltip": "The items that come before this text."})},
+        }
+
+    def add(self, text, items=None):
+        if not isinstance(text, str):
+            raise ValueError(f"`text` must be a STRING, got {type(text).__name__}")
+        return (check_items(items) + (TextItem(text),), text)
+
+
+__all__ = [
+    "BagelItems",
+    "ITEMS_INPUT",
+    "ITEMS_TYPE",
+    "NodeImage",
+    "UniCacheImageItem",
+    "UniCacheTextItem",
+    "check_items",
+    "memory_of",
+    "request_items",
+    "request_of",
+]

@@ -1,0 +1,117 @@
+"""How many input images fit on a card: the memory plan (:mod:`.memory_plan`) searched over the image count.
+
+:func:`most_images` answers one question ("how many 1024 px images can an fp8 edit take on a 12 GB card with
+layer offload and UniCache?"); :func:`card_table` answers the README's table: for every card of
+:data:`CARD_SIZES_GB`, fp8 weights with and without layer offload, full KV and UniCache at its default, the most
+1024 px images of an edit (the edited image included) and the most 980 px images of an understanding question.
+
+A card sold as ``N`` GB holds ``N`` GiB; the table plans for ``N x 10**9`` bytes (what ``plan --device-memory
+NGB`` means), which leaves about 7% (0.6 GB of an 8 GB card, 1.8 GB of a 24 GB one) for what the plan does not count:
+the CUDA context, the desktop and other processes. Every figure is a plan, checked against CPU tensor accounting at
+BAGEL-7B-MoT's geometry (``benchmarks/real_size.py``) and on an H200 for one image (docs/results/gpu_real_size.json).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from . import image_fit
+from .config import BagelConfig
+from .memory_plan import PlanSettings, official_config, plan_without_suggestion
+
+#: Card memories of the README table, in GB.
+CARD_SIZES_GB = (8, 12, 16, 24)
+#: The table's image sizes: an edit's 1024 px images, an understanding question's 980 px images (the ViT's size).
+TABLE_IMAGE_SIZES = {"edit": 1024, "und": 980}
+#: The most images a search tries (far beyond what any card holds at these sizes).
+MOST_IMAGES_SEARCHED = 256
+
+
+def most_images(
+    config: BagelConfig,
+    settings: PlanSettings,
+    device_bytes: int,
+    image_size: tuple[int, int],
+    *,
+    limit: int = MOST_IMAGES_SEARCHED,
+) -> int:
+    """The most input images of ``image_size`` that a request of ``settings`` (its task, dtypes, offload, KV
+    method, device) fits in ``device_bytes`` by the plan (0 when not even one does; ``limit`` when that many do)."""
+
+    def fits(count: int) -> bool:
+        trial = replace(settings, images=(tuple(image_size),) * count, width=image_size[0], height=image_size[1])
+        return plan_without_suggestion(config, trial, device_bytes).fits
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2  # fits(low); the search doubles high until it does not fit
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def fitting_images(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> int:
+    """The most of ``settings.images`` that fit in ``device_bytes`` by the plan, keeping the last ones (an edit edits
+    its last image; the earlier ones are references): 0 when not even the last one fits."""
+    return image_fit.fitting_images(settings, lambda trial: plan_without_suggestion(config, trial, device_bytes).fits)
+
+
+@dataclass(frozen=True)
+class CardRow:
+    """One cell group of the card table: the most images of ``task`` at ``image_size`` px on a ``card_gb`` card."""
+
+    card_gb: int
+    task: str
+    image_size: int
+    weight_dtype: str
+    offload: str
+    kv_method: str
+    most_images: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def card_table(
+    config: BagelConfig | None = None,
+    *,
+    cards_gb: tuple[int, ...] = CARD_SIZES_GB,
+    weight_dtype: str = "fp8_e4m3fn",
+    kv_methods: tuple[str, ...] = ("full", "unicache"),
+    offloads: tuple[str, ...] = ("none", "layers"),
+) -> list[CardRow]:
+    """The README's "what fits on your card" table for BAGEL-7B-MoT (``config``: another geometry): every card x
+    offload x KV method x task (:data:`TABLE_IMAGE_SIZES`), planned on CUDA in bf16 compute."""
+    config = official_config() if config is None else config
+    rows = []
+    for card in cards_gb:
+        for offload in offloads:
+            for kv_method in kv_methods:
+                for task, side in TABLE_IMAGE_SIZES.items():
+                    settings = PlanSettings(
+                        task=task,
+                        width=side,
+                        height=side,
+                        kv_method=kv_method,
+                        weight_dtype=weight_dtype,
+                        offload=offload,
+                        device="cuda",
+                    )
+                    count = most_images(config, settings, card * 10**9, (side, side))
+                    rows.append(CardRow(card, task, side, weight_dtype, offload, kv_method, count))
+    return rows
+
+
+__all__ = [
+    "CARD_SIZES_GB",
+    "CardRow",
+    "MOST_IMAGES_SEARCHED",
+    "TABLE_IMAGE_SIZES",
+    "card_table",
+    "fitting_images",
+    "most_images",
+]

@@ -1,0 +1,112 @@
+"""The command line's item list: ``--image`` given several times, or ``--items FILE.json`` (:mod:`.items_file`).
+
+``understand``, ``t2i`` and ``edit`` take ``--image`` repeatedly: the request is the images in the given order, then
+the prompt (``[a, b, prompt]``). One ``--image`` on ``understand`` or ``edit`` is today's single-image request;
+anything else becomes an item list for :meth:`~.pipeline.BagelPipeline.generate` or
+:meth:`~.pipeline.BagelPipeline.understand_items`. ``--items`` gives any interleaved list instead of ``--prompt``
+and ``--image``. Everything here runs before the weights load; a mistake is one line naming the flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from .cli_checks import Checked, check_writable_file, open_image, preflight, same_file
+from .items import GenerateItem, ImageItem, Item, TextItem, request_items
+from .items_file import open_items
+
+
+def is_item_request(args) -> bool:
+    """Is the command line an item list: ``--items``, several ``--image``, or ``t2i`` with reference images?"""
+    paths = getattr(args, "image", None) or []
+    return getattr(args, "items", None) is not None or len(paths) > 1 or (args.command == "t2i" and bool(paths))
+
+
+def preflight_request(args) -> Checked:
+    """:func:`~.cli_checks.preflight` of any command line, an item list's images, texts, positions and round outputs
+    included: every check before the weights load."""
+    if not is_item_request(args):
+        return preflight(args)
+    from .config import load_bagel_config
+    from .tokenizer import BagelTokenizer
+
+    checked = preflight(args, items=True)  # every other argument first
+    image, items, paths = request_images(args, checked.prompt)
+    check_item_request(
+        load_bagel_config(args.checkpoint), BagelTokenizer.from_dir(args.checkpoint), items, checked.settings, args
+    )
+    out = getattr(args, "out", None)
+    rounds_out = tuple(round_outputs(out, items, paths)) if out is not None else ()
+    return dataclasses.replace(checked, image=image, items=items, rounds_out=rounds_out)
+
+
+def request_images(args, prompt: str | None):
+    """``(image, items, image_paths)`` of a parsed ``understand``/``t2i``/``edit`` command line: the one image of a
+    single-image request (``items`` None), or the request's checked item list (``image`` its last image)."""
+    task = args.command
+    paths = list(getattr(args, "image", None) or [])
+    items_file = getattr(args, "items", None)
+    if items_file is not None:
+        if paths:
+            raise ValueError(
+                f'--image: with --items {items_file}, give the images inside the items file ({{"image": PATH}})'
+            )
+        items, paths = open_items(items_file, generation=task != "understand")
+    else:
+        images = [open_image(path) for path in paths]
+        if task == "edit" and not images:
+            raise ValueError("--image: an edit needs its source image: give --image FILE (or --items FILE.json)")
+        if len(images) <= 1 and task != "t2i":
+            return (images[0] if images else None), None, paths
+        if not images:
+            return None, None, paths
+        items = request_items([*images, TextItem(prompt)], generation=task != "understand")
+    if task == "edit" and not any(isinstance(item, ImageItem) for item in items):
+        raise ValueError(f"--items {items_file}: an edit needs an image item before its first text")
+    last = [item.image for item in items if isinstance(item, ImageItem)]
+    return (last[-1] if last else None), items, paths
+
+
+def check_item_request(config, tokenizer, items: tuple[Item, ...], settings, args) -> None:
+    """The item list's RoPE positions against the checkpoint (too many images names what fits), the error naming
+    ``--items`` or ``--image``."""
+    from .accounting import check_item_positions
+
+    generation = args.command != "understand"
+    flag = f"--items {args.items}" if getattr(args, "items", None) is not None else "--image"
+    try:
+        check_item_positions(
+            config,
+            tokenizer,
+            items,
+            generation=generation,
+            think=settings.think,
+            special_tokens=settings.prompt_special_tokens,
+            extra=(settings.think_max_new_tokens + 2 if settings.think else 0)
+            if generation
+            else settings.max_new_tokens,
+            extra_name="think_max_new_tokens" if generation else "max_new_tokens",
+        )
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
+def round_outputs(out: Path, items: tuple[Item, ...] | None, inputs: list[Path]) -> list[Path]:
+    """Where the images of an iterative request's earlier rounds are written: ``<out stem>-<round><suffix>`` beside
+    ``--out`` (round 1 first), each checked writable and distinct from every input file."""
+
+    count = 0 if items is None else sum(isinstance(item, GenerateItem) for item in items)
+    paths = [out.with_name(f"{out.stem}-{number}{out.suffix}") for number in range(1, count + 1)]
+    for path in paths:
+        check_writable_file("--out", path, "image file")
+        for source in inputs:
+            if same_file(path, source):
+                raise ValueError(
+                    f"--out: round {paths.index(path) + 1}'s image would be written to {path}, which is the input "
+                    f"{source}; choose another --out"
+                )
+    return paths
+
+
+__all__ = ["check_item_request", "is_item_request", "preflight_request", "request_images", "round_outputs"]

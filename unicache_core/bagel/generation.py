@@ -1,0 +1,310 @@
+"""A generation request from its item list: every input image encoded, the contexts built, denoised, decoded.
+
+The request's items (:mod:`.items`) are checked, its RoPE positions counted and its VAEs resolved before any forward
+(:func:`run_generation`). A list with :data:`~.items.GENERATE` markers runs in rounds (iterative editing): round
+``r`` builds its contexts from every item before its marker (the list up to there, with each earlier round's output
+image in place of its marker, exactly what the official ``interleave_inference`` builds for that list), denoises and
+decodes; its image then goes back in as an image item. Each round is its own cache session (its KV report in
+:attr:`GenerationResult.rounds`), released before its decode, so a later round never holds an earlier one's KV
+beside its own; the earlier items are prefilled again at full precision, every KV method compressing the same
+contexts a one-round request of that list would.
+
+Randomness: one CPU generator seeded with ``seed`` gives, in order, the VAE-encode noise of every input image (in
+item order; an image is encoded once, when its round first needs it), each round's think-plan samples and initial
+latent noise, then the encode noise of the image it made. For a one-round request that is the official order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+from torch import Tensor
+
+from ..kv.cache import Task
+from . import contexts as C
+from .accounting import check_item_positions
+from .decoding import decode_text
+from .denoise import decode_latents, denoise
+from .interleave import build_generation_contexts
+from .items import ImageItem, Item, image_items, rounds
+from .latents import latent_factors
+from .modeling import AutoEncoder
+from .numerics import check_noise
+from .request import GivenLatents, RunHooks
+from .seeding import check_seed, seeded_generator
+from .settings import GenerationSettings, check_bool
+from .source_images import SINGLE_IMAGE_NAMES, ImageNames, PreparedImage, check_given, prepare_image
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationResult:
+    """Output of a generation (:meth:`~.pipeline.BagelPipeline.text_to_image`, ``edit``, ``generate``).
+
+    Attributes:
+        image: RGB PIL image, ``width x height`` (``None`` when called with ``decode=False``).
+        latents: ``[1, 16, H/8, W/8]`` fp32 final latent in BAGEL's convention (what the VAE decoded;
+            ComfyUI's ``LATENT["samples"]`` is :func:`~.latents.to_comfy_latent` of it).
+        num_steps: denoising steps run (``num_timesteps - 1``).
+        seed: seed of the noise generator.
+        info: timings (``prefill_s``, ``think_s``, ``denoise_s``, ``decode_s``), context sizes
+            (``context_tokens``) and cache bytes (``cache_bytes``) per branch, denoising forwards per branch
+            (``forwards``), which VAE decoded (``vae``: ``"checkpoint"``, ``"external"`` or ``None``), how the
+            last input image's source latent was made (``source_latent``: ``"checkpoint_vae"``, ``"external_vae"``,
+            ``"given"``; ``source_latents``: every input image's, in request order; ``images``: their count) and
+            the latent constants (``latent_format``).
+        think_text: the plan decoded in think mode, else ``None``.
+        step0_velocity: with ``return_step0_velocity=True``: ``{"gen", "cfg_text", "cfg_img"
+            (branches computed), "guided"}`` ``[h*w, 64]`` velocities of step 0.
+        kv_report: the cache session's report (see :mod:`unicache_core.compression`).
+        rounds: the earlier generations of a request with :data:`~.items.GENERATE` markers, in order (each with its
+            image, latents, info and KV report); empty otherwise.
+    """
+
+    image: Image.Image | None
+    latents: Tensor
+    num_steps: int
+    seed: int
+    info: dict = field(default_factory=dict)
+    think_text: str | None = None
+    step0_velocity: dict[str, Tensor] | None = None
+    kv_report: dict | None = None
+    rounds: list[GenerationResult] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What every round of one generation shares."""
+
+    task: Task
+    settings: GenerationSettings
+    hooks: RunHooks
+    encoder: object
+    decoder: object
+    generator: torch.Generator
+    names: dict[ImageItem, ImageNames]
+
+
+@dataclass(frozen=True)
+class GenerationCall:
+    """A generation call's arguments besides its items and settings (see :meth:`~.pipeline.BagelPipeline.edit`).
+
+    ``given.initial_noise`` starts the last round; ``single``: the request came from a single-image call (errors
+    name ``image``, ``source_latent``, ``prompt``)."""
+
+    seed: int | None
+    hooks: RunHooks
+    given: GivenLatents
+    vae: object = None
+    decode: bool = True
+    return_step0_velocity: bool = False
+    single: bool = False
+
+
+def check_generation(
+    pipe,
+    task: Task,
+    items: Sequence[Item],
+    settings: GenerationSettings,
+    call: GenerationCall,
+    names: dict[ImageItem, ImageNames],
+) -> None:
+    """Refuse, before any forward, what a generation of ``items`` cannot run: an edit without an image before its
+    first generation, latents given in the wrong place or of the wrong shape, more RoPE positions than the model
+    has (a single-image call's messages name ``prompt``, an item list's ``items``)."""
+    given = call.given
+    first = rounds(items)[0]
+    if task == "edit" and not any(isinstance(item, ImageItem) for item in first):
+        raise ValueError(
+            "an edit needs an image to edit: put an image item before the first text it generates from "
+            "(e.g. [image, 'make it blue'])"
+        )
+    if given.source_latent is not None or given.vae_noise is not None:
+        raise ValueError(
+            "with an item list, give each image's source latent or VAE noise in its ImageItem (latent=, vae_noise=), "
+            "not in GivenLatents"
+        )
+    check_item_positions(
+        pipe.loaded.config,
+        pipe.loaded.tokenizer,
+        items,
+        generation=True,
+        think=settings.think,
+        special_tokens=settings.prompt_special_tokens,
+        extra=settings.think_max_new_tokens + 2 if settings.think else 0,
+        extra_name="think_max_new_tokens",
+        name="prompt" if call.single else "items",
+    )
+    external = not isinstance(pipe.resolve_vae(call.vae), AutoEncoder)  # an adapter never samples the noise
+    for item in image_items(items):
+        check_given(pipe.loaded, item.image, item.latent, item.vae_noise, external_vae=external, names=names[item])
+
+
+def run_generation(
+    pipe, task: Task, items: Sequence[Item], settings: GenerationSettings, call: GenerationCall
+) -> GenerationResult:
+    """Run the checked ``items`` (:func:`~.items.request_items`) of a ``task`` generation on ``pipe`` (a
+    :class:`~.pipeline.BagelPipeline`), round by round (module docstring)."""
+    seed = check_seed(call.seed)
+    decode, given, vae, single = check_bool("decode", call.decode), call.given, call.vae, call.single
+    parts = rounds(items)
+    needs_encode = len(parts) > 1 or any(item.latent is None for item in image_items(items))
+    # a missing VAE is refused before any forward
+    encoder = pipe.resolve_vae(vae, "encode the source image") if needs_encode else None
+    if decode or len(parts) > 1:
+        pipe.resolve_vae(vae, "decode the latents")
+    names = {
+        item: SINGLE_IMAGE_NAMES if single else ImageNames.of_item(i)
+        for i, item in enumerate(items)
+        if isinstance(item, ImageItem)
+    }
+    check_generation(pipe, task, items, settings, call, names)
+    request = _Request(task, settings, call.hooks, encoder, vae, seeded_generator(seed), names)
+    history: list[Item] = []
+    prepared: dict[ImageItem, PreparedImage] = {}
+    earlier: list[GenerationResult] = []
+    for number, part in enumerate(parts):
+        history.extend(part)
+        last = number == len(parts) - 1
+        result = _round(
+            pipe,
+            request,
+            history,
+            prepared,
+            seed=seed,
+            initial_noise=given.initial_noise if last else None,
+            decode=decode or not last,
+            return_step0_velocity=call.return_step0_velocity and last,
+            keep_sources=not last,
+        )
+        if not last:
+            earlier.append(result)
+            generated = ImageItem(result.image)
+            names[generated] = ImageNames(f"the image generated at GENERATE {number + 1}")
+            history.append(generated)
+    result.rounds = earlier
+    return result
+
+
+def _round(
+    pipe,
+    request: _Request,
+    items: list[Item],
+    prepared: dict[ImageItem, PreparedImage],
+    *,
+    seed: int,
+    initial_noise: Tensor | None,
+    decode: bool,
+    return_step0_velocity: bool,
+    keep_sources: bool,
+) -> GenerationResult:
+    """One generation from ``items`` (texts and images): encode the images not yet encoded, build the contexts,
+    [think], denoise, release the caches, decode. ``keep_sources``: keep ``prepared`` for a later round."""
+    loaded, s, hooks, generator = pipe.loaded, request.settings, request.hooks, request.generator
+    session = pipe.start_session(request.task, s.num_steps)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        hooks.enter("contexts")
+        for item in items:  # in item order, so the generator's draws are the official ones
+            if isinstance(item, ImageItem) and item not in prepared:
+                prepared[item] = prepare_image(
+                    loaded,
+                    item.image,
+                    generation=True,
+                    latent=item.latent,
+                    vae_noise=item.vae_noise,
+                    vae=request.encoder,
+                    generator=generator,
+                    names=request.names[item],
+                )
+        size = (s.width, s.height) if request.task == "t2i" else None
+        contexts = build_generation_contexts(
+            loaded, session, items, prepared, size=size, think=s.think, special_tokens=s.prompt_special_tokens
+        )
+        if not keep_sources:  # no later round prefills them again: nothing but the caches outlives the prefill
+            prepared.clear()
+        C.release_between_phases(loaded)
+        t1 = time.perf_counter()
+        think_text = None
+        if s.think:
+            hooks.enter("think")
+            plan_ctx = C.Context(session.fork(contexts.gen.cache, "plan"), contexts.gen.rope)
+            think_text, _ = decode_text(
+                loaded,
+                plan_ctx,
+                max_new_tokens=s.think_max_new_tokens,
+                do_sample=s.think_do_sample,
+                temperature=s.think_temperature,
+                generator=generator,
+                hooks=hooks,
+                draw_discarded_sample=True,
+                session=session,
+                branch="plan",
+            )
+            session.release("plan")
+            del plan_ctx
+            # the model's own plan text is re-fed as the official code does (its control tokens parsed)
+            C.append_text(loaded, contexts.gen, think_text, special_tokens=True)
+        t2 = time.perf_counter()
+        lp = loaded.config.latent_downsample
+        shape = ((contexts.height // lp) * (contexts.width // lp), loaded.config.patch_latent_dim)
+        if initial_noise is None:
+            x = torch.randn(shape, generator=generator, dtype=torch.float32)
+        else:
+            x = check_noise("initial_noise", initial_noise, shape).float().clone()
+        hooks.enter("denoise")
+        x, forwards, step0 = denoise(
+            loaded, contexts, x.to(loaded.device), s, hooks=hooks, return_step0_velocity=return_step0_velocity
+        )
+        t3 = time.perf_counter()
+        width, height, branches = contexts.width, contexts.height, contexts.branches()
+        info = {
+            "context_tokens": {name: ctx.num_tokens for name, ctx in branches.items()},
+            "cache_bytes": {name: ctx.cache.nbytes() for name, ctx in branches.items()},
+            "forwards": forwards,
+            "source_latent": contexts.source_latent,
+            "source_latents": list(contexts.source_latents),
+            "images": len(contexts.source_latents),
+        }
+        kv_report = session.finish()
+        # The caches are done with: free them before the VAE decode, the largest activation of a large image
+        # (a 1024 px decode needs 4.3 GB; BAGEL-7B's full KV of that edit is 1.0 GB).
+        for name in branches:
+            session.release(name)
+        del contexts, branches
+        C.release_between_phases(loaded)
+        hooks.enter("decode")
+        chosen = pipe.resolve_vae(request.decoder, "decode the latents") if decode else None
+        latent, picture = decode_latents(loaded, x, height, width, chosen)
+        t4 = time.perf_counter()
+    scale, shift = latent_factors(loaded.config)
+    info.update(
+        {
+            "prefill_s": t1 - t0,
+            "think_s": t2 - t1,
+            "denoise_s": t3 - t2,
+            "decode_s": t4 - t3,
+            "vae": None if chosen is None else ("checkpoint" if chosen is loaded.vae else "external"),
+            "latent_format": {"convention": "bagel", "scale_factor": scale, "shift_factor": shift},
+        }
+    )
+    logger.info("%s %dx%d: %d steps in %.2fs", request.task, width, height, s.num_steps, t3 - t2)
+    return GenerationResult(
+        image=picture,
+        latents=latent,
+        num_steps=s.num_steps,
+        seed=seed,
+        info=info,
+        think_text=think_text,
+        step0_velocity=step0,
+        kv_report=kv_report,
+    )
+
+
+__all__ = ["GenerationCall", "GenerationResult", "check_generation", "run_generation"]
