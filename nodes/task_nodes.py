@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from unicache_core.bagel import RENORM_TYPES, BagelPipeline, GivenLatents, ImageTransforms, RunHooks
-from unicache_core.bagel.accounting import count_request, request_memory_bytes
+from unicache_core.bagel.accounting import count_request, request_memory_bytes, taylorseer_order
 from unicache_core.bagel.seeding import MAX_SEED
 from unicache_core.bagel.settings import (
     EDIT_DEFAULTS,
@@ -165,6 +165,19 @@ def _prompt(default: str, tip: str):
 
 
 KV_INPUT = ("UNICACHE_KV", {"tooltip": "KV-cache compression (UniCache KV Config). None = full cache."})
+#: Optional, so that a workflow saved before this input existed still runs (without TaylorSeer).
+TAYLORSEER_INPUT = (
+    "BOOLEAN",
+    {
+        "default": False,
+        "label_on": "taylorseer",
+        "label_off": "every step",
+        "tooltip": "TaylorSeer (the official enable_taylorseer): after the first 5 steps each guidance branch runs "
+        "the model on one step in 3 and forecasts the others from its last full steps (Taylor expansion up to "
+        "order 6), about 2.5x fewer model forwards at 50 steps for a small change in the image. Works with "
+        "every KV method.",
+    },
+)
 VAE_INPUT = (
     "VAE",
     {
@@ -224,14 +237,14 @@ def _hooks(progress: _Progress, *, preview: bool) -> RunHooks:
 
 
 def _memory(model: BagelModel, task: str, prompt: str, settings, source_size=None, vae_size=None) -> int:
-    """The request's device memory besides the weights (KV of every branch and working memory); ``vae_size``: an
-    edit's output size set by its source latent."""
+    """The request's device memory besides the weights (KV of every branch, working memory and TaylorSeer's factors);
+    ``vae_size``: an edit's output size set by its source latent."""
     check_prompt(prompt)  # before the tokenizer sees it (a lone surrogate can arrive in a /prompt JSON)
     loaded = model.loaded
     tokens = count_request(
         loaded.config, loaded.tokenizer, task, prompt, settings, source_size=source_size, vae_size=vae_size
     )
-    return request_memory_bytes(loaded.config, loaded.dtype, tokens)
+    return request_memory_bytes(loaded.config, loaded.dtype, tokens, taylor_order=taylorseer_order(settings))
 
 
 def _external_vae(loaded, vae):
@@ -293,6 +306,7 @@ def _generation_settings(
     cfg_renorm_min,
     cfg_renorm_type,
     think,
+    taylorseer=False,
     **size,
 ):
     """The widgets of a generation node as the engine's settings (the ``task`` preset's other values)."""
@@ -308,6 +322,7 @@ def _generation_settings(
         cfg_renorm_min=cfg_renorm_min,
         cfg_renorm_type=cfg_renorm_type,
         think=think,
+        taylorseer=taylorseer,
         **size,
     )
 
@@ -346,7 +361,7 @@ class UniCacheTextToImage:
                 ),
                 **_generation_inputs(d),
             },
-            "optional": {"kv": KV_INPUT, "vae": VAE_INPUT},
+            "optional": {"kv": KV_INPUT, "vae": VAE_INPUT, "taylorseer": TAYLORSEER_INPUT},
         }
 
     @classmethod
@@ -391,6 +406,7 @@ class UniCacheTextToImage:
         think,
         kv=None,
         vae=None,
+        taylorseer=False,
     ):
         settings = _generation_settings(
             "t2i",
@@ -403,6 +419,7 @@ class UniCacheTextToImage:
             cfg_renorm_min,
             cfg_renorm_type,
             think,
+            taylorseer,
             width=width,
             height=height,
         )
@@ -459,6 +476,7 @@ class UniCacheImageEdit:
                         "size for BAGEL's ViT. At most 1024 px per side."
                     },
                 ),
+                "taylorseer": TAYLORSEER_INPUT,
             },
         }
 
@@ -494,6 +512,7 @@ class UniCacheImageEdit:
         kv=None,
         vae=None,
         latent=None,
+        taylorseer=False,
     ):
         settings = _generation_settings(
             "edit",
@@ -506,6 +525,7 @@ class UniCacheImageEdit:
             cfg_renorm_min,
             cfg_renorm_type,
             think,
+            taylorseer,
         )
         sources = image_to_pils(image, "image")
         _check_model(model)

@@ -4,7 +4,8 @@
   and the refusal of a request longer than the model's positions (:func:`check_positions`);
 * the tokens each branch's cache holds (:func:`count_request` → :class:`RequestTokens`), their KV bytes
   at the checkpoint's layer geometry (:func:`kv_bytes_per_token`, :meth:`RequestTokens.kv_bytes`);
-* the device memory a request needs besides the weights (:func:`request_memory_bytes`).
+* the device memory a request needs besides the weights (:func:`request_memory_bytes`), TaylorSeer's factors
+  included when it is on (:func:`taylorseer_bytes`).
 
 Token counts follow the blocks of :mod:`.contexts`: a text block is its tokens plus ``<|im_start|>`` and
 ``<|im_end|>``, an image block its tokens plus two boundary tokens; images take one RoPE position each.
@@ -22,6 +23,7 @@ from ..kv.cache import Task
 from .config import BagelConfig
 from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT
 from .settings import GenerationSettings, UnderstandingSettings
+from .taylorseer import factor_bytes
 from .transforms import ImageTransforms
 
 #: Tokens a block adds around its content (``<|im_start|>``/``<|im_end|>``, or an image's start/end).
@@ -168,20 +170,46 @@ def count_request(
 # ----------------------------------------------------------------------------------------- memory
 
 
-def request_memory_bytes(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens) -> int:
+#: The CFG branches a generation request may run per denoising step (``gen``, ``cfg_text``, ``cfg_img``).
+GENERATION_BRANCHES = 3
+
+
+def taylorseer_order(settings: GenerationSettings | UnderstandingSettings) -> int | None:
+    """The Taylor order a request's TaylorSeer keeps (``settings.taylorseer_order``), or ``None`` without it."""
+    return settings.taylorseer_order if getattr(settings, "taylorseer", False) else None
+
+
+def taylorseer_bytes(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, order: int | None) -> int:
+    """Bytes TaylorSeer's factors hold at most (0 when ``order`` is ``None`` or the task is understanding): per CFG
+    branch, ``order + 1`` tensors of the latent block ``[latent + 2, hidden]`` in the model dtype
+    (:func:`~.taylorseer.factor_bytes`; this engine keeps them for the last decoder layer only, the official code
+    for every layer: ``num_hidden_layers`` times as many)."""
+    if order is None or tokens.task == "understanding" or not tokens.latent:
+        return 0
+    element = torch.empty((), dtype=dtype).element_size()
+    return GENERATION_BRANCHES * factor_bytes(config.llm.hidden_size, tokens.latent, order, element)
+
+
+def request_memory_bytes(
+    config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, *, taylor_order: int | None = None
+) -> int:
     """Estimate of the device memory one request needs besides the weights (:func:`request_memory_parts`).
 
     The larger of the two phases, which never run at the same time: the LLM's (the uncompressed KV of every
     branch, which compression starts from after the first step, plus its largest forward, ``attention`` +
-    ``mlp``) or the fp32 VAE encode/decode (``vae``: the source is encoded before anything is cached and the
-    pipeline releases the caches before it decodes).
+    ``mlp``, plus TaylorSeer's factors with ``taylor_order``, :func:`taylorseer_order`) or the fp32 VAE
+    encode/decode (``vae``: the source is encoded before anything is cached and the pipeline releases the caches
+    and the factors before it decodes).
     """
-    parts = request_memory_parts(config, dtype, tokens)
-    return int(max(parts["kv"] + parts["attention"] + parts["mlp"], parts["vae"]))
+    parts = request_memory_parts(config, dtype, tokens, taylor_order=taylor_order)
+    return int(max(parts["kv"] + parts["attention"] + parts["mlp"] + parts["taylorseer"], parts["vae"]))
 
 
-def request_memory_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens) -> dict[str, int]:
-    """The parts of :func:`request_memory_bytes`: ``kv``, ``attention``, ``mlp`` and ``vae`` bytes.
+def request_memory_parts(
+    config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, *, taylor_order: int | None = None
+) -> dict[str, int]:
+    """The parts of :func:`request_memory_bytes`: ``kv``, ``attention``, ``mlp``, ``taylorseer``
+    (:func:`taylorseer_bytes` of ``taylor_order``) and ``vae`` bytes.
 
     For the largest block of ``T`` tokens (:meth:`RequestTokens.largest_block`) in the compute dtype of ``e``
     bytes, hidden size ``H``, MLP width ``I``, ``Hq`` query heads of dimension ``d``:
@@ -206,7 +234,7 @@ def request_memory_parts(config: BagelConfig, dtype: torch.dtype, tokens: Reques
     element = torch.empty((), dtype=dtype).element_size()
     kv = sum(tokens.kv_bytes(config, dtype).values())
     queries = tokens.largest_block()
-    branches = 1 if tokens.task == "understanding" else 3
+    branches = 1 if tokens.task == "understanding" else GENERATION_BRANCHES
     attention = queries * 2 * llm.num_attention_heads * llm.head_dim * 4
     mlp = queries * (3 * llm.intermediate_size + (4 + branches) * llm.hidden_size) * element
     encode = vae_working_bytes(config, tokens.vae, decode=False)
@@ -215,6 +243,7 @@ def request_memory_parts(config: BagelConfig, dtype: torch.dtype, tokens: Reques
         "kv": int(kv),
         "attention": int(attention),
         "mlp": int(mlp),
+        "taylorseer": taylorseer_bytes(config, dtype, tokens, taylor_order),
         "vae": int(max(encode, decode)),
         "vae_encode": int(encode),
         "vae_decode": int(decode),
@@ -299,6 +328,8 @@ __all__ = [
     "kv_bytes_per_token",
     "request_memory_bytes",
     "request_memory_parts",
+    "taylorseer_bytes",
+    "taylorseer_order",
     "tiled_decode_bytes",
     "tiled_tokens",
     "understanding_positions",

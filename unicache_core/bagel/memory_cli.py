@@ -30,6 +30,7 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
 def add_plan_parser(sub) -> None:
     """The ``plan`` subcommand: the predicted peak device memory of a run, before anything is downloaded or loaded."""
     from .memory_plan import OFFICIAL_CHECKPOINT, PLAN_TASKS
+    from .settings import T2I_DEFAULTS
 
     p = sub.add_parser("plan", help="predict the peak device memory of a run and whether it fits")
     p.add_argument(
@@ -51,6 +52,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--device-memory", default=None, help="plan for a device of this size instead (e.g. 24GB)")
     p.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
     p.add_argument("-q", "--quiet", action="store_true", help="no log output")
+    p.add_argument("--taylorseer", action="store_true", help="t2i/edit with TaylorSeer: count its factors")
+    p.add_argument("--taylorseer-order", type=int, default=T2I_DEFAULTS.taylorseer_order)
     add_memory_arguments(p)
 
 
@@ -109,6 +112,8 @@ def _plan_of(args, checkpoint, task: str, width: int, height: int, device_memory
         dtype=args.dtype,
         offload=args.offload,
         device=planned.type,
+        taylorseer=bool(getattr(args, "taylorseer", False)),
+        taylorseer_order=getattr(args, "taylorseer_order", PlanSettings.taylorseer_order),
     )
     return plan_memory(config, settings, total)
 

@@ -10,8 +10,11 @@
 - ``working``: the larger of the two phases that never overlap (:func:`~.accounting.request_memory_parts`):
   - the LLM's: ``kv_full``, the uncompressed KV of every branch (:mod:`.accounting`; compression runs after
     the first step or the prompt, so the LLM phase's peak holds it), plus its largest forward (``upcast`` +
-    ``attention`` + ``mlp``). ``upcast`` is, with low-precision storage, the largest weights upcast at once to
-    the compute dtype (one decoder layer inside :func:`~.modeling.operations.shared_upcasts`, or ``lm_head``);
+    ``attention`` + ``mlp``), plus with TaylorSeer its factors (``taylorseer``: ``order + 1`` latent-block
+    tensors per CFG branch, :func:`~.accounting.taylorseer_bytes`; the official code would hold them for every
+    decoder layer, ``taylorseer_official``, a detail). ``upcast`` is, with low-precision storage, the largest
+    weights upcast at once to the compute dtype (one decoder layer inside
+    :func:`~.modeling.operations.shared_upcasts`, or ``lm_head``);
   - the VAE's encode or decode (``vae_working``): an edit's source is encoded before any image or prompt
     token is cached, and the pipeline releases the caches before it decodes, so no KV is held beside it.
   ``kv_compressed`` (a detail) is what the method keeps after its first compression.
@@ -56,13 +59,14 @@ import torch
 
 from .accounting import (
     BOUNDARY_TOKENS,
+    GENERATION_BRANCHES,
     RequestTokens,
     image_tokens,
     request_memory_parts,
     tiled_tokens,
 )
 from .config import BagelConfig, bagel_config_from_dicts, load_bagel_config
-from .settings import UNDERSTANDING_DEFAULTS
+from .settings import T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +86,8 @@ NOT_IN_PEAK = (
     "cpu_freed_heap",
     "cpu_vae_heap",
     "cuda_vae_workspace",
+    "taylorseer",
+    "taylorseer_official",
 )
 #: Bytes oneDNN keeps per bf16 matrix-product shape it has run (its compiled kernel): 0.55-0.61 MB measured
 #: for 40 row counts each of four weight shapes (64x128 to 1792x896), 0.15-1.1 MB for row counts near 1300.
@@ -164,6 +170,9 @@ class PlanSettings:
     offload: str = "none"
     #: the device type planned for; ``"cpu"`` adds the CPU runtime's own memory (:func:`cpu_runtime_parts`)
     device: str = "cuda"
+    #: TaylorSeer on (t2i and edit), keeping Taylor factors up to ``taylorseer_order``
+    taylorseer: bool = False
+    taylorseer_order: int = T2I_DEFAULTS.taylorseer_order
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -292,8 +301,13 @@ def _predict(
     parts, _ = _weights(config, settings.weight_dtype, dtype, settings.offload)
     kv_branches = tokens.kv_bytes(config, dtype)
     parts["kv_full"] = sum(kv_branches.values())
-    work = request_memory_parts(config, dtype, tokens)
+    work = request_memory_parts(
+        config, dtype, tokens, taylor_order=settings.taylorseer_order if settings.taylorseer else None
+    )
     parts.update(attention=work["attention"], mlp=work["mlp"], vae_working=work["vae"])
+    if work["taylorseer"]:
+        parts["taylorseer"] = work["taylorseer"]
+        parts["taylorseer_official"] = work["taylorseer"] * config.llm.num_hidden_layers
     freed_heap = vae_heap = 0
     if settings.device == "cpu":
         cpu = cpu_runtime_parts(config, dtype, tokens)
@@ -331,9 +345,15 @@ def _predict(
 
 def _working(parts: dict[str, int], freed_heap: int = 0, vae_heap: int = 0) -> int:
     """The working memory of the larger phase: the LLM's (the full KV and a decoder layer's upcast weights,
-    attention and MLP, and on the CPU the heap its forward keeps) or a VAE pass's (and on the CPU its heap)."""
+    attention and MLP, TaylorSeer's factors, and on the CPU the heap its forward keeps) or a VAE pass's (and on
+    the CPU its heap)."""
     return max(
-        parts["kv_full"] + parts["upcast"] + parts["attention"] + parts["mlp"] + freed_heap,
+        parts["kv_full"]
+        + parts["upcast"]
+        + parts["attention"]
+        + parts["mlp"]
+        + parts.get("taylorseer", 0)
+        + freed_heap,
         parts["vae_working"] + vae_heap,
     )
 
@@ -494,9 +514,10 @@ def _suggest(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> 
 def describe(plan: MemoryPlan) -> str:
     """The plan as a few human-readable lines (for the CLI's stdout)."""
     gb = 1e9
+    seer = f", TaylorSeer order {plan.settings.taylorseer_order}" if plan.settings.taylorseer else ""
     lines = [
         f"{plan.settings.task} {plan.settings.width}x{plan.settings.height}, weights {plan.settings.weight_dtype}"
-        f" (compute {plan.settings.dtype}), KV {plan.settings.kv_method}, offload {plan.settings.offload}:",
+        f" (compute {plan.settings.dtype}), KV {plan.settings.kv_method}, offload {plan.settings.offload}{seer}:",
         f"  peak {plan.peak_bytes / gb:.2f} GB of {plan.device_bytes / gb:.2f} GB -> "
         + ("fits" if plan.fits else f"does not fit: {plan.suggestion}"),
     ]
@@ -506,6 +527,14 @@ def describe(plan: MemoryPlan) -> str:
         f"  {name:<28} {size / gb:8.3f} GB" + ("  (detail, not added)" if name in NOT_IN_PEAK else "")
         for name, size in plan.breakdown.items()
     ]
+    if "taylorseer" in plan.breakdown:
+        per_branch = plan.breakdown["taylorseer"] // GENERATION_BRANCHES
+        lines.append(
+            f"  TaylorSeer: {plan.settings.taylorseer_order + 1} factors of the latent block per branch and layer "
+            f"kept = {per_branch / gb:.3f} GB per (layer, branch); here the last layer x {GENERATION_BRANCHES} "
+            f"branches (in the LLM phase above); the official code keeps every layer's: "
+            f"{plan.breakdown['taylorseer_official'] / gb:.2f} GB"
+        )
     return "\n".join(lines)
 
 

@@ -76,9 +76,11 @@ class GenerationResult:
         seed: seed of the noise generator.
         info: timings (``prefill_s``, ``think_s``, ``denoise_s``, ``decode_s``), context sizes
             (``context_tokens``) and cache bytes (``cache_bytes``) per branch, denoising forwards per branch
-            (``forwards``), which VAE decoded (``vae``: ``"checkpoint"``, ``"external"`` or ``None``), how an
-            edit's source latent was made (``source_latent``: ``"checkpoint_vae"``, ``"external_vae"``,
-            ``"given"``) and the latent constants (``latent_format``).
+            (``forwards``: the steps that ran its decoder; with TaylorSeer also ``forecasts``, the steps that
+            forecast it, and ``taylorseer_peak_bytes``, the most its Taylor factors held), which VAE decoded
+            (``vae``: ``"checkpoint"``, ``"external"`` or ``None``), how an edit's source latent was made
+            (``source_latent``: ``"checkpoint_vae"``, ``"external_vae"``, ``"given"``) and the latent constants
+            (``latent_format``).
         think_text: the plan decoded in think mode, else ``None``.
         step0_velocity: with ``return_step0_velocity=True``: ``{"gen", "cfg_text", "cfg_img"
             (branches computed), "guided"}`` ``[h*w, 64]`` velocities of step 0.
@@ -473,6 +475,7 @@ class BagelPipeline:
             else:
                 x = check_noise("initial_noise", given.initial_noise, shape).float().clone()
             hooks.enter("denoise")
+            forecasts: dict = {}
             x, forwards, step0 = denoise(
                 self.loaded,
                 contexts,
@@ -480,6 +483,7 @@ class BagelPipeline:
                 s,
                 hooks=hooks,
                 return_step0_velocity=return_step0_velocity,
+                forecasts=forecasts,
             )
             t3 = time.perf_counter()
             width, height, branches = contexts.width, contexts.height, contexts.branches()
@@ -489,6 +493,9 @@ class BagelPipeline:
                 "forwards": forwards,
                 "source_latent": contexts.source_latent,
             }
+            if s.taylorseer:
+                info["taylorseer_peak_bytes"] = forecasts.pop("peak_factor_bytes")
+                info["forecasts"] = forecasts
             kv_report = session.finish()
             # The caches are done with: free them before the VAE decode, the largest activation of a large image
             # (a 1024 px decode needs 4.3 GB; BAGEL-7B's full KV of that edit is 1.0 GB).

@@ -121,6 +121,8 @@ class CompressingKVCache(SegmentedKVCache):
 
     def end_call(self, call: AttentionCall) -> None:
         self.session.note_rows(self.branch, call, self._call_rows)
+        if self._plan.observe and call.phase in ("denoise", "decode"):
+            self.session.report.note_observed(self.branch)
         if self._plan.compress_after:
             self.session.compress(self, call)
         self._plan = CallPlan()

@@ -203,17 +203,20 @@ class GlobalEvictionMethod(CompressionMethod):
 
 
 def _recompresses_unread_cache(cache: CompressibleBranch, step: int) -> bool:
-    """Whether a re-compression at ``step`` would come after the request's last denoising step or last possible
-    decoded token (``max_new_tokens``): no call reads the cache it would shrink.
+    """Whether a re-compression at ``step`` would come after the last call that reads the cache: the request's last
+    denoising step or last possible decoded token (``max_new_tokens``), or the branch's last computed step when
+    the later ones are forecast (TaylorSeer: :meth:`~unicache_core.kv.cache.StepInfo.next_call_step`).
 
     The first compression still runs (the report's figures are those of a compressed cache); later ones,
     with their statistics, are skipped there: on the e2e bench's 6-step run the last step ends a step chunk,
     and its compression cost 10% of a tiny model's step time for nothing.
     """
     info = cache.session.step
-    return (
-        cache.compressions > 0 and info is not None and info.phase in ("denoise", "decode") and step >= info.total - 1
-    )
+    if cache.compressions == 0 or info is None or info.phase not in ("denoise", "decode"):
+        return False
+    if info.phase == "denoise" and info.step == step:
+        return info.next_call_step(cache.branch) is None
+    return step >= info.total - 1
 
 
 __all__ = ["CompressionMethod", "GlobalEvictionMethod", "candidate_indices"]

@@ -100,11 +100,16 @@ class UniCacheMethod(CompressionMethod):
         return bool(schedules) and all(sched.fixed or sched.rho <= sched.floor for sched in schedules)
 
     def is_compression_step(self, cache: CompressibleBranch, step: int) -> bool:
+        """After the branch's first step, then at the last step of each step chunk that calls its caches: the step
+        after which its next call (``step + 1``; with TaylorSeer its next computed step, forecast steps call
+        nothing) falls in a later chunk, or after which none comes (docs/compression.md §11.12)."""
         if cache.compressions == 0:
             return True
         if self.settled(cache.session, cache):
             return False
-        return step_chunk(step + 1) != step_chunk(step)  # the last step of a chunk
+        info = cache.session.step
+        upcoming = info.next_call_step(cache.branch) if info is not None and info.step == step else step + 1
+        return upcoming is None or step_chunk(upcoming) != step_chunk(step)
 
     def plan_decode(self, cache: CompressibleBranch, call: AttentionCall) -> CallPlan:
         # Only the token that ends a step chunk is measured (type masses from the LSE) and re-allocates; the
