@@ -3,7 +3,7 @@ PY ?= .venv/bin/python
 PIP_TORCH = torch==2.14.1 torchvision==0.29.1
 
 .PHONY: setup lint format test bench bench-quick demo tiny clean host test-host test-all browser-deps bundled train calibrate \
-	quality quality-quick
+	quality quality-quick official-goldens
 
 setup: .venv/.installed
 
@@ -95,6 +95,14 @@ quality: setup
 
 quality-quick: setup
 	$(PY) -m benchmarks.quality --quick --json out/quality_quick.json
+
+# Record tests/goldens/official/ again with the official BAGEL code (docs/equivalence.md): OFFICIAL is a checkout of
+# ByteDance-Seed/Bagel at the commit tools/official_reference.py pins; its own venv is .refcheck/venv.
+official-goldens: setup
+	@test -n "$(OFFICIAL)" || { echo "give OFFICIAL=DIR, a checkout of ByteDance-Seed/Bagel (docs/equivalence.md)" >&2; exit 1; }
+	tools/install_refcheck.sh
+	$(PY) -m training.tiny .refcheck/bagel-tiny
+	.refcheck/venv/bin/python tools/official_reference.py --official $(OFFICIAL) --checkpoint .refcheck/bagel-tiny
 
 tiny: setup
 	$(PY) -m training.tiny .tiny/bagel-tiny

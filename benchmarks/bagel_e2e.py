@@ -69,7 +69,7 @@ def joint_table() -> PolicyTable:
 class E2EConfig:
     checkpoints: tuple[str, ...] = ("medium", "tiny")
     tasks: tuple[str, ...] = TASKS
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = tuple(METHODS)
     steps: int = 12  # denoising steps (num_timesteps = steps + 1), same schedule shape as the official 50
     decode_tokens: int = 24  # understanding: fixed number of decoded tokens
     edit_size: int = 512  # source image side (medium transforms keep 512)
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
         value = getattr(args, name)
         if value:
             items = tuple(v.strip() for v in value.split(",") if v.strip())
-            allowed = {"checkpoints": ("medium", "tiny"), "tasks": TASKS, "methods": METHODS}[name]
+            allowed = {"checkpoints": ("medium", "tiny"), "tasks": TASKS, "methods": tuple(METHODS)}[name]
             bad = [v for v in items if v not in allowed]
             if bad:
                 parser.error(f"--{name}: unknown {bad}; choose from {', '.join(allowed)}")

@@ -27,7 +27,7 @@ import torch
 from training.tiny import write_tiny_checkpoint
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.memory_plan import PlanSettings, plan_config, plan_memory
-from unicache_core.compression import METHODS, KVConfig, make_cache_factory
+from unicache_core.compression import METHODS, make_cache_factory
 
 from .bagel_e2e import _source_image
 from .medium import write_medium_checkpoint
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         for method in METHODS:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            config = KVConfig(method=method, sync_timing=cuda)
-            result = _task(BagelPipeline(dev, make_cache_factory(config)), task, image, args.steps)
+            factory = make_cache_factory(method, sync_timing=cuda)
+            result = _task(BagelPipeline(dev, factory), task, image, args.steps)
             report = result.kv_report
             steps = report["steps"][1:] or report["steps"]
             rows.append(

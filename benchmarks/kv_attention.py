@@ -35,7 +35,6 @@ import torch
 from torch import Tensor
 
 from unicache_core.compression import PolicyTable, make_cache_factory, paper_policy_table
-from unicache_core.compression.baselines import pyramid_layer_budgets, sink_recency_scores
 from unicache_core.compression.defaults import (
     FIT_VALUE_RANGES,
     KIVI_FLOOR,
@@ -46,6 +45,8 @@ from unicache_core.compression.defaults import (
     WINDOW,
 )
 from unicache_core.compression.family import FULL_BITS, Segment, grid_choices, plan_from_errors
+from unicache_core.compression.methods.pyramidkv import pyramid_layer_budgets
+from unicache_core.compression.methods.streamingllm import sink_recency_scores
 from unicache_core.compression.ops import compress_rows, quantized_bytes
 from unicache_core.compression.scoring import key_scores
 from unicache_core.compression.selection import select_rows
@@ -397,7 +398,7 @@ def _joint_table(ctx: Context, sc: Scoring, elem: int, info: dict) -> PolicyTabl
 def _unicache_layer(
     ctx: Context, sc: Scoring, budget: int, info: dict, table: PolicyTable | None = None, key: str = "unicache"
 ) -> SegmentedLayer:
-    """The library's UniCache (:class:`unicache_core.compression.unicache.UniCacheMethod`) on this branch, with
+    """The library's UniCache (:class:`unicache_core.compression.methods.unicache.UniCache`) on this branch, with
     the paper's table (or ``table``).
 
     The synthetic context is appended to a real

@@ -103,7 +103,7 @@ def paper_table_for(checkpoint: Path):
 @dataclass
 class QualityConfig:
     checkpoint: str = str(DEFAULT_CHECKPOINT)
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = tuple(METHODS)
     tasks: tuple[str, ...] = TASKS
     samples: dict = field(default_factory=lambda: {"und": 120, "t2i": 32, "edit": 32})
     num_timesteps: int = 25
@@ -573,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.targets:
         kw["targets"] = _items(parser, "targets", args.targets, TARGET_NAMES)
     if args.methods:
-        kw["methods"] = _items(parser, "methods", args.methods, METHODS)
+        kw["methods"] = _items(parser, "methods", args.methods, tuple(METHODS))
     if args.samples is not None:
         if args.samples < 1:
             parser.error(f"--samples must be >= 1, got {args.samples}")

@@ -1,10 +1,11 @@
-"""``UniCacheKVConfig``: the KV-compression settings of a request → ``UNICACHE_KV`` (a frozen ``KVConfig``)."""
+"""``UniCacheKVConfig``: the KV-compression method of a request → ``UNICACHE_KV`` (a frozen method object,
+:mod:`unicache_core.compression.methods`)."""
 
 from __future__ import annotations
 
 import logging
 
-from unicache_core.compression import METHODS, KVConfig
+from unicache_core.compression import METHODS, method_from_name
 from unicache_core.compression.defaults import SCORE_QUERIES
 
 from . import host
@@ -121,15 +122,12 @@ class UniCacheKVConfig:
         if not unicache and (rho > 0 or rho_floor >= 0 or policy != DEFAULT_POLICY):
             logger.warning("rho, rho_floor and policy apply to unicache only; ignored for method %r", method)
         policy_path = str(host.policy_path(policy)) if unicache and policy != DEFAULT_POLICY else None
-        try:
-            config = KVConfig(
-                method=method,
-                kv_target=kv_target if kv_target > 0 else None,
-                rho=rho if unicache and rho > 0 else None,
-                rho_floor=rho_floor if unicache and rho_floor >= 0 else None,
-                policy=policy_path,
-                score_queries=int(score_queries),
+        settings = {"kv_target": kv_target if kv_target > 0 else None, "score_queries": int(score_queries)}
+        if unicache:
+            settings.update(
+                rho=rho if rho > 0 else None, rho_floor=rho_floor if rho_floor >= 0 else None, policy=policy_path
             )
+        try:
+            return (method_from_name(method, **settings),)
         except ValueError as exc:
             raise ValueError(f"UniCache KV config: {exc}") from None
-        return (config,)

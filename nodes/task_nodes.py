@@ -27,7 +27,7 @@ from unicache_core.bagel.settings import (
     check_prompt,
     preset,
 )
-from unicache_core.compression import KVConfig, make_cache_factory
+from unicache_core.compression import Method, make_cache_factory
 from unicache_core.compression.report_view import chart_data
 from unicache_core.errors import CancelledError
 
@@ -197,10 +197,10 @@ def _check_model(model) -> None:
 
 def _pipeline(model, kv, memory: int) -> BagelPipeline:
     _check_model(model)
-    if kv is not None and not isinstance(kv, KVConfig):
+    if kv is not None and not isinstance(kv, Method):
         raise ValueError(f"`kv` must come from the UniCache KV Config node, got {type(kv).__name__}")
     host.load_to_device(model.patcher, memory)
-    factory = make_cache_factory(kv if kv is not None else KVConfig(method="full"), checkpoint_dir=model.checkpoint_dir)
+    factory = make_cache_factory(kv if kv is not None else "full", checkpoint_dir=model.checkpoint_dir)
     return BagelPipeline(model.runtime(), factory)
 
 

@@ -26,8 +26,8 @@ from oracles.attention_stats import type_masses
 from oracles.keepsets import MonotonicKeepSet
 
 from unicache_core.compression import make_cache_factory
-from unicache_core.compression.baselines import vlcache_layer_budgets
 from unicache_core.compression.defaults import VLCACHE_THRESHOLD
+from unicache_core.compression.methods.vlcache import vlcache_layer_budgets
 from unicache_core.compression.scoring import key_scores, mass_from_lse, row_max_logits
 from unicache_core.kv.attention import attention_with_lse
 from unicache_core.kv.cache import AttentionCall, RequestInfo, StepInfo

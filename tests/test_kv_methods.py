@@ -11,7 +11,7 @@ from PIL import Image
 
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.denoise import branch_velocities
-from unicache_core.compression import METHODS, KVConfig, make_cache_factory, ops
+from unicache_core.compression import H2O, METHODS, UniCache, make_cache_factory, ops
 from unicache_core.compression.compressing_cache import CompressingKVCache
 from unicache_core.compression.policy_table import PolicyTable, PolicyTableError, paper_policy_table
 from unicache_core.kv.cache import unique_nbytes
@@ -120,10 +120,8 @@ def test_cfg_text_forks_from_gen_shares_rows_and_then_lives_on_its_own(loaded, s
     cfg_before = [[s.token_index.clone() for s in cfg.layer(i).stores] for i in range(cfg.num_layers)]
     session.resolve_target()
     for layer in range(gen.num_layers):
-        gen.state[layer].scores = torch.rand(
-            gen.layer(layer).appended_tokens, 2 if False else gen.layer(layer)._kv_meta[0]
-        )
-    session.method.compress_layers(session, gen)
+        gen.state[layer].scores = torch.rand(gen.layer(layer).appended_tokens, gen.layer(layer).geometry[0])
+    session.compress(gen, None)
     assert any(s.kind == "evicted" for s in gen.layer(0).stores)
     assert all(s.kind == "full" for s in cfg.layer(0).stores)  # gen's eviction did not touch cfg_text
     for layer in range(cfg.num_layers):
@@ -145,7 +143,7 @@ def test_unicache_keep_sets_only_shrink_rho_never_rises_and_step0_is_full(loaded
         bits.setdefault((id(layer), store.token_type), []).append(getattr(store, "bits", 16))
         return store
 
-    monkeypatch.setattr("unicache_core.compression.unicache.compress_rows", spy)
+    monkeypatch.setattr("unicache_core.compression.compressing_cache.compress_rows", spy)
     result = _edit(_pipe(loaded, "unicache", rho=0.5, rho_floor=0.1), source, steps=STEPS)  # the paper's schedule
     report = result.kv_report
     assert any(len(v) > 1 for v in kept.values()), "no segment was compressed twice"
@@ -230,11 +228,15 @@ def test_bad_settings_each_give_one_clear_error(loaded, tmp_path):
         make_cache_factory("fastest")
     for rho in (0.0, 1.5, float("nan")):
         with pytest.raises(ValueError, match="`rho` must be a number in"):
-            KVConfig(method="unicache", rho=rho)
+            UniCache(rho=rho)
     with pytest.raises(ValueError, match="must not exceed `rho`"):
-        KVConfig(method="unicache", rho=0.3, rho_floor=0.4)
+        UniCache(rho=0.3, rho_floor=0.4)
     with pytest.raises(ValueError, match="kv_target"):
-        KVConfig(method="h2o", kv_target="lots")
+        H2O(kv_target="lots")
+    with pytest.raises(ValueError, match="`rho` applies to the unicache method only, not to 'h2o'"):
+        make_cache_factory("h2o", rho=0.3)
+    with pytest.raises(ValueError, match="`window` is not a setting of the kivi method; it takes kv_target"):
+        make_cache_factory("kivi", window=8)
     bad = tmp_path / "bad.json"
     bad.write_text(
         '{"format": "unicache-policy-table", "version": 1, "entries": [{"task": "edit", '

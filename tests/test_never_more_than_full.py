@@ -21,6 +21,7 @@ from unicache_core.compression import METHODS, make_cache_factory
 from unicache_core.compression.compressing_cache import MANAGED_TYPES
 from unicache_core.compression.family import JointPlan
 from unicache_core.compression.policy_table import PolicyTable, paper_policy_table
+from unicache_core.compression.view import BranchView
 from unicache_core.kv.cache import AttentionCall, RequestInfo
 from unicache_core.kv.token_types import CANDIDATE_TYPES
 from unicache_core.kv.token_types import TokenType as TT
@@ -143,7 +144,7 @@ def run_request(
     main = session.new_cache("gen")
     context = torch.cat([torch.full((n,), int(t), dtype=torch.int8) for t, n in _context(task, lengths)])
     prefill = AttentionCall(context, torch.arange(context.shape[0]), causal=True, update=True, phase="prefill")
-    plan = session.method.plan_call(main, prefill)
+    plan = session.method.plan_call(BranchView(main, prefill), prefill)
     _append(main, context, gen, dtype)
     _measure(session, main, prefill, plan, gen)
     caches = [main] if task == "understanding" else [main, session.fork(main, "cfg_text")]
@@ -164,7 +165,7 @@ def run_request(
                 phase=phase,
                 step=step,
             )
-            plan = session.method.plan_call(cache, call)
+            plan = session.method.plan_call(BranchView(cache, call), call)
             if plan.compress_before:
                 session.compress(cache, call)
             _measure(session, cache, call, plan, gen)

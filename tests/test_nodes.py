@@ -107,15 +107,15 @@ def test_input_types_match_signature(node_id):
 
 
 def test_kv_config_node_builds_configs():
-    from unicache_core.compression import KVConfig
+    from unicache_core.compression import UniCache
 
     node = _mappings()["UniCacheKVConfig"]()
     (cfg,) = node.build("unicache", 0.0, 0.0, -1.0, "default", 128)
-    assert cfg == KVConfig(method="unicache", score_queries=128)
+    assert cfg == UniCache(score_queries=128)
     (cfg,) = node.build("unicache", 0.3, 0.4, 0.0, "default")
     assert (cfg.kv_target, cfg.rho, cfg.rho_floor) == (0.3, 0.4, 0.0)
     (cfg,) = node.build("h2o", 0.2, 0.5, 0.1, "default")  # unicache-only widgets are ignored by baselines
-    assert (cfg.method, cfg.kv_target, cfg.rho, cfg.rho_floor) == ("h2o", 0.2, None, None)
+    assert (cfg.name, cfg.kv_target) == ("h2o", 0.2) and not hasattr(cfg, "rho")
     with pytest.raises(ValueError, match="rho_floor"):
         node.build("unicache", 0.0, 0.2, 0.5, "default")
 
@@ -153,12 +153,12 @@ def test_loader_lists_caches_and_explains(host_stubs, tmp_path):
 
 def test_text_to_image_end_to_end(host_stubs):
     import nodes
-    from unicache_core.compression import KVConfig
+    from unicache_core.compression import UniCache
 
     model = _load(host_stubs)
     node = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
     image, latent, thinking, report = node.generate(
-        model, "a red cube", 64, 48, 3, 7, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False, kv=KVConfig("unicache")
+        model, "a red cube", 64, 48, 3, 7, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False, kv=UniCache()
     )
     assert image.shape == (1, 48, 64, 3) and image.dtype == torch.float32
     assert 0.0 <= image.min() and image.max() <= 1.0
@@ -249,16 +249,20 @@ def test_web_extension_parses_and_draws(host_stubs, tmp_path):
     js = ROOT / "web" / "unicache.js"
     subprocess.run([node, "--check", str(js)], check=True)
     import nodes
-    from unicache_core.compression import KVConfig
+    from unicache_core.compression import UniCache
 
     model = _load(host_stubs)
     *_, report = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]().generate(
-        model, "a cube", 32, 32, 3, 0, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False, kv=KVConfig("unicache")
+        model, "a cube", 32, 32, 3, 0, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False, kv=UniCache()
     )
     chart = nodes.NODE_CLASS_MAPPINGS["UniCacheKVReport"]().show(report)["ui"]["unicache_kv"][0]
     script = tmp_path / "draw.mjs"
     script.write_text(_JS_DRAW)
     subprocess.run([node, str(script), str(js), json.dumps(chart)], check=True, timeout=30)
+    two_images = dict(
+        chart, images={"0": {"full_bytes": 4096, "held_bytes": 1024}, "1": {"full_bytes": 4096, "held_bytes": 512}}
+    )
+    subprocess.run([node, str(script), str(js), json.dumps(two_images)], check=True, timeout=30)
 
 
 # ------------------------------------------------------------------------------- external VAE and LATENT

@@ -19,7 +19,8 @@ from oracles import (
     layer_sparsity,
 )
 
-from unicache_core.compression.baselines import pyramid_layer_budgets, vlcache_layer_budgets
+from unicache_core.compression.methods.pyramidkv import pyramid_layer_budgets
+from unicache_core.compression.methods.vlcache import vlcache_layer_budgets
 
 POLICIES = [
     (H2OPolicy, {}),

@@ -221,47 +221,44 @@ def test_allocate_types_and_errors():
 
 
 # ---------------------------------------------------------------- schedule
+def _observed(sched: RetentionSchedule, *masses: float) -> list[float]:
+    """The scheduled rho after each of ``masses`` (step chunks 1, 2, ...), once chunk 0 observed ``masses[0]``."""
+    sched = sched.observe(0, masses[0])
+    rhos = []
+    for chunk, mass in enumerate(masses[1:], start=1):
+        sched = sched.observe(chunk, mass)
+        rhos.append(sched.rho)
+    return rhos
+
+
 def test_schedule_endpoints_and_monotone():
     sched = RetentionSchedule.for_task("edit")
     assert sched.rho == 0.2 and sched.floor == 0.1
     paper = RetentionSchedule(rho0=0.5, floor=0.1)  # the paper's start
-    paper.observe(0, 2.0)
-    assert paper.rho == 0.5
-    assert paper.observe(1, 1.2) == pytest.approx(0.3)
-    assert paper.observe(2, 1e-6) == pytest.approx(0.1)  # vanishing mass reaches the floor
-    assert paper.observe(3, 2.0) == pytest.approx(0.1)  # never rises when mass recovers
-    t2i = RetentionSchedule.for_task("t2i")
-    t2i.observe(0, 1.0)
-    assert t2i.observe(1, 3.0) == 0.4  # above m0 is clipped to rho0
-    assert t2i.observe(2, 0.0) == pytest.approx(0.35)
+    assert paper.observe(0, 2.0).rho == 0.5
+    # 1.2/2 of rho0; vanishing mass reaches the floor; it never rises when the mass recovers
+    assert _observed(paper, 2.0, 1.2, 1e-6, 2.0) == pytest.approx([0.3, 0.1, 0.1])
+    assert _observed(RetentionSchedule.for_task("t2i"), 1.0, 3.0, 0.0) == pytest.approx([0.4, 0.35])  # clipped to rho0
+    assert paper.rho == 0.5  # a schedule is a value: observing returns a new one
 
 
 def test_schedule_falls_in_steps_of_at_least_five_percent():
-    sched = RetentionSchedule(rho0=0.2, floor=0.1)
-    sched.observe(0, 1.0)
-    assert sched.observe(1, 0.97) == 0.2  # 0.194 is 3% below 0.2: not worth a re-layout
-    assert sched.observe(2, 0.96) == 0.2  # measured against the rho in force, not the last formula
-    assert sched.observe(3, 0.94) == pytest.approx(0.188)  # 6% below: acted on
-    assert sched.observe(4, 0.91) == pytest.approx(0.188)  # 0.182 is 3.2% below 0.188
-    assert sched.observe(5, 0.51) == pytest.approx(0.102)
-    assert sched.observe(6, 0.505) == pytest.approx(0.102)  # 0.101: 1% below and above the floor, kept
-    assert sched.observe(7, 0.3) == pytest.approx(0.1)  # the floor is always reached, however small the step
+    rhos = _observed(RetentionSchedule(rho0=0.2, floor=0.1), 1.0, 0.97, 0.96, 0.94, 0.91, 0.51, 0.505, 0.3)
+    # 0.194 is 3% below 0.2: not worth a re-layout; measured against the rho in force, not the last formula; 6%
+    # below: acted on; 0.182 is 3.2% below 0.188; 0.101: 1% below and above the floor, kept; the floor is always
+    # reached, however small the step
+    assert rhos == pytest.approx([0.2, 0.2, 0.188, 0.188, 0.102, 0.102, 0.1])
     paper = RetentionSchedule(rho0=0.2, floor=0.1, min_fall=0.0)  # the paper's schedule acts on every fall
-    paper.observe(0, 1.0)
-    assert paper.observe(1, 0.97) == pytest.approx(0.194)
+    assert _observed(paper, 1.0, 0.97) == pytest.approx([0.194])
     with pytest.raises(ValueError, match="min_fall"):
         RetentionSchedule(min_fall=1.0)
 
 
 def test_schedule_degenerate_and_understanding():
-    sched = RetentionSchedule.for_task("t2i")
-    sched.observe(0, 0.0)
-    assert sched.observe(1, 0.0) == 0.4  # m0 ~ 0 -> rho0
-    early = RetentionSchedule.for_task("t2i")
-    assert early.observe(2, 0.01) == 0.4  # no reference yet
+    assert _observed(RetentionSchedule.for_task("t2i"), 0.0, 0.0) == [0.4]  # m0 ~ 0 -> rho0
+    assert RetentionSchedule.for_task("t2i").observe(2, 0.01).rho == 0.4  # no reference yet
     und = RetentionSchedule.for_task("understanding")
-    for chunk, mass in [(0, 1.0), (1, 0.0), (2, 5.0)]:
-        assert und.observe(chunk, mass) == pytest.approx(0.2)
+    assert _observed(und, 1.0, 0.0, 5.0) == pytest.approx([0.2, 0.2])
     with pytest.raises(ValueError, match="floor"):
         RetentionSchedule(rho0=0.5, floor=0.6)
     with pytest.raises(ValueError, match="step_chunk"):
@@ -320,22 +317,25 @@ def test_unicache_fits_its_value_ranges_at_the_same_bytes(tiny_checkpoint):
     from unicache_core.bagel.checkpoint.loader import load_bagel
     from unicache_core.bagel.pipeline import BagelPipeline
     from unicache_core.bagel.settings import preset
-    from unicache_core.compression import KVConfig, make_cache_factory
+    from unicache_core.compression import KIVI, UniCache, make_cache_factory
 
     loaded = load_bagel(tiny_checkpoint, dtype=torch.float32)
     source = Image.new("RGB", (32, 32), (200, 30, 40))
     runs = {}
     for fit in (None, True, False):  # the tiny checkpoint has no table: the paper's, source-VAE quantized
-        pipe = BagelPipeline(loaded, make_cache_factory("unicache", kv_target=0.1, fit_ranges=fit))
-        runs[fit] = pipe.edit("make it blue", source, preset("edit", num_timesteps=4), seed=5)
+        method = UniCache(kv_target=0.1) if fit is None else UniCache(kv_target=0.1, fit_ranges=fit)
+        runs[fit] = BagelPipeline(loaded, make_cache_factory(method)).edit(
+            "make it blue", source, preset("edit", num_timesteps=4), seed=5
+        )
     held = {fit: r.kv_report["summary"]["steady_managed_bytes"] for fit, r in runs.items()}
     assert held[None] == held[True] == held[False] > 0
     assert (
-        runs[None].kv_report["config"]["fit_ranges"] is None and runs[False].kv_report["config"]["fit_ranges"] is False
+        runs[None].kv_report["config"]["fit_ranges"] is True and runs[False].kv_report["config"]["fit_ranges"] is False
     )
     assert torch.equal(runs[None].latents, runs[True].latents)  # on by default
     assert not torch.equal(runs[True].latents, runs[False].latents)
     with pytest.raises(ValueError, match="`fit_ranges` applies to the unicache method only, not to 'kivi'"):
-        KVConfig(method="kivi", fit_ranges=True)
-    with pytest.raises(ValueError, match="`fit_ranges` must be True, False or None, got 'yes'"):
-        KVConfig(method="unicache", fit_ranges="yes")
+        make_cache_factory("kivi", fit_ranges=True)
+    with pytest.raises(ValueError, match="`fit_ranges` must be True or False, got 'yes'"):
+        UniCache(fit_ranges="yes")
+    assert not hasattr(KIVI(), "fit_ranges")  # KIVI keeps its paper's min-max

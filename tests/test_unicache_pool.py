@@ -10,9 +10,10 @@ import torch
 
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR
-from unicache_core.compression import compressing_cache, make_cache_factory
+from unicache_core.compression import make_cache_factory, session
 from unicache_core.compression.defaults import KIVI_GROUPS
 from unicache_core.compression.family import FULL_BITS, JointChoice, Segment
+from unicache_core.kv.token_types import PROTECTED_TYPES
 from unicache_core.kv.token_types import TokenType as TT
 from unicache_core.shapes import edit_sample
 from unicache_core.shapes.world import understanding_sample
@@ -29,7 +30,7 @@ def bundled():
 def caches(monkeypatch):
     """Every branch cache the next requests create (new and forked), in creation order."""
     made = []
-    new_cache, fork = compressing_cache.CompressionSession.new_cache, compressing_cache.CompressionSession.fork
+    new_cache, fork = session.CompressionSession.new_cache, session.CompressionSession.fork
 
     def spy_new(self, branch):
         made.append(new_cache(self, branch))
@@ -39,8 +40,8 @@ def caches(monkeypatch):
         made.append(fork(self, parent, branch))
         return made[-1]
 
-    monkeypatch.setattr(compressing_cache.CompressionSession, "new_cache", spy_new)
-    monkeypatch.setattr(compressing_cache.CompressionSession, "fork", spy_fork)
+    monkeypatch.setattr(session.CompressionSession, "new_cache", spy_new)
+    monkeypatch.setattr(session.CompressionSession, "fork", spy_fork)
     return made
 
 
@@ -54,7 +55,7 @@ def _understand(bundled, **settings):
 
 def _store_bytes(cache, layer: int, rows: int, bits: int = 2) -> int:
     """Bytes of ``rows`` rows at ``bits``, largest group, no residual, in one store of this layer."""
-    h, d, dtype, _ = cache.layer(layer)._kv_meta
+    h, d, dtype = cache.layer(layer).geometry
     segment = Segment(
         full_rows=rows,
         held_rows=rows,
@@ -79,7 +80,7 @@ def test_a_budget_under_the_separate_floors_pools_the_types_and_keeps_every_row(
         assert pooled <= budget < _store_bytes(cache, layer, sum(rows.values()), bits=4), (layer, pooled, budget)
         if layer == 0:  # nothing carried in: not even the floors of stores of their own fit
             assert budget < sum(_store_bytes(cache, layer, n) for n in rows.values())
-        managed = [s for s in cache.layer(layer).stores if s.token_type not in compressing_cache.PROTECTED_TYPES]
+        managed = [s for s in cache.layer(layer).stores if s.token_type not in PROTECTED_TYPES]
         assert len(managed) == 1 and managed[0].token_type == TT.UNKNOWN and managed[0].kind == "quantized"
         assert managed[0].bits == 2 and managed[0].num_tokens == sum(rows.values())  # no row dropped
         assert managed[0].nbytes() <= budget
@@ -116,7 +117,7 @@ def test_the_pool_is_decided_once_and_its_mass_stays_with_its_types(bundled, cac
     for layer in range(gen.num_layers):
         ls = gen.state[layer]
         assert set(ls.pooled) == {TT.INSTRUCTION, TT.SOURCE_VIT, TT.SOURCE_VAE}
-        managed = [s for s in gen.layer(layer).stores if s.token_type not in compressing_cache.PROTECTED_TYPES]
+        managed = [s for s in gen.layer(layer).stores if s.token_type not in PROTECTED_TYPES]
         assert [s.token_type for s in managed] == [TT.UNKNOWN]
         assert TT.UNKNOWN not in ls.masses and all(ls.masses.get(t, 0.0) > 0 for t in ls.pooled), ls.masses
     chunk_masses = gen.session.stats.cell_masses(1, 2, list(CANDIDATES), branch="gen")
@@ -152,8 +153,8 @@ def test_a_branch_under_its_floor_is_paid_for_by_the_others(bundled, caches):
         own_budget = int(0.1 * rows * cfg_img.row_bytes(layer))
         (store,) = [s for s in cfg_img.layer(layer).stores if s.token_type == TT.INSTRUCTION]
         assert store.kind == "quantized" and store.bits == 2 and store.num_tokens == rows
-        assert store.nbytes() > own_budget and cfg_img.state[layer].grant >= store.nbytes() - own_budget
-    grants = [c.state[layer].grant for c in branches.values() for layer in range(c.num_layers)]
+        assert store.nbytes() > own_budget and cfg_img.session.grant("cfg_img", layer) >= store.nbytes() - own_budget
+    grants = [c.session.grant(c.branch, layer) for c in branches.values() for layer in range(c.num_layers)]
     assert sum(grants) <= 0 and min(grants) < 0  # given = taken (rounding keeps the rest)
     summary = report["summary"]
     assert summary["achieved_ratio"] <= 0.1 and summary["within_budget"] and not summary.get("flags"), summary

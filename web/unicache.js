@@ -22,10 +22,18 @@ function headline(data) {
   const held = data.steady_bytes ?? full;
   const saved = data.saved_bytes ?? 0;
   const pct = data.reduction != null ? ` (${(data.reduction * 100).toFixed(1)}%)` : "";
-  return [
+  const lines = [
     `${data.method} / ${data.task}: saved ${fmtBytes(saved)}${pct} of KV memory`,
     `held ${fmtBytes(held)} of ${fmtBytes(full)} compressible; peak ${fmtBytes(data.peak_bytes)}`,
   ];
+  const images = Object.entries(data.images || {});
+  if (images.length > 0) {
+    // the KV each input image's rows hold, summed over the branches (request order, counted from 1)
+    lines.push(
+      images.map(([i, v]) => `image ${Number(i) + 1}: ${fmtBytes(v.held_bytes)} of ${fmtBytes(v.full_bytes)}`).join(" · ")
+    );
+  }
+  return lines;
 }
 
 // Retained share per step and branch: rho where the method has one, else held / full bytes.
@@ -51,7 +59,7 @@ export function drawChart(ctx, data, width, height) {
   ctx.fillStyle = "#e8e8e8";
   const lines = headline(data);
   lines.forEach((line, i) => ctx.fillText(line, 8, 16 + i * 15));
-  const x0 = 34, x1 = width - 70, y0 = 48, y1 = height - 18;
+  const x0 = 34, x1 = width - 70, y0 = 18 + lines.length * 15, y1 = height - 18;
   ctx.strokeStyle = "#555";
   ctx.lineWidth = 1;
   ctx.beginPath();

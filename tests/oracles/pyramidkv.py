@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from unicache_core.compression.baselines import pyramid_layer_budgets
+from unicache_core.compression.methods.pyramidkv import pyramid_layer_budgets
 
 from .base import ScoreInputs
 from .snapkv import SnapKVPolicy

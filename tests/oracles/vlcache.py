@@ -47,7 +47,7 @@ class VLCachePolicy(EvictionPolicy):
     observation queries are the tokens after the last modality boundary (the prompt text after the
     image, or BAGEL's queries after the conditioning); their attention is summed per key and averaged
     over the query heads of a KV group. Layer budgets come from
-    :func:`unicache_core.compression.baselines.vlcache_layer_budgets` over :meth:`sparsity`.
+    :func:`unicache_core.compression.methods.vlcache.vlcache_layer_budgets` over :meth:`sparsity`.
 
     Parameters
     ----------

@@ -225,15 +225,15 @@ def _fail(message: str) -> None:
 
 
 def _kv_config(args: argparse.Namespace):
-    """The KV settings of the flags (a ValueError naming the flag for a bad value)."""
-    from ..compression import KVConfig
+    """The KV method of the flags (a ValueError naming the flag for a bad value)."""
+    from ..compression import method_from_name
 
     if args.policy is not None and not args.policy.is_file():
         raise ValueError(f"--policy: {args.policy} is not a file; pass a policy-table JSON file")
+    given = {"rho": args.rho, "rho_floor": args.rho_floor, "policy": args.policy}
+    settings = {name: value for name, value in given.items() if value is not None}
     try:
-        return KVConfig(
-            method=args.kv_method, kv_target=args.kv_target, rho=args.rho, rho_floor=args.rho_floor, policy=args.policy
-        )
+        return method_from_name(args.kv_method, kv_target=args.kv_target, **settings)
     except ValueError as exc:
         raise ValueError(f"KV flags: {exc}") from None
 

@@ -292,7 +292,7 @@ def _predict(
     answer_tokens: int | None = None,
 ) -> MemoryPlan:
     """:func:`plan_memory` without the suggestion."""
-    from ..compression import KVConfig
+    from ..compression import method_from_name
     from .checkpoint.loader import parse_dtype
 
     task = PLAN_TASKS[settings.task]
@@ -328,7 +328,7 @@ def _predict(
         if tiled_peak < peak:
             parts, peak, vae_decode = tiled, tiled_peak, "tiled"
     if settings.kv_method != "full":
-        target = KVConfig(method=settings.kv_method).target_ratio(task)
+        target = method_from_name(settings.kv_method).target(task)
         ratio = float(target) if isinstance(target, float) else 1.0
         parts["kv_compressed"] = int(parts["kv_full"] * ratio)
     return MemoryPlan(

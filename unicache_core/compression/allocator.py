@@ -101,3 +101,24 @@ def allocate_types(capacities: dict, weights: dict, total: float) -> dict:
     keys = list(capacities)
     alloc = allocate([float(capacities[k]) for k in keys], [float(weights.get(k, 0.0)) for k in keys], total)
     return dict(zip(keys, alloc))
+
+
+def allocate_with_floors(caps: dict, weights: dict, total: float, floors: dict) -> dict:
+    """Mass-proportional, capped shares of ``total`` (:func:`allocate_types`) as retained ratios ``alloc / cap``, in
+    which no type of ``floors`` gets less than its floor ratio (a quantized type's every row at 2 bits; below it the
+    type must drop rows). What the floors take is taken from the other types. When the floors alone exceed the
+    total, the plain shares are kept (the quantized types then keep a subset of their rows at 2 bits)."""
+    fixed: dict = {}
+    while True:
+        free = {t: c for t, c in caps.items() if t not in fixed}
+        left = total - sum(floors[t] * caps[t] for t in fixed)
+        if left < 0:
+            alloc = allocate_types(caps, weights, total)
+            return {t: min(1.0, alloc[t] / caps[t]) for t in caps}
+        alloc = allocate_types(free, {t: weights.get(t, 0.0) for t in free}, left)
+        below = [t for t in free if t in floors and alloc[t] < floors[t] * caps[t] - 1e-9]
+        if not below:
+            ratios = {t: min(1.0, alloc[t] / caps[t]) for t in free}
+            ratios.update({t: min(1.0, floors[t]) for t in fixed})
+            return ratios
+        fixed.update({t: True for t in below})

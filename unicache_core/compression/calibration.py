@@ -15,9 +15,9 @@ The records come back in the request's KV report as ``report["calibration"]["rec
 ``[branch, layer, step, type_name, k90, mass]``, ``step`` = ``None`` for the prefill observation).
 :mod:`unicache_core.bagel.calibration` aggregates them into a policy table.
 
-The session is a :class:`~.cache.CompressionSession` with a ``KVConfig(method="full")``: the config
-only supplies the scoring settings (``score_queries``); the method object is what acts, and it never
-shrinks anything. Start one per request with :class:`CalibrationCacheFactory`.
+The session is a :class:`~.session.CompressionSession` whose method, :class:`Calibration`, supplies the scoring
+settings (``score_queries``) and never shrinks anything. Start one per request with
+:class:`CalibrationCacheFactory`.
 
 Which calls are recorded: the pending observation of a branch is read at the end of each step
 (:meth:`end_step`) and, for the understanding prefill, when the first decoding step begins: only the
@@ -28,31 +28,37 @@ context: the post-modality window the methods select with).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from ..kv.cache import AttentionCall, CacheFactory, CacheSession, RequestInfo, StepInfo
 from ..kv.token_types import CANDIDATE_TYPES
-from .compressing_cache import CompressingKVCache, CompressionSession
-from .config import KVConfig
+from .compressing_cache import CompressingKVCache
 from .defaults import SCORE_QUERIES
-from .method import CompressionMethod
-from .protocol import CallPlan
+from .method import Method
+from .plan import BranchPlan, CallPlan
 from .routing import k90
+from .session import CompressionSession
+from .view import BranchView
 
 logger = logging.getLogger(__name__)
 
 
-class CalibrationMethod(CompressionMethod):
-    """Scores every read call on all layers; never compresses (see the module docstring)."""
+@dataclass(frozen=True, kw_only=True)
+class Calibration(Method, register=False):
+    """Scores every read call on all layers; never compresses (see the module docstring). Its session records what
+    was scored: set :attr:`session` (a :class:`CalibrationSession` does)."""
 
     name = "calibration"
     needs_scores = True
 
-    def plan_call(self, cache: CompressingKVCache, call: AttentionCall) -> CallPlan:
-        session = cache.session
-        if cache.branch == "plan":
+    def target(self, task: str) -> float:
+        return 1.0
+
+    def plan_call(self, view: BranchView, call: AttentionCall) -> CallPlan:
+        if view.branch == "plan":
             return CallPlan()  # the think-mode plan context is not read by the answer / the latents
-        task = session.request.task
-        queries = session.config.score_queries
+        task = view.task
+        queries = self.score_queries
         if task == "understanding":
             if call.phase not in ("prefill", "decode"):
                 return CallPlan()
@@ -61,29 +67,24 @@ class CalibrationMethod(CompressionMethod):
             last = False  # latent queries: an evenly strided subsample
         else:
             return CallPlan()  # generation prefill: the cache is written, not read for the output
-        if isinstance(session, CalibrationSession):
-            session.pending[cache.branch] = (call.phase, None if call.step is None else int(call.step))
         return CallPlan(observe=True, score=True, last_queries=last, num_queries=queries)
 
-    def compress(self, session, cache, call) -> None:
-        """Never called by :meth:`plan_call`; a no-op if anything else asks."""
-
-    def compress_layers(self, session, cache) -> None:
-        """No-op: calibration runs at full KV."""
+    def plan(self, view: BranchView) -> BranchPlan:
+        """Nothing is kept out: calibration runs at full KV."""
+        return BranchPlan()
 
 
 class CalibrationSession(CompressionSession):
     """:class:`~.cache.CompressionSession` that records per-type K90 and mass of every observed call."""
 
-    def __init__(self, request: RequestInfo, config: KVConfig | None = None):
+    def __init__(self, request: RequestInfo, method: Calibration | None = None):
         self.pending: dict[str, tuple[str, int | None]] = {}
         self.records: list[list] = []
-        super().__init__(
-            request,
-            CalibrationMethod(),
-            config or KVConfig(method="full"),
-            {"path": None, "source": "calibration", "warning": None},
-        )
+        super().__init__(request, method or Calibration(), {"path": None, "source": "calibration", "warning": None})
+
+    def note_observed(self, branch: str, call: AttentionCall) -> None:
+        """``branch`` is scored in ``call``: its records are harvested when the call's step (or the prefill) ends."""
+        self.pending[branch] = (call.phase, None if call.step is None else int(call.step))
 
     def _harvest(self, branch: str) -> None:
         phase, step = self.pending.pop(branch)
@@ -135,10 +136,10 @@ class CalibrationCacheFactory(CacheFactory):
     method = "calibration"
 
     def __init__(self, score_queries: int = SCORE_QUERIES):
-        self.config = KVConfig(method="full", score_queries=score_queries)
+        self.method = Calibration(score_queries=score_queries)
 
     def start(self, request: RequestInfo) -> CacheSession:
-        return CalibrationSession(request, self.config)
+        return CalibrationSession(request, self.method)
 
 
-__all__ = ["CalibrationCacheFactory", "CalibrationMethod", "CalibrationSession"]
+__all__ = ["Calibration", "CalibrationCacheFactory", "CalibrationSession"]

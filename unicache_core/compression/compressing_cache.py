@@ -1,38 +1,41 @@
-"""The compressing cache of one context and the per-request session that owns the shared state.
+"""The compressing cache of one context: it measures what its method asks for and applies the method's plans.
 
 :class:`CompressingKVCache` is a :class:`~unicache_core.kv.segmented_cache.SegmentedKVCache` that
 
 - keeps the token type of every append index (``types``), so any segment can be tagged and accounted;
-- on the calls its method asks for, measures attention statistics from the real queries of the call,
-  before anything is evicted in it: type masses from the per-store LSE (free), per-key scores from a
-  query subsample (:mod:`.scoring`), VL-Cache's layer sparsity;
-- hands control to its :class:`~unicache_core.compression.method.CompressionMethod` at the compression
-  points (after the first denoising step of its branch and, for UniCache, at the end of every step
-  chunk; before the first decoded token for understanding), which shrink it physically (:mod:`.ops`).
+- on the calls its method asks for (:meth:`~unicache_core.compression.method.Method.plan_call`), measures attention
+  statistics from the real queries of the call, before anything is evicted in it: type masses from the per-store
+  LSE (free), per-key scores from a query subsample (:mod:`.scoring`), VL-Cache's layer sparsity;
+- at the compression points (after the first denoising step of its branch and, for UniCache, at the end of every
+  step chunk; before the first decoded token for understanding) has its session plan the compression
+  (:meth:`~unicache_core.compression.session.CompressionSession.compress`) and applies the plan
+  (:meth:`CompressingKVCache.apply`) with the physical operations of :mod:`.ops`.
 
-:class:`CompressionSession` is the :class:`~unicache_core.kv.cache.CacheSession` of one request: the
-branch caches, the chunked statistics (keyed per branch), the rho schedules per (branch, layer chunk),
-clocks, and the per-step records returned as the run's report (:mod:`.report`).
+The session of a request is :class:`~unicache_core.compression.session.CompressionSession`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from ..kv.cache import AttentionCall, CacheSession, KVCache, RequestInfo, StepInfo, unique_nbytes
+from ..kv.cache import AttentionCall
 from ..kv.segmented_cache import LayerAttention, SegmentedKVCache
 from ..kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, TokenType
-from .config import KVConfig
-from .method import CompressionMethod
-from .protocol import CallPlan, LayerState
-from .report import ReportBuilder, type_name
+from .family import FULL_BITS
+from .ops import compress_rows
+from .plan import BranchPlan, CallPlan, Keep
+from .protocol import LayerState
+from .report import type_name
 from .scoring import key_scores, masses_from_lse, query_subsample, row_max_logits
-from .stats import ChunkedAttentionStats
+from .view import BranchView, SegmentKey, key_of
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .session import CompressionSession
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +52,12 @@ class CompressingKVCache(SegmentedKVCache):
         super().__init__(session.request.num_layers, task=session.request.task, branch=branch)
         self.session = session
         self.types = torch.zeros(0, dtype=torch.int8)  # [T] TokenType of each append index
+        self.images = torch.zeros(0, dtype=torch.int16)  # [T] input image of each append index, -1 for none
         self.state = [LayerState() for _ in range(self.num_layers)]
         self.first_denoise_step: int | None = None
         self.compressions = 0
         self.rho: dict[int, float] = {}  # layer chunk -> scheduled retention (unicache)
+        self.method_state: Any = None  # what the method's last plan keeps for this branch (BranchPlan.state)
         self._plan = CallPlan()
         self._call_rows = 0
 
@@ -68,11 +73,23 @@ class CompressingKVCache(SegmentedKVCache):
         self._types = value
         self._type_rows: dict[int, dict[TokenType, int]] = {}  # prefix length -> its row count per type
 
+    @property
+    def images(self) -> Tensor:
+        """``[T]`` int16 input image of each append index (-1: no image's row; assigned whole; only ever grows)."""
+        return self._images
+
+    @images.setter
+    def images(self, value: Tensor) -> None:
+        self._images = value
+        self._segment_rows: dict[int, dict[SegmentKey, int]] = {}  # prefix length -> its row count per segment
+
     def clone(self, *, branch: str | None = None) -> CompressingKVCache:
         other = super().clone(branch=branch)
         other.types = self.types  # shared prefix, its own memo of type_rows
+        other.images = self.images
         other.state = [state.copy() for state in self.state]
         other.rho = dict(self.rho)
+        other.method_state = self.method_state  # a frozen value: shared
         other._plan = CallPlan()
         return other
 
@@ -81,10 +98,11 @@ class CompressingKVCache(SegmentedKVCache):
     def begin_call(self, call: AttentionCall) -> None:
         if call.phase == "denoise" and self.first_denoise_step is None:
             self.first_denoise_step = int(call.step or 0)
-        self._plan = self.session.method.plan_call(self, call)
+        self._plan = self.session.method.plan_call(BranchView(self, call), call)
         if self._plan.compress_before:
             self.session.compress(self, call)
         if self._plan.observe or self._plan.score:
+            self.session.note_observed(self.branch or "", call)
             logger.debug(
                 "%s %s step %s: observe=%s score=%s",
                 self.branch,
@@ -96,6 +114,8 @@ class CompressingKVCache(SegmentedKVCache):
         if call.update:
             types = call.token_types.detach().to("cpu", torch.int8)
             self.types = torch.cat([self.types, types])
+            image = -1 if call.image is None else int(call.image)
+            self.images = torch.cat([self.images, torch.full(types.shape, image, dtype=torch.int16)])
         self._call_rows = 0
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:
@@ -103,7 +123,7 @@ class CompressingKVCache(SegmentedKVCache):
         plan = self._plan
         timers = self.session.timers
         start = self.session.clock(q)
-        if not (plan.observe or plan.score) and self.session.config.fused:
+        if not (plan.observe or plan.score) and self.session.method.fused:
             out, _ = st.attend(q, k, v, causal=call.causal, new_mask=call.new_block_mask, fused=True)
             res = None
         else:
@@ -116,13 +136,11 @@ class CompressingKVCache(SegmentedKVCache):
             self._observe(layer, q, k, res, call, plan)
             timers["stats"] += self.session.clock(q) - mid
         if call.update:
-            st.append(k, v, call.token_types)
+            st.append(k, v, call.token_types, call.image)
         return out
 
     def end_call(self, call: AttentionCall) -> None:
         self.session.note_rows(self.branch, call, self._call_rows)
-        if self._plan.observe and call.phase in ("denoise", "decode"):
-            self.session.report.note_observed(self.branch)
         if self._plan.compress_after:
             self.session.compress(self, call)
         self._plan = CallPlan()
@@ -147,12 +165,19 @@ class CompressingKVCache(SegmentedKVCache):
         if res.new_lse is not None:
             parts.append((TokenType.CURRENT_LATENT if call.phase == "denoise" else TokenType.UNKNOWN, res.new_lse))
         masses: dict[TokenType, float] = {}
-        for (token_type, _), mass in zip(parts, masses_from_lse([lse for _, lse in parts], res.lse)):
+        segment_masses: dict[SegmentKey, float] = {}
+        part_masses = masses_from_lse([lse for _, lse in parts], res.lse)
+        for (token_type, _), mass in zip(parts, part_masses):
             if token_type is _POOLED:  # one store of several types: its mass in the shares they had when pooled
                 for member, share in ls.pooled.items():
                     masses[member] = masses.get(member, 0.0) + mass * share
             else:
                 masses[token_type] = masses.get(token_type, 0.0) + mass
+        for store, mass in zip((s for s in st.stores if s.num_tokens), part_masses):
+            if store.token_type in CANDIDATE_TYPES:
+                key = key_of(store)
+                segment_masses[key] = segment_masses.get(key, 0.0) + mass
+        ls.segment_masses = segment_masses
         if plan.score:
             dense, n_q = self._score(layer, q, k_new, res, call, plan)
             if call.phase == "prefill" and call.update:
@@ -213,7 +238,7 @@ class CompressingKVCache(SegmentedKVCache):
                 rowmax = torch.maximum(rowmax, row_max_logits(qs, keys))
             if call.update and not merged:
                 rowmax = torch.maximum(rowmax, row_max_logits(qs, k_new, visible=visible))
-            thresholds = rowmax + math.log(self.session.method.sparsity_threshold)
+            thresholds = rowmax + math.log(self.session.method.sparsity_threshold())
         counts = torch.zeros(q.shape[1], dtype=torch.int64, device=q.device) if plan.sparsity else None
         valid = 0
         if keys is not None:
@@ -252,13 +277,89 @@ class CompressingKVCache(SegmentedKVCache):
             self._type_rows[n] = {TokenType(i): c for i, c in enumerate(counts) if c}
         return dict(self._type_rows[n])
 
+    def segment_rows(self, layer: int) -> dict[SegmentKey, int]:
+        """Uncompressed row count per segment of ``layer``: per (candidate type, input image), and per protected
+        type (image ``None``)."""
+        n = self.layer(layer).appended_tokens
+        if n not in self._segment_rows:
+            types, images = self.types[:n].long(), self.images[:n].long()
+            if images.shape[0] < n:  # rows appended to a layer directly (not through a call) name no image
+                images = torch.cat([images, torch.full((n - images.shape[0],), -1, dtype=torch.long)])
+            candidate = torch.zeros(n, dtype=torch.bool)
+            for t in CANDIDATE_TYPES:
+                candidate |= types == int(t)
+            images = torch.where(candidate, images, torch.full_like(images, -1))
+            width = int(images.max()) + 2 if n else 1
+            counts = torch.bincount(types * width + images + 1, minlength=len(TokenType) * width).tolist()
+            self._segment_rows[n] = {
+                SegmentKey(TokenType(i // width), None if i % width == 0 else i % width - 1): c
+                for i, c in enumerate(counts)
+                if c
+            }
+        return dict(self._segment_rows[n])
+
     def row_bytes(self, layer: int) -> int:
         """Bytes of one uncompressed row (K+V over the KV heads) in ``layer``; 0 while empty."""
-        meta = self.layer(layer)._kv_meta
-        if meta is None:
+        geometry = self.layer(layer).geometry
+        if geometry is None:
             return 0
-        h, d, dtype, _ = meta
+        h, d, dtype = geometry
         return 2 * h * d * dtype.itemsize
+
+    # ------------------------------------------------------------------ plans
+
+    def apply(self, plan: BranchPlan) -> None:
+        """Carry out a method's plan: each layer's changes in order, then its records (budgets, flags, pooled types),
+        the schedule's rho and the method's state for the next view."""
+        for index in sorted(plan.layers):
+            layer_plan = plan.layers[index]
+            ls = self.state[index]
+            if layer_plan.pooled and not ls.pooled:
+                ls.pooled = dict(layer_plan.pooled)
+            for keep in layer_plan.keeps:
+                self._apply_keep(index, keep)
+            if layer_plan.budgets is not None:
+                ls.budgets = dict(layer_plan.budgets)
+            for key, reason in layer_plan.flags.items():
+                if reason is None:
+                    ls.flags.pop(key, None)
+                else:
+                    ls.flags[key] = reason
+        self.rho.update(plan.rho)
+        self.method_state = plan.state
+
+    def _apply_keep(self, index: int, keep: Keep) -> None:
+        """One change of a layer plan: the stores of ``keep.segments`` become the store it describes."""
+        st = self.layer(index)
+        wanted = set(keep.segments)
+        stores = [i for i, store in enumerate(st.stores) if key_of(store) in wanted]
+        if not stores:
+            raise RuntimeError(
+                f"{self.session.method.name}: layer {index} of branch {self.branch} holds none of "
+                f"the segments {list(keep.segments)} its plan names"
+            )
+        if keep.bits == FULL_BITS and keep.scores is None:
+            raise RuntimeError(f"{self.session.method.name}: evicting rows of layer {index} needs their scores")
+        store = compress_rows(
+            st,
+            stores,
+            keep.rows,
+            keep.bits,
+            keep.group,
+            keep.residual,
+            keep.scores,
+            recent=keep.recent,
+            forced=keep.forced,
+            smooth_kernel=keep.smooth_kernel,
+            fit_values=keep.fit_values,
+        )
+        if keep.expected_bytes is not None and store.nbytes() != keep.expected_bytes:
+            reason = (
+                f"the store holds {store.nbytes()} B where the plan counted {keep.expected_bytes} B "
+                "(a byte formula and a store disagree: please report it)"
+            )
+            logger.warning("%s layer %d of %s: %s", self.session.method.name, index, self.branch, reason)
+            self.state[index].flags[f"bytes:{type_name(store.token_type)}"] = reason
 
     def managed_full_bytes(self, layer: int | None = None) -> int:
         """K+V bytes the compressible (candidate) rows would hold uncompressed (no index tensors)."""
@@ -279,6 +380,39 @@ class CompressingKVCache(SegmentedKVCache):
                 else:
                     protected += store.nbytes()
         return managed, protected
+
+    def snapshot_images(self) -> dict[str, dict]:
+        """Per input image (its index as a string), summed over the layers: per candidate type the bytes held, the
+        rows held per KV head and the rows it had, and the image's bytes held and full bytes (the report's
+        ``images``). A store of one image's rows counts for that image; a store pooling several (a pool of types or
+        a baseline's one store) is split by the images its rows belong to. ``{}`` without image rows."""
+        rows = {key: n for key, n in self.segment_rows(0).items() if key.image is not None}
+        if not rows:
+            return {}
+        row_bytes = sum(self.row_bytes(layer) for layer in range(self.num_layers))
+        out: dict[str, dict] = {}
+        for key, n in sorted(rows.items(), key=lambda kv: (kv[0].image, kv[0].type)):
+            image = out.setdefault(str(key.image), {"bytes": 0, "full_bytes": 0, "types": {}})
+            image["types"][type_name(key.type)] = {"bytes": 0, "rows_per_head": 0.0, "full_rows": n}
+            image["full_bytes"] += n * row_bytes
+        for st in self.layers:
+            for store in st.stores:
+                if not store.num_tokens or store.token_type not in MANAGED_TYPES:
+                    continue
+                for (image, token_type), share in _image_shares(self, store).items():
+                    entry = out.get(str(image), {}).get("types", {}).get(type_name(token_type))
+                    if entry is None:
+                        continue
+                    nbytes = store.nbytes() * share
+                    entry["bytes"] += nbytes
+                    entry["rows_per_head"] += store.num_tokens * share / self.num_layers
+                    out[str(image)]["bytes"] += nbytes
+        for image in out.values():
+            image["bytes"] = int(round(image["bytes"]))
+            for entry in image["types"].values():
+                entry["bytes"] = int(round(entry["bytes"]))
+                entry["rows_per_head"] = round(entry["rows_per_head"], 2)
+        return out
 
     def snapshot_types(self) -> dict[str, dict]:
         """Per type name, summed over the layers: the policy acting on it, bytes held, rows per KV head, store
@@ -317,99 +451,22 @@ class CompressingKVCache(SegmentedKVCache):
         return types
 
 
-class CompressionSession(CacheSession):
-    """Per-request state of a compressing method (see the module docstring)."""
-
-    def __init__(
-        self, request: RequestInfo, method: CompressionMethod, config: KVConfig, policy_info: dict | None = None
-    ):
-        super().__init__(request)
-        self.method = method
-        self.config = config
-        self.stats = ChunkedAttentionStats.for_task(request.task)
-        self.schedules: dict = {}
-        self.timers = {"attention": 0.0, "stats": 0.0, "alloc": 0.0}
-        self.step: StepInfo | None = None
-        self.target_ratio: float | None = None  # resolved memory target (ratio of full managed bytes)
-        self.released: set[str] = set()
-        self._step_start: float | None = None  # perf_counter() when the current step began
-        self.report = ReportBuilder(self, policy_info or {})
-        method.start(self)
-
-    def clock(self, like: Tensor | None = None) -> float:
-        """``perf_counter()``, after the device of ``like`` finished its work when ``config.sync_timing``."""
-        if self.config.sync_timing and like is not None and like.is_cuda:
-            torch.cuda.synchronize(like.device)
-        return time.perf_counter()
-
-    # ------------------------------------------------------------------ caches
-
-    def new_cache(self, branch: str) -> KVCache:
-        super().new_cache(branch)  # validates the name
-        cache = CompressingKVCache(self, branch)
-        self.caches[branch] = cache
-        return cache
-
-    def fork(self, parent: KVCache, branch: str) -> KVCache:
-        cache = super().fork(parent, branch)
-        logger.debug("fork %s -> %s at %d tokens", parent.branch, branch, cache.num_tokens)
-        return cache
-
-    def release(self, branch: str) -> None:
-        super().release(branch)
-        self.released.add(branch)
-
-    def live_caches(self) -> list[CompressingKVCache]:
-        """The branch caches of this request that were built and not yet released."""
-        return [c for c in self.caches.values() if isinstance(c, CompressingKVCache)]
-
-    def held_bytes(self) -> int:
-        """Bytes of every live branch cache, storages shared by branches counted once."""
-        return unique_nbytes(t for c in self.live_caches() for t in c.tensors())
-
-    # ------------------------------------------------------------------ steps
-
-    def begin_step(self, step: StepInfo) -> None:
-        if self.step is None:
-            self.report.note_peak()
-        self.step = step
-        self.timers = {"attention": 0.0, "stats": 0.0, "alloc": 0.0}
-        self.report.begin_step(step)
-        self._step_start = time.perf_counter()
-
-    def end_step(self, step: StepInfo) -> None:
-        timers = dict(self.timers)
-        timers["step"] = 0.0 if self._step_start is None else time.perf_counter() - self._step_start
-        self.report.end_step(step, timers)
-
-    def note_rows(self, branch: str, call: AttentionCall, rows: int) -> None:
-        """Record the rows ``call`` of ``branch`` attended over (summed over its layers)."""
-        self.report.note_rows(branch, call, rows)
-
-    def resolve_target(self) -> float:
-        """The memory target as a ratio of the full managed bytes of every live branch (bytes are converted)."""
-        if self.target_ratio is None:
-            target = self.method.target(self)
-            if isinstance(target, int):
-                full = sum(c.managed_full_bytes() for c in self.live_caches() if c.branch != "plan")
-                ratio = 1.0 if full == 0 else min(1.0, target / full)
-                logger.info("kv_target %d bytes = %.4f of the %d full managed bytes", target, ratio, full)
-                self.target_ratio = ratio
-            else:
-                self.target_ratio = float(target)
-        return self.target_ratio
-
-    def compress(self, cache: CompressingKVCache, call: AttentionCall | None) -> None:
-        """Run the method's compression on ``cache`` (at ``call``), timed as allocation and recorded."""
-        start = self.clock()
-        self.method.compress(self, cache, call)
-        cache.compressions += 1
-        self.timers["alloc"] += self.clock() - start
-        self.report.note_compression(cache)
-
-    def finish(self) -> dict:
-        """The request's KV report (:mod:`.report`)."""
-        return self.report.build()
+def _image_shares(cache: CompressingKVCache, store) -> dict[tuple[int, TokenType], float]:
+    """The share of ``store``'s rows that belongs to each (input image, type) (rows of no image left out)."""
+    if store.image is not None:
+        return {(store.image, store.token_type): 1.0}
+    index = store.token_index.long().reshape(-1).cpu()
+    known = index < cache.images.shape[0]  # rows appended to a layer directly name no image
+    images = torch.full_like(index, -1)
+    images[known] = cache.images[index[known]].long()
+    types = cache.types[index].long()
+    mine = images >= 0
+    if not bool(mine.any()):
+        return {}
+    width = len(TokenType)
+    counts = torch.bincount(images[mine] * width + types[mine]).tolist()
+    total = index.numel()
+    return {(i // width, TokenType(i % width)): c / total for i, c in enumerate(counts) if c}
 
 
 def _scored_rows(stores: list, num_kv_heads: int) -> tuple[Tensor | None, Tensor | None]:
@@ -427,4 +484,4 @@ def _scored_rows(stores: list, num_kv_heads: int) -> tuple[Tensor | None, Tensor
     return torch.cat(keys), torch.cat(index)
 
 
-__all__ = ["CompressingKVCache", "CompressionSession", "MANAGED_TYPES"]
+__all__ = ["CompressingKVCache", "MANAGED_TYPES"]

@@ -1,7 +1,7 @@
 """Every default number of the compression methods, defined once (docs/compression.md §2-§8).
 
 Per-task numbers are dicts keyed by :data:`~unicache_core.kv.token_types.TASKS`. Settings a request can
-change (:class:`~unicache_core.compression.config.KVConfig`, the nodes, the CLI, calibration) start from
+change (the method objects of :mod:`unicache_core.compression.methods`, the nodes, the CLI, calibration) start from
 these values; the methods read them where a paper fixes them.
 """
 

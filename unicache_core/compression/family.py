@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..kv.quant import SUPPORTED_BITS, quantized_kv_nbytes
 from .defaults import JOINT_BITS, JOINT_LEVELS, KIVI_GROUPS, KIVI_RESIDUAL, KIVI_RESIDUAL_SHARE
@@ -62,6 +62,15 @@ class QuantGeometry:
     def residual(self, rows: int) -> int:
         """The most full-precision residual rows a quantized segment of ``rows`` rows may keep."""
         return min(self.residual_max, int(math.floor(rows * self.residual_share + 1e-9)))
+
+    def with_residual(self, residual: int | None) -> QuantGeometry:
+        """This geometry with a fixed number of full-precision residual rows when ``residual`` is set (at most the
+        segment, dropped when it does not fit the budget); ``None``: the residual follows the segment's length."""
+        if residual is None:
+            return self
+        if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
+            raise ValueError(f"`residual` must be an integer >= 0 or None, got {residual!r}")
+        return replace(self, residual_max=residual, residual_share=1.0)
 
     def to_dict(self) -> dict:
         return {"groups": list(self.groups), "residual_max": self.residual_max, "residual_share": self.residual_share}

@@ -1,222 +1,223 @@
-"""What a compression method is: when a cache measures, when it compresses, and how.
+"""What a compression method is: a frozen object of settings that decides, from what a branch shows it, when to
+measure and what to keep. It never touches a cache.
 
-A method is stateless across requests; per-request state lives in the
-:class:`~unicache_core.compression.compressing_cache.CompressionSession` and per-branch state in each
-:class:`~unicache_core.compression.compressing_cache.CompressingKVCache`. Adding a method means subclassing
-:class:`CompressionMethod` and registering it (:mod:`.registry`): pipelines and model files never change.
+A method is a frozen dataclass whose fields are its settings with their defaults (``SnapKV(window=64, kernel=5)``,
+``UniCache(rho=0.3)``); a subclass with a ``name`` registers itself (:data:`METHODS`, :func:`method_from_name`).
+Two pure calls make it work (docs/compression.md §12):
+
+- :meth:`Method.plan_call` when a forward pass begins: what the cache measures in it and whether the branch is
+  compressed before or after it (a :class:`~unicache_core.compression.plan.CallPlan`);
+- :meth:`Method.plan` at a compression point: given a read-only
+  :class:`~unicache_core.compression.view.BranchView` (per layer and type: rows, masses, scores, geometry, bytes),
+  the :class:`~unicache_core.compression.plan.BranchPlan` (rows kept, bits and groups per segment) that the cache
+  then applies. State a method keeps across compressions of a branch (UniCache's schedules) goes out in the plan
+  and comes back in the next view.
 
 Timeline shared by every method (docs/compression.md §8.1, §8.6, §8.10):
 
-- generation / editing: prefill at full KV; the first denoising step of each branch runs at full KV
-  and is observed (its real latent queries score the keys before anything is evicted); the cache is
-  compressed right after it. Baselines compress once (selection frozen afterwards); UniCache
-  re-allocates at the end of every step chunk, where it measures the type masses only: per-key scores are
-  gathered once, at the branch's first observation (the paper's engine freezes its H2O selection after the
-  first scoring, and understanding's decoded tokens already measured masses only).
-- understanding: the prompt prefill is observed (the question's queries: the post-modality window);
-  the cache is compressed before the first decoded token, so every decoded token reads compressed KV.
-- protected types (boundary, current latent, decoded text) are never touched; the think-mode ``plan``
-  context is never compressed.
+- generation / editing: prefill at full KV; the first denoising step of each branch runs at full KV and is
+  observed (its real latent queries score the keys before anything is evicted); the cache is compressed right
+  after it. Baselines compress once (selection frozen afterwards); UniCache re-allocates at the end of every step
+  chunk, where it measures the type masses only: per-key scores are gathered once, at the branch's first
+  observation.
+- understanding: the prompt prefill is observed (the question's queries: the post-modality window); the cache is
+  compressed before the first decoded token, so every decoded token reads compressed KV.
+- protected types (boundary, current latent, decoded text) are never touched; the think-mode ``plan`` context is
+  never compressed.
 """
 
 from __future__ import annotations
 
-from abc import ABC
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from torch import Tensor
+from ..kv.cache import AttentionCall, RequestInfo
+from .defaults import DEFAULT_REDUCTION, SCORE_QUERIES, VLCACHE_THRESHOLD
+from .plan import BranchPlan, CallPlan
+from .targets import parse_kv_target
 
-from ..kv.cache import AttentionCall
-from ..kv.token_types import CANDIDATE_TYPES
-from .defaults import VLCACHE_THRESHOLD
-from .ops import evict, evicted_row_bytes, floor_bytes, rows_for_bytes
-from .protocol import CallPlan, CompressibleBranch, MethodSession
+if TYPE_CHECKING:  # pragma: no cover
+    from .view import BranchView
+
+#: Every selectable method by name, in the order they were registered (``full`` first).
+METHODS: dict[str, type[Method]] = {}
 
 
-class CompressionMethod(ABC):  # noqa: B024 (replaced by the method redesign)
-    """Base of every method. Subclasses implement :meth:`compress_layers`.
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
 
-    Class attributes:
-        name: registry name.
-        needs_scores: per-key scores are gathered at the observed calls.
-        window_queries: score with the last ``config.window`` queries (SnapKV) instead of a strided
-            subsample of ``config.score_queries``.
-        sparsity_threshold: VL-Cache's relative threshold (used when a plan asks for sparsity).
+
+def check_ratio(name: str, value: Any, *, allow_zero: bool = False) -> None:
+    """``value`` is a finite number in (0, 1] (or [0, 1] with ``allow_zero``), else a ValueError naming it."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not (0.0 <= value <= 1.0 if allow_zero else 0.0 < value <= 1.0):
+        raise ValueError(f"`{name}` must be a number in {'[0, 1]' if allow_zero else '(0, 1]'}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Method:
+    """Base of every method: the settings every method shares, the registry and the shared timeline.
+
+    Attributes:
+        kv_target: memory target of the compressible (non-protected) KV: a retained ratio in (0, 1] of its full
+            bytes, or a byte count over all branches (``"20%"``, ``"150MB"`` are parsed). ``None``: the method's
+            default (the paper's reduction for the task; UniCache: its rho schedule).
+        score_queries: most queries a call scores keys with (strided latent queries, or the last text queries).
+        fused: on calls that gather no statistics, attend through one head-major workspace per layer in a single
+            exact attention call instead of one call per store and an LSE merge (about 15% faster per edit step
+            on the medium benchmark checkpoint).
+        sync_timing: synchronise CUDA around timed attention calls (exact per-call clocks, slower).
+
+    Class attributes (not settings): ``name`` (the registry name; a subclass without one is not registered),
+    ``needs_scores`` (per-key scores are gathered at the observed calls), ``needs_sparsity`` (VL-Cache's layer
+    sparsity, measured with :meth:`sparsity_threshold`).
     """
 
-    name: str = "base"
-    needs_scores: bool = True
-    needs_sparsity: bool = False
-    window_queries: bool = False
-    sparsity_threshold: float = VLCACHE_THRESHOLD
+    name: ClassVar[str] = ""
+    needs_scores: ClassVar[bool] = True
+    needs_sparsity: ClassVar[bool] = False
 
-    def start(self, session: MethodSession) -> None:
-        """Called once when a request's session starts."""
+    kv_target: float | int | None = None
+    score_queries: int = SCORE_QUERIES
+    fused: bool = True
+    sync_timing: bool = False
 
-    def target(self, session: MethodSession) -> float | int:
-        """The memory target (ratio or bytes) of the request."""
-        return session.config.target_ratio(session.request.task)
+    def __init_subclass__(cls, register: bool = True, **kwargs: Any) -> None:
+        """A subclass that names itself is selectable by that name (``register=False``: an internal method)."""
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if name and register:
+            METHODS[name] = cls
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_target", parse_kv_target(self.kv_target))
+        _check_int("score_queries", self.score_queries, 1)
+        for flag in ("fused", "sync_timing"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"`{flag}` must be True or False, got {getattr(self, flag)!r}")
+
+    # ------------------------------------------------------------------ settings
+
+    def settings(self) -> dict[str, Any]:
+        """The settings as plain JSON (the report's ``config``): ``method`` and every field."""
+        out: dict[str, Any] = {"method": self.name}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = str(value) if isinstance(value, Path) else value
+        return out
+
+    def bind(self, request: RequestInfo, checkpoint_dir: str) -> tuple[Method, dict]:
+        """The method as it runs one request (files it names resolved) and what the report says of its policy."""
+        return self, {}
+
+    def target(self, task: str) -> float | int:
+        """The memory target of a request: the explicit ``kv_target``, else ``1 - DEFAULT_REDUCTION[task]``."""
+        if self.kv_target is not None:
+            return self.kv_target
+        return round(1.0 - DEFAULT_REDUCTION[task], 6)
 
     # ------------------------------------------------------------------ when
 
-    def _queries(self, session: MethodSession) -> int:
-        return session.config.window if self.window_queries else session.config.score_queries
+    def sparsity_threshold(self) -> float:
+        """VL-Cache's relative ThresholdFilter: an attention entry counts when it is at least this share of its row's
+        largest (used when a call plan asks for sparsity)."""
+        return VLCACHE_THRESHOLD
 
-    def is_compression_step(self, cache: CompressibleBranch, step: int) -> bool:
+    def score_window(self) -> bool:
+        """Scores come from the last ``score_query_count`` queries (SnapKV's window) rather than a strided subsample
+        (latents) or the last ``score_queries`` text queries."""
+        return False
+
+    def score_query_count(self) -> int:
+        """Most queries an observed call scores keys with."""
+        return self.score_queries
+
+    def is_compression_step(self, view: BranchView, step: int) -> bool:
         """Denoising: compress after this step of the branch? Default: once, after its first step."""
-        return cache.compressions == 0
+        return view.compressions == 0
 
-    def plan_call(self, cache: CompressibleBranch, call: AttentionCall) -> CallPlan:
-        """What ``call`` measures on ``cache`` and whether the cache is compressed before or after it."""
-        session = cache.session
-        if cache.branch == "plan":
+    def plan_call(self, view: BranchView, call: AttentionCall) -> CallPlan:
+        """What ``call`` measures on the branch and whether the branch is compressed before or after it."""
+        if view.branch == "plan":
             return CallPlan()
-        task = session.request.task
-        if task == "understanding":
+        if view.task == "understanding":
             if call.phase == "prefill":
                 return CallPlan(
                     observe=True,
                     score=self.needs_scores,
                     last_queries=True,
-                    num_queries=self._queries(session),
+                    num_queries=self.score_query_count(),
                     sparsity=self.needs_sparsity,
                 )
             if call.phase == "decode":
-                if cache.compressions == 0:  # the first decoded token already reads compressed KV
+                if view.compressions == 0:  # the first decoded token already reads compressed KV
                     return CallPlan(observe=True, compress_before=True)
-                if _recompresses_unread_cache(cache, int(call.step or 0)):
+                if view.recompresses_unread(int(call.step or 0)):
                     return CallPlan()
-                return self.plan_decode(cache, call)
+                return self.plan_decode(view, call)
             return CallPlan()
         if call.phase != "denoise":
             return CallPlan()
         step = int(call.step or 0)
-        if self.is_compression_step(cache, step) and not _recompresses_unread_cache(cache, step):
+        if self.is_compression_step(view, step) and not view.recompresses_unread(step):
             # keys are scored at the branch's first observation only (module docstring)
             return CallPlan(
                 observe=True,
-                score=self.needs_scores and cache.compressions == 0,
-                last_queries=self.window_queries,
-                num_queries=self._queries(session),
+                score=self.needs_scores and view.compressions == 0,
+                last_queries=self.score_window(),
+                num_queries=self.score_query_count(),
                 sparsity=self.needs_sparsity,
                 compress_after=True,
             )
         return CallPlan()  # the fast path: nothing is measured on the steps that do not compress
 
-    def plan_decode(self, cache: CompressibleBranch, call: AttentionCall) -> CallPlan:
-        """Understanding decode calls after the first compression (default: the fast path, nothing measured:
-        a decoded token is one query row, so per-call statistics would be a visible share of its cost)."""
+    def plan_decode(self, view: BranchView, call: AttentionCall) -> CallPlan:
+        """Understanding decode calls after the first compression (default: the fast path, nothing measured: a
+        decoded token is one query row, so per-call statistics would be a visible share of its cost)."""
         return CallPlan()
 
     # ------------------------------------------------------------------ how
 
-    def compress(self, session: MethodSession, cache: CompressibleBranch, call: AttentionCall | None) -> None:
-        """Compress every layer of ``cache`` (called at the compression points)."""
-        self.compress_layers(session, cache)
+    def plan(self, view: BranchView) -> BranchPlan:
+        """What the branch keeps, layer by layer (called at the compression points)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement plan()")
 
-    def compress_layers(self, session: MethodSession, cache: CompressibleBranch) -> None:
-        """Shrink the candidate segments of every layer of ``cache`` (override this or :meth:`compress`)."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither compress() nor compress_layers()")
-
-
-def candidate_indices(cache: CompressibleBranch, layer: int) -> list[int]:
-    """Store indices of every non-empty candidate (or pooled) segment of ``layer``."""
-    st = cache.layer(layer)
-    return [
-        i
-        for i, s in enumerate(st.stores)
-        if s.num_tokens and (s.token_type in CANDIDATE_TYPES or int(s.token_type) == 0)
-    ]
-
-
-class GlobalEvictionMethod(CompressionMethod):
-    """One eviction policy over ALL compressible KV of a layer (protected segments kept), matched to a byte target.
-
-    Subclasses give the scores (:meth:`layer_scores`) and, optionally, per-layer row budgets.
-    """
-
-    recent_fraction: float | None = None  # share of the budget kept as the most recent rows
-    smooth_kernel: int = 1
-
-    def layer_scores(self, cache: CompressibleBranch, layer: int) -> Tensor | None:
-        """``[T_appended, Hkv]`` fp32 score of every appended row of ``layer`` (higher = keep; default: the
-        attention accumulated over every scored call, H2O)."""
-        return cache.state[layer].scores
-
-    def forced_rows(self, cache: CompressibleBranch, layer: int) -> Tensor | None:
-        """Optional ``[T_appended]`` bool of rows always kept (inside the budget)."""
+    def floor_needs(self, view: BranchView) -> dict[int, tuple[int, int]] | None:
+        """Per layer ``(budget, floor)`` bytes at the least retention the branch can reach, when the method wants
+        the session to move bytes between branches so every branch can keep its floor (UniCache,
+        docs/compression.md §11.8); ``None``: no such need."""
         return None
 
-    def layer_rows(self, cache: CompressibleBranch, budgets: list[int], rows: list[int]) -> list[int]:
-        """Rows per KV head for each layer, given each layer's byte-budget rows (default: as is)."""
-        return budgets
 
-    def compress_layers(self, session: MethodSession, cache: CompressibleBranch) -> None:
-        """Evict every layer's pooled candidate rows down to the rows its share of the byte target buys."""
-        ratio = session.resolve_target()
-        budget_rows, pool_rows = [], []
-        # Rows round down on the branch's running byte total, not per layer: the branch holds at most its
-        # budget, and misses it by less than one row overall instead of one row per layer.
-        spent = carried = 0
-        for layer in range(cache.num_layers):
-            st = cache.layer(layer)
-            full = cache.managed_full_bytes(layer)
-            budget = floor_bytes(ratio, full)
-            meta = st._kv_meta
-            if meta is None or full == 0:
-                budget_rows.append(0)
-                pool_rows.append(0)
-                continue
-            h, d, dtype, _ = meta
-            elem = cache.row_bytes(layer) // (2 * h * d)
-            carried += budget
-            rows = rows_for_bytes(carried - spent, h, d, elem)
-            spent += rows * evicted_row_bytes(h, d, elem)
-            budget_rows.append(rows)
-            pool_rows.append(sum(st.stores[i].num_tokens for i in candidate_indices(cache, layer)))
-            cache.state[layer].budgets = {"candidate": budget}
-        rows = self.layer_rows(cache, budget_rows, pool_rows)
-        for layer, keep in enumerate(rows):
-            idx = candidate_indices(cache, layer)
-            if not idx or keep >= pool_rows[layer]:
-                continue  # the target keeps everything: the segment stays as it is
-            st = cache.layer(layer)
-            h, d, _, _ = st._kv_meta
-            if keep * evicted_row_bytes(h, d, cache.row_bytes(layer) // (2 * h * d)) >= sum(
-                st.stores[i].nbytes() for i in idx
-            ):
-                continue  # the kept rows and their indices would hold as much as the rows do now
-            scores = self.layer_scores(cache, layer)
-            if scores is None:
-                raise RuntimeError(f"{self.name}: layer {layer} of branch {cache.branch} was never scored")
-            recent = 0
-            if self.recent_fraction:
-                recent = min(keep, int(keep * self.recent_fraction + 0.5))
-            evict(
-                cache.layer(layer),
-                idx,
-                min(keep, pool_rows[layer]),
-                scores,
-                recent=recent,
-                forced=self.forced_rows(cache, layer),
-                smooth_kernel=self.smooth_kernel,
-            )
+def method_from_name(name: str | Method, **settings: Any) -> Method:
+    """The method registered as ``name`` with ``settings`` (a :class:`Method` is returned as it is).
 
-
-def _recompresses_unread_cache(cache: CompressibleBranch, step: int) -> bool:
-    """Whether a re-compression at ``step`` would come after the last call that reads the cache: the request's last
-    denoising step or last possible decoded token (``max_new_tokens``), or the branch's last computed step when
-    the later ones are forecast (TaylorSeer: :meth:`~unicache_core.kv.cache.StepInfo.next_call_step`).
-
-    The first compression still runs (the report's figures are those of a compressed cache); later ones,
-    with their statistics, are skipped there: on the e2e bench's 6-step run the last step ends a step chunk,
-    and its compression cost 10% of a tiny model's step time for nothing.
+    A setting the method does not take is one clear error naming the settings it does take.
     """
-    info = cache.session.step
-    if cache.compressions == 0 or info is None or info.phase not in ("denoise", "decode"):
-        return False
-    if info.phase == "denoise" and info.step == step:
-        return info.next_call_step(cache.branch) is None
-    return step >= info.total - 1
+    from . import methods  # noqa: F401  (registers the built-in methods)
+
+    if isinstance(name, Method):
+        if settings:
+            raise ValueError("pass either a method object or a name with settings, not both")
+        return name
+    if not isinstance(name, str) or name not in METHODS:
+        raise ValueError(f"unknown KV method {name!r}; choose one of {', '.join(METHODS)}")
+    cls = METHODS[name]
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        owners = [other for other, c in METHODS.items() if unknown[0] in {f.name for f in dataclasses.fields(c)}]
+        if len(owners) == 1:
+            raise ValueError(
+                f"`{unknown[0]}` applies to the {owners[0]} method only, not to {name!r}; "
+                f"{name} takes {', '.join(known)} (use `kv_target` to set its memory)"
+            )
+        raise ValueError(f"`{unknown[0]}` is not a setting of the {name} method; it takes {', '.join(known)}")
+    return cls(**settings)
 
 
-__all__ = ["CompressionMethod", "GlobalEvictionMethod", "candidate_indices"]
+__all__ = ["METHODS", "Method", "check_ratio", "method_from_name"]

@@ -150,6 +150,8 @@ def compress_rows(
     scores: Tensor | None,
     *,
     recent: int = 0,
+    forced: Tensor | None = None,
+    smooth_kernel: int = 1,
     fit_values: bool = False,
 ) -> KVStore:
     """Keep ``keep`` rows per KV head of the pooled stores at ``indices`` (chosen by ``scores``, as :func:`evict`)
@@ -158,15 +160,16 @@ def compress_rows(
     or the newest ones without scores).
 
     Every row of a pool whose heads share their rows is quantized as one segment (one ``[T]`` index).
-    ``scores``: ``[T_appended, Hkv]`` (needed only when rows are dropped). ``fit_values``: values quantized from
-    here on get least-squares ranges (:func:`~unicache_core.kv.quant.quantize_values`); codes kept stay as they are.
+    ``scores``: ``[T_appended, Hkv]`` (needed only when rows are dropped). ``forced`` and ``smooth_kernel``: as in
+    :func:`evict` (full-precision rows only). ``fit_values``: values quantized from here on get least-squares ranges
+    (:func:`~unicache_core.kv.quant.quantize_values`); codes kept stay as they are.
     """
     stores = [layer.stores[i] for i in indices]
     total = sum(s.num_tokens for s in stores)
     if bits == FULL_BITS:
         if scores is None:
             raise ValueError("evicting rows needs their scores")
-        return evict(layer, indices, keep, scores, recent=recent)
+        return evict(layer, indices, keep, scores, recent=recent, forced=forced, smooth_kernel=smooth_kernel)
     if keep >= total and len(stores) == 1 and shared_rows(stores) and keeps_value_codes(stores[0], bits, group):
         return _requantize_shared(layer, indices[0], group, residual, scores, fit_values)
     if keep >= total and shared_rows(stores):

@@ -18,7 +18,7 @@ import statistics
 
 from ..kv.cache import AttentionCall, StepInfo
 from ..kv.token_types import TokenType
-from .protocol import CompressibleBranch, ReportedBranch, ReportedSession
+from .protocol import ReportedBranch, ReportedSession
 
 #: The ``format`` field of every KV report (and what a report reader checks first).
 REPORT_FORMAT = "unicache-kv-report"
@@ -34,12 +34,30 @@ def branch_snapshot(cache: ReportedBranch) -> dict:
     managed, protected = cache.split_bytes()
     return {
         "types": cache.snapshot_types(),
+        "images": cache.snapshot_images(),
         "managed_bytes": managed,
         "protected_bytes": protected,
         "full_managed_bytes": cache.managed_full_bytes(),
         "rho": (round(statistics.fmean(cache.rho.values()), 6) if cache.rho else None),
         "compressed": cache.compressions > 0,
     }
+
+
+def image_totals(caches: list) -> dict[str, dict]:
+    """Per input image, over ``caches`` (branches, each counted): the full and held bytes of its rows now, in all
+    and per candidate type (the report summary's ``images``; ``{}`` without image rows)."""
+    out: dict[str, dict] = {}
+    for cache in caches:
+        for image, snap in cache.snapshot_images().items():
+            entry = out.setdefault(image, {"full_bytes": 0, "held_bytes": 0, "types": {}})
+            entry["full_bytes"] += snap["full_bytes"]
+            entry["held_bytes"] += snap["bytes"]
+            for name, t in snap["types"].items():
+                row_bytes = snap["full_bytes"] / max(1, sum(v["full_rows"] for v in snap["types"].values()))
+                per = entry["types"].setdefault(name, {"full_bytes": 0, "held_bytes": 0})
+                per["full_bytes"] += int(round(t["full_rows"] * row_bytes))
+                per["held_bytes"] += t["bytes"]
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 class ReportBuilder:
@@ -74,7 +92,7 @@ class ReportBuilder:
         if call.phase in ("denoise", "decode"):
             self._rows[branch] = self._rows.get(branch, 0) + rows
 
-    def note_compression(self, cache: CompressibleBranch) -> None:
+    def note_compression(self, cache: ReportedBranch) -> None:
         """Mark ``cache`` compressed in this step and keep the flags of budgets it could not reach."""
         self._compressed_now.add(cache.branch)
         for ls in cache.state:
@@ -154,6 +172,7 @@ class ReportBuilder:
             "attention_seconds": sum(s["attention_s"] for s in self.steps),
             "first_compressed_step": None if first is None else self.steps[first]["step"],
             "flags": dict(self.flags),
+            "images": image_totals(caches),
             **_forward_counts(self.steps),
         }
         budget = rho_weighted if session.method.name == "unicache" else target
@@ -167,7 +186,7 @@ class ReportBuilder:
             "method": session.method.name,
             "task": session.request.task,
             "model_id": session.request.model_id,
-            "config": session.config.to_dict(),
+            "config": dict(session.settings),
             "policy": self.policy_info,
             "summary": summary,
             "steps": self.steps,

@@ -38,8 +38,9 @@ def _subsample(items: list, limit: int = MAX_POINTS) -> list:
 
 
 def chart_data(report: dict) -> dict:
-    """Compact, JSON-ready chart data: totals, bytes per type and branch (last step), and per step and branch
-    the retention ``rho`` and the managed bytes held (at most :data:`MAX_POINTS` steps)."""
+    """Compact, JSON-ready chart data: totals, bytes per type and branch (last step), full and held bytes per input
+    image (over the branches, at the end), and per step and branch the retention ``rho`` and the managed bytes held
+    (at most :data:`MAX_POINTS` steps)."""
     report = check_report(report)
     summary = report.get("summary") or {}
     steps = _subsample(report.get("steps") or [])
@@ -71,6 +72,10 @@ def chart_data(report: dict) -> dict:
         "rho_mean": summary.get("rho_mean"),
         "series": series,
         "types": types,
+        "images": {
+            image: {"full_bytes": v.get("full_bytes", 0), "held_bytes": v.get("held_bytes", 0)}
+            for image, v in (summary.get("images") or {}).items()
+        },
     }
 
 
@@ -133,6 +138,12 @@ def render_plot(report: dict, width: int = 768, height: int = 512) -> Image.Imag
         f"{_fmt_bytes(data['full_bytes'])} compressible KV held"
     )
     draw.text((pad, pad), title, fill=(0, 0, 0), font=font)
+    if data["images"]:
+        per_image = "  ".join(
+            f"image {int(i) + 1}: {_fmt_bytes(v['held_bytes'])} of {_fmt_bytes(v['full_bytes'])}"
+            for i, v in data["images"].items()
+        )
+        draw.text((pad + 420, pad), per_image, fill=(60, 60, 60), font=font)
     # --- top panel: bytes per type and branch
     top, mid = pad + 20, height // 2
     branches = list(data["types"])

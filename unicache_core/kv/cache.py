@@ -55,6 +55,9 @@ class AttentionCall:
         new_block_mask: optional ``[Tn, Tn]`` bool visibility among the new tokens (True = visible), for a
             call that packs several blocks (:func:`~unicache_core.kv.attention.block_causal_mask`); it
             replaces ``causal`` for the new block. Cached keys stay fully visible.
+        image: the input image (0-based, in the request's order) whose rows an image block (VAE or ViT)
+            appends, so a cache can keep and account each image's rows apart; ``None`` for text, latent and
+            decoded tokens.
     """
 
     token_types: Tensor
@@ -65,6 +68,7 @@ class AttentionCall:
     step: int | None = None
     timestep: float | None = None
     new_block_mask: Tensor | None = None
+    image: int | None = None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from torch import Tensor
 from .attention import attention_with_lse, merge_attention
 from .cache import AttentionCall, Branch, KVCache, Task
 from .stores import EvictedStore, FullStore, KVStore, QuantizedStore, StoreKind
-from .token_types import TokenType
+from .token_types import CANDIDATE_TYPES, TokenType
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +163,12 @@ class SegmentedLayer:
         if torch.device(device) != torch.device(want[3]):
             raise ValueError(f"{what} is on {device}, but this layer's cache is on {want[3]}; move it first")
 
-    def append(self, keys: Tensor, values: Tensor, token_types: Tensor) -> None:
-        """Append ``[Tn, Hkv, d]`` rows with ``[Tn]`` types; their ``token_index`` are the next append indices."""
+    def append(self, keys: Tensor, values: Tensor, token_types: Tensor, image: int | None = None) -> None:
+        """Append ``[Tn, Hkv, d]`` rows with ``[Tn]`` types; their ``token_index`` are the next append indices.
+
+        ``image``: the input image the rows belong to (an image block). Rows of a candidate type join the open
+        store of their (type, image), so each image's ViT and VAE rows stay a segment of their own; rows of a
+        protected type join their type's store whatever the image."""
         tn = keys.shape[0]
         if token_types.shape != (tn,):
             raise ValueError(f"`token_types` must be [{tn}], got shape {tuple(token_types.shape)}")
@@ -186,11 +190,21 @@ class SegmentedLayer:
         for t in torch.unique(types).tolist():
             sel = (types == t).nonzero().squeeze(1)
             k, v, p = keys.index_select(0, sel).detach(), values.index_select(0, sel).detach(), token_index[sel]
-            open_stores = self.find(TokenType(t), "full")
+            segment_image = image if TokenType(t) in CANDIDATE_TYPES else None
+            open_stores = [i for i in self.find(TokenType(t), "full") if self.stores[i].image == segment_image]
             if open_stores:
-                self.stores[open_stores[-1]].append(k, v, p)
+                store = self.stores[open_stores[-1]]
+                assert isinstance(store, FullStore)
+                store.append(k, v, p)
                 continue
-            self.stores.append(FullStore(k.clone(), v.clone(), p, TokenType(t)))
+            new = FullStore(k.clone(), v.clone(), p, TokenType(t))
+            new.image = segment_image
+            self.stores.append(new)
+
+    @property
+    def geometry(self) -> tuple[int, int, torch.dtype] | None:
+        """``(KV heads, head dim, dtype)`` of every row of the layer, or ``None`` while it is empty."""
+        return None if self._kv_meta is None else self._kv_meta[:3]
 
     def segments(self) -> list[tuple[TokenType, str, int]]:
         """``(token_type, store kind, num_tokens)`` per store, in order."""
@@ -219,6 +233,7 @@ class SegmentedLayer:
         if store.num_tokens > old.num_tokens:
             raise ValueError(f"`store` holds {store.num_tokens} rows, more than segment {index} ({old.num_tokens})")
         self._check_meta(store.num_kv_heads, store.head_dim, store.dtype, store.device, "the replacing store")
+        store.image = old.image
         self.stores[index] = store
         return old
 
@@ -241,6 +256,8 @@ class SegmentedLayer:
         self._check_meta(store.num_kv_heads, store.head_dim, store.dtype, store.device, "the replacing store")
         first = min(indices)
         removed = [self.stores[i] for i in indices]
+        images = {s.image for s in removed}
+        store.image = images.pop() if len(images) == 1 else None  # one image's rows, or a pool of several
         dropped = set(indices)
         kept = [s for i, s in enumerate(self.stores) if i not in dropped or i == first]
         kept[kept.index(self.stores[first])] = store
@@ -250,7 +267,7 @@ class SegmentedLayer:
     def share(self) -> SegmentedLayer:
         """A copy whose stores are new objects over the same tensors (a branch clone)."""
         other = SegmentedLayer()
-        other.stores = [s.share() for s in self.stores]
+        other.stores = [_shared(s) for s in self.stores]
         other.appended_tokens = self.appended_tokens
         other._kv_meta = self._kv_meta
         return other
@@ -274,6 +291,13 @@ class SegmentedLayer:
         return sum(s.num_tokens for s in self.stores)
 
 
+def _shared(store: KVStore) -> KVStore:
+    """``store.share()`` naming the same image."""
+    other = store.share()
+    other.image = store.image
+    return other
+
+
 class SegmentedKVCache(KVCache):
     """:class:`KVCache` whose layers are :class:`SegmentedLayer` s; compression swaps typed segments."""
 
@@ -294,7 +318,7 @@ class SegmentedKVCache(KVCache):
         state = self.layer(layer)
         out, _ = state.attend(q, k, v, causal=call.causal, new_mask=call.new_block_mask)
         if call.update:
-            state.append(k, v, call.token_types)
+            state.append(k, v, call.token_types, call.image)
         return out
 
     def replace_segment(

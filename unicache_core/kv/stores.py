@@ -55,6 +55,8 @@ class KVStore(ABC):
 
     kind: ClassVar[StoreKind]
     token_type: TokenType
+    #: The input image (0-based, in request order) whose rows the store holds; ``None``: no image's, or several.
+    image: int | None = None
 
     @property
     @abstractmethod

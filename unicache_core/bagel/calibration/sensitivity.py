@@ -115,10 +115,10 @@ def type_alone(
     """Every input run under ``table`` (``ttype`` compressed alone, :func:`single_type_table`) with rho fixed at
     ``ratio``: mean output change against ``references``, per-prompt metrics, the most bytes of ``ttype`` held
     (``type_retained``) and the report's flags."""
-    from ...compression import KVConfig, make_cache_factory
+    from ...compression import UniCache, make_cache_factory
     from ..pipeline import BagelPipeline
 
-    keep = _KeepSession(make_cache_factory(KVConfig(method="unicache", rho=ratio, rho_floor=ratio, policy=table)))
+    keep = _KeepSession(make_cache_factory(UniCache(rho=ratio, rho_floor=ratio, policy=table)))
     pipe = BagelPipeline(loaded, keep)
     changes, flags, retained = [], {}, []
     for (prompt, image), ref in zip(inputs, references):

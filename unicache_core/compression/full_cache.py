@@ -1,4 +1,5 @@
-"""``full`` as a method: the uncompressed cache, measured and reported like every other method.
+"""The caches and session of ``full`` (:class:`~unicache_core.compression.methods.full.Full`): the uncompressed
+cache, measured and reported like every other method's.
 
 The caches are :class:`~unicache_core.kv.cache.FullKVCache` (the same attention code, so results are
 bit-identical to running without a factory); they only add clocks, attended-row counts and the byte
@@ -12,25 +13,8 @@ from torch import Tensor
 
 from ..kv.cache import AttentionCall, CacheSession, FullKVCache, KVCache
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
-from .compressing_cache import CompressionSession
-from .method import CompressionMethod
-from .protocol import CallPlan, LayerState
-
-
-class FullMethod(CompressionMethod):
-    """Never observes, never compresses."""
-
-    name = "full"
-    needs_scores = False
-
-    def target(self, session) -> float:
-        return 1.0
-
-    def plan_call(self, cache, call: AttentionCall) -> CallPlan:
-        return CallPlan()
-
-    def compress_layers(self, session, cache) -> None:  # pragma: no cover - never called
-        return None
+from .protocol import LayerState
+from .session import CompressionSession
 
 
 class ReportingFullKVCache(FullKVCache):
@@ -42,10 +26,14 @@ class ReportingFullKVCache(FullKVCache):
         self.state = [LayerState() for _ in range(self.num_layers)]
         self.rho: dict[int, float] = {}
         self.compressions = 0
+        self.images = torch.zeros(0, dtype=torch.int16)  # [T] input image of each row, -1 for none
         self._rows = 0
 
     def begin_call(self, call: AttentionCall) -> None:
         self._rows = 0
+        if call.update:
+            image = -1 if call.image is None else int(call.image)
+            self.images = torch.cat([self.images, torch.full(call.token_types.shape, image, dtype=torch.int16)])
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:
         start = self.session.clock(q)
@@ -85,6 +73,21 @@ class ReportingFullKVCache(FullKVCache):
         total = sum(self._row_bytes(i) * sum(self.type_rows(i).values()) for i in range(self.num_layers))
         return managed, total - managed
 
+    def snapshot_images(self) -> dict[str, dict]:
+        """Per input image: its candidate rows per type, held in full (the report's ``images``)."""
+        types = self.types.long()
+        images = self.images.long()[: types.shape[0]]
+        row_bytes = sum(self._row_bytes(i) for i in range(self.num_layers))
+        out: dict[str, dict] = {}
+        for t in CANDIDATE_TYPES:
+            for image in torch.unique(images[(types == int(t)) & (images >= 0)]).tolist():
+                n = int(((types == int(t)) & (images == image)).sum())
+                entry = out.setdefault(str(image), {"bytes": 0, "full_bytes": 0, "types": {}})
+                entry["types"][t.name.lower()] = {"bytes": n * row_bytes, "rows_per_head": float(n), "full_rows": n}
+                entry["bytes"] += n * row_bytes
+                entry["full_bytes"] += n * row_bytes
+        return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
     def snapshot_types(self) -> dict[str, dict]:
         """Per-type bytes and rows (the report's ``types``; every row is held in full)."""
         out: dict[str, dict] = {}
@@ -114,4 +117,4 @@ class FullSession(CompressionSession):
         return [c for c in self.caches.values() if isinstance(c, ReportingFullKVCache)]
 
 
-__all__ = ["FullMethod", "FullSession", "ReportingFullKVCache"]
+__all__ = ["FullSession", "ReportingFullKVCache"]

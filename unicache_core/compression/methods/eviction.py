@@ -1,0 +1,103 @@
+"""The global eviction baselines' shared plan: one eviction over all of a layer's candidate KV, matched to bytes.
+
+The baselines are compared the way UniCache's code compares them (docs/compression.md §8.10): one policy over
+the whole conditioning KV (instruction, source-ViT and source-VAE pooled), boundary and current-latent rows
+protected, the selection made once after the first (full-KV) denoising step of each branch, or after the prompt
+prefill for understanding, matched to the same byte target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from ..method import Method
+from ..ops import evicted_row_bytes, floor_bytes, rows_for_bytes
+from ..plan import BranchPlan, Keep, LayerPlan
+from ..view import BranchView, LayerView
+
+
+@dataclass(frozen=True, kw_only=True)
+class GlobalEviction(Method):
+    """Keep each layer's best-scored candidate rows (per KV head) that its share of the byte target buys.
+
+    Subclasses give the scores (:meth:`layer_scores`) and, optionally, rows always kept, a recent window, a
+    smoothing kernel and per-layer row budgets.
+    """
+
+    def layer_scores(self, view: BranchView, layer: LayerView) -> Tensor | None:
+        """``[T_appended, Hkv]`` fp32 score of every appended row (higher = keep; default: the attention accumulated
+        over every scored call, H2O)."""
+        return layer.scores
+
+    def forced_rows(self, view: BranchView, layer: LayerView) -> Tensor | None:
+        """Optional ``[T_appended]`` bool of rows always kept (inside the budget)."""
+        return None
+
+    def recent_share(self) -> float:
+        """Share of a layer's kept rows that are its most recent ones."""
+        return 0.0
+
+    def smooth_kernel(self) -> int:
+        """Width of the 1-D average pooling of the scores along the rows (1: none)."""
+        return 1
+
+    def layer_rows(self, view: BranchView, budgets: list[int], rows: list[int]) -> list[int]:
+        """Rows per KV head for each layer, given each layer's byte-budget rows (default: as is)."""
+        return budgets
+
+    def plan(self, view: BranchView) -> BranchPlan:
+        """Every layer's pooled candidate rows down to the rows its share of the byte target buys."""
+        ratio = view.target
+        layers = [view.layer(i) for i in range(view.num_layers)]
+        budget_rows, pool_rows, budgets = [], [], {}
+        # Rows round down on the branch's running byte total, not per layer: the branch holds at most its
+        # budget, and misses it by less than one row overall instead of one row per layer.
+        spent = carried = 0
+        for layer in layers:
+            full = layer.managed_full_bytes
+            budget = floor_bytes(ratio, full)
+            geo = layer.geometry
+            if geo is None or full == 0:
+                budget_rows.append(0)
+                pool_rows.append(0)
+                continue
+            carried += budget
+            rows = rows_for_bytes(carried - spent, geo.num_kv_heads, geo.head_dim, geo.elem)
+            spent += rows * evicted_row_bytes(geo.num_kv_heads, geo.head_dim, geo.elem)
+            budget_rows.append(rows)
+            pool_rows.append(layer.held_rows(layer.candidate_keys))
+            budgets[layer.index] = budget
+        rows = self.layer_rows(view, budget_rows, pool_rows)
+        plans = {}
+        for layer, keep in zip(layers, rows):
+            keys = layer.candidate_keys
+            lp_budget = {"candidate": budgets[layer.index]} if layer.index in budgets else None
+            if not keys or keep >= pool_rows[layer.index] or layer.geometry is None:
+                plans[layer.index] = LayerPlan(budgets=lp_budget)
+                continue  # the target keeps everything: the segment stays as it is
+            geo = layer.geometry
+            if keep * evicted_row_bytes(geo.num_kv_heads, geo.head_dim, geo.elem) >= layer.held_bytes(keys):
+                plans[layer.index] = LayerPlan(budgets=lp_budget)
+                continue  # the kept rows and their indices would hold as much as the rows do now
+            scores = self.layer_scores(view, layer)
+            if scores is None:
+                raise RuntimeError(f"{self.name}: layer {layer.index} of branch {view.branch} was never scored")
+            kept = min(keep, pool_rows[layer.index])
+            share = self.recent_share()
+            recent = min(keep, int(keep * share + 0.5)) if share else 0
+            action = Keep(
+                segments=keys,
+                rows=kept,
+                scores=scores,
+                recent=recent,
+                forced=self.forced_rows(view, layer),
+                smooth_kernel=self.smooth_kernel(),
+                expected_bytes=kept * evicted_row_bytes(geo.num_kv_heads, geo.head_dim, geo.elem),
+            )
+            plans[layer.index] = LayerPlan(keeps=(action,), budgets=lp_budget)
+        return BranchPlan(layers=plans)
+
+
+__all__ = ["GlobalEviction"]

@@ -1,0 +1,31 @@
+"""``full``: no compression. The caches hold every row; the report measures them like every other method's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...kv.cache import AttentionCall
+from ..method import Method
+from ..plan import BranchPlan, CallPlan
+from ..view import BranchView
+
+
+@dataclass(frozen=True, kw_only=True)
+class Full(Method):
+    """Never observes, never compresses (its caches are :class:`~unicache_core.kv.cache.FullKVCache` s, bit-identical
+    to running without a cache factory)."""
+
+    name = "full"
+    needs_scores = False
+
+    def target(self, task: str) -> float:
+        return 1.0
+
+    def plan_call(self, view: BranchView, call: AttentionCall) -> CallPlan:
+        return CallPlan()
+
+    def plan(self, view: BranchView) -> BranchPlan:
+        return BranchPlan()
+
+
+__all__ = ["Full"]

@@ -1,0 +1,57 @@
+"""SnapKV (https://arxiv.org/abs/2404.14469): the attention of an observation window of the last queries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..defaults import SNAPKV_KERNEL, WINDOW
+from ..view import BranchView, LayerView
+from .eviction import GlobalEviction
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapKV(GlobalEviction):
+    """Scores rows by the attention of the last ``window`` queries of the observed call, average-pooled along the
+    keys; the selection is frozen afterwards. For understanding the window is the end of the prompt and its own
+    rows are always kept (they are in the key set); denoising latents are not.
+
+    Attributes:
+        window: the observation window (queries), 64 (kvpress).
+        kernel: width of the average pooling of the scores, 5.
+    """
+
+    name = "snapkv"
+    window: int = WINDOW
+    kernel: int = SNAPKV_KERNEL
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for field_name, minimum in (("window", 1), ("kernel", 1)):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"`{field_name}` must be an integer >= {minimum}, got {value!r}")
+
+    def score_window(self) -> bool:
+        return True
+
+    def score_query_count(self) -> int:
+        return self.window
+
+    def smooth_kernel(self) -> int:
+        return self.kernel
+
+    def layer_scores(self, view: BranchView, layer: LayerView) -> Tensor | None:
+        return layer.last_scores
+
+    def forced_rows(self, view: BranchView, layer: LayerView) -> Tensor | None:
+        if view.task != "understanding":
+            return None  # denoising latents are not in the key set
+        forced = torch.zeros(layer.appended, dtype=torch.bool)
+        forced[max(0, layer.appended - self.window) :] = True
+        return forced
+
+
+__all__ = ["SnapKV"]

@@ -1,0 +1,84 @@
+"""VL-Cache (https://arxiv.org/abs/2410.23317): post-modality attention scores, layer budgets by density."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from ..allocator import allocate_integer
+from ..defaults import VLCACHE_THRESHOLD
+from ..view import BranchView, LayerView
+from .eviction import GlobalEviction
+
+
+def vlcache_layer_budgets(sparsities: Sequence[float], total: int, num_tokens: int) -> list[int]:
+    """Split ``total`` tokens across layers in proportion to density ``1 - gamma_l``.
+
+    ``k_l = total (1 - gamma_l) / sum_j (1 - gamma_j)``, clipped to ``[1, num_tokens]``; what clipping removes or
+    adds is redistributed so the budgets sum exactly to ``total`` (integer water-filling, each layer first gets its
+    minimum of 1). All-zero density splits uniformly.
+
+    Args:
+        sparsities: ``gamma_l`` per layer, each in [0, 1].
+        total: total budget over layers, in ``[L, L * num_tokens]``.
+        num_tokens: prompt length ``T`` (per-layer cap).
+    """
+    n_layers = len(sparsities)
+    if n_layers == 0:
+        raise ValueError("`sparsities` must not be empty")
+    for i, g in enumerate(sparsities):
+        if not (isinstance(g, (int, float)) and math.isfinite(g) and 0.0 <= g <= 1.0):
+            raise ValueError(f"`sparsities[{i}]` must be in [0, 1], got {g!r}")
+    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
+        raise ValueError(f"`num_tokens` must be an int >= 1, got {num_tokens!r}")
+    if not isinstance(total, int) or isinstance(total, bool) or not n_layers <= total <= n_layers * num_tokens:
+        raise ValueError(
+            f"`total` must be an int in [{n_layers}, {n_layers * num_tokens}] (1..T tokens per layer), got {total!r}"
+        )
+    extra = allocate_integer([num_tokens - 1] * n_layers, [1.0 - g for g in sparsities], total - n_layers)
+    return [1 + e for e in extra]
+
+
+@dataclass(frozen=True, kw_only=True)
+class VLCache(GlobalEviction):
+    """Scores rows by the post-modality attention (the question after the image for understanding; the latent
+    queries after the conditioning when denoising); layer budgets in proportion to each layer's density
+    ``1 - sparsity``.
+
+    Attributes:
+        threshold: the ThresholdFilter's relative ``p``: an attention entry counts when >= p x its row maximum (1%).
+    """
+
+    name = "vlcache"
+    needs_sparsity = True
+    threshold: float = VLCACHE_THRESHOLD
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        ok = isinstance(self.threshold, (int, float)) and not isinstance(self.threshold, bool)
+        if not ok or not math.isfinite(self.threshold) or not 0.0 < self.threshold < 1.0:
+            raise ValueError(f"`threshold` must be a number in (0, 1), got {self.threshold!r}")
+
+    def sparsity_threshold(self) -> float:
+        return self.threshold
+
+    def layer_scores(self, view: BranchView, layer: LayerView) -> Tensor | None:
+        return layer.last_scores
+
+    def layer_rows(self, view: BranchView, budgets: list[int], rows: list[int]) -> list[int]:
+        total = sum(budgets)
+        if not rows or min(rows) == 0 or total < len(rows):
+            return budgets
+        sparsity = []
+        for i in range(len(rows)):
+            measured = view.layer(i).sparsity
+            sparsity.append(measured if measured is not None else 0.0)
+        cap = min(rows)
+        total = min(total, cap * len(rows))
+        return vlcache_layer_budgets(sparsity, total, cap)
+
+
+__all__ = ["VLCache", "vlcache_layer_budgets"]
