@@ -9,7 +9,9 @@ at Qwen2-0.5B's layer geometry with 4 layers) edits a 512 px picture; the bundle
 edits a scene of its world at 128 px and draws one (t2i). Official schedule: ``num_timesteps`` 50 (49 Euler
 steps). Each row reports:
 
-- ``denoise_seconds``: the pipeline's ``info["denoise_s"]`` (the Euler loop: every forward, forecast, guidance);
+- ``denoise_seconds``: the pipeline's ``info["denoise_s"]`` (the Euler loop: every forward, forecast, guidance), and
+  ``denoise_cpu_seconds``: the CPU time the process spent in that phase (all its threads; less sensitive than the
+  wall clock to other processes on a shared machine, ``speedup_cpu_vs_full``);
 - ``decoder_forwards``: the branch forwards that ran the decoder, summed over the branches (``forecasts``: those
   TaylorSeer forecast instead), and the ratios of both against ``full`` in the same run (``forwards_vs_full``,
   ``speedup_vs_full``); a TaylorSeer row also against its own method without it (``speedup_vs_method``);
@@ -38,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from unicache_core.bagel import BagelPipeline, load_bagel, preset
+from unicache_core.bagel import BagelPipeline, RunHooks, load_bagel, preset
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR
 from unicache_core.compression import make_cache_factory
 from unicache_core.shapes import edit_sample, t2i_sample
@@ -84,20 +86,39 @@ def _psnr(a: np.ndarray, b: np.ndarray) -> float:
     return 100.0 if mse == 0 else min(100.0, 10 * math.log10(255.0**2 / mse))
 
 
+class PhaseCPUClock:
+    """``RunHooks.phase``: the process's CPU seconds from the ``denoise`` phase's start to the next phase's."""
+
+    def __init__(self):
+        self.start: float | None = None
+        self.denoise_cpu_seconds: float | None = None
+
+    def __call__(self, name: str) -> None:
+        now = time.process_time()
+        if self.start is not None and self.denoise_cpu_seconds is None:
+            self.denoise_cpu_seconds = now - self.start
+        if name == "denoise":
+            self.start = now
+
+
 def _request(pipe: BagelPipeline, checkpoint: str, task: str, cfg: TaylorSeerBenchConfig, taylorseer: bool):
-    """One benchmark request (the same inputs for every row of a checkpoint and task)."""
+    """One benchmark request (the same inputs for every row of a checkpoint and task): ``(result, CPU seconds of
+    its denoising)``."""
+    clock = PhaseCPUClock()
+    hooks = RunHooks(phase=clock)
     if checkpoint == "medium":
         image = _source_image(cfg.medium_edit_size, cfg.seed)
         settings = preset("edit", num_timesteps=cfg.num_timesteps, taylorseer=taylorseer)
-        return pipe.edit(MEDIUM_PROMPT, image, settings, seed=cfg.seed)
-    sample_seed = EVAL_SEEDS.start + cfg.seed
-    if task == "t2i":
-        scene = t2i_sample(sample_seed)
+        result = pipe.edit(MEDIUM_PROMPT, image, settings, seed=cfg.seed, hooks=hooks)
+    elif task == "t2i":
+        scene = t2i_sample(EVAL_SEEDS.start + cfg.seed)
         settings = preset("t2i", width=128, height=128, num_timesteps=cfg.num_timesteps, taylorseer=taylorseer)
-        return pipe.text_to_image(scene.caption(), settings, seed=cfg.seed)
-    sample = edit_sample(sample_seed)
-    settings = preset("edit", num_timesteps=cfg.num_timesteps, taylorseer=taylorseer)
-    return pipe.edit(sample.instruction, sample.source.render(), settings, seed=cfg.seed)
+        result = pipe.text_to_image(scene.caption(), settings, seed=cfg.seed, hooks=hooks)
+    else:
+        sample = edit_sample(EVAL_SEEDS.start + cfg.seed)
+        settings = preset("edit", num_timesteps=cfg.num_timesteps, taylorseer=taylorseer)
+        result = pipe.edit(sample.instruction, sample.source.render(), settings, seed=cfg.seed, hooks=hooks)
+    return result, clock.denoise_cpu_seconds
 
 
 def _step_medians(report: dict) -> tuple[float | None, float | None]:
@@ -114,7 +135,7 @@ def _step_medians(report: dict) -> tuple[float | None, float | None]:
     return (statistics.median(full) if full else None, statistics.median(forecast) if forecast else None)
 
 
-def _row(checkpoint: str, task: str, name: str, result) -> dict:
+def _row(checkpoint: str, task: str, name: str, result, cpu_seconds: float) -> dict:
     full_step, forecast_step = _step_medians(result.kv_report)
     summary = result.kv_report["summary"]
     return {
@@ -123,6 +144,7 @@ def _row(checkpoint: str, task: str, name: str, result) -> dict:
         "row": name,
         "size": list(result.image.size),
         "denoise_seconds": result.info["denoise_s"],
+        "denoise_cpu_seconds": cpu_seconds,
         "decoder_forwards": sum(result.info["forwards"].values()),
         "forwards_per_branch": result.info["forwards"],
         "forecasts": sum(result.info.get("forecasts", {}).values()),
@@ -138,8 +160,10 @@ def _compare(row: dict, result, baseline: dict, baseline_result, method_row: dic
     """The row's ratios and fidelity against full KV's row (and a TaylorSeer row against its method's)."""
     row["forwards_vs_full"] = row["decoder_forwards"] / baseline["decoder_forwards"]
     row["speedup_vs_full"] = baseline["denoise_seconds"] / row["denoise_seconds"]
+    row["speedup_cpu_vs_full"] = baseline["denoise_cpu_seconds"] / row["denoise_cpu_seconds"]
     if method_row is not None:
         row["speedup_vs_method"] = method_row["denoise_seconds"] / row["denoise_seconds"]
+        row["speedup_cpu_vs_method"] = method_row["denoise_cpu_seconds"] / row["denoise_cpu_seconds"]
     a, b = result.latents.flatten().float(), baseline_result.latents.flatten().float()
     row["latent_cosine_to_full"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
     row["psnr_to_full"] = round(_psnr(np.asarray(result.image), np.asarray(baseline_result.image)), 3)
@@ -168,8 +192,8 @@ def run(cfg: TaylorSeerBenchConfig) -> dict:
                 by_name: dict[str, tuple[dict, object]] = {}
                 for name, method, taylorseer in ROWS:
                     pipe = BagelPipeline(loaded, make_cache_factory(method, checkpoint_dir=str(path)))
-                    result = _request(pipe, checkpoint, task, cfg, taylorseer)
-                    row = _row(checkpoint, task, name, result)
+                    result, cpu_seconds = _request(pipe, checkpoint, task, cfg, taylorseer)
+                    row = _row(checkpoint, task, name, result, cpu_seconds)
                     full_row, full_result = by_name.get("full", (row, result))
                     method_row = by_name[method][0] if taylorseer else None
                     _compare(row, result, full_row, full_result, method_row)
@@ -192,8 +216,8 @@ def run(cfg: TaylorSeerBenchConfig) -> dict:
 def format_table(report: dict) -> str:
     head = (
         f"{'ckpt':8s} {'task':5s} {'row':20s} {'px':>4s} {'fwd':>4s} {'fwd/full':>8s} {'denoise s':>9s} "
-        f"{'x full':>6s} {'x meth':>6s} {'full st':>8s} {'fcst st':>8s} {'KV MB':>7s} {'TS MB':>6s} "
-        f"{'PSNR':>6s} {'cos':>6s}"
+        f"{'x full':>6s} {'x meth':>6s} {'cpu x full':>10s} {'cpu x meth':>10s} {'full st':>8s} {'fcst st':>8s} "
+        f"{'KV MB':>7s} {'TS MB':>6s} {'PSNR':>6s} {'cos':>6s}"
     )
     lines = [head]
 
@@ -205,6 +229,7 @@ def format_table(report: dict) -> str:
             f"{r['checkpoint']:8s} {r['task']:5s} {r['row']:20s} {r['size'][0]:4d} {r['decoder_forwards']:4d} "
             f"{num(r.get('forwards_vs_full'), '.3f', 8)} {r['denoise_seconds']:9.2f} "
             f"{num(r.get('speedup_vs_full'), '.2f', 6)} {num(r.get('speedup_vs_method'), '.2f', 6)} "
+            f"{num(r.get('speedup_cpu_vs_full'), '.2f', 10)} {num(r.get('speedup_cpu_vs_method'), '.2f', 10)} "
             f"{num(r['full_step_seconds'], '.3f', 8)} {num(r['forecast_step_seconds'], '.4f', 8)} "
             f"{(r['kv_bytes_steady'] or 0) / 1e6:7.2f} {r['taylorseer_peak_bytes'] / 1e6:6.2f} "
             f"{num(r.get('psnr_to_full'), '.2f', 6)} {num(r.get('latent_cosine_to_full'), '.4f', 6)}"

@@ -23,6 +23,7 @@ def test_rows_forwards_and_ratios_on_the_bundled_model(tmp_path):
         assert row["forwards_vs_full"] == row["decoder_forwards"] / rows[(task, "full")]["decoder_forwards"]
         assert (row["taylorseer_peak_bytes"] > 0) == seer and ("speedup_vs_method" in row) == seer
         assert (row["forecast_step_seconds"] is not None) == seer and row["denoise_seconds"] > 0
+        assert row["denoise_cpu_seconds"] > 0 and ("speedup_cpu_vs_method" in row) == seer
         assert 0 < row["psnr_to_full"] <= 100 and -1 <= row["latent_cosine_to_full"] <= 1 + 1e-6
         if name.startswith("unicache"):
             assert row["kv_bytes_steady"] < row["full_kv_bytes"]
