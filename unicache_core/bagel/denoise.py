@@ -127,8 +127,8 @@ def denoise(
     unpacked to ``[1, 16, H/8, W/8]`` (BAGEL's convention), for a live preview.
 
     With ``settings.taylorseer`` only the steps :mod:`.taylorseer` computes run a branch's decoder; ``forecasts``
-    (when given, a dict) receives each branch's forecast steps and ``peak_factor_bytes``, the most bytes its Taylor
-    factors held.
+    (when given, a dict) receives each branch's count of forecast steps and ``peak_factor_bytes``, the most bytes
+    the Taylor factors held.
 
     Returns:
         ``(x0 [h*w, 64] fp32, decoder forwards per branch, step-0 velocities or None)``.
