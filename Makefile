@@ -1,16 +1,16 @@
-# Targets named in README.md. PY points at the project venv made by `make setup`.
+# Targets named in README.md and docs/development.md. PY points at the project venv made by `make setup`.
 PY ?= .venv/bin/python
 PIP_TORCH = torch==2.14.1 torchvision==0.29.1
 
 .PHONY: setup lint format test bench bench-quick demo tiny clean host test-host test-all browser-deps bundled train calibrate \
-	quality quality-quick official-goldens
+	quality quality-quick official-goldens figures thumbnails
 
 setup: .venv/.installed
 
 .venv/.installed: pyproject.toml
 	test -x $(PY) || python3.11 -m venv .venv || python3 -m venv .venv
 	$(PY) -m pip install -q $(PIP_TORCH)
-	$(PY) -m pip install -q -e '.[test,offload,batch,ray]'
+	$(PY) -m pip install -q -e '.[test,offload,batch,ray,docs]'
 	touch $@
 
 # The unit suite on TEST_WORKERS processes (pytest-xdist; tests of one xdist_group share a worker), each running
@@ -22,10 +22,15 @@ DURATIONS = --durations=12
 test: setup lint
 	$(PY) -m pytest $(PYTEST_PARALLEL) $(DURATIONS) tests
 
-# Lint and format checks (ruff, pinned in pyproject's test extra); `make format` rewrites the files.
+# Lint, format and type checks (ruff and mypy, pinned in pyproject's test extra; mypy's files are in pyproject)
+# and the architecture's import rules (import-linter's lint-imports over [tool.importlinter] in pyproject.toml);
+# `make format` rewrites the files.
+LINT_IMPORTS = $(dir $(PY))lint-imports
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+	$(LINT_IMPORTS) --no-cache
 
 format: setup
 	$(PY) -m ruff check --fix .
@@ -37,7 +42,7 @@ bench: setup
 bench-quick: setup
 	$(PY) -m benchmarks.kv_attention --quick --json out/kv_attention_quick.json
 
-# --- ComfyUI host (tools/install_comfyhost.sh, tools/comfyhost.py; README "Running in a ComfyUI host") ---
+# --- ComfyUI host (tools/install_comfyhost.sh, tools/comfyhost.py; docs/host.md) ---
 HOST_DIR ?= .comfyhost
 export COMFYHOST_DIR = $(abspath $(HOST_DIR))
 BUNDLED = models/bagel/bagel-tiny
@@ -80,6 +85,16 @@ demo: host bundled
 	  $(PY) -m tools.batch $$wf --host $$($(PY) tools/comfyhost.py status --name demo --url) --count 1 \
 	    --seed-start 42 --out $(DEMO_OUT)/$$n --summary $(DEMO_OUT)/$$n/summary.json || rc=1; \
 	done; $(PY) tools/comfyhost.py stop --name demo; exit $$rc
+
+# The README's pictures and generated table: the plot of KV bytes from docs/results (tools/kv_plot.py), the
+# "what fits on your card" table from the memory plan (tools/card_table.py), and the workflow thumbnails from
+# make demo's outputs (tools/thumbnails.py, into docs/images/).
+figures: setup
+	$(PY) -m tools.kv_plot
+	$(PY) -m tools.card_table --write
+
+thumbnails: demo
+	$(PY) -m tools.thumbnails --demo $(DEMO_OUT)
 
 # The bundled model: the full training run (about 60 min on 2 cores; resumable: run it again after a stop),
 # its UniCache calibration, and the quality benchmark (docs/shapes.md).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from unicache_core.bagel.checkpoint.official_layout import OFFICIAL_REPOSITORY, official_files_line
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT
 
 from . import host
@@ -12,11 +13,13 @@ from .model import (
     BagelModel,
     BagelModules,
     cached_model,
+    demo_models_only,
     file_identity,
     list_checkpoints,
     load_checkpoint,
     remember_model,
     resolve_checkpoint,
+    where_to_put,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,7 +62,9 @@ class UniCacheBagelLoader:
                         "default": BUNDLED_CHECKPOINT if BUNDLED_CHECKPOINT in choices else choices[0],
                         "tooltip": "A checkpoint in models/bagel: an official folder (holding llm_config.json) or a "
                         "single .safetensors file. The pack ships `unicache-shapes`, a small BAGEL trained on coloured "
-                        "shapes (prompts like 'a large red circle at the top left on a white background').",
+                        "shapes (prompts like 'a large red circle at the top left on a white background'). For "
+                        f"BAGEL-7B-MoT, put a folder in ComfyUI/models/bagel/ with {official_files_line()} from "
+                        f"{OFFICIAL_REPOSITORY}, then press R.",
                     },
                 ),
                 "dtype": (
@@ -103,7 +108,18 @@ class UniCacheBagelLoader:
             return repr((checkpoint, weight_dtype))
 
     def load(self, checkpoint, dtype, device, weight_dtype="default"):
-        path = resolve_checkpoint(checkpoint, host.bagel_folders())
+        folders = host.bagel_folders()
+        path = resolve_checkpoint(checkpoint, folders)
+        if demo_models_only(list_checkpoints(folders)):
+            logger.info(
+                "running %s, a small model the pack ships (no BAGEL-7B-MoT in the bagel folders %s); for "
+                "BAGEL-7B-MoT put %s from %s into %s and press R",
+                checkpoint,
+                ", ".join(str(f) for f in folders),
+                official_files_line(),
+                OFFICIAL_REPOSITORY,
+                where_to_put(folders),
+            )
         load_device, offload_device = host.resolve_devices(device)
         dtype_name = host.resolve_dtype(dtype, load_device)
         host_weights = host.host_operations(weight_dtype, dtype_name, load_device)

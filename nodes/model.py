@@ -22,6 +22,8 @@ import torch
 
 from unicache_core.bagel import LoadedBagel, load_bagel
 from unicache_core.bagel.checkpoint.header import read_header
+from unicache_core.bagel.checkpoint.official_layout import OFFICIAL_REPOSITORY, official_files_line
+from unicache_core.bagel.settings import BUNDLED_CHECKPOINT
 from unicache_core.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,8 @@ CONFIG_MARKER = "llm_config.json"
 MAX_DEPTH = 2
 #: Loaded models kept for reuse.
 CACHE_SIZE = 1
+#: The pack's own small models in its ``models/bagel`` (the trained default and the tiny test checkpoint).
+PACK_MODELS = (BUNDLED_CHECKPOINT, "bagel-tiny")
 
 
 class BagelModules(torch.nn.Module):
@@ -155,9 +159,8 @@ def resolve_checkpoint(name: str, folders: Sequence[Path]) -> Path:
     if name == NO_CHECKPOINT or not name:
         raise FileNotFoundError(
             f"no BAGEL checkpoint was found in the bagel model folders ({where}); put an official BAGEL-7B-MoT "
-            "folder (llm_config.json, vit_config.json, ema.safetensors, ae.safetensors, tokenizer files) or a "
-            "single-file .safetensors checkpoint there, or run `make bundled` in the pack for the tiny test model, "
-            "then press R in ComfyUI to refresh the list"
+            f"folder there ({where_to_put(folders)}: {official_files_line()}, from {OFFICIAL_REPOSITORY}) or a "
+            "single-file .safetensors checkpoint, then press R in ComfyUI to refresh the list"
         )
     if Path(name).is_absolute() or ".." in Path(name).parts:
         raise ValueError(f"checkpoint {name!r} must be a name listed in the bagel folders, not a path")
@@ -169,6 +172,17 @@ def resolve_checkpoint(name: str, folders: Sequence[Path]) -> Path:
         f"checkpoint {name!r} is not in the bagel model folders ({where}); it may have been "
         "moved or deleted: press R in ComfyUI to refresh the list and choose again"
     )
+
+
+def where_to_put(folders: Sequence[Path]) -> str:
+    """Where a user puts BAGEL-7B-MoT: a folder of its own in the first ``bagel`` model folder (ComfyUI's)."""
+    first = Path(folders[0]) if folders else Path("ComfyUI/models/bagel")
+    return f"{first / 'BAGEL-7B-MoT'}/"
+
+
+def demo_models_only(names: Sequence[str]) -> bool:
+    """Do the ``bagel`` folders hold nothing but the pack's own small models (no BAGEL-7B-MoT yet)?"""
+    return all(name in PACK_MODELS for name in names)
 
 
 def file_identity(path: Path) -> tuple:
@@ -221,8 +235,10 @@ __all__ = [
     "BagelModules",
     "CACHE_SIZE",
     "NO_CHECKPOINT",
+    "PACK_MODELS",
     "cached_model",
     "clear_cache",
+    "demo_models_only",
     "file_identity",
     "is_bagel_file",
     "list_checkpoints",
@@ -230,4 +246,5 @@ __all__ = [
     "module_bytes",
     "remember_model",
     "resolve_checkpoint",
+    "where_to_put",
 ]

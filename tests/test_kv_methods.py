@@ -132,10 +132,8 @@ def test_cfg_text_forks_from_gen_shares_rows_and_then_lives_on_its_own(loaded, s
 def test_unicache_keep_sets_only_shrink_rho_never_rises_and_step0_is_full(loaded, source, monkeypatch):
     kept: dict[tuple, list[set]] = {}
     bits: dict[tuple, list[int]] = {}
-    real = ops.compress_rows
 
-    def spy(layer, indices, keep, nbits, group, residual, scores, **kw):
-        store = real(layer, indices, keep, nbits, group, residual, scores, **kw)
+    def record(layer, store):
         index = store.token_index
         index = index if index.dim() == 2 else index.unsqueeze(0).expand(store.num_kv_heads, -1)
         rows = {(h, int(i)) for h in range(index.shape[0]) for i in index[h].tolist()}
@@ -143,7 +141,14 @@ def test_unicache_keep_sets_only_shrink_rho_never_rises_and_step0_is_full(loaded
         bits.setdefault((id(layer), store.token_type), []).append(getattr(store, "bits", 16))
         return store
 
-    monkeypatch.setattr("unicache_core.compression.compressing_cache.compress_rows", spy)
+    def spy_rows(layer, *args, **kw):
+        return record(layer, ops.compress_rows(layer, *args, **kw))
+
+    def spy_evict(layer, *args, **kw):
+        return record(layer, ops.evict(layer, *args, **kw))
+
+    monkeypatch.setattr("unicache_core.compression.compressing_cache.compress_rows", spy_rows)
+    monkeypatch.setattr("unicache_core.compression.compressing_cache.evict", spy_evict)
     result = _edit(_pipe(loaded, "unicache", rho=0.5, rho_floor=0.1), source, steps=STEPS)  # the paper's schedule
     report = result.kv_report
     assert any(len(v) > 1 for v in kept.values()), "no segment was compressed twice"

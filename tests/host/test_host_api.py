@@ -155,7 +155,7 @@ def test_shipped_workflows_draw_and_answer_in_the_models_world(comfy):
     turns the yellow triangle green here, its unchanged-region PSNR is 18.4 dB on the quality bench), and the
     position question about the one-object example gets its cell ("top right").
 
-    Exact correctness over many held-out samples is what the quality benchmark measures (README)."""
+    Exact correctness over many held-out samples is what the quality benchmark measures (docs/quality.md)."""
     from unicache_core.shapes import analyse
 
     t2i = load_api_workflow("text_to_image")

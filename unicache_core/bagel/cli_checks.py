@@ -92,7 +92,8 @@ def not_found(flag: str, path: Path, what: str) -> OSError:
 
 
 def check_checkpoint_dir(path: Path) -> Path:
-    """``--checkpoint`` must be an existing folder (a file or a missing path is a one-line error)."""
+    """``--checkpoint`` must be an existing BAGEL checkpoint folder (a file, a missing path or a folder with no
+    ``llm_config.json`` is a one-line error; the last names every file of the official layout and its size)."""
     if path.is_file():
         raise ValueError(
             f"--checkpoint: {path} is a file, not a folder; pass the folder that holds llm_config.json, "
@@ -102,6 +103,10 @@ def check_checkpoint_dir(path: Path) -> Path:
         if path.exists():
             raise FileNotFoundError(f"--checkpoint: is not a folder: {path}")
         raise not_found("--checkpoint", path, "folder")
+    from .checkpoint.official_layout import is_checkpoint_folder, not_a_checkpoint_message
+
+    if not is_checkpoint_folder(path):
+        raise FileNotFoundError(f"--checkpoint: {not_a_checkpoint_message(path)}")
     return path
 
 

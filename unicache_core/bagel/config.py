@@ -355,7 +355,7 @@ def check_transform_config(cfg: BagelConfig, path: Path, *, present: bool | None
     fix = (
         FIX_TRANSFORM.format(path=path.name)
         if present
-        else f"write {path.name} with sizes that suit this model (README: 'Image transform sizes')"
+        else f"write {path.name} with sizes that suit this model (docs/engine.md: 'Image transform sizes')"
     )
     ld = cfg.latent_downsample
     if tf.vae.stride % ld:

@@ -458,7 +458,7 @@ def cpu_runtime_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTo
     10 MB on the medium one at 512 px (33.5 MB full-size activations, mapped apart; 8.4 MB at half size). An
     edit's process entered its decode holding 31 MB more than a text-to-image's (medium, 512 px; 9 MB of it the
     larger KV) and its decode then raised it 48 MB more: the plan without the encode's term fell 6-16% short of
-    the edit's resident set in four runs, with it the error is -5.5 to +8% (the table in README.md).
+    the edit's resident set in four runs, with it the error is -5.5 to +8% (the table in docs/memory.md).
     """
     from .accounting import vae_activation_below, vae_convolution_shapes
 

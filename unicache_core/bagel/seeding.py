@@ -25,7 +25,7 @@ import struct
 
 import torch
 
-from .settings import is_integer
+from ..validation import is_integer
 
 #: Largest accepted seed (torch generators take unsigned 64-bit seeds).
 MAX_SEED = 2**64 - 1

@@ -13,16 +13,14 @@ The output size limit depends on the checkpoint (:func:`check_output_size`).
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..kv.token_types import TASKS, Task
+from ..validation import check_bool, check_float, check_int, is_integer
 from .numerics import check_finite
 from .sampling import RENORM_TYPES, timestep_schedule
 
@@ -50,43 +48,6 @@ MAX_TAYLORSEER_ORDER = 6
 
 
 # ------------------------------------------------------------------------------------------ value checks
-
-
-def is_integer(value: object) -> bool:
-    """An integer of any kind (Python or numpy), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
-    """``int(value)`` when it is an integer (Python or numpy, not a bool) in ``[minimum, maximum]``, else a
-    ValueError naming ``name``."""
-    if not is_integer(value) or value < minimum or (maximum is not None and value > maximum):
-        bound = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
-        raise ValueError(f"`{name}` must be an integer {bound}, got {value!r}")
-    return int(value)
-
-
-def check_float(
-    name: str, value: object, minimum: float, *, strict: bool = False, maximum: float | None = None
-) -> float:
-    """``float(value)`` when it is a finite real number (Python or numpy, not a bool) ``>= minimum`` (``>`` with
-    ``strict``) and ``<= maximum``."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
-    if ok:
-        ok = value > minimum if strict else value >= minimum
-        ok = ok and (maximum is None or value <= maximum)
-    if not ok:
-        bound = f"> {minimum}" if strict else f">= {minimum}"
-        if maximum is not None:
-            bound += f" and <= {maximum}"
-        raise ValueError(f"`{name}` must be a finite number {bound}, got {value!r}")
-    return float(value)
-
-
-def check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False, got {value!r}")
-    return value
 
 
 def check_prompt(prompt: object) -> str:

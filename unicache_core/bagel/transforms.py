@@ -4,8 +4,8 @@ ByteDance-Seed/Bagel).
 Every input image is converted to RGB (transparent pixels composited on white), resized with the
 VAE rule, and only then passed to the ViT transform and/or the VAE transform (``interleave_inference``
 does ``vae_transform.resize_transform(pil_img2rgb(image))`` first). The sizes come from the model's
-:class:`~unicache_core.bagel.config.TransformConfig` (``transform_config.json``, see README
-"BAGEL engine"); the official ones, :data:`OFFICIAL_TRANSFORMS`, are VAE
+:class:`~unicache_core.bagel.config.TransformConfig` (``transform_config.json``, see docs/engine.md,
+"Running it"); the official ones, :data:`OFFICIAL_TRANSFORMS`, are VAE
 ``MaxLongEdgeMinShortEdgeResize(1024, 512, 16)`` and ViT (980, 224, 14), with a pixel budget of
 ``14*14*9*1024``. Tensors produced here are ``[3, H, W]`` fp32 in ``[-1, 1]``.
 

@@ -122,3 +122,11 @@ def allocate_with_floors(caps: dict, weights: dict, total: float, floors: dict) 
             ratios.update({t: min(1.0, floors[t]) for t in fixed})
             return ratios
         fixed.update({t: True for t in below})
+
+
+def mass_shares(masses: dict, rows: dict) -> dict:
+    """Each key's share of a pooled store's attention mass: of their ``masses``, or of their ``rows`` without any."""
+    total = sum(masses.values())
+    weights = masses if total > 0 else rows
+    total = sum(weights.values())
+    return {t: w / total for t, w in weights.items()}

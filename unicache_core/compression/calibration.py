@@ -136,10 +136,10 @@ class CalibrationCacheFactory(CacheFactory):
     method = "calibration"
 
     def __init__(self, score_queries: int = SCORE_QUERIES):
-        self.method = Calibration(score_queries=score_queries)
+        self.calibration = Calibration(score_queries=score_queries)
 
     def start(self, request: RequestInfo) -> CacheSession:
-        return CalibrationSession(request, self.method)
+        return CalibrationSession(request, self.calibration)
 
 
 __all__ = ["Calibration", "CalibrationCacheFactory", "CalibrationSession"]

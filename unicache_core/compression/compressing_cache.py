@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
 from ..kv.cache import AttentionCall
 from ..kv.segmented_cache import LayerAttention, SegmentedKVCache
+from ..kv.stores import QuantizedStore
 from ..kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, TokenType
 from .family import FULL_BITS
-from .ops import compress_rows
+from .ops import compress_rows, evict
 from .plan import BranchPlan, CallPlan, Keep
 from .protocol import LayerState
 from .report import type_name
@@ -84,7 +85,7 @@ class CompressingKVCache(SegmentedKVCache):
         self._segment_rows: dict[int, dict[SegmentKey, int]] = {}  # prefix length -> its row count per segment
 
     def clone(self, *, branch: str | None = None) -> CompressingKVCache:
-        other = super().clone(branch=branch)
+        other = cast(CompressingKVCache, super().clone(branch=branch))
         other.types = self.types  # shared prefix, its own memo of type_rows
         other.images = self.images
         other.state = [state.copy() for state in self.state]
@@ -140,7 +141,7 @@ class CompressingKVCache(SegmentedKVCache):
         return out
 
     def end_call(self, call: AttentionCall) -> None:
-        self.session.note_rows(self.branch, call, self._call_rows)
+        self.session.note_rows(self.branch or "", call, self._call_rows)
         if self._plan.compress_after:
             self.session.compress(self, call)
         self._plan = CallPlan()
@@ -168,11 +169,11 @@ class CompressingKVCache(SegmentedKVCache):
         segment_masses: dict[SegmentKey, float] = {}
         part_masses = masses_from_lse([lse for _, lse in parts], res.lse)
         for (token_type, _), mass in zip(parts, part_masses):
-            if token_type is _POOLED:  # one store of several types: its mass in the shares they had when pooled
+            if isinstance(token_type, TokenType):
+                masses[token_type] = masses.get(token_type, 0.0) + mass
+            else:  # one store of several types (_POOLED): its mass in the shares they had when pooled
                 for member, share in ls.pooled.items():
                     masses[member] = masses.get(member, 0.0) + mass * share
-            else:
-                masses[token_type] = masses.get(token_type, 0.0) + mass
         for store, mass in zip((s for s in st.stores if s.num_tokens), part_masses):
             if store.token_type in CANDIDATE_TYPES:
                 key = key_of(store)
@@ -192,7 +193,10 @@ class CompressingKVCache(SegmentedKVCache):
         ls.masses = masses
         if call.phase in ("denoise", "decode") and call.step is not None:
             self.session.stats.update(
-                layer, int(call.step), {t: m for t, m in masses.items() if t in CANDIDATE_TYPES}, branch=self.branch
+                layer,
+                int(call.step),
+                {t: m for t, m in masses.items() if t in CANDIDATE_TYPES},
+                branch=self.branch or "",
             )
 
     def _score(
@@ -239,9 +243,9 @@ class CompressingKVCache(SegmentedKVCache):
             if call.update and not merged:
                 rowmax = torch.maximum(rowmax, row_max_logits(qs, k_new, visible=visible))
             thresholds = rowmax + math.log(self.session.method.sparsity_threshold())
-        counts = torch.zeros(q.shape[1], dtype=torch.int64, device=q.device) if plan.sparsity else None
+        counts = torch.zeros(q.shape[1], dtype=torch.int64, device=q.device)
         valid = 0
-        if keys is not None:
+        if keys is not None and index is not None:
             scores, c = key_scores(qs, keys, lse, count_above=thresholds)
             dense.scatter_add_(0, index.to(q.device), scores)
             if c is not None:
@@ -338,21 +342,30 @@ class CompressingKVCache(SegmentedKVCache):
                 f"{self.session.method.name}: layer {index} of branch {self.branch} holds none of "
                 f"the segments {list(keep.segments)} its plan names"
             )
-        if keep.bits == FULL_BITS and keep.scores is None:
-            raise RuntimeError(f"{self.session.method.name}: evicting rows of layer {index} needs their scores")
-        store = compress_rows(
-            st,
-            stores,
-            keep.rows,
-            keep.bits,
-            keep.group,
-            keep.residual,
-            keep.scores,
-            recent=keep.recent,
-            forced=keep.forced,
-            smooth_kernel=keep.smooth_kernel,
-            fit_values=keep.fit_values,
-        )
+        if keep.bits == FULL_BITS:  # full-precision rows: an eviction (SnapKV's window and pooling included)
+            if keep.scores is None:
+                raise RuntimeError(f"{self.session.method.name}: evicting rows of layer {index} needs their scores")
+            store = evict(
+                st,
+                stores,
+                keep.rows,
+                keep.scores,
+                recent=keep.recent,
+                forced=keep.forced,
+                smooth_kernel=keep.smooth_kernel,
+            )
+        else:
+            store = compress_rows(
+                st,
+                stores,
+                keep.rows,
+                keep.bits,
+                keep.group,
+                keep.residual,
+                keep.scores,
+                recent=keep.recent,
+                fit_values=keep.fit_values,
+            )
         if keep.expected_bytes is not None and store.nbytes() != keep.expected_bytes:
             reason = (
                 f"the store holds {store.nbytes()} B where the plan counted {keep.expected_bytes} B "
@@ -392,9 +405,9 @@ class CompressingKVCache(SegmentedKVCache):
         row_bytes = sum(self.row_bytes(layer) for layer in range(self.num_layers))
         out: dict[str, dict] = {}
         for key, n in sorted(rows.items(), key=lambda kv: (kv[0].image, kv[0].type)):
-            image = out.setdefault(str(key.image), {"bytes": 0, "full_bytes": 0, "types": {}})
-            image["types"][type_name(key.type)] = {"bytes": 0, "rows_per_head": 0.0, "full_rows": n}
-            image["full_bytes"] += n * row_bytes
+            entry = out.setdefault(str(key.image), {"bytes": 0, "full_bytes": 0, "types": {}})
+            entry["types"][type_name(key.type)] = {"bytes": 0, "rows_per_head": 0.0, "full_rows": n}
+            entry["full_bytes"] += n * row_bytes
         for st in self.layers:
             for store in st.stores:
                 if not store.num_tokens or store.token_type not in MANAGED_TYPES:
@@ -407,11 +420,11 @@ class CompressingKVCache(SegmentedKVCache):
                     entry["bytes"] += nbytes
                     entry["rows_per_head"] += store.num_tokens * share / self.num_layers
                     out[str(image)]["bytes"] += nbytes
-        for image in out.values():
-            image["bytes"] = int(round(image["bytes"]))
-            for entry in image["types"].values():
-                entry["bytes"] = int(round(entry["bytes"]))
-                entry["rows_per_head"] = round(entry["rows_per_head"], 2)
+        for totals in out.values():
+            totals["bytes"] = int(round(totals["bytes"]))
+            for per_type in totals["types"].values():
+                per_type["bytes"] = int(round(per_type["bytes"]))
+                per_type["rows_per_head"] = round(per_type["rows_per_head"], 2)
         return out
 
     def snapshot_types(self) -> dict[str, dict]:
@@ -432,15 +445,15 @@ class CompressingKVCache(SegmentedKVCache):
                         if entry["policy"] in ("protect", "full")
                         else entry["policy"]
                     )
-                if store.kind == "quantized":
+                if isinstance(store, QuantizedStore):
                     entry["bits"], entry["group_size"], entry["residual"] = store.bits, store.group_size, store.residual
             for name, budget in ls.budgets.items():
                 entry = types.setdefault(name, {"policy": "full", "bytes": 0, "rows_per_head": 0.0, "stores": {}})
                 entry["budget_bytes"] = entry.get("budget_bytes", 0) + int(budget)
             for t, m in ls.masses.items():
-                entry = types.get(type_name(t))
-                if entry is not None:
-                    entry["mass"] = entry.get("mass", 0.0) + m / self.num_layers
+                massed = types.get(type_name(t))
+                if massed is not None:
+                    massed["mass"] = massed.get("mass", 0.0) + m / self.num_layers
         for t, n in self.type_rows(0).items():
             if type_name(t) in types:
                 types[type_name(t)]["full_rows"] = n

@@ -15,6 +15,7 @@ than the rows' uncompressed K and V.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -240,6 +241,24 @@ def choose(
         if evicted.rows >= subset.rows:
             return evicted
     return subset
+
+
+@functools.lru_cache(maxsize=4096)
+def quantized_floor_bytes(rows: int, num_kv_heads: int, head_dim: int, elem: int, geometry: QuantGeometry) -> int:
+    """The floor of a quantized segment of ``rows`` rows: the bytes of every row at the lowest bits and largest group
+    without residual in a store of its own, or its uncompressed bytes when quantizing would not shrink it. Pure, so
+    cached: a layer's rows per segment stay fixed once appended."""
+    whole = Segment(
+        full_rows=rows,
+        held_rows=rows,
+        held_bits=FULL_BITS,
+        held_bytes=0,
+        shared_rows=True,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        elem=elem,
+    )
+    return least_quantized_bytes(whole, geometry)
 
 
 def least_quantized_bytes(segment: Segment, geometry: QuantGeometry) -> int:

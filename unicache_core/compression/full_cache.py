@@ -44,7 +44,7 @@ class ReportingFullKVCache(FullKVCache):
         return out
 
     def end_call(self, call: AttentionCall) -> None:
-        self.session.note_rows(self.branch, call, self._rows)
+        self.session.note_rows(self.branch or "", call, self._rows)
 
     @property
     def types(self) -> Tensor:

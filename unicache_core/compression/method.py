@@ -29,12 +29,12 @@ Timeline shared by every method (docs/compression.md §8.1, §8.6, §8.10):
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..kv.cache import AttentionCall, RequestInfo
+from ..validation import check_bool, check_int
 from .defaults import DEFAULT_REDUCTION, SCORE_QUERIES, VLCACHE_THRESHOLD
 from .plan import BranchPlan, CallPlan
 from .targets import parse_kv_target
@@ -44,18 +44,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: Every selectable method by name, in the order they were registered (``full`` first).
 METHODS: dict[str, type[Method]] = {}
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
-
-
-def check_ratio(name: str, value: Any, *, allow_zero: bool = False) -> None:
-    """``value`` is a finite number in (0, 1] (or [0, 1] with ``allow_zero``), else a ValueError naming it."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or not (0.0 <= value <= 1.0 if allow_zero else 0.0 < value <= 1.0):
-        raise ValueError(f"`{name}` must be a number in {'[0, 1]' if allow_zero else '(0, 1]'}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,10 +83,9 @@ class Method:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_target", parse_kv_target(self.kv_target))
-        _check_int("score_queries", self.score_queries, 1)
-        for flag in ("fused", "sync_timing"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"`{flag}` must be True or False, got {getattr(self, flag)!r}")
+        check_int("score_queries", self.score_queries, 1)
+        check_bool("fused", self.fused)
+        check_bool("sync_timing", self.sync_timing)
 
     # ------------------------------------------------------------------ settings
 
@@ -194,12 +181,11 @@ class Method:
 
 
 def method_from_name(name: str | Method, **settings: Any) -> Method:
-    """The method registered as ``name`` with ``settings`` (a :class:`Method` is returned as it is).
+    """The method registered as ``name`` with ``settings`` (a :class:`Method` is returned as it is; the built-in methods
+    are registered when :mod:`unicache_core.compression` is imported, which importing this module does first).
 
     A setting the method does not take is one clear error naming the settings it does take.
     """
-    from . import methods  # noqa: F401  (registers the built-in methods)
-
     if isinstance(name, Method):
         if settings:
             raise ValueError("pass either a method object or a name with settings, not both")
@@ -220,4 +206,4 @@ def method_from_name(name: str | Method, **settings: Any) -> Method:
     return cls(**settings)
 
 
-__all__ = ["METHODS", "Method", "check_ratio", "method_from_name"]
+__all__ = ["METHODS", "Method", "method_from_name"]

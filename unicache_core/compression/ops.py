@@ -150,8 +150,6 @@ def compress_rows(
     scores: Tensor | None,
     *,
     recent: int = 0,
-    forced: Tensor | None = None,
-    smooth_kernel: int = 1,
     fit_values: bool = False,
 ) -> KVStore:
     """Keep ``keep`` rows per KV head of the pooled stores at ``indices`` (chosen by ``scores``, as :func:`evict`)
@@ -160,16 +158,15 @@ def compress_rows(
     or the newest ones without scores).
 
     Every row of a pool whose heads share their rows is quantized as one segment (one ``[T]`` index).
-    ``scores``: ``[T_appended, Hkv]`` (needed only when rows are dropped). ``forced`` and ``smooth_kernel``: as in
-    :func:`evict` (full-precision rows only). ``fit_values``: values quantized from here on get least-squares ranges
-    (:func:`~unicache_core.kv.quant.quantize_values`); codes kept stay as they are.
+    ``scores``: ``[T_appended, Hkv]`` (needed only when rows are dropped). ``fit_values``: values quantized from here on
+    get least-squares ranges (:func:`~unicache_core.kv.quant.quantize_values`); codes kept stay as they are.
     """
     stores = [layer.stores[i] for i in indices]
     total = sum(s.num_tokens for s in stores)
     if bits == FULL_BITS:
         if scores is None:
             raise ValueError("evicting rows needs their scores")
-        return evict(layer, indices, keep, scores, recent=recent, forced=forced, smooth_kernel=smooth_kernel)
+        return evict(layer, indices, keep, scores, recent=recent)
     if keep >= total and len(stores) == 1 and shared_rows(stores) and keeps_value_codes(stores[0], bits, group):
         return _requantize_shared(layer, indices[0], group, residual, scores, fit_values)
     if keep >= total and shared_rows(stores):
@@ -232,6 +229,7 @@ def _shrink_quantized(
     and store, but the value rows that stay quantized keep their codes and scales (no dequantize + quantize);
     only the keys (whose groups span rows) are quantized again."""
     store = layer.stores[index]
+    assert isinstance(store, QuantizedStore)
     h, d = store.num_kv_heads, store.head_dim
     held = store.token_index.long()
     held = held if held.dim() == 2 else held.unsqueeze(0).expand(h, -1)  # [Hkv, T] in store order
@@ -276,6 +274,7 @@ def _requantize_shared(
     that leave the residual are quantized. Falls back to :func:`quantize` when those rows would need wider
     scales than the store's."""
     store = layer.stores[index]
+    assert isinstance(store, QuantizedStore)
     h = store.num_kv_heads
     held = store.token_index.long()  # [T] store order: the quantized rows, then the residual
     order = torch.argsort(held)  # store positions in append order, as quantize() lays them out

@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -52,6 +52,7 @@ def _nesting_depth(value: object) -> int:
     deepest, stack = 0, [(value, 0)]
     while stack:
         item, depth = stack.pop()
+        children: Iterable
         if isinstance(item, Mapping):
             children = item.values()
         elif isinstance(item, list):
@@ -269,8 +270,8 @@ class PolicyTable:
             if task not in TASKS:
                 raise bad(f"`entries[{i}].task` must be one of {TASKS}, got {task!r}")
             try:
-                ttype = TokenType.parse(row.get("type"))
-            except (ValueError, TypeError):
+                ttype = TokenType.parse(row["type"])
+            except (ValueError, TypeError, KeyError):
                 raise bad(
                     f"`entries[{i}].type` {row.get('type')!r} is not a token type "
                     f"({', '.join(t.name.lower() for t in CANDIDATE_TYPES)})"

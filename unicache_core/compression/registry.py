@@ -15,17 +15,19 @@ class MethodCacheFactory(CacheFactory):
     """Starts a :class:`~unicache_core.compression.session.CompressionSession` of one method per request.
 
     Attributes:
-        method: the method as the user gave it (its files are resolved for each request: :meth:`Method.bind`).
+        kv_method: the method as the user gave it (its files are resolved for each request: :meth:`Method.bind`);
+            ``method`` is its name.
         checkpoint_dir: where the method looks for the checkpoint's own files (UniCache's policy table).
     """
 
     def __init__(self, method: Method, checkpoint_dir: str = ""):
-        self.method = method
+        self.kv_method = method
+        self.method = method.name
         self.checkpoint_dir = checkpoint_dir
 
     def start(self, request: RequestInfo) -> CacheSession:
-        bound, policy_info = self.method.bind(request, self.checkpoint_dir)
-        return CompressionSession(request, bound, policy_info, self.method.settings())
+        bound, policy_info = self.kv_method.bind(request, self.checkpoint_dir)
+        return CompressionSession(request, bound, policy_info, self.kv_method.settings())
 
 
 class FullCacheFactory(CacheFactory):
@@ -33,10 +35,11 @@ class FullCacheFactory(CacheFactory):
     factory) that also measure attention time, attended rows and bytes."""
 
     def __init__(self, method: Full):
-        self.method = method
+        self.kv_method = method
+        self.method = method.name
 
     def start(self, request: RequestInfo) -> CacheSession:
-        return FullSession(request, self.method)
+        return FullSession(request, self.kv_method)
 
 
 def make_cache_factory(method: str | Method = "full", *, checkpoint_dir: str = "", **settings: Any) -> CacheFactory:

@@ -94,7 +94,7 @@ class ReportBuilder:
 
     def note_compression(self, cache: ReportedBranch) -> None:
         """Mark ``cache`` compressed in this step and keep the flags of budgets it could not reach."""
-        self._compressed_now.add(cache.branch)
+        self._compressed_now.add(cache.branch or "")
         for ls in cache.state:
             for t, reason in ls.flags.items():
                 self.flags[f"{cache.branch}/{type_name(t) if isinstance(t, TokenType) else t}"] = reason

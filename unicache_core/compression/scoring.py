@@ -98,7 +98,7 @@ def key_scores(
         qh = q[start:stop].float().permute(1, 0, 2).reshape(hkv, group * n, d)
         logits = torch.bmm(qh, kf).mul_(scale).reshape(hkv, group, n, t)  # [Hkv, g, n, T]
         lse_c = lse[start:stop].float().t().reshape(hkv, group, n, 1)
-        if counts is not None:
+        if counts is not None and count_above is not None:
             thr = count_above[start:stop].float().t().reshape(hkv, group, n, 1)
             above = logits >= thr
             if visible is not None:
@@ -109,6 +109,7 @@ def key_scores(
             probs.masked_fill_(~visible[start:stop].to(keys.device), 0.0)
         part = torch.nan_to_num(probs, nan=0.0).sum(dim=2).mean(dim=1)  # [Hkv, T]
         scores = part if scores is None else scores.add_(part)  # the first chunk's sums start the total
+    assert scores is not None  # tq > 0: at least one chunk ran
     return scores.t().contiguous(), counts
 
 

@@ -13,20 +13,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..kv.token_types import TokenType
+from ..validation import check_int
 from .defaults import EMA_DECAY, LAYER_CHUNK_SIZE, RHO0, STEP_CHUNK_SIZE, UNDERSTANDING_EMA_WINDOW
 
 logger = logging.getLogger(__name__)
 
 
-def _nonneg_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"`{name}` must be an int >= 0, got {value!r}")
-    return value
-
-
 def layer_chunk(layer: int, size: int = LAYER_CHUNK_SIZE) -> int:
     """Layer 0 alone, then chunks of ``size``: ``0 if l == 0 else 1 + (l - 1) // size``."""
-    _nonneg_int("layer", layer)
+    check_int("layer", layer, 0)
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"`size` must be an int >= 1, got {size!r}")
     return 0 if layer == 0 else 1 + (layer - 1) // size
@@ -34,7 +29,7 @@ def layer_chunk(layer: int, size: int = LAYER_CHUNK_SIZE) -> int:
 
 def step_chunk(step: int, size: int = STEP_CHUNK_SIZE) -> int:
     """Step 0 alone, then chunks of ``size``: ``0 if t == 0 else 1 + (t - 1) // size``."""
-    _nonneg_int("step", step)
+    check_int("step", step, 0)
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"`size` must be an int >= 1, got {size!r}")
     return 0 if step == 0 else 1 + (step - 1) // size

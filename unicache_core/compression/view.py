@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..kv.cache import AttentionCall, RequestInfo, StepInfo
-from ..kv.stores import KVStore
+from ..kv.stores import KVStore, QuantizedStore
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
 from .family import FULL_BITS, Segment
 from .ops import shared_rows
@@ -150,7 +150,7 @@ class LayerView:
             raise ValueError(f"layer {self.index} holds no rows")
         if full_rows is None:
             full_rows = sum(self.segment_rows.get(k, 0) for k in set(keys))
-        bits = min((s.bits if s.kind == "quantized" else FULL_BITS for s in stores), default=FULL_BITS)
+        bits = min((s.bits if isinstance(s, QuantizedStore) else FULL_BITS for s in stores), default=FULL_BITS)
         return Segment(
             full_rows=full_rows,
             held_rows=sum(s.num_tokens for s in stores),

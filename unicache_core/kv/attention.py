@@ -57,7 +57,7 @@ def _head_major_attention(
         out = q.new_zeros(q.shape)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         return out, lse
-    if mask is None and _uses_cpu_flash(q, k, v):
+    if mask is None and _cpu_flash is not None and _uses_cpu_flash(q, k, v):
         out, lse = _cpu_flash(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, causal, scale=scale)
         return out.squeeze(0), lse.squeeze(0).float()
     if mask is None and q.is_cuda and k.dtype == q.dtype and v.dtype == q.dtype:
@@ -246,8 +246,7 @@ def merge_attention(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]
     total = torch.logsumexp(lses, dim=0)
     weights = torch.exp(lses - total.clamp_min(torch.finfo(torch.float32).min).unsqueeze(0))
     weights = torch.nan_to_num(weights, nan=0.0)
-    out = None
-    for (part_out, _), w in zip(parts, weights):
-        contrib = part_out.float() * w.unsqueeze(-1)
-        out = contrib if out is None else out.add_(contrib)
+    out = parts[0][0].float() * weights[0].unsqueeze(-1)
+    for (part_out, _), w in zip(parts[1:], weights[1:]):
+        out.add_(part_out.float() * w.unsqueeze(-1))
     return out.to(parts[0][0].dtype), total

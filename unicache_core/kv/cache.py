@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from .attention import attention_with_lse, merge_attention
-from .token_types import BRANCHES, TASKS, Branch, Task
+from .token_types import BRANCHES, TASKS, Task
 
 Phase = Literal["prefill", "decode", "denoise"]
 
@@ -76,7 +76,7 @@ class CacheRequest:
     """Which cache a plain callable factory (see :func:`as_cache_factory`) is asked for."""
 
     task: Task
-    branch: Branch
+    branch: str
     num_layers: int
 
 
@@ -147,7 +147,7 @@ class KVCache(ABC):
     Subclasses implement :meth:`attend`; the rest has working defaults.
     """
 
-    def __init__(self, num_layers: int, *, task: Task | None = None, branch: Branch | None = None):
+    def __init__(self, num_layers: int, *, task: Task | None = None, branch: str | None = None):
         if num_layers <= 0:
             raise ValueError(f"`num_layers` must be > 0, got {num_layers}")
         self.num_layers = num_layers
@@ -183,7 +183,7 @@ class KVCache(ABC):
     def nbytes(self) -> int:
         """Bytes of the tensors this cache actually holds, over all layers."""
 
-    def clone(self, *, branch: Branch | None = None) -> KVCache:
+    def clone(self, *, branch: str | None = None) -> KVCache:
         """Independent copy (BAGEL's ``deepcopy(gen)`` for the ``cfg_text`` context).
 
         The default deep-copies; caches whose tensors are never modified in place override it to share
@@ -201,16 +201,25 @@ class KVCache(ABC):
 
 @dataclass
 class _FullLayer:
+    """One layer of a :class:`FullKVCache`: all four tensors, or (empty) none."""
+
     keys: Tensor | None = None  # [T, Hkv, d]
     values: Tensor | None = None
     token_types: Tensor | None = None  # [T] int8
     rope_positions: Tensor | None = None  # [T] int64 RoPE ids
 
+    def held(self) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """``(keys, values, token_types, rope_positions)``, or ``None`` while the layer is empty."""
+        if self.keys is None:
+            return None
+        assert self.values is not None and self.token_types is not None and self.rope_positions is not None
+        return self.keys, self.values, self.token_types, self.rope_positions
+
 
 class FullKVCache(KVCache):
     """Uncompressed cache: exactly what BAGEL's ``NaiveCache`` + ``flash_attn_varlen_func`` compute."""
 
-    def __init__(self, num_layers: int, *, task: Task | None = None, branch: Branch | None = None):
+    def __init__(self, num_layers: int, *, task: Task | None = None, branch: str | None = None):
         super().__init__(num_layers, task=task, branch=branch)
         self.layers = [_FullLayer() for _ in range(num_layers)]
 
@@ -227,8 +236,9 @@ class FullKVCache(KVCache):
                 self.append(layer, k, v, call.token_types, call.rope_positions)
             return out
         parts = []
-        if state.keys is not None and state.keys.shape[0] > 0:
-            parts.append(attention_with_lse(q, state.keys.to(q.dtype), state.values.to(q.dtype)))
+        held = state.held()
+        if held is not None and held[0].shape[0] > 0:
+            parts.append(attention_with_lse(q, held[0].to(q.dtype), held[1].to(q.dtype)))
         if call.new_block_mask is not None:
             parts.append(attention_with_lse(q, k, v, mask=call.new_block_mask))
         else:
@@ -247,9 +257,10 @@ class FullKVCache(KVCache):
         Used off-CPU, where torch dispatches to flash / memory-efficient kernels (no LSE needed since
         nothing is merged). ``causal`` masks the new block bottom-right aligned. Returns ``[Tn, Hq, d]``.
         """
-        if state.keys is not None and state.keys.shape[0] > 0:
-            keys = torch.cat([state.keys.to(q.dtype), k])
-            values = torch.cat([state.values.to(q.dtype), v])
+        held = state.held()
+        if held is not None and held[0].shape[0] > 0:
+            keys = torch.cat([held[0].to(q.dtype), k])
+            values = torch.cat([held[1].to(q.dtype), v])
         else:
             keys, values = k, v
         tq, tk = q.shape[0], keys.shape[0]
@@ -288,14 +299,16 @@ class FullKVCache(KVCache):
                 f"cache [*, {state.keys.shape[1]}, {state.keys.shape[2]}] on {state.keys.device}"
             )
         types = token_types.to(torch.int8)
-        if state.keys is None:
+        held = state.held()
+        if held is None:
             state.keys, state.values = k.detach().clone(), v.detach().clone()
             state.token_types, state.rope_positions = types.clone(), rope_positions.clone()
         else:
-            state.keys = torch.cat([state.keys, k.detach().to(state.keys.dtype)])
-            state.values = torch.cat([state.values, v.detach().to(state.values.dtype)])
-            state.token_types = torch.cat([state.token_types, types.to(state.token_types.device)])
-            state.rope_positions = torch.cat([state.rope_positions, rope_positions.to(state.rope_positions.device)])
+            keys, values, old_types, positions = held
+            state.keys = torch.cat([keys, k.detach().to(keys.dtype)])
+            state.values = torch.cat([values, v.detach().to(values.dtype)])
+            state.token_types = torch.cat([old_types, types.to(old_types.device)])
+            state.rope_positions = torch.cat([positions, rope_positions.to(positions.device)])
 
     @property
     def num_tokens(self) -> int:
@@ -305,18 +318,19 @@ class FullKVCache(KVCache):
     def nbytes(self) -> int:
         total = 0
         for state in self.layers:
-            if state.keys is not None:
-                total += state.keys.nbytes + state.values.nbytes
+            held = state.held()
+            if held is not None:
+                total += held[0].nbytes + held[1].nbytes
         return total
 
     def layer_kv(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(keys [T, Hkv, d], values, token_types [T], rope_positions [T])`` of one layer."""
-        state = self._check_layer(layer)
-        if state.keys is None:
+        held = self._check_layer(layer).held()
+        if held is None:
             raise ValueError(f"layer {layer} of this cache is empty")
-        return state.keys, state.values, state.token_types, state.rope_positions
+        return held
 
-    def clone(self, *, branch: Branch | None = None) -> FullKVCache:
+    def clone(self, *, branch: str | None = None) -> FullKVCache:
         """A copy sharing the cached tensors (appends build new tensors, so the two stay independent)."""
         other = copy.copy(self)  # same class (subclasses keep their behaviour), new layer list below
         other.layers = [_FullLayer(s.keys, s.values, s.token_types, s.rope_positions) for s in self.layers]

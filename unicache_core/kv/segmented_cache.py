@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .attention import attention_with_lse, merge_attention
-from .cache import AttentionCall, Branch, KVCache, Task
+from .cache import AttentionCall, KVCache, Task
 from .stores import EvictedStore, FullStore, KVStore, QuantizedStore, StoreKind
 from .token_types import CANDIDATE_TYPES, TokenType
 
@@ -108,6 +108,7 @@ class SegmentedLayer:
             store_lse.append(part[1])
         new_lse = None
         if k_new is not None:
+            assert v_new is not None, "a new block needs its values"
             if new_mask is not None:
                 part = attention_with_lse(q, k_new, v_new, scale=scale, mask=new_mask)
             else:
@@ -134,18 +135,20 @@ class SegmentedLayer:
         h, d = stores[0].num_kv_heads, stores[0].head_dim
         rows = [store.num_tokens for store in stores]
         append_new = k_new is not None and not causal
-        total = sum(rows) + (k_new.shape[0] if append_new else 0)
+        total = sum(rows) + (k_new.shape[0] if k_new is not None and append_new else 0)
         k_ws = torch.empty(h, total, d, dtype=q.dtype, device=q.device)
         v_ws = torch.empty_like(k_ws)
         off = 0
         for store, n in zip(stores, rows):
             store.write_kv(k_ws[:, off : off + n], v_ws[:, off : off + n])
             off += n
-        if append_new:
-            k_ws[:, off:] = k_new.transpose(0, 1)
-            v_ws[:, off:] = v_new.transpose(0, 1)
+        if k_new is not None:
+            assert v_new is not None, "a new block needs its values"
+            if append_new:
+                k_ws[:, off:] = k_new.transpose(0, 1)
+                v_ws[:, off:] = v_new.transpose(0, 1)
         out = attention_with_lse(q, k_ws.transpose(0, 1), v_ws.transpose(0, 1), scale=scale)
-        if k_new is None or append_new:
+        if k_new is None or v_new is None or append_new:
             return out
         return merge_attention([out, attention_with_lse(q, k_new, v_new, scale=scale, causal=True)])
 
@@ -301,7 +304,7 @@ def _shared(store: KVStore) -> KVStore:
 class SegmentedKVCache(KVCache):
     """:class:`KVCache` whose layers are :class:`SegmentedLayer` s; compression swaps typed segments."""
 
-    def __init__(self, num_layers: int, *, task: Task | None = None, branch: Branch | None = None):
+    def __init__(self, num_layers: int, *, task: Task | None = None, branch: str | None = None):
         super().__init__(num_layers, task=task, branch=branch)
         self.layers = [SegmentedLayer() for _ in range(num_layers)]
 
@@ -357,9 +360,11 @@ class SegmentedKVCache(KVCache):
         found = state.find(TokenType.parse(token_type), "full")
         if len(found) != 1:
             raise ValueError(f"layer {layer} has {len(found)} uncompressed segments of type {token_type!r}")
-        return state.stores[found[0]]
+        store = state.stores[found[0]]
+        assert isinstance(store, FullStore)
+        return store
 
-    def clone(self, *, branch: Branch | None = None) -> SegmentedKVCache:
+    def clone(self, *, branch: str | None = None) -> SegmentedKVCache:
         """A branch copy sharing every tensor (stores are never modified in place, so sharing is safe)."""
         other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)

@@ -55,6 +55,8 @@ class KVStore(ABC):
 
     kind: ClassVar[StoreKind]
     token_type: TokenType
+    #: ``[T]`` int32 append indices of the rows (``[Hkv, T]`` where the KV heads hold different rows)
+    token_index: Tensor
     #: The input image (0-based, in request order) whose rows the store holds; ``None``: no image's, or several.
     image: int | None = None
 
@@ -162,7 +164,7 @@ class FullStore(_RowStore):
         return store
 
     @property
-    def token_index(self) -> Tensor:
+    def token_index(self) -> Tensor:  # type: ignore[override]
         """``[T]`` int32 append indices (built from ``runs``)."""
         return runs_index(self.runs, self.keys.device)
 
@@ -279,7 +281,7 @@ class EvictedStore(_RowStore):
         return int(self.keys.shape[0])
 
     @property
-    def token_index(self) -> Tensor:
+    def token_index(self) -> Tensor:  # type: ignore[override]
         """``[Hkv, n_keep]`` append indices (per head)."""
         return self.keep_idx
 

@@ -17,6 +17,7 @@ from ..tokenizer import BagelTokenizer, check_bagel_tokens
 from .config_check import check_model_config, check_vae_config
 from .header import SafetensorsHeader, read_header
 from .model_id import model_id_of
+from .official_layout import is_checkpoint_folder, not_a_checkpoint_message
 
 #: The BAGEL weights of a checkpoint folder.
 EMA_FILE = "ema.safetensors"
@@ -54,14 +55,24 @@ def check_folder_model_config(config: BagelConfig, root: Path, ema: SafetensorsH
     check_model_config(config, ema, llm_source=str(root / LLM_CONFIG_FILE), vit_source=str(root / VIT_CONFIG_FILE))
 
 
+def check_official_files(root: str | Path) -> None:
+    """A folder that is no BAGEL checkpoint (no ``llm_config.json``): a CheckpointError naming every file of the
+    official layout it lacks, each with its size, and where to get them (nothing is read). A checkpoint folder
+    that lacks some other file is named by that file's own check."""
+    if not is_checkpoint_folder(root):
+        raise CheckpointError(not_a_checkpoint_message(root))
+
+
 def inspect_folder(root: str | Path) -> FolderCheckpoint:
     """Read and check an official-layout checkpoint folder: configs, tokenizer, headers (no tensor data).
 
     Raises:
-        CheckpointError: a missing or corrupt file, a pickle instead of safetensors, a tokenizer with
-            more ids than the model, a config that does not describe the weight files.
+        CheckpointError: a folder with no BAGEL in it (every file it lacks named with its size,
+            :mod:`.official_layout`), a missing or corrupt file, a pickle instead of safetensors, a tokenizer
+            with more ids than the model, a config that does not describe the weight files.
     """
     root = Path(root)
+    check_official_files(root)
     config = load_bagel_config(root)
     tokenizer = BagelTokenizer.from_dir(root)
     check_bagel_tokens(tokenizer, root)
@@ -81,4 +92,11 @@ def inspect_folder(root: str | Path) -> FolderCheckpoint:
     return FolderCheckpoint(root=root, config=config, tokenizer=tokenizer, ema=ema, ae=ae, model_id=model_id)
 
 
-__all__ = ["AE_FILE", "EMA_FILE", "FolderCheckpoint", "check_folder_model_config", "inspect_folder"]
+__all__ = [
+    "AE_FILE",
+    "EMA_FILE",
+    "FolderCheckpoint",
+    "check_folder_model_config",
+    "check_official_files",
+    "inspect_folder",
+]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ...errors import CheckpointError
+from .official_layout import human_size, official_size
 
 #: Suffixes of pickle-based weight files (``torch.save``): never opened.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -129,8 +130,10 @@ def _check_is_weights_file(path: Path) -> None:
             if pickles
             else ""
         )
+        size = official_size(path.name)
+        published = f" ({human_size(size)})" if size else ""
         raise CheckpointError(
-            f"missing weights file {path}; download {path.name} of ByteDance-Seed/BAGEL-7B-MoT into "
+            f"missing weights file {path}; download {path.name}{published} of ByteDance-Seed/BAGEL-7B-MoT into "
             f"{path.parent}{found}"
         )
 

@@ -69,9 +69,9 @@ class GlobalEviction(Method):
             budget_rows.append(rows)
             pool_rows.append(layer.held_rows(layer.candidate_keys))
             budgets[layer.index] = budget
-        rows = self.layer_rows(view, budget_rows, pool_rows)
+        kept_rows = self.layer_rows(view, budget_rows, pool_rows)
         plans = {}
-        for layer, keep in zip(layers, rows):
+        for layer, keep in zip(layers, kept_rows):
             keys = layer.candidate_keys
             lp_budget = {"candidate": budgets[layer.index]} if layer.index in budgets else None
             if not keys or keep >= pool_rows[layer.index] or layer.geometry is None:

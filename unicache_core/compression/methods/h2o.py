@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...validation import check_ratio
 from ..defaults import RECENT_FRACTION
-from ..method import check_ratio
 from .eviction import GlobalEviction
 
 

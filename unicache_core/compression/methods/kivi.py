@@ -64,7 +64,7 @@ class KIVI(Method):
                     f"no KIVI setting fits {budget} B for {n} rows: the smallest is {choice.bits}-bit, "
                     f"G{choice.group}, R0 ({need} B); {kept}"
                 )
-            keeps = ()
+            keeps: tuple[Keep, ...] = ()
             if segment.choice_bytes(choice) < segment.held_bytes:  # never a store that holds more
                 keeps = (
                     Keep(

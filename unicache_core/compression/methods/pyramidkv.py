@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from ...validation import check_float, check_int
 from ..defaults import PYRAMID_BETA
 from ..view import BranchView
 from .snapkv import SnapKV
@@ -27,13 +27,9 @@ def pyramid_layer_budgets(
     Returns:
         ``L`` integer budgets, non-increasing with depth.
     """
-    for name, value, minimum in (
-        ("total_tokens", total_tokens, 0),
-        ("window", window, 0),
-        ("num_layers", num_layers, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}")
+    check_int("total_tokens", total_tokens, 0)
+    check_int("window", window, 0)
+    check_int("num_layers", num_layers, 1)
     if not 0.0 <= compression < 1.0:
         raise ValueError(f"`compression` must be in [0, 1), got {compression!r}")
     if not beta >= 1:
@@ -64,9 +60,7 @@ class PyramidKV(SnapKV):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        ok = isinstance(self.beta, (int, float)) and not isinstance(self.beta, bool) and math.isfinite(self.beta)
-        if not ok or self.beta < 1:
-            raise ValueError(f"`beta` must be a number >= 1, got {self.beta!r}")
+        check_float("beta", self.beta, 1.0)
 
     def layer_rows(self, view: BranchView, budgets: list[int], rows: list[int]) -> list[int]:
         if not rows or max(rows) == 0 or sum(budgets) == 0:

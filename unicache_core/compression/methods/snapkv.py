@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...validation import check_int
 from ..defaults import SNAPKV_KERNEL, WINDOW
 from ..view import BranchView, LayerView
 from .eviction import GlobalEviction
@@ -29,10 +30,8 @@ class SnapKV(GlobalEviction):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for field_name, minimum in (("window", 1), ("kernel", 1)):
-            value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"`{field_name}` must be an integer >= {minimum}, got {value!r}")
+        check_int("window", self.window, 1)
+        check_int("kernel", self.kernel, 1)
 
     def score_window(self) -> bool:
         return True

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...validation import check_int
 from ..defaults import SINK_TOKENS
 from ..view import BranchView, LayerView
 from .eviction import GlobalEviction
@@ -44,8 +45,7 @@ class StreamingLLM(GlobalEviction):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
-            raise ValueError(f"`sinks` must be an integer >= 0, got {self.sinks!r}")
+        check_int("sinks", self.sinks, 0)
 
     def layer_scores(self, view: BranchView, layer: LayerView) -> Tensor:
         n = layer.appended

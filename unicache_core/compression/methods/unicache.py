@@ -29,7 +29,6 @@ measured nor compressed again.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -38,10 +37,11 @@ from typing import Any
 
 from ...kv.cache import AttentionCall, RequestInfo
 from ...kv.token_types import CANDIDATE_TYPES, TokenType
-from ..allocator import allocate_with_floors
+from ...validation import check_bool, check_ratio
+from ..allocator import allocate_with_floors, mass_shares
 from ..defaults import FIT_VALUE_RANGES, POOL_BELOW_BITS, RECENT_FRACTION
-from ..family import FULL_BITS, JointChoice, QuantGeometry, Segment, choose, least_quantized_bytes
-from ..method import Method, check_ratio
+from ..family import FULL_BITS, JointChoice, QuantGeometry, Segment, choose, quantized_floor_bytes
+from ..method import Method
 from ..ops import floor_bytes
 from ..plan import BranchPlan, CallPlan, Keep, LayerPlan
 from ..policy_table import PolicyTable, resolve_policy_table
@@ -100,8 +100,7 @@ class UniCache(Method):
             raise ValueError(f"`policy` must be a policy-table path or PolicyTable, got {type(self.policy).__name__}")
         check_ratio("recent_fraction", self.recent_fraction, allow_zero=True)
         QuantGeometry().with_residual(self.residual)
-        if not isinstance(self.fit_ranges, bool):
-            raise ValueError(f"`fit_ranges` must be True or False, got {self.fit_ranges!r}")
+        check_bool("fit_ranges", self.fit_ranges)
 
     # ------------------------------------------------------------------ settings
 
@@ -257,7 +256,9 @@ class UniCache(Method):
                     continue
                 quantized = [n for t, n in rows.items() if self.table.kind(view.task, t) == "quantize"]
                 need = (
-                    _floor_bytes(sum(quantized), geo.num_kv_heads, geo.head_dim, geo.elem, geometry) if quantized else 0
+                    quantized_floor_bytes(sum(quantized), geo.num_kv_heads, geo.head_dim, geo.elem, geometry)
+                    if quantized
+                    else 0
                 )
                 out[index] = (floor_bytes(least, sum(rows.values()) * layer.row_bytes), need)
         return out
@@ -277,17 +278,17 @@ class UniCache(Method):
         }
         return allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
 
+    def _floor(self, layer: LayerView, rows: int) -> int:
+        """The 2-bit floor of ``rows`` rows of ``layer`` in a store of their own
+        (:func:`~unicache_core.compression.family.quantized_floor_bytes`)."""
+        geo = layer.geometry
+        assert geo is not None
+        return quantized_floor_bytes(rows, geo.num_kv_heads, geo.head_dim, geo.elem, self.geometry())
+
     def _type_floor(self, layer: LayerView, token_type: TokenType) -> int:
         """The floor of a quantized type: every row of each of its segments (one per input image) at the lowest bits
         and largest group, each segment a store of its own."""
-        geo = layer.geometry
-        assert geo is not None
-        geometry = self.geometry()
-        return sum(
-            _floor_bytes(rows, geo.num_kv_heads, geo.head_dim, geo.elem, geometry)
-            for key, rows in layer.segment_rows.items()
-            if key.type == token_type
-        )
+        return sum(self._floor(layer, rows) for key, rows in layer.segment_rows.items() if key.type == token_type)
 
     def _parts(
         self, layer: LayerView, unit: TokenType, keys: tuple[SegmentKey, ...], budget: int, kind: str, pool: frozenset
@@ -305,14 +306,7 @@ class UniCache(Method):
         weights = masses if sum(masses.values()) > 0 else {key: float(n) for key, n in caps.items()}
         floors = {}
         if kind == "quantize":
-            geo = layer.geometry
-            assert geo is not None
-            geometry = self.geometry()
-            floors = {
-                key: _floor_bytes(n, geo.num_kv_heads, geo.head_dim, geo.elem, geometry) / (n * layer.row_bytes)
-                for key, n in caps.items()
-                if n
-            }
+            floors = {key: self._floor(layer, n) / (n * layer.row_bytes) for key, n in caps.items() if n}
         live = {key: n for key, n in caps.items() if n}
         ratios = allocate_with_floors(live, weights, budget / layer.row_bytes, floors) if live else {}
         return [((key,), floor_bytes(ratios.get(key, 0.0), caps[key] * layer.row_bytes), caps[key]) for key in keys]
@@ -333,7 +327,7 @@ class UniCache(Method):
         view: BranchView,
         layer: LayerView,
         budgets: dict[TokenType, int],
-        kinds: dict[TokenType, str],
+        kinds: Mapping[TokenType, str],
         at_floor: float,
     ) -> frozenset:
         """The quantized types of ``layer`` that share one store (docs/compression.md §11.7), decided once, at the
@@ -391,7 +385,7 @@ class UniCache(Method):
         pooled: dict = {}
         if pool:  # the pooled types are one unit: their budgets summed, quantized together
             if not layer.pooled:
-                pooled = _shares({t: layer.masses.get(t, 0.0) for t in pool}, {t: rows[t] for t in pool})
+                pooled = mass_shares({t: layer.masses.get(t, 0.0) for t in pool}, {t: rows[t] for t in pool})
             budgets[POOL] = sum(budgets.pop(t) for t in pool if t in budgets)
             kinds = {t: kind for t, kind in kinds.items() if t not in pool} | {POOL: "quantize"}
         order = sorted(budgets, key=lambda t: _SERVE_ORDER[kinds[t]])
@@ -466,32 +460,6 @@ class UniCache(Method):
             expected_bytes=held,
         )
         return keep, held
-
-
-@functools.lru_cache(maxsize=4096)
-def _floor_bytes(rows: int, num_kv_heads: int, head_dim: int, elem: int, geometry: QuantGeometry) -> int:
-    """The floor of a quantized type of ``rows`` rows: the bytes of every row at the lowest bits and largest group
-    without residual in a store of its own, or its uncompressed bytes when quantizing would not shrink it. Pure, so
-    cached: a layer's rows per type stay fixed once appended."""
-    whole = Segment(
-        full_rows=rows,
-        held_rows=rows,
-        held_bits=FULL_BITS,
-        held_bytes=0,
-        shared_rows=True,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        elem=elem,
-    )
-    return least_quantized_bytes(whole, geometry)
-
-
-def _shares(masses: dict, rows: dict) -> dict:
-    """Each type's share of a pooled store's attention mass: of their ``masses``, or of their ``rows`` without."""
-    total = sum(masses.values())
-    weights = masses if total > 0 else rows
-    total = sum(weights.values())
-    return {t: w / total for t, w in weights.items()}
 
 
 #: Which types are served first when a layer's budgets are applied: the coarse quantized settings, whose unused

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from ...validation import check_ratio
 from ..allocator import allocate_integer
 from ..defaults import VLCACHE_THRESHOLD
 from ..view import BranchView, LayerView
@@ -58,9 +59,7 @@ class VLCache(GlobalEviction):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        ok = isinstance(self.threshold, (int, float)) and not isinstance(self.threshold, bool)
-        if not ok or not math.isfinite(self.threshold) or not 0.0 < self.threshold < 1.0:
-            raise ValueError(f"`threshold` must be a number in (0, 1), got {self.threshold!r}")
+        check_ratio("threshold", self.threshold)
 
     def sparsity_threshold(self) -> float:
         return self.threshold

@@ -1,0 +1,62 @@
+"""The README's generated figures: the "what fits on your card" table is the memory plan's (tools/card_table.py),
+and the plot of KV bytes draws the numbers of docs/results (tools/kv_plot.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from tools import card_table, kv_plot
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+
+
+def test_the_readme_holds_the_plans_card_table():
+    made = card_table.table()
+    assert card_table.readme_table(card_table.README.read_text(encoding="utf-8")) == made, (
+        "the memory plan changed: run `python -m tools.card_table --write`"
+    )
+    rows = made.splitlines()[2:]
+    assert len(rows) == len(card_table.REQUESTS) * len(card_table.SETTINGS)
+    # what the plan says, row by row: fp8 with layer offload edits at 1024 px on an 8 GB card (tiled VAE decode),
+    # bf16 without offload fits none of the cards
+    edit_fp8_layers = next(r for r in rows if r.startswith("| edit") and "| fp8_e4m3fn | layers |" in r)
+    assert "**yes** (6.7, VAE tiled)" in edit_fp8_layers.split("|")[6]
+    assert all(cell.strip() == "no" for r in rows if "| bf16 | none |" in r for cell in r.split("|")[6:-1])
+
+
+def test_the_table_goes_between_the_markers_and_nowhere_else():
+    text = f"intro\n{card_table.START}\nold\n{card_table.END}\nrest\n"
+    assert card_table.write_into(text, "| new |\n") == f"intro\n{card_table.START}\n| new |\n{card_table.END}\nrest\n"
+    with pytest.raises(ValueError, match="no card-table markers"):
+        card_table.write_into("no markers here\n", "| new |\n")
+
+
+def test_the_plot_shows_the_measured_bytes(tmp_path):
+    left = kv_plot.real_size_bars(RESULTS)
+    gpu = json.loads((RESULTS / "gpu_real_size.json").read_text(encoding="utf-8"))
+    full_1024 = next(
+        r
+        for r in gpu["results"]
+        if r["size"] == [1024, 1024]
+        and r["kv_method"] == "full"
+        and r["weight_dtype"] == "fp8_e4m3fn"
+        and r["offload"] == "none"
+    )
+    edit_1024 = next(b for b in left if b.label == "edit\n1024² image")
+    assert edit_1024.full == pytest.approx(sum(full_1024["kv_bytes_per_branch"].values()) / 1e6)
+    assert [b.label.split("\n")[0] for b in left] == ["understand", "edit", "edit", "edit"]
+    assert all(4.0 < b.full / b.unicache < 6.0 for b in left)
+    right = kv_plot.bundled_bars(RESULTS)
+    assert [b.label for b in right] == ["understand", "text to image", "edit"]
+    quality = json.loads((RESULTS / "quality.json").read_text(encoding="utf-8"))
+    und = next(r for r in quality["results"] if r["task"] == "und" and r["method"] == "unicache")
+    assert right[0].unicache == pytest.approx(100 * (1 - und["achieved_reduction"]))
+    out = tmp_path / "kv_bytes.png"
+    kv_plot.render(left, right, out)
+    with Image.open(out) as image, Image.open(kv_plot.OUT) as committed:
+        assert image.size == committed.size == (1100, 440)

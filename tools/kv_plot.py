@@ -1,0 +1,155 @@
+"""The README's plot of what UniCache saves: KV bytes held with full KV and with UniCache, per task, read from the
+measured results in docs/results/ (nothing is computed here that the benchmarks did not measure).
+
+    .venv/bin/python -m tools.kv_plot [--results docs/results] [--out docs/images/kv_bytes.png]
+
+Left: BAGEL-7B-MoT's geometry (random weights, the real sizes): the KV of every CFG branch of an edit at 256,
+512 and 1024 px on an H200 (``gpu_real_size.json``, fp8 weights, no offload) and of an answer about a 256 px
+image on the CPU (``real_size.json``). Right: the bundled model, every task at the paper's reductions, with the
+task's score beside each bar (``quality.json``), so the bytes saved sit next to what they cost. Needs matplotlib
+(the ``docs`` extra: ``pip install -e '.[docs]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+OUT = ROOT / "docs" / "images" / "kv_bytes.png"
+MB = 1e6
+#: The gpu_real_size runs the plot reads (the edits of fp8 weights without offload, one per size).
+EDIT_WEIGHTS, EDIT_OFFLOAD = "fp8_e4m3fn", "none"
+#: quality.json's target set that the right panel shows (the paper's reductions: und 80%, t2i 60%, edit 80%).
+QUALITY_TARGETS = "paper"
+TASK_NAMES = {"und": "understand", "t2i": "text to image", "edit": "edit"}
+FULL_COLOR, UNICACHE_COLOR = "#9e9e9e", "#1e88e5"
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One task's pair of bars: bytes (or, on the right, the share of full KV) held, and a note under it."""
+
+    label: str
+    full: float
+    unicache: float
+    note: str = ""
+
+
+def real_size_bars(results: Path) -> list[Bar]:
+    """BAGEL-7B-MoT's geometry: the KV (MB, every branch) of an answer and of edits at three sizes."""
+    real = json.loads((results / "real_size.json").read_text(encoding="utf-8"))
+    by_method = {run["kv_method"]: run for run in real["runs"]}
+    size = by_method["full"]["edit_size"][0]
+    bars = [
+        Bar(
+            f"understand\n{size}² image",
+            by_method["full"]["und_kv_bytes"] / MB,
+            by_method["unicache"]["und_kv_bytes"] / MB,
+        )
+    ]
+    gpu = json.loads((results / "gpu_real_size.json").read_text(encoding="utf-8"))
+    edits: dict[tuple[int, str], float] = {}
+    for run in gpu["results"]:
+        if run["weight_dtype"] == EDIT_WEIGHTS and run["offload"] == EDIT_OFFLOAD:
+            edits[(run["size"][0], run["kv_method"])] = sum(run["kv_bytes_per_branch"].values()) / MB
+    for px in sorted({px for px, _ in edits}):
+        bars.append(Bar(f"edit\n{px}² image", edits[(px, "full")], edits[(px, "unicache")]))
+    return bars
+
+
+def bundled_bars(results: Path) -> list[Bar]:
+    """The bundled model: per task, the share of full KV's compressible bytes held (%) and both scores."""
+    quality = json.loads((results / "quality.json").read_text(encoding="utf-8"))
+    targets = quality["config"]["targets"][QUALITY_TARGETS]
+    bars = []
+    for task in ("und", "t2i", "edit"):
+        rows = {
+            r["method"]: r
+            for r in quality["results"]
+            if r["task"] == task
+            and r["method"] in ("full", "unicache")
+            and r["target_reduction"] in (0.0, targets[task])
+        }
+        full, unicache = rows["full"], rows["unicache"]
+        unit = " dB" if task == "edit" else ""
+        score = "PSNR" if task == "edit" else "accuracy"
+        note = f"{score}\n{full['score']:.3g}{unit} → {unicache['score']:.3g}{unit}"
+        bars.append(Bar(TASK_NAMES[task], 100.0, 100.0 * (1 - unicache["achieved_reduction"]), note))
+    return bars
+
+
+def render(left: list[Bar], right: list[Bar], out: Path) -> None:
+    """Draw both panels into ``out`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_l, ax_r) = plt.subplots(1, 2, figsize=(11, 4.4), gridspec_kw={"width_ratios": [4, 3]})
+    width = 0.38
+    for ax, bars, unit in ((ax_l, left, "MB"), (ax_r, right, "%")):
+        xs = range(len(bars))
+        ax.bar([x - width / 2 for x in xs], [b.full for b in bars], width, color=FULL_COLOR, label="full KV")
+        ax.bar([x + width / 2 for x in xs], [b.unicache for b in bars], width, color=UNICACHE_COLOR, label="UniCache")
+        for x, bar in zip(xs, bars):
+            if unit == "MB":  # the measured sizes, on the log scale's bars
+                for offset, value in ((-width / 2, bar.full), (width / 2, bar.unicache)):
+                    ax.annotate(
+                        f"{value:,.0f}",
+                        (x + offset, value),
+                        xytext=(0, -10),
+                        textcoords="offset points",
+                        ha="center",
+                        fontsize=7,
+                        color="white",
+                    )
+            ax.annotate(
+                f"{bar.full / bar.unicache:.1f}x less",
+                (x + width / 2, bar.unicache),
+                xytext=(0, 3 if unit == "%" else 4),
+                textcoords="offset points",
+                ha="center",
+                fontsize=8,
+                color=UNICACHE_COLOR,
+            )
+        ax.set_xticks(list(xs), [b.label + (f"\n{b.note}" if b.note else "") for b in bars], fontsize=8)
+        ax.spines[["top", "right"]].set_visible(False)
+        ax.legend(frameon=False, fontsize=8, loc="upper left")
+    ax_l.set_yscale("log")
+    ax_l.set_ylabel("KV held, all CFG branches (MB, log scale)")
+    ax_l.set_title("BAGEL-7B-MoT geometry, measured", fontsize=10)
+    ax_r.set_ylabel("compressible KV held (% of full)")
+    ax_r.set_ylim(0, 115)
+    ax_r.set_title("bundled model, paper reductions: bytes and score", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.kv_plot", description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the benchmarks' JSON folder")
+    parser.add_argument("--out", type=Path, default=OUT, help="the PNG to write")
+    args = parser.parse_args(argv)
+    try:
+        left, right = real_size_bars(args.results), bundled_bars(args.results)
+    except (OSError, KeyError, ValueError) as error:
+        sys.stderr.write(f"error: {args.results}: cannot read the results the plot needs ({error!r})\n")
+        return 2
+    try:
+        render(left, right, args.out)
+    except ImportError:
+        sys.stderr.write("error: the plot needs matplotlib: pip install -e '.[docs]'\n")
+        return 2
+    sys.stdout.write(f"{args.out}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
