@@ -31,14 +31,7 @@ drift apart chaotically, though, so every non-full row also runs its requests ag
 (teacher forcing, :mod:`.step_path`): ``metrics["per_sample_step_fidelity"]`` (dB: velocity error of every
 step for t2i and edit, the answer tokens' KL for und) and ``unicache_steps_minus_this``, paired the same way.
 The report also says whether the checkpoint's calibrated policy table routes the types as the paper
-does (instruction and ViT evicted, VAE quantized).
-
-TaylorSeer rows (t2i and edit; ``--no-taylorseer`` leaves them out): ``full+taylorseer`` runs once per task like
-``full`` (its score and its PSNR to full KV's outputs are TaylorSeer's own cost), ``unicache+taylorseer`` at each
-target next to ``unicache`` (UniCache's settings, TaylorSeer at the official interval 3, first steps 5, order 6);
-the latter also carries ``psnr_to_full_taylorseer`` (``metrics``): its PSNR to ``full+taylorseer``'s outputs, what
-UniCache changes on top of TaylorSeer.
-"""
+does (instruction and ViT evicted, VAE quantized)."""
 
 from __future__ import annotations
 
@@ -82,12 +75,8 @@ TARGET_NAMES = tuple(name for name, _ in TARGETS)
 _SEED_OFFSET = {"und": 0, "t2i": 1 << 20, "edit": 2 << 20}
 #: The row of unicache run with the shipped paper table instead of the checkpoint's calibrated one.
 PAPER_ROW = "unicache_paper_table"
-#: The TaylorSeer rows: full KV with TaylorSeer (once per task), UniCache with TaylorSeer (at each target).
+#: The TaylorSeer rows (TaylorSeer at its official settings): at full KV once per task, with UniCache per target.
 FULL_TAYLORSEER_ROW, UNICACHE_TAYLORSEER_ROW = "full+taylorseer", "unicache+taylorseer"
-#: Rows run once per task, at full KV.
-FULL_ROWS = ("full", FULL_TAYLORSEER_ROW)
-#: Tasks with denoising steps (TaylorSeer rows run only there).
-DENOISING_TASKS = ("t2i", "edit")
 
 
 def paper_table_for(checkpoint: Path):
@@ -114,7 +103,7 @@ class QualityConfig:
     match_unicache_bytes: bool = True
     #: every non-full row runs its requests again forced along full KV's path (:mod:`.step_path`)
     step_fidelity: bool = True
-    #: the TaylorSeer rows (module docstring)
+    #: t2i and edit: full+taylorseer once per task, unicache+taylorseer per target (psnr_to_full_taylorseer)
     taylorseer: bool = True
 
 
@@ -137,8 +126,7 @@ def _reduction(reports: list[dict]) -> float:
 
 
 def _request(pipe: BagelPipeline, task: str, seed: int, cfg: QualityConfig, hooks: RunHooks, taylorseer=False):
-    """One bench request: ``(pipeline result, the world sample it was drawn from)``; ``taylorseer``: with TaylorSeer
-    (t2i and edit)."""
+    """One bench request: ``(pipeline result, the world sample it was drawn from)`` (t2i, edit: ``taylorseer``)."""
     if task == "und":
         scene, q = understanding_sample(seed)
         return pipe.understand(q.question, scene.render(), preset("understanding", max_new_tokens=4), hooks=hooks), (
@@ -216,43 +204,15 @@ def run_task(
     return metrics, outputs, reports, paths
 
 
-def step_fidelity(
-    pipe: BagelPipeline, task: str, cfg: QualityConfig, full_paths: dict, taylorseer: bool = False
-) -> list[float]:
+def step_fidelity(pipe: BagelPipeline, task: str, cfg: QualityConfig, full_paths: dict, seer=False) -> list[float]:
     """Per-sample step fidelity to full KV in dB (:mod:`.step_path`): every request again, forced along full KV's
     path, in seed order."""
     per_sample = []
     for seed in _seeds(task, cfg.samples[task]):
         path = StepPath(forced=full_paths[seed])
-        _request(pipe, task, seed, cfg, RunHooks(steer=path), taylorseer)
+        _request(pipe, task, seed, cfg, RunHooks(steer=path), seer)
         per_sample.append(round(fidelity_db(task, path, full_paths[seed]), 4))
     return per_sample
-
-
-def _full_taylorseer_row(
-    loaded, task: str, cfg: QualityConfig, full_metrics: dict, full_out: dict, full_paths: dict
-) -> tuple[dict, dict]:
-    """The ``full+taylorseer`` row of ``task`` (full KV, TaylorSeer on) and its outputs by seed."""
-    t0 = time.perf_counter()
-    pipe = BagelPipeline(loaded, make_cache_factory("full"))
-    metrics, outputs, reports, _ = run_task(pipe, task, cfg, full_out, taylorseer=True)
-    if cfg.step_fidelity:
-        metrics["per_sample_step_fidelity"] = step_fidelity(pipe, task, cfg, full_paths, taylorseer=True)
-        metrics["step_fidelity_db"] = round(statistics.fmean(metrics["per_sample_step_fidelity"]), 3)
-    row = {
-        "task": task,
-        "method": FULL_TAYLORSEER_ROW,
-        "target_reduction": 0.0,
-        "achieved_reduction": _reduction(reports),
-        "score": _score(task, metrics),
-        "metrics": metrics,
-        "full_minus_this": paired_difference(full_metrics["per_sample"], metrics["per_sample"]),
-        "decoder_forwards": sum(sum(r["summary"]["denoise_forwards"].values()) for r in reports),
-        "forecasts": sum(sum(r["summary"]["forecast_forwards"].values()) for r in reports),
-        "seconds": round(time.perf_counter() - t0, 1),
-    }
-    logger.info("%s %s: score %.4f (%.0fs)", task, FULL_TAYLORSEER_ROW, row["score"], row["seconds"])
-    return row, outputs
 
 
 def _score(task: str, metrics: dict) -> float:
@@ -298,26 +258,25 @@ def run(cfg: QualityConfig) -> dict:
     t_start = time.perf_counter()
     try:
         for task in cfg.tasks:
-            t0 = time.perf_counter()
-            full_metrics, full_out, full_reports, full_paths = run_task(
-                BagelPipeline(loaded, make_cache_factory("full")), task, cfg, None
-            )
-            results.append(
-                {
-                    "task": task,
-                    "method": "full",
-                    "target_reduction": 0.0,
-                    "achieved_reduction": _reduction(full_reports),
-                    "score": _score(task, full_metrics),
-                    "metrics": full_metrics,
-                    "seconds": round(time.perf_counter() - t0, 1),
-                }
-            )
-            logger.info("%s full: score %.4f (%.0fs)", task, results[-1]["score"], results[-1]["seconds"])
-            seer_outputs = None
-            if cfg.taylorseer and task in DENOISING_TASKS:
-                row, seer_outputs = _full_taylorseer_row(loaded, task, cfg, full_metrics, full_out, full_paths)
+            full_rows = [("full", False)] + ([(FULL_TAYLORSEER_ROW, True)] if cfg.taylorseer and task != "und" else [])
+            seer_outputs = full_out = full_paths = full_metrics = None
+            for method, seer in full_rows:  # full KV, then with TaylorSeer (against full KV's outputs and path)
+                t0 = time.perf_counter()
+                pipe = BagelPipeline(loaded, make_cache_factory("full"))
+                metrics, outputs, reports, paths = run_task(pipe, task, cfg, full_out if seer else None, seer)
+                row = dict(task=task, method=method, target_reduction=0.0, achieved_reduction=_reduction(reports))
+                if seer:
+                    seer_outputs = outputs
+                    if cfg.step_fidelity:
+                        metrics["per_sample_step_fidelity"] = step_fidelity(pipe, task, cfg, full_paths, True)
+                        metrics["step_fidelity_db"] = round(statistics.fmean(metrics["per_sample_step_fidelity"]), 3)
+                    row["full_minus_this"] = paired_difference(full_metrics["per_sample"], metrics["per_sample"])
+                    row["forecasts"] = sum(sum(r["summary"]["forecast_forwards"].values()) for r in reports)
+                else:
+                    full_metrics, full_out, full_paths = metrics, outputs, paths
+                row.update(score=_score(task, metrics), metrics=metrics, seconds=round(time.perf_counter() - t0, 1))
                 results.append(row)
+                logger.info("%s %s: score %.4f (%.0fs)", task, method, row["score"], row["seconds"])
             for target_name in cfg.targets:
                 reduction = dict(TARGETS)[target_name][task]
                 runs = [m for m in cfg.methods if m != "full"]
@@ -342,10 +301,9 @@ def run(cfg: QualityConfig) -> dict:
                     )
                     pipe = BagelPipeline(loaded, factory)
                     metrics, outputs, reports, _ = run_task(pipe, task, cfg, full_out, seer)
-                    if seer:
-                        metrics["psnr_to_full_taylorseer"] = round(
-                            statistics.fmean(psnr(outputs[s], seer_outputs[s]) for s in outputs), 3
-                        )
+                    if seer:  # what UniCache changes on top of TaylorSeer
+                        to_seer = [psnr(outputs[s], seer_outputs[s]) for s in outputs]
+                        metrics["psnr_to_full_taylorseer"] = round(statistics.fmean(to_seer), 3)
                     if cfg.step_fidelity:
                         metrics["per_sample_step_fidelity"] = step_fidelity(pipe, task, cfg, full_paths, seer)
                         metrics["step_fidelity_db"] = round(statistics.fmean(metrics["per_sample_step_fidelity"]), 3)
@@ -424,7 +382,7 @@ def format_table(report: dict) -> str:
             cells = []
             detail = ("", "", "", "")
             for task in ("und", "t2i", "edit"):
-                if method in FULL_ROWS:
+                if method in ("full", FULL_TAYLORSEER_ROW):
                     r = next((x for x in rows if x["task"] == task and x["method"] == method), None)
                 else:
                     r = next(
@@ -448,9 +406,7 @@ def format_table(report: dict) -> str:
                         f"{m['psnr_unchanged']:9.2f}",
                         f"{m['success']:7.2f}",
                         f"{m.get('psnr_to_full', float('nan')):7.2f}" if method != "full" else f"{'':7s}",
-                        f" (to full+taylorseer {m['psnr_to_full_taylorseer']:.2f})"
-                        if "psnr_to_full_taylorseer" in m
-                        else "",
+                        f" (to full+taylorseer {ts:.2f})" if (ts := m.get("psnr_to_full_taylorseer")) else "",
                     )
                 else:
                     cells.append(f"{r['score']:8.3f} {ach:>6s}")
@@ -550,12 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=None, help="held-out samples per task (und gets 3x)")
     parser.add_argument("--timesteps", type=int, default=None, help="num_timesteps of t2i and edit")
     parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument(
-        "--taylorseer",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the full+taylorseer and unicache+taylorseer rows (t2i and edit; default: on)",
-    )
+    parser.add_argument("--taylorseer", action=argparse.BooleanOptionalAction, default=True, help="TaylorSeer rows")
     parser.add_argument(
         "--step-fidelity",
         action=argparse.BooleanOptionalAction,

@@ -165,17 +165,11 @@ def _prompt(default: str, tip: str):
 
 
 KV_INPUT = ("UNICACHE_KV", {"tooltip": "KV-cache compression (UniCache KV Config). None = full cache."})
-#: Optional, so that a workflow saved before this input existed still runs (without TaylorSeer).
-TAYLORSEER_INPUT = (
+TAYLORSEER_INPUT = (  # optional: a workflow saved before it existed still runs, without TaylorSeer
     "BOOLEAN",
     {
         "default": False,
-        "label_on": "taylorseer",
-        "label_off": "every step",
-        "tooltip": "TaylorSeer (the official enable_taylorseer): after the first 5 steps each guidance branch runs "
-        "the model on one step in 3 and forecasts the others from its last full steps (Taylor expansion up to "
-        "order 6), about 2.5x fewer model forwards at 50 steps for a small change in the image. Works with "
-        "every KV method.",
+        "tooltip": "TaylorSeer (official): after 5 steps the model runs on 1 step in 3, the others are forecast.",
     },
 )
 VAE_INPUT = (
@@ -306,10 +300,10 @@ def _generation_settings(
     cfg_renorm_min,
     cfg_renorm_type,
     think,
-    taylorseer=False,
     **size,
 ):
-    """The widgets of a generation node as the engine's settings (the ``task`` preset's other values)."""
+    """The widgets of a generation node as the engine's settings (``size``: the output size, ``taylorseer``; the
+    ``task`` preset's other values)."""
     if cfg_interval_lo > cfg_interval_hi:
         raise ValueError(f"cfg_interval_lo ({cfg_interval_lo}) must not exceed cfg_interval_hi ({cfg_interval_hi})")
     return preset(
@@ -322,7 +316,6 @@ def _generation_settings(
         cfg_renorm_min=cfg_renorm_min,
         cfg_renorm_type=cfg_renorm_type,
         think=think,
-        taylorseer=taylorseer,
         **size,
     )
 
@@ -419,7 +412,7 @@ class UniCacheTextToImage:
             cfg_renorm_min,
             cfg_renorm_type,
             think,
-            taylorseer,
+            taylorseer=taylorseer,
             width=width,
             height=height,
         )
@@ -525,7 +518,7 @@ class UniCacheImageEdit:
             cfg_renorm_min,
             cfg_renorm_type,
             think,
-            taylorseer,
+            taylorseer=taylorseer,
         )
         sources = image_to_pils(image, "image")
         _check_model(model)

@@ -10,11 +10,9 @@
 - ``working``: the larger of the two phases that never overlap (:func:`~.accounting.request_memory_parts`):
   - the LLM's: ``kv_full``, the uncompressed KV of every branch (:mod:`.accounting`; compression runs after
     the first step or the prompt, so the LLM phase's peak holds it), plus its largest forward (``upcast`` +
-    ``attention`` + ``mlp``), plus with TaylorSeer its factors (``taylorseer``: ``order + 1`` latent-block
-    tensors per CFG branch, :func:`~.accounting.taylorseer_bytes`; the official code would hold them for every
-    decoder layer, ``taylorseer_official``, a detail). ``upcast`` is, with low-precision storage, the largest
-    weights upcast at once to the compute dtype (one decoder layer inside
-    :func:`~.modeling.operations.shared_upcasts`, or ``lm_head``);
+    ``attention`` + ``mlp``) and TaylorSeer's factors (``taylorseer``, :func:`~.accounting.taylorseer_bytes`).
+    ``upcast`` is, with low-precision storage, the largest weights upcast at once to the compute dtype (one
+    decoder layer inside :func:`~.modeling.operations.shared_upcasts`, or ``lm_head``);
   - the VAE's encode or decode (``vae_working``): an edit's source is encoded before any image or prompt
     token is cached, and the pipeline releases the caches before it decodes, so no KV is held beside it.
   ``kv_compressed`` (a detail) is what the method keeps after its first compression.
@@ -67,6 +65,7 @@ from .accounting import (
 )
 from .config import BagelConfig, bagel_config_from_dicts, load_bagel_config
 from .settings import T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
+from .taylorseer import describe_factors
 
 logger = logging.getLogger(__name__)
 
@@ -347,15 +346,8 @@ def _working(parts: dict[str, int], freed_heap: int = 0, vae_heap: int = 0) -> i
     """The working memory of the larger phase: the LLM's (the full KV and a decoder layer's upcast weights,
     attention and MLP, TaylorSeer's factors, and on the CPU the heap its forward keeps) or a VAE pass's (and on
     the CPU its heap)."""
-    return max(
-        parts["kv_full"]
-        + parts["upcast"]
-        + parts["attention"]
-        + parts["mlp"]
-        + parts.get("taylorseer", 0)
-        + freed_heap,
-        parts["vae_working"] + vae_heap,
-    )
+    llm = parts["kv_full"] + parts["upcast"] + parts["attention"] + parts["mlp"] + parts.get("taylorseer", 0)
+    return max(llm + freed_heap, parts["vae_working"] + vae_heap)
 
 
 def tensor_peak_bytes(plan: MemoryPlan) -> int:
@@ -528,13 +520,8 @@ def describe(plan: MemoryPlan) -> str:
         for name, size in plan.breakdown.items()
     ]
     if "taylorseer" in plan.breakdown:
-        per_branch = plan.breakdown["taylorseer"] // GENERATION_BRANCHES
-        lines.append(
-            f"  TaylorSeer: {plan.settings.taylorseer_order + 1} factors of the latent block per branch and layer "
-            f"kept = {per_branch / gb:.3f} GB per (layer, branch); here the last layer x {GENERATION_BRANCHES} "
-            f"branches (in the LLM phase above); the official code keeps every layer's: "
-            f"{plan.breakdown['taylorseer_official'] / gb:.2f} GB"
-        )
+        parts, branches = plan.breakdown, GENERATION_BRANCHES
+        lines.append(describe_factors(parts["taylorseer"], parts["taylorseer_official"], plan.settings, branches))
     return "\n".join(lines)
 
 

@@ -184,4 +184,15 @@ def factor_bytes(hidden_size: int, latent_tokens: int, order: int, element_size:
     return (order + 1) * (latent_tokens + 2) * hidden_size * element_size
 
 
-__all__ = ["TaylorFactors", "TaylorRule", "TaylorSeer", "factor_bytes"]
+def describe_factors(kept: int, official: int, settings, branches: int) -> str:
+    """A memory plan's line on TaylorSeer: ``kept`` bytes of factors (the last layer of ``branches`` branches) and the
+    ``official`` bytes of every layer's; ``settings``: the plan's (its ``taylorseer_order``)."""
+    per = kept / branches / 1e9
+    return (
+        f"  TaylorSeer: {settings.taylorseer_order + 1} factors of the latent block = {per:.3f} GB per (layer, "
+        f"branch); kept for the last layer x {branches} branches (in the LLM phase above); the official code keeps "
+        f"every layer's: {official / 1e9:.2f} GB"
+    )
+
+
+__all__ = ["TaylorFactors", "TaylorRule", "TaylorSeer", "describe_factors", "factor_bytes"]
