@@ -31,8 +31,7 @@ drift apart chaotically, though, so every non-full row also runs its requests ag
 (teacher forcing, :mod:`.step_path`): ``metrics["per_sample_step_fidelity"]`` (dB: velocity error of every
 step for t2i and edit, the answer tokens' KL for und) and ``unicache_steps_minus_this``, paired the same way.
 The report also says whether the checkpoint's calibrated policy table routes the types as the paper
-does (instruction and ViT evicted, VAE quantized).
-"""
+does (instruction and ViT evicted, VAE quantized)."""
 
 from __future__ import annotations
 
@@ -76,6 +75,8 @@ TARGET_NAMES = tuple(name for name, _ in TARGETS)
 _SEED_OFFSET = {"und": 0, "t2i": 1 << 20, "edit": 2 << 20}
 #: The row of unicache run with the shipped paper table instead of the checkpoint's calibrated one.
 PAPER_ROW = "unicache_paper_table"
+#: The TaylorSeer rows (TaylorSeer at its official settings): at full KV once per task, with UniCache per target.
+FULL_TAYLORSEER_ROW, UNICACHE_TAYLORSEER_ROW = "full+taylorseer", "unicache+taylorseer"
 
 
 def paper_table_for(checkpoint: Path):
@@ -102,6 +103,8 @@ class QualityConfig:
     match_unicache_bytes: bool = True
     #: every non-full row runs its requests again forced along full KV's path (:mod:`.step_path`)
     step_fidelity: bool = True
+    #: t2i and edit: full+taylorseer once per task, unicache+taylorseer per target (psnr_to_full_taylorseer)
+    taylorseer: bool = True
 
 
 #: --quick: fewer samples and steps, two targets, no teacher-forced pass (it doubles the run; --step-fidelity adds it)
@@ -122,8 +125,8 @@ def _reduction(reports: list[dict]) -> float:
     return 0.0 if not ratios else round(1.0 - statistics.fmean(ratios), 4)
 
 
-def _request(pipe: BagelPipeline, task: str, seed: int, cfg: QualityConfig, hooks: RunHooks):
-    """One bench request: ``(pipeline result, the world sample it was drawn from)``."""
+def _request(pipe: BagelPipeline, task: str, seed: int, cfg: QualityConfig, hooks: RunHooks, taylorseer=False):
+    """One bench request: ``(pipeline result, the world sample it was drawn from)`` (t2i, edit: ``taylorseer``)."""
     if task == "und":
         scene, q = understanding_sample(seed)
         return pipe.understand(q.question, scene.render(), preset("understanding", max_new_tokens=4), hooks=hooks), (
@@ -134,7 +137,7 @@ def _request(pipe: BagelPipeline, task: str, seed: int, cfg: QualityConfig, hook
         scene = t2i_sample(seed)
         return pipe.text_to_image(
             scene.caption(),
-            preset("t2i", width=128, height=128, num_timesteps=cfg.num_timesteps),
+            preset("t2i", width=128, height=128, num_timesteps=cfg.num_timesteps, taylorseer=taylorseer),
             seed=seed % (1 << 32),
             hooks=hooks,
         ), scene
@@ -142,14 +145,14 @@ def _request(pipe: BagelPipeline, task: str, seed: int, cfg: QualityConfig, hook
     return pipe.edit(
         edit.instruction,
         edit.source.render(),
-        preset("edit", num_timesteps=cfg.num_timesteps),
+        preset("edit", num_timesteps=cfg.num_timesteps, taylorseer=taylorseer),
         seed=seed % (1 << 32),
         hooks=hooks,
     ), edit
 
 
 def run_task(
-    pipe: BagelPipeline, task: str, cfg: QualityConfig, full_outputs: dict | None
+    pipe: BagelPipeline, task: str, cfg: QualityConfig, full_outputs: dict | None, taylorseer: bool = False
 ) -> tuple[dict, dict, list, dict]:
     """Score one method on one task; returns ``(metrics, outputs by seed, kv reports, step paths by seed)``."""
     n = cfg.samples[task]
@@ -157,7 +160,7 @@ def run_task(
     judged, by_kind = defaultdict(list), defaultdict(list)
     for seed in _seeds(task, n):
         paths[seed] = StepPath()
-        res, sample = _request(pipe, task, seed, cfg, RunHooks(steer=paths[seed]))
+        res, sample = _request(pipe, task, seed, cfg, RunHooks(steer=paths[seed]), taylorseer)
         reports.append(res.kv_report)
         if task == "und":
             scene, q = sample
@@ -201,13 +204,13 @@ def run_task(
     return metrics, outputs, reports, paths
 
 
-def step_fidelity(pipe: BagelPipeline, task: str, cfg: QualityConfig, full_paths: dict) -> list[float]:
+def step_fidelity(pipe: BagelPipeline, task: str, cfg: QualityConfig, full_paths: dict, seer=False) -> list[float]:
     """Per-sample step fidelity to full KV in dB (:mod:`.step_path`): every request again, forced along full KV's
     path, in seed order."""
     per_sample = []
     for seed in _seeds(task, cfg.samples[task]):
         path = StepPath(forced=full_paths[seed])
-        _request(pipe, task, seed, cfg, RunHooks(steer=path))
+        _request(pipe, task, seed, cfg, RunHooks(steer=path), seer)
         per_sample.append(round(fidelity_db(task, path, full_paths[seed]), 4))
     return per_sample
 
@@ -255,45 +258,54 @@ def run(cfg: QualityConfig) -> dict:
     t_start = time.perf_counter()
     try:
         for task in cfg.tasks:
-            t0 = time.perf_counter()
-            full_metrics, full_out, full_reports, full_paths = run_task(
-                BagelPipeline(loaded, make_cache_factory("full")), task, cfg, None
-            )
-            results.append(
-                {
-                    "task": task,
-                    "method": "full",
-                    "target_reduction": 0.0,
-                    "achieved_reduction": _reduction(full_reports),
-                    "score": _score(task, full_metrics),
-                    "metrics": full_metrics,
-                    "seconds": round(time.perf_counter() - t0, 1),
-                }
-            )
-            logger.info("%s full: score %.4f (%.0fs)", task, results[-1]["score"], results[-1]["seconds"])
+            full_rows = [("full", False)] + ([(FULL_TAYLORSEER_ROW, True)] if cfg.taylorseer and task != "und" else [])
+            seer_outputs = full_out = full_paths = full_metrics = None
+            for method, seer in full_rows:  # full KV, then with TaylorSeer (against full KV's outputs and path)
+                t0 = time.perf_counter()
+                pipe = BagelPipeline(loaded, make_cache_factory("full"))
+                metrics, outputs, reports, paths = run_task(pipe, task, cfg, full_out if seer else None, seer)
+                row = dict(task=task, method=method, target_reduction=0.0, achieved_reduction=_reduction(reports))
+                if seer:
+                    seer_outputs = outputs
+                    if cfg.step_fidelity:
+                        metrics["per_sample_step_fidelity"] = step_fidelity(pipe, task, cfg, full_paths, True)
+                        metrics["step_fidelity_db"] = round(statistics.fmean(metrics["per_sample_step_fidelity"]), 3)
+                    row["full_minus_this"] = paired_difference(full_metrics["per_sample"], metrics["per_sample"])
+                    row["forecasts"] = sum(sum(r["summary"]["forecast_forwards"].values()) for r in reports)
+                else:
+                    full_metrics, full_out, full_paths = metrics, outputs, paths
+                row.update(score=_score(task, metrics), metrics=metrics, seconds=round(time.perf_counter() - t0, 1))
+                results.append(row)
+                logger.info("%s %s: score %.4f (%.0fs)", task, method, row["score"], row["seconds"])
             for target_name in cfg.targets:
                 reduction = dict(TARGETS)[target_name][task]
                 runs = [m for m in cfg.methods if m != "full"]
                 if "unicache" in runs:
                     runs.remove("unicache")
                     runs[:0] = ["unicache", PAPER_ROW] if cfg.paper_table_row else ["unicache"]
+                    if seer_outputs is not None:
+                        runs.insert(1, UNICACHE_TAYLORSEER_ROW)
                 matched = reduction
                 # UniCache's per-sample scores and fidelity at this target: the other rows pair with them
                 unicache_samples = unicache_to_full = unicache_steps = None
                 for method in runs:
                     t0 = time.perf_counter()
                     kw = {"policy": paper_table_for(checkpoint)} if method == PAPER_ROW else {}
-                    run_at = reduction if method in UNICACHE_ROWS else matched
+                    run_at = reduction if method in UNICACHE_ROWS + (UNICACHE_TAYLORSEER_ROW,) else matched
+                    seer = method == UNICACHE_TAYLORSEER_ROW
                     factory = make_cache_factory(
-                        "unicache" if method == PAPER_ROW else method,
+                        "unicache" if method in (PAPER_ROW, UNICACHE_TAYLORSEER_ROW) else method,
                         checkpoint_dir=str(checkpoint),
                         kv_target=round(1.0 - run_at, 6),
                         **kw,
                     )
                     pipe = BagelPipeline(loaded, factory)
-                    metrics, _, reports, _ = run_task(pipe, task, cfg, full_out)
+                    metrics, outputs, reports, _ = run_task(pipe, task, cfg, full_out, seer)
+                    if seer:  # what UniCache changes on top of TaylorSeer
+                        to_seer = [psnr(outputs[s], seer_outputs[s]) for s in outputs]
+                        metrics["psnr_to_full_taylorseer"] = round(statistics.fmean(to_seer), 3)
                     if cfg.step_fidelity:
-                        metrics["per_sample_step_fidelity"] = step_fidelity(pipe, task, cfg, full_paths)
+                        metrics["per_sample_step_fidelity"] = step_fidelity(pipe, task, cfg, full_paths, seer)
                         metrics["step_fidelity_db"] = round(statistics.fmean(metrics["per_sample_step_fidelity"]), 3)
                     row = {
                         "task": task,
@@ -368,10 +380,10 @@ def format_table(report: dict) -> str:
         methods = list(dict.fromkeys(r["method"] for r in rows))  # run order: full, unicache, its paper row, ...
         for method in methods:
             cells = []
-            detail = ("", "", "")
+            detail = ("", "", "", "")
             for task in ("und", "t2i", "edit"):
-                if method == "full":
-                    r = full.get(task)
+                if method in ("full", FULL_TAYLORSEER_ROW):
+                    r = next((x for x in rows if x["task"] == task and x["method"] == method), None)
                 else:
                     r = next(
                         (
@@ -394,10 +406,11 @@ def format_table(report: dict) -> str:
                         f"{m['psnr_unchanged']:9.2f}",
                         f"{m['success']:7.2f}",
                         f"{m.get('psnr_to_full', float('nan')):7.2f}" if method != "full" else f"{'':7s}",
+                        f" (to full+taylorseer {ts:.2f})" if (ts := m.get("psnr_to_full_taylorseer")) else "",
                     )
                 else:
                     cells.append(f"{r['score']:8.3f} {ach:>6s}")
-            lines.append(f"{method:21s} " + " ".join(cells) + " " + " ".join(detail))
+            lines.append(f"{method:21s} " + " ".join(cells) + " " + " ".join(detail[:3]) + detail[3])
         lines.extend(_paired_lines(rows, methods, reductions))
         lines.append("")
     if "edit" in full:
@@ -493,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=None, help="held-out samples per task (und gets 3x)")
     parser.add_argument("--timesteps", type=int, default=None, help="num_timesteps of t2i and edit")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--taylorseer", action=argparse.BooleanOptionalAction, default=True, help="TaylorSeer rows")
     parser.add_argument(
         "--step-fidelity",
         action=argparse.BooleanOptionalAction,
@@ -521,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.timesteps < 2:
             parser.error(f"--timesteps must be >= 2, got {args.timesteps}")
         kw["num_timesteps"] = args.timesteps
-    cfg = QualityConfig(checkpoint=str(args.checkpoint), threads=args.threads, **kw)
+    cfg = QualityConfig(checkpoint=str(args.checkpoint), threads=args.threads, taylorseer=args.taylorseer, **kw)
     report = run(cfg)
     table = format_table(report)
     sys.stdout.write(table + "\n")

@@ -86,14 +86,16 @@ def request_of(prior: list, source, prompt: str, latent=None) -> list:
 
 
 def memory_of(loaded, task: str, request: list, settings) -> int:
-    """The device memory an item request needs besides the weights (its KV at its largest and working memory)."""
+    """The device memory an item request needs besides the weights (its KV at its largest, working memory and, when
+    on, TaylorSeer's factors)."""
     from unicache_core.bagel.accounting import count_items, request_memory_bytes
     from unicache_core.bagel.items import request_items as checked
+    from unicache_core.bagel.taylorseer import taylorseer_order
 
     tokens = count_items(
         loaded.config, loaded.tokenizer, task, checked(request, generation=task != "understanding"), settings
     )
-    return request_memory_bytes(loaded.config, loaded.dtype, tokens)
+    return request_memory_bytes(loaded.config, loaded.dtype, tokens, taylor_order=taylorseer_order(settings))
 
 
 class UniCacheImageItem:

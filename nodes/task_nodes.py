@@ -27,6 +27,7 @@ from unicache_core.bagel.settings import (
     check_prompt,
     preset,
 )
+from unicache_core.bagel.taylorseer import taylorseer_order
 from unicache_core.compression import Method, make_cache_factory
 from unicache_core.compression.report_view import chart_data
 from unicache_core.errors import CancelledError
@@ -166,6 +167,13 @@ def _prompt(default: str, tip: str):
 
 
 KV_INPUT = ("UNICACHE_KV", {"tooltip": "KV-cache compression (UniCache KV Config). None = full cache."})
+TAYLORSEER_INPUT = (  # optional: a workflow saved before it existed still runs, without TaylorSeer
+    "BOOLEAN",
+    {
+        "default": False,
+        "tooltip": "TaylorSeer (official): after 5 steps the model runs on 1 step in 3, the others are forecast.",
+    },
+)
 VAE_INPUT = (
     "VAE",
     {
@@ -225,14 +233,14 @@ def _hooks(progress: _Progress, *, preview: bool) -> RunHooks:
 
 
 def _memory(model: BagelModel, task: str, prompt: str, settings, source_size=None, vae_size=None) -> int:
-    """The request's device memory besides the weights (KV of every branch and working memory); ``vae_size``: an
-    edit's output size set by its source latent."""
+    """The request's device memory besides the weights (KV of every branch, working memory and TaylorSeer's factors);
+    ``vae_size``: an edit's output size set by its source latent."""
     check_prompt(prompt)  # before the tokenizer sees it (a lone surrogate can arrive in a /prompt JSON)
     loaded = model.loaded
     tokens = count_request(
         loaded.config, loaded.tokenizer, task, prompt, settings, source_size=source_size, vae_size=vae_size
     )
-    return request_memory_bytes(loaded.config, loaded.dtype, tokens)
+    return request_memory_bytes(loaded.config, loaded.dtype, tokens, taylor_order=taylorseer_order(settings))
 
 
 def _external_vae(loaded, vae):
@@ -301,7 +309,8 @@ def _generation_settings(
     think,
     **size,
 ):
-    """The widgets of a generation node as the engine's settings (the ``task`` preset's other values)."""
+    """The widgets of a generation node as the engine's settings (``size``: the output size, ``taylorseer``; the
+    ``task`` preset's other values)."""
     if cfg_interval_lo > cfg_interval_hi:
         raise ValueError(f"cfg_interval_lo ({cfg_interval_lo}) must not exceed cfg_interval_hi ({cfg_interval_hi})")
     return preset(
@@ -352,7 +361,7 @@ class UniCacheTextToImage:
                 ),
                 **_generation_inputs(d),
             },
-            "optional": {"kv": KV_INPUT, "vae": VAE_INPUT, "items": ITEMS_INPUT},
+            "optional": {"kv": KV_INPUT, "vae": VAE_INPUT, "items": ITEMS_INPUT, "taylorseer": TAYLORSEER_INPUT},
         }
 
     @classmethod
@@ -398,6 +407,7 @@ class UniCacheTextToImage:
         kv=None,
         vae=None,
         items=None,
+        taylorseer=False,
     ):
         settings = _generation_settings(
             "t2i",
@@ -410,6 +420,7 @@ class UniCacheTextToImage:
             cfg_renorm_min,
             cfg_renorm_type,
             think,
+            taylorseer=taylorseer,
             width=width,
             height=height,
         )
@@ -474,6 +485,7 @@ class UniCacheImageEdit:
                     },
                 ),
                 "items": ITEMS_INPUT,
+                "taylorseer": TAYLORSEER_INPUT,
             },
         }
 
@@ -510,6 +522,7 @@ class UniCacheImageEdit:
         vae=None,
         latent=None,
         items=None,
+        taylorseer=False,
     ):
         settings = _generation_settings(
             "edit",
@@ -522,6 +535,7 @@ class UniCacheImageEdit:
             cfg_renorm_min,
             cfg_renorm_type,
             think,
+            taylorseer=taylorseer,
         )
         sources = image_to_pils(image, "image")
         _check_model(model)

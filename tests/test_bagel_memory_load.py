@@ -83,9 +83,9 @@ def test_cfg_branches_run_through_the_decoder_together(tiny_checkpoint: Path, mo
     calls: list[int] = []
     original = Bagel.forward_llm_branches
 
-    def counting(self, branches):
+    def counting(self, branches, **kwargs):
         calls.append(len(branches))
-        return original(self, branches)
+        return original(self, branches, **kwargs)
 
     monkeypatch.setattr(Bagel, "forward_llm_branches", counting)
     settings = dataclasses.replace(T2I_DEFAULTS, width=64, height=64, num_timesteps=4, cfg_interval=(0.0, 1.0))

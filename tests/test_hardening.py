@@ -124,8 +124,8 @@ def test_fp16_overflow_in_denoising_names_step_and_branch(overflow_checkpoint):
 def test_nan_in_one_branch_names_that_branch_and_step(pipe, monkeypatch):
     original = denoise_module.branch_velocities
 
-    def poisoned(loaded, contexts, x, t, *, step=0, branches=("gen", "cfg_text", "cfg_img")):
-        raw = original(loaded, contexts, x, t, step=step, branches=branches)
+    def poisoned(loaded, contexts, x, t, *, step=0, branches=("gen", "cfg_text", "cfg_img"), **kwargs):
+        raw = original(loaded, contexts, x, t, step=step, branches=branches, **kwargs)
         if step == 1 and "cfg_text" in raw:
             raw["cfg_text"] = raw["cfg_text"] * math.nan
         return raw

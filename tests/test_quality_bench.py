@@ -1,6 +1,15 @@
 """benchmarks.quality runs end to end on the bundled model and writes the documented JSON schema."""
 
-from benchmarks.quality import DEFAULT_CHECKPOINT, PAPER_ROW, QualityConfig, format_table, main, run
+from benchmarks.quality import (
+    DEFAULT_CHECKPOINT,
+    FULL_TAYLORSEER_ROW,
+    PAPER_ROW,
+    UNICACHE_TAYLORSEER_ROW,
+    QualityConfig,
+    format_table,
+    main,
+    run,
+)
 
 
 def test_quality_report_schema_and_scores(tmp_path):
@@ -10,6 +19,7 @@ def test_quality_report_schema_and_scores(tmp_path):
         samples={"und": 3, "t2i": 1, "edit": 1},
         num_timesteps=3,
         targets=("paper",),
+        taylorseer=False,  # its rows: test_taylorseer_rows
     )
     report = run(cfg)
     rows = report["results"]
@@ -57,6 +67,40 @@ def test_quality_report_schema_and_scores(tmp_path):
     assert 0.75 <= h2o_edit["achieved_reduction"] <= 0.85  # the baseline meets its memory target
     assert report["config"]["calibration"]["agrees_with_paper"] is not None  # the shipped table is checked
     assert "full" in format_table(report) and "h2o" in format_table(report)
+
+
+def test_taylorseer_rows(tmp_path):
+    """full+taylorseer once per denoising task, unicache+taylorseer at each target beside unicache; on an 8-point
+    schedule the last two of its 7 steps are forecast."""
+    cfg = QualityConfig(
+        checkpoint=str(DEFAULT_CHECKPOINT),
+        methods=("full", "unicache"),
+        tasks=("edit",),
+        samples={"und": 3, "t2i": 1, "edit": 2},
+        num_timesteps=8,
+        targets=("paper", "robust"),
+        paper_table_row=False,
+        step_fidelity=False,
+    )
+    report = run(cfg)
+    rows = {(r["method"], r["target_reduction"]): r for r in report["results"]}
+    assert set(rows) == {
+        ("full", 0.0),
+        (FULL_TAYLORSEER_ROW, 0.0),
+        ("unicache", 0.8),
+        (UNICACHE_TAYLORSEER_ROW, 0.8),
+        ("unicache", 0.9),
+        (UNICACHE_TAYLORSEER_ROW, 0.9),
+    }
+    seer = rows[(FULL_TAYLORSEER_ROW, 0.0)]
+    assert seer["forecasts"] == 2 * 3 * 2  # 2 samples x 3 branches x steps 5 and 6
+    assert seer["metrics"]["psnr_to_full"] < 100 and seer["full_minus_this"]["n"] == 2
+    for target in (0.8, 0.9):
+        combined = rows[(UNICACHE_TAYLORSEER_ROW, target)]
+        assert 0 < combined["metrics"]["psnr_to_full_taylorseer"] <= 100
+        assert combined["unicache_minus_this"]["n"] == 2 and combined["achieved_reduction"] > 0.5
+    table = format_table(report)
+    assert "full+taylorseer" in table and "unicache+taylorseer" in table and "to full+taylorseer" in table
 
 
 def test_cli_rejects_bad_arguments(tmp_path, capsys):

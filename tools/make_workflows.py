@@ -83,6 +83,7 @@ def _flow(steps, seed, edit: bool):
         "cfg_renorm_min": 0.0,
         "cfg_renorm_type": "text_channel" if edit else "global",
         "think": False,
+        "taylorseer": False,
     }
 
 

@@ -110,6 +110,28 @@ def _build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cfg-interval", type=float, nargs=2, default=list(d.cfg_interval), metavar=("LO", "HI"))
         p.add_argument("--cfg-renorm-min", type=float, default=d.cfg_renorm_min)
         p.add_argument("--cfg-renorm-type", default=d.cfg_renorm_type, help="global | channel | text_channel")
+        ts = p.add_argument_group("TaylorSeer (the official enable_taylorseer feature cache)")
+        ts.add_argument(
+            "--taylorseer",
+            action="store_true",
+            help="forecast the decoder output on most steps: after the first steps, each CFG branch runs its "
+            "decoder on one step in --taylorseer-interval (a third of the forwards by default)",
+        )
+        ts.add_argument(
+            "--taylorseer-interval",
+            type=int,
+            default=d.taylorseer_interval,
+            help="one full step in this many after the first steps",
+        )
+        ts.add_argument(
+            "--taylorseer-first-steps",
+            type=int,
+            default=d.taylorseer_first_steps,
+            help="the first steps of each branch, all full",
+        )
+        ts.add_argument(
+            "--taylorseer-order", type=int, default=d.taylorseer_order, help="highest Taylor order of the forecast"
+        )
 
     p_und = sub.add_parser("understand", help="answer a question about images")
     common(p_und)

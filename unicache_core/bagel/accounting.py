@@ -5,7 +5,8 @@
   positions (:func:`check_positions`, :func:`check_item_positions`: too many images names what would fit);
 * the tokens each branch's cache holds (:func:`count_items`, :func:`count_request` → :class:`RequestTokens`), their
   KV bytes at the checkpoint's layer geometry (:func:`kv_bytes_per_token`, :meth:`RequestTokens.kv_bytes`);
-* the device memory a request needs besides the weights (:func:`request_memory_bytes`).
+* the device memory a request needs besides the weights (:func:`request_memory_bytes`; the VAE's working memory:
+  :mod:`.vae_memory`; TaylorSeer's factors while it is on: :func:`~.taylorseer.taylorseer_bytes`).
 
 Token counts follow the blocks of :mod:`.contexts`: a text block is its tokens plus ``<|im_start|>`` and
 ``<|im_end|>``, an image block its tokens plus two boundary tokens; images take one RoPE position each.
@@ -13,8 +14,6 @@ Token counts follow the blocks of :mod:`.contexts`: a text block is its tokens p
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,7 +24,9 @@ from .config import BagelConfig
 from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT
 from .items import GenerateItem, ImageItem, Item, TextItem
 from .settings import UNDERSTANDING_DEFAULTS, GenerationSettings, UnderstandingSettings
+from .taylorseer import GENERATION_BRANCHES, taylorseer_bytes
 from .transforms import ImageTransforms
+from .vae_memory import tiled_decode_bytes, vae_working_bytes
 
 #: Tokens a block adds around its content (``<|im_start|>``/``<|im_end|>``, or an image's start/end).
 BOUNDARY_TOKENS = 2
@@ -355,20 +356,26 @@ def request_tokens(
 # ----------------------------------------------------------------------------------------- memory
 
 
-def request_memory_bytes(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens) -> int:
+def request_memory_bytes(
+    config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, *, taylor_order: int | None = None
+) -> int:
     """Estimate of the device memory one request needs besides the weights (:func:`request_memory_parts`).
 
     The larger of the two phases, which never run at the same time: the LLM's (the uncompressed KV of every
     branch, which compression starts from after the first step, plus its largest forward, ``attention`` +
-    ``mlp``) or the fp32 VAE encode/decode (``vae``: the source is encoded before anything is cached and the
-    pipeline releases the caches before it decodes).
+    ``mlp``, plus TaylorSeer's factors with ``taylor_order``, :func:`~.taylorseer.taylorseer_order`) or the fp32 VAE
+    encode/decode (``vae``: the source is encoded before anything is cached and the pipeline releases the caches
+    and the factors before it decodes).
     """
-    parts = request_memory_parts(config, dtype, tokens)
-    return int(max(parts["kv"] + parts["attention"] + parts["mlp"], parts["vae"]))
+    parts = request_memory_parts(config, dtype, tokens, taylor_order=taylor_order)
+    return int(max(parts["kv"] + parts["attention"] + parts["mlp"] + parts["taylorseer"], parts["vae"]))
 
 
-def request_memory_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens) -> dict[str, int]:
-    """The parts of :func:`request_memory_bytes`: ``kv``, ``attention``, ``mlp`` and ``vae`` bytes.
+def request_memory_parts(
+    config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, *, taylor_order: int | None = None
+) -> dict[str, int]:
+    """The parts of :func:`request_memory_bytes`: ``kv``, ``attention``, ``mlp``, ``taylorseer``
+    (:func:`taylorseer_bytes` of ``taylor_order``) and ``vae`` bytes.
 
     For the largest block of ``T`` tokens (:meth:`RequestTokens.largest_block`) in the compute dtype of ``e``
     bytes, hidden size ``H``, MLP width ``I``, ``Hq`` query heads of dimension ``d``:
@@ -393,7 +400,7 @@ def request_memory_parts(config: BagelConfig, dtype: torch.dtype, tokens: Reques
     element = torch.empty((), dtype=dtype).element_size()
     kv = sum(tokens.kv_bytes(config, dtype).values())
     queries = tokens.largest_block()
-    branches = 1 if tokens.task == "understanding" else 3
+    branches = 1 if tokens.task == "understanding" else GENERATION_BRANCHES
     attention = queries * 2 * llm.num_attention_heads * llm.head_dim * 4
     mlp = queries * (3 * llm.intermediate_size + (4 + branches) * llm.hidden_size) * element
     encode = vae_working_bytes(config, tokens.largest_image()[0], decode=False)
@@ -402,78 +409,12 @@ def request_memory_parts(config: BagelConfig, dtype: torch.dtype, tokens: Reques
         "kv": int(kv),
         "attention": int(attention),
         "mlp": int(mlp),
+        "taylorseer": taylorseer_bytes(config, dtype, tokens, taylor_order),
         "vae": int(max(encode, decode)),
         "vae_encode": int(encode),
         "vae_decode": int(decode),
         "vae_decode_tiled": tiled_decode_bytes(config, tokens.latent),
     }
-
-
-def tiled_tokens(config: BagelConfig, latent_tokens: int) -> int:
-    """BAGEL latent tokens of one tile of :func:`~.modeling.vae_tiling.decode_tiled` (at most the image's)."""
-    from .modeling.vae_tiling import TILE_CELLS
-
-    side = TILE_CELLS * config.ae.downsample // config.latent_downsample
-    return min(latent_tokens, side * side)
-
-
-def tiled_decode_bytes(config: BagelConfig, latent_tokens: int) -> int:
-    """Peak bytes of the tiled decode of ``latent_tokens`` BAGEL latent tokens: one tile's decode plus the fp32
-    output and blend weights of the whole image (:func:`~.modeling.vae_tiling.tiled_decode_extra_bytes`)."""
-    from .modeling.vae_tiling import tiled_decode_extra_bytes
-
-    if latent_tokens <= 0:
-        return 0
-    pixels = latent_tokens * config.latent_downsample**2
-    return vae_working_bytes(config, tiled_tokens(config, latent_tokens), decode=True) + tiled_decode_extra_bytes(
-        pixels, 1
-    )
-
-
-def _latent_grid(latent_tokens: int, latent_downsample: int, vae_downsample: int) -> tuple[int, int]:
-    """A ``(height, width)`` in VAE latent cells holding ``latent_tokens`` BAGEL latent tokens, as square as the
-    count allows (a convolution's memory depends on the area only)."""
-    rows = max(d for d in range(1, math.isqrt(latent_tokens) + 1) if latent_tokens % d == 0)
-    cells = latent_downsample // vae_downsample
-    return rows * cells, (latent_tokens // rows) * cells
-
-
-@functools.lru_cache(maxsize=64)
-def _vae_trace(config: BagelConfig, latent_tokens: int, decode: bool):
-    """The VAE's decode (or encode) of ``latent_tokens`` (> 0) BAGEL latent tokens, run once on meta tensors
-    (:func:`~.memory_trace.meta_trace`: nothing is allocated)."""
-    from .memory_trace import meta_trace
-    from .modeling import AutoEncoder
-
-    ae = config.ae
-    height, width = _latent_grid(latent_tokens, config.latent_downsample, ae.downsample)
-    with torch.device("meta"):
-        vae = AutoEncoder(ae)
-    if decode:
-        latent = torch.zeros(1, ae.z_channels, height, width, device="meta")
-        return meta_trace(lambda: vae.decode(latent))
-    image = torch.zeros(1, ae.in_channels, height * ae.downsample, width * ae.downsample, device="meta")
-    return meta_trace(lambda: vae.encode(image, sample=False))
-
-
-def vae_working_bytes(config: BagelConfig, latent_tokens: int, *, decode: bool) -> int:
-    """Peak bytes of the fp32 tensors the VAE creates decoding (or encoding) an image of ``latent_tokens``
-    BAGEL latent tokens (``16 x 16`` pixels each), measured on meta tensors (nothing is allocated)."""
-    return _vae_trace(config, latent_tokens, decode).peak_bytes if latent_tokens > 0 else 0
-
-
-def vae_activation_below(config: BagelConfig, latent_tokens: int, limit: int, *, decode: bool) -> int:
-    """Bytes of the largest tensor under ``limit`` bytes that the VAE's decode (or encode) of ``latent_tokens``
-    BAGEL latent tokens creates (recorded on meta tensors; 0 without any)."""
-    if latent_tokens <= 0:
-        return 0
-    return max((size for size in _vae_trace(config, latent_tokens, decode).storage_sizes if size < limit), default=0)
-
-
-def vae_convolution_shapes(config: BagelConfig, latent_tokens: int, *, decode: bool) -> frozenset:
-    """The distinct convolutions (input shape, weight shape, stride, padding) of the VAE's decode (or encode) of
-    ``latent_tokens`` BAGEL latent tokens, recorded on meta tensors."""
-    return _vae_trace(config, latent_tokens, decode).convolutions if latent_tokens > 0 else frozenset()
 
 
 __all__ = [
@@ -491,10 +432,5 @@ __all__ = [
     "request_memory_bytes",
     "request_memory_parts",
     "request_tokens",
-    "tiled_decode_bytes",
-    "tiled_tokens",
     "understanding_positions",
-    "vae_activation_below",
-    "vae_convolution_shapes",
-    "vae_working_bytes",
 ]

@@ -50,6 +50,9 @@ FLAGS = {
     "cfg_interval": "--cfg-interval",
     "cfg_renorm_min": "--cfg-renorm-min",
     "cfg_renorm_type": "--cfg-renorm-type",
+    "taylorseer_interval": "--taylorseer-interval",
+    "taylorseer_first_steps": "--taylorseer-first-steps",
+    "taylorseer_order": "--taylorseer-order",
     "width": "--width",
     "height": "--height",
     "max_new_tokens": "--max-new-tokens",
@@ -354,6 +357,10 @@ def request_settings(args) -> GenerationSettings | UnderstandingSettings:
         think_do_sample=args.do_sample,
         think_temperature=args.temperature,
         prompt_special_tokens=args.allow_special_tokens,
+        taylorseer=args.taylorseer,
+        taylorseer_interval=args.taylorseer_interval,
+        taylorseer_first_steps=args.taylorseer_first_steps,
+        taylorseer_order=args.taylorseer_order,
         **size,
     )
 

@@ -23,6 +23,7 @@ contexts of a request are built from its item list by :mod:`.interleave` (one ``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -188,6 +189,7 @@ def latent_velocities(
     step: int,
     timestep: float,
     phase: Phase = "denoise",
+    last_layer_hook: Callable[[str, Tensor], None] | None = None,
 ) -> dict[str, Tensor]:
     """One denoising forward of the latent query block over each context (not cached), the contexts together.
 
@@ -199,6 +201,8 @@ def latent_velocities(
     Args:
         contexts: branch name → context, in the order the branches run.
         embeds: ``[N + 2, H]`` from :func:`latent_block_embeds` (shared by all contexts).
+        last_layer_hook: ``hook(branch, hidden)`` with each branch's last decoder layer output ``[N + 2, H]``
+            before the final norm (TaylorSeer keeps it, :mod:`.taylorseer`).
 
     Returns:
         branch name → ``[N, 64]`` velocity (``llm2vae`` of the latent positions).
@@ -220,8 +224,10 @@ def latent_velocities(
             timestep=timestep,
         )
         blocks.append(BranchInput(embeds, positions, ctx.cache, call, mask))
-    hidden = loaded.model.forward_llm_branches(blocks)
-    return {name: loaded.model.latent_velocity(h[1:-1]) for name, h in zip(contexts, hidden)}
+    names = list(contexts)
+    hook = None if last_layer_hook is None else (lambda index, h: last_layer_hook(names[index], h))
+    hidden = loaded.model.forward_llm_branches(blocks, last_layer_hook=hook)
+    return {name: loaded.model.latent_velocity(h[1:-1]) for name, h in zip(names, hidden)}
 
 
 def decode_step(loaded: LoadedBagel, ctx: Context, token_id: int, step: int, token_type: TokenType) -> Tensor:

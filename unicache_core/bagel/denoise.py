@@ -4,6 +4,8 @@ Branches are computed as the official ``_forward_flow`` does: ``cfg_text`` only 
 (after the interval test) is > 1, ``cfg_img`` only when the image scale is > 1 as well (when the text
 scale is <= 1 the image term is never used, so it is not computed). Every branch velocity and the
 guided velocity of every step are checked for non-finite values (:func:`~.numerics.check_velocities`).
+With ``settings.taylorseer`` a branch's velocity is forecast on the steps :mod:`.taylorseer` does not compute
+(its caches see no call in them; the step's :class:`~unicache_core.kv.cache.StepInfo` says which).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .numerics import check_finite, check_velocities, model_advice
 from .request import NO_HOOKS, RunHooks
 from .sampling import cfg_active, combine_cfg, timestep_schedule, unpack_latent
 from .settings import GenerationSettings
+from .taylorseer import TaylorSeer
 from .transforms import image_from_tensor
 
 logger = logging.getLogger(__name__)
@@ -56,19 +59,26 @@ def branch_velocities(
     *,
     step: int = 0,
     branches: Sequence[str] = CFG_BRANCHES,
+    seer: TaylorSeer | None = None,
 ) -> dict[str, Tensor]:
     """Raw velocities ``[h*w, 64]`` (model dtype) of the listed branches for latents ``x`` ``[h*w, 64]`` at ``t``.
 
     The query embeddings are built once and shared by every branch; each branch's latent block
     sits at its own context's rope. The branches run through the decoder together, layer by layer
     (:func:`~.contexts.latent_velocities`: one upcast or copy of each layer per step). Caches are not modified.
+    With ``seer`` (TaylorSeer) the branches it forecasts at ``step`` are not run (:meth:`.TaylorSeer.velocities`).
     """
     lp = loaded.config.latent_downsample
     h, w = contexts.height // lp, contexts.width // lp
     timestep = float(t)
-    embeds = C.latent_block_embeds(loaded, x, h, w, timestep)
     by_name = contexts.branches()
-    return C.latent_velocities(loaded, {name: by_name[name] for name in branches}, embeds, step=step, timestep=timestep)
+    chosen = {name: by_name[name] for name in branches}
+    if seer is not None:
+        return seer.velocities(
+            loaded, chosen, lambda: C.latent_block_embeds(loaded, x, h, w, timestep), step=step, timestep=timestep
+        )
+    embeds = C.latent_block_embeds(loaded, x, h, w, timestep)
+    return C.latent_velocities(loaded, chosen, embeds, step=step, timestep=timestep)
 
 
 @torch.inference_mode()
@@ -80,11 +90,13 @@ def guided_velocity(
     settings: GenerationSettings,
     *,
     step: int = 0,
+    seer: TaylorSeer | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Guided velocity ``[h*w, 64]`` of one denoising step and the raw branch velocities it used."""
+    """Guided velocity ``[h*w, 64]`` of one denoising step and the raw branch velocities it used (``seer``: the
+    request's TaylorSeer, which forecasts some of them)."""
     t_tensor = t if isinstance(t, Tensor) else torch.tensor(t, dtype=torch.float32)
     names, text_scale, img_scale = step_branches(t_tensor, settings)
-    raw = branch_velocities(loaded, contexts, x, t_tensor, step=step, branches=names)
+    raw = branch_velocities(loaded, contexts, x, t_tensor, step=step, branches=names, seer=seer)
     guided = combine_cfg(
         raw["gen"],
         raw.get("cfg_text"),
@@ -106,6 +118,7 @@ def denoise(
     *,
     hooks: RunHooks = NO_HOOKS,
     return_step0_velocity: bool = False,
+    forecasts: dict | None = None,
 ) -> tuple[Tensor, dict[str, int], dict[str, Tensor] | None]:
     """Euler flow from noise ``x`` ``[h*w, 64]`` (fp32): ``x -= v * dt`` for ``num_timesteps - 1`` steps.
 
@@ -113,23 +126,38 @@ def denoise(
     ``preview(done, total, x0)`` with the flow's current estimate of the clean latent, ``x0 = x_t - t * v``
     unpacked to ``[1, 16, H/8, W/8]`` (BAGEL's convention), for a live preview.
 
+    With ``settings.taylorseer`` only the steps :mod:`.taylorseer` computes run a branch's decoder; ``forecasts``
+    (when given, a dict) receives each branch's count of forecast steps and ``peak_factor_bytes``, the most bytes
+    the Taylor factors held.
+
     Returns:
-        ``(x0 [h*w, 64] fp32, forwards per branch, step-0 velocities or None)``.
+        ``(x0 [h*w, 64] fp32, decoder forwards per branch, step-0 velocities or None)``.
     """
     cfg = loaded.config
     timesteps, dts = timestep_schedule(settings.num_timesteps, settings.timestep_shift)
     total = len(timesteps)
     forwards = dict.fromkeys(CFG_BRANCHES, 0)
+    forecast_counts = dict.fromkeys(CFG_BRANCHES, 0)
+    plan = [step_branches(t, settings)[0] for t in timesteps]
+    seer = TaylorSeer.for_settings(settings, plan)
     step0 = None
     for i in range(total):
         if hooks.cancelled():
             raise CancelledError(f"denoising cancelled before step {i + 1} of {total}")
-        names, _, _ = step_branches(timesteps[i], settings)
-        info = StepInfo(phase="denoise", step=i, total=total, branches=tuple(names), timestep=float(timesteps[i]))
+        names = plan[i]
+        info = StepInfo(
+            phase="denoise",
+            step=i,
+            total=total,
+            branches=tuple(names),
+            timestep=float(timesteps[i]),
+            forecast=() if seer is None else seer.forecast_branches(i, names),
+            next_full=None if seer is None else seer.next_full(i, names),
+        )
         if contexts.session is not None:
             contexts.session.begin_step(info)
         try:
-            v, raw = guided_velocity(loaded, contexts, x, timesteps[i], settings, step=i)
+            v, raw = guided_velocity(loaded, contexts, x, timesteps[i], settings, step=i, seer=seer)
         finally:
             if contexts.session is not None:
                 contexts.session.end_step(info)
@@ -143,7 +171,7 @@ def denoise(
             cfg_img_scale=settings.cfg_img_scale,
         )
         for name in raw:
-            forwards[name] += 1
+            (forecast_counts if name in info.forecast else forwards)[name] += 1
         if i == 0 and return_step0_velocity:
             step0 = {**raw, "guided": v}
         if hooks.preview is not None:
@@ -160,6 +188,17 @@ def denoise(
         # dtype, then it is subtracted from the fp32 latent.
         x = hooks.steered(i, v, x - v.to(x.device) * dts[i].to(x.device))
         hooks.report(i + 1, total)
+    if seer is not None:
+        logger.info(
+            "TaylorSeer: decoder forwards %s, forecast %s of %d steps (factors peaked at %d bytes)",
+            forwards,
+            forecast_counts,
+            total,
+            seer.peak_bytes,
+        )
+        if forecasts is not None:
+            forecasts.update(forecast_counts)
+            forecasts["peak_factor_bytes"] = seer.peak_bytes
     return x, forwards, step0
 
 

@@ -53,12 +53,13 @@ class GenerationResult:
             ComfyUI's ``LATENT["samples"]`` is :func:`~.latents.to_comfy_latent` of it).
         num_steps: denoising steps run (``num_timesteps - 1``).
         seed: seed of the noise generator.
-        info: timings (``prefill_s``, ``think_s``, ``denoise_s``, ``decode_s``), context sizes
-            (``context_tokens``) and cache bytes (``cache_bytes``) per branch, denoising forwards per branch
-            (``forwards``), which VAE decoded (``vae``: ``"checkpoint"``, ``"external"`` or ``None``), how the
-            last input image's source latent was made (``source_latent``: ``"checkpoint_vae"``, ``"external_vae"``,
-            ``"given"``; ``source_latents``: every input image's, in request order; ``images``: their count) and
-            the latent constants (``latent_format``).
+        info: timings (``prefill_s``, ``think_s``, ``denoise_s``, ``decode_s``), context sizes (``context_tokens``) and
+            cache bytes (``cache_bytes``) per branch, denoising forwards per branch (``forwards``: the steps that ran
+            its decoder; with TaylorSeer also ``forecasts``, the steps that forecast it, and ``taylorseer_peak_bytes``,
+            the most its Taylor factors held), which VAE decoded (``vae``: ``"checkpoint"``, ``"external"`` or
+            ``None``), how the last input image's source latent was made (``source_latent``: ``"checkpoint_vae"``,
+            ``"external_vae"``, ``"given"``; ``source_latents``: every input image's, in request order; ``images``:
+            their count) and the latent constants (``latent_format``).
         think_text: the plan decoded in think mode, else ``None``.
         step0_velocity: with ``return_step0_velocity=True``: ``{"gen", "cfg_text", "cfg_img"
             (branches computed), "guided"}`` ``[h*w, 64]`` velocities of step 0.
@@ -259,8 +260,15 @@ def _round(
         else:
             x = check_noise("initial_noise", initial_noise, shape).float().clone()
         hooks.enter("denoise")
+        forecasts: dict = {}
         x, forwards, step0 = denoise(
-            loaded, contexts, x.to(loaded.device), s, hooks=hooks, return_step0_velocity=return_step0_velocity
+            loaded,
+            contexts,
+            x.to(loaded.device),
+            s,
+            hooks=hooks,
+            return_step0_velocity=return_step0_velocity,
+            forecasts=forecasts,
         )
         t3 = time.perf_counter()
         width, height, branches = contexts.width, contexts.height, contexts.branches()
@@ -272,6 +280,9 @@ def _round(
             "source_latents": list(contexts.source_latents),
             "images": len(contexts.source_latents),
         }
+        if s.taylorseer:
+            info["taylorseer_peak_bytes"] = forecasts.pop("peak_factor_bytes")
+            info["forecasts"] = forecasts
         kv_report = session.finish()
         # The caches are done with: free them before the VAE decode, the largest activation of a large image
         # (a 1024 px decode needs 4.3 GB; BAGEL-7B's full KV of that edit is 1.0 GB).

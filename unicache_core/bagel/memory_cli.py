@@ -30,6 +30,7 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
 def add_plan_parser(sub) -> None:
     """The ``plan`` subcommand: the predicted peak device memory of a run, before anything is downloaded or loaded."""
     from .memory_plan import OFFICIAL_CHECKPOINT, PLAN_TASKS
+    from .settings import T2I_DEFAULTS
 
     p = sub.add_parser("plan", help="predict the peak device memory of a run and whether it fits")
     p.add_argument(
@@ -57,6 +58,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--device-memory", default=None, help="plan for a device of this size instead (e.g. 24GB)")
     p.add_argument("--json", type=path_arg, default=None, help="also write the plan as JSON here")
     p.add_argument("-q", "--quiet", action="store_true", help="no log output")
+    p.add_argument("--taylorseer", action="store_true", help="t2i/edit with TaylorSeer: count its factors")
+    p.add_argument("--taylorseer-order", type=int, default=T2I_DEFAULTS.taylorseer_order)
     add_memory_arguments(p)
 
 
@@ -161,6 +164,8 @@ def _plan_of(
         offload=args.offload,
         device=planned.type,
         images=tuple(images),
+        taylorseer=bool(getattr(args, "taylorseer", False)),
+        taylorseer_order=getattr(args, "taylorseer_order", PlanSettings.taylorseer_order),
     )
     return plan_memory(config, settings, total)
 
@@ -192,8 +197,10 @@ def check_plan_size(config, task: str, width: int, height: int) -> None:
 def describe(plan) -> str:
     """The plan (:class:`~.memory_plan.MemoryPlan`) as a few human-readable lines (for the CLI's stdout)."""
     from .memory_plan import NOT_IN_PEAK
+    from .taylorseer import GENERATION_BRANCHES, describe_factors
 
     gb = 1e9
+    seer = f", TaylorSeer order {plan.settings.taylorseer_order}" if plan.settings.taylorseer else ""
     images = plan.settings.images
     shape = (
         f"{len(images)} images ({', '.join(f'{w}x{h}' for w, h in images)})"
@@ -202,7 +209,7 @@ def describe(plan) -> str:
     )
     lines = [
         f"{plan.settings.task} {shape}, weights {plan.settings.weight_dtype}"
-        f" (compute {plan.settings.dtype}), KV {plan.settings.kv_method}, offload {plan.settings.offload}:",
+        f" (compute {plan.settings.dtype}), KV {plan.settings.kv_method}, offload {plan.settings.offload}{seer}:",
         f"  peak {plan.peak_bytes / gb:.2f} GB of {plan.device_bytes / gb:.2f} GB -> "
         + ("fits" if plan.fits else f"does not fit: {plan.suggestion}"),
     ]
@@ -212,6 +219,9 @@ def describe(plan) -> str:
         f"  {name:<28} {size / gb:8.3f} GB" + ("  (detail, not added)" if name in NOT_IN_PEAK else "")
         for name, size in plan.breakdown.items()
     ]
+    if "taylorseer" in plan.breakdown:
+        ours, official = plan.breakdown["taylorseer"], plan.breakdown["taylorseer_official"]
+        lines.append(describe_factors(ours, official, plan.settings, GENERATION_BRANCHES))
     if len(plan.kv_images) > 1:
         lines += [
             f"  image {i} {image['size'][0]}x{image['size'][1]}: KV "

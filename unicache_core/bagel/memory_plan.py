@@ -19,6 +19,7 @@
 
 Several input images (``PlanSettings.images``, the CLI's ``--image-sizes``) are counted in ``gen`` and ``cfg_text``
 as the official contexts hold them (``settings.kv_images`` of :meth:`MemoryPlan.to_json`: each one's bytes).
+TaylorSeer's factors (``taylorseer``, :func:`~.taylorseer.taylorseer_bytes`) add to the LLM phase when it is on.
 
 On the CPU (``device="cpu"``) two parts the tensors do not show are added (:func:`cpu_runtime_parts`):
 
@@ -59,16 +60,25 @@ from typing import Any
 import torch
 
 from .accounting import (
-    BOUNDARY_TOKENS,
     PLAN_PROMPT_TOKENS,
-    RequestTokens,
     request_memory_parts,
     request_tokens,
-    tiled_tokens,
 )
 from .config import BagelConfig, bagel_config_from_dicts, load_bagel_config
 from .image_fit import suggest_fewer_images
 from .plan_kv import kv_parts, kv_per_image
+from .runtime_memory import (
+    CPU_CONV_KERNEL_BYTES,
+    CPU_MATMUL_KERNEL_BYTES,
+    CUDA_RUNTIME_BYTES,
+    CUDA_VAE_DECODE_PER_PIXEL,
+    CUDA_VAE_ENCODE_PER_PIXEL,
+    GLIBC_MMAP_THRESHOLD_MAX,
+    cpu_runtime_parts,
+    cuda_runtime_parts,
+    matmul_shapes,
+)
+from .settings import T2I_DEFAULTS
 
 logger = logging.getLogger(__name__)
 
@@ -89,27 +99,9 @@ NOT_IN_PEAK = (
     "cpu_freed_heap",
     "cpu_vae_heap",
     "cuda_vae_workspace",
+    "taylorseer",
+    "taylorseer_official",
 )
-#: Bytes oneDNN keeps per bf16 matrix-product shape it has run (its compiled kernel): 0.55-0.61 MB measured
-#: for 40 row counts each of four weight shapes (64x128 to 1792x896), 0.15-1.1 MB for row counts near 1300.
-CPU_MATMUL_KERNEL_BYTES = 600_000
-#: Bytes oneDNN keeps per fp32 convolution shape it has run: 0.36 MB (32 channels) and 0.10 MB (64 channels)
-#: measured over 16 image sizes each.
-CPU_CONV_KERNEL_BYTES = 250_000
-#: glibc's largest dynamic mmap threshold on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``): blocks at least
-#: this large are always mapped apart and given back when freed; smaller ones come from the heap, which keeps them.
-GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
-#: Bytes CUDA allocates for a request beside its tensors (cuBLAS's and cuBLASLt's workspaces, taken from
-#: PyTorch's caching allocator): at the VAE decode's start of a 1024 px edit at BAGEL-7B-MoT's geometry on an H200
-#: (torch 2.11), 88 MB were allocated beyond the weights and the latent without offload, 43 MB with layer offload
-#: (benchmarks/gpu_real_size.py; the larger is kept).
-CUDA_RUNTIME_BYTES = 88_000_000
-#: Bytes per image pixel the fp32 VAE's decode takes on CUDA beyond its tensors (cuDNN's workspaces): measured 274
-#: (1024 px decode: 4.58 GB against 4.30 GB of tensors) and 265 (512 px) on an H200.
-CUDA_VAE_DECODE_PER_PIXEL = 274
-#: The same for the encode of an edit's source: 520 measured (1024 px: 3.24 GB above the phase's start against
-#: 2.70 GB of tensors, the same with and without offload; one size measured).
-CUDA_VAE_ENCODE_PER_PIXEL = 520
 #: Tasks a plan accepts (the CLI's names).
 PLAN_TASKS = {"und": "understanding", "understand": "understanding", "t2i": "t2i", "edit": "edit"}
 #: Weight dtypes tried, in order, when the chosen settings do not fit (cheapest in quality first).
@@ -163,6 +155,9 @@ class PlanSettings:
     #: ``(width, height)`` of each input image in request order (und, edit; text-to-image: references); empty: one
     #: input image of ``width x height`` for und and edit (none for an und of size 0), none for text-to-image
     images: tuple[tuple[int, int], ...] = ()
+    #: TaylorSeer on (t2i and edit), keeping Taylor factors up to ``taylorseer_order``
+    taylorseer: bool = False
+    taylorseer_order: int = T2I_DEFAULTS.taylorseer_order
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "images": [list(size) for size in self.images]}
@@ -259,8 +254,13 @@ def _predict(
     kv = kv_parts(config, dtype, tokens, settings.kv_method)
     compressed = kv.pop("kv_compressed", None)
     parts.update(kv)
-    work = request_memory_parts(config, dtype, tokens)
+    work = request_memory_parts(
+        config, dtype, tokens, taylor_order=settings.taylorseer_order if settings.taylorseer else None
+    )
     parts.update(attention=work["attention"], mlp=work["mlp"], vae_working=work["vae"])
+    if work["taylorseer"]:
+        parts["taylorseer"] = work["taylorseer"]
+        parts["taylorseer_official"] = work["taylorseer"] * config.llm.num_hidden_layers
     freed_heap = vae_heap = 0
     if settings.device == "cpu":
         cpu = cpu_runtime_parts(config, dtype, tokens)
@@ -298,12 +298,14 @@ def _predict(
 
 def _working(parts: dict[str, int], freed_heap: int = 0, vae_heap: int = 0) -> int:
     """The working memory of the larger phase: the LLM's (the KV the branches hold and a decoder layer's upcast
-    weights, attention and MLP, and on the CPU the heap its forward keeps; or, after the first step, that KV and the
-    first compressed branch's copy), or a VAE pass's (and on the CPU its heap)."""
+    weights, attention and MLP, TaylorSeer's factors, and on the CPU the heap its forward keeps; or, after the first
+    step, that KV and the first compressed branch's copy), or a VAE pass's (and on the CPU its heap)."""
     held = parts.get("kv_held", parts["kv_full"])
+    forward = parts["upcast"] + parts["attention"] + parts["mlp"] + parts.get("kv_scoring", 0)
+    seer = parts.get("taylorseer", 0)
     return max(
-        held + parts["upcast"] + parts["attention"] + parts["mlp"] + parts.get("kv_scoring", 0) + freed_heap,
-        held + parts.get("kv_compressing", 0),
+        held + forward + seer + freed_heap,
+        held + parts.get("kv_compressing", 0) + seer,
         parts["vae_working"] + vae_heap,
     )
 
@@ -313,133 +315,6 @@ def tensor_peak_bytes(plan: MemoryPlan) -> int:
     parts = plan.breakdown
     runtime = parts.get("cpu_kernel_cache", 0) + parts.get("cuda_runtime", 0)
     return plan.peak_bytes - runtime - (parts["working"] - _working(parts))
-
-
-def cuda_runtime_parts(
-    config: BagelConfig, tokens: RequestTokens, work: dict[str, int], *, tiled: bool = False
-) -> dict[str, int]:
-    """CUDA's own memory beside the tensors (module docstring): ``cuda_runtime``, and of the VAE pass that needs
-    more on CUDA (the source's encode or the output's decode, whole or, when ``tiled``, one tile of it) its
-    tensors (``vae_working``, from ``work`` = :func:`~.accounting.request_memory_parts`) and
-    ``cuda_vae_workspace``."""
-    pixels_per_token = config.latent_downsample**2
-    decoded = tiled_tokens(config, tokens.latent) if tiled else tokens.latent
-    encode = (work["vae_encode"], CUDA_VAE_ENCODE_PER_PIXEL * tokens.largest_image()[0] * pixels_per_token)
-    decode = (
-        work["vae_decode_tiled" if tiled else "vae_decode"],
-        CUDA_VAE_DECODE_PER_PIXEL * decoded * pixels_per_token,
-    )
-    tensors, workspace = max(encode, decode, key=sum)
-    return {"vae_working": tensors, "cuda_runtime": CUDA_RUNTIME_BYTES, "cuda_vae_workspace": workspace}
-
-
-def matmul_shapes(config: BagelConfig, tokens: RequestTokens) -> set[tuple[int, int, int, bool]]:
-    """The distinct ``(rows, in_features, out_features, bias)`` of the linear layers a request runs (oneDNN keeps
-    one kernel for each).
-
-    Each context block runs every decoder layer's projections at its own row count (the CFG branches one after
-    the other, each block's und tokens and gen tokens apart); the ViT and the connector run at the ViT's token
-    count, the latent heads and the timestep embedder at the latent count, ``lm_head`` at one row per answer
-    token.
-    """
-    llm, vit = config.llm, config.vit
-    hidden, q_out, kv_out = (
-        llm.hidden_size,
-        llm.num_attention_heads * llm.head_dim,
-        llm.num_key_value_heads * llm.head_dim,
-    )
-    decoder = {
-        (hidden, q_out, True),
-        (hidden, kv_out, True),
-        (q_out, hidden, False),
-        (hidden, llm.intermediate_size, False),
-        (llm.intermediate_size, hidden, False),
-    }
-    rows = {tokens.prompt + BOUNDARY_TOKENS}
-    if tokens.system:
-        rows.add(tokens.system + BOUNDARY_TOKENS)
-    images = tokens.image_blocks()
-    vits = {patches for _, patches in images if patches}
-    gen_blocks = {latents for latents, _ in images if latents} | ({tokens.latent} if tokens.latent else set())
-    rows.update(patches + BOUNDARY_TOKENS for patches in vits)
-    for gen_tokens in gen_blocks:
-        rows.update((gen_tokens, BOUNDARY_TOKENS))
-    if tokens.decoded:
-        rows.add(1)
-    shapes = {(n, k, o, bias) for n in rows for k, o, bias in decoder}
-    patch = 3 * vit.patch_size**2
-    for vit_tokens in vits:
-        shapes.update(
-            (vit_tokens, k, o, True)
-            for k, o in (
-                (patch, vit.hidden_size),
-                (vit.hidden_size, vit.hidden_size),
-                (vit.hidden_size, vit.intermediate_size),
-                (vit.intermediate_size, vit.hidden_size),
-                (vit.hidden_size, hidden),
-                (hidden, hidden),
-            )
-        )
-    for gen_tokens in gen_blocks:
-        shapes.add((gen_tokens, config.patch_latent_dim, hidden, True))
-    if tokens.latent:
-        shapes.update(
-            (tokens.latent, k, o, True) for k, o in ((hidden, config.patch_latent_dim), (256, hidden), (hidden, hidden))
-        )
-    if tokens.decoded:
-        shapes.add((1, hidden, llm.vocab_size, False))
-    return shapes
-
-
-def cpu_runtime_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens) -> dict[str, int]:
-    """The CPU runtime's own memory beside the tensors (module docstring): ``kernel_cache``, ``freed_heap`` and
-    ``vae_heap``.
-
-    ``kernel_cache`` = :data:`CPU_MATMUL_KERNEL_BYTES` x :func:`matmul_shapes` (bf16/fp16 compute: fp32 products
-    go to MKL, which keeps none) + :data:`CPU_CONV_KERNEL_BYTES` x the VAE's distinct convolutions
-    (:func:`~.accounting.vae_convolution_shapes`). ``freed_heap``: the LLM forward's activations
-    (:func:`~.accounting.request_memory_parts`) whose single tensors stay under :data:`GLIBC_MMAP_THRESHOLD_MAX`.
-    ``vae_heap``: two of the VAE decode's largest activations under that threshold
-    (:func:`~.accounting.vae_activation_below`), and for an edit two of its encode's as well.
-
-    Measured on the medium checkpoint's 512 px understanding (1298-token ViT block): the first decoder layer
-    raised the resident set by 47-66 MB and the next by 4-15 MB for 35 MB of planned activations; every new
-    shape of the bundled model's understanding added its kernel (+2.9 MB for the prompt block's 5 shapes); a VAE
-    decode alone raised it 7-12 MB above its tensors on the bundled model (4.2 MB activations at 128-256 px) and
-    10 MB on the medium one at 512 px (33.5 MB full-size activations, mapped apart; 8.4 MB at half size). An
-    edit's process entered its decode holding 31 MB more than a text-to-image's (medium, 512 px; 9 MB of it the
-    larger KV) and its decode then raised it 48 MB more: the plan without the encode's term fell 6-16% short of
-    the edit's resident set in four runs, with it the error is -5.5 to +8% (the table in docs/memory.md).
-    """
-    from .accounting import vae_activation_below, vae_convolution_shapes
-
-    products = len(matmul_shapes(config, tokens)) if dtype != torch.float32 else 0
-    encodes = {vae for vae, _ in tokens.image_blocks() if vae}
-    convolutions = len(
-        frozenset().union(*(vae_convolution_shapes(config, vae, decode=False) for vae in encodes))
-        | vae_convolution_shapes(config, tokens.latent, decode=True)
-    )
-    llm = config.llm
-    element = torch.empty((), dtype=dtype).element_size()
-    queries = tokens.largest_block()
-    branches = 1 if tokens.task == "understanding" else 3
-    blocks = [
-        (2, queries * llm.num_attention_heads * llm.head_dim * 4),
-        (3, queries * llm.intermediate_size * element),
-        (4 + branches, queries * llm.hidden_size * element),
-    ]
-    freed_heap = sum(count * size for count, size in blocks if size < GLIBC_MMAP_THRESHOLD_MAX)
-    # the decode's own heap, plus what an edit's encode left resident under it (long-lived tensors made after the
-    # encode, the source latent and the prefill's KV, sit between its freed blocks)
-    vae_heap = 2 * (
-        vae_activation_below(config, tokens.largest_image()[0], GLIBC_MMAP_THRESHOLD_MAX, decode=False)
-        + vae_activation_below(config, tokens.latent, GLIBC_MMAP_THRESHOLD_MAX, decode=True)
-    )
-    return {
-        "kernel_cache": products * CPU_MATMUL_KERNEL_BYTES + convolutions * CPU_CONV_KERNEL_BYTES,
-        "freed_heap": int(freed_heap),
-        "vae_heap": int(vae_heap),
-    }
 
 
 def _suggest(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> str:

@@ -41,6 +41,10 @@ TIMESTEP_SHIFT_RANGE = (0.01, 100.0)
 TEMPERATURE_RANGE = (1e-3, 100.0)
 #: Largest accepted ``num_timesteps`` (official default 50). Each step costs one forward per CFG branch.
 MAX_NUM_TIMESTEPS = 1000
+#: Highest accepted ``taylorseer_order``: the official default (``max_order`` 6 in ``cache_init`` of
+#: ``modeling/cache_utils/taylorseer.py``). Each order keeps one more ``[tokens, hidden]`` tensor per branch and
+#: divides one more difference of model-dtype features by the step distance.
+MAX_TAYLORSEER_ORDER = 6
 
 
 # ------------------------------------------------------------------------------------------ value checks
@@ -131,6 +135,10 @@ class GenerationSettings:
             :func:`check_output_size`); an edit's output follows its source image and ignores them.
         prompt_special_tokens: parse control-token strings in the prompt as the official code does
             (``<|im_end|>`` becomes the control token); off: the prompt is plain text.
+        taylorseer: the official ``enable_taylorseer`` (:mod:`.taylorseer`, docs/bagel.md §5.6): each CFG branch
+            runs its decoder on its first ``taylorseer_first_steps`` forwards, then on every
+            ``taylorseer_interval``-th, and forecasts its decoder output on the others with a Taylor expansion of
+            order up to ``taylorseer_order`` (official 3 / 5 / 6).
     """
 
     num_timesteps: int = 50
@@ -147,6 +155,10 @@ class GenerationSettings:
     width: int = 1024
     height: int = 1024
     prompt_special_tokens: bool = False
+    taylorseer: bool = False
+    taylorseer_interval: int = 3
+    taylorseer_first_steps: int = 5
+    taylorseer_order: int = 6
 
     def __post_init__(self) -> None:
         steps = check_int("num_timesteps", self.num_timesteps, 2, MAX_NUM_TIMESTEPS)
@@ -179,6 +191,14 @@ class GenerationSettings:
             "cfg_renorm_min": renorm_min,
         }
         check_bool("prompt_special_tokens", self.prompt_special_tokens)
+        check_bool("taylorseer", self.taylorseer)
+        normalised["taylorseer_interval"] = check_int(
+            "taylorseer_interval", self.taylorseer_interval, 1, MAX_NUM_TIMESTEPS
+        )
+        normalised["taylorseer_first_steps"] = check_int(
+            "taylorseer_first_steps", self.taylorseer_first_steps, 1, MAX_NUM_TIMESTEPS
+        )
+        normalised["taylorseer_order"] = check_int("taylorseer_order", self.taylorseer_order, 0, MAX_TAYLORSEER_ORDER)
         if check_bool("think", self.think):
             normalised["think_max_new_tokens"] = check_int("think_max_new_tokens", self.think_max_new_tokens, 1)
             if check_bool("think_do_sample", self.think_do_sample):
@@ -255,6 +275,7 @@ __all__ = [
     "GenerationSettings",
     "MAX_CFG_SCALE",
     "MAX_NUM_TIMESTEPS",
+    "MAX_TAYLORSEER_ORDER",
     "T2I_DEFAULTS",
     "TEMPERATURE_RANGE",
     "TIMESTEP_SHIFT_RANGE",

@@ -4,6 +4,12 @@ One record per (step, branch that ran it): rho, per type the policy, budget, byt
 and attention mass, plus the time spent in attention, statistics and allocation. The summary gives the
 full, steady and peak bytes, the retention achieved against the budget, and the flags of budgets a
 segment could not reach. Everything is plain JSON (``json.dumps(report)`` works).
+
+With TaylorSeer a denoising step may forecast a branch's output instead of computing it: the step's record lists
+those branches in ``forecast`` (their entries say ``"forecast": true``, attend over no rows and are never
+``observed``: the method measured nothing in them), and the summary counts each branch's computed
+(``denoise_forwards``) and forecast (``forecast_forwards``) steps and lists the steps that forecast a branch
+(``forecast_steps``).
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class ReportBuilder:
         self._rows: dict[str, int] = {}
         self._current: dict | None = None
         self._compressed_now: set[str] = set()
+        self._observed_now: set[str] = set()
         self.flags: dict[str, str] = {}
 
     def note_peak(self) -> None:
@@ -74,6 +81,11 @@ class ReportBuilder:
     def begin_step(self, step: StepInfo) -> None:
         self._rows = {}
         self._compressed_now = set()
+        self._observed_now = set()
+
+    def note_observed(self, branch: str) -> None:
+        """``branch`` measured attention statistics in this step (a call its method planned to observe)."""
+        self._observed_now.add(branch)
 
     def note_rows(self, branch: str, call: AttentionCall, rows: int) -> None:
         """Add the rows a denoising or decoding call of ``branch`` attended over to this step's count."""
@@ -99,6 +111,8 @@ class ReportBuilder:
             snap = branch_snapshot(cache)
             snap["attended_rows"] = self._rows.get(name, 0)
             snap["compressed_after"] = name in self._compressed_now
+            snap["observed"] = name in self._observed_now
+            snap["forecast"] = name in step.forecast
             branches[name] = snap
         managed = protected = 0
         for cache in caches.values():
@@ -110,6 +124,7 @@ class ReportBuilder:
                 "step": step.step,
                 "timestep": step.timestep,
                 "branches": branches,
+                "forecast": [name for name in step.branches if name in step.forecast],
                 "managed_bytes_all": managed,
                 "protected_bytes_all": protected,
                 "held_bytes": self.session.held_bytes(),
@@ -158,6 +173,7 @@ class ReportBuilder:
             "first_compressed_step": None if first is None else self.steps[first]["step"],
             "flags": dict(self.flags),
             "images": image_totals(caches),
+            **_forward_counts(self.steps),
         }
         budget = rho_weighted if session.method.name == "unicache" else target
         if budget is not None and summary["achieved_ratio"] is not None:
@@ -175,6 +191,24 @@ class ReportBuilder:
             "summary": summary,
             "steps": self.steps,
         }
+
+
+def _forward_counts(steps: list[dict]) -> dict:
+    """Per branch, the denoising steps that computed it and those that forecast it (TaylorSeer), and the steps
+    that forecast some branch."""
+    computed: dict[str, int] = {}
+    forecast: dict[str, int] = {}
+    for record in steps:
+        if record["phase"] != "denoise":
+            continue
+        for name in record["branches"]:
+            counts = forecast if name in record["forecast"] else computed
+            counts[name] = counts.get(name, 0) + 1
+    return {
+        "denoise_forwards": computed,
+        "forecast_forwards": forecast,
+        "forecast_steps": [r["step"] for r in steps if r["phase"] == "denoise" and r["forecast"]],
+    }
 
 
 __all__ = ["REPORT_FORMAT", "ReportBuilder", "branch_snapshot", "type_name"]

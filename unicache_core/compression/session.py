@@ -125,8 +125,10 @@ class CompressionSession(CacheSession):
         self.report.end_step(step, timers)
 
     def note_observed(self, branch: str, call: AttentionCall) -> None:
-        """``call`` of ``branch`` measures statistics (its plan observes or scores); a session that records them
-        listens here (calibration)."""
+        """``call`` of ``branch`` measures statistics (its plan observes or scores): the report marks the branch
+        ``observed`` in a denoising step or decoded token; a session that records them listens here (calibration)."""
+        if call.phase in ("denoise", "decode"):
+            self.report.note_observed(branch)
 
     def note_rows(self, branch: str, call: AttentionCall, rows: int) -> None:
         """Record the rows ``call`` of ``branch`` attended over (summed over its layers)."""

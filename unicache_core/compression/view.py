@@ -268,17 +268,26 @@ class BranchView:
         """EMA masses of ``types`` in one (layer chunk, step chunk) cell of this branch, or ``None``."""
         return self._session.stats.cell_masses(layer_chunk, step_chunk, types, branch=self.branch)
 
-    def recompresses_unread(self, step: int) -> bool:
-        """Whether a re-compression at ``step`` would come after the request's last denoising step or last possible
-        decoded token: no call reads the cache it would shrink. (The first compression still runs: the report's
-        figures are those of a compressed cache.)"""
+    def next_call_step(self, step: int) -> int | None:
+        """The next step after denoising ``step`` at which this branch's caches are called: ``step + 1``, or with
+        TaylorSeer its next computed step (forecast steps call nothing; docs/compression.md §11.12); ``None`` when
+        none comes."""
         info = self._session.step
-        return (
-            self.compressions > 0
-            and info is not None
-            and info.phase in ("denoise", "decode")
-            and step >= info.total - 1
-        )
+        if info is not None and info.phase == "denoise" and info.step == step:
+            return info.next_call_step(self.branch)
+        return step + 1
+
+    def recompresses_unread(self, step: int) -> bool:
+        """Whether a re-compression at ``step`` would come after the last call that reads the cache it would shrink:
+        the request's last denoising step or last possible decoded token, or the branch's last computed step when
+        the later ones are forecast (TaylorSeer). (The first compression still runs: the report's figures are those
+        of a compressed cache.)"""
+        info = self._session.step
+        if self.compressions == 0 or info is None or info.phase not in ("denoise", "decode"):
+            return False
+        if info.phase == "denoise" and info.step == step:
+            return info.next_call_step(self.branch) is None
+        return step >= info.total - 1
 
 
 __all__ = ["POOLED", "BranchView", "LayerView", "RowGeometry", "SegmentKey", "is_candidate", "key_of"]

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -115,9 +115,14 @@ class StepInfo:
     Attributes:
         phase: ``denoise`` or ``decode``.
         step: 0-based index; total: steps (tokens: the most) of this phase.
-        branches: the contexts that run in this step (CFG branches skip steps outside ``cfg_interval``;
+        branches: the contexts whose output this step uses (CFG branches skip steps outside ``cfg_interval``;
             think-mode plan tokens run in ``plan``).
         timestep: flow time ``t`` of a denoising step.
+        forecast: the branches of ``branches`` whose output this step is forecast instead of computed
+            (TaylorSeer, ``unicache_core/bagel/taylorseer.py``): their caches see no call in this step.
+        next_full: for each branch of ``branches``, the next step at which its caches are called again (its
+            next computed step), or ``None`` when they never are; the mapping itself is ``None`` when every
+            branch is computed at every step (:meth:`next_call_step`).
     """
 
     phase: Phase
@@ -125,6 +130,15 @@ class StepInfo:
     total: int
     branches: tuple[str, ...]
     timestep: float | None = None
+    forecast: tuple[str, ...] = ()
+    next_full: Mapping[str, int | None] | None = field(default=None, compare=False)
+
+    def next_call_step(self, branch: str) -> int | None:
+        """The next step at which the caches of ``branch`` are called (``step + 1`` unless :attr:`next_full` says
+        otherwise), or ``None`` when this is the last."""
+        if self.next_full is not None:
+            return self.next_full.get(branch)
+        return self.step + 1 if self.step + 1 < self.total else None
 
 
 class KVCache(ABC):

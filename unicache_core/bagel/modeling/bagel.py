@@ -9,7 +9,7 @@ given at build time (:mod:`.operations`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -194,12 +194,15 @@ class Bagel(nn.Module):
             embeds.to(self.device, self.dtype), positions.to(self.device), cache, call, gen_mask
         )
 
-    def forward_llm_branches(self, branches: Sequence[BranchInput]) -> list[Tensor]:
+    def forward_llm_branches(
+        self, branches: Sequence[BranchInput], *, last_layer_hook: Callable[[int, Tensor], None] | None = None
+    ) -> list[Tensor]:
         """Several blocks of new tokens, each over its own cache, through the decoder together.
 
         Each block's result equals :meth:`forward_llm` of that block alone; the layers run one at a time for
         all blocks, so a low-precision weight is upcast once per layer for all of them (e.g. the CFG branches
-        of one denoising step). See :meth:`~.qwen2_mot.Qwen2Model.forward_branches`.
+        of one denoising step). ``last_layer_hook(b, hidden)`` sees each block's last decoder layer output
+        before the final norm. See :meth:`~.qwen2_mot.Qwen2Model.forward_branches`.
 
         Returns:
             ``[T_b, H]`` final-normed hidden states per block.
@@ -208,7 +211,12 @@ class Bagel(nn.Module):
             dataclasses.replace(b, embeds=b.embeds.to(self.device, self.dtype), positions=b.positions.to(self.device))
             for b in branches
         ]
-        return self.language_model.model.forward_branches(placed)
+        return self.language_model.model.forward_branches(placed, last_layer_hook=last_layer_hook)
+
+    def final_norm(self, hidden: Tensor, gen_mask: Tensor | None = None) -> Tensor:
+        """``[T, H]`` last-decoder-layer output → the final-normed hidden states :meth:`forward_llm` would return
+        (``gen_mask`` as there)."""
+        return self.language_model.model.final_norm(hidden.to(self.device), gen_mask)
 
     def lm_logits(self, hidden: Tensor) -> Tensor:
         """``[n, H]`` final-normed hidden → ``[n, V]`` logits."""

@@ -278,7 +278,9 @@ class Qwen2Model(nn.Module):
         """
         return self.forward_branches([BranchInput(embeds, positions, cache, call, gen_mask)])[0]
 
-    def forward_branches(self, branches: Sequence[BranchInput]) -> list[Tensor]:
+    def forward_branches(
+        self, branches: Sequence[BranchInput], *, last_layer_hook: Callable[[int, Tensor], None] | None = None
+    ) -> list[Tensor]:
         """Run several blocks, each over its own cache, through the layers together (layer by layer).
 
         Each block sees exactly what :meth:`forward` would give it alone (same operations on the same
@@ -286,6 +288,8 @@ class Qwen2Model(nn.Module):
         one :func:`~.operations.shared_upcasts` scope, so a low-precision layer upcasts its weight once for
         all blocks and at most one layer's upcast weights are alive. Caches see ``begin_call`` for every block
         first, then ``attend`` layer by layer, then ``end_call`` for every block (also after an error).
+        ``last_layer_hook(b, hidden)``: called with each block's index and its last decoder layer's output
+        ``[T_b, H]`` (before the final norm; the hook must not modify it), e.g. to keep it for TaylorSeer.
 
         Returns:
             ``[T_b, H]`` final-normed hidden states per block, in order.
@@ -319,7 +323,15 @@ class Qwen2Model(nn.Module):
         finally:
             for b in begun:
                 b.cache.end_call(b.call)
+        if last_layer_hook is not None:
+            for index, x in enumerate(states):
+                last_layer_hook(index, x)
         return [routing.apply(self.norm, self.norm_moe_gen, x) for x, (routing, _, _) in zip(states, prepared)]
+
+    def final_norm(self, hidden: Tensor, gen_mask: Tensor | None = None) -> Tensor:
+        """The final norms (``norm`` for und tokens, ``norm_moe_gen`` for gen tokens) of a last decoder layer's output
+        ``hidden [T, H]`` (``gen_mask`` as in :class:`BranchInput`): what :meth:`forward_branches` returns for it."""
+        return Routing.from_mask(gen_mask, hidden.shape[0]).apply(self.norm, self.norm_moe_gen, hidden)
 
 
 class Qwen2ForCausalLM(nn.Module):

@@ -169,11 +169,15 @@ class UniCache(Method):
         return all(s.fixed or s.rho <= s.floor for s in schedules)
 
     def is_compression_step(self, view: BranchView, step: int) -> bool:
+        """After the branch's first step, then at the last step of each step chunk that calls its caches: the step
+        after which its next call (``step + 1``; with TaylorSeer its next computed step, forecast steps call
+        nothing) falls in a later chunk, or after which none comes (docs/compression.md §11.12)."""
         if view.compressions == 0:
             return True
         if self.settled(view):
             return False
-        return step_chunk(step + 1) != step_chunk(step)  # the last step of a chunk
+        upcoming = view.next_call_step(step)
+        return upcoming is None or step_chunk(upcoming) != step_chunk(step)
 
     def plan_decode(self, view: BranchView, call: AttentionCall) -> CallPlan:
         # Only the token that ends a step chunk is measured (type masses from the LSE) and re-allocates; the EMA
