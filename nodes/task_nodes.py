@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import logging
 
-from unicache_core.bagel import RENORM_TYPES, BagelPipeline, GivenLatents, ImageTransforms, RunHooks
+from unicache_core.bagel import BagelPipeline, GivenLatents, ImageTransforms, RunHooks
 from unicache_core.bagel.accounting import count_request, request_memory_bytes
 from unicache_core.bagel.seeding import MAX_SEED
 from unicache_core.bagel.settings import (
     EDIT_DEFAULTS,
-    MAX_CFG_SCALE,
-    MAX_NUM_TIMESTEPS,
     T2I_DEFAULTS,
     TEMPERATURE_RANGE,
-    TIMESTEP_SHIFT_RANGE,
     UNDERSTANDING_DEFAULTS,
     check_output_size,
     check_prompt,
@@ -36,154 +33,20 @@ from . import host
 from .convert import ComfyVAEAdapter, from_comfy_latent, image_to_pils, pils_to_image, to_comfy_latent
 from .items_nodes import ITEMS_INPUT, check_items, memory_of, request_items, request_of
 from .model import BagelModel
+from .task_inputs import (
+    KV_INPUT,
+    OUTPUT_NAMES,
+    OUTPUT_TOOLTIPS,
+    OUTPUTS,
+    TAYLORSEER_INPUT,
+    VAE_INPUT,
+    generation_inputs,
+    prompt_input,
+    seed_input,
+)
 from .validation import check_source_latent, check_widgets, fit_source_latent
 
 logger = logging.getLogger(__name__)
-
-OUTPUTS = ("IMAGE", "LATENT", "STRING", "UNICACHE_KV_REPORT")
-OUTPUT_NAMES = ("image", "latent", "thinking", "kv_report")
-OUTPUT_TOOLTIPS = (
-    "The generated image(s), [batch, height, width, 3] in [0, 1].",
-    "The final latent in ComfyUI's FLUX convention (decode with core VAEDecode and the FLUX ae.safetensors).",
-    "The plan decoded in think mode (empty when think is off).",
-    "The KV-cache report of the run (connect to UniCache KV Report).",
-)
-
-
-# ------------------------------------------------------------------------------------------- inputs
-
-
-def _seed():
-    return (
-        "INT",
-        {
-            "default": 0,
-            "min": 0,
-            "max": MAX_SEED,
-            "step": 1,
-            "control_after_generate": True,
-            "tooltip": "Seed of all random draws (noise, sampled text); any value in [0, 2^64-1]. Seeds "
-            "below 2^32 reproduce the official BAGEL stream.",
-        },
-    )
-
-
-def _generation_inputs(defaults) -> dict:
-    lo, hi = TIMESTEP_SHIFT_RANGE
-    return {
-        "steps": (
-            "INT",
-            {
-                "default": defaults.num_timesteps,
-                "min": 2,
-                "max": MAX_NUM_TIMESTEPS,
-                "step": 1,
-                "tooltip": "Points of the timestep schedule (BAGEL's num_timesteps; steps-1 Euler updates "
-                "are run). Official: 50.",
-            },
-        ),
-        "seed": _seed(),
-        "cfg_text_scale": (
-            "FLOAT",
-            {
-                "default": defaults.cfg_text_scale,
-                "min": 0.0,
-                "max": MAX_CFG_SCALE,
-                "step": 0.1,
-                "round": 0.01,
-                "tooltip": "Text guidance; <= 1 turns it (and image guidance) off.",
-            },
-        ),
-        "cfg_img_scale": (
-            "FLOAT",
-            {
-                "default": defaults.cfg_img_scale,
-                "min": 0.0,
-                "max": MAX_CFG_SCALE,
-                "step": 0.1,
-                "round": 0.01,
-                "tooltip": "Image guidance; <= 1 turns it off.",
-            },
-        ),
-        "cfg_interval_lo": (
-            "FLOAT",
-            {
-                "default": defaults.cfg_interval[0],
-                "min": 0.0,
-                "max": 1.0,
-                "step": 0.01,
-                "tooltip": "Guidance runs for the steps with lo < t <= hi (t goes from 1 to 0).",
-            },
-        ),
-        "cfg_interval_hi": (
-            "FLOAT",
-            {
-                "default": defaults.cfg_interval[1],
-                "min": 0.0,
-                "max": 1.0,
-                "step": 0.01,
-                "tooltip": "Upper end of the guidance interval (>= lo).",
-            },
-        ),
-        "timestep_shift": (
-            "FLOAT",
-            {
-                "default": defaults.timestep_shift,
-                "min": lo,
-                "max": hi,
-                "step": 0.1,
-                "round": 0.01,
-                "tooltip": "Shift s of the schedule t' = s t / (1 + (s-1) t). Official: 3.0.",
-            },
-        ),
-        "cfg_renorm_min": (
-            "FLOAT",
-            {
-                "default": defaults.cfg_renorm_min,
-                "min": 0.0,
-                "max": 1.0,
-                "step": 0.01,
-                "tooltip": "Lower clamp of the norm ratio after guidance (1 = no renorm).",
-            },
-        ),
-        "cfg_renorm_type": (
-            list(RENORM_TYPES),
-            {"default": defaults.cfg_renorm_type, "tooltip": "How the guided velocity is renormalised."},
-        ),
-        "think": (
-            "BOOLEAN",
-            {
-                "default": False,
-                "label_on": "think",
-                "label_off": "direct",
-                "tooltip": "Decode a plan first (think mode) and generate from it; the plan is the `thinking` output.",
-            },
-        ),
-    }
-
-
-def _prompt(default: str, tip: str):
-    return ("STRING", {"multiline": True, "default": default, "tooltip": tip})
-
-
-KV_INPUT = ("UNICACHE_KV", {"tooltip": "KV-cache compression (UniCache KV Config). None = full cache."})
-TAYLORSEER_INPUT = (  # optional: a workflow saved before it existed still runs, without TaylorSeer
-    "BOOLEAN",
-    {
-        "default": False,
-        "tooltip": "TaylorSeer (official): after 5 steps the model runs on 1 step in 3, the others are forecast.",
-    },
-)
-VAE_INPUT = (
-    "VAE",
-    {
-        "tooltip": "Optional FLUX VAE (core VAELoader, ae.safetensors) instead of the checkpoint's own; "
-        "needed for single-file checkpoints without a VAE."
-    },
-)
-
-
-# ------------------------------------------------------------------------------------------- running
 
 
 def _check_model(model) -> None:
@@ -348,7 +211,7 @@ class UniCacheTextToImage:
         return {
             "required": {
                 "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
-                "prompt": _prompt(
+                "prompt": prompt_input(
                     "a large red circle at the top left on a white background",
                     "What to draw. The bundled unicache-shapes model knows the shapes world: "
                     "'a small blue square at the center and a large yellow triangle at the bottom right "
@@ -359,9 +222,10 @@ class UniCacheTextToImage:
                     "INT",
                     {"default": d.height, **size, "tooltip": "Output height in pixels (multiple of 16)."},
                 ),
-                **_generation_inputs(d),
+                **generation_inputs(d),
             },
-            "optional": {"kv": KV_INPUT, "vae": VAE_INPUT, "items": ITEMS_INPUT, "taylorseer": TAYLORSEER_INPUT},
+            # optional inputs added later go last (items last of all): saved workflows keep their slots
+            "optional": {"kv": KV_INPUT, "vae": VAE_INPUT, "taylorseer": TAYLORSEER_INPUT, "items": ITEMS_INPUT},
         }
 
     @classmethod
@@ -406,8 +270,8 @@ class UniCacheTextToImage:
         think,
         kv=None,
         vae=None,
-        items=None,
         taylorseer=False,
+        items=None,
     ):
         settings = _generation_settings(
             "t2i",
@@ -463,13 +327,13 @@ class UniCacheImageEdit:
             "required": {
                 "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
                 "image": ("IMAGE", {"tooltip": "The source image(s) to edit."}),
-                "prompt": _prompt(
+                "prompt": prompt_input(
                     "change the background to black",
                     "The edit instruction. unicache-shapes knows: make the <colour> <shape> <colour>, move "
                     "the <colour> <shape> to the <position>, add a <size> <colour> <shape> at the "
                     "<position>, remove the <colour> <shape>, change the background to <colour>.",
                 ),
-                **_generation_inputs(EDIT_DEFAULTS),
+                **generation_inputs(EDIT_DEFAULTS),
             },
             "optional": {
                 "kv": KV_INPUT,
@@ -484,8 +348,8 @@ class UniCacheImageEdit:
                         "size for BAGEL's ViT. At most 1024 px per side."
                     },
                 ),
-                "items": ITEMS_INPUT,
                 "taylorseer": TAYLORSEER_INPUT,
+                "items": ITEMS_INPUT,
             },
         }
 
@@ -521,8 +385,8 @@ class UniCacheImageEdit:
         kv=None,
         vae=None,
         latent=None,
-        items=None,
         taylorseer=False,
+        items=None,
     ):
         settings = _generation_settings(
             "edit",
@@ -585,7 +449,7 @@ class UniCacheUnderstand:
         return {
             "required": {
                 "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
-                "prompt": _prompt(
+                "prompt": prompt_input(
                     "what color is the circle?",
                     "The question or instruction. unicache-shapes answers: what color is the <shape>?, "
                     "what shape is the <colour> object?, how many shapes are there?, where is the "
@@ -613,7 +477,7 @@ class UniCacheUnderstand:
                         "tooltip": "Sampling temperature (used when do_sample is on).",
                     },
                 ),
-                "seed": _seed(),
+                "seed": seed_input(),
                 "think": (
                     "BOOLEAN",
                     {

@@ -44,14 +44,17 @@ def _object_info():
     info = {}
     for node_id, cls in _mappings().items():
         spec = cls.INPUT_TYPES()
-        widgets = []
+        widgets, optional = [], set()
         for section in ("required", "optional"):
             for name, (kind, *rest) in spec.get(section, {}).items():
                 opts = rest[0] if rest else {}
                 if isinstance(kind, list) or kind in WIDGET_KINDS:
                     widgets.append((name, kind, opts))
+                    if section == "optional":
+                        optional.add(name)
         info[node_id] = {
             "widgets": widgets,
+            "optional_widgets": optional,
             "outputs": list(cls.RETURN_TYPES),
             "sockets": {
                 n: k
@@ -86,6 +89,8 @@ def _convert(ui: dict, info: dict) -> tuple[dict, list[str]]:
         pos = 0
         for name, kind, opts in spec["widgets"]:
             if pos >= len(values):
+                if name in spec.get("optional_widgets", ()):
+                    continue  # saved before the optional widget existed: the frontend gives it its default
                 problems.append(f"node {node['id']} {node['type']}: no value for widget {name}")
                 break
             value = values[pos]
