@@ -29,6 +29,25 @@ def test_the_readme_holds_the_plans_card_table():
     assert all(cell.strip() == "no" for r in rows if "| bf16 | none |" in r for cell in r.split("|")[6:-1])
 
 
+def test_the_readme_holds_the_plans_image_counts():
+    made = card_table.images_table()
+    readme = card_table.README.read_text(encoding="utf-8")
+    assert card_table.readme_table(readme, card_table.IMAGES_START, card_table.IMAGES_END) == made, (
+        "the memory plan changed: run `python -m tools.card_table --write`"
+    )
+    rows = {tuple(c.strip() for c in r.split("|")[1:3]): r.split("|")[3:-1] for r in made.splitlines()[2:]}
+    assert set(rows) == {(f"{gb} GB", offload) for gb in card_table.CARDS_GB for offload in ("none", "layers")}
+    # fp8 weights without offload (15.2 GB) leave room for images only on a 24 GB card
+    assert all(
+        c.strip() == "-"
+        for (card, offload), cells in rows.items()
+        if offload == "none" and card != "24 GB"
+        for c in cells
+    )
+    counts = [int(c) for c in rows[("24 GB", "layers")]]
+    assert counts[1] > counts[0] > 0 and counts[2] >= counts[3] > 0  # edits: UniCache more; questions: not more
+
+
 def test_the_table_goes_between_the_markers_and_nowhere_else():
     text = f"intro\n{card_table.START}\nold\n{card_table.END}\nrest\n"
     assert card_table.write_into(text, "| new |\n") == f"intro\n{card_table.START}\n| new |\n{card_table.END}\nrest\n"

@@ -1,8 +1,9 @@
-"""The README's "what fits on your card" table: BAGEL-7B-MoT's memory plan (``python -m unicache_core.bagel plan
---checkpoint bagel-7b-mot ...``) for each request the pack runs, weight storage and offload, on 8-24 GB cards.
+"""The README's "what fits on your card" tables: BAGEL-7B-MoT's memory plan (``python -m unicache_core.bagel plan
+--checkpoint bagel-7b-mot ...``) for each request the pack runs, weight storage and offload, on 8-24 GB cards; and
+the most input images a request takes on each card (:func:`~unicache_core.bagel.card_fit.card_table`).
 
-    .venv/bin/python -m tools.card_table            # print the markdown table
-    .venv/bin/python -m tools.card_table --write    # put it into README.md between its card-table markers
+    .venv/bin/python -m tools.card_table            # print the markdown tables
+    .venv/bin/python -m tools.card_table --write    # put them into README.md between their markers
 
 A request is one row group (:data:`REQUESTS`): add one there to add it to the table. ``tests/test_card_table.py``
 checks that the README holds the table this script makes, so a change of the plan shows up as a failing test
@@ -22,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 START = "<!-- card-table:start (python -m tools.card_table --write) -->"
 END = "<!-- card-table:end -->"
+IMAGES_START = "<!-- card-images:start (python -m tools.card_table --write) -->"
+IMAGES_END = "<!-- card-images:end -->"
 #: Card sizes, in decimal GB as the plan counts them (an "8 GB" card has 8 GiB = 8.6 GB, some of it taken by
 #: the driver and the display: the decimal size is a margin for that).
 CARDS_GB = (8, 12, 16, 24)
@@ -102,34 +105,52 @@ def table() -> str:
     return "\n".join(table_rows()) + "\n"
 
 
-def readme_table(text: str) -> str:
+def images_table() -> str:
+    """The most input images per card (fp8 weights, without and with layer offload): 1024² images of an edit (the
+    edited one included) and 980 px images of an understanding question, with full KV and with UniCache."""
+    from unicache_core.bagel.card_fit import card_table
+
+    cells = {(r.card_gb, r.offload, r.task, r.kv_method): r.most_images for r in card_table()}
+    rows = [
+        "| card | offload | edit, 1024² images: full KV | UniCache | understand, 980 px images: full KV | UniCache |",
+        "|---|---|---|---|---|---|",
+    ]
+    for card in CARDS_GB:
+        for offload in ("none", "layers"):
+            counts = [cells[(card, offload, task, kv)] for task in ("edit", "und") for kv in ("full", "unicache")]
+            rows.append(f"| {card} GB | {offload} | " + " | ".join(str(c) if c else "-" for c in counts) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def readme_table(text: str, start: str = START, end: str = END) -> str:
     """The table between the README's markers."""
-    if START not in text or END not in text:
-        raise ValueError(f"README.md has no card-table markers ({START} ... {END})")
-    return text.split(START, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+    if start not in text or end not in text:
+        raise ValueError(f"README.md has no card-table markers ({start} ... {end})")
+    return text.split(start, 1)[1].split(end, 1)[0].strip("\n") + "\n"
 
 
-def write_into(text: str, new_table: str) -> str:
+def write_into(text: str, new_table: str, start: str = START, end: str = END) -> str:
     """``text`` with the table between its markers replaced by ``new_table``."""
-    readme_table(text)  # the markers are there
-    head, rest = text.split(START, 1)
-    tail = rest.split(END, 1)[1]
-    return f"{head}{START}\n{new_table}{END}{tail}"
+    readme_table(text, start, end)  # the markers are there
+    head, rest = text.split(start, 1)
+    tail = rest.split(end, 1)[1]
+    return f"{head}{start}\n{new_table}{end}{tail}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.card_table", description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="write the table into README.md (between its markers)")
     args = parser.parse_args(argv)
-    new_table = table()
+    new_table, new_images = table(), images_table()
     if args.write:
         try:
-            README.write_text(write_into(README.read_text(encoding="utf-8"), new_table), encoding="utf-8")
+            text = write_into(README.read_text(encoding="utf-8"), new_table)
+            README.write_text(write_into(text, new_images, IMAGES_START, IMAGES_END), encoding="utf-8")
         except ValueError as error:
             sys.stderr.write(f"error: {error}\n")
             return 2
     else:
-        sys.stdout.write(new_table)
+        sys.stdout.write(new_table + "\n" + new_images)
     return 0
 
 
