@@ -1,6 +1,11 @@
 """End-to-end benchmark: every task x every KV method through the real BAGEL pipeline, in one run.
 
-``python -m benchmarks.bagel_e2e [--quick] [--json PATH] [--checkpoints medium,tiny]``
+``python -m benchmarks.bagel_e2e [--quick] [--json PATH] [--checkpoints medium,tiny] [--images 1,2,4,8]``
+
+``--images``: the image counts of the und and edit requests (one row group each; the images are distinct
+pictures, all given before the prompt, as the official ``interleave_inference`` takes them): at the medium
+checkpoint's 512 px an image is about 2.3K KV tokens per branch, so 8 images reach the UniCache paper's regime of
+~20K KV tokens per attention branch.
 
 Per (checkpoint, task): ``full`` first, then ``unicache`` (its own schedule), ``unicache_joint`` (the same
 method with every candidate type ``joint``: rows kept by score at the bits of :data:`JOINT_PLAN` for its
@@ -73,6 +78,7 @@ class E2EConfig:
     steps: int = 12  # denoising steps (num_timesteps = steps + 1), same schedule shape as the official 50
     decode_tokens: int = 24  # understanding: fixed number of decoded tokens
     edit_size: int = 512  # source image side (medium transforms keep 512)
+    images: tuple[int, ...] = (1,)  # input images of the und and edit requests (one row group per count)
     t2i_size: int = 256
     seed: int = 42
     threads: int = 0
@@ -109,7 +115,10 @@ def _psnr(a: Image.Image, b: Image.Image) -> float:
     return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
-def _run(pipe: BagelPipeline, task: str, cfg: E2EConfig, image: Image.Image) -> tuple[object, torch.Tensor | None]:
+def _run(
+    pipe: BagelPipeline, task: str, cfg: E2EConfig, image: Image.Image | list[Image.Image]
+) -> tuple[object, torch.Tensor | None]:
+    """One request of ``task``: ``image`` one source, or a list (several images, then the prompt)."""
     first_logits = []
     model = pipe.loaded.model
     original = model.lm_logits
@@ -122,15 +131,22 @@ def _run(pipe: BagelPipeline, task: str, cfg: E2EConfig, image: Image.Image) -> 
 
     if task == "und":
         model.lm_logits = capture
+        und = preset("understanding", max_new_tokens=cfg.decode_tokens)
         try:
-            result = pipe.understand(cfg.question, image, preset("understanding", max_new_tokens=cfg.decode_tokens))
+            if isinstance(image, list):
+                result = pipe.understand_items([*image, cfg.question], und)
+            else:
+                result = pipe.understand(cfg.question, image, und)
         finally:
             del model.lm_logits
         return result, first_logits[0][0] if first_logits else None
     if task == "t2i":
         settings = preset("t2i", width=cfg.t2i_size, height=cfg.t2i_size, num_timesteps=cfg.steps + 1)
         return pipe.text_to_image(cfg.prompt, settings, seed=cfg.seed), None
-    return pipe.edit(cfg.prompt, image, preset("edit", num_timesteps=cfg.steps + 1), seed=cfg.seed), None
+    edit = preset("edit", num_timesteps=cfg.steps + 1)
+    if isinstance(image, list):
+        return pipe.generate("edit", [*image, cfg.prompt], edit, seed=cfg.seed), None
+    return pipe.edit(cfg.prompt, image, edit, seed=cfg.seed), None
 
 
 def _compressed_steps(report: dict) -> list[dict]:
@@ -141,7 +157,7 @@ def _compressed_steps(report: dict) -> list[dict]:
     return [s for s in steps if s["step"] > first] or steps[-1:]
 
 
-def _row(checkpoint: str, task: str, method: str, result, report: dict, full: dict | None) -> dict:
+def _row(checkpoint: str, task: str, method: str, result, report: dict, full: dict | None, images: int = 1) -> dict:
     summ = report["summary"]
     steps = _compressed_steps(report)
     attn = [s["attention_s"] for s in steps]
@@ -151,6 +167,7 @@ def _row(checkpoint: str, task: str, method: str, result, report: dict, full: di
         "task": task,
         "checkpoint": checkpoint,
         "method": method,
+        "images": images,
         "kv_bytes_peak": summ["peak_bytes"],
         "kv_bytes_steady": summ["steady_managed_bytes"],
         "full_kv_bytes": summ["full_managed_bytes"],
@@ -224,7 +241,11 @@ def run(cfg: E2EConfig) -> dict:
                 "head_dim": llm.head_dim,
             }
             image = _source_image(cfg.edit_size, cfg.seed)
-            for task in cfg.tasks:
+            requests = [(task, 1) for task in cfg.tasks if task == "t2i" or 1 in cfg.images] + [
+                (task, n) for n in cfg.images if n > 1 for task in cfg.tasks if task != "t2i"
+            ]
+            for task, count in requests:
+                sources = image if count == 1 else [_source_image(cfg.edit_size, cfg.seed + i) for i in range(count)]
                 full_result, full_logits = None, None
                 full_row = None
                 unicache_steady = None
@@ -245,9 +266,10 @@ def run(cfg: E2EConfig) -> dict:
                     )
                     pipe = BagelPipeline(loaded, factory)
                     t0 = time.perf_counter()
-                    result, logits = _run(pipe, task, cfg, image)
+                    result, logits = _run(pipe, task, cfg, sources)
                     report = result.kv_report
-                    row = _row(name, task, method, result, report, full_row)
+                    row = _row(name, task, method, result, report, full_row, count)
+                    row["kv_tokens_per_branch"] = result.info["context_tokens"]
                     row["wall_seconds"] = time.perf_counter() - t0
                     if method == "full":
                         full_result, full_logits, full_row = result, logits, row
@@ -256,9 +278,10 @@ def run(cfg: E2EConfig) -> dict:
                     _finish(row, full_row, result, full_result, logits, full_logits, task)
                     results.append(row)
                     logger.info(
-                        "%s %s %-12s steady %s / %s B, attn x%.2f (ceiling %.2f), step x%.2f (ceiling %.2f)",
+                        "%s %s x%d %-12s steady %s / %s B, attn x%.2f (ceiling %.2f), step x%.2f (ceiling %.2f)",
                         name,
                         task,
+                        count,
                         method,
                         row["kv_bytes_steady"],
                         row["full_kv_bytes"],
@@ -283,7 +306,7 @@ def run(cfg: E2EConfig) -> dict:
 
 def format_table(report: dict) -> str:
     head = (
-        f"{'ckpt':7s} {'task':5s} {'method':14s} {'full/steady':>11s} {'peak MB':>8s} {'rho':>5s} "
+        f"{'ckpt':7s} {'task':5s} {'img':>3s} {'method':14s} {'full/steady':>11s} {'peak MB':>8s} {'rho':>5s} "
         f"{'attn x':>7s} {'rows x':>7s} {'step x':>7s} {'ceil':>6s} {'ovh':>6s}  fidelity"
     )
     lines = [head]
@@ -297,7 +320,8 @@ def format_table(report: dict) -> str:
         rho = "" if r["rho_mean"] is None else f"{r['rho_mean']:.2f}"
         flag = " [flagged]" if r["flags"] else ""
         lines.append(
-            f"{r['checkpoint']:7s} {r['task']:5s} {r['method']:14s} {ratio:11.2f} {r['kv_bytes_peak'] / 1e6:8.2f} "
+            f"{r['checkpoint']:7s} {r['task']:5s} {r.get('images', 1):3d} {r['method']:14s} {ratio:11.2f} "
+            f"{r['kv_bytes_peak'] / 1e6:8.2f} "
             f"{rho:>5s} {r['attention_speedup_vs_full']:7.2f} {r['attended_ratio_vs_full']:7.2f} "
             f"{r['speedup_vs_full']:7.2f} {r['step_ceiling']:6.2f} {r['overhead_fraction']:6.3f}  {fid}{flag}"
         )
@@ -312,6 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", default=None, help="comma list: und,t2i,edit")
     parser.add_argument("--methods", default=None, help="comma list of methods (full is always run)")
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--images", default=None, help="comma list of image counts of und and edit (default 1)")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--work-dir", default="", help="where the generated checkpoints are written (reused)")
     args = parser.parse_args(argv)
@@ -327,6 +352,14 @@ def main(argv: list[str] | None = None) -> None:
             if bad:
                 parser.error(f"--{name}: unknown {bad}; choose from {', '.join(allowed)}")
             kw[name] = items
+    if args.images:
+        try:
+            counts = tuple(int(v) for v in args.images.split(",") if v.strip())
+        except ValueError:
+            parser.error(f"--images: {args.images!r} is not a comma list of counts like 1,2,4")
+        if not counts or min(counts) < 1 or max(counts) > 16:
+            parser.error(f"--images: counts must be 1..16, got {args.images!r}")
+        kw["images"] = counts
     if args.steps is not None:
         if args.steps < 2:
             parser.error("--steps must be >= 2")
