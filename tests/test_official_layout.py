@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from cli_runs import run_bagel_cli
-from comfy_stubs import host_stubs  # noqa: F401  (a fixture)
+from comfy_stubs import NodeCall, host_stubs  # noqa: F401  (a fixture)
 
 from unicache_core.bagel import load_bagel
 from unicache_core.bagel.checkpoint.official_layout import (
@@ -110,7 +110,7 @@ def test_the_loader_node_explains_where_bagel_goes(host_stubs, tmp_path, caplog)
     comfy_bagel.mkdir(parents=True)
     host_stubs["folder_paths"].get_folder_paths = lambda name: [str(f) for f in folders]
     with caplog.at_level(logging.INFO, logger="nodes.loader_node"):
-        loader().load("unicache-shapes", "fp32", "cpu")
+        NodeCall(loader)("unicache-shapes", "fp32", "cpu")
     told = [r.getMessage() for r in caplog.records if r.name == "nodes.loader_node"]
     assert any("for BAGEL-7B-MoT put" in line and official_files_line() in line for line in told), told
     assert any(f"{comfy_bagel / 'BAGEL-7B-MoT'}/" in line for line in told), told
