@@ -69,6 +69,13 @@ def test_the_engine_names_what_a_folder_lacks(tmp_path, tiny_checkpoint):
         CheckpointError, match=r"missing weights file .*ema\.safetensors; download ema\.safetensors \(29\.2 GB\)"
     ):
         load_bagel(partial)
+    # a checkpoint folder that lacks several files: all of them in one message, not one per run
+    (partial / "vocab.json").unlink()
+    (partial / "merges.txt").unlink()
+    with pytest.raises(CheckpointError) as error:
+        load_bagel(partial)
+    lacks = str(error.value).split(";")[0]
+    assert lacks == f"{partial} is missing ema.safetensors (29.2 GB), vocab.json (2.78 MB), merges.txt (1.67 MB)"
     # a folder with some of BAGEL's files but not its llm_config.json: what it lacks, each with its size
     configs_only = tmp_path / "configs-only"
     configs_only.mkdir()
