@@ -29,7 +29,9 @@ const browser = await chromium.launch({
          "--disable-component-update", "--disable-sync", "--no-first-run"],
 });
 try {
-  const page = await browser.newPage({ viewport: { width: 1280, height: 800 } });
+  // UNICACHE_VIEWPORT=WxH (docs/nodes.md's screenshots: large enough that the fitted graph keeps its text)
+  const [vw, vh] = (process.env.UNICACHE_VIEWPORT || "1280x800").split("x").map(Number);
+  const page = await browser.newPage({ viewport: { width: vw, height: vh } });
   page.on("console", (m) => { if (m.type() === "error") result.console_errors.push(m.text().slice(0, 300)); });
   await page.goto(url, { waitUntil: "domcontentloaded", timeout: 120000 });
   await page.waitForFunction(() => window.app && window.app.graph, null, { timeout: 120000 });
@@ -95,6 +97,12 @@ try {
         return { id: n.id, type: n.type, text: n.unicacheWarning.textContent, shown: rect.width > 0 && rect.height > 0 };
       }));
   result.chart_elements = await page.evaluate(() => document.querySelectorAll(".unicache-kv-chart, [data-unicache-kv]").length);
+  if (process.env.UNICACHE_FIT_VIEW) {
+    // the whole graph in the picture (docs/nodes.md's screenshots): the frontend's "fit view" command
+    await page.evaluate(() => window.app.extensionManager?.command?.execute?.("Comfy.Canvas.FitView"));
+    await page.evaluate(() => document.querySelectorAll(".p-toast, [role=alert]").forEach((e) => e.remove()));
+    await page.waitForTimeout(800);
+  }
   await page.waitForTimeout(500);
   mkdirSync(dirname(screenshot), { recursive: true });
   await page.screenshot({ path: screenshot });
