@@ -8,9 +8,10 @@ square card of its pictures per workflow for ComfyUI's template browser.
 For ``workflows/api/<name>.json`` it reads ``<demo>/<name>/summary.json`` (the batch runner's, one run) and writes
 ``<out>/demo_<name>.png`` and ``<templates>/<name>.jpg``. ComfyUI's frontend (1.32) shows a custom node pack's
 example workflow ``<folder>/<name>.json`` with the picture ``/api/workflow_templates/<pack>/<name>.jpg``, a JPEG of
-the same name beside it (the host serves the pack's ``workflows`` folder there, as it does ``example_workflows``). What each image is comes from the workflow itself: a ``LoadImage`` is the input
-(``workflows/assets/``), a ``SaveImage`` an output (captioned with the KV method of the task node it saves), a
-``PreviewImage`` of a ``UniCacheKVReport`` the report's plot; an understanding node's answer captions the input.
+the same name beside it (the host serves the pack's ``workflows`` folder there, as it does ``example_workflows``).
+What each image is comes from the workflow itself: a ``LoadImage`` is the input (``workflows/assets/``), a
+``SaveImage`` an output (captioned with the KV method of the task node it saves), a ``PreviewImage`` of a
+``UniCacheKVReport`` the report's plot; an understanding node's answer captions the input.
 """
 
 from __future__ import annotations
