@@ -30,10 +30,8 @@ def policy_choices() -> list[str]:
 class UniCacheKVConfig(UniCacheNode):
     @classmethod
     def define_schema(cls):
-        def share(name: str, default: float, low: float, tip: str, label: str):
-            # the label says what the default stands for: the task's preset, which this node cannot show as a
-            # value (it does not know the task it feeds); the id stays, so saved workflows keep their values
-            return io.Float.Input(name, display_name=label, default=default, min=low, max=1.0, step=0.01, tooltip=tip)
+        def share(name: str, default: float, low: float, tip: str):
+            return io.Float.Input(name, default=default, min=low, max=1.0, step=0.01, tooltip=tip)
 
         return io.Schema(
             node_id="UniCacheKVConfig",
@@ -58,7 +56,6 @@ class UniCacheKVConfig(UniCacheNode):
                     "Retained share of the compressible KV memory (0.2 = keep 20%, 5x less). 0 = the task's default "
                     "(the paper's 80% reduction for edit and understanding, 60% for text-to-image; for unicache: "
                     "its rho schedule). For unicache an explicit target fixes rho0.",
-                    "kv_target (0: task default)",
                 ),
                 share(
                     "rho",
@@ -66,7 +63,6 @@ class UniCacheKVConfig(UniCacheNode):
                     0.0,
                     "unicache only: starting retention rho0 in (0, 1]. 0 = the preset (0.2 understanding, 0.5 "
                     "text-to-image and edit). Ignored by the other methods.",
-                    "rho (0: task preset)",
                 ),
                 share(
                     "rho_floor",
@@ -74,7 +70,6 @@ class UniCacheKVConfig(UniCacheNode):
                     -1.0,
                     "unicache only: the lowest retention the schedule decays to (<= rho). -1 = the preset (0.35 "
                     "text-to-image, 0.1 edit); 0 is a real floor. Ignored by the other methods.",
-                    "rho_floor (-1: task preset)",
                 ),
                 io.Combo.Input(
                     "policy",
