@@ -88,7 +88,7 @@ demo: host bundled
 
 # The README's pictures and generated table: the plot of KV bytes from docs/results (tools/kv_plot.py), the
 # "what fits on your card" table from the memory plan (tools/card_table.py), and the workflow thumbnails from
-# make demo's outputs (tools/thumbnails.py, into docs/images/).
+# make demo's outputs (tools/thumbnails.py: strips into docs/images/, template cards workflows/<name>.jpg).
 figures: setup
 	$(PY) -m tools.kv_plot
 	$(PY) -m tools.card_table --write

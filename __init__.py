@@ -1,4 +1,4 @@
-"""UniCache for BAGEL: the ComfyUI node pack entry (V1 API).
+"""UniCache for BAGEL: the ComfyUI node pack entry (V3 API: ``comfy_entrypoint``).
 
 ComfyUI imports this package from ``custom_nodes/``. The library ``unicache_core`` lives next to it; when it
 is not installed into the environment, the pack folder is appended to ``sys.path`` so it imports.
@@ -14,7 +14,7 @@ except ImportError:
     sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 if __package__:  # ComfyUI (and any import by package name)
-    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+    from .nodes import comfy_entrypoint
     from .nodes import host as _host
 else:
     # Imported as a plain top-level module: pytest sets the checkout folder up as a package and, when the
@@ -22,7 +22,7 @@ else:
     _here = os.path.dirname(os.path.abspath(__file__))
     if _here not in sys.path:
         sys.path.append(_here)
-    from nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+    from nodes import comfy_entrypoint
     from nodes import host as _host
 
 try:
@@ -32,4 +32,5 @@ except ImportError:  # imported outside ComfyUI
 
 WEB_DIRECTORY = "./web"
 
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
+# No NODE_CLASS_MAPPINGS here: ComfyUI takes a pack's V1 mappings before its V3 entry point.
+__all__ = ["WEB_DIRECTORY", "comfy_entrypoint"]

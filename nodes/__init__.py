@@ -1,5 +1,10 @@
-"""ComfyUI glue of the pack: thin V1 node classes over ``unicache_core`` (see docs/nodepack-contract.md)."""
+"""ComfyUI glue of the pack: thin V3 node classes over ``unicache_core`` (see docs/nodepack-contract.md).
 
+:func:`comfy_entrypoint` is what ComfyUI loads (a ``ComfyExtension`` listing the nodes); the two mappings name the
+same classes by node id for the pack's tools and tests.
+"""
+
+from .host import ComfyExtension
 from .items_nodes import UniCacheImageItem, UniCacheTextItem
 from .kv_nodes import UniCacheKVConfig
 from .loader_node import UniCacheBagelLoader
@@ -28,4 +33,17 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "UniCacheTextItem": "UniCache BAGEL Text Item",
 }
 
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+
+class UniCacheExtension(ComfyExtension):
+    """The pack as a V3 extension: its node classes."""
+
+    async def get_node_list(self) -> list:
+        return list(NODE_CLASS_MAPPINGS.values())
+
+
+async def comfy_entrypoint() -> UniCacheExtension:
+    """ComfyUI's V3 entry point (``nodes.load_custom_node`` calls it when the pack exports no V1 mappings)."""
+    return UniCacheExtension()
+
+
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "UniCacheExtension", "comfy_entrypoint"]

@@ -1,7 +1,10 @@
-"""The one adapter of ComfyUI services: model folders, progress, interrupts, model management, devices.
+"""The one adapter of ComfyUI services: the V3 node API, model folders, progress, interrupts, model management,
+devices.
 
-This is the ONLY module of the pack that imports ``comfy``, ``folder_paths`` or ``server``, and it does
-so lazily, inside functions, so that the node classes import (and are unit-tested) without a host.
+This is the ONLY module of the pack that imports ComfyUI's modules. ComfyUI's V3 node API (``comfy_api.latest``:
+``io`` and ``ComfyExtension``) is imported here at import, because the node classes derive from ``io.ComfyNode``;
+``comfy``, ``folder_paths`` and the rest are imported lazily, inside functions. The unit tests run the nodes
+without a host on a stand-in of ``comfy_api.latest`` (tests/comfy_stubs.py).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import os
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
+
+from comfy_api.latest import ComfyExtension, io
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +88,9 @@ def qwen_tokenizer_dir() -> Path:
 
 def resolve_devices(choice: str):
     """``(load_device, offload_device)`` for the loader's ``device`` widget (``auto`` = ComfyUI's choice)."""
-    import comfy.model_management as mm
     import torch
+
+    import comfy.model_management as mm
 
     if choice == "cpu":
         return torch.device("cpu"), torch.device("cpu")
@@ -140,7 +146,6 @@ def host_operations(weight_dtype: str, compute_dtype: str, load_device):
         ``weight_dtype``: the picked namespace and the library's name of the storage dtype.
     """
     import comfy.ops
-
     from unicache_core.bagel.checkpoint.loader import parse_dtype
     from unicache_core.bagel.weights import HostOperations, plain_storage_dtype
 
@@ -224,8 +229,9 @@ def progress_callback(total: int, node_id=None) -> Callable[..., None]:
 def _previewer():
     """ComfyUI's latent previewer for FLUX latents, or None when previews are off (or unavailable)."""
     try:
-        import comfy.latent_formats
         import latent_preview
+
+        import comfy.latent_formats
     except ImportError:  # an older or stripped host: progress without previews
         return None
     return latent_preview.get_previewer("cpu", comfy.latent_formats.Flux())
@@ -248,6 +254,8 @@ def raise_interrupt() -> None:
 
 __all__ = [
     "BAGEL_FOLDER",
+    "ComfyExtension",
+    "io",
     "PACK_BAGEL_DIR",
     "POLICY_FOLDER",
     "SHIPPED_POLICY_DIR",

@@ -17,18 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from unicache_core.bagel.items import ImageItem, TextItem
+from unicache_core.bagel.notices import empty_text_warning
 
+from .base import CATEGORY, ITEMS, UniCacheNode, warnings_ui
 from .convert import from_comfy_latent, image_to_pils
+from .host import io
 from .validation import check_source_latent, fit_source_latent
 
-ITEMS_TYPE = "BAGEL_ITEMS"
-ITEMS_INPUT = (
-    ITEMS_TYPE,
-    {
-        "tooltip": "Texts and images that come first, in order (UniCache BAGEL Image Item / Text Item chain); "
-        "this node's own image and prompt follow them."
-    },
-)
+ITEMS_TYPE = ITEMS.io_type
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,37 +94,39 @@ def memory_of(loaded, task: str, request: list, settings) -> int:
     return request_memory_bytes(loaded.config, loaded.dtype, tokens, taylor_order=taylorseer_order(settings))
 
 
-class UniCacheImageItem:
-    DESCRIPTION = (
-        "Adds image(s) to a BAGEL item list, after the connected items: a batch of N images adds N images in batch "
-        "order. Connect the list to a task node's `items` (several reference images for an edit, several images "
-        "to ask about). Optional: a core VAEEncode LATENT of the image(s), one per image, used instead of "
-        "encoding them."
-    )
-    CATEGORY = "UniCache/BAGEL"
-    FUNCTION = "add"
-    RETURN_TYPES = (ITEMS_TYPE,)
-    RETURN_NAMES = ("items",)
-    OUTPUT_TOOLTIPS = ("The items so far, this image (or batch) last.",)
+def _items_in(tip: str):
+    return ITEMS.Input("items", optional=True, tooltip=tip)
+
+
+class UniCacheImageItem(UniCacheNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="UniCacheImageItem",
+            display_name="UniCache BAGEL Image Item",
+            category=CATEGORY,
+            description="Adds image(s) to a BAGEL item list, after the connected items: a batch of N images adds N "
+            "images in batch order. Connect the list to a task node's `items` (several reference images for an "
+            "edit, several images to ask about). Optional: a core VAEEncode LATENT of the image(s), one per image, "
+            "used instead of encoding them.",
+            inputs=[
+                io.Image.Input("image", tooltip="The image(s) to add (a batch adds each in order)."),
+                _items_in("The items that come before this image."),
+                io.Latent.Input(
+                    "latent",
+                    optional=True,
+                    tooltip="Optional core VAEEncode of these images (FLUX VAE), one latent per image: used instead "
+                    "of encoding them (any size up to 1024 px per side, rounded down to BAGEL's 16-px grid; the "
+                    "image is resized to it for BAGEL's ViT).",
+                ),
+            ],
+            outputs=[
+                ITEMS.Output("items_out", display_name="items", tooltip="The items so far, this image (or batch) last.")
+            ],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {"image": ("IMAGE", {"tooltip": "The image(s) to add (a batch adds each in order)."})},
-            "optional": {
-                "items": (ITEMS_TYPE, {"tooltip": "The items that come before this image."}),
-                "latent": (
-                    "LATENT",
-                    {
-                        "tooltip": "Optional core VAEEncode of these images (FLUX VAE), one latent per image: used "
-                        "instead of encoding them (any size up to 1024 px per side, rounded down to BAGEL's "
-                        "16-px grid; the image is resized to it for BAGEL's ViT)."
-                    },
-                ),
-            },
-        }
-
-    def add(self, image, items=None, latent=None):
+    def execute(cls, image, items=None, latent=None) -> io.NodeOutput:
         chain = check_items(items)
         pixels = image_to_pils(image, "image")
         samples = [None] * len(pixels)
@@ -141,38 +139,42 @@ class UniCacheImageItem:
                     f"encode the same batch with VAEEncode (one latent per image)"
                 )
             samples = [batch[i : i + 1] for i in range(count)]
-        return (chain + tuple(NodeImage(p, s) for p, s in zip(pixels, samples)),)
+        return io.NodeOutput(chain + tuple(NodeImage(p, s) for p, s in zip(pixels, samples)))
 
 
-class UniCacheTextItem:
-    DESCRIPTION = (
-        "Adds a text to a BAGEL item list, after the connected items, and outputs the text too (connect it to a task "
-        "node's prompt, and the list to a later node's `items`: iterative editing in one context)."
-    )
-    CATEGORY = "UniCache/BAGEL"
-    FUNCTION = "add"
-    RETURN_TYPES = (ITEMS_TYPE, "STRING")
-    RETURN_NAMES = ("items", "text")
-    OUTPUT_TOOLTIPS = ("The items so far, this text last.", "The text itself (e.g. for a task node's prompt).")
+class UniCacheTextItem(UniCacheNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="UniCacheTextItem",
+            display_name="UniCache BAGEL Text Item",
+            category=CATEGORY,
+            description="Adds a text to a BAGEL item list, after the connected items, and outputs the text too "
+            "(connect it to a task node's prompt, and the list to a later node's `items`: iterative editing in one "
+            "context). An empty text runs, with a warning on the node.",
+            inputs=[
+                io.String.Input("text", multiline=True, default="", tooltip="The text (a block of its own)."),
+                _items_in("The items that come before this text."),
+            ],
+            outputs=[
+                ITEMS.Output("items_out", display_name="items", tooltip="The items so far, this text last."),
+                io.String.Output(
+                    "text_out", display_name="text", tooltip="The text itself (e.g. for a task node's prompt)."
+                ),
+            ],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "text": ("STRING", {"multiline": True, "default": "", "tooltip": "The text (a block of its own)."})
-            },
-            "optional": {"items": (ITEMS_TYPE, {"tooltip": "The items that come before this text."})},
-        }
-
-    def add(self, text, items=None):
+    def execute(cls, text, items=None) -> io.NodeOutput:
         if not isinstance(text, str):
             raise ValueError(f"`text` must be a STRING, got {type(text).__name__}")
-        return (check_items(items) + (TextItem(text),), text)
+        chain = check_items(items) + (TextItem(text),)
+        note = empty_text_warning(text, "this Text Item")
+        return io.NodeOutput(chain, text, ui=warnings_ui("Text Item", [note] if note else []))
 
 
 __all__ = [
     "BagelItems",
-    "ITEMS_INPUT",
     "ITEMS_TYPE",
     "NodeImage",
     "UniCacheImageItem",

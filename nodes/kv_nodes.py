@@ -9,6 +9,8 @@ from unicache_core.compression import METHODS, method_from_name
 from unicache_core.compression.defaults import SCORE_QUERIES
 
 from . import host
+from .base import KV, UniCacheNode
+from .host import io
 from .validation import check_widgets
 
 logger = logging.getLogger(__name__)
@@ -25,97 +27,81 @@ def policy_choices() -> list[str]:
     return [DEFAULT_POLICY] + [f for f in files if f != DEFAULT_POLICY]
 
 
-class UniCacheKVConfig:
-    DESCRIPTION = (
-        "KV-cache compression for the UniCache task nodes: `unicache` (typed: instruction and ViT "
-        "evicted by attention, source VAE quantized, retention rho per step), a baseline (h2o, snapkv, "
-        "pyramidkv, streamingllm, kivi, vlcache) or `full` (no compression, still reports bytes). "
-        "Protected tokens (boundaries, the current latent, decoded text) are never compressed. Without "
-        "this node a task runs with the full cache."
-    )
-    CATEGORY = "UniCache/cache"
-    FUNCTION = "build"
-    RETURN_TYPES = ("UNICACHE_KV",)
-    RETURN_NAMES = ("kv",)
-    OUTPUT_TOOLTIPS = ("KV-compression settings; connect to the `kv` input of a task node.",)
+class UniCacheKVConfig(UniCacheNode):
+    @classmethod
+    def define_schema(cls):
+        def share(name: str, default: float, low: float, tip: str):
+            return io.Float.Input(name, default=default, min=low, max=1.0, step=0.01, tooltip=tip)
+
+        return io.Schema(
+            node_id="UniCacheKVConfig",
+            display_name="UniCache KV Config",
+            category="UniCache/cache",
+            description="KV-cache compression for the UniCache task nodes: `unicache` (typed: instruction and ViT "
+            "evicted by attention, source VAE quantized, retention rho per step), a baseline (h2o, snapkv, "
+            "pyramidkv, streamingllm, kivi, vlcache) or `full` (no compression, still reports bytes). Protected "
+            "tokens (boundaries, the current latent, decoded text) are never compressed. Without this node a task "
+            "runs with the full cache.",
+            inputs=[
+                io.Combo.Input(
+                    "method",
+                    options=list(METHODS),
+                    default="unicache",
+                    tooltip="Compression method. full = uncompressed (bit-identical to no KV node).",
+                ),
+                share(
+                    "kv_target",
+                    0.0,
+                    0.0,
+                    "Retained share of the compressible KV memory (0.2 = keep 20%, 5x less). 0 = the task's default "
+                    "(the paper's 80% reduction for edit and understanding, 60% for text-to-image; for unicache: "
+                    "its rho schedule). For unicache an explicit target fixes rho0.",
+                ),
+                share(
+                    "rho",
+                    0.0,
+                    0.0,
+                    "unicache only: starting retention rho0 in (0, 1]. 0 = the preset (0.2 understanding, 0.5 "
+                    "text-to-image and edit). Ignored by the other methods.",
+                ),
+                share(
+                    "rho_floor",
+                    -1.0,
+                    -1.0,
+                    "unicache only: the lowest retention the schedule decays to (<= rho). -1 = the preset (0.35 "
+                    "text-to-image, 0.1 edit); 0 is a real floor. Ignored by the other methods.",
+                ),
+                io.Combo.Input(
+                    "policy",
+                    options=policy_choices(),
+                    default=DEFAULT_POLICY,
+                    tooltip="unicache only: the policy table (which token type is evicted or quantized). default = "
+                    "the checkpoint's unicache_policy.json, else the shipped paper table. Other tables: JSON files "
+                    "in models/unicache_policies.",
+                ),
+                io.Int.Input(
+                    "score_queries",
+                    optional=True,
+                    default=SCORE_QUERIES,
+                    min=1,
+                    max=65536,
+                    step=1,
+                    tooltip="Most queries a forward scores keys with (strided latent queries, or the last text "
+                    "queries). More is more exact and slower.",
+                ),
+            ],
+            outputs=[
+                KV.Output(
+                    "kv",
+                    display_name="kv",
+                    tooltip="KV-compression settings; connect to the `kv` input of a task node.",
+                )
+            ],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        policies = policy_choices()
-        return {
-            "required": {
-                "method": (
-                    list(METHODS),
-                    {
-                        "default": "unicache",
-                        "tooltip": "Compression method. full = uncompressed (bit-identical to no KV node).",
-                    },
-                ),
-                "kv_target": (
-                    "FLOAT",
-                    {
-                        "default": 0.0,
-                        "min": 0.0,
-                        "max": 1.0,
-                        "step": 0.01,
-                        "tooltip": "Retained share of the compressible KV memory (0.2 = keep 20%, 5x less). 0 = the "
-                        "task's default (the paper's 80% reduction for edit and understanding, 60% for text-to-image; "
-                        "for unicache: its rho schedule). For unicache an explicit target fixes rho0.",
-                    },
-                ),
-                "rho": (
-                    "FLOAT",
-                    {
-                        "default": 0.0,
-                        "min": 0.0,
-                        "max": 1.0,
-                        "step": 0.01,
-                        "tooltip": "unicache only: starting retention rho0 in (0, 1]. 0 = the preset (0.2 "
-                        "understanding, 0.5 text-to-image and edit). Ignored by the other methods.",
-                    },
-                ),
-                "rho_floor": (
-                    "FLOAT",
-                    {
-                        "default": -1.0,
-                        "min": -1.0,
-                        "max": 1.0,
-                        "step": 0.01,
-                        "tooltip": "unicache only: the lowest retention the schedule decays to (<= rho). -1 = the "
-                        "preset (0.35 text-to-image, 0.1 edit); 0 is a real floor. Ignored by the other methods.",
-                    },
-                ),
-                "policy": (
-                    policies,
-                    {
-                        "default": DEFAULT_POLICY,
-                        "tooltip": "unicache only: the policy table (which token type is evicted or quantized). "
-                        "default = the checkpoint's unicache_policy.json, else the shipped paper table. Other tables: "
-                        "JSON files in models/unicache_policies.",
-                    },
-                ),
-            },
-            "optional": {
-                "score_queries": (
-                    "INT",
-                    {
-                        "default": SCORE_QUERIES,
-                        "min": 1,
-                        "max": 65536,
-                        "step": 1,
-                        "tooltip": "Most queries a forward scores keys with (strided latent queries, or the last text "
-                        "queries). More is more exact and slower.",
-                    },
-                ),
-            },
-        }
-
-    @classmethod
-    def VALIDATE_INPUTS(cls, kv_target, rho, rho_floor):
-        return check_widgets(cls, kv_target=kv_target, rho=rho, rho_floor=rho_floor)
-
-    def build(self, method, kv_target, rho, rho_floor, policy, score_queries=SCORE_QUERIES):
-        valid = check_widgets(type(self), kv_target=kv_target, rho=rho, rho_floor=rho_floor)
+    def execute(cls, method, kv_target, rho, rho_floor, policy, score_queries=SCORE_QUERIES) -> io.NodeOutput:
+        valid = check_widgets(cls, kv_target=kv_target, rho=rho, rho_floor=rho_floor)
         if valid is not True:  # a nan would otherwise read as "not set" below
             raise ValueError(f"UniCache KV config: {valid}")
         unicache = method == "unicache"
@@ -128,6 +114,6 @@ class UniCacheKVConfig:
                 rho=rho if rho > 0 else None, rho_floor=rho_floor if rho_floor >= 0 else None, policy=policy_path
             )
         try:
-            return (method_from_name(method, **settings),)
+            return io.NodeOutput(method_from_name(method, **settings))
         except ValueError as exc:
             raise ValueError(f"UniCache KV config: {exc}") from None

@@ -1,19 +1,23 @@
-"""The task nodes: ``UniCacheTextToImage``, ``UniCacheImageEdit``, ``UniCacheUnderstand``.
+"""The task nodes: ``UniCacheTextToImage``, ``UniCacheImageEdit``, ``UniCacheUnderstand`` (ComfyUI V3 nodes).
 
-Each one checks its inputs, asks ComfyUI to place the model (with the request's predicted memory), runs one
-:class:`~unicache_core.bagel.BagelPipeline` procedure with the KV cache of the connected ``UNICACHE_KV``
-(full when none) and converts the outputs. Progress goes to ComfyUI's progress bar per denoising step or
-decoded token, with a live preview of the clean-latent estimate per step when the host runs with
-``--preview-method`` (latent2rgb: a linear projection, no VAE decode); Cancel stops the engine between steps
-(ComfyUI then reports ``execution_interrupted``).
+Each one declares its inputs once (:mod:`.task_inputs`) and runs through one helper, :func:`run_task`: it checks
+the inputs, warns about a request that runs but may not do what was meant (on the node and in the log:
+:func:`~unicache_core.bagel.notices.request_warnings`), asks ComfyUI to place the model (with the request's
+predicted memory), runs one :class:`~unicache_core.bagel.BagelPipeline` procedure per image of the batch with the
+KV cache of the connected ``UNICACHE_KV`` (full when none) and converts the outputs. Progress goes to ComfyUI's
+progress bar per denoising step or decoded token, with a live preview of the clean-latent estimate per step when
+the host runs with ``--preview-method`` (latent2rgb: a linear projection, no VAE decode); Cancel stops the engine
+between steps (ComfyUI then reports ``execution_interrupted``).
 """
 
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from unicache_core.bagel import BagelPipeline, GivenLatents, ImageTransforms, RunHooks
 from unicache_core.bagel.accounting import count_request, request_memory_bytes
+from unicache_core.bagel.notices import request_warnings, trained_images
 from unicache_core.bagel.seeding import MAX_SEED
 from unicache_core.bagel.settings import (
     EDIT_DEFAULTS,
@@ -30,23 +34,29 @@ from unicache_core.compression.report_view import chart_data
 from unicache_core.errors import CancelledError
 
 from . import host
+from .base import CATEGORY, REPORT, UniCacheNode, warnings_ui
 from .convert import ComfyVAEAdapter, from_comfy_latent, image_to_pils, pils_to_image, to_comfy_latent
-from .items_nodes import ITEMS_INPUT, check_items, memory_of, request_items, request_of
+from .host import io
+from .items_nodes import check_items, memory_of, request_items, request_of
 from .model import BagelModel
 from .task_inputs import (
-    KV_INPUT,
-    OUTPUT_NAMES,
-    OUTPUT_TOOLTIPS,
-    OUTPUTS,
-    TAYLORSEER_INPUT,
-    VAE_INPUT,
     generation_inputs,
+    generation_outputs,
+    items_input,
+    kv_input,
+    model_input,
     prompt_input,
     seed_input,
+    settings_of,
+    taylorseer_input,
+    think_input,
+    vae_input,
 )
-from .validation import check_source_latent, check_widgets, fit_source_latent
+from .validation import check_source_latent, fit_source_latent
 
 logger = logging.getLogger(__name__)
+
+GENERATION = ("t2i", "edit")
 
 
 def _check_model(model) -> None:
@@ -159,370 +169,217 @@ def _generation_outputs(results, pipe: BagelPipeline) -> tuple:
     return image, latent, thinking, _merge_reports([r.kv_report for r in results])
 
 
-def _generation_settings(
-    task,
-    steps,
-    cfg_text_scale,
-    cfg_img_scale,
-    cfg_interval_lo,
-    cfg_interval_hi,
-    timestep_shift,
-    cfg_renorm_min,
-    cfg_renorm_type,
-    think,
-    **size,
-):
-    """The widgets of a generation node as the engine's settings (``size``: the output size, ``taylorseer``; the
-    ``task`` preset's other values)."""
-    if cfg_interval_lo > cfg_interval_hi:
-        raise ValueError(f"cfg_interval_lo ({cfg_interval_lo}) must not exceed cfg_interval_hi ({cfg_interval_hi})")
-    return preset(
-        task,
-        num_timesteps=steps,
-        cfg_text_scale=cfg_text_scale,
-        cfg_img_scale=cfg_img_scale,
-        cfg_interval=(cfg_interval_lo, cfg_interval_hi),
-        timestep_shift=timestep_shift,
-        cfg_renorm_min=cfg_renorm_min,
-        cfg_renorm_type=cfg_renorm_type,
-        think=think,
-        **size,
-    )
+def _settings(task: str, inputs: dict):
+    """The node's widgets as the engine's settings (the ``task`` preset's other values)."""
+    if task == "understanding":
+        keys = ("max_new_tokens", "do_sample", "temperature", "think")
+        return preset(task, **{k: inputs[k] for k in keys})
+    size = {"width": inputs["width"], "height": inputs["height"]} if task == "t2i" else {}
+    return preset(task, **settings_of(inputs), **size)
+
+
+def _procedure(pipe: BagelPipeline, task: str, prior: list, source, prompt: str, latent, settings):
+    """The engine call of one image of the batch (``source``: None for text to image and a text-only question)."""
+    if prior:  # the chain's items, then the node's own image and its prompt
+        request = request_of(prior, source, prompt, latent)
+        if task == "understanding":
+            return partial(pipe.understand_items, request, settings)
+        return partial(pipe.generate, task, request, settings)
+    if task == "t2i":
+        return partial(pipe.text_to_image, prompt, settings)
+    if task == "edit":
+        return partial(pipe.edit, prompt, source, settings, given=GivenLatents(source_latent=latent))
+    return partial(pipe.understand, prompt, source, settings)
+
+
+def request_notes(model: BagelModel, task: str, prior: list, source, prompt: str, latent=None) -> list[str]:
+    """The warnings about the node's request (its chain's items, its first image and its prompt)."""
+    request = request_of(prior, source, prompt, latent)
+    return request_warnings(task, request, model.loaded.config, trained=trained_images(model.checkpoint_dir))
+
+
+def run_task(node: str, task: str, inputs: dict) -> io.NodeOutput:
+    """Run one task node (``task``: ``t2i``, ``edit`` or ``understanding``) on its input values ``inputs``."""
+    settings = _settings(task, inputs)
+    model, prompt = inputs["model"], inputs["prompt"]
+    image, latent, vae = inputs.get("image"), inputs.get("latent"), inputs.get("vae")
+    _check_model(model)
+    loaded = model.loaded
+    if task == "t2i":
+        check_output_size(loaded.config, inputs["width"], inputs["height"])  # before anything is loaded
+    sources = image_to_pils(image, "image") if image is not None else [None]
+    latents, size = [None] * len(sources), None
+    if latent is not None:
+        latents, size = _source_latents(latent, len(sources), loaded)
+    source_size = None if sources[0] is None else sources[0].size
+    memory = _memory(model, task, prompt, settings, source_size=source_size, vae_size=size)
+    if task == "edit" and latent is None and vae is not None:
+        latents = _encode_sources(vae, loaded, sources)
+    prior = _chain_items(inputs.get("items"), loaded, vae if task in GENERATION else None)
+    if prior:
+        memory = memory_of(loaded, task, request_of(prior, sources[0], prompt, latents[0]), settings)
+    ui = warnings_ui(node, request_notes(model, task, prior, sources[0], prompt, latents[0]))
+    external = _external_vae(loaded, vae) if task in GENERATION else None
+    pipe = _pipeline(model, inputs.get("kv"), memory)
+    generation = task in GENERATION
+    progress = _Progress(len(sources), settings.num_timesteps - 1 if generation else settings.max_new_tokens, loaded)
+    results = []
+    for i, (source, z) in enumerate(zip(sources, latents)):
+        progress.item = i
+        seeded = dict(seed=(inputs["seed"] + i) % (MAX_SEED + 1), hooks=_hooks(progress, preview=generation))
+        if generation:
+            seeded["vae"] = external
+        results.append(_run(_procedure(pipe, task, prior, source, prompt, z, settings), **seeded))
+    if generation:
+        return io.NodeOutput(*_generation_outputs(results, pipe), ui=ui)
+    text = "\n\n".join(r.text for r in results)
+    report = _merge_reports([r.kv_report for r in results])
+    return io.NodeOutput(text, report, ui={"text": [text], "unicache_kv": [chart_data(report)], **ui})
 
 
 # ------------------------------------------------------------------------------------------- nodes
 
 
-class UniCacheTextToImage:
-    DESCRIPTION = (
-        "Text-to-image with BAGEL; the KV cache is compressed by the connected UniCache KV Config (full "
-        "when none). Outputs the image, its latent (FLUX convention), the think-mode plan and the KV report."
-    )
-    CATEGORY = "UniCache/BAGEL"
-    FUNCTION = "generate"
-    RETURN_TYPES = OUTPUTS
-    RETURN_NAMES = OUTPUT_NAMES
-    OUTPUT_TOOLTIPS = OUTPUT_TOOLTIPS
-
+class UniCacheTextToImage(UniCacheNode):
     @classmethod
-    def INPUT_TYPES(cls):
+    def define_schema(cls):
         d = T2I_DEFAULTS
-        size = {"min": 16, "max": 1024, "step": 16}
-        return {
-            "required": {
-                "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
-                "prompt": prompt_input(
+
+        def side(name: str, default: int):
+            tip = f"Output {name} in pixels (multiple of 16)."
+            return io.Int.Input(name, default=default, min=16, max=1024, step=16, tooltip=tip)
+
+        return io.Schema(
+            node_id="UniCacheTextToImage",
+            display_name="UniCache BAGEL Text to Image",
+            category=CATEGORY,
+            description="Text-to-image with BAGEL; the KV cache is compressed by the connected UniCache KV Config "
+            "(full when none). Outputs the image, its latent (FLUX convention), the think-mode plan and the KV "
+            "report.",
+            inputs=[
+                model_input(),
+                prompt_input(
                     "a large red circle at the top left on a white background",
-                    "What to draw. The bundled unicache-shapes model knows the shapes world: "
-                    "'a small blue square at the center and a large yellow triangle at the bottom right "
-                    "on a gray background' (docs/shapes.md).",
+                    "What to draw. The bundled unicache-shapes model knows the shapes world: 'a small blue square "
+                    "at the center and a large yellow triangle at the bottom right on a gray background' "
+                    "(docs/shapes.md).",
                 ),
-                "width": ("INT", {"default": d.width, **size, "tooltip": "Output width in pixels (multiple of 16)."}),
-                "height": (
-                    "INT",
-                    {"default": d.height, **size, "tooltip": "Output height in pixels (multiple of 16)."},
-                ),
-                **generation_inputs(d),
-            },
-            # optional inputs added later go last (items last of all): saved workflows keep their slots
-            "optional": {"kv": KV_INPUT, "vae": VAE_INPUT, "taylorseer": TAYLORSEER_INPUT, "items": ITEMS_INPUT},
-        }
-
-    @classmethod
-    def VALIDATE_INPUTS(
-        cls,
-        width,
-        height,
-        cfg_text_scale,
-        cfg_img_scale,
-        cfg_interval_lo,
-        cfg_interval_hi,
-        timestep_shift,
-        cfg_renorm_min,
-    ):
-        return check_widgets(
-            cls,
-            width=width,
-            height=height,
-            cfg_text_scale=cfg_text_scale,
-            cfg_img_scale=cfg_img_scale,
-            cfg_interval_lo=cfg_interval_lo,
-            cfg_interval_hi=cfg_interval_hi,
-            timestep_shift=timestep_shift,
-            cfg_renorm_min=cfg_renorm_min,
+                side("width", d.width),
+                side("height", d.height),
+                *generation_inputs(d),
+                # optional inputs added later go last (items last of all): saved workflows keep their slots
+                kv_input(),
+                vae_input(),
+                taylorseer_input(),
+                items_input(),
+            ],
+            outputs=generation_outputs(),
         )
 
-    def generate(
-        self,
-        model,
-        prompt,
-        width,
-        height,
-        steps,
-        seed,
-        cfg_text_scale,
-        cfg_img_scale,
-        cfg_interval_lo,
-        cfg_interval_hi,
-        timestep_shift,
-        cfg_renorm_min,
-        cfg_renorm_type,
-        think,
-        kv=None,
-        vae=None,
-        taylorseer=False,
-        items=None,
-    ):
-        settings = _generation_settings(
-            "t2i",
-            steps,
-            cfg_text_scale,
-            cfg_img_scale,
-            cfg_interval_lo,
-            cfg_interval_hi,
-            timestep_shift,
-            cfg_renorm_min,
-            cfg_renorm_type,
-            think,
-            taylorseer=taylorseer,
-            width=width,
-            height=height,
-        )
-        _check_model(model)
-        check_output_size(model.loaded.config, width, height)  # before anything is loaded onto the device
-        memory = _memory(model, "t2i", prompt, settings)
-        prior = _chain_items(items, model.loaded, vae)
-        if prior:  # the chain's items, then the prompt
-            memory = memory_of(model.loaded, "t2i", request_of(prior, None, prompt), settings)
-        external = _external_vae(model.loaded, vae)
-        pipe = _pipeline(model, kv, memory)
-        progress = _Progress(1, steps - 1, model.loaded)
-        hooks = _hooks(progress, preview=True)
-        if prior:
-            result = _run(
-                pipe.generate, "t2i", request_of(prior, None, prompt), settings, seed=seed, hooks=hooks, vae=external
-            )
-        else:
-            result = _run(pipe.text_to_image, prompt, settings, seed=seed, hooks=hooks, vae=external)
-        return _generation_outputs([result], pipe)
-
-
-class UniCacheImageEdit:
-    DESCRIPTION = (
-        "Edits image(s) following the prompt with BAGEL (each image of a batch is edited on its own; "
-        "item i uses seed + i). The output size is the source resized by the checkpoint's VAE rule, or, "
-        "with a `latent` connected, the latent's size (any size up to 1024 px per side, rounded down to "
-        "BAGEL's 16-px grid). The KV cache is compressed by the connected UniCache KV Config (full when "
-        "none)."
-    )
-    CATEGORY = "UniCache/BAGEL"
-    FUNCTION = "edit"
-    RETURN_TYPES = OUTPUTS
-    RETURN_NAMES = OUTPUT_NAMES
-    OUTPUT_TOOLTIPS = OUTPUT_TOOLTIPS
-
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
-                "image": ("IMAGE", {"tooltip": "The source image(s) to edit."}),
-                "prompt": prompt_input(
+    def execute(cls, **inputs) -> io.NodeOutput:
+        return run_task("Text to Image", "t2i", inputs)
+
+
+class UniCacheImageEdit(UniCacheNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="UniCacheImageEdit",
+            display_name="UniCache BAGEL Image Edit",
+            category=CATEGORY,
+            description="Edits image(s) following the prompt with BAGEL (each image of a batch is edited on its "
+            "own; item i uses seed + i). The output size is the source resized by the checkpoint's VAE rule, or, "
+            "with a `latent` connected, the latent's size (any size up to 1024 px per side, rounded down to "
+            "BAGEL's 16-px grid). The KV cache is compressed by the connected UniCache KV Config (full when none).",
+            inputs=[
+                model_input(),
+                io.Image.Input("image", tooltip="The source image(s) to edit."),
+                prompt_input(
                     "change the background to black",
-                    "The edit instruction. unicache-shapes knows: make the <colour> <shape> <colour>, move "
-                    "the <colour> <shape> to the <position>, add a <size> <colour> <shape> at the "
-                    "<position>, remove the <colour> <shape>, change the background to <colour>.",
+                    "The edit instruction. unicache-shapes knows: make the <colour> <shape> <colour>, move the "
+                    "<colour> <shape> to the <position>, add a <size> <colour> <shape> at the <position>, remove "
+                    "the <colour> <shape>, change the background to <colour>.",
                 ),
-                **generation_inputs(EDIT_DEFAULTS),
-            },
-            "optional": {
-                "kv": KV_INPUT,
-                "vae": VAE_INPUT,
-                "latent": (
-                    "LATENT",
-                    {
-                        "tooltip": "Optional source latent from core VAEEncode of any size (its posterior "
-                        "mean is used instead of encoding the image with the checkpoint's VAE). "
-                        "The output follows its size, rounded down to BAGEL's 16-px grid (an odd "
-                        "last latent row or column is dropped); the image is resized to that "
-                        "size for BAGEL's ViT. At most 1024 px per side."
-                    },
+                *generation_inputs(EDIT_DEFAULTS),
+                kv_input(),
+                vae_input(),
+                io.Latent.Input(
+                    "latent",
+                    optional=True,
+                    tooltip="Optional source latent from core VAEEncode of any size (its posterior mean is used "
+                    "instead of encoding the image with the checkpoint's VAE). The output follows its size, "
+                    "rounded down to BAGEL's 16-px grid (an odd last latent row or column is dropped); the image "
+                    "is resized to that size for BAGEL's ViT. At most 1024 px per side.",
                 ),
-                "taylorseer": TAYLORSEER_INPUT,
-                "items": ITEMS_INPUT,
-            },
-        }
-
-    @classmethod
-    def VALIDATE_INPUTS(
-        cls, cfg_text_scale, cfg_img_scale, cfg_interval_lo, cfg_interval_hi, timestep_shift, cfg_renorm_min
-    ):
-        return check_widgets(
-            cls,
-            cfg_text_scale=cfg_text_scale,
-            cfg_img_scale=cfg_img_scale,
-            cfg_interval_lo=cfg_interval_lo,
-            cfg_interval_hi=cfg_interval_hi,
-            timestep_shift=timestep_shift,
-            cfg_renorm_min=cfg_renorm_min,
+                taylorseer_input(),
+                items_input(),
+            ],
+            outputs=generation_outputs(),
         )
 
-    def edit(
-        self,
-        model,
-        image,
-        prompt,
-        steps,
-        seed,
-        cfg_text_scale,
-        cfg_img_scale,
-        cfg_interval_lo,
-        cfg_interval_hi,
-        timestep_shift,
-        cfg_renorm_min,
-        cfg_renorm_type,
-        think,
-        kv=None,
-        vae=None,
-        latent=None,
-        taylorseer=False,
-        items=None,
-    ):
-        settings = _generation_settings(
-            "edit",
-            steps,
-            cfg_text_scale,
-            cfg_img_scale,
-            cfg_interval_lo,
-            cfg_interval_hi,
-            timestep_shift,
-            cfg_renorm_min,
-            cfg_renorm_type,
-            think,
-            taylorseer=taylorseer,
-        )
-        sources = image_to_pils(image, "image")
-        _check_model(model)
-        latents, size = [None] * len(sources), None
-        if latent is not None:
-            latents, size = _source_latents(latent, len(sources), model.loaded)
-        memory = _memory(model, "edit", prompt, settings, source_size=sources[0].size, vae_size=size)
-        if latent is None and vae is not None:
-            latents = _encode_sources(vae, model.loaded, sources)
-        prior = _chain_items(items, model.loaded, vae)
-        if prior:  # the chain's items, then each source and the prompt
-            memory = memory_of(model.loaded, "edit", request_of(prior, sources[0], prompt, latents[0]), settings)
-        external = _external_vae(model.loaded, vae)
-        pipe = _pipeline(model, kv, memory)
-        progress = _Progress(len(sources), steps - 1, model.loaded)
-        results = []
-        for i, (source, z) in enumerate(zip(sources, latents)):
-            progress.item = i
-            seeded = dict(seed=(seed + i) % (MAX_SEED + 1), hooks=_hooks(progress, preview=True), vae=external)
-            if prior:
-                results.append(_run(pipe.generate, "edit", request_of(prior, source, prompt, z), settings, **seeded))
-            else:
-                results.append(_run(pipe.edit, prompt, source, settings, given=GivenLatents(source_latent=z), **seeded))
-        return _generation_outputs(results, pipe)
-
-
-class UniCacheUnderstand:
-    DESCRIPTION = (
-        "Answers a prompt about an image (or a text-only prompt) with BAGEL; the KV cache is compressed by "
-        "the connected UniCache KV Config (full when none) before the first answer token. A batch of "
-        "images is answered one by one."
-    )
-    CATEGORY = "UniCache/BAGEL"
-    FUNCTION = "understand"
-    OUTPUT_NODE = True
-    RETURN_TYPES = ("STRING", "UNICACHE_KV_REPORT")
-    RETURN_NAMES = ("text", "kv_report")
-    OUTPUT_TOOLTIPS = (
-        "The answer (one paragraph per image of a batch).",
-        "The KV-cache report of the run (connect to UniCache KV Report).",
-    )
-
     @classmethod
-    def INPUT_TYPES(cls):
+    def execute(cls, **inputs) -> io.NodeOutput:
+        return run_task("Image Edit", "edit", inputs)
+
+
+class UniCacheUnderstand(UniCacheNode):
+    @classmethod
+    def define_schema(cls):
         d = UNDERSTANDING_DEFAULTS
         lo, hi = TEMPERATURE_RANGE
-        return {
-            "required": {
-                "model": ("BAGEL_MODEL", {"tooltip": "From UniCache BAGEL Loader."}),
-                "prompt": prompt_input(
+        return io.Schema(
+            node_id="UniCacheUnderstand",
+            display_name="UniCache BAGEL Understand",
+            category=CATEGORY,
+            description="Answers a prompt about an image (or a text-only prompt) with BAGEL; the KV cache is "
+            "compressed by the connected UniCache KV Config (full when none) before the first answer token. A "
+            "batch of images is answered one by one.",
+            is_output_node=True,
+            inputs=[
+                model_input(),
+                prompt_input(
                     "what color is the circle?",
-                    "The question or instruction. unicache-shapes answers: what color is the <shape>?, "
-                    "what shape is the <colour> object?, how many shapes are there?, where is the "
-                    "<colour> <shape>?, is there a <colour> <shape>?, what color is the background?",
+                    "The question or instruction. unicache-shapes answers: what color is the <shape>?, what shape "
+                    "is the <colour> object?, how many shapes are there?, where is the <colour> <shape>?, is there "
+                    "a <colour> <shape>?, what color is the background?",
                 ),
-                "max_new_tokens": (
-                    "INT",
-                    {
-                        "default": d.max_new_tokens,
-                        "min": 1,
-                        "max": 32768,
-                        "step": 1,
-                        "tooltip": "Most answer tokens to decode.",
-                    },
+                io.Int.Input(
+                    "max_new_tokens",
+                    default=d.max_new_tokens,
+                    min=1,
+                    max=32768,
+                    step=1,
+                    tooltip="Most answer tokens to decode.",
                 ),
-                "do_sample": ("BOOLEAN", {"default": d.do_sample, "tooltip": "Sample tokens (else greedy)."}),
-                "temperature": (
-                    "FLOAT",
-                    {
-                        "default": d.temperature,
-                        "min": lo,
-                        "max": hi,
-                        "step": 0.05,
-                        "round": 0.001,
-                        "tooltip": "Sampling temperature (used when do_sample is on).",
-                    },
+                io.Boolean.Input("do_sample", default=d.do_sample, tooltip="Sample tokens (else greedy)."),
+                io.Float.Input(
+                    "temperature",
+                    default=d.temperature,
+                    min=lo,
+                    max=hi,
+                    step=0.05,
+                    round=0.001,
+                    tooltip="Sampling temperature (used when do_sample is on).",
                 ),
-                "seed": seed_input(),
-                "think": (
-                    "BOOLEAN",
-                    {
-                        "default": False,
-                        "label_on": "think",
-                        "label_off": "direct",
-                        "tooltip": "Reason first (think mode system prompt); the answer includes the reasoning.",
-                    },
+                seed_input(),
+                think_input("Reason first (think mode system prompt); the answer includes the reasoning."),
+                io.Image.Input("image", optional=True, tooltip="The image(s) to ask about; none = a text-only prompt."),
+                kv_input(),
+                items_input(),
+            ],
+            outputs=[
+                io.String.Output(
+                    "text", display_name="text", tooltip="The answer (one paragraph per image of a batch)."
                 ),
-            },
-            "optional": {
-                "image": ("IMAGE", {"tooltip": "The image(s) to ask about; none = a text-only prompt."}),
-                "kv": KV_INPUT,
-                "items": ITEMS_INPUT,
-            },
-        }
+                REPORT.Output(
+                    "kv_report",
+                    display_name="kv_report",
+                    tooltip="The KV-cache report of the run (connect to UniCache KV Report).",
+                ),
+            ],
+        )
 
     @classmethod
-    def VALIDATE_INPUTS(cls, temperature):
-        return check_widgets(cls, temperature=temperature)
-
-    def understand(
-        self, model, prompt, max_new_tokens, do_sample, temperature, seed, think, image=None, kv=None, items=None
-    ):
-        settings = preset(
-            "understanding", max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, think=think
-        )
-        sources = image_to_pils(image, "image") if image is not None else [None]
-        _check_model(model)
-        memory = _memory(
-            model, "understanding", prompt, settings, source_size=None if sources[0] is None else sources[0].size
-        )
-        prior = _chain_items(items, model.loaded, None)
-        if prior:  # the chain's items, then each image and the prompt
-            memory = memory_of(model.loaded, "understanding", request_of(prior, sources[0], prompt), settings)
-        pipe = _pipeline(model, kv, memory)
-        progress = _Progress(len(sources), max_new_tokens)
-        results = []
-        for i, source in enumerate(sources):
-            progress.item = i
-            seeded = dict(seed=(seed + i) % (MAX_SEED + 1), hooks=_hooks(progress, preview=False))
-            if prior:
-                results.append(_run(pipe.understand_items, request_of(prior, source, prompt), settings, **seeded))
-            else:
-                results.append(_run(pipe.understand, prompt, source, settings, **seeded))
-        text = "\n\n".join(r.text for r in results)
-        report = _merge_reports([r.kv_report for r in results])
-        return {"ui": {"text": [text], "unicache_kv": [chart_data(report)]}, "result": (text, report)}
+    def execute(cls, **inputs) -> io.NodeOutput:
+        return run_task("Understand", "understanding", inputs)

@@ -1,8 +1,9 @@
 """Checks of node inputs that ComfyUI's own validation lets through.
 
-* :func:`check_widgets` is the body of the nodes' ``VALIDATE_INPUTS``: ComfyUI compares a FLOAT with its
-  ``min``/``max`` by ``<``/``>``, so ``nan`` passes, and it never checks an INT's ``step``. A node that declares
-  an input in ``VALIDATE_INPUTS`` also loses ComfyUI's range check for it, so the range is checked here too.
+* :func:`check_widgets` is the body of the nodes' ``validate_inputs`` (:class:`~.base.UniCacheNode`): ComfyUI
+  compares a FLOAT with its ``min``/``max`` by ``<``/``>``, so ``nan`` passes, and it never checks an INT's
+  ``step``. A node with ``validate_inputs`` also loses ComfyUI's range check, and 0.3.75 checks no V3 combo, so
+  ranges and choices are checked here too.
   A failure is refused at ``/prompt`` (HTTP 400) with one line naming the input and the value.
 * :func:`check_source_latent` refuses a ``LATENT`` that is not an encoded image of this model's VAE format
   (another model's channel count, a video latent, an empty latent, non-finite values) before anything runs.
@@ -18,20 +19,34 @@ import math
 MULTIPLE_OF_STEP = ("width", "height")
 
 
-def _spec_options(node_class, name: str) -> dict:
+def _specs(node_class) -> dict:
     inputs = node_class.INPUT_TYPES()
-    spec = {**inputs.get("required", {}), **inputs.get("optional", {})}[name]
-    return spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+    return {**inputs.get("required", {}), **inputs.get("optional", {})}
+
+
+def _choice_error(name: str, value, options: list) -> str:
+    shown = ", ".join(map(str, options)) if len(options) <= 12 else f"one of the {len(options)} choices"
+    return f"{name} = {value!r} is not a choice of this input ({shown}); pick one of its choices"
 
 
 def check_widgets(node_class, **values) -> bool | str:
-    """``True``, or one line naming the first widget value outside its spec: not finite, below ``min``, above
-    ``max``, or (for :data:`MULTIPLE_OF_STEP`) not a multiple of ``step``. ``None`` (a linked widget, whose
-    value is not known at validation) is left to the node's run-time check."""
+    """``True``, or one line naming the first widget value outside its declaration: not finite, below ``min``,
+    above ``max``, (for :data:`MULTIPLE_OF_STEP`) not a multiple of ``step``, or not one of a COMBO's options (a V3
+    combo is not checked by ComfyUI 0.3.75). Values of names the node does not declare and ``None`` (a linked
+    input, whose value is not known at validation) are left to the node's run-time checks."""
+    specs = _specs(node_class)
     for name, value in values.items():
-        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        spec = specs.get(name)
+        if value is None or spec is None:
             continue
-        opts = _spec_options(node_class, name)
+        kind, opts = spec[0], spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+        if kind == "COMBO" or isinstance(kind, list):
+            options = list(opts.get("options", kind if isinstance(kind, list) else []))
+            if value not in options:
+                return _choice_error(name, value, options)
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
         lo, hi = opts.get("min"), opts.get("max")
         if isinstance(value, float) and not math.isfinite(value):
             return f"{name} = {value!r} is not a finite number; give a value in [{lo}, {hi}]"

@@ -11,6 +11,10 @@ import torch
 
 from training.tiny import write_tiny_checkpoint
 
+from comfy_stubs import install_v3_stub  # isort: skip  (tests/ is on sys.path: rootdir conftest)
+
+install_v3_stub()  # the nodes derive from ComfyUI's V3 base: a stand-in when no ComfyUI is importable
+
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from comfy_stubs import TINY_NAME, host_stubs  # noqa: F401  (host_stubs: a fixture)
+from comfy_stubs import TINY_NAME, NodeCall, host_stubs  # noqa: F401  (host_stubs: a fixture)
 from test_workflows import _check_links, _convert, _object_info
 
 from unicache_core.bagel.items import ImageItem, TextItem
@@ -36,14 +36,14 @@ def _fresh_model_cache():
 def _model():
     import nodes
 
-    (model,) = nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]().load(TINY_NAME, "fp32", "auto")
+    (model,) = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]).load(TINY_NAME, "fp32", "auto")
     return model
 
 
 def _node(node_id: str):
     import nodes
 
-    return nodes.NODE_CLASS_MAPPINGS[node_id]()
+    return NodeCall(nodes.NODE_CLASS_MAPPINGS[node_id])
 
 
 def _pixels(seed: int, batch: int = 1, height: int = 40, width: int = 56) -> torch.Tensor:
@@ -65,7 +65,7 @@ def test_item_nodes_declare_what_they_take(node_id):
 
     cls = nodes.NODE_CLASS_MAPPINGS[node_id]
     spec = cls.INPUT_TYPES()
-    names = [n for n in inspect.signature(getattr(cls, cls.FUNCTION)).parameters if n != "self"]
+    names = list(inspect.signature(cls.execute).parameters)
     assert names == list(spec["required"]) + list(spec.get("optional", {}))
     assert all(opts.get("tooltip") for section in spec.values() for _, opts in section.values())
     assert cls.CATEGORY.startswith("UniCache/") and len(cls.DESCRIPTION) > 40

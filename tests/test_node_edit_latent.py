@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from comfy_stubs import TINY_NAME, host_stubs  # noqa: F401  (host_stubs: a fixture)
+from comfy_stubs import TINY_NAME, NodeCall, host_stubs  # noqa: F401  (host_stubs: a fixture)
 from PIL import Image
 
 EDIT_ARGS = ("make it blue", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False)
@@ -16,7 +16,7 @@ EDIT_ARGS = ("make it blue", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel",
 def _load():
     import nodes
 
-    (model,) = nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]().load(TINY_NAME, "fp32", "auto")
+    (model,) = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]).load(TINY_NAME, "fp32", "auto")
     return model
 
 
@@ -48,7 +48,7 @@ def test_output_follows_any_size_latent_and_the_vit_sees_the_image_resized(host_
     assert rule == (96, 80)
     latent = _vae_encode(model, source)
     assert latent["samples"].shape == (1, 16, 9, 12)
-    edit = nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"]()
+    edit = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"])
     image, out_latent, _, report = edit.edit(model, source, *EDIT_ARGS, latent=latent)
     # 9 rows of 8-px cells: the odd last row is dropped (BAGEL packs 2x2 cells), so the edit is 96x64
     assert image.shape == (1, 64, 96, 3) and out_latent["samples"].shape == (1, 16, 8, 12)
@@ -98,7 +98,7 @@ def test_latent_at_bagels_own_resize_gives_the_result_of_encoding_here(host_stub
     resized = transforms.prepare(pil)
     assert resized.size == (80, 64)
     at_rule = _vae_encode(model, torch.from_numpy(np.asarray(resized, dtype=np.float32) / 255.0)[None])
-    edit = nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"]()
+    edit = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"])
     image, *_ = edit.edit(model, source, *EDIT_ARGS, latent=at_rule)
     assert image.shape == (1, 64, 80, 3)
     pipe = BagelPipeline(model.runtime())
@@ -132,7 +132,7 @@ def test_latent_that_cannot_fit_is_one_line_before_the_model_is_placed(host_stub
     mm = host_stubs["comfy.model_management"]
     loads = len(mm.loads)
     with pytest.raises(ValueError) as caught:
-        nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"]().edit(
+        NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"]).edit(
             model, _image(64, 64), *EDIT_ARGS, latent={"samples": samples}
         )
     message = str(caught.value)

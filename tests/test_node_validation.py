@@ -1,5 +1,6 @@
-"""Node inputs ComfyUI's own validation lets through: ``nan``/``inf`` floats, sizes off the latent grid (refused by
-``VALIDATE_INPUTS``, so ``/prompt`` answers HTTP 400), and source latents of another model's format."""
+"""Node inputs ComfyUI's own validation lets through: ``nan``/``inf`` floats, sizes off the latent grid, values not
+among a V3 combo's options (refused by the nodes' ``validate_inputs``, so ``/prompt`` answers HTTP 400), and source
+latents of another model's format."""
 
 from __future__ import annotations
 
@@ -25,20 +26,29 @@ T2I_OK = dict(
 )
 
 
-def test_validate_inputs_takes_only_widgets_of_the_node():
+def test_validate_inputs_takes_every_input_by_name():
+    """One generic check per node (no widget listed a second time): it takes every input as a keyword, and a name
+    the node does not declare is left alone."""
     for cls in (UniCacheTextToImage, UniCacheImageEdit, UniCacheUnderstand, UniCacheKVConfig):
-        spec = cls.INPUT_TYPES()
-        widgets = {**spec["required"], **spec.get("optional", {})}
-        names = [n for n in inspect.signature(cls.VALIDATE_INPUTS).parameters]
-        assert names and all(widgets[n][0] in ("INT", "FLOAT") for n in names), cls.__name__
+        params = inspect.signature(cls.validate_inputs).parameters
+        assert [p.kind for p in params.values()] == [inspect.Parameter.VAR_KEYWORD], cls.__name__
+        assert cls.validate_inputs(not_an_input=math.nan) is True
+
+
+def test_combo_values_are_checked():
+    assert "cfg_renorm_type = 'sideways' is not a choice" in UniCacheImageEdit.validate_inputs(
+        cfg_renorm_type="sideways"
+    )
+    assert "method = 'zip' is not a choice" in UniCacheKVConfig.validate_inputs(method="zip")
+    assert UniCacheKVConfig.validate_inputs(method="snapkv") is True
 
 
 def test_defaults_and_edges_pass():
-    assert UniCacheTextToImage.VALIDATE_INPUTS(**T2I_OK) is True
-    assert UniCacheTextToImage.VALIDATE_INPUTS(**{**T2I_OK, "width": 1024, "cfg_text_scale": 0.0}) is True
-    assert UniCacheImageEdit.VALIDATE_INPUTS(**{k: v for k, v in T2I_OK.items() if "cfg" in k or "shift" in k}) is True
-    assert UniCacheUnderstand.VALIDATE_INPUTS(temperature=0.3) is True
-    assert UniCacheKVConfig.VALIDATE_INPUTS(kv_target=0.0, rho=0.0, rho_floor=-1.0) is True
+    assert UniCacheTextToImage.validate_inputs(**T2I_OK) is True
+    assert UniCacheTextToImage.validate_inputs(**{**T2I_OK, "width": 1024, "cfg_text_scale": 0.0}) is True
+    assert UniCacheImageEdit.validate_inputs(**{k: v for k, v in T2I_OK.items() if "cfg" in k or "shift" in k}) is True
+    assert UniCacheUnderstand.validate_inputs(temperature=0.3) is True
+    assert UniCacheKVConfig.validate_inputs(kv_target=0.0, rho=0.0, rho_floor=-1.0) is True
 
 
 @pytest.mark.parametrize(
@@ -54,7 +64,7 @@ def test_defaults_and_edges_pass():
     ],
 )
 def test_t2i_refuses_at_validation(change, message):
-    assert message in UniCacheTextToImage.VALIDATE_INPUTS(**{**T2I_OK, **change})
+    assert message in UniCacheTextToImage.validate_inputs(**{**T2I_OK, **change})
 
 
 def test_linked_widgets_are_left_to_run_time():
@@ -70,10 +80,10 @@ def test_linked_widgets_are_left_to_run_time():
     ],
 )
 def test_kv_config_nan_is_refused_not_read_as_unset(values, message):
-    assert message in UniCacheKVConfig.VALIDATE_INPUTS(**values)
+    assert message in UniCacheKVConfig.validate_inputs(**values)
     with pytest.raises(ValueError, match=f"UniCache KV config: {message}"):
-        UniCacheKVConfig().build("unicache", policy="default", **values)
-    assert "temperature = nan" in UniCacheUnderstand.VALIDATE_INPUTS(temperature=math.nan)
+        UniCacheKVConfig.execute("unicache", policy="default", **values)
+    assert "temperature = nan" in UniCacheUnderstand.validate_inputs(temperature=math.nan)
 
 
 def _latent(*shape, fill=None):

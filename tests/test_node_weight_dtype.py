@@ -5,7 +5,7 @@ operations, ``model_size()`` and partial loading: tests/host/test_weight_dtype.p
 from __future__ import annotations
 
 import pytest
-from comfy_stubs import TINY_NAME, host_stubs  # noqa: F401  (host_stubs: a fixture)
+from comfy_stubs import TINY_NAME, NodeCall, host_stubs  # noqa: F401  (host_stubs: a fixture)
 
 
 def test_weight_dtype_is_an_optional_input_with_unet_loaders_choices():
@@ -13,23 +13,30 @@ def test_weight_dtype_is_an_optional_input_with_unet_loaders_choices():
 
     spec = UniCacheBagelLoader.INPUT_TYPES()
     assert "weight_dtype" not in spec["required"]
-    choices, options = spec["optional"]["weight_dtype"]
-    assert choices == ["default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"] and options["default"] == "default"
+    kind, options = spec["optional"]["weight_dtype"]
+    choices = options["options"]
+    assert (
+        kind == "COMBO"
+        and choices == ["default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"]
+        and options["default"] == "default"
+    )
 
 
 def test_is_changed_and_the_cache_key_include_weight_dtype(host_stubs):
     from nodes import host
     from nodes.loader_node import UniCacheBagelLoader
 
-    changed = {w: UniCacheBagelLoader.IS_CHANGED(TINY_NAME, "fp32", "auto", w) for w in host.WEIGHT_DTYPES}
+    changed = {w: UniCacheBagelLoader.fingerprint_inputs(TINY_NAME, "fp32", "auto", w) for w in host.WEIGHT_DTYPES}
     assert len(set(changed.values())) == len(changed)
-    assert UniCacheBagelLoader.IS_CHANGED(TINY_NAME, "fp32", "auto") == changed["default"]  # a workflow without it
-    (model,) = UniCacheBagelLoader().load(TINY_NAME, "fp32", "auto")
-    (same,) = UniCacheBagelLoader().load(TINY_NAME, "fp32", "auto", weight_dtype="default")
+    assert (
+        UniCacheBagelLoader.fingerprint_inputs(TINY_NAME, "fp32", "auto") == changed["default"]
+    )  # a workflow without it
+    (model,) = NodeCall(UniCacheBagelLoader)(TINY_NAME, "fp32", "auto")
+    (same,) = NodeCall(UniCacheBagelLoader)(TINY_NAME, "fp32", "auto", weight_dtype="default")
     assert same is model and model.weight_dtype == "default"
     # another weight dtype is another model: the (stub) host is asked for fp8 operations, not the cached one
     with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
-        UniCacheBagelLoader().load(TINY_NAME, "fp32", "auto", weight_dtype="fp8_e4m3fn")
+        NodeCall(UniCacheBagelLoader)(TINY_NAME, "fp32", "auto", weight_dtype="fp8_e4m3fn")
 
 
 def test_unknown_weight_dtype_is_one_line(host_stubs):

@@ -1,6 +1,7 @@
 """Node-level tests of the ComfyUI pack without a ComfyUI host (ComfyUI modules stubbed: tests/comfy_stubs.py).
 
-- every node: INPUT_TYPES matches the FUNCTION signature; tooltip on every input, bounds on every number;
+- every node: a ComfyUI V3 node (``io.ComfyNode``, listed by the pack's ``comfy_entrypoint``); tooltip on every
+  input, bounds on every number, defaults within them;
   DESCRIPTION and a ``UniCache/...`` CATEGORY (the shipped workflows: test_workflows.py);
 - the loader lists folders, caches the model; a task node runs end to end on the tiny checkpoint; the report
   node returns an IMAGE and the web chart's ``ui`` payload; interrupts become ComfyUI's exception.
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfy_stubs import TINY_NAME, Interrupt, host_stubs  # noqa: F401  (host_stubs: a fixture)
+from comfy_stubs import TINY_NAME, Interrupt, NodeCall, host_stubs  # noqa: F401  (host_stubs: a fixture)
 from test_safetensors_sniff import resave_with_low_byte
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,7 +58,18 @@ def _mappings():
 
 
 def test_pack_entry_exports(pack):
-    assert set(pack.NODE_CLASS_MAPPINGS) == {
+    import asyncio
+
+    from comfy_api.latest import ComfyExtension, io
+
+    assert not hasattr(pack, "NODE_CLASS_MAPPINGS")  # ComfyUI would load V1 mappings instead of the entry point
+    extension = asyncio.run(pack.comfy_entrypoint())
+    assert isinstance(extension, ComfyExtension)
+    classes = asyncio.run(extension.get_node_list())
+    assert all(issubclass(cls, io.ComfyNode) for cls in classes)
+    ids = {cls.define_schema().node_id: cls.define_schema().display_name for cls in classes}
+    assert ids == pack.nodes.NODE_DISPLAY_NAME_MAPPINGS
+    assert set(ids) == {
         "UniCacheBagelLoader",
         "UniCacheKVConfig",
         "UniCacheTextToImage",
@@ -67,7 +79,6 @@ def test_pack_entry_exports(pack):
         "UniCacheImageItem",
         "UniCacheTextItem",
     }
-    assert set(pack.NODE_DISPLAY_NAME_MAPPINGS) == set(pack.NODE_CLASS_MAPPINGS)
     assert pack.WEB_DIRECTORY == "./web" and (ROOT / "web" / "unicache.js").is_file()
 
 
@@ -84,17 +95,19 @@ def test_pack_entry_exports(pack):
         ]
     ),
 )
-def test_input_types_match_signature(node_id):
+def test_declarations(node_id):
     cls = _mappings()[node_id]
+    schema = cls.define_schema()
+    assert schema.node_id == node_id
+    ids = [i.id for i in schema.inputs] + [o.id for o in schema.outputs]
+    assert len(ids) == len(set(ids)), f"{node_id}: V3 wants input and output ids distinct"
     spec = cls.INPUT_TYPES()
-    params = inspect.signature(getattr(cls, cls.FUNCTION)).parameters
-    names = [n for n in params if n != "self"]
-    required, optional = list(spec.get("required", {})), list(spec.get("optional", {}))
-    assert names == required + optional, node_id
-    for name in required:
-        assert params[name].default is inspect.Parameter.empty, f"{node_id}.{name} is required but has a default"
-    for name in optional:
-        assert params[name].default is not inspect.Parameter.empty, f"{node_id}.{name} is optional without a default"
+    params = inspect.signature(cls.execute).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):  # else: the shared run helper
+        required, optional = list(spec.get("required", {})), list(spec.get("optional", {}))
+        assert list(params) == required + optional, node_id
+        for name in optional:
+            assert params[name].default is not inspect.Parameter.empty, f"{node_id}.{name}: optional, no default"
     assert cls.CATEGORY.startswith("UniCache/") and len(cls.DESCRIPTION) > 40
     assert len(cls.RETURN_TYPES) == len(cls.RETURN_NAMES) == len(cls.OUTPUT_TOOLTIPS)
     for section in ("required", "optional"):
@@ -104,14 +117,14 @@ def test_input_types_match_signature(node_id):
             if kind in ("INT", "FLOAT"):
                 assert {"min", "max", "step"} <= set(opts), f"{node_id}.{name} lacks min/max/step"
                 assert opts["min"] <= opts["default"] <= opts["max"]
-            if isinstance(kind, list):
-                assert opts.get("default", kind[0]) in kind
+            if kind == "COMBO":
+                assert opts.get("default", opts["options"][0]) in opts["options"]
 
 
 def test_kv_config_node_builds_configs():
     from unicache_core.compression import UniCache
 
-    node = _mappings()["UniCacheKVConfig"]()
+    node = NodeCall(_mappings()["UniCacheKVConfig"])
     (cfg,) = node.build("unicache", 0.0, 0.0, -1.0, "default", 128)
     assert cfg == UniCache(score_queries=128)
     (cfg,) = node.build("unicache", 0.3, 0.4, 0.0, "default")
@@ -129,9 +142,9 @@ def _load(host_stubs):
     import nodes
 
     loader = nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]
-    choices = loader.INPUT_TYPES()["required"]["checkpoint"][0]
+    choices = loader.INPUT_TYPES()["required"]["checkpoint"][1]["options"]
     assert TINY_NAME in choices
-    (model,) = loader().load(TINY_NAME, "fp32", "auto")
+    (model,) = NodeCall(loader)(TINY_NAME, "fp32", "auto")
     return model
 
 
@@ -143,13 +156,13 @@ def test_loader_lists_caches_and_explains(host_stubs, tmp_path):
     model = _load(host_stubs)
     assert str(host_stubs["folder_paths"].models_dir) in fp.get_folder_paths("bagel")[0]
     assert model.patcher.model.bagel is model.loaded.model and model.patcher.size > 0
-    (again,) = nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]().load(TINY_NAME, "fp32", "auto")
+    (again,) = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]).load(TINY_NAME, "fp32", "auto")
     assert again is model  # reused, never re-read
     with pytest.raises(FileNotFoundError, match="models/bagel|bagel model folders"):
-        nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]().load(NO_CHECKPOINT, "fp32", "auto")
+        NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]).load(NO_CHECKPOINT, "fp32", "auto")
     with pytest.raises(FileNotFoundError, match="refresh"):
-        nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]().load("missing-model", "fp32", "auto")
-    policies = nodes.NODE_CLASS_MAPPINGS["UniCacheKVConfig"].INPUT_TYPES()["required"]["policy"][0]
+        NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]).load("missing-model", "fp32", "auto")
+    policies = nodes.NODE_CLASS_MAPPINGS["UniCacheKVConfig"].INPUT_TYPES()["required"]["policy"][1]["options"]
     assert policies[0] == "default" and "bagel-7b-mot.json" in policies
 
 
@@ -158,7 +171,7 @@ def test_text_to_image_end_to_end(host_stubs):
     from unicache_core.compression import UniCache
 
     model = _load(host_stubs)
-    node = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
+    node = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"])
     image, latent, thinking, report = node.generate(
         model, "a red cube", 64, 48, 3, 7, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False, kv=UniCache()
     )
@@ -171,7 +184,7 @@ def test_text_to_image_end_to_end(host_stubs):
     assert mm.loads and mm.loads[-1][0] == [model.patcher] and mm.loads[-1][1] > 0 and not mm.loads[-1][2]
     assert host_stubs["comfy.utils"].progress[-1] == (2, 2)
 
-    out = nodes.NODE_CLASS_MAPPINGS["UniCacheKVReport"]().show(report)
+    out = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheKVReport"]).show(report)
     plot, summary = out["result"]
     assert plot.ndim == 4 and plot.shape[0] == 1 and plot.shape[-1] == 3 and 0 <= plot.min() and plot.max() <= 1
     assert "unicache" in summary
@@ -186,14 +199,14 @@ def test_edit_batch_and_understand(host_stubs):
     model = _load(host_stubs)
     gen = torch.Generator().manual_seed(0)
     batch = torch.rand(2, 40, 56, 3, generator=gen)
-    edit = nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"]()
+    edit = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"])
     image, latent, _, report = edit.edit(
         model, batch, "make it blue", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False
     )
     assert image.shape[0] == 2 and image.shape[-1] == 3 and latent["samples"].shape[:2] == (2, 16)
     assert latent["samples"].shape[2:] == (image.shape[1] // 8, image.shape[2] // 8)
     assert report["method"] == "full" and len(report["batch"]) == 2
-    und = nodes.NODE_CLASS_MAPPINGS["UniCacheUnderstand"]()
+    und = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheUnderstand"])
     out = und.understand(model, "What is it?", 3, False, 0.3, 0, False, image=batch[:1])
     text, rep = out["result"]
     assert isinstance(text, str) and out["ui"]["text"] == [text] and rep["task"] == "understanding"
@@ -204,7 +217,7 @@ def test_interrupt_becomes_host_exception(host_stubs):
 
     model = _load(host_stubs)
     host_stubs["comfy.model_management"].interrupt = True
-    node = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
+    node = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"])
     with pytest.raises(Interrupt):
         node.generate(model, "a cube", 32, 32, 3, 0, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False)
     assert host_stubs["comfy.model_management"].interrupt is False
@@ -214,7 +227,7 @@ def test_bad_inputs_raise_actionable_errors(host_stubs):
     import nodes
 
     model = _load(host_stubs)
-    t2i = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
+    t2i = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"])
     with pytest.raises(ValueError, match="cfg_interval_lo"):
         t2i.generate(model, "x", 32, 32, 3, 0, 4.0, 1.5, 0.9, 0.1, 3.0, 0.0, "global", False)
     loads = len(host_stubs["comfy.model_management"].loads)
@@ -224,7 +237,7 @@ def test_bad_inputs_raise_actionable_errors(host_stubs):
     with pytest.raises(ValueError, match="UniCache BAGEL Loader"):
         t2i.generate("not a model", "x", 32, 32, 3, 0, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False)
     with pytest.raises(ValueError, match="KV report"):
-        nodes.NODE_CLASS_MAPPINGS["UniCacheKVReport"]().show({"format": "other"})
+        NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheKVReport"]).show({"format": "other"})
 
 
 # ------------------------------------------------------------------------------------------ web extension
@@ -254,10 +267,10 @@ def test_web_extension_parses_and_draws(host_stubs, tmp_path):
     from unicache_core.compression import UniCache
 
     model = _load(host_stubs)
-    *_, report = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]().generate(
+    *_, report = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]).generate(
         model, "a cube", 32, 32, 3, 0, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False, kv=UniCache()
     )
-    chart = nodes.NODE_CLASS_MAPPINGS["UniCacheKVReport"]().show(report)["ui"]["unicache_kv"][0]
+    chart = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheKVReport"]).show(report)["ui"]["unicache_kv"][0]
     script = tmp_path / "draw.mjs"
     script.write_text(_JS_DRAW)
     subprocess.run([node, str(script), str(js), json.dumps(chart)], check=True, timeout=30)
@@ -290,14 +303,14 @@ def test_external_vae_and_latent_inputs(host_stubs):
 
     model = _load(host_stubs)
     vae = _FakeComfyVAE(model.loaded.vae)
-    t2i = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
+    t2i = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"])
     args = (model, "a red cube", 64, 64, 3, 3, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False)
     own, own_latent, _, _ = t2i.generate(*args)
     ext, ext_latent, _, _ = t2i.generate(*args, vae=vae)
     assert vae.calls == ["decode"]
     assert torch.equal(own_latent["samples"], ext_latent["samples"])
     assert (own - ext).abs().max() <= 1.5 / 255  # LATENT convention: core VAEDecode of it gives the same image
-    edit = nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"]()
+    edit = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"])
     latent = {"samples": vae.encode(own)}  # what core VAEEncode gives for the same image
     image, out_latent, _, _ = edit.edit(
         model, own, "make it blue", 2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False, vae=vae, latent=latent
@@ -348,11 +361,11 @@ def test_single_file_checkpoint(host_stubs, tmp_path):
     encoders.mkdir(parents=True)
     (encoders / "qwen25_tokenizer").symlink_to(out.parent / "tokenizer", target_is_directory=True)
     loader = nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]
-    choices = loader.INPUT_TYPES()["required"]["checkpoint"][0]
+    choices = loader.INPUT_TYPES()["required"]["checkpoint"][1]["options"]
     assert "bagel-tiny.safetensors" in choices and "ae.safetensors" not in choices
-    (model,) = loader().load("bagel-tiny.safetensors", "fp32", "cpu")
+    (model,) = NodeCall(loader)("bagel-tiny.safetensors", "fp32", "cpu")
     assert model.loaded.vae is None and model is not folder_model
-    t2i = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
+    t2i = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"])
     args = (model, "a red cube", 32, 32, 3, 3, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False)
     mm = host_stubs["comfy.model_management"]
     loads = len(mm.loads)

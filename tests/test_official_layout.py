@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from cli_runs import run_bagel_cli
-from comfy_stubs import host_stubs  # noqa: F401  (a fixture)
+from comfy_stubs import NodeCall, host_stubs  # noqa: F401  (a fixture)
 
 from unicache_core.bagel import load_bagel
 from unicache_core.bagel.checkpoint.official_layout import (
@@ -69,6 +69,13 @@ def test_the_engine_names_what_a_folder_lacks(tmp_path, tiny_checkpoint):
         CheckpointError, match=r"missing weights file .*ema\.safetensors; download ema\.safetensors \(29\.2 GB\)"
     ):
         load_bagel(partial)
+    # a checkpoint folder that lacks several files: all of them in one message, not one per run
+    (partial / "vocab.json").unlink()
+    (partial / "merges.txt").unlink()
+    with pytest.raises(CheckpointError) as error:
+        load_bagel(partial)
+    lacks = str(error.value).split(";")[0]
+    assert lacks == f"{partial} is missing ema.safetensors (29.2 GB), vocab.json (2.78 MB), merges.txt (1.67 MB)"
     # a folder with some of BAGEL's files but not its llm_config.json: what it lacks, each with its size
     configs_only = tmp_path / "configs-only"
     configs_only.mkdir()
@@ -110,7 +117,7 @@ def test_the_loader_node_explains_where_bagel_goes(host_stubs, tmp_path, caplog)
     comfy_bagel.mkdir(parents=True)
     host_stubs["folder_paths"].get_folder_paths = lambda name: [str(f) for f in folders]
     with caplog.at_level(logging.INFO, logger="nodes.loader_node"):
-        loader().load("unicache-shapes", "fp32", "cpu")
+        NodeCall(loader)("unicache-shapes", "fp32", "cpu")
     told = [r.getMessage() for r in caplog.records if r.name == "nodes.loader_node"]
     assert any("for BAGEL-7B-MoT put" in line and official_files_line() in line for line in told), told
     assert any(f"{comfy_bagel / 'BAGEL-7B-MoT'}/" in line for line in told), told

@@ -32,20 +32,21 @@ ACCELERATORS = {
     "NPU :: Huawei Ascend",
     "GPU :: Apple Metal",
 }
-#: Where an icon in this repository is served from (the Repository URL's raw files on its main branch).
-RAW_PREFIX = (
-    PROJECT["urls"]["Repository"].replace("https://github.com/", "https://raw.githubusercontent.com/") + "/main/"
-)
+#: The addresses the project does not publish (a Repository or Icon URL there was a broken link in the Manager).
+UNPUBLISHED = ("github.com/unicache/", "raw.githubusercontent.com/unicache/")
+ICON = ROOT / "docs" / "images" / "icon.png"
 
 
 def test_project_fields_the_registry_requires():
     assert len(PROJECT["name"]) < 100 and NODE_ID.match(PROJECT["name"]), PROJECT["name"]
     assert re.fullmatch(r"\d+\.\d+\.\d+", PROJECT["version"]), "the registry needs a X.Y.Z version"
     assert PROJECT["description"].strip()
-    repository = PROJECT["urls"]["Repository"]
-    assert re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+", repository), repository
-    for url in PROJECT["urls"].values():
-        assert url.startswith("https://")
+    urls = PROJECT.get("urls", {})
+    if "Repository" in urls:  # optional for the registry: only once the repository is public
+        assert re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+", urls["Repository"]), urls["Repository"]
+    for url in [*urls.values(), COMFY.get("Icon", "")]:
+        assert not any(part in url for part in UNPUBLISHED), f"{url}: an address this project does not publish"
+        assert not url or url.startswith("https://"), url
 
 
 def test_tool_comfy_is_complete():
@@ -63,12 +64,16 @@ def test_tool_comfy_is_complete():
 
 
 def test_the_icon_is_in_the_repository_square_and_small():
-    icon = COMFY["Icon"]
-    assert icon.startswith(RAW_PREFIX), f"{icon} is not a file of {PROJECT['urls']['Repository']}"
-    path = ROOT / icon.removeprefix(RAW_PREFIX)
-    assert path.suffix.lower() in (".png", ".svg", ".jpg", ".jpeg", ".gif")
-    with Image.open(path) as image:
+    if "Icon" in COMFY:  # a raw URL of the committed icon, on the Repository's main branch
+        raw = PROJECT["urls"]["Repository"].replace("https://github.com/", "https://raw.githubusercontent.com/")
+        assert COMFY["Icon"] == f"{raw}/main/docs/images/icon.png", COMFY["Icon"]
+    with Image.open(ICON) as image:
         assert image.width == image.height <= 400, image.size
+
+
+def test_accelerators_claim_nothing_the_pack_does_not_need():
+    """The pack runs on a CPU too, and the registry's accelerator classifiers name GPUs only: none is listed."""
+    assert not [c for c in PROJECT.get("classifiers", []) if c.startswith("Environment ::")]
 
 
 def test_the_icon_command_draws_the_committed_icon(tmp_path):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from cli_runs import run_bagel_cli
-from comfy_stubs import TINY_NAME, host_stubs  # noqa: F401  (host_stubs: a fixture)
+from comfy_stubs import TINY_NAME, NodeCall, host_stubs  # noqa: F401  (host_stubs: a fixture)
 from PIL import Image
 
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
@@ -326,16 +326,16 @@ def test_memory_plan_and_node_memory_count_the_factors(loaded):
 def test_nodes_take_an_optional_taylorseer_input(host_stubs):  # noqa: F811
     import nodes
 
-    (model,) = nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]().load(TINY_NAME, "fp32", "auto")
+    (model,) = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheBagelLoader"]).load(TINY_NAME, "fp32", "auto")
     for node_id in ("UniCacheTextToImage", "UniCacheImageEdit"):
         spec = nodes.NODE_CLASS_MAPPINGS[node_id].INPUT_TYPES()
         assert "taylorseer" not in spec["required"] and spec["optional"]["taylorseer"][1]["default"] is False
-    t2i = nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"]()
+    t2i = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheTextToImage"])
     args = (model, "a red cube", 32, 32, 10, 7, 4.0, 1.5, 0.4, 1.0, 3.0, 0.0, "global", False)
     *_, plain = t2i.generate(*args)
     *_, seer = t2i.generate(*args, taylorseer=True)
     assert plain["summary"]["forecast_steps"] == [] and seer["summary"]["forecast_steps"] == [5, 6, 8]
-    edit = nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"]()
+    edit = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheImageEdit"])
     image = torch.rand(1, 32, 32, 3, generator=torch.Generator().manual_seed(0))
     *_, report = edit.edit(
         model, image, "make it blue", 8, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False, taylorseer=True

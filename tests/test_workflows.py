@@ -29,7 +29,7 @@ CORE_NODES = {
     "SaveImage": {"widgets": [("filename_prefix", "STRING", {})], "outputs": []},
     "PreviewImage": {"widgets": [], "outputs": []},
 }
-WIDGET_KINDS = {"INT", "FLOAT", "STRING", "BOOLEAN"}
+WIDGET_KINDS = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}  # COMBO: a V3 combo, its choices in "options"
 SEED_CONTROL = {"fixed", "increment", "decrement", "randomize"}
 
 
@@ -103,7 +103,8 @@ def _convert(ui: dict, info: dict) -> tuple[dict, list[str]]:
             if name in linked:
                 continue
             inputs[name] = value
-            if isinstance(kind, list) and value not in kind:
+            offered = kind if isinstance(kind, list) else opts.get("options") if kind == "COMBO" else None
+            if offered is not None and value not in offered:
                 problems.append(f"node {node['id']} {node['type']}.{name}: {value!r} not offered")
             if kind in ("INT", "FLOAT"):
                 if (

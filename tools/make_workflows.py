@@ -5,6 +5,8 @@ workflows (issue #43), ``unicache_reference.png``.
 
 Run from the repo root after changing a node's inputs: ``.venv/bin/python tools/make_workflows.py``.
 Widget order and socket lists come from the nodes' own ``INPUT_TYPES``; tests/test_nodes.py checks the result.
+The nodes are ComfyUI V3 classes: outside a ComfyUI this uses the unit tests' stand-in of ``comfy_api.latest``
+(tests/comfy_stubs.py), which builds the same V1 view.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "tests"))
+
+from comfy_stubs import install_v3_stub  # noqa: E402
+
+install_v3_stub()
 
 from tools.workflow_format import NOTE, build  # noqa: E402
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT  # noqa: E402

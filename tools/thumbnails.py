@@ -1,13 +1,17 @@
-"""The README's workflow thumbnails, made from what ``make demo`` wrote: one strip per shipped workflow with its
-input image, its outputs and its KV report's plot, each captioned.
+"""The README's workflow thumbnails and the template browser's pictures, made from what ``make demo`` wrote: one
+strip per shipped workflow with its input image, its outputs and its KV report's plot, each captioned, and one
+square card of its pictures per workflow for ComfyUI's template browser.
 
     make thumbnails                                   # make demo, then this
-    .venv/bin/python -m tools.thumbnails [--demo out/demo] [--out docs/images]
+    .venv/bin/python -m tools.thumbnails [--demo out/demo] [--out docs/images] [--templates workflows]
 
 For ``workflows/api/<name>.json`` it reads ``<demo>/<name>/summary.json`` (the batch runner's, one run) and writes
-``<out>/demo_<name>.png``. What each image is comes from the workflow itself: a ``LoadImage`` is the input
-(``workflows/assets/``), a ``SaveImage`` an output (captioned with the KV method of the task node it saves), a
-``PreviewImage`` of a ``UniCacheKVReport`` the report's plot; an understanding node's answer captions the input.
+``<out>/demo_<name>.png`` and ``<templates>/<name>.jpg``. ComfyUI's frontend (1.32) shows a custom node pack's
+example workflow ``<folder>/<name>.json`` with the picture ``/api/workflow_templates/<pack>/<name>.jpg``, a JPEG of
+the same name beside it (the host serves the pack's ``workflows`` folder there, as it does ``example_workflows``).
+What each image is comes from the workflow itself: a ``LoadImage`` is the input (``workflows/assets/``), a
+``SaveImage`` an output (captioned with the KV method of the task node it saves), a ``PreviewImage`` of a
+``UniCacheKVReport`` the report's plot; an understanding node's answer captions the input.
 """
 
 from __future__ import annotations
@@ -124,10 +128,37 @@ def strip(items: list[Panel]) -> Image.Image:
     return canvas
 
 
+#: Side of a template card, in pixels.
+CARD = 320
+
+
+def card(items: list[Panel]) -> Image.Image:
+    """The pictures of the panels but the KV report's, on a white square of :data:`CARD` pixels: one picture
+    fills it, more are laid out on a grid (input first, outputs after)."""
+    pictures = [p.image.convert("RGB") for p in items if p.caption != "KV report"] or [items[0].image.convert("RGB")]
+    cols = 1 if len(pictures) == 1 else 2
+    rows = -(-len(pictures) // cols)
+    cell = (CARD - GAP * (cols + 1)) // cols
+    canvas = Image.new("RGB", (CARD, CARD), BACKGROUND)
+    top = (CARD - rows * cell - (rows - 1) * GAP) // 2
+    for index, picture in enumerate(pictures):
+        scale = min(cell / picture.width, cell / picture.height)
+        size = (max(1, round(picture.width * scale)), max(1, round(picture.height * scale)))
+        smooth = Image.Resampling.LANCZOS if scale < 1 else Image.Resampling.NEAREST
+        row, col = divmod(index, cols)
+        x = GAP + col * (cell + GAP) + (cell - size[0]) // 2
+        y = top + row * (cell + GAP) + (cell - size[1]) // 2
+        canvas.paste(picture.resize(size, smooth), (x, y))
+    return canvas
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.thumbnails", description=__doc__.splitlines()[0])
     parser.add_argument("--demo", type=Path, default=ROOT / "out" / "demo", help="make demo's output folder")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images", help="where the PNGs go")
+    parser.add_argument(
+        "--templates", type=Path, default=ROOT / "workflows", help="where the template cards (<name>.jpg) go"
+    )
     args = parser.parse_args(argv)
     names = sorted(p.stem for p in WORKFLOWS.glob("*.json"))
     missing = [n for n in names if not (args.demo / n / "summary.json").is_file()]
@@ -135,15 +166,18 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: {args.demo} has no demo run of {', '.join(missing)}; run `make demo` first\n")
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    args.templates.mkdir(parents=True, exist_ok=True)
     for name in names:
         try:
-            image = strip(panels(name, args.demo))
+            made = panels(name, args.demo)
         except (OSError, ValueError, KeyError) as error:
             sys.stderr.write(f"error: {name}: {error}\n")
             return 2
-        target = args.out / f"demo_{name}.png"
-        image.save(target, optimize=True)
-        sys.stdout.write(f"{target.relative_to(ROOT) if target.is_relative_to(ROOT) else target}\n")
+        target, template = args.out / f"demo_{name}.png", args.templates / f"{name}.jpg"
+        strip(made).save(target, optimize=True)
+        card(made).save(template, quality=90, optimize=True)
+        for path in (target, template):
+            sys.stdout.write(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}\n")
     return 0
 
 

@@ -1,15 +1,15 @@
 """The two formats of a shipped workflow graph: the UI workflow (frontend 1.32) and the API prompt.
 
 :func:`build` turns a graph (nodes ``{id, type, title?, pos, widgets: {name: value}, links: {input: (src_id,
-slot)}}`` in execution order) into both, from the nodes' own ``INPUT_TYPES`` (``tools/make_workflows.py`` writes
-the shipped ones with it).
+slot)}}`` in execution order) into both, from the nodes' own ``INPUT_TYPES`` (their V3 schema's V1 view;
+``tools/make_workflows.py`` writes the shipped ones with it).
 """
 
 from __future__ import annotations
 
 from nodes import NODE_CLASS_MAPPINGS
 
-WIDGET_KINDS = {"INT", "FLOAT", "STRING", "BOOLEAN"}
+WIDGET_KINDS = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}  # COMBO: a V3 combo (its options in its opts)
 #: The frontend's note (UI workflows only: it is not part of a prompt).
 NOTE = "Note"
 # core nodes: (socket inputs [(name, type)], widget names, outputs [(name, type)])

@@ -156,6 +156,7 @@ def run(out: Path, work: Path, cfg: TrainConfig, progress: Callable | None = Non
         return {
             "variant": VARIANT,
             "final": final,
+            "images_per_request": 1,  # every training request holds one input image (nodes warn above it)
             "config": cfg.to_dict(),
             "latent_shift": shift,
             "latent_scale": scale,

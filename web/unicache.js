@@ -154,6 +154,27 @@ function showText(node, text) {
   node.unicacheText.value = text;
 }
 
+// The node's warnings (its `ui.unicache_warnings`: an empty text, images resized, more images than the model was
+// trained on), shown on the node until its next run; the server logs them too.
+function showWarnings(node, lines) {
+  if (!node.unicacheWarning) {
+    if (!lines.length) return;
+    const box = document.createElement("div");
+    box.className = "unicache-warning";
+    box.style.cssText =
+      "width:100%;font-size:12px;line-height:1.3;padding:4px 6px;box-sizing:border-box;white-space:pre-wrap;" +
+      "background:#4a3b00;color:#ffd95a;border-left:3px solid #ffb300;overflow:auto";
+    node.unicacheWarning = box;
+    if (typeof node.addDOMWidget === "function") {
+      node.addDOMWidget("unicache_warning", "unicache_warning", box, { serialize: false, getMinHeight: () => 48 });
+    }
+  }
+  node.unicacheWarning.textContent = lines.map((line) => `\u26a0 ${line}`).join("\n");
+  node.unicacheWarning.style.display = lines.length ? "block" : "none";
+  const size = node.computeSize ? node.computeSize() : node.size;
+  node.setSize?.([Math.max(node.size[0], size[0]), Math.max(node.size[1], size[1])]);
+}
+
 app.registerExtension({
   name: "unicache.bagel.kvchart",
   async beforeRegisterNodeDef(nodeType, nodeData) {
@@ -161,6 +182,7 @@ app.registerExtension({
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (output) {
       onExecuted?.apply(this, arguments);
+      showWarnings(this, output?.unicache_warnings || []);
       if (nodeData.name === "UniCacheUnderstand" && output?.text?.length) showText(this, output.text.join("\n"));
       const data = output?.unicache_kv?.[0];
       if (!data) return;

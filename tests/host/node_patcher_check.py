@@ -66,7 +66,7 @@ def main() -> None:
     report = {}
     outputs = {}
     for weight_dtype in ("default", "fp8_e4m3fn"):
-        (model,) = UniCacheBagelLoader().load(checkpoint, "bf16", "cpu", weight_dtype=weight_dtype)
+        (model,) = UniCacheBagelLoader.execute(checkpoint, "bf16", "cpu", weight_dtype=weight_dtype).args
         patcher, modules = model.patcher, model.patcher.model
         castable = [m for m in modules.modules() if hasattr(m, "comfy_cast_weights")]
         up = model.loaded.model.language_model.model.layers[0].mlp.up_proj

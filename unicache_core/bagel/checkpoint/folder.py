@@ -18,7 +18,7 @@ from ..weight_layout import bagel_layout, vae_layout
 from .config_check import check_model_config, check_names_and_shapes, check_vae_config
 from .header import SafetensorsHeader, read_header
 from .model_id import model_id_of
-from .official_layout import is_checkpoint_folder, not_a_checkpoint_message
+from .official_layout import is_checkpoint_folder, missing_official_files, not_a_checkpoint_message
 
 #: The BAGEL weights of a checkpoint folder.
 EMA_FILE = "ema.safetensors"
@@ -83,10 +83,11 @@ def check_folder_weights(root: str | Path, config: BagelConfig, *, missing_ok: b
 
 
 def check_official_files(root: str | Path) -> None:
-    """A folder that is no BAGEL checkpoint (no ``llm_config.json``): a CheckpointError naming every file of the
-    official layout it lacks, each with its size, and where to get them (nothing is read). A checkpoint folder
-    that lacks some other file is named by that file's own check."""
-    if not is_checkpoint_folder(root):
+    """A folder that is no BAGEL checkpoint (no ``llm_config.json``), or a checkpoint folder that lacks two or more
+    files of the official layout: a CheckpointError naming every file it lacks, each with its size, and where to get
+    them, in one message (nothing is read). A checkpoint folder that lacks one file is named by that file's own
+    check."""
+    if not is_checkpoint_folder(root) or len(missing_official_files(root)) > 1:
         raise CheckpointError(not_a_checkpoint_message(root))
 
 
