@@ -88,9 +88,8 @@ def qwen_tokenizer_dir() -> Path:
 
 def resolve_devices(choice: str):
     """``(load_device, offload_device)`` for the loader's ``device`` widget (``auto`` = ComfyUI's choice)."""
-    import torch
-
     import comfy.model_management as mm
+    import torch
 
     if choice == "cpu":
         return torch.device("cpu"), torch.device("cpu")
@@ -146,6 +145,7 @@ def host_operations(weight_dtype: str, compute_dtype: str, load_device):
         ``weight_dtype``: the picked namespace and the library's name of the storage dtype.
     """
     import comfy.ops
+
     from unicache_core.bagel.checkpoint.loader import parse_dtype
     from unicache_core.bagel.weights import HostOperations, plain_storage_dtype
 
@@ -229,9 +229,8 @@ def progress_callback(total: int, node_id=None) -> Callable[..., None]:
 def _previewer():
     """ComfyUI's latent previewer for FLUX latents, or None when previews are off (or unavailable)."""
     try:
-        import latent_preview
-
         import comfy.latent_formats
+        import latent_preview
     except ImportError:  # an older or stripped host: progress without previews
         return None
     return latent_preview.get_previewer("cpu", comfy.latent_formats.Flux())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from unicache_core.compression import METHODS, method_from_name
-from unicache_core.compression.defaults import SCORE_QUERIES
+from unicache_core.compression.defaults import DEFAULT_REDUCTION, RHO0, RHO_FLOOR, SCORE_QUERIES
 
 from . import host
 from .base import KV, UniCacheNode
@@ -17,6 +17,12 @@ logger = logging.getLogger(__name__)
 
 #: Policy choice meaning "the checkpoint's own unicache_policy.json, else the shipped paper table".
 DEFAULT_POLICY = "default"
+
+
+def _per_task(values: dict[str, float]) -> str:
+    """``values`` per task as the tooltips say them, from unicache_core/compression/defaults.py."""
+    names = {"understanding": "understanding", "t2i": "text-to-image", "edit": "edit"}
+    return ", ".join(f"{values[task]:g} {name}" for task, name in names.items() if task in values)
 
 
 def policy_choices() -> list[str]:
@@ -54,22 +60,22 @@ class UniCacheKVConfig(UniCacheNode):
                     0.0,
                     0.0,
                     "Retained share of the compressible KV memory (0.2 = keep 20%, 5x less). 0 = the task's default "
-                    "(the paper's 80% reduction for edit and understanding, 60% for text-to-image; for unicache: "
-                    "its rho schedule). For unicache an explicit target fixes rho0.",
+                    f"(the paper's retention: {_per_task({t: round(1 - r, 6) for t, r in DEFAULT_REDUCTION.items()})}; "
+                    "for unicache: its rho schedule). For unicache an explicit target fixes rho0.",
                 ),
                 share(
                     "rho",
                     0.0,
                     0.0,
-                    "unicache only: starting retention rho0 in (0, 1]. 0 = the preset (0.2 understanding, 0.5 "
-                    "text-to-image and edit). Ignored by the other methods.",
+                    f"unicache only: starting retention rho0 in (0, 1]. 0 = the preset ({_per_task(RHO0)}). Ignored by "
+                    "the other methods.",
                 ),
                 share(
                     "rho_floor",
                     -1.0,
                     -1.0,
-                    "unicache only: the lowest retention the schedule decays to (<= rho). -1 = the preset (0.35 "
-                    "text-to-image, 0.1 edit); 0 is a real floor. Ignored by the other methods.",
+                    "unicache only: the lowest retention the schedule decays to (<= rho). -1 = the preset "
+                    f"({_per_task(RHO_FLOOR)}); 0 is a real floor. Ignored by the other methods.",
                 ),
                 io.Combo.Input(
                     "policy",

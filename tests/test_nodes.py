@@ -121,6 +121,16 @@ def test_declarations(node_id):
                 assert opts.get("default", opts["options"][0]) in opts["options"]
 
 
+def test_kv_config_tooltips_give_the_defaults_of_defaults_py():
+    from unicache_core.compression.defaults import RHO0, RHO_FLOOR
+
+    spec = _mappings()["UniCacheKVConfig"].INPUT_TYPES()["required"]
+    rho_tip, floor_tip = spec["rho"][1]["tooltip"], spec["rho_floor"][1]["tooltip"]
+    assert f"{RHO0['t2i']:g} text-to-image" in rho_tip and f"{RHO0['edit']:g} edit" in rho_tip
+    assert f"{RHO_FLOOR['t2i']:g} text-to-image" in floor_tip and f"{RHO_FLOOR['edit']:g} edit" in floor_tip
+    assert "0.5" not in rho_tip  # the number the tooltip once gave, never a default
+
+
 def test_kv_config_node_builds_configs():
     from unicache_core.compression import UniCache
 
