@@ -17,7 +17,7 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from ..errors import CheckpointError
 from .latents import FLUX_SCALE_FACTOR, FLUX_SHIFT_FACTOR
@@ -155,6 +155,12 @@ MAX_POSITION_EMBEDDINGS = 1 << 24
 MAX_VAE_LEVELS, MAX_VAE_BLOCKS = 8, 32
 
 
+@overload
+def _read_json(path: Path, *, required: Literal[True] = ...) -> dict[str, Any]: ...
+@overload
+def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None: ...
+
+
 def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
     if path.exists() and not path.is_file():  # a folder, FIFO or device: never opened (a FIFO would block)
         kind = "a directory" if path.is_dir() else "not a regular file"
@@ -195,7 +201,7 @@ def _get(data: dict[str, Any], key: str, kind: type, path: Path, default: Any = 
         value = float(value)
     if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
         raise CheckpointError(f"config file {path}: field {key!r} = {value!r} must be of type {kind.__name__}")
-    if kind is float and not math.isfinite(value):
+    if kind is float and isinstance(value, float) and not math.isfinite(value):  # a float: checked just above
         raise CheckpointError(f"config file {path}: field {key!r} = {value!r} must be a finite number")
     return value
 
@@ -450,7 +456,7 @@ def bagel_config_from_dicts(
     def where(name: str) -> Path:
         return Path(f"{source}:{name}")
 
-    parsed: dict[str, dict[str, Any] | None] = {}
+    parsed: dict[str, dict[str, Any]] = {}  # every required config; the optional ones when given
     for name, data, required in (
         (LLM_CONFIG_FILE, llm, True),
         (VIT_CONFIG_FILE, vit, True),
@@ -458,7 +464,6 @@ def bagel_config_from_dicts(
         (TRANSFORM_CONFIG_FILE, transforms, False),
     ):
         if data is None and not required:
-            parsed[name] = None
             continue
         if not isinstance(data, dict):
             raise CheckpointError(
@@ -469,8 +474,8 @@ def bagel_config_from_dicts(
     cfg = BagelConfig(
         llm=parse_llm_config(parsed[LLM_CONFIG_FILE], where(LLM_CONFIG_FILE)),
         vit=parse_vit_config(parsed[VIT_CONFIG_FILE], where(VIT_CONFIG_FILE)),
-        ae=parse_ae_config(parsed[AE_CONFIG_FILE], where(AE_CONFIG_FILE)),
-        transforms=parse_transform_config(parsed[TRANSFORM_CONFIG_FILE], where(TRANSFORM_CONFIG_FILE)),
+        ae=parse_ae_config(parsed.get(AE_CONFIG_FILE), where(AE_CONFIG_FILE)),
+        transforms=parse_transform_config(parsed.get(TRANSFORM_CONFIG_FILE), where(TRANSFORM_CONFIG_FILE)),
     )
     if cfg.llm.hidden_size % 4:
         raise CheckpointError(

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .modeling import Bagel
 
 logger = logging.getLogger(__name__)
 
@@ -87,29 +90,32 @@ class LayerOffload:
     transfers: int = 0
     _hooks_removed: bool = field(default=False, repr=False)
 
-    def _copy_in(self, index: int) -> None:
+    def _copy_in(self, index: int) -> list[Tensor]:
+        """Layer ``index``'s device copies, started now unless already there (or on their way)."""
         entry = self.layers[index]
         if entry.device_copies is not None:
-            return
+            return entry.device_copies
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                entry.device_copies = [t.to(self.device, non_blocking=True, copy=True) for t in entry.host]
+                copies = [t.to(self.device, non_blocking=True, copy=True) for t in entry.host]
                 entry.ready = torch.cuda.Event()
                 entry.ready.record(self.stream)
         else:
-            entry.device_copies = [t.to(self.device, copy=True) for t in entry.host]
+            copies = [t.to(self.device, copy=True) for t in entry.host]
+        entry.device_copies = copies
         self.transfers += 1
+        return copies
 
     def _attach(self, index: int) -> None:
         entry = self.layers[index]
-        self._copy_in(index)
+        copies = self._copy_in(index)
         if entry.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(entry.ready)
-            for t in entry.device_copies:
+            for t in copies:
                 t.record_stream(torch.cuda.current_stream(self.device))
             entry.ready = None
-        for (module, name, is_param), value in zip(entry.slots, entry.device_copies):
+        for (module, name, is_param), value in zip(entry.slots, copies):
             _set_tensor(module, name, is_param, value)
 
     def _detach(self, index: int) -> None:
@@ -152,7 +158,7 @@ class LayerOffload:
 
 
 def apply_layer_offload(
-    model: nn.Module, device: torch.device | str, *, prefetch: bool = True, pin_memory: bool | None = None
+    model: Bagel, device: torch.device | str, *, prefetch: bool = True, pin_memory: bool | None = None
 ) -> LayerOffload:
     """Keep ``model``'s decoder layers in host memory and bring each to ``device`` just before it runs.
 
@@ -169,7 +175,9 @@ def apply_layer_offload(
     Raises:
         ImportError: accelerate is not installed; ValueError: a meta tensor, or a model already offloaded.
     """
-    ModelHook, add_hook_to_module, _ = _import_accelerate_hooks()
+    _, add_hook_to_module, _ = _import_accelerate_hooks()  # one clear ImportError without accelerate
+    from accelerate.hooks import ModelHook  # a class to derive from (the helper hands back plain values)
+
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
