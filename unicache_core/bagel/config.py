@@ -437,8 +437,8 @@ def load_bagel_config(checkpoint_dir: str | Path) -> BagelConfig:
 
 
 def bagel_config_from_dicts(
-    llm: dict[str, Any],
-    vit: dict[str, Any],
+    llm: dict[str, Any] | None,
+    vit: dict[str, Any] | None,
     ae: dict[str, Any] | None = None,
     transforms: dict[str, Any] | None = None,
     *,

@@ -8,6 +8,7 @@ and GroupNorms come from the build's operations namespace (:mod:`.operations`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -91,11 +92,26 @@ class Upsample(nn.Module):
 
 
 class _Level(nn.Module):
-    """One resolution level: ``block`` (ResnetBlocks) and optionally ``downsample``/``upsample``."""
+    """One resolution level: ``block`` (ResnetBlocks), then its ``downsample`` (the encoder's levels but the last)
+    or ``upsample`` (the decoder's levels but the first) when it has one."""
 
-    def __init__(self, blocks: list[nn.Module]):
+    def __init__(
+        self, blocks: Sequence[nn.Module], *, downsample: nn.Module | None = None, upsample: nn.Module | None = None
+    ):
         super().__init__()
         self.block = nn.ModuleList(blocks)
+        # registered only when given (state-dict keys ``block.*`` then ``downsample.*``/``upsample.*``)
+        self.downsample = downsample
+        self.upsample = upsample
+
+    def forward(self, h: Tensor) -> Tensor:
+        for block in self.block:
+            h = block(h)
+        if self.downsample is not None:
+            h = self.downsample(h)
+        if self.upsample is not None:
+            h = self.upsample(h)
+        return h
 
 
 class _Mid(nn.Module):
@@ -125,21 +141,16 @@ class Encoder(nn.Module):
             for _ in range(cfg.num_res_blocks):
                 blocks.append(ResnetBlock(block_in, block_out, layers))
                 block_in = block_out
-            stage = _Level(blocks)
-            if level != len(cfg.ch_mult) - 1:
-                stage.downsample = Downsample(block_in, layers)
-            self.down.append(stage)
+            last = level == len(cfg.ch_mult) - 1
+            self.down.append(_Level(blocks, downsample=None if last else Downsample(block_in, layers)))
         self.mid = _Mid(block_in, layers)
         self.norm_out = _group_norm(block_in, layers)
         self.conv_out = layers.conv2d(block_in, 2 * cfg.z_channels, 3, padding=1)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.conv_in(x)
-        for level, stage in enumerate(self.down):
-            for block in stage.block:
-                h = block(h)
-            if level != len(self.down) - 1:
-                h = stage.downsample(h)
+        for stage in self.down:
+            h = stage(h)
         h = self.mid(h)
         return self.conv_out(swish(self.norm_out(h)))
 
@@ -160,10 +171,7 @@ class Decoder(nn.Module):
             for _ in range(cfg.num_res_blocks + 1):
                 blocks.append(ResnetBlock(block_in, block_out, layers))
                 block_in = block_out
-            stage = _Level(blocks)
-            if level != 0:
-                stage.upsample = Upsample(block_in, layers)
-            stages.insert(0, stage)
+            stages.insert(0, _Level(blocks, upsample=Upsample(block_in, layers) if level != 0 else None))
         self.up = nn.ModuleList(stages)
         self.norm_out = _group_norm(block_in, layers)
         self.conv_out = layers.conv2d(block_in, cfg.out_ch, 3, padding=1)
@@ -171,11 +179,7 @@ class Decoder(nn.Module):
     def forward(self, z: Tensor) -> Tensor:
         h = self.mid(self.conv_in(z))
         for level in reversed(range(len(self.up))):
-            stage = self.up[level]
-            for block in stage.block:
-                h = block(h)
-            if level != 0:
-                h = stage.upsample(h)
+            h = self.up[level](h)
         return self.conv_out(swish(self.norm_out(h)))
 
 
@@ -206,7 +210,8 @@ class AutoEncoder(nn.Module):
 
     def encode_moments(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``x [B, 3, H, W]`` in [-1, 1] → ``(mean, logvar)`` each ``[B, z, H/ds, W/ds]``."""
-        return torch.chunk(self.encoder(x.to(self.compute_dtype)), 2, dim=1)
+        mean, logvar = torch.chunk(self.encoder(x.to(self.compute_dtype)), 2, dim=1)
+        return mean, logvar
 
     def encode(
         self,
