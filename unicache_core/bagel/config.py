@@ -17,7 +17,7 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any
 
 from ..errors import CheckpointError
 from .latents import FLUX_SCALE_FACTOR, FLUX_SHIFT_FACTOR
@@ -155,19 +155,11 @@ MAX_POSITION_EMBEDDINGS = 1 << 24
 MAX_VAE_LEVELS, MAX_VAE_BLOCKS = 8, 32
 
 
-@overload
-def _read_json(path: Path, *, required: Literal[True] = ...) -> dict[str, Any]: ...
-@overload
-def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None: ...
-
-
-def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
+def _read_json(path: Path) -> dict[str, Any]:
     if path.exists() and not path.is_file():  # a folder, FIFO or device: never opened (a FIFO would block)
         kind = "a directory" if path.is_dir() else "not a regular file"
         raise CheckpointError(f"config file {path} is {kind}; it must be a JSON file (re-download it)")
     if not path.is_file():
-        if not required:
-            return None
         raise CheckpointError(
             f"missing config file {path}; a BAGEL checkpoint folder must contain {path.name} "
             f"(download the full ByteDance-Seed/BAGEL-7B-MoT repository into {path.parent})"
@@ -423,9 +415,9 @@ def load_bagel_config(checkpoint_dir: str | Path) -> BagelConfig:
     llm_path, vit_path, ae_path = root / LLM_CONFIG_FILE, root / VIT_CONFIG_FILE, root / AE_CONFIG_FILE
     llm = parse_llm_config(_read_json(llm_path), llm_path)
     vit = parse_vit_config(_read_json(vit_path), vit_path)
-    ae = parse_ae_config(_read_json(ae_path, required=False), ae_path)
+    ae = parse_ae_config(_read_json(ae_path) if ae_path.exists() else None, ae_path)
     tf_path = root / TRANSFORM_CONFIG_FILE
-    transforms = parse_transform_config(_read_json(tf_path, required=False), tf_path)
+    transforms = parse_transform_config(_read_json(tf_path) if tf_path.exists() else None, tf_path)
     cfg = BagelConfig(llm=llm, vit=vit, ae=ae, transforms=transforms)
     if cfg.llm.hidden_size % 4:
         raise CheckpointError(

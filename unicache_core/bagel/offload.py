@@ -157,6 +157,24 @@ class LayerOffload:
         return sum(entry.device_copies is not None for entry in self.layers)
 
 
+def _add_visit_hooks(offload: LayerOffload, decoder_layers: list[nn.Module]) -> None:
+    """An accelerate hook on each of ``decoder_layers`` that brings the layer to the device before its forward."""
+    from accelerate.hooks import ModelHook, add_hook_to_module  # a class to derive from: imported by name
+
+    class LayerVisitHook(ModelHook):
+        """Brings its decoder layer to the device before the layer's forward."""
+
+        def __init__(self, index: int):
+            self.index = index
+
+        def pre_forward(self, module, *args, **kwargs):
+            offload.enter(self.index)
+            return args, kwargs
+
+    for index, layer in enumerate(decoder_layers):
+        add_hook_to_module(layer, LayerVisitHook(index))
+
+
 def apply_layer_offload(
     model: Bagel, device: torch.device | str, *, prefetch: bool = True, pin_memory: bool | None = None
 ) -> LayerOffload:
@@ -175,14 +193,11 @@ def apply_layer_offload(
     Raises:
         ImportError: accelerate is not installed; ValueError: a meta tensor, or a model already offloaded.
     """
-    _, add_hook_to_module, _ = _import_accelerate_hooks()  # one clear ImportError without accelerate
-    from accelerate.hooks import ModelHook  # a class to derive from (the helper hands back plain values)
-
+    _import_accelerate_hooks()  # one clear ImportError without accelerate, before any work
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if pin_memory is None:
-        pin_memory = torch.cuda.is_available()
+    pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
     decoder_layers = list(model.language_model.model.layers)
     if any(getattr(layer, "_hf_hook", None) is not None for layer in decoder_layers):
         raise ValueError(
@@ -216,19 +231,7 @@ def apply_layer_offload(
             _set_tensor(module, name, is_param, value)
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     offload = LayerOffload(device, prefetch, entries, stream)
-
-    class LayerVisitHook(ModelHook):
-        """Brings its decoder layer to the device before the layer's forward."""
-
-        def __init__(self, index: int):
-            self.index = index
-
-        def pre_forward(self, module, *args, **kwargs):
-            offload.enter(self.index)
-            return args, kwargs
-
-    for index, layer in enumerate(decoder_layers):
-        add_hook_to_module(layer, LayerVisitHook(index))
+    _add_visit_hooks(offload, decoder_layers)
     model.execution_device = device
     logger.info(
         "layer offload: %d decoder layers in %s host memory, computing on %s (prefetch %s)",
