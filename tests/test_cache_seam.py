@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from oracles import KIVIPolicy, ScoreInputs, StreamingLLMPolicy
+from oracles import ScoreInputs, StreamingLLMPolicy
 from PIL import Image
 
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
@@ -41,13 +41,13 @@ class CompressOnFirstDenoise(SegmentedKVCache):
             return
         self.compressed = True
         before = self.nbytes()
-        kivi = KIVIPolicy(bits=4, group_size=32, residual=8)
         sink = StreamingLLMPolicy(n_sink=4)
         for layer in range(self.num_layers):
             types = {t for t, _, _ in self.segments(layer)}
             if TokenType.SOURCE_VAE in types:
                 seg = self.segment_kv(layer, TokenType.SOURCE_VAE)
-                self.replace_segment(layer, TokenType.SOURCE_VAE, kivi.compress(seg.keys, seg.values, seg.token_index))
+                store = QuantizedStore.from_kv(seg.keys, seg.values, seg.token_index, bits=4, group_size=32, residual=8)
+                self.replace_segment(layer, TokenType.SOURCE_VAE, store)
             if TokenType.SOURCE_VIT in types:
                 seg = self.segment_kv(layer, TokenType.SOURCE_VIT)
                 keep = sink.select(ScoreInputs(keys=seg.keys), seg.num_tokens // 2)

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from oracles import KIVIPolicy
+from oracles.kivi import LOOKUP
 
 import unicache_core.kv.quant as quant_module
 from unicache_core.compression.ops import KIVI_LOOKUP
@@ -205,6 +206,10 @@ def test_for_ratio_lookup(target: float, expected: tuple[int, int]) -> None:
     rows_below = [row for row in KIVI_LOOKUP if row[0] <= target]
     if rows_below:
         assert rows_below[-1][1:] == expected
+
+
+def test_library_lookup_is_the_papers() -> None:
+    assert KIVI_LOOKUP == LOOKUP
 
 
 def test_for_ratio_bypass() -> None:

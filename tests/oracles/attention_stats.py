@@ -8,7 +8,6 @@ import torch
 from torch import Tensor
 
 from unicache_core.compression.defaults import K90_COVERAGE
-from unicache_core.compression.routing import k90
 from unicache_core.kv.token_types import TokenType
 
 
@@ -60,5 +59,22 @@ def segment_k90(probs: Tensor, token_types: Tensor, coverage: float = K90_COVERA
     per_token = probs.float().mean(dim=(0, 1))
     out: dict[TokenType, float] = {}
     for value in torch.unique(token_types).tolist():
-        out[TokenType(int(value))] = k90(per_token[token_types == value], coverage)
+        out[TokenType(int(value))] = coverage_fraction(per_token[token_types == value].tolist(), coverage)
     return out
+
+
+def coverage_fraction(masses: list[float], coverage: float) -> float:
+    """K90 as the UniCache paper defines it (docs/compression.md §8.4): the fewest of a segment's tokens, highest mass
+    first, whose mass reaches ``coverage`` of the segment's, as a fraction of its tokens; a segment with no mass
+    counts as dense (1.0). A plain running sum over the sorted masses (a relative 1e-9 tolerance so that
+    ``0.1 * 9`` reaches 0.9)."""
+    masses = [max(0.0, m) for m in masses]
+    total = sum(masses)
+    if not masses or total <= 0.0:
+        return 1.0
+    running, needed = 0.0, coverage * total * (1.0 - 1e-9)
+    for count, mass in enumerate(sorted(masses, reverse=True), start=1):
+        running += mass
+        if running >= needed:
+            return count / len(masses)
+    return 1.0

@@ -22,8 +22,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from unicache_core.compression.selection import topk_per_head
-
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -223,7 +221,30 @@ class EvictionPolicy(ABC):
         if inputs.force_keep is not None:
             extra = inputs.force_keep if inputs.force_keep.dim() == 2 else inputs.force_keep[:, None].expand(t, hkv)
             forced = extra if forced is None else (forced | extra)
-        return topk_per_head(scores, n, forced)
+        return top_rows_per_head(scores, n, forced)
+
+
+def top_rows_per_head(scores: Tensor, n: int, forced: Tensor | None = None) -> Tensor:
+    """The ``n`` rows each KV head keeps, by the rule the papers state: rows a policy always keeps first, then the
+    highest score, and on a tie the more recent row (a NaN score ranks below every number). Written as a plain
+    sort of ``(forced, score, position)`` keys per head, independently of the library's vectorised selection.
+
+    Args:
+        scores: ``[T, Hkv]``; forced: optional bool ``[T, Hkv]``.
+
+    Returns:
+        ``[Hkv, n]`` int64 row positions, ascending per head.
+    """
+    t, hkv = scores.shape
+    n = max(0, min(int(n), t))
+    kept = []
+    for head in range(hkv):
+        column = [float(v) for v in scores[:, head].float().tolist()]
+        rank = [(-math.inf if math.isnan(v) else v) for v in column]
+        always = [False] * t if forced is None else [bool(f) for f in forced[:, head].tolist()]
+        order = sorted(range(t), key=lambda row: (always[row], rank[row], row), reverse=True)
+        kept.append(sorted(order[:n]))
+    return torch.tensor(kept, dtype=torch.int64).reshape(hkv, n)
 
 
 def recent_mask(num_tokens: int, num_kv_heads: int, count: int, device: torch.device | str | None = None) -> Tensor:

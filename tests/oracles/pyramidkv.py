@@ -6,15 +6,13 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from unicache_core.compression.methods.pyramidkv import pyramid_layer_budgets
-
 from .base import ScoreInputs
 from .snapkv import SnapKVPolicy
 
 
 @dataclass(frozen=True)
 class PyramidKVPolicy(SnapKVPolicy):
-    """SnapKV scoring; the budget of layer ``inputs.layer`` comes from :func:`pyramid_layer_budgets`.
+    """SnapKV scoring; the budget of layer ``inputs.layer`` comes from :func:`pyramid_budgets`.
 
     Paper: https://arxiv.org/abs/2406.02069 (docs/compression.md §5). Note §5's multimodal caveat: VLM
     sparsity is not monotone in depth.
@@ -43,7 +41,7 @@ class PyramidKVPolicy(SnapKVPolicy):
         """Budget of ``layer`` out of ``num_layers`` for a segment of ``num_tokens`` tokens."""
         if self.keep_ratio >= 1.0:
             return num_tokens
-        budgets = pyramid_layer_budgets(num_tokens, self.window_size, 1.0 - self.keep_ratio, num_layers, self.beta)
+        budgets = pyramid_budgets(num_tokens, self.window_size, self.keep_ratio, num_layers, self.beta)
         if not 0 <= layer < num_layers:
             raise ValueError(f"`layer` must be in [0, {num_layers}), got {layer!r}")
         return min(num_tokens, budgets[layer])
@@ -52,3 +50,19 @@ class PyramidKVPolicy(SnapKVPolicy):
         """:meth:`select` with the pyramid budget of ``inputs.layer`` / ``inputs.num_layers``: ``[Hkv, n]``."""
         budget = self.layer_budget(inputs.num_tokens, inputs.layer, inputs.num_layers)
         return self.select(inputs, budget)
+
+
+def pyramid_budgets(tokens: int, window: int, keep_ratio: float, num_layers: int, beta: float) -> list[int]:
+    """PyramidKV's per-layer budgets as the paper's reference (kvpress) computes them, docs/compression.md §5:
+    with ``cap = w + T r`` (``r`` the kept fraction), the top layer keeps ``min = (cap - w) / beta`` and the bottom
+    ``max = 2 (cap - w) - min`` (capped at ``T - w``, ``min`` following), linear in between, rounded; where those
+    bounds fail (``T >= max >= min >= w``) or there is one layer, every layer keeps ``T r``."""
+    cap = window + tokens * keep_ratio
+    low = (cap - window) / beta
+    high = 2 * (cap - window) - low
+    if high >= tokens - window:
+        high = tokens - window
+        low = 2 * (cap - window) - high
+    if num_layers == 1 or not tokens >= high >= low >= window:
+        return [round(tokens * keep_ratio)] * num_layers
+    return [round(high - layer * (high - low) / (num_layers - 1)) for layer in range(num_layers)]

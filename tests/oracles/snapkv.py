@@ -9,8 +9,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from unicache_core.compression.selection import pool_scores
-
 from .base import EvictionPolicy, ScoreInputs, observation_attention, recent_mask
 
 
@@ -80,7 +78,7 @@ class SnapKVPolicy(EvictionPolicy):
         scores = probs.mean(dim=1)  # [Hkv, T]
         w = self.window_length(inputs)
         t = inputs.num_tokens
-        prefix = pool_scores(scores[:, : t - w], self.kernel_size, self.pooling)
+        prefix = smooth_scores(scores[:, : t - w], self.kernel_size, self.pooling)
         if w == 0:
             return prefix.t().contiguous()
         top = prefix.max() + 1.0 if prefix.numel() else torch.tensor(1.0)
@@ -92,3 +90,16 @@ class SnapKVPolicy(EvictionPolicy):
         if w == 0:
             return None
         return recent_mask(inputs.num_tokens, inputs.num_kv_heads, w, inputs.keys.device)
+
+
+def smooth_scores(scores: Tensor, kernel_size: int, pooling: str) -> Tensor:
+    """SnapKV's clustering step: each key's score replaced by the mean (``avgpool``) or maximum (``maxpool``) of the
+    ``kernel_size`` scores centred on it, stride 1, same length. The paper's reference pads with zeros for the mean
+    (and divides by the whole kernel) and with -inf for the maximum. ``scores [Hkv, T]`` -> ``[Hkv, T]``."""
+    if kernel_size == 1 or scores.shape[1] == 0:
+        return scores
+    half = kernel_size // 2
+    fill = 0.0 if pooling == "avgpool" else float("-inf")
+    padded = torch.nn.functional.pad(scores, (half, half), value=fill)
+    windows = padded.unfold(1, kernel_size, 1)  # [Hkv, T, kernel]
+    return windows.sum(dim=-1) / kernel_size if pooling == "avgpool" else windows.amax(dim=-1)

@@ -277,8 +277,7 @@ def release_between_phases(loaded: LoadedBagel) -> None:
 
     The phases of a request (VAE encode, prefill, denoising, VAE decode) free activations of different sizes;
     glibc keeps much of that freed memory resident, and the next phase's tensors seldom fit in the holes, so the
-    process's peak grows by what was kept (measured on the medium checkpoint's 512 px edit with freed memory given
-    back after every phase: 408 MB peak RSS without, 368 MB with).
+    process's peak grows by what was kept (docs/engine.md, "Measurements behind the engine's choices").
     """
     if loaded.device.type == "cpu":
         release_freed_host_memory()

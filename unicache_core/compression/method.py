@@ -56,8 +56,8 @@ class Method:
             default (the paper's reduction for the task; UniCache: its rho schedule).
         score_queries: most queries a call scores keys with (strided latent queries, or the last text queries).
         fused: on calls that gather no statistics, attend through one head-major workspace per layer in a single
-            exact attention call instead of one call per store and an LSE merge (about 15% faster per edit step
-            on the medium benchmark checkpoint).
+            exact attention call instead of one call per store and an LSE merge (faster; docs/engine.md,
+            "Measurements behind the engine's choices").
         sync_timing: synchronise CUDA around timed attention calls (exact per-call clocks, slower).
 
     Class attributes (not settings): ``name`` (the registry name; a subclass without one is not registered),

@@ -23,9 +23,9 @@ class RetentionSchedule:
     the floor, is not acted on: the schedule falls in steps of at least 5%, or straight to its floor.
 
     Attributes:
-        rho0: starting ratio (0.5 gen/edit; 0.2 understanding).
-        floor: lowest ratio (0.35 t2i, 0.1 edit).
-        gamma: exponent (1).
+        rho0: starting ratio (the task's default: :data:`~unicache_core.compression.defaults.RHO0`).
+        floor: lowest ratio (:data:`~unicache_core.compression.defaults.RHO_FLOOR`).
+        gamma: exponent (:data:`~unicache_core.compression.defaults.RHO_GAMMA`).
         fixed: ``rho`` stays ``rho0`` whatever is observed (understanding).
         min_fall: least relative fall acted on (:data:`~unicache_core.compression.defaults.RHO_MIN_FALL`; 0: every
             fall, the paper's schedule).

@@ -54,9 +54,8 @@ def release_freed_host_memory() -> None:
     """Give the memory freed since the last call back to the system (glibc's ``malloc_trim``; a no-op elsewhere).
 
     Converting tensor after tensor frees buffers of every size, in the heaps of whichever threads the
-    conversion kernels ran on; glibc keeps such freed memory resident (measured on a 260 MB file loaded as fp8:
-    the load's peak varied from 88 to 200 MB between runs without this, 89-91 MB in four runs with it every
-    16 MB read).
+    conversion kernels ran on; glibc keeps such freed memory resident, and the load's peak varies from run to run
+    without this (docs/engine.md, "Measurements behind the engine's choices").
     """
     trim = _malloc_trim()
     if trim is not None:

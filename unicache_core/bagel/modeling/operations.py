@@ -46,9 +46,8 @@ STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32) + SCALED_STORAGE
 #: Dtypes hidden states are computed in.
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: An int8 Linear called on the CPU with at most this many rows uses torch's int8 weight-only kernel
-#: (``torch._weight_int8pack_mm``), which reads the int8 weight directly instead of upcasting it. Measured on
-#: one 18944x3584 weight, 2 threads: 24 ms for 1 row against 270 ms upcast + matmul (and 44 ms for the bf16
-#: weight kept resident), even at 16 rows (120 vs 265 ms), slower from about 32 rows on (240 vs 300 ms).
+#: (``torch._weight_int8pack_mm``), which reads the int8 weight directly instead of upcasting it; above this many
+#: rows the upcast and matmul is faster (docs/engine.md, "Measurements behind the engine's choices").
 INT8_KERNEL_MAX_ROWS = 16
 #: The kernel needs ``in_features`` a multiple of this: other widths give wrong values or crash (torch 2.14).
 INT8_KERNEL_WIDTH_MULTIPLE = 16
@@ -219,8 +218,8 @@ def _e4m3fn_as_half(data: Tensor) -> Tensor:
     """fp8 e4m3fn → fp16 holding ``value * 2**-8`` exactly (e4m3fn's bits moved into fp16's; NaN never occurs).
 
     Shifting the 7 exponent/mantissa bits up by 7 lands them in fp16's fields with the exponent bias 7 instead
-    of 15, normals and subnormals alike, so the result is the value times ``2**-8``; about 1.5x faster on CPU
-    than ``data.to(torch.bfloat16)`` (measured on an 18944x3584 weight).
+    of 15, normals and subnormals alike, so the result is the value times ``2**-8``; faster on the CPU than
+    ``data.to(torch.bfloat16)`` (docs/engine.md, "Measurements behind the engine's choices").
     """
     bits = data.view(torch.int8).to(torch.int16)  # sign-extended: a negative value also sets bit 14, cleared below
     bits.bitwise_left_shift_(7).bitwise_and_(~0x4000)
