@@ -9,7 +9,7 @@ and GroupNorms come from the build's operations namespace (:mod:`.operations`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -104,15 +104,6 @@ class _Level(nn.Module):
         self.downsample = downsample
         self.upsample = upsample
 
-    def forward(self, h: Tensor) -> Tensor:
-        for block in self.block:
-            h = block(h)
-        if self.downsample is not None:
-            h = self.downsample(h)
-        if self.upsample is not None:
-            h = self.upsample(h)
-        return h
-
 
 class _Mid(nn.Module):
     def __init__(self, channels: int, layers: LayerBuilder):
@@ -149,8 +140,12 @@ class Encoder(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.conv_in(x)
-        for stage in self.down:
-            h = stage(h)
+        # stage by stage in this frame, so that each block's input is freed as soon as the block returns
+        for stage in cast("list[_Level]", list(self.down)):  # built of _Level stages
+            for block in stage.block:
+                h = block(h)
+            if stage.downsample is not None:
+                h = stage.downsample(h)
         h = self.mid(h)
         return self.conv_out(swish(self.norm_out(h)))
 
@@ -178,8 +173,11 @@ class Decoder(nn.Module):
 
     def forward(self, z: Tensor) -> Tensor:
         h = self.mid(self.conv_in(z))
-        for level in reversed(range(len(self.up))):
-            h = self.up[level](h)
+        for stage in reversed(cast("list[_Level]", list(self.up))):  # built of _Level stages, as in Encoder
+            for block in stage.block:
+                h = block(h)
+            if stage.upsample is not None:
+                h = stage.upsample(h)
         return self.conv_out(swish(self.norm_out(h)))
 
 
