@@ -153,8 +153,11 @@ def test_quantized_bytes_match_formula_and_fall(dtype: torch.dtype) -> None:
     full = FullStore(k, v, pos, TokenType.SOURCE_VAE)
     sizes = {}
     for bits in (2, 4, 8):
-        store = KIVIPolicy(bits=bits, group_size=32, residual=16).compress(k, v, pos)
+        store = QuantizedStore.from_kv(k, v, pos, bits=bits, group_size=32, residual=16)
         assert store.nbytes() == store.nominal_bytes()
+        # the bytes of docs/compression.md §1, counted by the paper-formula oracle (tests/oracles/kivi.py)
+        oracle = KIVIPolicy(bits=bits, group_size=32, residual=16)
+        assert store.nbytes() == oracle.nbytes(300, HKV, D, k.element_size())
         # the §1 ratio (fp16 residual, no positions) reproduces the measured bytes for a 2-byte cache dtype
         if dtype == torch.bfloat16:
             kv_bytes = store.nbytes() - store.token_index.nbytes
