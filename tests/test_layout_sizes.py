@@ -36,7 +36,6 @@ LONG_FUNCTIONS: dict[str, int] = {
     "unicache_core/bagel/cli_checks.py::preflight": 72,
     "unicache_core/bagel/denoise.py::denoise": 67,
     "unicache_core/bagel/generation.py::_round": 109,
-    "unicache_core/bagel/offload.py::apply_layer_offload": 61,
     "unicache_core/bagel/tokenizer.py::BagelTokenizer.__init__": 67,
     "unicache_core/compression/compressing_cache.py::CompressingKVCache._score": 68,
     "unicache_core/compression/policy_table.py::PolicyTable.from_dict": 94,

@@ -79,14 +79,17 @@ def parse_size(
     """
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise ValueError(f"{what}: {value!r} is not a memory size; write e.g. {example}, 12GiB or 8e9")
-    parsed = (Decimal(value), "") if isinstance(value, int) else split_size(value)
-    if parsed is None:
-        shown = value if len(value) <= MAX_TEXT else value[:MAX_TEXT] + "..."
-        raise ValueError(
-            f"{what}: {shown!r} is not a memory size; write a number with kB, MB, GB, TB, KiB, MiB, GiB or TiB "
-            f"(or none for bytes), e.g. {example}, 12GiB or 8e9"
-        )
-    number, unit = parsed
+    if isinstance(value, int):
+        number, unit = Decimal(value), ""
+    else:
+        parsed = split_size(value)
+        if parsed is None:
+            shown = value if len(value) <= MAX_TEXT else value[:MAX_TEXT] + "..."
+            raise ValueError(
+                f"{what}: {shown!r} is not a memory size; write a number with kB, MB, GB, TB, KiB, MiB, GiB or TiB "
+                f"(or none for bytes), e.g. {example}, 12GiB or 8e9"
+            )
+        number, unit = parsed
     if number.adjusted() >= 40:  # 1e999999: beyond any maximum, decided before any arithmetic on it
         size = Decimal(maximum) + 1
     elif number.adjusted() <= -40:

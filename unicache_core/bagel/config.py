@@ -155,13 +155,11 @@ MAX_POSITION_EMBEDDINGS = 1 << 24
 MAX_VAE_LEVELS, MAX_VAE_BLOCKS = 8, 32
 
 
-def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
+def _read_json(path: Path) -> dict[str, Any]:
     if path.exists() and not path.is_file():  # a folder, FIFO or device: never opened (a FIFO would block)
         kind = "a directory" if path.is_dir() else "not a regular file"
         raise CheckpointError(f"config file {path} is {kind}; it must be a JSON file (re-download it)")
     if not path.is_file():
-        if not required:
-            return None
         raise CheckpointError(
             f"missing config file {path}; a BAGEL checkpoint folder must contain {path.name} "
             f"(download the full ByteDance-Seed/BAGEL-7B-MoT repository into {path.parent})"
@@ -195,7 +193,7 @@ def _get(data: dict[str, Any], key: str, kind: type, path: Path, default: Any = 
         value = float(value)
     if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
         raise CheckpointError(f"config file {path}: field {key!r} = {value!r} must be of type {kind.__name__}")
-    if kind is float and not math.isfinite(value):
+    if kind is float and isinstance(value, float) and not math.isfinite(value):  # a float: checked just above
         raise CheckpointError(f"config file {path}: field {key!r} = {value!r} must be a finite number")
     return value
 
@@ -417,9 +415,9 @@ def load_bagel_config(checkpoint_dir: str | Path) -> BagelConfig:
     llm_path, vit_path, ae_path = root / LLM_CONFIG_FILE, root / VIT_CONFIG_FILE, root / AE_CONFIG_FILE
     llm = parse_llm_config(_read_json(llm_path), llm_path)
     vit = parse_vit_config(_read_json(vit_path), vit_path)
-    ae = parse_ae_config(_read_json(ae_path, required=False), ae_path)
+    ae = parse_ae_config(_read_json(ae_path) if ae_path.exists() else None, ae_path)
     tf_path = root / TRANSFORM_CONFIG_FILE
-    transforms = parse_transform_config(_read_json(tf_path, required=False), tf_path)
+    transforms = parse_transform_config(_read_json(tf_path) if tf_path.exists() else None, tf_path)
     cfg = BagelConfig(llm=llm, vit=vit, ae=ae, transforms=transforms)
     if cfg.llm.hidden_size % 4:
         raise CheckpointError(
@@ -431,8 +429,8 @@ def load_bagel_config(checkpoint_dir: str | Path) -> BagelConfig:
 
 
 def bagel_config_from_dicts(
-    llm: dict[str, Any],
-    vit: dict[str, Any],
+    llm: dict[str, Any] | None,
+    vit: dict[str, Any] | None,
     ae: dict[str, Any] | None = None,
     transforms: dict[str, Any] | None = None,
     *,
@@ -450,7 +448,7 @@ def bagel_config_from_dicts(
     def where(name: str) -> Path:
         return Path(f"{source}:{name}")
 
-    parsed: dict[str, dict[str, Any] | None] = {}
+    parsed: dict[str, dict[str, Any]] = {}  # every required config; the optional ones when given
     for name, data, required in (
         (LLM_CONFIG_FILE, llm, True),
         (VIT_CONFIG_FILE, vit, True),
@@ -458,7 +456,6 @@ def bagel_config_from_dicts(
         (TRANSFORM_CONFIG_FILE, transforms, False),
     ):
         if data is None and not required:
-            parsed[name] = None
             continue
         if not isinstance(data, dict):
             raise CheckpointError(
@@ -469,8 +466,8 @@ def bagel_config_from_dicts(
     cfg = BagelConfig(
         llm=parse_llm_config(parsed[LLM_CONFIG_FILE], where(LLM_CONFIG_FILE)),
         vit=parse_vit_config(parsed[VIT_CONFIG_FILE], where(VIT_CONFIG_FILE)),
-        ae=parse_ae_config(parsed[AE_CONFIG_FILE], where(AE_CONFIG_FILE)),
-        transforms=parse_transform_config(parsed[TRANSFORM_CONFIG_FILE], where(TRANSFORM_CONFIG_FILE)),
+        ae=parse_ae_config(parsed.get(AE_CONFIG_FILE), where(AE_CONFIG_FILE)),
+        transforms=parse_transform_config(parsed.get(TRANSFORM_CONFIG_FILE), where(TRANSFORM_CONFIG_FILE)),
     )
     if cfg.llm.hidden_size % 4:
         raise CheckpointError(

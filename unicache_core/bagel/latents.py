@@ -33,7 +33,7 @@ An external VAE (e.g. ComfyUI's ``VAE`` wrapped by the node pack) is any object 
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 from torch import Tensor
 
@@ -59,6 +59,11 @@ class VAEAdapter(Protocol):
         ...
 
 
+def _is_number(value: object) -> TypeGuard[int | float]:
+    """A Python int or float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def latent_factors(config: Any = None) -> tuple[float, float]:
     """``(scale_factor, shift_factor)`` of ``config``, FLUX's when ``config`` is None.
 
@@ -73,8 +78,7 @@ def latent_factors(config: Any = None) -> tuple[float, float]:
             break
         obj = getattr(obj, "ae", None) if hasattr(obj, "ae") else getattr(obj, "config", None)
     scale, shift = getattr(obj, "scale_factor", None), getattr(obj, "shift_factor", None)
-    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (scale, shift))
-    if not ok or scale <= 0:
+    if not (_is_number(scale) and _is_number(shift)) or scale <= 0:
         raise ValueError(
             f"`config` ({type(config).__name__}) has no usable scale_factor/shift_factor; pass an "
             f"AEConfig, a BagelConfig, a loaded checkpoint or None (FLUX's constants)"

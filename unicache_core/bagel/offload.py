@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .modeling import Bagel
 
 logger = logging.getLogger(__name__)
 
@@ -87,29 +90,32 @@ class LayerOffload:
     transfers: int = 0
     _hooks_removed: bool = field(default=False, repr=False)
 
-    def _copy_in(self, index: int) -> None:
+    def _copy_in(self, index: int) -> list[Tensor]:
+        """Layer ``index``'s device copies, started now unless already there (or on their way)."""
         entry = self.layers[index]
         if entry.device_copies is not None:
-            return
+            return entry.device_copies
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                entry.device_copies = [t.to(self.device, non_blocking=True, copy=True) for t in entry.host]
+                copies = [t.to(self.device, non_blocking=True, copy=True) for t in entry.host]
                 entry.ready = torch.cuda.Event()
                 entry.ready.record(self.stream)
         else:
-            entry.device_copies = [t.to(self.device, copy=True) for t in entry.host]
+            copies = [t.to(self.device, copy=True) for t in entry.host]
+        entry.device_copies = copies
         self.transfers += 1
+        return copies
 
     def _attach(self, index: int) -> None:
         entry = self.layers[index]
-        self._copy_in(index)
+        copies = self._copy_in(index)
         if entry.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(entry.ready)
-            for t in entry.device_copies:
+            for t in copies:
                 t.record_stream(torch.cuda.current_stream(self.device))
             entry.ready = None
-        for (module, name, is_param), value in zip(entry.slots, entry.device_copies):
+        for (module, name, is_param), value in zip(entry.slots, copies):
             _set_tensor(module, name, is_param, value)
 
     def _detach(self, index: int) -> None:
@@ -151,8 +157,26 @@ class LayerOffload:
         return sum(entry.device_copies is not None for entry in self.layers)
 
 
+def _add_visit_hooks(offload: LayerOffload, decoder_layers: list[nn.Module]) -> None:
+    """An accelerate hook on each of ``decoder_layers`` that brings the layer to the device before its forward."""
+    from accelerate.hooks import ModelHook, add_hook_to_module  # a class to derive from: imported by name
+
+    class LayerVisitHook(ModelHook):
+        """Brings its decoder layer to the device before the layer's forward."""
+
+        def __init__(self, index: int):
+            self.index = index
+
+        def pre_forward(self, module, *args, **kwargs):
+            offload.enter(self.index)
+            return args, kwargs
+
+    for index, layer in enumerate(decoder_layers):
+        add_hook_to_module(layer, LayerVisitHook(index))
+
+
 def apply_layer_offload(
-    model: nn.Module, device: torch.device | str, *, prefetch: bool = True, pin_memory: bool | None = None
+    model: Bagel, device: torch.device | str, *, prefetch: bool = True, pin_memory: bool | None = None
 ) -> LayerOffload:
     """Keep ``model``'s decoder layers in host memory and bring each to ``device`` just before it runs.
 
@@ -169,12 +193,11 @@ def apply_layer_offload(
     Raises:
         ImportError: accelerate is not installed; ValueError: a meta tensor, or a model already offloaded.
     """
-    ModelHook, add_hook_to_module, _ = _import_accelerate_hooks()
+    _import_accelerate_hooks()  # one clear ImportError without accelerate, before any work
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if pin_memory is None:
-        pin_memory = torch.cuda.is_available()
+    pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
     decoder_layers = list(model.language_model.model.layers)
     if any(getattr(layer, "_hf_hook", None) is not None for layer in decoder_layers):
         raise ValueError(
@@ -208,19 +231,7 @@ def apply_layer_offload(
             _set_tensor(module, name, is_param, value)
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     offload = LayerOffload(device, prefetch, entries, stream)
-
-    class LayerVisitHook(ModelHook):
-        """Brings its decoder layer to the device before the layer's forward."""
-
-        def __init__(self, index: int):
-            self.index = index
-
-        def pre_forward(self, module, *args, **kwargs):
-            offload.enter(self.index)
-            return args, kwargs
-
-    for index, layer in enumerate(decoder_layers):
-        add_hook_to_module(layer, LayerVisitHook(index))
+    _add_visit_hooks(offload, decoder_layers)
     model.execution_device = device
     logger.info(
         "layer offload: %d decoder layers in %s host memory, computing on %s (prefetch %s)",

@@ -68,15 +68,17 @@ def combine_cfg(
         return v
     if v_text is None or (img_scale > 1.0 and v_img is None):
         raise ValueError("combine_cfg needs `v_text` (and `v_img` when img_scale > 1) for active guidance")
+    # set exactly when image guidance is active (checked just above)
+    img_guide = v_img if img_scale > 1.0 else None
     guided_text = v_text + text_scale * (v - v_text)
     if renorm_type == "text_channel":
         norm_v = torch.norm(v, dim=-1, keepdim=True)
         norm_g = torch.norm(guided_text, dim=-1, keepdim=True)
         guided_text = guided_text * (norm_v / (norm_g + 1e-8)).clamp(min=renorm_min, max=1.0)
-        if img_scale > 1.0:
-            return v_img + img_scale * (guided_text - v_img)
+        if img_guide is not None:
+            return img_guide + img_scale * (guided_text - img_guide)
         return guided_text
-    guided = v_img + img_scale * (guided_text - v_img) if img_scale > 1.0 else guided_text
+    guided = img_guide + img_scale * (guided_text - img_guide) if img_guide is not None else guided_text
     if renorm_type == "global":
         norm_v, norm_g = torch.norm(v), torch.norm(guided)
     else:

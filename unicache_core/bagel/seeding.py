@@ -20,8 +20,10 @@ torch changes it, seeds ``>= 2**32`` are refused with a ``ValueError``; nothing 
 from __future__ import annotations
 
 import functools
+import numbers
 import random
 import struct
+from typing import cast
 
 import torch
 
@@ -70,9 +72,11 @@ def check_seed(seed: object) -> int:
     """A request's seed: ``None`` gives a random one; else an int in ``[0, 2**64 - 1]``, or a ValueError."""
     if seed is None:
         return random.SystemRandom().randrange(0, 2**63)
-    if not is_integer(seed) or not 0 <= seed <= MAX_SEED:
+    # is_integer admits exactly the numbers.Integral kinds (bools excluded), which int() converts exactly
+    number = int(cast(numbers.Integral, seed)) if is_integer(seed) else None
+    if number is None or not 0 <= number <= MAX_SEED:
         raise ValueError(f"`seed` must be an integer in [0, 2**64 - 1] or None, got {seed!r}")
-    return int(seed)
+    return number
 
 
 def seeded_generator(seed: int) -> torch.Generator:

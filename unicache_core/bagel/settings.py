@@ -13,9 +13,11 @@ The output size limit depends on the checkpoint (:func:`check_output_size`).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -73,10 +75,14 @@ def check_output_size(config, width: object, height: object) -> tuple[int, int]:
     ``latent_downsample * max_latent_size`` (1024 px for BAGEL); ``config`` is a :class:`BagelConfig`."""
     step = config.latent_downsample
     limit = step * config.max_latent_size
+    sides = []
     for name, value in (("width", width), ("height", height)):
-        if not is_integer(value) or value <= 0 or value % step or value > limit:
+        # is_integer admits exactly the numbers.Integral kinds (bools excluded), which int() converts exactly
+        number = int(cast(numbers.Integral, value)) if is_integer(value) else None
+        if number is None or number <= 0 or number % step or number > limit:
             raise ValueError(f"`{name}` must be a positive multiple of {step} and <= {limit}, got {value!r}")
-    return width, height
+        sides.append(number)
+    return sides[0], sides[1]
 
 
 def source_latent_size(
@@ -258,7 +264,11 @@ T2I_DEFAULTS = GenerationSettings()
 EDIT_DEFAULTS = GenerationSettings(cfg_img_scale=2.0, cfg_interval=(0.0, 1.0), cfg_renorm_type="text_channel")
 UNDERSTANDING_DEFAULTS = UnderstandingSettings()
 
-_PRESETS = {"understanding": UNDERSTANDING_DEFAULTS, "t2i": T2I_DEFAULTS, "edit": EDIT_DEFAULTS}
+_PRESETS: dict[Task, GenerationSettings | UnderstandingSettings] = {
+    "understanding": UNDERSTANDING_DEFAULTS,
+    "t2i": T2I_DEFAULTS,
+    "edit": EDIT_DEFAULTS,
+}
 
 
 def preset(task: Task, **changes) -> GenerationSettings | UnderstandingSettings:

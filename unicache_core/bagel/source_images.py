@@ -85,7 +85,7 @@ def prepare_image(
     latent_size = given_latent_size(loaded, latent, names.latent)
     if latent_size not in (None, picture.size):
         # the block follows the given latent; the ViT sees the image resized to the latent's pixel size
-        picture = pil_img2rgb(image, names.image).resize(latent_size, Image.BICUBIC)
+        picture = pil_img2rgb(image, names.image).resize(latent_size, Image.Resampling.BICUBIC)
         vae_input = to_tensor(picture)
     packed, how = source_latent(
         loaded, vae_input, vae=vae, latent=latent, vae_noise=vae_noise, generator=generator, names=names
@@ -103,7 +103,7 @@ def check_given(
     included): a latent off BAGEL's grid or not finite, noise of the wrong shape or with a latent or an external
     VAE adapter (``external_vae``), which never sample it."""
     given_latent_size(loaded, latent, names.latent)
-    if latent is not None:
+    if isinstance(latent, Tensor):  # given_latent_size refused any other non-None latent
         advice = "pass a finite latent (e.g. from_comfy_latent of VAEEncode's samples)"
         check_finite(latent, "the source latent" if names == SINGLE_IMAGE_NAMES else f"`{names.latent}`", advice)
     if vae_noise is None:
@@ -126,6 +126,7 @@ def given_latent_size(loaded: LoadedBagel, z: object, name: str = "source_latent
         return None
     channels = loaded.config.ae.z_channels
     if not isinstance(z, Tensor) or not z.is_floating_point() or z.ndim != 4 or tuple(z.shape[:2]) != (1, channels):
+        got: str | tuple[int, ...] | torch.dtype
         if not isinstance(z, Tensor):
             got = type(z).__name__
         else:
@@ -193,6 +194,8 @@ def source_latent(
         z, how = _check_latent_tensor(names.latent, latent, shape, width, height), "given"
         advice = "pass a finite latent (e.g. from_comfy_latent of VAEEncode's samples)"
     else:
+        if chosen is None:
+            raise ValueError("source_latent needs `vae` (an encoder) when no `latent` is given")
         with torch.inference_mode():
             z = chosen.encode(vae_input.unsqueeze(0).float().cpu())
         z, how = _check_latent_tensor("the external VAE's encode", z, shape, width, height), "external_vae"

@@ -39,11 +39,12 @@ from torch import Tensor
 from . import contexts as C
 from .checkpoint.loader import LoadedBagel
 from .contexts import Context
+from .settings import UnderstandingSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     from .accounting import RequestTokens
     from .config import BagelConfig
-    from .settings import GenerationSettings, UnderstandingSettings
+    from .settings import GenerationSettings
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +208,9 @@ GENERATION_BRANCHES = 3
 
 def taylorseer_order(settings: GenerationSettings | UnderstandingSettings) -> int | None:
     """The Taylor order a request's TaylorSeer keeps (``settings.taylorseer_order``), or ``None`` without it."""
-    return settings.taylorseer_order if getattr(settings, "taylorseer", False) else None
+    if isinstance(settings, UnderstandingSettings) or not getattr(settings, "taylorseer", False):
+        return None
+    return settings.taylorseer_order
 
 
 def taylorseer_bytes(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, order: int | None) -> int:

@@ -153,7 +153,7 @@ class MaxLongEdgeMinShortEdgeResize:
             # torchvision's PIL resize returns a resampled copy even at equal size; PIL bicubic at
             # scale 1 is the identity, so returning a copy is the same result.
             return image.copy()
-        return image.resize(size, Image.BICUBIC)
+        return image.resize(size, Image.Resampling.BICUBIC)
 
 
 def to_tensor(image: Image.Image) -> Tensor:

@@ -274,11 +274,11 @@ def weight_bytes(layout: WeightLayout, weight_dtype: str, dtype: torch.dtype, of
                 host += size * (count - on_device)
     parts["weights_host"] = host
 
-    def upcast(specs, role: str, kept: torch.dtype) -> int:
-        return sum(s.numel for s in specs if s.role in role) * dtype.itemsize if kept != dtype else 0
+    def upcast(specs: tuple[TensorSpec, ...], role: str, kept: torch.dtype) -> int:
+        return sum(s.numel for s in specs if s.role == role) * dtype.itemsize if kept != dtype else 0
 
-    layer_upcast = upcast(layout.llm_layer, ("linear",), storage) if layout.llm_count else 0
-    parts["upcast"] = max(layer_upcast, upcast(layout.shared, ("head",), head))
+    layer_upcast = upcast(layout.llm_layer, "linear", storage) if layout.llm_count else 0
+    parts["upcast"] = max(layer_upcast, upcast(layout.shared, "head", head))
     return parts
 
 

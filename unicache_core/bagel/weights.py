@@ -31,8 +31,9 @@ which converts it to the layer's storage and places it: the checkpoint is never 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -48,6 +49,9 @@ from .modeling.operations import (
     shared_upcasts,
     store_weight,
 )
+
+if TYPE_CHECKING:
+    from .modeling.operations import _LowPrecisionWeight
 
 #: ``weight_dtype`` names → storage dtype (``None``: the compute dtype).
 WEIGHT_DTYPES: dict[str, torch.dtype | None] = {
@@ -208,7 +212,7 @@ def assign_checkpoint_tensor(
     except AttributeError:
         module = None
     current = getattr(module, leaf, None) if module is not None else None
-    if not isinstance(current, Tensor) or (is_low_precision(module) and leaf == "weight_scale"):
+    if module is None or not isinstance(current, Tensor) or (is_low_precision(module) and leaf == "weight_scale"):
         raise ValueError(f"the model has no tensor {name!r} to load; the checkpoint does not match this model")
     if tuple(tensor.shape) != tuple(current.shape):
         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(current.shape)}")
@@ -216,10 +220,11 @@ def assign_checkpoint_tensor(
     if target.type == "meta":
         target = torch.device("cpu")
     if is_low_precision(module) and leaf == "weight":
-        module.load_weight(tensor)
-        module.weight = nn.Parameter(module.weight.to(target), requires_grad=False)
-        if module.weight_scale is not None:
-            module.weight_scale = nn.Parameter(module.weight_scale.to(target), requires_grad=False)
+        layer = cast("_LowPrecisionWeight", module)  # what is_low_precision tests for
+        layer.load_weight(tensor)
+        layer.weight = nn.Parameter(layer.weight.to(target), requires_grad=False)
+        if layer.weight_scale is not None:
+            layer.weight_scale = nn.Parameter(layer.weight_scale.to(target), requires_grad=False)
         return
     value = tensor.to(device=target, dtype=current.dtype)
     if leaf in module._parameters:
@@ -229,8 +234,10 @@ def assign_checkpoint_tensor(
 
 
 def _unique_tensors(module: nn.Module) -> list[Tensor]:
-    seen, found = set(), []
+    seen: set[Hashable] = set()
+    found: list[Tensor] = []
     for tensor in list(module.parameters()) + list(module.buffers()):
+        key: Hashable  # a meta tensor's identity, else where its data starts
         if tensor.device.type == "meta":
             key = id(tensor)
         else:

@@ -262,6 +262,11 @@ def random_scene(rng: random.Random, *, min_objects: int = 1, max_objects: int =
     scene = Scene(rng.choice(list(BACKGROUNDS)))
     for _ in range(rng.randint(min_objects, max_objects)):
         obj = _random_object(scene, rng)
+        if obj is None:
+            raise ValueError(
+                f"`max_objects` = {max_objects} is more than a scene holds ({GRID * GRID} cells, one object of "
+                f"each colour and shape); pass at most {MAX_OBJECTS}"
+            )
         scene = Scene(scene.background, scene.objects + (obj,))
     return scene
 

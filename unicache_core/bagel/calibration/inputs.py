@@ -79,7 +79,8 @@ def synthetic_image(index: int, size: int):
     bg = _PALETTE[index % len(_PALETTE)]
     fg = _PALETTE[(index * 3 + 1) % len(_PALETTE)]
     if fg == bg:
-        fg = tuple(255 - c for c in bg)
+        red, green, blue = bg
+        fg = (255 - red, 255 - green, 255 - blue)
     image = Image.new("RGB", (width, height), bg)
     draw = ImageDraw.Draw(image)
     fx, fy = ((index * 37) % 50) / 100.0, ((index * 61) % 50) / 100.0  # top-left corner in [0, 0.5)

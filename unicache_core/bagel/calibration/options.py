@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from ...compression.defaults import DEFAULT_K90_THRESHOLD, DEFAULT_REDUCTION, SCORE_QUERIES
+from ...kv.token_types import Task
 
 #: ``--task`` value → pipeline task name.
-TASK_NAMES = {"und": "understanding", "t2i": "t2i", "edit": "edit"}
+TASK_NAMES: dict[str, Task] = {"und": "understanding", "t2i": "t2i", "edit": "edit"}
 #: Target retention of the sensitivity ablation (docs/compression.md §8.9: 80% reduction und/edit, 60% t2i).
 SENSITIVITY_RATIO = {task: round(1.0 - reduction, 6) for task, reduction in DEFAULT_REDUCTION.items()}
 #: ``--dtype`` value → LLM/ViT dtype of the loaded model (the VAE stays fp32).

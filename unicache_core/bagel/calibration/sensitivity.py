@@ -4,13 +4,15 @@ alone quantized at the task's target retention, compared with the full-KV calibr
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from ...compression.family import JointPlan
 from ...compression.policy_table import PolicyTable
-from ...kv.cache import CacheFactory
+from ...compression.routing import PolicyKind
+from ...compression.session import CompressionSession
+from ...kv.cache import CacheFactory, RequestInfo
 from ...kv.token_types import CANDIDATE_TYPES, TokenType
 from .options import SENSITIVITY_RATIO, CalibrationOptions
 from .requests import run_request
@@ -57,11 +59,13 @@ class _KeepSession(CacheFactory):
     def __init__(self, inner: CacheFactory):
         self.inner = inner
         self.method = inner.method
-        self.last = None
+        self.last: CompressionSession | None = None
         self.released: dict[TokenType, list[int]] = {}
 
-    def start(self, request):
+    def start(self, request: RequestInfo) -> CompressionSession:
         session = self.inner.start(request)
+        if not isinstance(session, CompressionSession):  # what every method of make_cache_factory starts
+            raise TypeError(f"the ablation measures a compression method's session, got {type(session).__name__}")
         self.last, self.released = session, {}
         release = session.release
 
@@ -73,7 +77,7 @@ class _KeepSession(CacheFactory):
                     total[0], total[1] = total[0] + held, total[1] + full
             release(branch)
 
-        session.release = measured_release
+        vars(session)["release"] = measured_release  # this session's own release, in front of its class's
         return session
 
 
@@ -93,6 +97,8 @@ def _type_bytes(cache) -> dict[TokenType, tuple[int, int]]:
 def type_retained(keep: _KeepSession, ttype: TokenType) -> float | None:
     """Bytes the last run's branch caches held for ``ttype`` at its end over its uncompressed bytes (``None`` if
     absent): the released branches as measured on release, plus the ones still live."""
+    if keep.last is None:
+        raise ValueError("type_retained reads the session of a run: run a request through `keep` first")
     held, full = keep.released.get(ttype, [0, 0])
     for cache in keep.last.live_caches():
         if cache.branch == "plan":
@@ -120,7 +126,9 @@ def type_alone(
 
     keep = _KeepSession(make_cache_factory(UniCache(rho=ratio, rho_floor=ratio, policy=table)))
     pipe = BagelPipeline(loaded, keep)
-    changes, flags, retained = [], {}, []
+    changes: list[dict] = []
+    flags: dict[str, object] = {}
+    retained: list[float] = []
     for (prompt, image), ref in zip(inputs, references):
         res = run_request(pipe, task, prompt, image, options)
         changes.append(output_change(task, res, ref))
@@ -166,7 +174,7 @@ def sensitivity(
     task: str,
     inputs: Sequence[tuple[str, object]],
     references: Sequence,
-    k90_choice: dict[str, str],
+    k90_choice: Mapping[str, PolicyKind],
     model_id: str,
     options: CalibrationOptions,
     progress: Callable[[str], None] | None = None,

@@ -146,13 +146,12 @@ def _parse_entries(header: dict, bad, data_base: int) -> tuple[dict[str, TensorE
         ok = isinstance(entry, dict) and entry.get("dtype") in DTYPE_BYTES and isinstance(entry.get("shape"), list)
         ok = ok and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry["shape"])
         offsets = entry.get("data_offsets") if ok else None
-        ok = (
+        if not (
             ok
             and isinstance(offsets, list)
             and len(offsets) == 2
             and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        )
-        if not ok:
+        ):
             raise bad(f"tensor {name!r} has a malformed header entry")
         count = 1
         for d in entry["shape"]:

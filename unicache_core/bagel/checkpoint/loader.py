@@ -274,7 +274,7 @@ def _build_and_read(
     on_host = placement.device_map is not None or placement.offload != "none"
     load_device = torch.device("cpu") if on_host else placement.device
     _load_weights(model, ema, device=load_device)
-    if vae is not None:
+    if vae is not None and ae is not None:  # vae is built exactly when there is an ae file
         _load_weights(vae, ae, device=placement.device)  # built with fp32 tensors: the VAE stays fp32
         vae.requires_grad_(False)
         vae.eval()

@@ -244,7 +244,7 @@ def inspect_single_file(path: str | Path) -> SingleFileInfo:
                 f"{path}: tensors are stored as {stored}; a single-file checkpoint holds one "
                 f"float dtype of {sorted(names)}"
             )
-        meta = {
+        meta: dict[str, Any] = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "variant": NATIVE_VARIANT,
@@ -398,7 +398,11 @@ def convert_folder(
         if (root / name).is_file():
             configs[name] = json.loads((root / name).read_text(encoding="utf-8"))
     tokenizer = BagelTokenizer.from_dir(root)
-    ids = {name: tokenizer.token_to_id(name) for name in BAGEL_SPECIAL_TOKENS}
+    found = {name: tokenizer.token_to_id(name) for name in BAGEL_SPECIAL_TOKENS}
+    ids = {name: token_id for name, token_id in found.items() if token_id is not None}
+    if len(ids) != len(found):  # BagelTokenizer adds each of BAGEL's tokens its files lack, so never
+        missing = [name for name in found if name not in ids]
+        raise ValueError(f"the tokenizer of {root} has no id for {missing}; re-download its tokenizer files")
     tensors = load_file(str(root / EMA_FILE))
     if dtype is None:
         kinds = {t.dtype for t in tensors.values()}

@@ -93,7 +93,7 @@ class TensorFile:
         entry = self.header.tensors[name]
         raw = torch.empty(entry.nbytes, dtype=torch.uint8)
         self._handle.seek(entry.data_start)
-        got = self._handle.readinto(memoryview(raw.numpy())) if entry.nbytes else 0
+        got = self._handle.readinto(raw.numpy().data) if entry.nbytes else 0  # .data: the array's memoryview
         if got != entry.nbytes:
             raise CheckpointError(
                 f"cannot read {self.header.path}: tensor {name!r} needs {entry.nbytes} bytes at byte "

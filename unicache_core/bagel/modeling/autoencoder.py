@@ -8,7 +8,8 @@ and GroupNorms come from the build's operations namespace (:mod:`.operations`).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -91,11 +92,17 @@ class Upsample(nn.Module):
 
 
 class _Level(nn.Module):
-    """One resolution level: ``block`` (ResnetBlocks) and optionally ``downsample``/``upsample``."""
+    """One resolution level: ``block`` (ResnetBlocks), then its ``downsample`` (the encoder's levels but the last)
+    or ``upsample`` (the decoder's levels but the first) when it has one."""
 
-    def __init__(self, blocks: list[nn.Module]):
+    def __init__(
+        self, blocks: Sequence[nn.Module], *, downsample: nn.Module | None = None, upsample: nn.Module | None = None
+    ):
         super().__init__()
         self.block = nn.ModuleList(blocks)
+        # registered only when given (state-dict keys ``block.*`` then ``downsample.*``/``upsample.*``)
+        self.downsample = downsample
+        self.upsample = upsample
 
 
 class _Mid(nn.Module):
@@ -125,20 +132,19 @@ class Encoder(nn.Module):
             for _ in range(cfg.num_res_blocks):
                 blocks.append(ResnetBlock(block_in, block_out, layers))
                 block_in = block_out
-            stage = _Level(blocks)
-            if level != len(cfg.ch_mult) - 1:
-                stage.downsample = Downsample(block_in, layers)
-            self.down.append(stage)
+            last = level == len(cfg.ch_mult) - 1
+            self.down.append(_Level(blocks, downsample=None if last else Downsample(block_in, layers)))
         self.mid = _Mid(block_in, layers)
         self.norm_out = _group_norm(block_in, layers)
         self.conv_out = layers.conv2d(block_in, 2 * cfg.z_channels, 3, padding=1)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.conv_in(x)
-        for level, stage in enumerate(self.down):
+        # stage by stage in this frame, so that each block's input is freed as soon as the block returns
+        for stage in cast("list[_Level]", list(self.down)):  # built of _Level stages
             for block in stage.block:
                 h = block(h)
-            if level != len(self.down) - 1:
+            if stage.downsample is not None:
                 h = stage.downsample(h)
         h = self.mid(h)
         return self.conv_out(swish(self.norm_out(h)))
@@ -160,21 +166,17 @@ class Decoder(nn.Module):
             for _ in range(cfg.num_res_blocks + 1):
                 blocks.append(ResnetBlock(block_in, block_out, layers))
                 block_in = block_out
-            stage = _Level(blocks)
-            if level != 0:
-                stage.upsample = Upsample(block_in, layers)
-            stages.insert(0, stage)
+            stages.insert(0, _Level(blocks, upsample=Upsample(block_in, layers) if level != 0 else None))
         self.up = nn.ModuleList(stages)
         self.norm_out = _group_norm(block_in, layers)
         self.conv_out = layers.conv2d(block_in, cfg.out_ch, 3, padding=1)
 
     def forward(self, z: Tensor) -> Tensor:
         h = self.mid(self.conv_in(z))
-        for level in reversed(range(len(self.up))):
-            stage = self.up[level]
+        for stage in reversed(cast("list[_Level]", list(self.up))):  # built of _Level stages, as in Encoder
             for block in stage.block:
                 h = block(h)
-            if level != 0:
+            if stage.upsample is not None:
                 h = stage.upsample(h)
         return self.conv_out(swish(self.norm_out(h)))
 
@@ -206,7 +208,8 @@ class AutoEncoder(nn.Module):
 
     def encode_moments(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``x [B, 3, H, W]`` in [-1, 1] → ``(mean, logvar)`` each ``[B, z, H/ds, W/ds]``."""
-        return torch.chunk(self.encoder(x.to(self.compute_dtype)), 2, dim=1)
+        mean, logvar = torch.chunk(self.encoder(x.to(self.compute_dtype)), 2, dim=1)
+        return mean, logvar
 
     def encode(
         self,

@@ -134,11 +134,14 @@ class Routing:
             return und_fn(x)
         if self.kind == "gen":
             return gen_fn(x)
-        out_und = und_fn(x.index_select(0, self.und_idx.to(x.device)))
-        out_gen = gen_fn(x.index_select(0, self.gen_idx.to(x.device)))
+        und_idx, gen_idx, order = self.und_idx, self.gen_idx, self.order
+        if und_idx is None or gen_idx is None or order is None:
+            raise ValueError("a mixed Routing needs und_idx, gen_idx and order (Routing.from_mask makes them)")
+        out_und = und_fn(x.index_select(0, und_idx.to(x.device)))
+        out_gen = gen_fn(x.index_select(0, gen_idx.to(x.device)))
         # one gather back into token order (its backward is one scatter): ~7% faster per training step
         # than two index_put writes into an empty tensor, the same values
-        return torch.cat([out_und, out_gen.to(out_und.dtype)]).index_select(0, self.order.to(x.device))
+        return torch.cat([out_und, out_gen.to(out_und.dtype)]).index_select(0, order.to(x.device))
 
 
 class PackedAttentionMoT(nn.Module):
@@ -161,11 +164,11 @@ class PackedAttentionMoT(nn.Module):
         self.k_proj_moe_gen = layers.linear(h, kv_out, bias=True)
         self.v_proj_moe_gen = layers.linear(h, kv_out, bias=True)
         self.o_proj_moe_gen = layers.linear(q_out, h, bias=False)
-        if config.qk_norm:
-            self.q_norm = Qwen2RMSNorm(d, config.rms_norm_eps, layers)
-            self.k_norm = Qwen2RMSNorm(d, config.rms_norm_eps, layers)
-            self.q_norm_moe_gen = Qwen2RMSNorm(d, config.rms_norm_eps, layers)
-            self.k_norm_moe_gen = Qwen2RMSNorm(d, config.rms_norm_eps, layers)
+        if config.qk_norm:  # else identities
+            self.q_norm: nn.Module = Qwen2RMSNorm(d, config.rms_norm_eps, layers)
+            self.k_norm: nn.Module = Qwen2RMSNorm(d, config.rms_norm_eps, layers)
+            self.q_norm_moe_gen: nn.Module = Qwen2RMSNorm(d, config.rms_norm_eps, layers)
+            self.k_norm_moe_gen: nn.Module = Qwen2RMSNorm(d, config.rms_norm_eps, layers)
         else:
             self.q_norm = self.k_norm = nn.Identity()
             self.q_norm_moe_gen = self.k_norm_moe_gen = nn.Identity()

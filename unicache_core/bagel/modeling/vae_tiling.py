@@ -47,12 +47,13 @@ def decode_tiled(vae, z: Tensor, tile: int = TILE_CELLS, overlap: int = OVERLAP_
     batch, _, height, width = z.shape
     ds = vae.config.downsample
     rows, cols = tile_starts(height, tile, overlap), tile_starts(width, tile, overlap)
-    out = weights = None
+    out: Tensor | None = None
+    weights: Tensor | None = None
     for top in rows:
         for left in cols:
             bottom, right = min(top + tile, height), min(left + tile, width)
             pixels = vae.decode(z[:, :, top:bottom, left:right]).float()
-            if out is None:
+            if out is None or weights is None:  # the first tile: the output's channels are known now
                 out = torch.zeros(batch, pixels.shape[1], height * ds, width * ds, device=pixels.device)
                 weights = torch.zeros(1, 1, height * ds, width * ds, device=pixels.device)
             fade = overlap * ds
@@ -62,6 +63,7 @@ def decode_tiled(vae, z: Tensor, tile: int = TILE_CELLS, overlap: int = OVERLAP_
             out[:, :, top * ds : bottom * ds, left * ds : right * ds] += pixels * blend
             weights[:, :, top * ds : bottom * ds, left * ds : right * ds] += blend
             del pixels
+    assert out is not None and weights is not None  # tile_starts gives at least one tile a side
     return out / weights
 
 
