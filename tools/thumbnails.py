@@ -12,7 +12,6 @@ For ``workflows/api/<name>.json`` it reads ``<demo>/<name>/summary.json`` (the b
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -20,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
+
+from unicache_commands.flags import OneLineParser, path_arg
+from unicache_commands.output_files import check_outputs, write_atomically
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / "workflows" / "api"
@@ -125,16 +127,22 @@ def strip(items: list[Panel]) -> Image.Image:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.thumbnails", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m tools.thumbnails", description=__doc__.splitlines()[0])
     parser.add_argument("--demo", type=Path, default=ROOT / "out" / "demo", help="make demo's output folder")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images", help="where the PNGs go")
+    parser.add_argument("--out", type=path_arg, default=ROOT / "docs" / "images", help="where the PNGs go")
     args = parser.parse_args(argv)
     names = sorted(p.stem for p in WORKFLOWS.glob("*.json"))
     missing = [n for n in names if not (args.demo / n / "summary.json").is_file()]
     if missing:
         sys.stderr.write(f"error: {args.demo} has no demo run of {', '.join(missing)}; run `make demo` first\n")
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:  # the one output guard: never a file of --demo, a device or a checkpoint's file
+        check_outputs(
+            [("--out", args.out / f"demo_{name}.png", "thumbnail PNG") for name in names],
+            input_folders=[("--demo", args.demo)],
+        )
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
     for name in names:
         try:
             image = strip(panels(name, args.demo))
@@ -142,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"error: {name}: {error}\n")
             return 2
         target = args.out / f"demo_{name}.png"
-        image.save(target, optimize=True)
+        write_atomically("--out", target, lambda tmp, image=image: image.save(tmp, format="PNG", optimize=True))
         sys.stdout.write(f"{target.relative_to(ROOT) if target.is_relative_to(ROOT) else target}\n")
     return 0
 

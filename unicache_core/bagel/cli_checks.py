@@ -136,43 +136,6 @@ def check_out_path(out: Path) -> str:
     return fmt
 
 
-def check_distinct_outputs(args) -> None:
-    """``--report`` must not name ``--out``, an input (``--image``, ``--items``, ``--prompt-file``, ``--policy``) or a
-    file that exists in the checkpoint folder, and ``--out`` must not name the prompt file, the items file or the
-    policy table: the write would replace it. ``--out`` may be an ``--image`` (an edit in place; the sources are read
-    before anything is written)."""
-    report, out = getattr(args, "report", None), getattr(args, "out", None)
-    images = getattr(args, "image", None)
-    inputs = [("--image", image) for image in (images if isinstance(images, list) else [images])] + [
-        (flag, getattr(args, name, None))
-        for flag, name in (("--items", "items"), ("--prompt-file", "prompt_file"), ("--policy", "policy"))
-    ]
-    if report is not None:
-        for flag, other in (("--out", out), *inputs):
-            if other is not None and same_file(report, other):
-                raise ValueError(
-                    f"--report: {report} is the same file as {flag} {other}; the JSON report would "
-                    f"overwrite it, give --report its own path (e.g. kv_report.json)"
-                )
-        checkpoint = getattr(args, "checkpoint", None)
-        if (
-            checkpoint is not None
-            and report.is_file()
-            and Path(os.path.realpath(report)).parent == Path(os.path.realpath(checkpoint))
-        ):
-            raise ValueError(
-                f"--report: {report} is a file of the checkpoint {checkpoint}; the JSON report would "
-                f"overwrite it, give --report a path outside the checkpoint folder"
-            )
-    if out is not None:
-        for flag, other in inputs:
-            if flag != "--image" and other is not None and same_file(out, other):
-                raise ValueError(
-                    f"--out: {out} is the same file as {flag} {other}; the image would overwrite it, "
-                    f"give --out its own path"
-                )
-
-
 def check_report_path(report: Path) -> None:
     """Validate ``--report`` before anything runs (:func:`check_writable_file`)."""
     check_writable_file("--report", report, "JSON report")
@@ -391,7 +354,6 @@ def preflight(args, *, items: bool = False) -> Checked:
     out_format = check_out_path(out) if out is not None else None
     if getattr(args, "report", None) is not None:
         check_report_path(args.report)
-    check_distinct_outputs(args)
     task = args.command
     try:
         if prompt is not None:
@@ -451,7 +413,6 @@ __all__ = [
     "FLAGS",
     "OUT_FORMATS",
     "check_checkpoint_dir",
-    "check_distinct_outputs",
     "check_kv_target_size",
     "check_out_path",
     "check_policy_table",

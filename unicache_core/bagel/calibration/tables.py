@@ -76,11 +76,18 @@ def finish_table(table: PolicyTable, task: str, base: PolicyTable | None = None)
 
 
 def check_out(
-    out: Path, merge: bool, model_id: str, *, checkpoint: Path | None = None, prompts: Path | None = None
+    out: Path,
+    merge: bool,
+    model_id: str,
+    *,
+    checkpoint: Path | None = None,
+    prompts: Path | None = None,
+    images: Path | None = None,
 ) -> PolicyTable | None:
     """Refuse an ``--out`` that cannot be written or whose write would harm a file
-    (:func:`~unicache_commands.output_files.check_output_file`: never ``--prompts``, a weights file or a checkpoint's
-    file other than its ``unicache_policy.json``); with ``merge``, return the existing table at ``out`` (if any).
+    (:func:`~unicache_commands.output_files.check_output_file`: never ``--prompts`` nor inside ``--images``, no weights
+    file, no checkpoint's file other than its ``unicache_policy.json``); with ``merge``, return the existing table at
+    ``out`` (if any).
 
     The merged table must be of ``model_id``'s model (one ``--merge:`` error otherwise).
     """
@@ -89,6 +96,7 @@ def check_out(
         out,
         "policy table",
         inputs=[("--prompts", prompts)],
+        input_folders=[("--images", images)],
         checkpoints=[checkpoint],
         allowed_names=[CHECKPOINT_POLICY_FILE],
     )
