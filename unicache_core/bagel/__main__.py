@@ -117,20 +117,23 @@ def _build_parser() -> argparse.ArgumentParser:
             help="forecast the decoder output on most steps: after the first steps, each CFG branch runs its "
             "decoder on one step in --taylorseer-interval (a third of the forwards by default)",
         )
-        ts.add_argument(
+        ts.add_argument(  # None: not given (refused without --taylorseer: cli_checks.taylorseer_changes)
             "--taylorseer-interval",
             type=int,
-            default=d.taylorseer_interval,
-            help="one full step in this many after the first steps",
+            default=None,
+            help=f"with --taylorseer: one full step in this many after the first (default {d.taylorseer_interval})",
         )
         ts.add_argument(
             "--taylorseer-first-steps",
             type=int,
-            default=d.taylorseer_first_steps,
-            help="the first steps of each branch, all full",
+            default=None,
+            help=f"with --taylorseer: the first steps of each branch, all full (default {d.taylorseer_first_steps})",
         )
         ts.add_argument(
-            "--taylorseer-order", type=int, default=d.taylorseer_order, help="highest Taylor order of the forecast"
+            "--taylorseer-order",
+            type=int,
+            default=None,
+            help=f"with --taylorseer: highest Taylor order of the forecast (default {d.taylorseer_order})",
         )
 
     p_und = sub.add_parser("understand", help="answer a question about images")

@@ -320,12 +320,34 @@ def request_settings(args) -> GenerationSettings | UnderstandingSettings:
         think_do_sample=args.do_sample,
         think_temperature=args.temperature,
         prompt_special_tokens=args.allow_special_tokens,
-        taylorseer=args.taylorseer,
-        taylorseer_interval=args.taylorseer_interval,
-        taylorseer_first_steps=args.taylorseer_first_steps,
-        taylorseer_order=args.taylorseer_order,
+        **taylorseer_changes(args),
         **size,
     )
+
+
+#: The TaylorSeer settings that have a flag of their own, which applies only with ``--taylorseer``.
+TAYLORSEER_FLAGS = {
+    "taylorseer_interval": "--taylorseer-interval",
+    "taylorseer_first_steps": "--taylorseer-first-steps",
+    "taylorseer_order": "--taylorseer-order",
+}
+
+
+def taylorseer_changes(args) -> dict[str, Any]:
+    """The TaylorSeer settings of a command line (a run's or ``plan``'s), for :func:`~.settings.preset`: a
+    ``--taylorseer-*`` flag without ``--taylorseer`` is refused (it would be silently ignored), and so is
+    ``--taylorseer`` on an understanding request (it has no denoising steps; ``understand`` has no such flag)."""
+    enabled = bool(getattr(args, "taylorseer", False))
+    given = {name: getattr(args, name) for name in TAYLORSEER_FLAGS if getattr(args, name, None) is not None}
+    if given and not enabled:
+        flag = TAYLORSEER_FLAGS[next(iter(given))]
+        raise ValueError(f"{flag}: applies only with --taylorseer; add --taylorseer or drop {flag}")
+    if enabled and (getattr(args, "task", None) or args.command) in ("und", "understand"):
+        raise ValueError(
+            "--taylorseer: an understanding request has no denoising steps to forecast (understand takes no "
+            "--taylorseer); drop it, or plan --task t2i or edit"
+        )
+    return {"taylorseer": enabled, **given} if enabled else {}
 
 
 def preflight(args, *, items: bool = False) -> Checked:
@@ -418,6 +440,7 @@ __all__ = [
     "check_policy_table",
     "check_report_path",
     "check_writable_file",
+    "taylorseer_changes",
     "not_found",
     "check_text_argument",
     "open_image",
