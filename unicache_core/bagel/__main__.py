@@ -302,7 +302,7 @@ def _write_report(args: argparse.Namespace, report: dict | None) -> None:
     )
     save_text(json.dumps(payload, indent=1) + "\n", args.report, "--report")
     summary = payload.get("summary") or {}
-    if summary.get("steady_managed_bytes") is not None:
+    if summary.get("steady_managed_bytes") is not None and summary.get("full_managed_bytes"):
         logger.info(
             "KV %s: %d of %d managed bytes held (%.1fx less), peak %d bytes; report %s",
             payload["method"],

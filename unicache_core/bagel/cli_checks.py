@@ -250,7 +250,7 @@ def check_policy_table(args, root: Path) -> None:
 
     policy = getattr(args, "policy", None)
     if getattr(args, "kv_method", None) != "unicache" or (
-        policy is None and not (root / CHECKPOINT_POLICY_FILE).is_file()
+        policy is None and not os.path.lexists(root / CHECKPOINT_POLICY_FILE)  # a FIFO there is refused, not skipped
     ):
         return  # the shipped paper table (its warning is logged once, by the run)
     table, _ = resolve_policy_table(policy, str(root), model_id_of(root))

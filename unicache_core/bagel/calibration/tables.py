@@ -102,9 +102,15 @@ def check_out(
     )
     if merge and out.is_file():
         try:
-            return PolicyTable.load(out, model_id=model_id)
+            table = PolicyTable.load(out)
         except PolicyTableError as exc:
-            raise ValueError(f"--merge: {exc}") from None
+            raise ValueError(f"--merge: {exc}; or give --out a new path to start a new table") from None
+        if table.model_id and table.model_id != model_id:
+            raise ValueError(
+                f"--merge: the table at --out {out} was made for model {table.model_id!r}, not for this checkpoint "
+                f"({model_id!r}); give --out a new path (or the table of this checkpoint) to merge into"
+            )
+        return table
     return None
 
 
