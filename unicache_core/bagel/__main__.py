@@ -188,6 +188,7 @@ class _Bar:
     def __call__(self, step: int, total: int) -> None:
         width = 30
         filled = int(width * step / max(total, 1))
+        self.open = True  # before the write: a Ctrl-C landing in it still ends the line before the error
         sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {step}/{total}")
         self.open = step < total
         if not self.open:
