@@ -4,9 +4,11 @@ silently dropped.
 argparse keeps the last value of a flag given twice (``--image a.png --image b.png`` runs on ``b.png`` and says
 nothing). :class:`OneLineParser` makes every flag that stores one value (argparse's ``store`` action, the default)
 refuse a second use in one line instead; a flag opts into repeating by its action (``action="append"``, whose
-values are all kept). ``repeat_hint=`` adds a flag's own advice to that line. Every command of the project parses
-with it: ``python -m unicache_core.bagel``, ``python -m unicache_core.bagel.calibrate``, ``python -m tools.batch``,
-``python -m training`` and the single-file converter (the library's commands through :mod:`unicache_core.cli`).
+values are all kept). ``repeat_hint=`` adds a flag's own advice to that line. A long flag's value that starts with
+``-`` (``--image-sizes -5x-5``) is passed to the flag's own check, not refused by argparse as an unknown flag.
+Every program of the project parses with it: ``python -m unicache_core.bagel``, ``.calibrate``, ``tools.batch``,
+``training``, the single-file converter (the library's commands through :mod:`unicache_core.cli`), the benchmarks
+and the tools.
 """
 
 from __future__ import annotations
@@ -75,7 +77,6 @@ class OneLineParser(argparse.ArgumentParser):
         namespace, extras = super().parse_known_args(args, namespace)
         namespace.__dict__.pop(_SEEN, None)
         return namespace, extras
-
 
     def _dash_values(self, args: list[str]) -> list[str]:
         """``--flag -5x-5`` → ``--flag=-5x-5`` for a long flag of one value, when the next word is no flag of this
