@@ -29,8 +29,6 @@ Time it with nothing else running on the machine.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import math
 import statistics
@@ -43,7 +41,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks.report_file import check_report_paths, json_and_table, write_json_report, write_text_report
 from training.tiny import write_tiny_checkpoint
+from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.compression import METHODS, PolicyTable, make_cache_factory, paper_policy_table
 from unicache_core.compression.family import JointPlan
@@ -329,9 +329,9 @@ def format_table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bagel_e2e", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m benchmarks.bagel_e2e", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and smaller images (<= 3 min)")
-    parser.add_argument("--json", type=Path, default=None, help="write the JSON report here")
+    parser.add_argument("--json", type=path_arg, default=None, help="write the JSON report here")
     parser.add_argument("--checkpoints", default=None, help="comma list: medium,tiny")
     parser.add_argument("--tasks", default=None, help="comma list: und,t2i,edit")
     parser.add_argument("--methods", default=None, help="comma list of methods (full is always run)")
@@ -340,6 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--work-dir", default="", help="where the generated checkpoints are written (reused)")
     args = parser.parse_args(argv)
+    check_report_paths(parser, json_and_table(args.json))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("unicache_core.compression.registry").setLevel(logging.ERROR)
     kw: dict = dict(QUICK) if args.quick else {}
@@ -369,9 +370,8 @@ def main(argv: list[str] | None = None) -> None:
     table = format_table(report)
     logger.info("results\n%s", table)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-        args.json.with_suffix(".txt").write_text(table + "\n", encoding="utf-8")
+        write_json_report(args.json, report)
+        write_text_report(args.json.with_suffix(".txt"), table)
 
 
 if __name__ == "__main__":

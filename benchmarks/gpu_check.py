@@ -13,8 +13,6 @@ script itself.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import statistics
 import sys
@@ -24,7 +22,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.report_file import check_report_paths, write_json_report
 from training.tiny import write_tiny_checkpoint
+from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.memory_plan import PlanSettings, plan_config, plan_memory
 from unicache_core.compression import METHODS, make_cache_factory
@@ -77,12 +77,13 @@ def _agreement(task, result, ref) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--checkpoint", choices=("medium", "tiny"), default="medium")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=path_arg, default=None)
     args = parser.parse_args(argv)
+    check_report_paths(parser, [("--json", args.json, "JSON report")])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("unicache_core.compression.registry").setLevel(logging.ERROR)
     cuda = args.device.startswith("cuda")
@@ -150,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": rows,
     }
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+        write_json_report(args.json, out)
     return 0
 
 

@@ -27,7 +27,6 @@ sees alive.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import json
@@ -41,7 +40,8 @@ import torch
 from PIL import Image
 
 from benchmarks.real_size import DEFAULT_OUT, edit_transform_rules, write_real_size_checkpoint
-from benchmarks.report_file import write_json_report
+from benchmarks.report_file import check_report_paths, write_json_report
+from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.config import BagelConfig
 from unicache_core.bagel.memory_plan import PlanSettings, official_config, plan_config, plan_memory, tensor_peak_bytes
@@ -317,7 +317,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_real_size", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m benchmarks.gpu_real_size", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint folder (about 15 GB)")
     parser.add_argument("--size", type=int, default=1024, help="edit size in pixels (the source's)")
     parser.add_argument("--images", type=int, default=1, help="source images of --size px in the edit request")
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offload", default="none,layers", help="comma-separated offload modes")
     parser.add_argument("--methods", default="full,unicache", help="comma-separated KV methods")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=path_arg, default=None)
     parser.add_argument(
         "--replan",
         type=Path,
@@ -337,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         help="plan a stored report's rows again with the current plan (no GPU needed) and print them",
     )
     args = parser.parse_args(argv)
+    check_report_paths(
+        parser, [("--json", args.json, "JSON report")], inputs=[("--replan", args.replan)], checkpoints=[args.out]
+    )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.replan is not None:
         report = replan(json.loads(args.replan.read_text(encoding="utf-8")))

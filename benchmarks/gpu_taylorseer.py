@@ -24,7 +24,6 @@ steps, CFG on the whole schedule, three branches per step): ``full``, ``full+tay
 
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import math
@@ -39,7 +38,8 @@ from PIL import Image
 
 from benchmarks.gpu_real_size import PhaseMeter
 from benchmarks.real_size import DEFAULT_OUT, write_real_size_checkpoint
-from benchmarks.report_file import write_json_report
+from benchmarks.report_file import check_report_paths, write_json_report
+from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.memory_plan import PlanSettings, plan_config, plan_memory, tensor_peak_bytes
 from unicache_core.bagel.memory_trace import TensorMemoryTracker
@@ -230,15 +230,16 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_taylorseer", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m benchmarks.gpu_taylorseer", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint folder (about 15 GB)")
     parser.add_argument("--size", type=int, default=1024, help="edit size in pixels (the source's)")
     parser.add_argument("--timesteps", type=int, default=50, help="num_timesteps (official 50)")
     parser.add_argument("--weight-dtype", default="fp8_e4m3fn", choices=("bf16", "fp8_e4m3fn", "fp8_e5m2", "int8"))
     parser.add_argument("--offload", default="none", choices=("none", "layers"))
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=path_arg, default=None)
     args = parser.parse_args(argv)
+    check_report_paths(parser, [("--json", args.json, "JSON report")], checkpoints=[args.out])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("unicache_core.compression.registry").setLevel(logging.ERROR)
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -23,17 +23,16 @@ boundary rows and every index tensor included, is at most ``keep`` of the uncomp
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from benchmarks.report_file import check_report_paths, write_json_report
+from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.compression import PolicyTable, make_cache_factory, paper_policy_table
 from unicache_core.compression.defaults import (
     FIT_VALUE_RANGES,
@@ -573,9 +572,9 @@ def format_table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small context, few repeats (< ~30 s)")
-    parser.add_argument("--json", help="write the results JSON here")
+    parser.add_argument("--json", type=path_arg, help="write the results JSON here")
     parser.add_argument("--repeats", type=int, help="timing repeats (default 7, quick 3)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = pick by probe (default)")
@@ -585,6 +584,7 @@ def main(argv: list[str] | None = None) -> None:
         help="attend store by store with an LSE merge instead of one fused workspace",
     )
     args = parser.parse_args(argv)
+    check_report_paths(parser, [("--json", args.json, "JSON report")])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     cfg = BenchConfig(**QUICK) if args.quick else BenchConfig()
     cfg.dtype = args.dtype
@@ -598,10 +598,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg.repeats = args.repeats
     report = run(cfg)
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
-        logger.info("wrote %s", path)
+        write_json_report(args.json, report)
+        logger.info("wrote %s", args.json)
     print(format_table(report))
 
 

@@ -9,7 +9,6 @@ which KV compression changes the attention cost. Written with the tiny checkpoin
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -21,6 +20,7 @@ from safetensors.torch import save_file
 from training.bpe import json_text
 from training.model import init_weights
 from training.tiny import write_tiny_checkpoint
+from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel.config import AEConfig, BagelConfig, LLMConfig, ResizeConfig, TransformConfig, ViTConfig
 from unicache_core.bagel.modeling.autoencoder import AutoEncoder
 from unicache_core.bagel.modeling.bagel import Bagel
@@ -110,8 +110,8 @@ def write_medium_checkpoint(out_dir: str | Path, *, seed: int = 0, num_layers: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.medium", description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path)
+    parser = OneLineParser(prog="python -m benchmarks.medium", description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=path_arg)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args(argv)

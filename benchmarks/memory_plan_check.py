@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from benchmarks.report_file import write_json_report
+from benchmarks.report_file import check_report_paths, write_json_report
 from benchmarks.rss import peak_rss_bytes, start_peak_window
+from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.checkpoint.tensor_file import release_freed_host_memory
 from unicache_core.bagel.memory_plan import PlanSettings, plan_config, plan_memory, tensor_peak_bytes
@@ -158,14 +159,15 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.memory_plan_check", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m benchmarks.memory_plan_check", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--medium", type=Path, default=DEFAULT_MEDIUM, help="the medium checkpoint (written if missing)"
     )
-    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+    parser.add_argument("--json", type=path_arg, default=None, help="write the rows here")
     parser.add_argument("--no-rss", action="store_true", help="tensor accounting only")
     parser.add_argument("--rss-child", nargs=3, metavar=("CHECKPOINT", "TASK", "SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    check_report_paths(parser, [("--json", args.json, "JSON report")], checkpoints=[args.medium])
     if args.rss_child:
         checkpoint, task, size = args.rss_child
         sys.stdout.write(f"{_rss_of_run(Path(checkpoint), task, int(size))}\n")

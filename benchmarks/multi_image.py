@@ -23,18 +23,17 @@ bytes of the same sample (``kv_target`` in bytes), so every row compares at equa
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks.report_file import check_report_paths, json_and_table, write_json_report, write_text_report
+from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel import BagelPipeline, RunHooks, load_bagel, preset
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR
 from unicache_core.compression import METHODS, make_cache_factory
@@ -160,11 +159,12 @@ def format_table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.multi_image", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m benchmarks.multi_image", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 samples, 2 images, 8 timesteps")
     parser.add_argument("--samples", type=int, default=None)
-    parser.add_argument("--json", type=Path, default=None, help="write the JSON report here (and a .txt table)")
+    parser.add_argument("--json", type=path_arg, default=None, help="write the JSON report here (and a .txt table)")
     args = parser.parse_args(argv)
+    check_report_paths(parser, json_and_table(args.json))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     kw: dict = dict(QUICK) if args.quick else {}
     if args.samples is not None:
@@ -175,9 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     table = format_table(report)
     logger.info("results\n%s", table)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-        args.json.with_suffix(".txt").write_text(table + "\n", encoding="utf-8")
+        write_json_report(args.json, report)
+        write_text_report(args.json.with_suffix(".txt"), table)
 
 
 if __name__ == "__main__":

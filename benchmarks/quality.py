@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.report_file import check_report_paths, write_json_report
 from unicache_core.bagel import BagelPipeline, RunHooks, load_bagel, preset
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT
 from unicache_core.cli import OneLineParser, path_arg
@@ -514,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         help="run every row again forced along full KV's path (default: on, off with --quick)",
     )
     args = parser.parse_args(argv)
+    check_report_paths(parser, [("--json", args.json, "JSON report")], checkpoints=[args.checkpoint])
     if not (Path(args.checkpoint) / "llm_config.json").is_file():
         parser.error(f"--checkpoint {args.checkpoint} is not a BAGEL checkpoint folder (no llm_config.json)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -540,8 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(report)
     sys.stdout.write(table + "\n")
     if args.json is not None:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_json_report(args.json, report)
     return 0
 
 

@@ -20,7 +20,6 @@ the attention share of the steps (the caches' attention time over the steps' tim
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import statistics
@@ -32,9 +31,10 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from benchmarks.report_file import write_json_report
+from benchmarks.report_file import check_report_paths, write_json_report
 from benchmarks.rss import peak_rss_bytes
 from training.tiny import write_tiny_checkpoint
+from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.checkpoint.single_file import OFFICIAL_LLM_CONFIG, OFFICIAL_VIT_CONFIG
 from unicache_core.bagel.config import bagel_config_from_dicts
@@ -193,11 +193,12 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.real_size", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m benchmarks.real_size", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint folder (about 15 GB)")
     parser.add_argument("--weight-dtype", default="int8", choices=("int8", "fp8_e4m3fn", "fp8_e5m2"))
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=path_arg, default=None)
     args = parser.parse_args(argv)
+    check_report_paths(parser, [("--json", args.json, "JSON report")], checkpoints=[args.out])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     start = time.perf_counter()
     report = run(args.out, weight_dtype=args.weight_dtype)

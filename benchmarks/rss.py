@@ -12,12 +12,13 @@ is taken: the figures are the load's own.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from unicache_commands.flags import OneLineParser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,7 +103,7 @@ def measure_load_in_subprocess(checkpoint: str | Path, weight_dtype: str = "auto
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.rss", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m benchmarks.rss", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     load = sub.add_parser("load", help="peak RSS of load_bagel")
     load.add_argument("checkpoint", type=Path)

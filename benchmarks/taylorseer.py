@@ -27,7 +27,6 @@ seconds do.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import statistics
@@ -40,6 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.report_file import check_report_paths, json_and_table, write_json_report, write_text_report
+from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel import BagelPipeline, RunHooks, load_bagel, preset
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR
 from unicache_core.compression import make_cache_factory
@@ -48,7 +49,6 @@ from unicache_core.shapes.world import EVAL_SEEDS
 
 from .bagel_e2e import _source_image
 from .medium import write_medium_checkpoint
-from .report_file import write_json_report
 
 logger = logging.getLogger("benchmarks.taylorseer")
 CHECKPOINTS = ("medium", "bundled")
@@ -238,14 +238,17 @@ def format_table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.taylorseer", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m benchmarks.taylorseer", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="12 timesteps, a 256 px medium edit")
-    parser.add_argument("--json", type=Path, default=None, help="write the JSON report here (and the table as .txt)")
+    parser.add_argument(
+        "--json", type=path_arg, default=None, help="write the JSON report here (and the table as .txt)"
+    )
     parser.add_argument("--checkpoints", default=",".join(CHECKPOINTS), help="comma list: medium,bundled")
     parser.add_argument("--timesteps", type=int, default=None, help="num_timesteps (default 50, --quick 12)")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--work-dir", default="", help="where the medium checkpoint is written (reused)")
     args = parser.parse_args(argv)
+    check_report_paths(parser, json_and_table(args.json))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("unicache_core.compression.registry").setLevel(logging.ERROR)
     checkpoints = tuple(c.strip() for c in args.checkpoints.split(",") if c.strip())
@@ -261,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(table + "\n")
     if args.json is not None:
         write_json_report(args.json, report)
-        args.json.with_suffix(".txt").write_text(table + "\n", encoding="utf-8")
+        write_text_report(args.json.with_suffix(".txt"), table)
     return 0
 
 

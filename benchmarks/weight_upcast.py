@@ -11,15 +11,14 @@ kept, so a machine shared with other work still gives usable ratios.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
+from benchmarks.report_file import check_report_paths, write_json_report
+from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel.modeling.operations import low_precision_operations, upcast_weight
 from unicache_core.bagel.weights import WEIGHT_DTYPES
 
@@ -62,12 +61,13 @@ def measure(tokens: int, rounds: int) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256, help="rows of the input (default 256)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the best is kept (default 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--json", type=path_arg, default=None, help="write the figures here")
     args = parser.parse_args(argv)
+    check_report_paths(parser, [("--json", args.json, "JSON report")])
     if args.tokens < 1 or args.rounds < 1:
         parser.error(f"--tokens and --rounds must be >= 1, got {args.tokens} and {args.rounds}")
     if args.threads is not None:
@@ -76,17 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in results.items():
         print(f"{name:36s} {row['seconds'] * 1000:9.1f} ms  {row['ratio']:6.2f}x")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(
-                {
-                    "tokens": args.tokens,
-                    "threads": torch.get_num_threads(),
-                    "shape": [OUT_FEATURES, IN_FEATURES],
-                    "results": results,
-                },
-                indent=2,
-            )
+        write_json_report(
+            args.json,
+            {
+                "tokens": args.tokens,
+                "threads": torch.get_num_threads(),
+                "shape": [OUT_FEATURES, IN_FEATURES],
+                "results": results,
+            },
         )
     return 0
 

@@ -21,7 +21,6 @@ JSON: ``{"config": {...}, "results": [{"weight_dtype", "kv_method", "param_bytes
 
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 import sys
@@ -32,8 +31,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.quality import DEFAULT_CHECKPOINT, QUICK, QualityConfig, run_task
-from benchmarks.report_file import write_json_report
+from benchmarks.report_file import check_report_paths, write_json_report
 from benchmarks.rss import measure_load_in_subprocess
+from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.request import RunHooks
 from unicache_core.compression import make_cache_factory
@@ -151,13 +151,14 @@ def format_table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.weights", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m benchmarks.weights", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the quality bench's quick sample counts and steps")
-    parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    parser.add_argument("--json", type=path_arg, default=None, help="write the report here")
     parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     parser.add_argument("--samples", type=int, default=None, help="held-out samples per task (und gets 3x)")
     parser.add_argument("--timesteps", type=int, default=None, help="num_timesteps of t2i and edit")
     args = parser.parse_args(argv)
+    check_report_paths(parser, [("--json", args.json, "JSON report")], checkpoints=[args.checkpoint])
     if not (args.checkpoint / "llm_config.json").is_file():
         parser.error(f"--checkpoint {args.checkpoint} is not a BAGEL checkpoint folder (no llm_config.json)")
     if args.samples is not None and args.samples < 1:

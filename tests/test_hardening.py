@@ -82,7 +82,7 @@ def test_weight_overflowing_fp16_advises_bf16(tiny_checkpoint_copy):
     with pytest.raises(
         NumericalError,
         match=rf"{re.escape(repr(name))} has values up to 100000, which overflow fp16 "
-        r"\(largest finite value 65504\); load the model with dtype='bf16'",
+        r"\(largest finite value 65504\); keep fp16 out of the weights: dtype 'bf16' or 'fp32'",
     ):
         load_bagel(tiny_checkpoint_copy, dtype="fp16")
     assert load_bagel(tiny_checkpoint_copy, dtype="bf16").dtype == torch.bfloat16  # in range of bf16 and fp32
@@ -109,7 +109,7 @@ def test_fp16_overflow_in_denoising_names_step_and_branch(overflow_checkpoint):
     with pytest.raises(
         NumericalError,
         match=r"denoising step 1 of 2: the velocity of the 'gen' branch holds \d+ "
-        r"infinite of \d+ values; the model runs in fp16.*dtype='bf16'",
+        r"infinite of \d+ values; the model runs in fp16.*run it in bf16",
     ):
         pipe16.text_to_image("x", preset("t2i", width=32, height=32, num_timesteps=3))
     with pytest.raises(NumericalError, match=r"text decoding step 1 of at most 3: the next-token logits hold .*fp16"):

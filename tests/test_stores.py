@@ -227,7 +227,7 @@ def test_quantized_store_edge_lengths(num_tokens, residual):
 def test_quantized_store_rejects_non_finite(which):
     keys, values = torch.randn(40, 2, 8), torch.randn(40, 2, 8)
     (keys if which == "keys" else values)[5, 1, 3] = float("nan")
-    with pytest.raises(ValueError, match=f"`{which}` has 1 non-finite"):
+    with pytest.raises(ValueError, match=f"the {which} to cache hold 1 non-finite"):
         QuantizedStore.from_kv(keys, values, torch.arange(40), 2, 8, 4, TokenType.SOURCE_VAE)
 
 

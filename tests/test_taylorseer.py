@@ -209,7 +209,15 @@ def test_settings_are_checked_and_the_cli_names_the_flag(tiny_checkpoint, tmp_pa
         with pytest.raises(ValueError, match=f"`{field}`"):
             base.replace(**{field: value})
     code, _, err = run_bagel_cli(
-        capsys, "t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "x", "--taylorseer-first-steps", "0"
+        capsys,
+        "t2i",
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--prompt",
+        "x",
+        "--taylorseer",
+        "--taylorseer-first-steps",
+        "0",
     )
     assert code == 2 and err.strip().splitlines() == [
         "error: --taylorseer-first-steps: `taylorseer_first_steps` must be an integer >= 1 and <= 1000, got 0"

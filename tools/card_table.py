@@ -12,11 +12,11 @@ until the table is written again.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
 
+from unicache_commands.flags import OneLineParser
 from unicache_core.bagel.memory_plan import MemoryPlan, PlanSettings, official_config, plan_memory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,7 +138,7 @@ def write_into(text: str, new_table: str, start: str = START, end: str = END) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.card_table", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m tools.card_table", description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="write the table into README.md (between its markers)")
     args = parser.parse_args(argv)
     new_table, new_images = table(), images_table()

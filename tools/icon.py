@@ -7,11 +7,13 @@ UniCache keeps in blue.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from PIL import Image, ImageDraw
+
+from unicache_commands.flags import OneLineParser, path_arg
+from unicache_commands.output_files import check_outputs, write_atomically
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "images" / "icon.png"
@@ -41,11 +43,15 @@ def icon(size: int = SIZE) -> Image.Image:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.icon", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=OUT, help="the PNG to write")
+    parser = OneLineParser(prog="python -m tools.icon", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=path_arg, default=OUT, help="the PNG to write")
     args = parser.parse_args(argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    icon().save(args.out, optimize=True)
+    try:  # the one output guard: never a device, a folder, a checkpoint's file; written whole
+        check_outputs([("--out", args.out, "icon PNG")])
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
+    image = icon()
+    write_atomically("--out", args.out, lambda tmp: image.save(tmp, format="PNG", optimize=True))
     sys.stdout.write(f"{args.out}\n")
     return 0
 

@@ -12,11 +12,13 @@ task's score beside each bar (``quality.json``), so the bytes saved sit next to 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from unicache_commands.flags import OneLineParser, path_arg
+from unicache_commands.output_files import check_outputs, write_atomically
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -127,16 +129,19 @@ def render(left: list[Bar], right: list[Bar], out: Path) -> None:
     ax_r.set_ylim(0, 115)
     ax_r.set_title("bundled model, paper reductions: bytes and score", fontsize=10)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100, metadata={"Software": None})
+    write_atomically("--out", out, lambda tmp: fig.savefig(tmp, format="png", dpi=100, metadata={"Software": None}))
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.kv_plot", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m tools.kv_plot", description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=RESULTS, help="the benchmarks' JSON folder")
-    parser.add_argument("--out", type=Path, default=OUT, help="the PNG to write")
+    parser.add_argument("--out", type=path_arg, default=OUT, help="the PNG to write")
     args = parser.parse_args(argv)
+    try:  # the one output guard: never an input, a device, a folder, a checkpoint's file
+        check_outputs([("--out", args.out, "plot PNG")], input_folders=[("--results", args.results)])
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
     try:
         left, right = real_size_bars(args.results), bundled_bars(args.results)
     except (OSError, KeyError, ValueError) as error:

@@ -6,10 +6,12 @@ quality-benchmark report (so the card's numbers are the measured ones).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+from unicache_commands.flags import OneLineParser
+from unicache_commands.output_files import check_outputs, save_text
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -219,14 +221,24 @@ def card(training: dict, quality: dict | None, notes: list[str] | None = None) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=ROOT / "models" / "bagel" / "unicache-shapes")
     parser.add_argument("--quality", type=Path, default=ROOT / "out" / "quality.json")
     parser.add_argument("--note", action="append", default=[], help="a line for the Training list (repeatable)")
     args = parser.parse_args(argv)
+    card_path = args.checkpoint / "README.md"
+    try:  # the card is the one file of the checkpoint this writes; never --quality, a device or a weights file
+        check_outputs(
+            [("--checkpoint", card_path, "model card")],
+            inputs=[("--quality", args.quality)],
+            checkpoints=[args.checkpoint],
+            allowed_names=["README.md"],
+        )
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
     training = json.loads((args.checkpoint / "training.json").read_text(encoding="utf-8"))
     quality = json.loads(args.quality.read_text(encoding="utf-8")) if args.quality.is_file() else None
-    (args.checkpoint / "README.md").write_text(card(training, quality, args.note), encoding="utf-8")
+    save_text(card(training, quality, args.note), card_path, "--checkpoint")
     sys.stdout.write(f"wrote {args.checkpoint / 'README.md'}\n")
     return 0
 

@@ -16,7 +16,6 @@ What each image is comes from the workflow itself: a ``LoadImage`` is the input 
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -24,6 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
+
+from unicache_commands.flags import OneLineParser, path_arg
+from unicache_commands.output_files import check_outputs, write_atomically
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / "workflows" / "api"
@@ -153,11 +155,11 @@ def card(items: list[Panel]) -> Image.Image:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.thumbnails", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m tools.thumbnails", description=__doc__.splitlines()[0])
     parser.add_argument("--demo", type=Path, default=ROOT / "out" / "demo", help="make demo's output folder")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images", help="where the PNGs go")
+    parser.add_argument("--out", type=path_arg, default=ROOT / "docs" / "images", help="where the PNGs go")
     parser.add_argument(
-        "--templates", type=Path, default=ROOT / "workflows", help="where the template cards (<name>.jpg) go"
+        "--templates", type=path_arg, default=ROOT / "workflows", help="where the template cards (<name>.jpg) go"
     )
     args = parser.parse_args(argv)
     names = sorted(p.stem for p in WORKFLOWS.glob("*.json"))
@@ -165,6 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         sys.stderr.write(f"error: {args.demo} has no demo run of {', '.join(missing)}; run `make demo` first\n")
         return 2
+    try:  # the one output guard: never a file of --demo, a device or a checkpoint's file
+        check_outputs(
+            [("--out", args.out / f"demo_{name}.png", "thumbnail PNG") for name in names]
+            + [("--templates", args.templates / f"{name}.jpg", "template card") for name in names],
+            input_folders=[("--demo", args.demo)],
+        )
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
     args.out.mkdir(parents=True, exist_ok=True)
     args.templates.mkdir(parents=True, exist_ok=True)
     for name in names:
@@ -174,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"error: {name}: {error}\n")
             return 2
         target, template = args.out / f"demo_{name}.png", args.templates / f"{name}.jpg"
-        strip(made).save(target, optimize=True)
-        card(made).save(template, quality=90, optimize=True)
+        strip_image, card_image = strip(made), card(made)
+        write_atomically("--out", target, lambda tmp, im=strip_image: im.save(tmp, format="PNG", optimize=True))
+        write_atomically(
+            "--templates", template, lambda tmp, im=card_image: im.save(tmp, format="JPEG", quality=90, optimize=True)
+        )
         for path in (target, template):
             sys.stdout.write(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}\n")
     return 0

@@ -32,7 +32,6 @@ seed and options hold the same tensors, so they give the same images.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from pathlib import Path
@@ -40,6 +39,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from unicache_commands.flags import OneLineParser
 from unicache_core.bagel.checkpoint.single_file import (
     BAGEL_SPECIAL_TOKEN_IDS,
     TINY_VARIANT,
@@ -261,7 +261,7 @@ def write_tiny_single_file(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         description="Write a tiny random BAGEL checkpoint (official layout, or the "
         "single-file form with --single-file)."
     )

@@ -4,14 +4,17 @@ silently dropped.
 argparse keeps the last value of a flag given twice (``--image a.png --image b.png`` runs on ``b.png`` and says
 nothing). :class:`OneLineParser` makes every flag that stores one value (argparse's ``store`` action, the default)
 refuse a second use in one line instead; a flag opts into repeating by its action (``action="append"``, whose
-values are all kept). ``repeat_hint=`` adds a flag's own advice to that line. Every command of the project parses
-with it: ``python -m unicache_core.bagel``, ``python -m unicache_core.bagel.calibrate``, ``python -m tools.batch``,
-``python -m training`` and the single-file converter (the library's commands through :mod:`unicache_core.cli`).
+values are all kept). ``repeat_hint=`` adds a flag's own advice to that line. A long flag's value that starts with
+``-`` (``--image-sizes -5x-5``) is passed to the flag's own check, not refused by argparse as an unknown flag.
+Every program of the project parses with it: ``python -m unicache_core.bagel``, ``.calibrate``, ``tools.batch``,
+``training``, the single-file converter (the library's commands through :mod:`unicache_core.cli`), the benchmarks
+and the tools.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 #: Namespace attribute holding, while one command line is parsed, the first value of each single-value flag seen
@@ -69,9 +72,44 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):
+        # a value that starts with "-" ("--image-sizes -5x-5") stays a value
+        args = self._dash_values(list(sys.argv[1:] if args is None else args))
         namespace, extras = super().parse_known_args(args, namespace)
         namespace.__dict__.pop(_SEEN, None)
         return namespace, extras
+
+    def _dash_values(self, args: list[str]) -> list[str]:
+        """``--flag -5x-5`` → ``--flag=-5x-5`` for a long flag of one value, when the next word is no flag of this
+        parser: argparse would take ``-5x-5`` for an unknown flag and say "expected one argument", where the
+        flag's own check names what is wrong with the value."""
+        known = {o for action in self._actions for o in action.option_strings}
+        single = {
+            o
+            for action in self._actions
+            for o in action.option_strings
+            if o.startswith("--") and action.nargs is None and isinstance(action, argparse._StoreAction)
+        }
+        out: list[str] = []
+        index = 0
+        while index < len(args):
+            word = args[index]
+            if word == "--":
+                out += args[index:]
+                break
+            following = args[index + 1] if index + 1 < len(args) else None
+            if (
+                word in single
+                and following is not None
+                and following.startswith("-")
+                and following != "-"
+                and following.split("=", 1)[0] not in known
+            ):
+                out.append(f"{word}={following}")
+                index += 2
+                continue
+            out.append(word)
+            index += 1
+        return out
 
 
 def path_arg(value: str) -> Path:

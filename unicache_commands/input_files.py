@@ -6,7 +6,8 @@ open, so :func:`read_regular_file` looks at the path without opening it, opens a
 checks again on the open file (the path may have changed in between) and reads at most ``max_bytes + 1`` bytes. Every
 failure is one line that starts with the caller's ``label`` (``"--prompts /x/p.txt"``): a missing file is a
 :class:`FileNotFoundError`, a folder an :class:`IsADirectoryError`, an unreadable one an :class:`OSError`, anything
-else (not a regular file, too large, not UTF-8) a :class:`ValueError`.
+else (not a regular file, too large, not UTF-8) a :class:`ValueError`. :func:`parse_json` reads a JSON document
+strictly (no key twice, no nesting too deep for the parser), in one line too.
 """
 
 from __future__ import annotations
@@ -85,4 +86,35 @@ def read_text_file(path: str | Path, *, label: str, max_bytes: int, advice: str 
     return text.removeprefix("\ufeff")
 
 
-__all__ = ["file_kind", "read_regular_file", "read_text_file"]
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _refuse_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    seen: dict[str, object] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
+def parse_json(text: str, *, label: str) -> object:
+    """``text`` parsed as JSON, strictly: a key given twice in one object (``json`` would keep the last silently), a
+    document nested too deeply for the parser (a ``RecursionError``) and invalid JSON are each one ``ValueError``
+    starting with ``label`` (``"--items /x/i.json"``)."""
+    import json
+
+    try:
+        return json.loads(text, object_pairs_hook=_refuse_duplicates)
+    except _DuplicateKey as exc:
+        raise ValueError(
+            f"{label}: the key {str(exc)!r} is given twice in one object (JSON keeps only the last); keep one"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{label}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{label}: the JSON is nested too deeply to read; write it flat") from None
+
+
+__all__ = ["file_kind", "parse_json", "read_regular_file", "read_text_file"]

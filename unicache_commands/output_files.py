@@ -5,7 +5,9 @@ before any work starts, and written whole or not at all.
 
 - is a folder, a device (``/dev/null``, ``/dev/full``), a FIFO or a socket (a write would replace the node or block),
   a symlink loop, or lies under a file;
-- names one of the command's input files (compared after resolving symlinks, and by inode for hard links);
+- is empty (``''`` would mean the current folder);
+- names one of the command's input files (compared after resolving symlinks, and by inode for hard links), or lies
+  inside one of its input folders (``--images DIR``: every file there is an input);
 - names an existing weights file (``.safetensors`` or a pickle) anywhere, or an existing file of a checkpoint folder:
   the command's ``--checkpoint``, or any folder holding a BAGEL checkpoint's :data:`CHECKPOINT_MARKERS` (the next
   load would fail); a caller may allow the names it is meant to write there (the calibration's policy table);
@@ -14,6 +16,10 @@ before any work starts, and written whole or not at all.
 :func:`write_atomically` writes into a new temporary file beside the target, then renames it onto the target, so a
 failed or interrupted write leaves no partial or empty file and an existing one unchanged; a replaced file keeps its
 permission bits. Every error is one line naming the flag and the path.
+
+:func:`check_outputs` is the one call a command makes: it declares its outputs and its inputs once, checks every
+output as above and refuses two outputs that are the same file (a JSON report and its ``.txt`` table, an image and
+its report).
 """
 
 from __future__ import annotations
@@ -78,6 +84,13 @@ def _check_not_precious(flag: str, path: Path, what: str, checkpoints: Iterable[
         )
 
 
+def _inside_folder(path: Path, folder: str | Path) -> bool:
+    """``path`` lies somewhere under the existing folder ``folder`` (both resolved)."""
+    if not os.path.isdir(folder):
+        return False
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
+
+
 def _check_folder(flag: str, path: Path) -> None:
     """The folder of ``path`` is writable (a test file is created and removed), or can be created."""
     folder = path.parent
@@ -104,6 +117,7 @@ def check_output_file(
     what: str,
     *,
     inputs: Iterable[tuple[str, str | Path | None]] = (),
+    input_folders: Iterable[tuple[str, str | Path | None]] = (),
     checkpoints: Iterable[str | Path | None] = (),
     allowed_names: Iterable[str] = (),
 ) -> None:
@@ -114,9 +128,12 @@ def check_output_file(
         path: the file to write.
         what: what is written, for the advice (``"plan JSON"``).
         inputs: ``(flag, path)`` of the command's input files (``None`` paths skipped).
+        input_folders: ``(flag, path)`` of folders whose every file is an input (``None`` paths skipped).
         checkpoints: checkpoint folders the command uses (others are recognised by :data:`CHECKPOINT_MARKERS`).
         allowed_names: file names this output may replace inside a checkpoint folder.
     """
+    if str(path) in ("", "."):
+        raise ValueError(f"{flag}: the path is empty; give the path of the {what} to write")
     path = _resolved(flag, Path(path), what)
     try:
         mode = os.stat(path).st_mode
@@ -131,13 +148,46 @@ def check_output_file(
             f"{flag}: {path} exists and is not a regular file ({file_kind(mode)}); give the path of the {what} to write"
         )
     for other_flag, other in inputs:
-        if other is not None and same_file(path, other):
+        if other is None:
+            continue
+        if same_file(path, other):
             raise ValueError(
                 f"{flag}: {path} is the same file as {other_flag} {other}; the {what} would overwrite it, give "
                 f"{flag} its own path"
             )
+    for other_flag, other in input_folders:
+        if other is not None and (same_file(path, other) or _inside_folder(path, other)):
+            raise ValueError(
+                f"{flag}: {path} is inside the folder {other_flag} {other}, which the command reads; the {what} "
+                f"would be written among its inputs, give {flag} a path outside that folder"
+            )
     _check_not_precious(flag, path, what, [Path(c) for c in checkpoints if c is not None], allowed_names)
     _check_folder(flag, path)
+
+
+def check_outputs(
+    outputs: Iterable[tuple[str, str | Path | None, str]],
+    *,
+    inputs: Iterable[tuple[str, str | Path | None]] = (),
+    input_folders: Iterable[tuple[str, str | Path | None]] = (),
+    checkpoints: Iterable[str | Path | None] = (),
+    allowed_names: Iterable[str] = (),
+) -> None:
+    """Every output of one command, before any work: each ``(flag, path, what)`` (``None`` paths skipped) through
+    :func:`check_output_file` against all of ``inputs`` and ``input_folders``, and no two outputs the same file.
+    Arguments as :func:`check_output_file`'s."""
+    inputs, folders, checkpoints, names = list(inputs), list(input_folders), list(checkpoints), list(allowed_names)
+    given = [(flag, path, what) for flag, path, what in outputs if path is not None]
+    for index, (flag, path, what) in enumerate(given):
+        check_output_file(
+            flag, path, what, inputs=inputs, input_folders=folders, checkpoints=checkpoints, allowed_names=names
+        )
+        for other_flag, other, _ in given[:index]:
+            if same_file(path, other):
+                raise ValueError(
+                    f"{flag}: {path} is the same file as {other_flag} {other}; the {what} would "
+                    f"overwrite it, give {flag} its own path"
+                )
 
 
 def _create_temporary(folder: Path, stem: str) -> tuple[int, str]:
@@ -188,6 +238,7 @@ __all__ = [
     "CHECKPOINT_MARKERS",
     "WEIGHTS_SUFFIXES",
     "check_output_file",
+    "check_outputs",
     "same_file",
     "save_text",
     "write_atomically",

@@ -13,7 +13,9 @@ from pathlib import Path
 from tools.batch import __doc__ as USAGE
 from tools.batch.reachable import check_hosts
 from tools.batch.work import MAX_COUNT, SEED_MAX, Run, load_workflow, make_runs, read_prompts, read_seeds
-from unicache_commands.flags import OneLineParser  # one-line errors; a single-value flag given twice is refused
+
+# one-line errors; a single-value flag given twice is refused; an empty path is refused
+from unicache_commands.flags import OneLineParser, path_arg
 from unicache_commands.output_files import check_output_file, write_atomically
 
 logger = logging.getLogger("unicache.batch")
@@ -21,7 +23,7 @@ logger = logging.getLogger("unicache.batch")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = OneLineParser(prog="python -m tools.batch", description=USAGE.split("\n\n")[0])
-    ap.add_argument("workflow", type=Path, help="API-format workflow JSON (workflows/api/*.json)")
+    ap.add_argument("workflow", type=path_arg, help="API-format workflow JSON (workflows/api/*.json)")
     ap.add_argument(
         "--host",
         action="append",
@@ -32,11 +34,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--count", type=int, required=True, help="number of runs (>= 1)")
     seeds = ap.add_mutually_exclusive_group()
-    seeds.add_argument("--seeds", type=Path, help="file with one seed a line (at least --count of them)")
+    seeds.add_argument("--seeds", type=path_arg, help="file with one seed a line (at least --count of them)")
     seeds.add_argument("--seed-start", type=int, default=0, help="run i gets seed S+i (default 0)")
-    ap.add_argument("--prompts", type=Path, help="file with one prompt a line; run i gets line i mod lines")
-    ap.add_argument("--out", type=Path, required=True, help="folder for the outputs (DIR/<run>/...)")
-    ap.add_argument("--summary", type=Path, help="summary JSON (default DIR/summary.json)")
+    ap.add_argument("--prompts", type=path_arg, help="file with one prompt a line; run i gets line i mod lines")
+    ap.add_argument("--out", type=path_arg, required=True, help="folder for the outputs (DIR/<run>/...)")
+    ap.add_argument("--summary", type=path_arg, help="summary JSON (default DIR/summary.json)")
     ap.add_argument("--depth", type=int, default=2, help="without --ray: runs kept queued per host (default 2)")
     ap.add_argument(
         "--retries",

@@ -83,11 +83,13 @@ class HostClient:
     """HTTP + websocket client of one ComfyUI host (``url``: e.g. ``http://127.0.0.1:8188``).
 
     ``request_timeout``: seconds for one HTTP exchange; ``poll``: seconds between ``/history`` checks (the
-    websocket only hastens them)."""
+    websocket only hastens them); ``deadline``: a ``time.monotonic()`` past which no exchange waits (the batch's
+    ``--timeout``: a host that accepts a request and never answers costs no more than the batch's time)."""
 
-    def __init__(self, url: str, request_timeout: float = 60.0, poll: float = 1.0):
+    def __init__(self, url: str, request_timeout: float = 60.0, poll: float = 1.0, deadline: float | None = None):
         self.url = url.rstrip("/")
         self.request_timeout = request_timeout
+        self.deadline = deadline
         self.poll = poll
         self.client_id = uuid.uuid4().hex
         self._ws = None
@@ -103,7 +105,7 @@ class HostClient:
             method="GET" if body is None else "POST",
         )
         try:
-            with _OPENER.open(req, timeout=self.request_timeout) as r:
+            with _OPENER.open(req, timeout=self._exchange_timeout()) as r:
                 return r.status, self._read(r, limit, path)
         except urllib.error.HTTPError as e:
             return e.code, self._read(e, limit, path)
@@ -113,6 +115,12 @@ class HostClient:
             raise RunFailed(f"{path}: malformed HTTP answer ({one_line(e, 120)})") from e
         except OSError as e:
             raise HostGone(f"{self.url}{path}: {one_line(e, 200)}") from e
+
+    def _exchange_timeout(self) -> float:
+        """Seconds one exchange may wait: ``request_timeout``, cut to what is left before ``deadline``."""
+        if self.deadline is None:
+            return self.request_timeout
+        return max(min(self.request_timeout, self.deadline - time.monotonic()), 0.05)
 
     @staticmethod
     def _read(response, limit: int, path: str) -> bytes:
@@ -252,7 +260,7 @@ class HostClient:
         ws_url = self.url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
         try:
             self._ws = websocket.create_connection(
-                f"{ws_url}/ws?clientId={self.client_id}", timeout=min(10.0, self.request_timeout)
+                f"{ws_url}/ws?clientId={self.client_id}", timeout=min(10.0, self._exchange_timeout())
             )
         except (ConnectionError, TimeoutError) as e:
             raise HostGone(f"{self.url}: websocket: {one_line(e, 200)}") from e

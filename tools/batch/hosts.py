@@ -66,7 +66,7 @@ class _Batch:
 
 def _serve(host_url: str, batch: _Batch, poll: float) -> None:
     """One thread of one host: runs from the shared queue until the batch is over or the host is gone."""
-    client = HostClient(host_url, poll=poll)
+    client = HostClient(host_url, poll=poll, deadline=batch.deadline)
     try:
         while not batch.over() and host_url not in batch.gone:
             try:
@@ -143,8 +143,8 @@ def run_on_hosts(
     batch.settled.wait(timeout=max(batch.deadline - time.monotonic(), 0.0))
     for _ in threads:
         batch.pending.put(None)
-    for t in threads:
-        t.join(timeout=30.0)
+    for t in threads:  # an exchange in flight ends by the deadline (HostClient's deadline): a short wait
+        t.join(timeout=max(min(batch.deadline - time.monotonic(), 30.0), 0.0) + 2.0)
     last = "; ".join(f"{url}: {why}" for url, why in batch.gone.items()) or "no result"
     for run in runs:
         if run.status == "pending":

@@ -212,6 +212,11 @@ def _plan(options: RayOptions) -> tuple[int, float]:
         count = len(options.attach)
     else:
         count = options.workers or (int(gpus // per) if per else 1)
+    if count < 1 and per > gpus + 1e-9:  # not even one worker's GPUs: say so, not "--workers 0 ... needs 0 GPUs"
+        raise ValueError(
+            f"--gpus-per-worker {per:g}: the cluster has {gpus:g} GPUs, fewer than one worker needs; give "
+            f"--gpus-per-worker {gpus:g}" + (" (hosts on the CPU)" if not gpus else "")
+        )
     if count < 1 or count * per > gpus + 1e-9:
         raise ValueError(
             f"--workers {count} x --gpus-per-worker {per:g} needs {count * per:g} GPUs; the cluster "

@@ -117,20 +117,23 @@ def _build_parser() -> argparse.ArgumentParser:
             help="forecast the decoder output on most steps: after the first steps, each CFG branch runs its "
             "decoder on one step in --taylorseer-interval (a third of the forwards by default)",
         )
-        ts.add_argument(
+        ts.add_argument(  # None: not given (refused without --taylorseer: cli_checks.taylorseer_changes)
             "--taylorseer-interval",
             type=int,
-            default=d.taylorseer_interval,
-            help="one full step in this many after the first steps",
+            default=None,
+            help=f"with --taylorseer: one full step in this many after the first (default {d.taylorseer_interval})",
         )
         ts.add_argument(
             "--taylorseer-first-steps",
             type=int,
-            default=d.taylorseer_first_steps,
-            help="the first steps of each branch, all full",
+            default=None,
+            help=f"with --taylorseer: the first steps of each branch, all full (default {d.taylorseer_first_steps})",
         )
         ts.add_argument(
-            "--taylorseer-order", type=int, default=d.taylorseer_order, help="highest Taylor order of the forecast"
+            "--taylorseer-order",
+            type=int,
+            default=None,
+            help=f"with --taylorseer: highest Taylor order of the forecast (default {d.taylorseer_order})",
         )
 
     p_und = sub.add_parser("understand", help="answer a question about images")
@@ -185,6 +188,7 @@ class _Bar:
     def __call__(self, step: int, total: int) -> None:
         width = 30
         filled = int(width * step / max(total, 1))
+        self.open = True  # before the write: a Ctrl-C landing in it still ends the line before the error
         sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {step}/{total}")
         self.open = step < total
         if not self.open:
@@ -299,7 +303,7 @@ def _write_report(args: argparse.Namespace, report: dict | None) -> None:
     )
     save_text(json.dumps(payload, indent=1) + "\n", args.report, "--report")
     summary = payload.get("summary") or {}
-    if summary.get("steady_managed_bytes") is not None:
+    if summary.get("steady_managed_bytes") is not None and summary.get("full_managed_bytes"):
         logger.info(
             "KV %s: %d of %d managed bytes held (%.1fx less), peak %d bytes; report %s",
             payload["method"],

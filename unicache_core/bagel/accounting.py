@@ -92,6 +92,21 @@ def check_item_positions(
     the request (``prompt`` for a single-image call)."""
     used = item_positions(tokenizer, items, generation=generation, think=think, special_tokens=special_tokens)
     images = sum(isinstance(item, (ImageItem, GenerateItem)) for item in items)
+    check_image_positions(config, used, images, generation=generation, extra=extra, extra_name=extra_name, name=name)
+
+
+def check_image_positions(
+    config: BagelConfig,
+    used: int,
+    images: int,
+    *,
+    generation: bool,
+    extra: int = 0,
+    extra_name: str = "max_new_tokens",
+    name: str = "items",
+) -> None:
+    """:func:`check_item_positions` of a request whose context takes ``used`` RoPE positions with ``images``
+    images in it (the run's item list, or the memory plan's ``--image-sizes``: one check for both)."""
     limit = config.llm.max_position_embeddings
     if used > limit and images > 1:
         per_image = 2 if generation else 1
@@ -422,6 +437,7 @@ __all__ = [
     "PLAN_PROMPT_TOKENS",
     "RequestTokens",
     "check_positions",
+    "check_image_positions",
     "check_item_positions",
     "count_items",
     "count_request",

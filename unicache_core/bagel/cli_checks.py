@@ -136,43 +136,6 @@ def check_out_path(out: Path) -> str:
     return fmt
 
 
-def check_distinct_outputs(args) -> None:
-    """``--report`` must not name ``--out``, an input (``--image``, ``--items``, ``--prompt-file``, ``--policy``) or a
-    file that exists in the checkpoint folder, and ``--out`` must not name the prompt file, the items file or the
-    policy table: the write would replace it. ``--out`` may be an ``--image`` (an edit in place; the sources are read
-    before anything is written)."""
-    report, out = getattr(args, "report", None), getattr(args, "out", None)
-    images = getattr(args, "image", None)
-    inputs = [("--image", image) for image in (images if isinstance(images, list) else [images])] + [
-        (flag, getattr(args, name, None))
-        for flag, name in (("--items", "items"), ("--prompt-file", "prompt_file"), ("--policy", "policy"))
-    ]
-    if report is not None:
-        for flag, other in (("--out", out), *inputs):
-            if other is not None and same_file(report, other):
-                raise ValueError(
-                    f"--report: {report} is the same file as {flag} {other}; the JSON report would "
-                    f"overwrite it, give --report its own path (e.g. kv_report.json)"
-                )
-        checkpoint = getattr(args, "checkpoint", None)
-        if (
-            checkpoint is not None
-            and report.is_file()
-            and Path(os.path.realpath(report)).parent == Path(os.path.realpath(checkpoint))
-        ):
-            raise ValueError(
-                f"--report: {report} is a file of the checkpoint {checkpoint}; the JSON report would "
-                f"overwrite it, give --report a path outside the checkpoint folder"
-            )
-    if out is not None:
-        for flag, other in inputs:
-            if flag != "--image" and other is not None and same_file(out, other):
-                raise ValueError(
-                    f"--out: {out} is the same file as {flag} {other}; the image would overwrite it, "
-                    f"give --out its own path"
-                )
-
-
 def check_report_path(report: Path) -> None:
     """Validate ``--report`` before anything runs (:func:`check_writable_file`)."""
     check_writable_file("--report", report, "JSON report")
@@ -287,7 +250,7 @@ def check_policy_table(args, root: Path) -> None:
 
     policy = getattr(args, "policy", None)
     if getattr(args, "kv_method", None) != "unicache" or (
-        policy is None and not (root / CHECKPOINT_POLICY_FILE).is_file()
+        policy is None and not os.path.lexists(root / CHECKPOINT_POLICY_FILE)  # a FIFO there is refused, not skipped
     ):
         return  # the shipped paper table (its warning is logged once, by the run)
     table, _ = resolve_policy_table(policy, str(root), model_id_of(root))
@@ -357,12 +320,34 @@ def request_settings(args) -> GenerationSettings | UnderstandingSettings:
         think_do_sample=args.do_sample,
         think_temperature=args.temperature,
         prompt_special_tokens=args.allow_special_tokens,
-        taylorseer=args.taylorseer,
-        taylorseer_interval=args.taylorseer_interval,
-        taylorseer_first_steps=args.taylorseer_first_steps,
-        taylorseer_order=args.taylorseer_order,
+        **taylorseer_changes(args),
         **size,
     )
+
+
+#: The TaylorSeer settings that have a flag of their own, which applies only with ``--taylorseer``.
+TAYLORSEER_FLAGS = {
+    "taylorseer_interval": "--taylorseer-interval",
+    "taylorseer_first_steps": "--taylorseer-first-steps",
+    "taylorseer_order": "--taylorseer-order",
+}
+
+
+def taylorseer_changes(args) -> dict[str, Any]:
+    """The TaylorSeer settings of a command line (a run's or ``plan``'s), for :func:`~.settings.preset`: a
+    ``--taylorseer-*`` flag without ``--taylorseer`` is refused (it would be silently ignored), and so is
+    ``--taylorseer`` on an understanding request (it has no denoising steps; ``understand`` has no such flag)."""
+    enabled = bool(getattr(args, "taylorseer", False))
+    given = {name: getattr(args, name) for name in TAYLORSEER_FLAGS if getattr(args, name, None) is not None}
+    if given and not enabled:
+        flag = TAYLORSEER_FLAGS[next(iter(given))]
+        raise ValueError(f"{flag}: applies only with --taylorseer; add --taylorseer or drop {flag}")
+    if enabled and (getattr(args, "task", None) or args.command) in ("und", "understand"):
+        raise ValueError(
+            "--taylorseer: an understanding request has no denoising steps to forecast (understand takes no "
+            "--taylorseer); drop it, or plan --task t2i or edit"
+        )
+    return {"taylorseer": enabled, **given} if enabled else {}
 
 
 def preflight(args, *, items: bool = False) -> Checked:
@@ -391,7 +376,6 @@ def preflight(args, *, items: bool = False) -> Checked:
     out_format = check_out_path(out) if out is not None else None
     if getattr(args, "report", None) is not None:
         check_report_path(args.report)
-    check_distinct_outputs(args)
     task = args.command
     try:
         if prompt is not None:
@@ -451,12 +435,12 @@ __all__ = [
     "FLAGS",
     "OUT_FORMATS",
     "check_checkpoint_dir",
-    "check_distinct_outputs",
     "check_kv_target_size",
     "check_out_path",
     "check_policy_table",
     "check_report_path",
     "check_writable_file",
+    "taylorseer_changes",
     "not_found",
     "check_text_argument",
     "open_image",

@@ -10,10 +10,10 @@ and ``--image``. Everything here runs before the weights load; a mistake is one 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
-from .cli_checks import Checked, check_writable_file, open_image, preflight, same_file
-from .items import GenerateItem, ImageItem, Item, TextItem, request_items
+from .cli_checks import Checked, open_image, preflight
+from .cli_files import check_command_outputs, round_paths
+from .items import ImageItem, Item, TextItem, request_items
 from .items_file import open_items
 
 
@@ -25,7 +25,9 @@ def is_item_request(args) -> bool:
 
 def preflight_request(args) -> Checked:
     """:func:`~.cli_checks.preflight` of any command line, an item list's images, texts, positions and round outputs
-    included: every check before the weights load."""
+    included: every check before the weights load. Every output is first checked against every input, the
+    checkpoint and each other (:func:`~.cli_files.check_command_outputs`)."""
+    check_command_outputs(args)
     if not is_item_request(args):
         return preflight(args)
     from .config import load_bagel_config
@@ -37,7 +39,7 @@ def preflight_request(args) -> Checked:
         load_bagel_config(args.checkpoint), BagelTokenizer.from_dir(args.checkpoint), items, checked.settings, args
     )
     out = getattr(args, "out", None)
-    rounds_out = tuple(round_outputs(out, items, paths)) if out is not None else ()
+    rounds_out = tuple(round_paths(out, items)) if out is not None else ()  # checked with every output by preflight
     return dataclasses.replace(checked, image=image, items=items, rounds_out=rounds_out)
 
 
@@ -92,21 +94,4 @@ def check_item_request(config, tokenizer, items: tuple[Item, ...], settings, arg
         raise ValueError(f"{flag}: {exc}") from None
 
 
-def round_outputs(out: Path, items: tuple[Item, ...] | None, inputs: list[Path]) -> list[Path]:
-    """Where the images of an iterative request's earlier rounds are written: ``<out stem>-<round><suffix>`` beside
-    ``--out`` (round 1 first), each checked writable and distinct from every input file."""
-
-    count = 0 if items is None else sum(isinstance(item, GenerateItem) for item in items)
-    paths = [out.with_name(f"{out.stem}-{number}{out.suffix}") for number in range(1, count + 1)]
-    for path in paths:
-        check_writable_file("--out", path, "image file")
-        for source in inputs:
-            if same_file(path, source):
-                raise ValueError(
-                    f"--out: round {paths.index(path) + 1}'s image would be written to {path}, which is the input "
-                    f"{source}; choose another --out"
-                )
-    return paths
-
-
-__all__ = ["check_item_request", "is_item_request", "preflight_request", "request_images", "round_outputs"]
+__all__ = ["check_item_request", "is_item_request", "preflight_request", "request_images"]

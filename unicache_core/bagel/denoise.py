@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from ..errors import CancelledError
+from ..errors import CancelledError, NonFiniteKVError, NumericalError
 from ..kv.cache import StepInfo
 from ..kv.token_types import BRANCHES
 from . import contexts as C
@@ -158,6 +158,11 @@ def denoise(
             contexts.session.begin_step(info)
         try:
             v, raw = guided_velocity(loaded, contexts, x, timesteps[i], settings, step=i, seer=seer)
+        except NonFiniteKVError as exc:  # the step's own non-finite values, not a fault of the KV quantizer
+            raise NumericalError(
+                f"denoising step {i + 1} of {total}: the keys/values the model computed hold {exc.count} non-finite "
+                f"(NaN/inf) values, which no KV cache can keep; {model_advice(loaded.dtype)}"
+            ) from None
         finally:
             if contexts.session is not None:
                 contexts.session.end_step(info)

@@ -44,6 +44,13 @@ def suggest_fewer_images(
         for weight_dtype in weights:
             trial = replace(settings, weight_dtype=weight_dtype, offload=offload)
             if trial != settings and fits(trial):
+                if not fit:  # the weights, not the images, are what does not fit: blame them
+                    stored = settings.dtype if settings.weight_dtype == "auto" else settings.weight_dtype
+                    where = "on the device" if settings.offload == "none" else f"with --offload {settings.offload}"
+                    return (
+                        f"the {stored} weights {where} do not fit {device_bytes / 1e9:.1f} GB even with one input "
+                        f"image: use --weight-dtype {weight_dtype} --offload {offload} (then all {count} fit)"
+                    )
                 return f"{head}; or, for all {count}, use --weight-dtype {weight_dtype} --offload {offload}"
     return head if fit else f"{head}; for one image: {one_image(replace(settings, images=settings.images[-1:]))}"
 

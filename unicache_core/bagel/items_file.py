@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from unicache_commands.input_files import parse_json
+
 from .items import GENERATE, Item, TextItem
 
 #: Largest accepted ``--items`` file (its images are separate files; the texts are bounded by the positions).
@@ -47,10 +49,7 @@ def _load(path: Path) -> object:
     except UnicodeDecodeError as exc:
         message = f"not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}); save it as UTF-8"
         raise _fail(path, message) from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _fail(path, f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    return parse_json(text, label=f"--items {path}")  # no key twice, no nesting too deep: one line
 
 
 def read_items_file(path: Path, *, generation: bool) -> tuple[list[object], list[Path]]:

@@ -8,6 +8,9 @@ from ..cli import path_arg
 from .checkpoint.loader import OFFLOAD_MODES
 from .weights import WEIGHT_DTYPES
 
+#: ``plan``'s image side when neither ``--width``/``--height`` nor ``--image-sizes`` gives it.
+PLAN_SIDE = 1024
+
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--weight-dtype`` and ``--offload`` to ``parser``."""
@@ -39,8 +42,13 @@ def add_plan_parser(sub) -> None:
         help=f"checkpoint folder, or {OFFICIAL_CHECKPOINT} for BAGEL-7B-MoT's geometry (no files needed)",
     )
     p.add_argument("--task", choices=sorted(PLAN_TASKS), required=True)
-    p.add_argument("--width", type=int, default=1024, help="image width (und/edit: the input, t2i: the output)")
-    p.add_argument("--height", type=int, default=1024)
+    p.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help=f"image width (und/edit: the input, t2i: the output; default {PLAN_SIDE})",
+    )
+    p.add_argument("--height", type=int, default=None, help=f"image height (default {PLAN_SIDE})")
     p.add_argument(
         "--image-sizes",
         default=None,
@@ -59,7 +67,12 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--json", type=path_arg, default=None, help="also write the plan as JSON here")
     p.add_argument("-q", "--quiet", action="store_true", help="no log output")
     p.add_argument("--taylorseer", action="store_true", help="t2i/edit with TaylorSeer: count its factors")
-    p.add_argument("--taylorseer-order", type=int, default=T2I_DEFAULTS.taylorseer_order)
+    p.add_argument(
+        "--taylorseer-order",
+        type=int,
+        default=None,
+        help=f"with --taylorseer: highest Taylor order (default {T2I_DEFAULTS.taylorseer_order}, at most 6 as a run)",
+    )
     add_memory_arguments(p)
 
 
@@ -73,7 +86,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json is not None:  # before the plan: never a checkpoint's file, a device or a FIFO; written whole
         check_output_file("--json", args.json, "plan JSON", checkpoints=[args.checkpoint])
     images = parse_image_sizes(args.image_sizes) if args.image_sizes is not None else ()
-    plan = _plan_of(args, args.checkpoint, args.task, args.width, args.height, args.device_memory, images=images)
+    width, height = check_plan_request(args, images)
+    plan = _plan_of(args, args.checkpoint, args.task, width, height, args.device_memory, images=images)
     sys.stdout.write(describe(plan) + "\n")
     if args.json is not None:
         save_text(json.dumps(plan.to_json(), indent=1) + "\n", args.json, "--json")
@@ -146,6 +160,13 @@ def _plan_of(
     root = checkpoint if checkpoint is not None else BUNDLED_CHECKPOINT_DIR
     config = plan_config(root)
     check_plan_size(config, task, width, height)
+    for index, (image_width, image_height) in enumerate(images):  # each input image as the run would read it
+        try:
+            check_plan_size(config, "edit", image_width, image_height)
+        except ValueError as exc:
+            raise ValueError(f"--image-sizes: entry {index + 1}: {str(exc).split(': ', 1)[1]}") from None
+    if device is None:  # plan: the request's positions, as the run counts them (a run has checked its own)
+        check_plan_positions(config, task, len(images))
     if str(root).lower() != OFFICIAL_CHECKPOINT:  # a folder: its weights' headers, where they are downloaded
         check_folder_weights(root, config, missing_ok=True)
     if device_memory is not None:  # a device that need not be here: a GPU unless --device names the CPU
@@ -165,9 +186,47 @@ def _plan_of(
         device=planned.type,
         images=tuple(images),
         taylorseer=bool(getattr(args, "taylorseer", False)),
-        taylorseer_order=getattr(args, "taylorseer_order", PlanSettings.taylorseer_order),
+        taylorseer_order=getattr(args, "taylorseer_order", None) or PlanSettings.taylorseer_order,
     )
     return plan_memory(config, settings, total)
+
+
+def check_plan_request(args: argparse.Namespace, images) -> tuple[int, int]:
+    """``plan``'s request, refused where the run would refuse it (its settings through the run's own checks):
+    ``--taylorseer-order`` without ``--taylorseer`` or out of range, ``--taylorseer`` on an understanding, and
+    ``--width``/``--height`` beside ``--image-sizes`` for und and edit (the images give the size there). Returns the
+    planned ``(width, height)``."""
+    from .cli_checks import taylorseer_changes, with_flag
+    from .settings import preset
+
+    changes = taylorseer_changes(args)
+    if changes:
+        try:
+            preset(args.task, **changes)
+        except ValueError as exc:
+            raise with_flag(exc) from None
+    given = [flag for flag, value in (("--width", args.width), ("--height", args.height)) if value is not None]
+    if images and given and args.task != "t2i":
+        raise ValueError(
+            f"{given[0]}: not with --image-sizes for --task {args.task} (the input images' sizes are the ones "
+            f"planned, an edit's output takes the last one's); drop {' and '.join(given)}"
+        )
+    return (PLAN_SIDE if args.width is None else args.width, PLAN_SIDE if args.height is None else args.height)
+
+
+def check_plan_positions(config, task: str, images: int) -> None:
+    """The planned request's RoPE positions (its images and a prompt of the plan's length), refused as the run
+    refuses them (:func:`~.accounting.check_image_positions`, naming ``--image-sizes``)."""
+    from .accounting import BOUNDARY_TOKENS, PLAN_PROMPT_TOKENS, check_image_positions
+    from .settings import UNDERSTANDING_DEFAULTS
+
+    generation = task != "und"
+    used = PLAN_PROMPT_TOKENS + BOUNDARY_TOKENS + images * (2 if generation else 1) + (1 if generation else 0)
+    extra = 0 if generation else UNDERSTANDING_DEFAULTS.max_new_tokens
+    try:
+        check_image_positions(config, used, images, generation=generation, extra=extra, name="request")
+    except ValueError as exc:
+        raise ValueError(f"--image-sizes: {exc} (a plan counts a {PLAN_PROMPT_TOKENS}-token prompt)") from None
 
 
 def check_plan_size(config, task: str, width: int, height: int) -> None:
@@ -235,6 +294,8 @@ def describe(plan) -> str:
 __all__ = [
     "add_memory_arguments",
     "add_plan_parser",
+    "check_plan_positions",
+    "check_plan_request",
     "check_plan_size",
     "describe",
     "parse_image_sizes",

@@ -66,8 +66,8 @@ def model_advice(dtype: torch.dtype) -> str:
     """What to try when the model's own computation produced NaN/inf (depends on the model dtype)."""
     if dtype == torch.float16:
         return (
-            "the model runs in fp16, whose range (±65504) overflows easily: load it with dtype='bf16' "
-            "(or 'fp32') instead of 'fp16'"
+            "the model runs in fp16, whose range (±65504) overflows easily: run it in bf16 (or fp32) instead "
+            "(dtype 'bf16': --dtype bf16 on the command line, the loader's dtype in ComfyUI)"
         )
     return (
         f"the model runs in {_dtype_name(dtype)}; check the checkpoint (re-download ema.safetensors, make sure "
@@ -87,7 +87,9 @@ def check_weight(path: Path, name: str, stored: Tensor, loaded: Tensor) -> None:
     biggest = float(stored.abs().max())
     raise NumericalError(
         f"{path}: tensor {name!r} has values up to {biggest:g}, which overflow {_dtype_name(loaded.dtype)} "
-        f"(largest finite value {torch.finfo(loaded.dtype).max:g}); load the model with dtype='bf16' or 'fp32'"
+        f"(largest finite value {torch.finfo(loaded.dtype).max:g}); keep {_dtype_name(loaded.dtype)} out of the "
+        f"weights: dtype 'bf16' or 'fp32' with weight_dtype 'auto', 'bf16' or an 8-bit storage (command line: "
+        f"--dtype bf16 --weight-dtype auto)"
     )
 
 

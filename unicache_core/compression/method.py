@@ -199,8 +199,8 @@ def method_from_name(name: str | Method, **settings: Any) -> Method:
         owners = [other for other, c in METHODS.items() if unknown[0] in {f.name for f in dataclasses.fields(c)}]
         if len(owners) == 1:
             raise ValueError(
-                f"`{unknown[0]}` applies to the {owners[0]} method only, not to {name!r}; "
-                f"{name} takes {', '.join(known)} (use `kv_target` to set its memory)"
+                f"`{unknown[0]}` applies to the {owners[0]} method only, not to {name!r} (which takes "
+                f"{', '.join(known)}); drop `{unknown[0]}` or choose the {owners[0]} method"
             )
         raise ValueError(f"`{unknown[0]}` is not a setting of the {name} method; it takes {', '.join(known)}")
     return cls(**settings)

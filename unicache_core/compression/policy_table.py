@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -360,8 +361,7 @@ class PolicyTable:
         if model_id is not None and table.model_id and table.model_id != model_id:
             raise PolicyTableError(
                 f"policy table {str(path)!r} was made for model {table.model_id!r}, not for this checkpoint "
-                f"({model_id!r}); calibrate one for it (python -m unicache_core.bagel.calibrate) or drop --policy to "
-                f"use the default"
+                f"({model_id!r}); use a table calibrated on this checkpoint (python -m unicache_core.bagel.calibrate)"
             )
         return table
 
@@ -382,7 +382,15 @@ def resolve_policy_table(policy, checkpoint_dir: str, model_id: str) -> tuple[Po
         if isinstance(policy, PolicyTable):
             table, origin = policy, "given"
         else:
-            table, origin = PolicyTable.load(policy, model_id=model_id or None), str(policy)
+            try:
+                table, origin = PolicyTable.load(policy, model_id=model_id or None), str(policy)
+            except PolicyTableError as exc:
+                if "was made for model" not in str(exc):
+                    raise
+                raise PolicyTableError(
+                    f"{exc}, or leave the policy unset to use the checkpoint's own {CHECKPOINT_POLICY_FILE} (else "
+                    f"the paper's table)"
+                ) from None
         if isinstance(policy, PolicyTable) and model_id and table.model_id and table.model_id != model_id:
             raise PolicyTableError(
                 f"the given policy table was made for {table.model_id!r}, not for this checkpoint ({model_id!r})"
@@ -390,7 +398,7 @@ def resolve_policy_table(policy, checkpoint_dir: str, model_id: str) -> tuple[Po
         return table, {"path": origin, "model_id": table.model_id, "source": table.source, "warning": None}
     if checkpoint_dir:
         local = Path(checkpoint_dir) / CHECKPOINT_POLICY_FILE
-        if local.is_file():
+        if os.path.lexists(local):  # a FIFO, folder or broken link there is refused (PolicyTable.load), not skipped
             table = PolicyTable.load(local, model_id=model_id or None)
             return table, {"path": str(local), "model_id": table.model_id, "source": table.source, "warning": None}
     table = paper_policy_table()

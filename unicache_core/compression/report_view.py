@@ -108,7 +108,12 @@ def summary_text(report: dict) -> str:
     report = check_report(report)
     s = report.get("summary") or {}
     lines = [f"KV method {report.get('method')} on {report.get('task')} ({report.get('model_id') or 'model'})"]
-    if s.get("steady_managed_bytes") is not None:
+    if s.get("full_managed_bytes") == 0:  # e.g. an empty t2i prompt: "0 B -> 0 B (0.00x less)" would say nothing
+        lines.append(
+            "compressible KV: none (the context holds no compressible tokens, e.g. an empty prompt): nothing was "
+            "compressed"
+        )
+    elif s.get("steady_managed_bytes") is not None:
         lines.append(
             f"compressible KV: {_fmt_bytes(s.get('full_managed_bytes'))} full -> "
             f"{_fmt_bytes(s.get('steady_managed_bytes'))} held "

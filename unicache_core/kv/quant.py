@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..errors import NonFiniteKVError
 from .ranges import codes_for, fit_ranges, minmax_ranges
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -357,9 +358,10 @@ def _checked_scale_dtype(name: str, x: Tensor) -> torch.dtype:
     largest = float(x.abs().max())
     if not math.isfinite(largest):
         bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(
-            f"`{name}` has {bad} non-finite (NaN/inf) values; they cannot be quantized. "
-            "Check the model's dtype/overflow before compressing this segment."
+        raise NonFiniteKVError(
+            f"the {name} to cache hold {bad} non-finite (NaN/inf) values: the model's computation overflowed before "
+            f"the KV cache (in fp16, whose range is ±65504, use bf16 or fp32)",
+            bad,
         )
     return _scale_dtype_for_largest(largest)
 

@@ -111,7 +111,7 @@ def check_job(job: CalibrationJob) -> dict:
     prompts = read_prompts(job.prompts)
     if job.images is not None and task == "t2i":
         raise ValueError("--images: t2i takes no input images; drop --images (or use --task edit / und)")
-    base = check_out(job.out, job.merge, model_id, checkpoint=root, prompts=job.prompts)
+    base = check_out(job.out, job.merge, model_id, checkpoint=root, prompts=job.prompts, images=job.images)
     try:
         if task != "understanding":
             preset(task, num_timesteps=options.num_timesteps)

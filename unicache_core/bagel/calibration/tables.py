@@ -76,11 +76,18 @@ def finish_table(table: PolicyTable, task: str, base: PolicyTable | None = None)
 
 
 def check_out(
-    out: Path, merge: bool, model_id: str, *, checkpoint: Path | None = None, prompts: Path | None = None
+    out: Path,
+    merge: bool,
+    model_id: str,
+    *,
+    checkpoint: Path | None = None,
+    prompts: Path | None = None,
+    images: Path | None = None,
 ) -> PolicyTable | None:
     """Refuse an ``--out`` that cannot be written or whose write would harm a file
-    (:func:`~unicache_commands.output_files.check_output_file`: never ``--prompts``, a weights file or a checkpoint's
-    file other than its ``unicache_policy.json``); with ``merge``, return the existing table at ``out`` (if any).
+    (:func:`~unicache_commands.output_files.check_output_file`: never ``--prompts`` nor inside ``--images``, no weights
+    file, no checkpoint's file other than its ``unicache_policy.json``); with ``merge``, return the existing table at
+    ``out`` (if any).
 
     The merged table must be of ``model_id``'s model (one ``--merge:`` error otherwise).
     """
@@ -89,14 +96,21 @@ def check_out(
         out,
         "policy table",
         inputs=[("--prompts", prompts)],
+        input_folders=[("--images", images)],
         checkpoints=[checkpoint],
         allowed_names=[CHECKPOINT_POLICY_FILE],
     )
     if merge and out.is_file():
         try:
-            return PolicyTable.load(out, model_id=model_id)
+            table = PolicyTable.load(out)
         except PolicyTableError as exc:
-            raise ValueError(f"--merge: {exc}") from None
+            raise ValueError(f"--merge: {exc}; or give --out a new path to start a new table") from None
+        if table.model_id and table.model_id != model_id:
+            raise ValueError(
+                f"--merge: the table at --out {out} was made for model {table.model_id!r}, not for this checkpoint "
+                f"({model_id!r}); give --out a new path (or the table of this checkpoint) to merge into"
+            )
+        return table
     return None
 
 
