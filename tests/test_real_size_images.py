@@ -29,13 +29,14 @@ def test_phase_meter_on_the_twin_with_three_sources(tmp_path):
         assert abs(row["plan_error"]) <= 0.10, row["plan_error"]
         assert max(t["bytes"] for t in row["decode_entry_tensors"]) <= 256 * 64 * 4  # only the packed latent
     kv = sum(full["kv_bytes_per_branch"].values())
-    assert full["phase_entry_bytes"]["denoise"] - full["phase_entry_bytes"]["decode"] >= kv
-    # full KV holds every branch's rows; UniCache's branches share the three images' rows until compressing. The
-    # full cache also keeps each row's type (int8) and RoPE position (int64) per layer, 18 B per row on the twin's
-    # two layers beside its 256 B of keys and values (7%; 0.4% at BAGEL-7B's geometry, where the H200's 1024 px
-    # edit measured 520.5 MB between full and UniCache at the denoising's start for 515.9 MB planned)
+    held = kv - full["kv_bytes_per_branch"]["cfg_text"]  # every row of full KV's cfg_text is gen's (shared, held once)
+    assert full["phase_entry_bytes"]["denoise"] - full["phase_entry_bytes"]["decode"] >= held
+    # Full KV now holds the rows cfg_text shares with gen once too, and UniCache stores the images' VAE rows (the twin
+    # has the paper's table) quantized as they are written (docs/compression.md §13). The memory plan still counts
+    # full KV's rows per branch until it models sharing (issue #54 items 5-8): its full-vs-UniCache gap is now an upper
+    # bound of the measured one, which is UniCache's prefill quantization alone.
     assert full["plan_breakdown"]["kv_held"] == full["plan_breakdown"]["kv_full"] == kv
-    shared = full["plan_breakdown"]["kv_held"] - unicache["plan_breakdown"]["kv_held"]
+    planned_gap = full["plan_breakdown"]["kv_held"] - unicache["plan_breakdown"]["kv_held"]
     measured = full["phase_entry_bytes"]["denoise"] - unicache["phase_entry_bytes"]["denoise"]
-    assert shared > 0 and shared <= measured <= 1.2 * shared, (measured, shared)
+    assert 0 < measured < planned_gap, (measured, planned_gap)
     assert format_table(report["results"]).splitlines()[1].split()[4] == "3"  # the images column

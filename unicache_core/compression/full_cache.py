@@ -37,8 +37,7 @@ class ReportingFullKVCache(FullKVCache):
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:
         start = self.session.clock(q)
-        cached = self.layers[layer].keys
-        self._rows += (0 if cached is None else cached.shape[0]) + k.shape[0]
+        self._rows += self.layers[layer].num_rows + k.shape[0]
         out = super().attend(layer, q, k, v, call)
         self.session.timers["attention"] += self.session.clock(q) - start
         return out
@@ -59,8 +58,11 @@ class ReportingFullKVCache(FullKVCache):
         return {TokenType(i): c for i, c in enumerate(counts) if c}
 
     def _row_bytes(self, layer: int) -> int:
-        keys = self.layers[layer].keys
-        return 0 if keys is None else 2 * keys.shape[1] * keys.shape[2] * keys.element_size()
+        chunks = self.layers[layer].chunks
+        if not chunks:
+            return 0
+        keys = chunks[0][0]
+        return 2 * keys.shape[1] * keys.shape[2] * keys.element_size()
 
     def managed_full_bytes(self, layer: int | None = None) -> int:
         layers = range(self.num_layers) if layer is None else [layer]

@@ -201,23 +201,54 @@ class KVCache(ABC):
 
 @dataclass
 class _FullLayer:
-    """One layer of a :class:`FullKVCache`: all four tensors, or (empty) none."""
+    """One layer of a :class:`FullKVCache`: its keys and values as immutable chunks, or (empty) none.
 
-    keys: Tensor | None = None  # [T, Hkv, d]
-    values: Tensor | None = None
+    A chunk is a ``([t, Hkv, d] keys, [t, Hkv, d] values)`` pair, in append order. The first ``shared`` chunks are
+    held by another cache too (a fork: copy on write); appends grow the last chunk only while it is this layer's
+    own, so a branch holds at most its shared prefix and one chunk of its own.
+    """
+
+    chunks: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     token_types: Tensor | None = None  # [T] int8
     rope_positions: Tensor | None = None  # [T] int64 RoPE ids
+    shared: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return sum(k.shape[0] for k, _ in self.chunks)
+
+    def joined(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Every key and value in ``dtype``, concatenated: a transient of this one layer while several chunks are
+        held (the same numbers one tensor would give, so attention over them is bit-identical)."""
+        keys = [k.to(dtype) for k, _ in self.chunks]
+        values = [v.to(dtype) for _, v in self.chunks]
+        return _joined(keys), _joined(values)  # type: ignore[return-value]
 
     def held(self) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
         """``(keys, values, token_types, rope_positions)``, or ``None`` while the layer is empty."""
-        if self.keys is None:
+        if not self.chunks:
             return None
-        assert self.values is not None and self.token_types is not None and self.rope_positions is not None
-        return self.keys, self.values, self.token_types, self.rope_positions
+        assert self.token_types is not None and self.rope_positions is not None
+        return (*self.joined(self.chunks[0][0].dtype), self.token_types, self.rope_positions)
+
+    def fork(self) -> _FullLayer:
+        """A copy holding the same chunks; from now on neither grows them (copy on write)."""
+        self.shared = len(self.chunks)
+        return _FullLayer(list(self.chunks), self.token_types, self.rope_positions, len(self.chunks))
+
+
+def _joined(parts: list[Tensor]) -> Tensor | None:
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class FullKVCache(KVCache):
-    """Uncompressed cache: exactly what BAGEL's ``NaiveCache`` + ``flash_attn_varlen_func`` compute."""
+    """Uncompressed cache: exactly what BAGEL's ``NaiveCache`` + ``flash_attn_varlen_func`` compute.
+
+    Rows a fork shares are held once (:meth:`clone`): each layer keeps its appended rows as chunks and
+    concatenates a branch's chunks only for the attention call that reads them (one layer's K and V at a time).
+    """
 
     def __init__(self, num_layers: int, *, task: Task | None = None, branch: str | None = None):
         super().__init__(num_layers, task=task, branch=branch)
@@ -236,9 +267,10 @@ class FullKVCache(KVCache):
                 self.append(layer, k, v, call.token_types, call.rope_positions)
             return out
         parts = []
-        held = state.held()
-        if held is not None and held[0].shape[0] > 0:
-            parts.append(attention_with_lse(q, held[0].to(q.dtype), held[1].to(q.dtype)))
+        if state.num_rows > 0:
+            keys, values = state.joined(q.dtype)
+            parts.append(attention_with_lse(q, keys, values))
+            del keys, values
         if call.new_block_mask is not None:
             parts.append(attention_with_lse(q, k, v, mask=call.new_block_mask))
         else:
@@ -257,10 +289,9 @@ class FullKVCache(KVCache):
         Used off-CPU, where torch dispatches to flash / memory-efficient kernels (no LSE needed since
         nothing is merged). ``causal`` masks the new block bottom-right aligned. Returns ``[Tn, Hq, d]``.
         """
-        held = state.held()
-        if held is not None and held[0].shape[0] > 0:
-            keys = torch.cat([held[0].to(q.dtype), k])
-            values = torch.cat([held[1].to(q.dtype), v])
+        if state.num_rows > 0:
+            keys = torch.cat([c.to(q.dtype) for c, _ in state.chunks] + [k])
+            values = torch.cat([c.to(q.dtype) for _, c in state.chunks] + [v])
         else:
             keys, values = k, v
         tq, tk = q.shape[0], keys.shape[0]
@@ -283,7 +314,8 @@ class FullKVCache(KVCache):
     def append(self, layer: int, k: Tensor, v: Tensor, token_types: Tensor, rope_positions: Tensor) -> None:
         """Append ``[Tn, Hkv, d]`` keys/values with their ``[Tn]`` types and RoPE positions.
 
-        New tensors are built (``torch.cat``); the old ones are never modified, so clones may share them.
+        Held tensors are never modified: the layer's own last chunk is replaced by a new, longer one
+        (``torch.cat``), or a new chunk starts after the rows a fork shares.
         """
         state = self._check_layer(layer)
         if token_types.shape[0] != k.shape[0] or rope_positions.shape[0] != k.shape[0]:
@@ -293,35 +325,33 @@ class FullKVCache(KVCache):
             )
         if k.shape != v.shape:
             raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} must have the same shape")
-        if state.keys is not None and (k.shape[1:] != state.keys.shape[1:] or k.device != state.keys.device):
+        first = state.chunks[0][0] if state.chunks else None
+        if first is not None and (k.shape[1:] != first.shape[1:] or k.device != first.device):
             raise ValueError(
                 f"new keys [*, {k.shape[1]}, {k.shape[2]}] on {k.device} do not match layer {layer}'s "
-                f"cache [*, {state.keys.shape[1]}, {state.keys.shape[2]}] on {state.keys.device}"
+                f"cache [*, {first.shape[1]}, {first.shape[2]}] on {first.device}"
             )
         types = token_types.to(torch.int8)
-        held = state.held()
-        if held is None:
-            state.keys, state.values = k.detach().clone(), v.detach().clone()
+        if first is None:
+            state.chunks = [(k.detach().clone(), v.detach().clone())]
             state.token_types, state.rope_positions = types.clone(), rope_positions.clone()
+            return
+        assert state.token_types is not None and state.rope_positions is not None
+        dtype = first.dtype
+        if len(state.chunks) > state.shared:  # the last chunk is this layer's own: grow it
+            keys, values = state.chunks[-1]
+            state.chunks[-1] = (torch.cat([keys, k.detach().to(dtype)]), torch.cat([values, v.detach().to(dtype)]))
         else:
-            keys, values, old_types, positions = held
-            state.keys = torch.cat([keys, k.detach().to(keys.dtype)])
-            state.values = torch.cat([values, v.detach().to(values.dtype)])
-            state.token_types = torch.cat([old_types, types.to(old_types.device)])
-            state.rope_positions = torch.cat([positions, rope_positions.to(positions.device)])
+            state.chunks.append((k.detach().to(dtype).clone(), v.detach().to(dtype).clone()))
+        state.token_types = torch.cat([state.token_types, types.to(state.token_types.device)])
+        state.rope_positions = torch.cat([state.rope_positions, rope_positions.to(state.rope_positions.device)])
 
     @property
     def num_tokens(self) -> int:
-        keys = self.layers[0].keys
-        return 0 if keys is None else int(keys.shape[0])
+        return self.layers[0].num_rows
 
     def nbytes(self) -> int:
-        total = 0
-        for state in self.layers:
-            held = state.held()
-            if held is not None:
-                total += held[0].nbytes + held[1].nbytes
-        return total
+        return sum(k.nbytes + v.nbytes for state in self.layers for k, v in state.chunks)
 
     def layer_kv(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(keys [T, Hkv, d], values, token_types [T], rope_positions [T])`` of one layer."""
@@ -331,15 +361,16 @@ class FullKVCache(KVCache):
         return held
 
     def clone(self, *, branch: str | None = None) -> FullKVCache:
-        """A copy sharing the cached tensors (appends build new tensors, so the two stay independent)."""
+        """A copy sharing the cached tensors: the rows held now are stored once for both (appends after the fork
+        start chunks of each cache's own, so the two stay independent)."""
         other = copy.copy(self)  # same class (subclasses keep their behaviour), new layer list below
-        other.layers = [_FullLayer(s.keys, s.values, s.token_types, s.rope_positions) for s in self.layers]
+        other.layers = [state.fork() for state in self.layers]
         if branch is not None:
             other.branch = branch
         return other
 
     def tensors(self) -> list[Tensor]:
-        return [t for s in self.layers for t in (s.keys, s.values) if t is not None]
+        return [t for state in self.layers for chunk in state.chunks for t in chunk]
 
 
 def _prefer_fused_sdpa(q: Tensor) -> bool:
