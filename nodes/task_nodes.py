@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 
 from unicache_core.bagel import BagelPipeline, GivenLatents, ImageTransforms, RunHooks
-from unicache_core.bagel.accounting import count_request, request_memory_bytes
+from unicache_core.bagel.accounting import count_request
+from unicache_core.bagel.comfy_placement import memory_required
 from unicache_core.bagel.seeding import MAX_SEED
 from unicache_core.bagel.settings import (
     EDIT_DEFAULTS,
@@ -31,7 +32,7 @@ from unicache_core.errors import CancelledError
 
 from . import host
 from .convert import ComfyVAEAdapter, from_comfy_latent, image_to_pils, pils_to_image, to_comfy_latent
-from .items_nodes import ITEMS_INPUT, check_items, memory_of, request_items, request_of
+from .items_nodes import ITEMS_INPUT, check_items, kv_name, memory_of, request_items, request_of
 from .model import BagelModel
 from .task_inputs import (
     KV_INPUT,
@@ -95,15 +96,16 @@ def _hooks(progress: _Progress, *, preview: bool) -> RunHooks:
     return RunHooks(progress=progress, cancel=host.interrupted, preview=progress.preview if preview else None)
 
 
-def _memory(model: BagelModel, task: str, prompt: str, settings, source_size=None, vae_size=None) -> int:
-    """The request's device memory besides the weights (KV of every branch, working memory and TaylorSeer's factors);
-    ``vae_size``: an edit's output size set by its source latent."""
+def _memory(model: BagelModel, task: str, prompt: str, settings, source_size=None, vae_size=None, kv=None) -> int:
+    """The ``memory_required`` of the request for ComfyUI: the memory plan's peak above the weights under the KV
+    method ``kv`` (None: full KV), :func:`unicache_core.bagel.comfy_placement.memory_required`; ``vae_size``: an
+    edit's output size set by its source latent."""
     check_prompt(prompt)  # before the tokenizer sees it (a lone surrogate can arrive in a /prompt JSON)
     loaded = model.loaded
     tokens = count_request(
         loaded.config, loaded.tokenizer, task, prompt, settings, source_size=source_size, vae_size=vae_size
     )
-    return request_memory_bytes(loaded.config, loaded.dtype, tokens, taylor_order=taylorseer_order(settings))
+    return memory_required(loaded.config, loaded.dtype, tokens, kv_name(kv), taylor_order=taylorseer_order(settings))
 
 
 def _external_vae(loaded, vae):
@@ -290,10 +292,10 @@ class UniCacheTextToImage:
         )
         _check_model(model)
         check_output_size(model.loaded.config, width, height)  # before anything is loaded onto the device
-        memory = _memory(model, "t2i", prompt, settings)
+        memory = _memory(model, "t2i", prompt, settings, kv=kv)
         prior = _chain_items(items, model.loaded, vae)
         if prior:  # the chain's items, then the prompt
-            memory = memory_of(model.loaded, "t2i", request_of(prior, None, prompt), settings)
+            memory = memory_of(model.loaded, "t2i", request_of(prior, None, prompt), settings, kv)
         external = _external_vae(model.loaded, vae)
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(1, steps - 1, model.loaded)
@@ -406,12 +408,12 @@ class UniCacheImageEdit:
         latents, size = [None] * len(sources), None
         if latent is not None:
             latents, size = _source_latents(latent, len(sources), model.loaded)
-        memory = _memory(model, "edit", prompt, settings, source_size=sources[0].size, vae_size=size)
+        memory = _memory(model, "edit", prompt, settings, source_size=sources[0].size, vae_size=size, kv=kv)
         if latent is None and vae is not None:
             latents = _encode_sources(vae, model.loaded, sources)
         prior = _chain_items(items, model.loaded, vae)
         if prior:  # the chain's items, then each source and the prompt
-            memory = memory_of(model.loaded, "edit", request_of(prior, sources[0], prompt, latents[0]), settings)
+            memory = memory_of(model.loaded, "edit", request_of(prior, sources[0], prompt, latents[0]), settings, kv)
         external = _external_vae(model.loaded, vae)
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(len(sources), steps - 1, model.loaded)
@@ -508,11 +510,11 @@ class UniCacheUnderstand:
         sources = image_to_pils(image, "image") if image is not None else [None]
         _check_model(model)
         memory = _memory(
-            model, "understanding", prompt, settings, source_size=None if sources[0] is None else sources[0].size
+            model, "understanding", prompt, settings, source_size=None if sources[0] is None else sources[0].size, kv=kv
         )
         prior = _chain_items(items, model.loaded, None)
         if prior:  # the chain's items, then each image and the prompt
-            memory = memory_of(model.loaded, "understanding", request_of(prior, sources[0], prompt), settings)
+            memory = memory_of(model.loaded, "understanding", request_of(prior, sources[0], prompt), settings, kv)
         pipe = _pipeline(model, kv, memory)
         progress = _Progress(len(sources), max_new_tokens)
         results = []

@@ -35,7 +35,9 @@ def test_the_readme_holds_the_plans_image_counts():
     assert card_table.readme_table(readme, card_table.IMAGES_START, card_table.IMAGES_END) == made, (
         "the memory plan changed: run `python -m tools.card_table --write`"
     )
-    rows = {tuple(c.strip() for c in r.split("|")[1:3]): r.split("|")[3:-1] for r in made.splitlines()[2:]}
+    lines = made.splitlines()
+    counts_table = lines[2 : lines.index("")]
+    rows = {tuple(c.strip() for c in r.split("|")[1:3]): r.split("|")[3:-1] for r in counts_table}
     assert set(rows) == {(f"{gb} GB", offload) for gb in card_table.CARDS_GB for offload in ("none", "layers")}
     # fp8 weights without offload (15.2 GB) leave room for images only on a 24 GB card
     assert all(
@@ -44,8 +46,28 @@ def test_the_readme_holds_the_plans_image_counts():
         if offload == "none" and card != "24 GB"
         for c in cells
     )
-    counts = [int(c) for c in rows[("24 GB", "layers")]]
-    assert counts[1] > counts[0] > 0 and counts[2] >= counts[3] > 0  # edits: UniCache more; questions: not more
+    # edit full / UniCache / x, understand full / UniCache / x: UniCache at least 4x at 24 GB (issue 54)
+    cells = [c.strip() for c in rows[("24 GB", "none")]]
+    assert int(cells[1]) >= 4 * int(cells[0]) > 0 and int(cells[4]) >= 4 * int(cells[3]) > 0
+    # ComfyUI's placement: a 2- and a 4-image edit on 12 and 16 GB cards, full KV and UniCache
+    streamed = [r for r in lines[lines.index("") :] if r.startswith("| 1")]
+    assert [r.split("|")[1:3] for r in streamed] == [
+        [" 12 GB ", " 2 "],
+        [" 12 GB ", " 4 "],
+        [" 16 GB ", " 2 "],
+        [" 16 GB ", " 4 "],
+    ]
+
+
+def test_the_readme_holds_the_comfyui_box():
+    made = card_table.comfy_box()
+    readme = card_table.README.read_text(encoding="utf-8")
+    assert card_table.readme_table(readme, card_table.COMFY_START, card_table.COMFY_END) == made, (
+        "the memory plan changed: run `python -m tools.card_table --write`"
+    )
+    assert "offload" not in made.splitlines()[0]
+    assert "| 24 GB | `fp8_e4m3fn` | whole model on the card | whole model on the card | whole model" in made
+    assert "GB/step" in made and "a plan" in made.lower()
 
 
 def test_the_table_goes_between_the_markers_and_nowhere_else():

@@ -1,7 +1,7 @@
 """benchmarks.gpu_real_size with several source images (issue #43 item 6): the CPU dry run on the small-geometry
 twin meters an edit of three sources in one request phase by phase, and the plan, made for the same three images,
-is within 10% of the metered peak; UniCache holds less at the denoising's start than full KV (the images' rows that
-cfg_text shares with gen), as the plan says."""
+is within 10% of the metered peak; full KV holds the images' rows once (cfg_text shares them with gen), as the plan
+says, and UniCache no more."""
 
 from __future__ import annotations
 
@@ -28,14 +28,14 @@ def test_phase_meter_on_the_twin_with_three_sources(tmp_path):
         assert row["images"] == 3 and row["size"] == [256, 256]
         assert abs(row["plan_error"]) <= 0.10, row["plan_error"]
         assert max(t["bytes"] for t in row["decode_entry_tensors"]) <= 256 * 64 * 4  # only the packed latent
-    kv = sum(full["kv_bytes_per_branch"].values())
-    assert full["phase_entry_bytes"]["denoise"] - full["phase_entry_bytes"]["decode"] >= kv
-    # full KV holds every branch's rows; UniCache's branches share the three images' rows until compressing. The
-    # full cache also keeps each row's type (int8) and RoPE position (int64) per layer, 18 B per row on the twin's
-    # two layers beside its 256 B of keys and values (7%; 0.4% at BAGEL-7B's geometry, where the H200's 1024 px
-    # edit measured 520.5 MB between full and UniCache at the denoising's start for 515.9 MB planned)
-    assert full["plan_breakdown"]["kv_held"] == full["plan_breakdown"]["kv_full"] == kv
-    shared = full["plan_breakdown"]["kv_held"] - unicache["plan_breakdown"]["kv_held"]
-    measured = full["phase_entry_bytes"]["denoise"] - unicache["phase_entry_bytes"]["denoise"]
-    assert shared > 0 and shared <= measured <= 1.2 * shared, (measured, shared)
+    kv = sum(full["kv_bytes_per_branch"].values())  # each branch's bytes, the shared rows in both
+    assert full["phase_entry_bytes"]["denoise"] - full["phase_entry_bytes"]["decode"] >= full["plan_kv_held"] / 2
+    # full KV holds the three images' rows once (gen and cfg_text share them), as the plan says: what the denoising
+    # starts with above the decode's start is within 25% of the plan's KV at its first step (the full cache also
+    # keeps each row's type and RoPE position, 18 B per row beside 256 B of keys and values on the twin)
+    held = full["phase_entry_bytes"]["denoise"] - full["phase_entry_bytes"]["decode"]
+    assert full["plan_kv_held"] < kv and 0.9 * full["plan_kv_held"] <= held <= 1.25 * full["plan_kv_held"], held
+    # UniCache holds no more than full KV when the denoising starts; the plan says less at its peak
+    assert unicache["phase_entry_bytes"]["denoise"] <= full["phase_entry_bytes"]["denoise"]
+    assert unicache["plan_kv_held"] < full["plan_kv_held"]
     assert format_table(report["results"]).splitlines()[1].split()[4] == "3"  # the images column

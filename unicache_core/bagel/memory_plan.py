@@ -61,12 +61,13 @@ import torch
 
 from .accounting import (
     PLAN_PROMPT_TOKENS,
+    RequestTokens,
     request_memory_parts,
     request_tokens,
 )
 from .config import BagelConfig, bagel_config_from_dicts, load_bagel_config
 from .image_fit import suggest_fewer_images
-from .plan_kv import kv_parts, kv_per_image
+from .plan_kv import KVPhase, kv_parts, kv_per_image, kv_phases
 from .runtime_memory import (
     CPU_CONV_KERNEL_BYTES,
     CPU_MATMUL_KERNEL_BYTES,
@@ -79,6 +80,7 @@ from .runtime_memory import (
     matmul_shapes,
 )
 from .settings import T2I_DEFAULTS
+from .vae_memory import tiled_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +90,9 @@ OFFICIAL_CHECKPOINT = "bagel-7b-mot"
 NOT_IN_PEAK = (
     "weights_host",
     "kv_full",
+    "kv_shared",
     "kv_held",
-    "kv_compressing",
+    "kv_transient",
     "kv_scoring",
     "kv_compressed",
     "upcast",
@@ -179,6 +182,21 @@ class MemoryPlan:
     vae_decode: str = "whole"
     #: each input image's uncompressed KV: ``{"size", "vae_tokens", "vit_tokens", "bytes_per_branch"}``
     kv_images: tuple[dict[str, Any], ...] = ()
+    #: each phase's bytes on the device (weights, runtime and that phase's working memory), in the order they run:
+    #: ``vae:encode``, ``prefill:item<j>``, ``denoise:first`` or ``decode`` (understanding), ``vae:decode``
+    phases: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase that reaches the peak (the first of equal ones)."""
+        return max(self.phases, key=lambda phase: phase[1])[0] if self.phases else ""
+
+    @property
+    def above_weights(self) -> int:
+        """The peak less the weights on the device and the VAE's: what a host keeps free beside the model
+        (ComfyUI's ``memory_required``)."""
+        weights = sum(v for k, v in self.breakdown.items() if k.startswith("weights_device_"))
+        return self.peak_bytes - weights - self.breakdown.get("vae", 0)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -188,6 +206,8 @@ class MemoryPlan:
             "fits": self.fits,
             "suggestion": self.suggestion,
             "vae_decode": self.vae_decode,
+            "peak_phase": self.peak_phase,
+            "phases": dict(self.phases),
             "settings": {
                 **self.settings.to_dict(),
                 "kv_branches": dict(self.kv_branches),
@@ -201,9 +221,15 @@ def _weights(config: BagelConfig, weight_dtype: str, dtype: torch.dtype, offload
     """(``weights_device_<dtype>``, ``weights_host``, ``vae``, ``upcast`` bytes, the compute dtype's element size),
     counted from the config's tensor shapes (:mod:`.weight_layout`): nothing is built, at any layer count."""
     from .weight_layout import bagel_layout, vae_bytes, weight_bytes
+    from .weights import WEIGHT_DTYPES, parse_weight_dtype
 
-    parts = weight_bytes(bagel_layout(config), weight_dtype, dtype, offload)
+    layout = bagel_layout(config)
+    parts = weight_bytes(layout, weight_dtype, dtype, offload)
     upcast = parts.pop("upcast")
+    if upcast and WEIGHT_DTYPES[parse_weight_dtype(weight_dtype)] == torch.float8_e4m3fn:
+        # e4m3fn is upcast through its bits as int16 (operations.upcast_weight): one weight's 2 B per element beside
+        # the layer's upcast ones while the last is made (+136 MB at BAGEL-7B; measured on the CPU, docs/memory.md)
+        upcast += max(s.numel for s in layout.llm_layer if s.role == "linear") * 2
     parts["vae"] = vae_bytes(config.ae)
     parts["upcast"] = upcast
     return parts, dtype.itemsize
@@ -228,10 +254,12 @@ def plan_memory(
     return dataclasses.replace(plan, suggestion=_suggest(config, settings, device_bytes))
 
 
-def plan_without_suggestion(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> MemoryPlan:
-    """:func:`plan_memory` at the default text lengths without searching for a setting that fits (what a search over
-    settings calls)."""
-    return _predict(config, settings, device_bytes)
+def plan_without_suggestion(
+    config: BagelConfig, settings: PlanSettings, device_bytes: int, tokens: RequestTokens | None = None
+) -> MemoryPlan:
+    """:func:`plan_memory` at the default text lengths (or of ``tokens``, a counted request) without searching for a
+    setting that fits (what a search over settings calls)."""
+    return _predict(config, settings, device_bytes, tokens=tokens)
 
 
 def _predict(
@@ -240,14 +268,16 @@ def _predict(
     device_bytes: int,
     prompt_tokens: int = PLAN_PROMPT_TOKENS,
     answer_tokens: int | None = None,
+    tokens: RequestTokens | None = None,
 ) -> MemoryPlan:
-    """:func:`plan_memory` without the suggestion."""
+    """:func:`plan_memory` without the suggestion (``tokens``: a request counted from its real texts instead)."""
     from .checkpoint.loader import parse_dtype
 
     task = PLAN_TASKS[settings.task]
     dtype = parse_dtype(settings.dtype)
     images = tuple(tuple(size) for size in settings.images) or None
-    tokens = request_tokens(config, task, settings.width, settings.height, prompt_tokens, answer_tokens, images)
+    if tokens is None:
+        tokens = request_tokens(config, task, settings.width, settings.height, prompt_tokens, answer_tokens, images)
     parts, _ = _weights(config, settings.weight_dtype, dtype, settings.offload)
     parts = dict(parts)
     kv_branches = tokens.kv_bytes(config, dtype)
@@ -257,7 +287,7 @@ def _predict(
     work = request_memory_parts(
         config, dtype, tokens, taylor_order=settings.taylorseer_order if settings.taylorseer else None
     )
-    parts.update(attention=work["attention"], mlp=work["mlp"], vae_working=work["vae"])
+    parts["vae_working"] = work["vae"]
     if work["taylorseer"]:
         parts["taylorseer"] = work["taylorseer"]
         parts["taylorseer_official"] = work["taylorseer"] * config.llm.num_hidden_layers
@@ -270,13 +300,15 @@ def _predict(
     elif settings.device == "cuda":
         parts.update(cuda_runtime_parts(config, tokens, work))
         vae_heap = parts["cuda_vae_workspace"]
-    parts["working"] = _working(parts, freed_heap, vae_heap)
+    llm_phases = kv_phases(config, dtype, tokens, settings.kv_method)
+    _llm_peak(parts, llm_phases, config, dtype)
+    parts["working"] = _working(parts, llm_phases, config, dtype, freed_heap, vae_heap)
     peak = sum(v for k, v in parts.items() if k not in NOT_IN_PEAK)
     vae_decode = "whole"
     if settings.device == "cuda" and peak > device_bytes:
         # the pipeline decodes in tiles when the whole decode runs out of device memory (.denoise)
         tiled = dict(parts, **cuda_runtime_parts(config, tokens, work, tiled=True))
-        tiled["working"] = _working(tiled, 0, tiled["cuda_vae_workspace"])
+        tiled["working"] = _working(tiled, llm_phases, config, dtype, 0, tiled["cuda_vae_workspace"])
         tiled_peak = sum(v for k, v in tiled.items() if k not in NOT_IN_PEAK)
         if tiled_peak < peak:
             parts, peak, vae_decode = tiled, tiled_peak, "tiled"
@@ -292,22 +324,89 @@ def _predict(
         settings=settings,
         kv_branches=kv_branches,
         vae_decode=vae_decode,
-        kv_images=kv_per_image(config, dtype, tokens, sizes, shared=settings.kv_method != "full"),
+        kv_images=kv_per_image(config, dtype, tokens, sizes, kv_method=settings.kv_method),
+        phases=_phase_bytes(
+            parts, llm_phases, config, dtype, work, freed_heap, tokens, settings.device, vae_decode == "tiled"
+        ),
     )
 
 
-def _working(parts: dict[str, int], freed_heap: int = 0, vae_heap: int = 0) -> int:
-    """The working memory of the larger phase: the LLM's (the KV the branches hold and a decoder layer's upcast
-    weights, attention and MLP, TaylorSeer's factors, and on the CPU the heap its forward keeps; or, after the first
-    step, that KV and the first compressed branch's copy), or a VAE pass's (and on the CPU its heap)."""
-    held = parts.get("kv_held", parts["kv_full"])
-    forward = parts["upcast"] + parts["attention"] + parts["mlp"] + parts.get("kv_scoring", 0)
-    seer = parts.get("taylorseer", 0)
-    return max(
-        held + forward + seer + freed_heap,
-        held + parts.get("kv_compressing", 0) + seer,
-        parts["vae_working"] + vae_heap,
-    )
+def forward_bytes(config: BagelConfig, dtype: torch.dtype, rows: int, branches: int) -> tuple[int, int]:
+    """``(attention, mlp)`` bytes of a forward of ``rows`` rows (:func:`~.accounting.request_memory_parts`'s
+    formulas): the fp32 partial outputs and their merge; gate, up, their product and ``4 + branches`` hidden-size
+    tensors (the branches of a denoising step run through each layer together)."""
+    llm = config.llm
+    attention = rows * 2 * llm.num_attention_heads * llm.head_dim * 4
+    mlp = rows * (3 * llm.intermediate_size + (4 + branches) * llm.hidden_size) * dtype.itemsize
+    return attention, mlp
+
+
+def _phase_working(phase: KVPhase, parts: dict[str, int], config: BagelConfig, dtype: torch.dtype) -> int:
+    """One LLM phase's working memory: its KV, what its forward holds beside the KV (a gathered layer, the layer's
+    new rows, a key scorer), a decoder layer's upcast weights, its attention and MLP, and TaylorSeer's factors
+    while denoising."""
+    attention, mlp = forward_bytes(config, dtype, phase.tokens, phase.branches)
+    seer = parts.get("taylorseer", 0) if phase.name.startswith("denoise") else 0
+    return phase.kv + phase.transient + phase.scoring + parts["upcast"] + attention + mlp + seer
+
+
+def _llm_peak(parts: dict[str, int], phases: list[KVPhase], config: BagelConfig, dtype: torch.dtype) -> None:
+    """Record the largest LLM phase's terms in ``parts`` (``kv_held``, ``kv_transient``, ``kv_scoring``,
+    ``attention``, ``mlp``)."""
+    top = max(phases, key=lambda phase: _phase_working(phase, parts, config, dtype))
+    attention, mlp = forward_bytes(config, dtype, top.tokens, top.branches)
+    parts.update(kv_held=top.kv, kv_transient=top.transient, attention=attention, mlp=mlp)
+    if top.scoring:
+        parts["kv_scoring"] = top.scoring
+
+
+def _working(
+    parts: dict[str, int],
+    phases: list[KVPhase] | None = None,
+    config: BagelConfig | None = None,
+    dtype: torch.dtype | None = None,
+    freed_heap: int = 0,
+    vae_heap: int = 0,
+) -> int:
+    """The working memory of the larger phase: the largest LLM phase's (:func:`_phase_working`, and on the CPU the
+    heap its forward keeps) or a VAE pass's (and its heap or workspace). Without ``phases``: the tensors alone, from
+    the recorded peak LLM phase's terms."""
+    if phases is None or config is None or dtype is None:
+        llm = parts["kv_held"] + parts["kv_transient"] + parts.get("kv_scoring", 0) + parts["upcast"]
+        llm += parts["attention"] + parts["mlp"] + parts.get("taylorseer", 0)
+        return max(llm, parts["vae_working"])
+    llm = max(_phase_working(phase, parts, config, dtype) for phase in phases)
+    return max(llm + freed_heap, parts["vae_working"] + vae_heap)
+
+
+def _phase_bytes(
+    parts: dict[str, int],
+    phases: list[KVPhase],
+    config: BagelConfig,
+    dtype: torch.dtype,
+    work: dict[str, int],
+    freed_heap: int,
+    tokens: RequestTokens,
+    device: str,
+    tiled: bool,
+) -> tuple[tuple[str, int], ...]:
+    """Each phase's bytes on the device: the peak's fixed parts plus the phase's working memory (a VAE pass with its
+    CUDA workspace or CPU heap, the decode whole or in tiles as the plan counts it)."""
+    fixed = sum(v for k, v in parts.items() if k not in NOT_IN_PEAK and k != "working")
+    pixels = config.latent_downsample**2
+    decode = work["vae_decode_tiled" if tiled else "vae_decode"]
+    encode_extra = decode_extra = parts.get("cpu_vae_heap", 0)
+    if device == "cuda":
+        encode_extra = CUDA_VAE_ENCODE_PER_PIXEL * tokens.largest_image()[0] * pixels
+        decoded = tiled_tokens(config, tokens.latent) if tiled else tokens.latent
+        decode_extra = CUDA_VAE_DECODE_PER_PIXEL * decoded * pixels
+    rows: list[tuple[str, int]] = []
+    if any(vae for vae, _ in tokens.image_blocks()):
+        rows.append(("vae:encode", fixed + work["vae_encode"] + encode_extra))
+    rows += [(phase.name, fixed + _phase_working(phase, parts, config, dtype) + freed_heap) for phase in phases]
+    if tokens.latent:
+        rows.append(("vae:decode", fixed + decode + decode_extra))
+    return tuple(rows)
 
 
 def tensor_peak_bytes(plan: MemoryPlan) -> int:
@@ -315,6 +414,20 @@ def tensor_peak_bytes(plan: MemoryPlan) -> int:
     parts = plan.breakdown
     runtime = parts.get("cpu_kernel_cache", 0) + parts.get("cuda_runtime", 0)
     return plan.peak_bytes - runtime - (parts["working"] - _working(parts))
+
+
+def tensor_phase_bytes(plan: MemoryPlan) -> dict[str, int]:
+    """Each phase's planned bytes without the runtime's own memory (CPU or CUDA heap, kernels, workspaces): what a
+    tensor-accounting run measures phase by phase."""
+    parts = plan.breakdown
+    runtime = parts.get("cpu_kernel_cache", 0) + parts.get("cuda_runtime", 0)
+    llm_heap = parts.get("cpu_freed_heap", 0)
+    vae_heap = parts.get("cpu_vae_heap", 0) + parts.get("cuda_vae_workspace", 0)
+    result = {}
+    for name, size in plan.phases:
+        heap = vae_heap if name == "vae:decode" else 0 if name == "vae:encode" else llm_heap
+        result[name] = size - runtime - heap
+    return result
 
 
 def _suggest(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> str:
@@ -368,5 +481,7 @@ __all__ = [
     "plan_memory",
     "plan_without_suggestion",
     "request_tokens",
+    "forward_bytes",
     "tensor_peak_bytes",
+    "tensor_phase_bytes",
 ]
