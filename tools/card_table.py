@@ -111,9 +111,8 @@ def table() -> str:
 def images_table() -> str:
     """The most input images per card (fp8 weights, without and with layer offload): 1024² images of an edit (the
     edited one included) and 980 px images of an understanding question, with full KV (each image's rows held
-    once) and with UniCache at its default; then the bytes ComfyUI's own placement streams per denoising step for a
-    2- and a 4-image 1024² edit on 12 and 16 GB cards."""
-    from unicache_core.bagel.card_fit import MOST_IMAGES_SEARCHED, card_table, comfy_stream_rows
+    once) and with UniCache at its default."""
+    from unicache_core.bagel.card_fit import MOST_IMAGES_SEARCHED, card_table
 
     cells = {(r.card_gb, r.offload, r.task, r.kv_method): r.most_images for r in card_table()}
 
@@ -133,21 +132,6 @@ def images_table() -> str:
                 ratio = (f"{ours / full:.1f}" + ("+" if ours >= MOST_IMAGES_SEARCHED else "")) if full else "-"
                 counts += [count(full), count(ours), ratio]
             rows.append(f"| {card} GB | {offload} | " + " | ".join(counts) + " |")
-    rows += [
-        "",
-        "ComfyUI's own placement (lowvram; fp8 `weight_dtype`; a plan): weights left off the card and streamed to it"
-        " per denoising step of a 1024² edit (GB):",
-        "",
-        "| card | images | full KV: memory_required / off the card / streamed per step | UniCache |",
-        "|---|---|---|---|",
-    ]
-    stream = {(r["card_gb"], r["images"], r["kv_method"]): r for r in comfy_stream_rows()}
-    for card, images in sorted({(c, n) for c, n, _ in stream}):
-        cols = [
-            f"{r['memory_required'] / GB:.2f} / {r['offloaded'] / GB:.2f} / {r['streamed_per_step'] / GB:.1f}"
-            for r in (stream[(card, images, "full")], stream[(card, images, "unicache")])
-        ]
-        rows.append(f"| {card} GB | {images} | " + " | ".join(cols) + " |")
     return "\n".join(rows) + "\n"
 
 
@@ -165,8 +149,9 @@ def _comfy_cell(full: dict, ours: dict) -> str:
 def comfy_box() -> str:
     """The README's ComfyUI box: per card and loader ``weight_dtype``, what ComfyUI's own placement does with
     BAGEL-7B-MoT for each task at 1024² with UniCache (and full KV where it differs), from the memory plan of
-    ComfyUI's rules (:mod:`unicache_core.bagel.comfy_placement`)."""
-    from unicache_core.bagel.card_fit import COMFY_BOX_REQUESTS, comfy_box_rows
+    ComfyUI's rules (:mod:`unicache_core.bagel.comfy_placement`); then the bytes streamed per denoising step for a
+    2- and a 4-image 1024² edit on 12 and 16 GB cards."""
+    from unicache_core.bagel.card_fit import COMFY_BOX_REQUESTS, comfy_box_rows, comfy_stream_rows
 
     cells = {(r["card_gb"], r["weight_dtype"], r["task"], r["kv_method"]): r for r in comfy_box_rows()}
     labels = {"understanding": "understand a 1024² image", "t2i": "text to image, 1024²", "edit": "edit a 1024² image"}
@@ -184,9 +169,19 @@ def comfy_box() -> str:
     rows += [
         "",
         "A plan, not a measurement: ComfyUI 0.3.75's placement rules (`load_models_gpu`, lowvram partial loading) "
-        "applied to the memory the pack asks for, a card of N GB taken as N x 10^9 bytes free "
-        "([memory](docs/memory.md#comfyuis-own-placement)).",
+        "applied to the memory the pack asks for, a card of N GB taken as N x 10^9 bytes free. With several images "
+        "(fp8; GB):",
+        "",
+        "| card | 1024² edit of | full KV: memory_required / off the card / streamed per step | UniCache |",
+        "|---|---|---|---|",
     ]
+    stream = {(r["card_gb"], r["images"], r["kv_method"]): r for r in comfy_stream_rows()}
+    for card, images in sorted({(c, n) for c, n, _ in stream}):
+        cols = [
+            f"{r['memory_required'] / GB:.2f} / {r['offloaded'] / GB:.2f} / {r['streamed_per_step'] / GB:.1f}"
+            for r in (stream[(card, images, "full")], stream[(card, images, "unicache")])
+        ]
+        rows.append(f"| {card} GB | {images} images | " + " | ".join(cols) + " |")
     return "\n".join(rows) + "\n"
 
 
