@@ -127,3 +127,28 @@ def test_memory_required_is_the_peak_above_the_weights_and_unicache_asks_less(ta
         - sum(v for k, v in plan.breakdown.items() if k.startswith("weights_device_"))
         - plan.breakdown["vae"]
     )
+
+
+def test_comfy_modules_are_the_modules_comfyui_walks():
+    """The module list, counted from the geometry, is the one ComfyUI's ``ModelPatcher._load_list`` walks on the
+    pack's model: every module with parameters of its own (none in a child), its state_dict's bytes; built here on
+    the meta device from a namespace that stores fp8 as a plain cast, as ComfyUI's operations do."""
+    from unicache_core.bagel.memory_plan import plan_config
+    from unicache_core.bagel.modeling.autoencoder import AutoEncoder
+    from unicache_core.bagel.modeling.operations import TorchOperations
+    from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR
+    from unicache_core.bagel.weights import build_bagel
+
+    config = plan_config(BUNDLED_CHECKPOINT_DIR)
+    root = torch.nn.Module()
+    root.bagel = build_bagel(
+        config, weight_dtype="fp8_e4m3fn", dtype=torch.bfloat16, device="meta", operations=TorchOperations
+    )
+    root.vae = AutoEncoder(config.ae, operations=TorchOperations, dtype=torch.float32, device="meta")
+    walked = {}
+    for name, module in root.named_modules():
+        own = list(module.parameters(recurse=False))
+        if own and len(own) == len(list(module.parameters())):
+            walked[name] = sum(t.nelement() * t.element_size() for t in module.state_dict().values())
+    planned = {m.name: m.size for m in comfy_modules(config, "fp8_e4m3fn", torch.bfloat16)}
+    assert planned == walked and len(walked) > 200
