@@ -15,11 +15,16 @@ import torch
 from PIL import Image
 
 from unicache_core.bagel.checkpoint.loader import load_bagel
+from unicache_core.bagel.memory_trace import TensorMemoryTracker
 from unicache_core.bagel.pipeline import BagelPipeline
-from unicache_core.bagel.settings import preset
+from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR, preset
 from unicache_core.compression import make_cache_factory
+from unicache_core.compression.compressing_cache import CompressingKVCache
+from unicache_core.compression.full_cache import ReportingFullKVCache
 from unicache_core.kv.attention import attention_with_lse, merge_attention
 from unicache_core.kv.cache import AttentionCall, FullKVCache, KVCache, unique_nbytes
+from unicache_core.kv.stores import FullStore
+from unicache_core.kv.token_types import CANDIDATE_TYPES
 
 FAST = dict(num_timesteps=4, timestep_shift=3.0)
 
@@ -62,6 +67,11 @@ def tiny(tiny_checkpoint):
     return load_bagel(tiny_checkpoint, dtype=torch.float32)
 
 
+@pytest.fixture(scope="module")
+def shapes():
+    return load_bagel(BUNDLED_CHECKPOINT_DIR, dtype=torch.float32)
+
+
 def _image(seed: int, size=(45, 60)) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, size=(*size, 3), dtype=np.uint8))
@@ -100,3 +110,105 @@ def test_full_is_bit_identical_to_one_tensor_per_layer(tiny, task):
     oracle = BagelPipeline(tiny, lambda r: OneTensorCache(r.num_layers, task=r.task, branch=r.branch))
     old = oracle.generate(task, items, settings, seed=3, decode=False)
     assert torch.equal(shared.latents, old.latents)
+
+
+def _record_prefill(monkeypatch, cls) -> list[tuple[str, int | None, int]]:
+    """``(branch, image, bytes the session holds)`` after every prefill call of a cache of ``cls``."""
+    seen: list[tuple[str, int | None, int]] = []
+    end_call = cls.end_call
+
+    def recording(self, call):
+        end_call(self, call)
+        if call.phase == "prefill":
+            seen.append((self.branch, call.image, self.session.held_bytes()))
+
+    monkeypatch.setattr(cls, "end_call", recording)
+    return seen
+
+
+def _edit(loaded, method: str, images: int, hooks=None):
+    pipe = BagelPipeline(loaded, make_cache_factory(method, checkpoint_dir=str(BUNDLED_CHECKPOINT_DIR)))
+    items = [_image(10 + i, (128, 128)) for i in range(images)] + ["make the circle blue"]
+    return pipe.generate("edit", items, preset("edit", num_timesteps=3), seed=1, hooks=hooks)
+
+
+def test_unicache_stores_each_image_quantized_before_the_next_is_prefilled(shapes, monkeypatch):
+    full_seen = _record_prefill(monkeypatch, ReportingFullKVCache)
+    _edit(shapes, "full", 2)
+    stores: list[list[str]] = []
+    end_call = CompressingKVCache.end_call
+
+    def kinds(self, call):
+        if call.phase == "prefill" and call.image is not None and self.branch == "gen":
+            stores.append([type(s).__name__ for s in self.layers[-1].stores if s.token_type in CANDIDATE_TYPES])
+        end_call(self, call)
+
+    monkeypatch.setattr(CompressingKVCache, "end_call", kinds)
+    uc_seen = _record_prefill(monkeypatch, CompressingKVCache)
+    result = _edit(shapes, "unicache", 2)
+    assert [s[:2] for s in full_seen] == [s[:2] for s in uc_seen]
+    images = [i for i, (_, image, _) in enumerate(uc_seen) if image is not None]
+    assert len(images) == 4  # each image's VAE and ViT block
+    for i in images:  # after each image block: every image row quantized, held at about a fifth of full KV's
+        assert uc_seen[i][2] < 0.3 * full_seen[i][2], (i, uc_seen[i], full_seen[i])
+    assert all(kind == "QuantizedStore" for block in stores for kind in block)
+    assert len(stores) == 4 and all(stores)
+    for step in result.kv_report["steps"]:
+        assert step["held_bytes"] <= uc_seen[-1][2] * 1.0001 or step["step"] == 0
+    assert not result.kv_report["summary"]["flags"]
+
+
+def test_the_prefill_peak_falls_by_what_the_quantized_rows_save(shapes, monkeypatch):
+    """Tensor accounting of every LLM prefill call (the VAE encode's activations, which dominate this small model's
+    prefill phase, are left out): the peak inside a call is the KV held plus the call's own activations, the same for
+    both methods, so the peaks differ by what the caches hold."""
+    peaks: dict[str, list[int]] = {}
+    held: dict[str, list[int]] = {}
+    for method in ("full", "unicache"):
+        cls = ReportingFullKVCache if method == "full" else CompressingKVCache
+        tracker = TensorMemoryTracker()
+        calls: list[int] = []
+        with monkeypatch.context() as m:
+            seen = _record_prefill(m, cls)
+            begin_call, end_call = cls.begin_call, cls.end_call
+
+            def begin(self, call, begin_call=begin_call, tracker=tracker):
+                if call.phase == "prefill":
+                    tracker.reset_peak()
+                begin_call(self, call)
+
+            def end(self, call, end_call=end_call, tracker=tracker, calls=calls):
+                end_call(self, call)
+                if call.phase == "prefill":
+                    calls.append(tracker.peak_bytes)
+
+            m.setattr(cls, "begin_call", begin)
+            m.setattr(cls, "end_call", end)
+            with tracker:
+                _edit(shapes, method, 2)
+        peaks[method], held[method] = calls, [s[2] for s in seen]
+    assert len(peaks["full"]) == len(peaks["unicache"]) == 6  # gen: 2 x (VAE, ViT) + text; cfg_img: text
+    saved = held["full"][-2] - held["unicache"][-2]  # after the last image, before the instruction
+    assert saved > 0.7 * held["full"][-2]
+    # the instruction's prefill of gen runs with both images held: its peak falls by about what they save
+    fall = peaks["full"][-2] - peaks["unicache"][-2]
+    assert 0.9 * saved < fall < 1.1 * saved, (peaks, held)
+    assert max(peaks["unicache"]) < max(peaks["full"]) - 0.9 * saved
+
+
+def test_a_byte_target_is_not_applied_before_the_context_is_filled(shapes, monkeypatch):
+    pipe = BagelPipeline(
+        shapes, make_cache_factory("unicache", checkpoint_dir=str(BUNDLED_CHECKPOINT_DIR), kv_target=200_000)
+    )
+    kinds: list[type] = []
+    end_call = CompressingKVCache.end_call
+
+    def record(self, call):
+        end_call(self, call)
+        if call.phase == "prefill" and self.branch == "gen":
+            kinds.extend(type(s) for s in self.layers[0].stores if s.token_type in CANDIDATE_TYPES)
+
+    monkeypatch.setattr(CompressingKVCache, "end_call", record)
+    result = pipe.generate("edit", [_image(3, (128, 128)), "make it red"], preset("edit", num_timesteps=3), seed=1)
+    assert kinds and all(k is FullStore for k in kinds)
+    assert any(s["branches"]["gen"]["managed_bytes"] < 200_000 for s in result.kv_report["steps"])

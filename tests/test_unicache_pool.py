@@ -114,11 +114,15 @@ def test_the_pool_is_decided_once_and_its_mass_stays_with_its_types(bundled, cac
     assert gen.compressions >= 2  # re-allocated after the first compression
     rhos = [s["branches"]["gen"]["rho"] for s in report["steps"] if "gen" in s["branches"]]
     assert rhos[-1] < rhos[0] and rhos[-1] > 0.1 - 1e-9
+    cfg_text = next(c for c in caches if c.branch == "cfg_text")
     for layer in range(gen.num_layers):
         ls = gen.state[layer]
-        assert set(ls.pooled) == {TT.INSTRUCTION, TT.SOURCE_VIT, TT.SOURCE_VAE}
+        # the image's types, which gen shares with cfg_text, pool apart from gen's own instruction (§13)
+        assert set(ls.pooled) == {TT.SOURCE_VIT, TT.SOURCE_VAE}
         managed = [s for s in gen.layer(layer).stores if s.token_type not in PROTECTED_TYPES]
-        assert [s.token_type for s in managed] == [TT.UNKNOWN]
+        assert [s.token_type for s in managed] == [TT.UNKNOWN, TT.INSTRUCTION]
+        shared = [s for s in cfg_text.layer(layer).stores if s.token_type not in PROTECTED_TYPES]
+        assert len(shared) == 1 and shared[0].qkeys.packed.data_ptr() == managed[0].qkeys.packed.data_ptr()
         assert TT.UNKNOWN not in ls.masses and all(ls.masses.get(t, 0.0) > 0 for t in ls.pooled), ls.masses
     chunk_masses = gen.session.stats.cell_masses(1, 2, list(CANDIDATES), branch="gen")
     assert chunk_masses is not None and all(m > 0 for m in chunk_masses.values()), chunk_masses

@@ -25,14 +25,14 @@ from torch import Tensor
 
 from ..kv.cache import AttentionCall
 from ..kv.segmented_cache import LayerAttention, SegmentedKVCache
-from ..kv.stores import QuantizedStore
+from ..kv.stores import KVStore, QuantizedStore
 from ..kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, TokenType
 from .family import FULL_BITS
 from .ops import compress_rows, evict
 from .plan import BranchPlan, CallPlan, Keep
 from .protocol import LayerState
 from .report import type_name
-from .scoring import key_scores, masses_from_lse, query_subsample, row_max_logits
+from .scoring import key_scores, masses_from_lse, query_subsample, row_max_logits, scorable, scored_rows
 from .view import BranchView, SegmentKey, key_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -138,6 +138,9 @@ class CompressingKVCache(SegmentedKVCache):
             timers["stats"] += self.session.clock(q) - mid
         if call.update:
             st.append(k, v, call.token_types, call.image)
+            if plan.store_written:  # the method stores this layer's new rows now, before the next layer runs
+                for keep in self.session.method.plan_written(BranchView(self, call), layer).keeps:
+                    self._apply_keep(layer, keep)
         return out
 
     def end_call(self, call: AttentionCall) -> None:
@@ -225,11 +228,9 @@ class CompressingKVCache(SegmentedKVCache):
         scored = [
             store
             for store in st.stores
-            if store.num_tokens
-            and store.score_keys() is not None
-            and (plan.sparsity or store.token_type not in PROTECTED_TYPES)
+            if store.num_tokens and scorable(store) and (plan.sparsity or store.token_type not in PROTECTED_TYPES)
         ]
-        keys, index = _scored_rows(scored, hkv)
+        keys, index = scored_rows(scored, hkv)
         merged = call.update and visible is None and tn > 0
         if merged:  # every query sees the whole new block: its keys are scored in the same pass
             new_index = torch.arange(st.appended_tokens, total, device=q.device).unsqueeze(1).expand(-1, hkv)
@@ -312,16 +313,18 @@ class CompressingKVCache(SegmentedKVCache):
 
     # ------------------------------------------------------------------ plans
 
-    def apply(self, plan: BranchPlan) -> None:
+    def apply(self, plan: BranchPlan) -> list[tuple[int, list[KVStore], KVStore]]:
         """Carry out a method's plan: each layer's changes in order, then its records (budgets, flags, pooled types),
-        the schedule's rho and the method's state for the next view."""
+        the schedule's rho and the method's state for the next view. Returns each replacement made: ``(layer, the
+        stores replaced, the store that replaced them)``."""
+        replaced = []
         for index in sorted(plan.layers):
             layer_plan = plan.layers[index]
             ls = self.state[index]
             if layer_plan.pooled and not ls.pooled:
                 ls.pooled = dict(layer_plan.pooled)
             for keep in layer_plan.keeps:
-                self._apply_keep(index, keep)
+                replaced.append((index, *self._apply_keep(index, keep)))
             if layer_plan.budgets is not None:
                 ls.budgets = dict(layer_plan.budgets)
             for key, reason in layer_plan.flags.items():
@@ -331,12 +334,15 @@ class CompressingKVCache(SegmentedKVCache):
                     ls.flags[key] = reason
         self.rho.update(plan.rho)
         self.method_state = plan.state
+        return replaced
 
-    def _apply_keep(self, index: int, keep: Keep) -> None:
-        """One change of a layer plan: the stores of ``keep.segments`` become the store it describes."""
+    def _apply_keep(self, index: int, keep: Keep) -> tuple[list[KVStore], KVStore]:
+        """One change of a layer plan: the stores of ``keep.segments`` become the store it describes (returned with
+        the stores it replaced)."""
         st = self.layer(index)
         wanted = set(keep.segments)
         stores = [i for i, store in enumerate(st.stores) if key_of(store) in wanted]
+        old = [st.stores[i] for i in stores]
         if not stores:
             raise RuntimeError(
                 f"{self.session.method.name}: layer {index} of branch {self.branch} holds none of "
@@ -373,6 +379,7 @@ class CompressingKVCache(SegmentedKVCache):
             )
             logger.warning("%s layer %d of %s: %s", self.session.method.name, index, self.branch, reason)
             self.state[index].flags[f"bytes:{type_name(store.token_type)}"] = reason
+        return old, store
 
     def managed_full_bytes(self, layer: int | None = None) -> int:
         """K+V bytes the compressible (candidate) rows would hold uncompressed (no index tensors)."""
@@ -466,7 +473,7 @@ class CompressingKVCache(SegmentedKVCache):
 
 def _image_shares(cache: CompressingKVCache, store) -> dict[tuple[int, TokenType], float]:
     """The share of ``store``'s rows that belongs to each (input image, type) (rows of no image left out)."""
-    if store.image is not None:
+    if store.image is not None and store.token_type != TokenType.UNKNOWN:
         return {(store.image, store.token_type): 1.0}
     index = store.token_index.long().reshape(-1).cpu()
     known = index < cache.images.shape[0]  # rows appended to a layer directly name no image
@@ -480,21 +487,6 @@ def _image_shares(cache: CompressingKVCache, store) -> dict[tuple[int, TokenType
     counts = torch.bincount(images[mine] * width + types[mine]).tolist()
     total = index.numel()
     return {(i // width, TokenType(i % width)): c / total for i, c in enumerate(counts) if c}
-
-
-def _scored_rows(stores: list, num_kv_heads: int) -> tuple[Tensor | None, Tensor | None]:
-    """The rows of ``stores`` that scoring reads, as one key set: ``(keys [N, Hkv, d], append index [N, Hkv] int64)``
-    (row ``i`` of head ``h`` is the key of append index ``index[i, h]``), or ``(None, None)`` without stores."""
-    if not stores:
-        return None, None
-    keys, index = [], []
-    for store in stores:
-        keys.append(store.score_keys())
-        rows = store.token_index.long()
-        index.append(rows.unsqueeze(1).expand(-1, num_kv_heads) if rows.dim() == 1 else rows.t())
-    if len(stores) == 1:
-        return keys[0], index[0]
-    return torch.cat(keys), torch.cat(index)
 
 
 __all__ = ["CompressingKVCache", "MANAGED_TYPES"]

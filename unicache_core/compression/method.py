@@ -7,6 +7,9 @@ Two pure calls make it work (docs/compression.md §12):
 
 - :meth:`Method.plan_call` when a forward pass begins: what the cache measures in it and whether the branch is
   compressed before or after it (a :class:`~unicache_core.compression.plan.CallPlan`);
+- :meth:`Method.plan_written` while the context fills (prefill calls whose plan says ``store_written``): right after
+  a layer's new rows are appended, what they are stored as (a
+  :class:`~unicache_core.compression.plan.LayerPlan` the cache applies before the next layer runs);
 - :meth:`Method.plan` at a compression point: given a read-only
   :class:`~unicache_core.compression.view.BranchView` (per layer and type: rows, masses, scores, geometry, bytes),
   the :class:`~unicache_core.compression.plan.BranchPlan` (rows kept, bits and groups per segment) that the cache
@@ -15,11 +18,12 @@ Two pure calls make it work (docs/compression.md §12):
 
 Timeline shared by every method (docs/compression.md §8.1, §8.6, §8.10):
 
-- generation / editing: prefill at full KV; the first denoising step of each branch runs at full KV and is
-  observed (its real latent queries score the keys before anything is evicted); the cache is compressed right
-  after it. Baselines compress once (selection frozen afterwards); UniCache re-allocates at the end of every step
-  chunk, where it measures the type masses only: per-key scores are gathered once, at the branch's first
-  observation.
+- generation / editing: prefill at full KV (a method that stores rows as they are written, UniCache, quantizes an
+  image's new rows in each layer at once, before the next item is prefilled: docs/compression.md §13); the first
+  denoising step of each branch runs at that KV and is observed (its real latent queries score the keys before
+  anything is evicted); the cache is compressed right after it. Baselines compress once (selection frozen
+  afterwards); UniCache re-allocates at the end of every step chunk, where it measures the type masses only: per-key
+  scores are gathered once, at the branch's first observation.
 - understanding: the prompt prefill is observed (the question's queries: the post-modality window); the cache is
   compressed before the first decoded token, so every decoded token reads compressed KV.
 - protected types (boundary, current latent, decoded text) are never touched; the think-mode ``plan`` context is
@@ -36,7 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..kv.cache import AttentionCall, RequestInfo
 from ..validation import check_bool, check_int
 from .defaults import DEFAULT_REDUCTION, SCORE_QUERIES, VLCACHE_THRESHOLD
-from .plan import BranchPlan, CallPlan
+from .plan import BranchPlan, CallPlan, LayerPlan
 from .targets import parse_kv_target
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,11 +65,13 @@ class Method:
         sync_timing: synchronise CUDA around timed attention calls (exact per-call clocks, slower).
 
     Class attributes (not settings): ``name`` (the registry name; a subclass without one is not registered),
-    ``needs_scores`` (per-key scores are gathered at the observed calls), ``needs_sparsity`` (VL-Cache's layer
+    ``compresses_written`` (prefill calls ask :meth:`plan_written` for each layer's new rows), ``needs_scores``
+    (per-key scores are gathered at the observed calls), ``needs_sparsity`` (VL-Cache's layer
     sparsity, measured with :meth:`sparsity_threshold`).
     """
 
     name: ClassVar[str] = ""
+    compresses_written: ClassVar[bool] = False
     needs_scores: ClassVar[bool] = True
     needs_sparsity: ClassVar[bool] = False
 
@@ -131,6 +137,7 @@ class Method:
         """What ``call`` measures on the branch and whether the branch is compressed before or after it."""
         if view.branch == "plan":
             return CallPlan()
+        written = self.compresses_written and call.phase == "prefill" and call.update
         if view.task == "understanding":
             if call.phase == "prefill":
                 return CallPlan(
@@ -139,6 +146,7 @@ class Method:
                     last_queries=True,
                     num_queries=self.score_query_count(),
                     sparsity=self.needs_sparsity,
+                    store_written=written,
                 )
             if call.phase == "decode":
                 if view.compressions == 0:  # the first decoded token already reads compressed KV
@@ -148,7 +156,7 @@ class Method:
                 return self.plan_decode(view, call)
             return CallPlan()
         if call.phase != "denoise":
-            return CallPlan()
+            return CallPlan(store_written=written)
         step = int(call.step or 0)
         if self.is_compression_step(view, step) and not view.recompresses_unread(step):
             # keys are scored at the branch's first observation only (module docstring)
@@ -168,6 +176,11 @@ class Method:
         return CallPlan()
 
     # ------------------------------------------------------------------ how
+
+    def plan_written(self, view: BranchView, layer: int) -> LayerPlan:
+        """What the rows just appended to ``layer`` are stored as (called after each layer's append of a prefill call
+        whose plan says ``store_written``; default: kept as they are). Only changes that need no scores belong here."""
+        return LayerPlan()
 
     def plan(self, view: BranchView) -> BranchPlan:
         """What the branch keeps, layer by layer (called at the compression points)."""

@@ -28,6 +28,7 @@ class CallPlan:
     sparsity: bool = False  # VL-Cache layer sparsity
     compress_before: bool = False  # compress the branch before this call reads it
     compress_after: bool = False  # compress the branch once this call has run
+    store_written: bool = False  # each layer's appended rows are stored as the method's plan_written says, at once
 
 
 @dataclass(frozen=True)

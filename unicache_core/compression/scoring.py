@@ -15,6 +15,8 @@ import math
 import torch
 from torch import Tensor
 
+from ..kv.stores import KVStore, QuantizedStore
+
 #: fp32 logits materialised at once by :func:`key_scores` (64 MiB).
 SCORE_ELEMENTS = 1 << 24
 
@@ -135,4 +137,47 @@ def row_max_logits(q: Tensor, keys: Tensor, *, scale: float | None = None, visib
     return out
 
 
-__all__ = ["SCORE_ELEMENTS", "key_scores", "mass_from_lse", "masses_from_lse", "query_subsample", "row_max_logits"]
+def scorable(store: KVStore) -> bool:
+    """Whether :func:`score_keys` has keys for ``store``."""
+    return isinstance(store, QuantizedStore) and not store.per_head_rows or store.score_keys() is not None
+
+
+def score_keys(store: KVStore) -> Tensor | None:
+    """``[num_tokens, Hkv, d]`` keys to score ``store``'s rows with: its own, or a quantized store's dequantized keys
+    (rows quantized as they were written, docs/compression.md §13; a transient of this call), ``None`` for a store
+    whose heads hold different rows."""
+    keys = store.score_keys()
+    if keys is None and isinstance(store, QuantizedStore) and not store.per_head_rows:
+        keys = store.dequantize()[0]
+    return keys
+
+
+def scored_rows(stores: list[KVStore], num_kv_heads: int) -> tuple[Tensor | None, Tensor | None]:
+    """The rows of ``stores`` that scoring reads, as one key set: ``(keys [N, Hkv, d], append index [N, Hkv] int64)``
+    (row ``i`` of head ``h`` is the key of append index ``index[i, h]``), or ``(None, None)`` without stores."""
+    if not stores:
+        return None, None
+    keys: list[Tensor] = []
+    index: list[Tensor] = []
+    for store in stores:
+        store_keys = score_keys(store)
+        assert store_keys is not None, "only scorable stores are scored"
+        keys.append(store_keys)
+        rows = store.token_index.long()
+        index.append(rows.unsqueeze(1).expand(-1, num_kv_heads) if rows.dim() == 1 else rows.t())
+    if len(stores) == 1:
+        return keys[0], index[0]
+    return torch.cat(keys), torch.cat(index)
+
+
+__all__ = [
+    "SCORE_ELEMENTS",
+    "key_scores",
+    "mass_from_lse",
+    "masses_from_lse",
+    "query_subsample",
+    "row_max_logits",
+    "scorable",
+    "score_keys",
+    "scored_rows",
+]

@@ -17,11 +17,12 @@ import torch
 from torch import Tensor
 
 from ..kv.cache import AttentionCall, CacheSession, KVCache, RequestInfo, StepInfo, unique_nbytes
+from ..kv.stores import KVStore
 from .compressing_cache import CompressingKVCache
 from .method import Method
 from .report import ReportBuilder
 from .stats import ChunkedAttentionStats
-from .view import BranchView
+from .view import BranchView, storages
 
 logger = logging.getLogger(__name__)
 
@@ -183,10 +184,23 @@ class CompressionSession(CacheSession):
         if self._grants is None and cache.compressions == 0:
             self._decide_grants(cache)
         if not self._keeps_every_row():
-            cache.apply(self.method.plan(BranchView(cache, call)))
+            self._share(cache, cache.apply(self.method.plan(BranchView(cache, call))))
         cache.compressions += 1
         self.timers["alloc"] += self.clock() - start
         self.report.note_compression(cache)
+
+    def _share(self, cache: CompressingKVCache, replaced: list[tuple[int, list[KVStore], KVStore]]) -> None:
+        """Stores ``cache`` replaced that other branches held too (a fork's rows) are replaced there by the same new
+        store, so the rows stay one store after compression (docs/compression.md §13). A branch holding only some of
+        the replaced stores keeps its own; the think-mode ``plan`` context is never compressed."""
+        others = [c for c in self.live_caches() if c is not cache and c.branch != "plan"]
+        for index, old, new in replaced:
+            wanted = [storages(store) for store in old]
+            for other in others:
+                layer = other.layer(index)
+                found = [i for i, store in enumerate(layer.stores) if storages(store) in wanted]
+                if found and len(found) == len(old):
+                    layer.replace_many(found, new.share())
 
     def finish(self) -> dict:
         """The request's KV report (:mod:`.report`)."""

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..kv.cache import AttentionCall, RequestInfo, StepInfo
 from ..kv.stores import KVStore, QuantizedStore
-from ..kv.token_types import CANDIDATE_TYPES, TokenType
+from ..kv.token_types import BRANCHES, CANDIDATE_TYPES, TokenType
 from .family import FULL_BITS, Segment
 from .ops import shared_rows
 
@@ -41,6 +41,11 @@ POOLED = SegmentKey(TokenType.UNKNOWN, None)
 def key_of(store: KVStore) -> SegmentKey:
     """The segment key of ``store``."""
     return SegmentKey(store.token_type, store.image)
+
+
+def storages(store: KVStore) -> set[int]:
+    """The addresses of the storages behind ``store``'s non-empty tensors (two stores over the same are shared)."""
+    return {t.untyped_storage().data_ptr() for t in store.tensors() if t.numel()}
 
 
 def is_candidate(store: KVStore) -> bool:
@@ -184,6 +189,40 @@ class LayerView:
             norms.scatter_(0, rows, keys.float().norm(dim=-1).cpu())
         return norms
 
+    @cached_property
+    def shared_with(self) -> Mapping[SegmentKey, frozenset[str]]:
+        """The candidate segments whose stores other live branches of the request hold too (a fork's rows until one of
+        them re-lays them out), and those branches; the think-mode ``plan`` context is not counted."""
+        others = [
+            c
+            for c in self._cache.session.live_caches()
+            if c is not self._cache and c.branch != "plan" and c.num_layers == self._cache.num_layers
+        ]
+        holders: dict[int, set[str]] = {}
+        for other in others:
+            for store in other.layer(self.index).stores:
+                for ptr in storages(store):
+                    holders.setdefault(ptr, set()).add(other.branch or "")
+        out: dict[SegmentKey, set[str]] = {}
+        for store in self._layer.stores:
+            if store.num_tokens and is_candidate(store):
+                for ptr in storages(store):
+                    if ptr in holders:
+                        out.setdefault(key_of(store), set()).update(holders[ptr])
+        return {key: frozenset(branches) for key, branches in out.items()}
+
+    @cached_property
+    def planned_elsewhere(self) -> frozenset[SegmentKey]:
+        """The shared segments another branch plans: those held by a branch that comes before this one in
+        :data:`~unicache_core.kv.token_types.BRANCHES` (``gen`` plans the image rows ``cfg_text`` shares with it;
+        docs/compression.md §13). The others' plans leave them alone and receive its stores."""
+        branch = self._cache.branch or ""
+        order = {name: i for i, name in enumerate(BRANCHES)}
+        mine = order.get(branch, len(order))
+        return frozenset(
+            key for key, others in self.shared_with.items() if any(order.get(b, len(order)) < mine for b in others)
+        )
+
     # ------------------------------------------------------------------ measurements
 
     @property
@@ -290,4 +329,4 @@ class BranchView:
         return step >= info.total - 1
 
 
-__all__ = ["POOLED", "BranchView", "LayerView", "RowGeometry", "SegmentKey", "is_candidate", "key_of"]
+__all__ = ["POOLED", "BranchView", "LayerView", "RowGeometry", "SegmentKey", "is_candidate", "key_of", "storages"]

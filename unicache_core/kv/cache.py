@@ -217,16 +217,6 @@ class _FullLayer:
     def num_rows(self) -> int:
         return sum(k.shape[0] for k, _ in self.chunks)
 
-    @property
-    def keys(self) -> Tensor | None:
-        """``[T, Hkv, d]`` every key (one chunk as it is held; several concatenated: a new tensor)."""
-        return _joined([k for k, _ in self.chunks])
-
-    @property
-    def values(self) -> Tensor | None:
-        """``[T, Hkv, d]`` every value (as :attr:`keys`)."""
-        return _joined([v for _, v in self.chunks])
-
     def joined(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Every key and value in ``dtype``, concatenated: a transient of this one layer while several chunks are
         held (the same numbers one tensor would give, so attention over them is bit-identical)."""
@@ -239,9 +229,7 @@ class _FullLayer:
         if not self.chunks:
             return None
         assert self.token_types is not None and self.rope_positions is not None
-        keys, values = self.keys, self.values
-        assert keys is not None and values is not None
-        return keys, values, self.token_types, self.rope_positions
+        return (*self.joined(self.chunks[0][0].dtype), self.token_types, self.rope_positions)
 
     def fork(self) -> _FullLayer:
         """A copy holding the same chunks; from now on neither grows them (copy on write)."""

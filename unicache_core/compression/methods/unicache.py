@@ -1,30 +1,15 @@
-"""UniCache (https://arxiv.org/abs/2609.32831; docs/compression.md §8): task- and type-aware KV compression.
+"""UniCache (https://arxiv.org/abs/2609.32831; docs/compression.md §8, §11, §13): task- and type-aware KV compression.
 
-Per branch and layer chunk, at the end of every step chunk (and right after the branch's first, full-KV step; for
-understanding before the first decoded token, then every chunk of decoded tokens):
-
-1. ``m_j``, the EMA attention mass of the candidate types in the chunk that just ended, updates the rho schedule
-   (``rho_j = clip(rho0 * m_j / m_0, floor, rho0)``, never rising again);
-2. ``rho * sum(capacity)`` token-equivalents are shared among the types in proportion to their mass, capped by
-   each type's size, with redistribution (§8.6);
-3. each type takes the (rows kept, bits) of its table's policy that fits its bytes (docs/compression.md §11):
-   ``evict`` keeps its best-scored rows at full precision (H2O scores of the branch's first observation, 25%
-   recent), ``quantize`` keeps every row at the most precise KIVI setting whose REAL bytes fit (below its 2-bit
-   floor: a subset of its rows at 2 bits), ``joint`` keeps its best-scored rows at the bits calibrated for its
-   budget level. Residual and groups follow the segment (§11.2). Where the budget cannot hold the quantized types
-   at 4 bits (or one under its own 2-bit floor), they share one store with their budgets summed (§11.7; decided
-   once, at the first compression), and a branch whose quantized rows cannot keep their 2-bit floor in its own
-   budget is paid for by the other branches' bytes above theirs (§11.8, the session's
-   :meth:`~unicache_core.compression.session.CompressionSession.grant`). Rows and bits only ever go down.
-   Bytes a type leaves unused go to the joint and evicted types of the same layer; what the whole layer leaves goes
-   to the next layer's types (in layer order, across layer chunks), so a branch holds as close to its budget as its
-   stores' granularity allows, never above it. Budgets are bytes and round down, indices included; no type ever
-   holds more than its full K and V.
-
-A re-allocation runs only when some layer chunk's rho went down since the branch's last compression: at an
-unchanged budget a new split could only drop rows (a type given more could not take rows back). Once every chunk's
-rho is fixed (understanding, or a target at the floor) or at its floor, the branch is settled and is neither
-measured nor compressed again.
+An image's rows of the types the table quantizes are stored quantized as each layer writes them (:meth:`plan_written`,
+at the bits the starting retention gives). Per branch and layer chunk, after the branch's first step and at the end of
+every step chunk (understanding: before the first decoded token, then every chunk of decoded tokens): the chunk's EMA
+attention mass lowers the rho schedule (never raising it); ``rho * sum(capacity)`` is shared among the types by mass
+(§8.6); each type takes the (rows, bits) of its table's policy that fits its bytes (evict, quantize or joint, §11),
+quantized types sharing one store where the budget cannot hold them at 4 bits (§11.7), a branch under its 2-bit floor
+paid for by the others (§11.8). Rows and bits only go down; bytes a type or layer leaves go to the next; no type holds
+more than its full K and V. Rows a fork shares with its parent are planned by the parent, which pools them apart from
+its own, and stay one store for both (§13). A re-allocation runs only when some chunk's rho went down; once every
+chunk's rho is fixed or at its floor the branch is settled and neither measured nor compressed again.
 """
 
 from __future__ import annotations
@@ -79,6 +64,7 @@ class UniCache(Method):
     """
 
     name = "unicache"
+    compresses_written = True
     policy: str | Path | PolicyTable | None = None
     rho: float | None = None
     rho_floor: float | None = None
@@ -191,8 +177,40 @@ class UniCache(Method):
 
     # ------------------------------------------------------------------ how
 
+    def plan_written(self, view: BranchView, layer: int) -> LayerPlan:
+        """An image's rows of a type the table quantizes, stored as each layer writes them (§13): every row at the most
+        precise setting that fits ``rho0`` of their bytes (no scores needed); rows that would not all fit wait."""
+        if isinstance(self.kv_target, int):
+            return LayerPlan()  # a byte target is a share of the whole context: known once it is filled
+        lay = view.layer(layer)
+        if lay.geometry is None:
+            return LayerPlan()
+        rho = self.new_schedule(view).rho0
+        keeps = []
+        for key in lay.candidate_keys:
+            if key.image is None or self.table.kind(view.task, key.type) != "quantize":
+                continue  # an image's rows only: a text's few rows wait for the first compression's carry and scores
+            segment = lay.segment((key,))
+            if segment.held_bits != FULL_BITS or not segment.shared_rows or segment.held_rows < segment.full_rows:
+                continue  # compressed already
+            choice = choose(segment, "quantize", floor_bytes(rho, segment.full_bytes), self.geometry())
+            if not choice.quantized or choice.rows < segment.held_rows:
+                continue
+            held = segment.choice_bytes(choice)
+            keeps.append(Keep((key,), choice.rows, choice.bits, choice.group, choice.residual, fit_values=self.fit_ranges, expected_bytes=held))  # noqa: E501  # fmt: skip
+        return LayerPlan(keeps=tuple(keeps))
+
+    @staticmethod
+    def _rows(layer: LayerView) -> dict[TokenType, int]:
+        """Rows per type this branch plans: all but those another branch plans for both (``planned_elsewhere``)."""
+        rows = dict(layer.type_rows)
+        for key in layer.planned_elsewhere:
+            if key.type in rows:
+                rows[key.type] -= layer.segment_rows.get(key, 0)
+        return rows
+
     def _types(self, view: BranchView, layer: LayerView) -> list[TokenType]:
-        rows = layer.type_rows
+        rows = self._rows(layer)
         return [t for t in CANDIDATE_TYPES if rows.get(t, 0) and self.table.kind(view.task, t) != "protect"]
 
     def plan(self, view: BranchView) -> BranchPlan:
@@ -224,7 +242,7 @@ class UniCache(Method):
             schedules[c] = sched
             lowered = lowered or c not in rho_before or sched.rho < rho_before[c]
             rho_now[c] = sched.rho
-            caps = {t: first.type_rows[t] for t in types}
+            caps = {t: self._rows(first)[t] for t in types}
             chunks.append((layers, caps, weights, sched.rho, sched.least))
         state = UniCacheState(schedules)
         if not lowered:
@@ -251,7 +269,7 @@ class UniCache(Method):
             for index in layers:
                 layer = view.layer(index)
                 geo = layer.geometry
-                rows = {t: layer.type_rows[t] for t in self._types(view, layer)}
+                rows = {t: self._rows(layer)[t] for t in self._types(view, layer)}
                 if geo is None or not rows:
                     continue
                 quantized = [n for t, n in rows.items() if self.table.kind(view.task, t) == "quantize"]
@@ -288,7 +306,11 @@ class UniCache(Method):
     def _type_floor(self, layer: LayerView, token_type: TokenType) -> int:
         """The floor of a quantized type: every row of each of its segments (one per input image) at the lowest bits
         and largest group, each segment a store of its own."""
-        return sum(self._floor(layer, rows) for key, rows in layer.segment_rows.items() if key.type == token_type)
+        return sum(
+            self._floor(layer, rows)
+            for key, rows in layer.segment_rows.items()
+            if key.type == token_type and key not in layer.planned_elsewhere
+        )
 
     def _parts(
         self, layer: LayerView, unit: TokenType, keys: tuple[SegmentKey, ...], budget: int, kind: str, pool: frozenset
@@ -315,21 +337,17 @@ class UniCache(Method):
         """The segment keys of a unit: a type's own, or (:data:`POOL`) the pooled types' and the pooled store's."""
         if unit == POOL:
             return layer.keys_of([*pool, POOLED.type])
-        return layer.keys_of([unit])
+        return tuple(key for key in layer.keys_of([unit]) if key not in layer.planned_elsewhere)
 
     def _unit_segment(self, layer: LayerView, unit: TokenType, keys, pool: frozenset) -> Segment:
-        rows = layer.type_rows
+        rows = self._rows(layer)
         full = sum(rows.get(t, 0) for t in pool) if unit == POOL else rows.get(unit, 0)
         return layer.segment(keys, full_rows=full)
 
     def _pool(
-        self,
-        view: BranchView,
-        layer: LayerView,
-        budgets: dict[TokenType, int],
-        kinds: Mapping[TokenType, str],
+        self, view: BranchView, layer: LayerView, budgets: dict[TokenType, int], kinds: Mapping[TokenType, str],
         at_floor: float,
-    ) -> frozenset:
+    ) -> frozenset:  # fmt: skip
         """The quantized types of ``layer`` that share one store (docs/compression.md §11.7), decided once, at the
         branch's first compression: two or more quantized types whose budgets at the schedule's floor together
         cannot hold every row at :data:`~unicache_core.compression.defaults.POOL_BELOW_BITS` bits or one's cannot
@@ -340,7 +358,7 @@ class UniCache(Method):
         if view.compressions:  # decided at the branch's first compression, while every row is at full precision
             return frozenset(layer.pooled)
         budgets = {t: math.floor(b * at_floor) for t, b in budgets.items()}
-        quantized = [t for t in budgets if kinds[t] == "quantize"]
+        quantized = self._poolable(layer, [t for t in budgets if kinds[t] == "quantize"])
         if len(quantized) < 2:
             return frozenset()
         segments = {}
@@ -362,6 +380,16 @@ class UniCache(Method):
             return frozenset()
         return frozenset(quantized)
 
+    def _poolable(self, layer: LayerView, types: list[TokenType]) -> list[TokenType]:
+        """The largest group of ``types`` whose segments the same branches hold (each holder can take the pool, §13)."""
+        groups: dict[frozenset[str], list[TokenType]] = {}
+        for t in types:
+            holders = {layer.shared_with.get(key, frozenset()) for key in self._unit_keys(layer, t, frozenset())}
+            if len(holders) == 1:
+                groups.setdefault(holders.pop(), []).append(t)
+        rows = self._rows(layer)
+        return max(groups.values(), key=lambda group: sum(rows.get(t, 0) for t in group), default=[])
+
     def _plan_layer(
         self, view: BranchView, layer: LayerView, ratios: dict[TokenType, float], carry: int = 0, at_floor: float = 1.0
     ) -> tuple[LayerPlan, int]:
@@ -375,7 +403,7 @@ class UniCache(Method):
             the layer's plan and the bytes it leaves unused, for the next layer.
         """
         task = view.task
-        rows = layer.type_rows
+        rows = self._rows(layer)
         budgets = {t: floor_bytes(r, rows[t] * layer.row_bytes) for t, r in ratios.items()}
         base = sum(budgets.values())
         for t in budgets:
@@ -430,15 +458,9 @@ class UniCache(Method):
         return plan, max(0, base + carry - held_all)  # a type over its budget (flagged) uses up what others left
 
     def _choose(
-        self,
-        view: BranchView,
-        layer: LayerView,
-        segment: Segment,
-        keys: tuple[SegmentKey, ...],
-        kind: str,
-        budget: int,
-        plan_bits: int | None,
-    ) -> tuple[Keep | None, int]:
+        self, view: BranchView, layer: LayerView, segment: Segment, keys: tuple[SegmentKey, ...], kind: str,
+        budget: int, plan_bits: int | None,
+    ) -> tuple[Keep | None, int]:  # fmt: skip
         """The (rows, bits) of one segment for ``budget`` bytes (:func:`~.family.choose`): the change to apply (or
         ``None`` when it keeps what it holds) and the bytes it holds after."""
         choice = choose(segment, kind, budget, self.geometry(), plan_bits)
