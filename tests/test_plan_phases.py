@@ -33,9 +33,17 @@ def _plan(method: str, images=FOUR, task: str = "edit", **kw):
     return plan_without_suggestion(CONFIG, settings, 24 * GB)
 
 
-def test_the_done_when_plan_unicache_holds_at_most_a_third_of_full_kv():
-    """Issue 54's figure: 4 x 1024² edit, fp8, 24 GB: full KV holds each image's rows once; UniCache at its peak
-    holds at most a third of that."""
+@pytest.fixture
+def evict_kinds_written(monkeypatch):
+    """UniCache as FILL_DESIGN D2 has it: the rows it evicts later also stored as written, at the floor bits."""
+    from unicache_core.compression.methods.unicache import UniCache
+
+    monkeypatch.setattr(UniCache, "written_kinds", ("quantize", "evict"), raising=False)
+
+
+def test_full_kv_holds_each_image_once_and_unicache_its_written_rows():
+    """4 x 1024² edit, fp8, 24 GB: full KV holds each image's rows once; UniCache the image rows as it stores them
+    while the context fills (the kinds it writes compressed, :func:`written_kinds`), the rest whole."""
     full, ours = _plan("full"), _plan("unicache")
     per_token = kv_bytes_per_token(CONFIG, torch.bfloat16)
     images = 4 * (4096 + 2 + 4900 + 2) * per_token
@@ -45,9 +53,20 @@ def test_the_done_when_plan_unicache_holds_at_most_a_third_of_full_kv():
     assert first_step.kv == images + 2 * prompt  # gen's prompt and cfg_img's; cfg_text shares gen's images
     assert full.breakdown["kv_full"] == 2 * images + 2 * prompt  # the official code copies the images per branch
     assert images <= full.breakdown["kv_held"] <= first_step.kv  # the peak phase: the last ViT block or step 1
-    assert ours.breakdown["kv_held"] <= full.breakdown["kv_held"] / 3
-    assert ours.peak_bytes <= full.peak_bytes
+    ratios = prefill_ratios(CONFIG, "unicache", "edit", 4900)
+    stored = 4 * (4096 * ratios["vae"] + 4900 * ratios["vit"] + 4) * per_token
+    assert ratios["vae"] == pytest.approx(0.2)  # an edit's VAE rows: quantized as written (the paper table)
+    ours_first = kv_phases(CONFIG, torch.bfloat16, tokens, "unicache")[-1]
+    assert ours_first.kv == pytest.approx(stored + 2 * prompt, rel=1e-6)
+    assert ours.breakdown["kv_held"] < full.breakdown["kv_held"] and ours.peak_bytes <= full.peak_bytes
     assert full.peak_bytes == max(size for _, size in full.phases)
+
+
+def test_the_done_when_plan_with_evicted_rows_written_at_the_floor(evict_kinds_written):
+    """Issue 54's figure when the ViT rows UniCache evicts are also stored as written, at 2 bits: at most a third of
+    full KV's bytes at the peak."""
+    full, ours = _plan("full"), _plan("unicache")
+    assert ours.breakdown["kv_held"] <= full.breakdown["kv_held"] / 3
 
 
 def test_phases_fill_item_by_item_and_unicache_holds_less_at_each():
@@ -64,15 +83,15 @@ def test_phases_fill_item_by_item_and_unicache_holds_less_at_each():
     assert ours[-1].scoring > 0 and full[-1].scoring == 0
 
 
-def test_the_evicted_types_wait_at_the_floor_bits_of_a_real_quantized_store():
+def test_the_evicted_types_wait_at_the_floor_bits_of_a_real_quantized_store(evict_kinds_written):
     """The ViT rows UniCache evicts later are held at 2 bits in groups of 128 meanwhile: the plan's ratio is the
     bytes a real quantized store of such rows holds (keys per channel, values per token)."""
     rows = 4900
     keys = torch.randn(CONFIG.llm.num_key_value_heads, rows, CONFIG.llm.head_dim, dtype=torch.bfloat16)
     held = quantize_keys(keys, 2, 128).nbytes() + quantize_values(keys, 2, 128).nbytes()
     assert floor_ratio(CONFIG, rows) == pytest.approx(held / (2 * keys.numel() * 2), rel=0.01)
-    ratios = prefill_ratios(CONFIG, "unicache", "edit", rows)
-    assert ratios["vae"] == pytest.approx(0.2) and ratios["vit"] == pytest.approx(floor_ratio(CONFIG, rows))
+    assert prefill_ratios(CONFIG, "unicache", "edit", rows)["vit"] == floor_ratio(CONFIG, rows)
+    assert prefill_ratios(CONFIG, "unicache", "edit", rows)["vae"] == pytest.approx(0.2)
     assert prefill_ratios(CONFIG, "full", "edit", rows) == prefill_ratios(CONFIG, "h2o", "edit", rows)
     assert prefill_ratios(CONFIG, "h2o", "edit", rows) == {"vae": 1.0, "vit": 1.0}
 
@@ -116,7 +135,8 @@ def test_memory_required_is_the_peak_above_the_weights_and_unicache_asks_less(ta
     tokens = request_tokens(CONFIG, task, side, side, images=images)
     full = memory_required(CONFIG, torch.bfloat16, tokens, "full")
     ours = memory_required(CONFIG, torch.bfloat16, tokens, "unicache")
-    assert ours < full
+    # an edit's VAE rows are stored quantized as written; a question's ViT rows only once evicted rows are written too
+    assert ours < full if task == "edit" else ours <= full
     plan = _plan("full", images=images, task="edit" if task == "edit" else "und")
     layer_upcast = plan.breakdown["upcast"]
     # ComfyUI casts one Linear per call, not a decoder layer at once, and the decode may fall back to tiles
@@ -152,3 +172,10 @@ def test_comfy_modules_are_the_modules_comfyui_walks():
             walked[name] = sum(t.nelement() * t.element_size() for t in module.state_dict().values())
     planned = {m.name: m.size for m in comfy_modules(config, "fp8_e4m3fn", torch.bfloat16)}
     assert planned == walked and len(walked) > 200
+
+
+def test_a_question_asks_less_when_the_evicted_rows_are_written_at_the_floor(evict_kinds_written):
+    tokens = request_tokens(CONFIG, "understanding", 980, 980, images=((980, 980),) * 8)
+    assert memory_required(CONFIG, torch.bfloat16, tokens, "unicache") < memory_required(
+        CONFIG, torch.bfloat16, tokens, "full"
+    )

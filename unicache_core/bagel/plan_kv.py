@@ -17,11 +17,12 @@ and what a forward of that phase holds beside them (docs/memory.md, "The peak, p
 Every method holds what is identical once (copy on write, ``full`` included): the input images' rows that
 ``cfg_text`` forks from ``gen`` are one store for both branches, before and after compression.
 
-How rows are stored while the context fills (:func:`prefill_ratios`): ``full`` and the methods that compress after
-the first step keep them whole; :data:`PREFILL_COMPRESSING` methods store each image's rows at once, the types their
-policy quantizes at the bytes of the method's target ratio (the bits the row keeps) and the types it evicts at the
-lowest bits of its lookup (:data:`~unicache_core.compression.defaults.KIVI_FLOOR`) until the scores to evict them
-exist. Text and boundary rows stay whole until then.
+How rows are stored while the context fills (:func:`prefill_ratios`): as the method does it (:func:`written_kinds`,
+read from the method): a method that compresses as written (UniCache) stores each image's rows at once, the types
+its policy quantizes at the bytes of the method's target ratio (the bits the row keeps) and, where it says so, the
+types it evicts at the lowest bits of its lookup (:data:`~unicache_core.compression.defaults.KIVI_FLOOR`) until the
+scores to evict them exist; the other methods keep them whole until their first compression. Text and boundary
+rows stay whole until then.
 
 ``kv_full`` is what the official code holds (every branch apart, uncompressed); ``kv_compressed`` what the method
 keeps after its first compression (``kv_full`` less the shared rows, times its target ratio).
@@ -41,10 +42,6 @@ from .taylorseer import GENERATION_BRANCHES
 #: Methods that score keys (:func:`unicache_core.compression.scoring.key_scores`) at their observed calls: every
 #: method but ``full``, ``streamingllm`` and ``kivi`` (``CompressionMethod.needs_scores``).
 SCORING_METHODS = ("unicache", "h2o", "snapkv", "pyramidkv", "vlcache")
-#: Methods that store an item's rows compressed as the context fills (issue 54, FILL_DESIGN D2): UniCache by its
-#: policy table, KIVI at its bits as it goes. The others compress after the first step or at the end of the
-#: prefill, from full rows.
-PREFILL_COMPRESSING = ("unicache", "kivi")
 #: A forward's attention call holds one layer's rows of its branch at the compute dtype (``full``: the layer's
 #: chunks concatenated; a compressing cache: its stores gathered and dequantized).
 GATHER = True
@@ -90,14 +87,28 @@ def target_ratio(kv_method: str, task: str) -> float:
     return float(target) if isinstance(target, float) else 1.0
 
 
+def written_kinds(kv_method: str) -> tuple[str, ...]:
+    """The policy kinds whose image rows ``kv_method`` stores compressed as they are written: its ``written_kinds``
+    (``"evict"`` ones at the floor bits until the eviction), else ``("quantize",)`` when it compresses as written
+    (``compresses_written``), else none."""
+    from ..compression import method_from_name
+
+    if kv_method == "full":
+        return ()
+    method = method_from_name(kv_method)
+    default = ("quantize",) if getattr(method, "compresses_written", False) else ()
+    return tuple(getattr(method, "written_kinds", default))
+
+
 def prefill_ratios(config: BagelConfig, kv_method: str, task: str, rows: int) -> dict[str, float]:
     """Stored bytes over uncompressed bytes of an image's ``vae`` and ``vit`` content rows (``rows`` of each, for
-    the floor's groups) while the context fills, under ``kv_method`` (module docstring)."""
-    if kv_method not in PREFILL_COMPRESSING:
+    the floor's groups) while the context fills, under ``kv_method`` (module docstring): the kinds of
+    :func:`written_kinds` by the shipped policy table (a ``quantize`` type at the target ratio, an ``evict`` type at
+    the floor), every other type whole."""
+    kinds = written_kinds(kv_method)
+    if not kinds:
         return {"vae": 1.0, "vit": 1.0}
     target = target_ratio(kv_method, task)
-    if kv_method == "kivi":
-        return {"vae": target, "vit": target}
     from ..compression.policy_table import paper_policy_table
     from ..kv.token_types import TokenType
 
@@ -105,7 +116,10 @@ def prefill_ratios(config: BagelConfig, kv_method: str, task: str, rows: int) ->
     ratios = {}
     for name, token_type in (("vae", TokenType.SOURCE_VAE), ("vit", TokenType.SOURCE_VIT)):
         kind = table.kind(task, token_type)
-        ratios[name] = target if kind == "quantize" else floor_ratio(config, rows) if kind == "evict" else 1.0
+        ratio = 1.0
+        if kind in kinds:
+            ratio = target if kind == "quantize" else floor_ratio(config, rows) if kind == "evict" else 1.0
+        ratios[name] = ratio
     return ratios
 
 
@@ -118,7 +132,7 @@ def kv_phases(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, kv
     """The LLM phases of ``tokens`` under ``kv_method`` (module docstring), in the order they run."""
     per_token = kv_bytes_per_token(config, dtype)
     per_layer = per_token // max(1, config.llm.num_hidden_layers)
-    compressing = kv_method in PREFILL_COMPRESSING
+    compressing = bool(written_kinds(kv_method))
     largest = max((max(vae, vit) for vae, vit in tokens.image_blocks()), default=0)
     ratios = prefill_ratios(config, kv_method, tokens.task, largest)
     understanding = tokens.task == "understanding"
@@ -227,7 +241,7 @@ def kv_per_image(
 __all__ = [
     "GATHER",
     "KVPhase",
-    "PREFILL_COMPRESSING",
+    "written_kinds",
     "SCORING_METHODS",
     "floor_ratio",
     "kv_parts",
