@@ -342,12 +342,13 @@ def forward_bytes(config: BagelConfig, dtype: torch.dtype, rows: int, branches: 
 
 
 def _phase_working(phase: KVPhase, parts: dict[str, int], config: BagelConfig, dtype: torch.dtype) -> int:
-    """One LLM phase's working memory: its KV, what its forward holds beside the KV (a gathered layer, the layer's
-    new rows, a key scorer), a decoder layer's upcast weights, its attention and MLP, and TaylorSeer's factors
-    while denoising."""
+    """One LLM phase's working memory: its KV, a decoder layer's upcast weights, TaylorSeer's factors while
+    denoising, and the larger of a layer's two halves: its attention call (the outputs, the gathered layer and the
+    layer's new rows, a key scorer's transient) or its MLP (measured on the CPU at BAGEL-7B's widths: UniCache's
+    scorer did not raise the peak the MLP sets, docs/memory.md)."""
     attention, mlp = forward_bytes(config, dtype, phase.tokens, phase.branches)
     seer = parts.get("taylorseer", 0) if phase.name.startswith("denoise") else 0
-    return phase.kv + phase.transient + phase.scoring + parts["upcast"] + attention + mlp + seer
+    return phase.kv + parts["upcast"] + max(attention + phase.transient + phase.scoring, mlp) + seer
 
 
 def _llm_peak(parts: dict[str, int], phases: list[KVPhase], config: BagelConfig, dtype: torch.dtype) -> None:
@@ -372,8 +373,8 @@ def _working(
     heap its forward keeps) or a VAE pass's (and its heap or workspace). Without ``phases``: the tensors alone, from
     the recorded peak LLM phase's terms."""
     if phases is None or config is None or dtype is None:
-        llm = parts["kv_held"] + parts["kv_transient"] + parts.get("kv_scoring", 0) + parts["upcast"]
-        llm += parts["attention"] + parts["mlp"] + parts.get("taylorseer", 0)
+        call = parts["attention"] + parts["kv_transient"] + parts.get("kv_scoring", 0)
+        llm = parts["kv_held"] + parts["upcast"] + max(call, parts["mlp"]) + parts.get("taylorseer", 0)
         return max(llm, parts["vae_working"])
     llm = max(_phase_working(phase, parts, config, dtype) for phase in phases)
     return max(llm + freed_heap, parts["vae_working"] + vae_heap)
