@@ -299,9 +299,9 @@ def test_most_images_is_the_plans_boundary():
 
 def test_card_table_rows_grow_with_the_card():
     """More memory never fits fewer images; UniCache, which stores an edit's VAE rows compressed as the context fills,
-    fits more images of an edit than full KV (each image's rows held once), and at most a few fewer of a question. With the
-    rows it evicts also written at the floor bits (FILL_DESIGN D2), at least 4x at 24 GB fp8 for both tasks and 3x
-    with the layer offload on 8-16 GB (test_card_table_with_evicted_rows_written)."""
+    fits more images of an edit than full KV (each image's rows held once), and at most a few fewer of a question.
+    With the rows it evicts also written at the floor bits (FILL_DESIGN D2), at least 4x at 24 GB fp8 for both tasks
+    and 3x with the layer offload on 8-16 GB (test_card_table_with_evicted_rows_written)."""
     rows = card_table()
     assert len(rows) == len(CARD_SIZES_GB) * 2 * 2 * 2
     by = {(r.card_gb, r.offload, r.kv_method, r.task): r.most_images for r in rows}
