@@ -93,7 +93,11 @@ def test_plan_json_schema(tmp_path: Path, capsys):
     assert data["peak_bytes"] == sum(v for k, v in data["breakdown"].items() if k not in NOT_IN_PEAK)
     parts = data["breakdown"]
     assert parts["working"] == max(
-        parts["kv_held"] + parts["upcast"] + max(parts["kv_transient"] + parts["attention"], parts["mlp"]),
+        parts["kv_held"]
+        + max(
+            parts["upcast_attention"] + parts["kv_transient"] + parts["attention"],
+            parts["upcast"] + parts["mlp"],
+        ),
         parts["vae_working"] + parts["cuda_vae_workspace"],
     )
     assert data["peak_bytes"] == max(data["phases"].values()) == data["phases"][data["peak_phase"]]

@@ -96,6 +96,7 @@ NOT_IN_PEAK = (
     "kv_scoring",
     "kv_compressed",
     "upcast",
+    "upcast_attention",
     "attention",
     "mlp",
     "vae_working",
@@ -226,12 +227,18 @@ def _weights(config: BagelConfig, weight_dtype: str, dtype: torch.dtype, offload
     layout = bagel_layout(config)
     parts = weight_bytes(layout, weight_dtype, dtype, offload)
     upcast = parts.pop("upcast")
+    linear = [s for s in layout.llm_layer if s.role == "linear"]
+    attention = [s for s in linear if s.name.startswith("self_attn.")]
+    # a layer upcasts its weights as its Linears are called: during the attention call only the attention's are
+    upcast_attention = upcast * sum(s.numel for s in attention) // max(1, sum(s.numel for s in linear))
     if upcast and WEIGHT_DTYPES[parse_weight_dtype(weight_dtype)] == torch.float8_e4m3fn:
         # e4m3fn is upcast through its bits as int16 (operations.upcast_weight): one weight's 2 B per element beside
         # the layer's upcast ones while the last is made (+136 MB at BAGEL-7B; measured on the CPU, docs/memory.md)
-        upcast += max(s.numel for s in layout.llm_layer if s.role == "linear") * 2
+        upcast += max(s.numel for s in linear) * 2
+        upcast_attention += max(s.numel for s in attention) * 2
     parts["vae"] = vae_bytes(config.ae)
     parts["upcast"] = upcast
+    parts["upcast_attention"] = upcast_attention
     return parts, dtype.itemsize
 
 
@@ -342,13 +349,14 @@ def forward_bytes(config: BagelConfig, dtype: torch.dtype, rows: int, branches: 
 
 
 def _phase_working(phase: KVPhase, parts: dict[str, int], config: BagelConfig, dtype: torch.dtype) -> int:
-    """One LLM phase's working memory: its KV, a decoder layer's upcast weights, TaylorSeer's factors while
-    denoising, and the larger of a layer's two halves: its attention call (the outputs, the gathered layer and the
-    layer's new rows, a key scorer's transient) or its MLP (measured on the CPU at BAGEL-7B's widths: UniCache's
-    scorer did not raise the peak the MLP sets, docs/memory.md)."""
+    """One LLM phase's working memory: its KV, TaylorSeer's factors while denoising, and the larger of a layer's two
+    halves: its attention call (the attention's upcast weights, the outputs, the gathered layer and the layer's new
+    rows, a key scorer's transient) or its MLP (the whole layer's upcast weights and the MLP's activations; measured
+    on the CPU at BAGEL-7B's widths: UniCache's scorer did not raise the peak the MLP sets, docs/memory.md)."""
     attention, mlp = forward_bytes(config, dtype, phase.tokens, phase.branches)
     seer = parts.get("taylorseer", 0) if phase.name.startswith("denoise") else 0
-    return phase.kv + parts["upcast"] + max(attention + phase.transient + phase.scoring, mlp) + seer
+    call = parts["upcast_attention"] + attention + phase.transient + phase.scoring
+    return phase.kv + max(call, parts["upcast"] + mlp) + seer
 
 
 def _llm_peak(parts: dict[str, int], phases: list[KVPhase], config: BagelConfig, dtype: torch.dtype) -> None:
@@ -373,8 +381,8 @@ def _working(
     heap its forward keeps) or a VAE pass's (and its heap or workspace). Without ``phases``: the tensors alone, from
     the recorded peak LLM phase's terms."""
     if phases is None or config is None or dtype is None:
-        call = parts["attention"] + parts["kv_transient"] + parts.get("kv_scoring", 0)
-        llm = parts["kv_held"] + parts["upcast"] + max(call, parts["mlp"]) + parts.get("taylorseer", 0)
+        call = parts["upcast_attention"] + parts["attention"] + parts["kv_transient"] + parts.get("kv_scoring", 0)
+        llm = parts["kv_held"] + max(call, parts["upcast"] + parts["mlp"]) + parts.get("taylorseer", 0)
         return max(llm, parts["vae_working"])
     llm = max(_phase_working(phase, parts, config, dtype) for phase in phases)
     return max(llm + freed_heap, parts["vae_working"] + vae_heap)
