@@ -186,6 +186,8 @@ class MemoryPlan:
     #: each phase's bytes on the device (weights, runtime and that phase's working memory), in the order they run:
     #: ``vae:encode``, ``prefill:item<j>``, ``denoise:first`` or ``decode`` (understanding), ``vae:decode``
     phases: tuple[tuple[str, int], ...] = ()
+    #: the same without the runtime's own memory (CPU kernels and heap, CUDA workspaces): the tensors alone
+    tensor_phases: tuple[tuple[str, int], ...] = ()
 
     @property
     def peak_phase(self) -> str:
@@ -322,6 +324,8 @@ def _predict(
     if compressed is not None:
         parts["kv_compressed"] = compressed
     sizes = images if images is not None else ((settings.width, settings.height),)
+    tiled = vae_decode == "tiled"
+    rows = _phase_bytes(parts, llm_phases, config, dtype, work, freed_heap, tokens, settings.device, tiled)
     return MemoryPlan(
         peak_bytes=int(peak),
         breakdown=parts,
@@ -332,9 +336,8 @@ def _predict(
         kv_branches=kv_branches,
         vae_decode=vae_decode,
         kv_images=kv_per_image(config, dtype, tokens, sizes, kv_method=settings.kv_method),
-        phases=_phase_bytes(
-            parts, llm_phases, config, dtype, work, freed_heap, tokens, settings.device, vae_decode == "tiled"
-        ),
+        phases=tuple((name, size) for name, size, _ in rows),
+        tensor_phases=tuple((name, tensors) for name, _, tensors in rows),
     )
 
 
@@ -355,7 +358,9 @@ def _phase_working(phase: KVPhase, parts: dict[str, int], config: BagelConfig, d
     on the CPU at BAGEL-7B's widths: UniCache's scorer did not raise the peak the MLP sets, docs/memory.md)."""
     attention, mlp = forward_bytes(config, dtype, phase.tokens, phase.branches)
     seer = parts.get("taylorseer", 0) if phase.name.startswith("denoise") else 0
-    call = parts["upcast_attention"] + attention + phase.transient + phase.scoring
+    # the branches of a step run each layer in turn: from the second on, its attention call finds every weight upcast
+    upcast = parts["upcast"] if phase.branches > 1 else parts["upcast_attention"]
+    call = upcast + attention + phase.transient + phase.scoring
     return phase.kv + max(call, parts["upcast"] + mlp) + seer
 
 
@@ -371,19 +376,14 @@ def _llm_peak(parts: dict[str, int], phases: list[KVPhase], config: BagelConfig,
 
 def _working(
     parts: dict[str, int],
-    phases: list[KVPhase] | None = None,
-    config: BagelConfig | None = None,
-    dtype: torch.dtype | None = None,
+    phases: list[KVPhase],
+    config: BagelConfig,
+    dtype: torch.dtype,
     freed_heap: int = 0,
     vae_heap: int = 0,
 ) -> int:
-    """The working memory of the larger phase: the largest LLM phase's (:func:`_phase_working`, and on the CPU the
-    heap its forward keeps) or a VAE pass's (and its heap or workspace). Without ``phases``: the tensors alone, from
-    the recorded peak LLM phase's terms."""
-    if phases is None or config is None or dtype is None:
-        call = parts["upcast_attention"] + parts["attention"] + parts["kv_transient"] + parts.get("kv_scoring", 0)
-        llm = parts["kv_held"] + max(call, parts["upcast"] + parts["mlp"]) + parts.get("taylorseer", 0)
-        return max(llm, parts["vae_working"])
+    """The working memory of the largest phase: an LLM phase's (:func:`_phase_working`, and on the CPU the heap its
+    forward keeps) or a VAE pass's (and its heap or workspace)."""
     llm = max(_phase_working(phase, parts, config, dtype) for phase in phases)
     return max(llm + freed_heap, parts["vae_working"] + vae_heap)
 
@@ -398,9 +398,10 @@ def _phase_bytes(
     tokens: RequestTokens,
     device: str,
     tiled: bool,
-) -> tuple[tuple[str, int], ...]:
+) -> tuple[tuple[str, int, int], ...]:
     """Each phase's bytes on the device: the peak's fixed parts plus the phase's working memory (a VAE pass with its
-    CUDA workspace or CPU heap, the decode whole or in tiles as the plan counts it)."""
+    CUDA workspace or CPU heap, the decode whole or in tiles as the plan counts it), and the same without the
+    runtime's own memory (kernels, heap, workspaces): what the tensors alone reach."""
     fixed = sum(v for k, v in parts.items() if k not in NOT_IN_PEAK and k != "working")
     pixels = config.latent_downsample**2
     decode = work["vae_decode_tiled" if tiled else "vae_decode"]
@@ -409,34 +410,27 @@ def _phase_bytes(
         encode_extra = CUDA_VAE_ENCODE_PER_PIXEL * tokens.largest_image()[0] * pixels
         decoded = tiled_tokens(config, tokens.latent) if tiled else tokens.latent
         decode_extra = CUDA_VAE_DECODE_PER_PIXEL * decoded * pixels
-    rows: list[tuple[str, int]] = []
+    runtime = parts.get("cpu_kernel_cache", 0) + parts.get("cuda_runtime", 0)
+    rows: list[tuple[str, int, int]] = []  # (phase, bytes, bytes of the tensors alone)
     if any(vae for vae, _ in tokens.image_blocks()):
-        rows.append(("vae:encode", fixed + work["vae_encode"] + encode_extra))
-    rows += [(phase.name, fixed + _phase_working(phase, parts, config, dtype) + freed_heap) for phase in phases]
+        rows.append(("vae:encode", fixed + work["vae_encode"] + encode_extra, fixed - runtime + work["vae_encode"]))
+    for phase in phases:
+        working = _phase_working(phase, parts, config, dtype)
+        rows.append((phase.name, fixed + working + freed_heap, fixed - runtime + working))
     if tokens.latent:
-        rows.append(("vae:decode", fixed + decode + decode_extra))
+        rows.append(("vae:decode", fixed + decode + decode_extra, fixed - runtime + decode))
     return tuple(rows)
 
 
 def tensor_peak_bytes(plan: MemoryPlan) -> int:
     """The plan's peak without the runtime's own memory (CPU or CUDA): what the tensors alone should reach."""
-    parts = plan.breakdown
-    runtime = parts.get("cpu_kernel_cache", 0) + parts.get("cuda_runtime", 0)
-    return plan.peak_bytes - runtime - (parts["working"] - _working(parts))
+    return max(tensor_phase_bytes(plan).values())
 
 
 def tensor_phase_bytes(plan: MemoryPlan) -> dict[str, int]:
     """Each phase's planned bytes without the runtime's own memory (CPU or CUDA heap, kernels, workspaces): what a
     tensor-accounting run measures phase by phase."""
-    parts = plan.breakdown
-    runtime = parts.get("cpu_kernel_cache", 0) + parts.get("cuda_runtime", 0)
-    llm_heap = parts.get("cpu_freed_heap", 0)
-    vae_heap = parts.get("cpu_vae_heap", 0) + parts.get("cuda_vae_workspace", 0)
-    result = {}
-    for name, size in plan.phases:
-        heap = vae_heap if name == "vae:decode" else 0 if name == "vae:encode" else llm_heap
-        result[name] = size - runtime - heap
-    return result
+    return dict(plan.tensor_phases)
 
 
 def _suggest(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> str:

@@ -201,15 +201,17 @@ def kv_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, kv_
 
 def scoring_bytes(config: BagelConfig, context_tokens: int) -> int:
     """Most bytes :func:`~unicache_core.compression.scoring.key_scores` holds while it scores one layer's
-    ``context_tokens`` keys during a forward: a chunk of fp32 logits of its query subsample (at most
-    :data:`~unicache_core.compression.scoring.SCORE_ELEMENTS`), their exp and its NaN-cleaned copy, and the keys in
-    fp32 (bound sized on CPU tensor accounting at BAGEL-7B's widths, docs/memory.md)."""
+    ``context_tokens`` keys during a forward: two fp32 copies of a chunk of logits of its query subsample (at most
+    :data:`~unicache_core.compression.scoring.SCORE_ELEMENTS`: the logits and their exp; the NaN-cleaned copy takes
+    the place of one) and the keys in fp32. Sized on CPU tensor accounting at BAGEL-7B's widths (2 layers, four
+    256 px sources: the first step peaked 86 MB above the layer's upcast weights, for 72 MB of one logits chunk and
+    the keys; docs/results/real_width_images.json)."""
     from ..compression.defaults import SCORE_QUERIES
     from ..compression.scoring import SCORE_ELEMENTS
 
     llm = config.llm
     logits = min(SCORE_ELEMENTS, llm.num_attention_heads * SCORE_QUERIES * context_tokens)
-    return 3 * logits * 4 + context_tokens * llm.num_key_value_heads * llm.head_dim * 4
+    return 2 * logits * 4 + context_tokens * llm.num_key_value_heads * llm.head_dim * 4
 
 
 def kv_per_image(
