@@ -212,3 +212,23 @@ def test_a_byte_target_is_not_applied_before_the_context_is_filled(shapes, monke
     result = pipe.generate("edit", [_image(3, (128, 128)), "make it red"], preset("edit", num_timesteps=3), seed=1)
     assert kinds and all(k is FullStore for k in kinds)
     assert any(s["branches"]["gen"]["managed_bytes"] < 200_000 for s in result.kv_report["steps"])
+
+
+def test_understanding_stores_image_i_quantized_before_image_i_plus_one(shapes, monkeypatch):
+    """Each image's ViT rows are quantized as written: when image 1's block begins, image 0's rows already are."""
+    at_begin: list[tuple[int | None, list[str]]] = []
+    begin_call = CompressingKVCache.begin_call
+
+    def record(self, call):
+        if call.phase == "prefill" and call.update:
+            at_begin.append((call.image, [type(s).__name__ for s in self.layers[-1].stores if s.image is not None]))
+        begin_call(self, call)
+
+    monkeypatch.setattr(CompressingKVCache, "begin_call", record)
+    pipe = BagelPipeline(shapes, make_cache_factory("unicache", checkpoint_dir=str(BUNDLED_CHECKPOINT_DIR)))
+    items = [_image(20, (96, 96)), _image(21, (96, 96)), "where is the red circle?"]
+    result = pipe.understand_items(items, preset("understanding", max_new_tokens=2))
+    images = [stores for image, stores in at_begin if image == 1]
+    assert images and images[0] and all(kind == "QuantizedStore" for kind in images[0])  # image 0's, quantized
+    assert at_begin[-1][0] is None and len(at_begin[-1][1]) == 2  # the question: both images' rows held, quantized
+    assert all(kind == "QuantizedStore" for kind in at_begin[-1][1]) and not result.kv_report["summary"]["flags"]
