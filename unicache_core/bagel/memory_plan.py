@@ -224,24 +224,31 @@ def _weights(config: BagelConfig, weight_dtype: str, dtype: torch.dtype, offload
     """(``weights_device_<dtype>``, ``weights_host``, ``vae``, ``upcast`` bytes, the compute dtype's element size),
     counted from the config's tensor shapes (:mod:`.weight_layout`): nothing is built, at any layer count."""
     from .weight_layout import bagel_layout, vae_bytes, weight_bytes
-    from .weights import WEIGHT_DTYPES, parse_weight_dtype
 
-    layout = bagel_layout(config)
-    parts = weight_bytes(layout, weight_dtype, dtype, offload)
+    parts = weight_bytes(bagel_layout(config), weight_dtype, dtype, offload)
     upcast = parts.pop("upcast")
-    linear = [s for s in layout.llm_layer if s.role == "linear"]
-    attention = [s for s in linear if s.name.startswith("self_attn.")]
-    # a layer upcasts its weights as its Linears are called: during the attention call only the attention's are
-    upcast_attention = upcast * sum(s.numel for s in attention) // max(1, sum(s.numel for s in linear))
-    if upcast and WEIGHT_DTYPES[parse_weight_dtype(weight_dtype)] == torch.float8_e4m3fn:
-        # e4m3fn is upcast through its bits as int16 (operations.upcast_weight): one weight's 2 B per element beside
-        # the layer's upcast ones while the last is made (+136 MB at BAGEL-7B; measured on the CPU, docs/memory.md)
-        upcast += max(s.numel for s in linear) * 2
-        upcast_attention += max(s.numel for s in attention) * 2
     parts["vae"] = vae_bytes(config.ae)
     parts["upcast"] = upcast
-    parts["upcast_attention"] = upcast_attention
     return parts, dtype.itemsize
+
+
+@functools.lru_cache(maxsize=16)
+def _upcasts(config: BagelConfig, weight_dtype: str, upcast: int) -> tuple[int, int]:
+    """(``upcast``, ``upcast_attention``): a decoder layer's upcast weights (``upcast``, :func:`_weights`) as a
+    forward holds them: the whole layer during its MLP, the attention's during the attention call (a layer upcasts
+    its Linears as they are called); fp8 e4m3fn adds one weight's int16 bits (:func:`~.modeling.operations.
+    upcast_weight` goes through them) while the last is made: +136 MB at BAGEL-7B, measured on the CPU
+    (docs/memory.md)."""
+    from .weight_layout import bagel_layout
+    from .weights import WEIGHT_DTYPES, parse_weight_dtype
+
+    linear = [s for s in bagel_layout(config).llm_layer if s.role == "linear"]
+    attention = [s for s in linear if s.name.startswith("self_attn.")]
+    upcast_attention = upcast * sum(s.numel for s in attention) // max(1, sum(s.numel for s in linear))
+    if upcast and WEIGHT_DTYPES[parse_weight_dtype(weight_dtype)] == torch.float8_e4m3fn:
+        upcast += max(s.numel for s in linear) * 2
+        upcast_attention += max(s.numel for s in attention) * 2
+    return upcast, upcast_attention
 
 
 def plan_memory(
@@ -289,6 +296,7 @@ def _predict(
         tokens = request_tokens(config, task, settings.width, settings.height, prompt_tokens, answer_tokens, images)
     parts, _ = _weights(config, settings.weight_dtype, dtype, settings.offload)
     parts = dict(parts)
+    parts["upcast"], parts["upcast_attention"] = _upcasts(config, settings.weight_dtype, parts["upcast"])
     kv_branches = tokens.kv_bytes(config, dtype)
     kv = kv_parts(config, dtype, tokens, settings.kv_method)
     compressed = kv.pop("kv_compressed", None)
