@@ -44,7 +44,14 @@ from benchmarks.report_file import check_report_paths, write_json_report
 from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.config import BagelConfig
-from unicache_core.bagel.memory_plan import PlanSettings, official_config, plan_config, plan_memory, tensor_peak_bytes
+from unicache_core.bagel.memory_plan import (
+    PlanSettings,
+    official_config,
+    plan_config,
+    plan_memory,
+    tensor_peak_bytes,
+    tensor_phase_bytes,
+)
 from unicache_core.bagel.memory_trace import TensorMemoryTracker
 from unicache_core.bagel.request import RunHooks
 from unicache_core.bagel.transform_config import TRANSFORM_CONFIG_FILE, parse_transform_config
@@ -149,6 +156,18 @@ def _plan(
     return plan_memory(config, settings, 1 << 50, prompt_tokens=prompt_tokens)
 
 
+def meter_phases(planned: dict[str, int]) -> dict[str, int]:
+    """The plan's phases (:attr:`~unicache_core.bagel.memory_plan.MemoryPlan.phases`) as the request's
+    :attr:`RunHooks.phase` names them: ``contexts`` (the VAE encode and every item's prefill), ``denoise``,
+    ``decode`` (the VAE's; an answer's decoding steps count as ``decode`` too)."""
+    grouped: dict[str, int] = {}
+    for name, size in planned.items():
+        phase = "contexts" if name.startswith(("vae:encode", "prefill:")) else name.split(":")[0]
+        phase = "decode" if phase == "vae" else phase
+        grouped[phase] = max(grouped.get(phase, 0), size)
+    return grouped
+
+
 def real_size_config(size: int) -> BagelConfig:
     """BAGEL-7B-MoT's configuration with the transform rule :mod:`benchmarks.real_size` writes for ``size``."""
     rules = parse_transform_config(edit_transform_rules(size), Path(TRANSFORM_CONFIG_FILE))
@@ -170,7 +189,10 @@ def measure_edit(
         return pipe.generate("edit", [*sources, PROMPT], settings, hooks=hooks)
 
     gc.collect()
-    tracker = None if device.type == "cuda" else TensorMemoryTracker()
+    weights = [*loaded.model.parameters(), *loaded.model.buffers()]
+    if loaded.vae is not None:
+        weights += [*loaded.vae.parameters(), *loaded.vae.buffers()]
+    tracker = None if device.type == "cuda" else TensorMemoryTracker(weights)  # views of a weight allocate nothing
     meter = PhaseMeter(device, tracker, parameter_bytes(loaded.model) + parameter_bytes(loaded.vae))
     start = time.perf_counter()
     if tracker is None:
@@ -206,6 +228,8 @@ def measure_edit(
         "phase_peak_bytes": meter.peak,
         "kv_bytes_per_branch": result.info["cache_bytes"],
         "plan_breakdown": plan.breakdown,
+        "plan_phase_bytes": meter_phases(tensor_phase_bytes(plan)),
+        "plan_kv_held": plan.breakdown["kv_held"],
         "decode_entry_tensors": meter.decode_entry_tensors,
         "seconds": round(seconds, 2),
     }

@@ -81,17 +81,24 @@ def request_of(prior: list, source, prompt: str, latent=None) -> list:
     return [*prior, *own, TextItem(prompt)]
 
 
-def memory_of(loaded, task: str, request: list, settings) -> int:
-    """The device memory an item request needs besides the weights (its KV at its largest, working memory and, when
-    on, TaylorSeer's factors)."""
-    from unicache_core.bagel.accounting import count_items, request_memory_bytes
+def memory_of(loaded, task: str, request: list, settings, kv=None) -> int:
+    """The ``memory_required`` of an item request for ComfyUI (its KV at its largest under the KV method ``kv``,
+    None: full KV; working memory and, when on, TaylorSeer's factors):
+    :func:`unicache_core.bagel.comfy_placement.memory_required`."""
+    from unicache_core.bagel.accounting import count_items
+    from unicache_core.bagel.comfy_placement import memory_required
     from unicache_core.bagel.items import request_items as checked
     from unicache_core.bagel.taylorseer import taylorseer_order
 
     tokens = count_items(
         loaded.config, loaded.tokenizer, task, checked(request, generation=task != "understanding"), settings
     )
-    return request_memory_bytes(loaded.config, loaded.dtype, tokens, taylor_order=taylorseer_order(settings))
+    return memory_required(loaded.config, loaded.dtype, tokens, kv_name(kv), taylor_order=taylorseer_order(settings))
+
+
+def kv_name(kv) -> str:
+    """The KV method's name of a ``kv`` input (None: ``full``)."""
+    return "full" if kv is None else kv.name
 
 
 def _items_in(tip: str):
@@ -180,6 +187,7 @@ __all__ = [
     "UniCacheImageItem",
     "UniCacheTextItem",
     "check_items",
+    "kv_name",
     "memory_of",
     "request_items",
     "request_of",

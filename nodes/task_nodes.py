@@ -16,7 +16,8 @@ import logging
 from functools import partial
 
 from unicache_core.bagel import BagelPipeline, GivenLatents, ImageTransforms, RunHooks
-from unicache_core.bagel.accounting import count_request, request_memory_bytes
+from unicache_core.bagel.accounting import count_request
+from unicache_core.bagel.comfy_placement import memory_required
 from unicache_core.bagel.notices import request_warnings, trained_images
 from unicache_core.bagel.seeding import MAX_SEED
 from unicache_core.bagel.settings import (
@@ -37,7 +38,7 @@ from . import host
 from .base import CATEGORY, REPORT, UniCacheNode, warnings_ui
 from .convert import ComfyVAEAdapter, from_comfy_latent, image_to_pils, pils_to_image, to_comfy_latent
 from .host import io
-from .items_nodes import check_items, memory_of, request_items, request_of
+from .items_nodes import check_items, kv_name, memory_of, request_items, request_of
 from .model import BagelModel
 from .task_inputs import (
     generation_inputs,
@@ -105,15 +106,16 @@ def _hooks(progress: _Progress, *, preview: bool) -> RunHooks:
     return RunHooks(progress=progress, cancel=host.interrupted, preview=progress.preview if preview else None)
 
 
-def _memory(model: BagelModel, task: str, prompt: str, settings, source_size=None, vae_size=None) -> int:
-    """The request's device memory besides the weights (KV of every branch, working memory and TaylorSeer's factors);
-    ``vae_size``: an edit's output size set by its source latent."""
+def _memory(model: BagelModel, task: str, prompt: str, settings, source_size=None, vae_size=None, kv=None) -> int:
+    """The ``memory_required`` of the request for ComfyUI: the memory plan's peak above the weights under the KV
+    method ``kv`` (None: full KV), :func:`unicache_core.bagel.comfy_placement.memory_required`; ``vae_size``: an
+    edit's output size set by its source latent."""
     check_prompt(prompt)  # before the tokenizer sees it (a lone surrogate can arrive in a /prompt JSON)
     loaded = model.loaded
     tokens = count_request(
         loaded.config, loaded.tokenizer, task, prompt, settings, source_size=source_size, vae_size=vae_size
     )
-    return request_memory_bytes(loaded.config, loaded.dtype, tokens, taylor_order=taylorseer_order(settings))
+    return memory_required(loaded.config, loaded.dtype, tokens, kv_name(kv), taylor_order=taylorseer_order(settings))
 
 
 def _external_vae(loaded, vae):
@@ -212,15 +214,16 @@ def run_task(node: str, task: str, inputs: dict) -> io.NodeOutput:
     if latent is not None:
         latents, size = _source_latents(latent, len(sources), loaded)
     source_size = None if sources[0] is None else sources[0].size
-    memory = _memory(model, task, prompt, settings, source_size=source_size, vae_size=size)
+    kv = inputs.get("kv")
+    memory = _memory(model, task, prompt, settings, source_size=source_size, vae_size=size, kv=kv)
     if task == "edit" and latent is None and vae is not None:
         latents = _encode_sources(vae, loaded, sources)
     prior = _chain_items(inputs.get("items"), loaded, vae if task in GENERATION else None)
     if prior:
-        memory = memory_of(loaded, task, request_of(prior, sources[0], prompt, latents[0]), settings)
+        memory = memory_of(loaded, task, request_of(prior, sources[0], prompt, latents[0]), settings, kv)
     ui = warnings_ui(node, request_notes(model, task, prior, sources[0], prompt, latents[0]))
     external = _external_vae(loaded, vae) if task in GENERATION else None
-    pipe = _pipeline(model, inputs.get("kv"), memory)
+    pipe = _pipeline(model, kv, memory)
     generation = task in GENERATION
     progress = _Progress(len(sources), settings.num_timesteps - 1 if generation else settings.max_new_tokens, loaded)
     results = []

@@ -78,14 +78,29 @@ def test_plan_json_schema(tmp_path: Path, capsys):
         == 0
     )
     data = json.loads(out.read_text())
-    assert set(data) == {"peak_bytes", "breakdown", "device_bytes", "fits", "suggestion", "vae_decode", "settings"}
+    assert set(data) == {
+        "peak_bytes",
+        "breakdown",
+        "device_bytes",
+        "fits",
+        "suggestion",
+        "vae_decode",
+        "peak_phase",
+        "phases",
+        "settings",
+    }
     assert data["device_bytes"] == 8 * GB and data["fits"] is False and isinstance(data["suggestion"], str)
     assert data["peak_bytes"] == sum(v for k, v in data["breakdown"].items() if k not in NOT_IN_PEAK)
     parts = data["breakdown"]
-    assert parts["working"] == max(
-        parts["kv_full"] + parts["upcast"] + parts["attention"] + parts["mlp"],
-        parts["vae_working"] + parts["cuda_vae_workspace"],
+    assert parts["working"] == data["peak_bytes"] - sum(
+        v for k, v in parts.items() if k not in NOT_IN_PEAK and k != "working"
     )
+    assert parts["working"] >= parts["vae_working"] + parts["cuda_vae_workspace"]
+    assert data["peak_bytes"] == max(data["phases"].values()) == data["phases"][data["peak_phase"]]
+    assert list(data["phases"]) == ["vae:encode", "prefill:item0", "prefill:item1", "prefill:item2"] + [
+        "denoise:first",
+        "vae:decode",
+    ]
     assert data["settings"]["weight_dtype"] == "int8"
     assert "does not fit" in capsys.readouterr().out
 

@@ -44,8 +44,28 @@ def test_the_readme_holds_the_plans_image_counts():
         if offload == "none" and card != "24 GB"
         for c in cells
     )
-    counts = [int(c) for c in rows[("24 GB", "layers")]]
-    assert counts[1] > counts[0] > 0 and counts[2] >= counts[3] > 0  # edits: UniCache more; questions: not more
+    # edit full / UniCache / x, understand full / UniCache / x: UniCache never fewer, more for an edit
+    cells = [c.strip() for c in rows[("24 GB", "none")]]
+    assert int(cells[1]) > int(cells[0]) > 0 and int(cells[4]) >= int(cells[3]) > 0
+
+
+def test_the_readme_holds_the_comfyui_box():
+    made = card_table.comfy_box()
+    readme = card_table.README.read_text(encoding="utf-8")
+    assert card_table.readme_table(readme, card_table.COMFY_START, card_table.COMFY_END) == made, (
+        "the memory plan changed: run `python -m tools.card_table --write`"
+    )
+    assert "offload" not in made.splitlines()[0]
+    assert "| 24 GB | `fp8_e4m3fn` | whole model on the card | whole model on the card | whole model" in made
+    assert "GB/step" in made and "a plan" in made.lower()
+    # ComfyUI's placement of a 2- and a 4-image edit on 12 and 16 GB cards, full KV and UniCache
+    streamed = [r.split("|")[1:3] for r in made.splitlines() if r.endswith(" |") and " images |" in r]
+    assert streamed == [
+        [" 12 GB ", " 2 images "],
+        [" 12 GB ", " 4 images "],
+        [" 16 GB ", " 2 images "],
+        [" 16 GB ", " 4 images "],
+    ]
 
 
 def test_the_table_goes_between_the_markers_and_nowhere_else():
@@ -76,6 +96,17 @@ def test_the_plot_shows_the_measured_bytes(tmp_path):
     und = next(r for r in quality["results"] if r["task"] == "und" and r["method"] == "unicache")
     assert right[0].unicache == pytest.approx(100 * (1 - und["achieved_reduction"]))
     out = tmp_path / "kv_bytes.png"
-    kv_plot.render(left, right, out)
+    peaks = kv_plot.peak_bars(RESULTS)
+    e2e = json.loads((RESULTS / "bagel_e2e.json").read_text(encoding="utf-8"))
+    four = {
+        r["method"]: r
+        for r in e2e["results"]
+        if r["checkpoint"] == "medium" and r["task"] == "edit" and r.get("images", 1) == 4
+    }
+    assert [p.label for p in peaks] == [f"{n} x 512²" for n in (1, 2, 4, 8)]
+    assert peaks[2].full_peak == pytest.approx(four["full"]["kv_bytes_peak"] / 1e6)
+    assert peaks[2].unicache_steady == pytest.approx(four["unicache"]["kv_bytes_steady"] / 1e6)
+    assert all(p.unicache_steady < p.unicache_peak <= p.full_peak for p in peaks)
+    kv_plot.render(left, right, out, peaks)
     with Image.open(out) as image, Image.open(kv_plot.OUT) as committed:
-        assert image.size == committed.size == (1100, 440)
+        assert image.size == committed.size == (1500, 440)

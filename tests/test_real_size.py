@@ -65,9 +65,9 @@ def test_phase_meter_on_the_twin_sees_the_caches_freed_before_the_decode(tmp_pat
         assert all(peak[p] >= entry[p] for p in peak) and row["peak_bytes"] == max(peak.values())
         assert abs(row["plan_error"]) <= 0.10, row["plan_error"]
         assert max(t["bytes"] for t in row["decode_entry_tensors"]) <= 256 * 64 * 4  # the packed latent
-    per_branch = rows[0]["kv_bytes_per_branch"]
-    held = sum(per_branch.values()) - per_branch["cfg_text"]  # full KV's cfg_text rows are gen's, held once
-    assert rows[0]["phase_entry_bytes"]["denoise"] - rows[0]["phase_entry_bytes"]["decode"] >= held
+    # the caches are freed before the decode: all of full KV's rows, each held once (gen and cfg_text share them)
+    freed = rows[0]["phase_entry_bytes"]["denoise"] - rows[0]["phase_entry_bytes"]["decode"]
+    assert freed >= 0.9 * rows[0]["plan_kv_held"] > 0
     assert len(format_table(rows).splitlines()) == 3
 
 

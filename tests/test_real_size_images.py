@@ -1,7 +1,7 @@
 """benchmarks.gpu_real_size with several source images (issue #43 item 6): the CPU dry run on the small-geometry
 twin meters an edit of three sources in one request phase by phase, and the plan, made for the same three images,
-is within 10% of the metered peak; UniCache holds less at the denoising's start than full KV (the images' rows that
-cfg_text shares with gen), as the plan says."""
+is within 10% of the metered peak; full KV holds the images' rows once (cfg_text shares them with gen), as the plan
+says, and UniCache no more."""
 
 from __future__ import annotations
 
@@ -28,15 +28,14 @@ def test_phase_meter_on_the_twin_with_three_sources(tmp_path):
         assert row["images"] == 3 and row["size"] == [256, 256]
         assert abs(row["plan_error"]) <= 0.10, row["plan_error"]
         assert max(t["bytes"] for t in row["decode_entry_tensors"]) <= 256 * 64 * 4  # only the packed latent
-    kv = sum(full["kv_bytes_per_branch"].values())
-    held = kv - full["kv_bytes_per_branch"]["cfg_text"]  # every row of full KV's cfg_text is gen's (shared, held once)
-    assert full["phase_entry_bytes"]["denoise"] - full["phase_entry_bytes"]["decode"] >= held
-    # Full KV now holds the rows cfg_text shares with gen once too, and UniCache stores the images' VAE rows (the twin
-    # has the paper's table) quantized as they are written (docs/compression.md §13). The memory plan still counts
-    # full KV's rows per branch until it models sharing (issue #54 items 5-8): its full-vs-UniCache gap is now an upper
-    # bound of the measured one, which is UniCache's prefill quantization alone.
-    assert full["plan_breakdown"]["kv_held"] == full["plan_breakdown"]["kv_full"] == kv
-    planned_gap = full["plan_breakdown"]["kv_held"] - unicache["plan_breakdown"]["kv_held"]
-    measured = full["phase_entry_bytes"]["denoise"] - unicache["phase_entry_bytes"]["denoise"]
-    assert 0 < measured < planned_gap, (measured, planned_gap)
+    kv = sum(full["kv_bytes_per_branch"].values())  # each branch's bytes, the shared rows in both
+    assert full["phase_entry_bytes"]["denoise"] - full["phase_entry_bytes"]["decode"] >= full["plan_kv_held"] / 2
+    # full KV holds the three images' rows once (gen and cfg_text share them), as the plan says: what the denoising
+    # starts with above the decode's start is within 25% of the plan's KV at its first step (the full cache also
+    # keeps each row's type and RoPE position, 18 B per row beside 256 B of keys and values on the twin)
+    held = full["phase_entry_bytes"]["denoise"] - full["phase_entry_bytes"]["decode"]
+    assert full["plan_kv_held"] < kv and 0.9 * full["plan_kv_held"] <= held <= 1.25 * full["plan_kv_held"], held
+    # UniCache holds no more than full KV when the denoising starts; the plan says less at its peak
+    assert unicache["phase_entry_bytes"]["denoise"] <= full["phase_entry_bytes"]["denoise"]
+    assert unicache["plan_kv_held"] < full["plan_kv_held"]
     assert format_table(report["results"]).splitlines()[1].split()[4] == "3"  # the images column

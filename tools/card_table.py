@@ -3,7 +3,7 @@
 the most input images a request takes on each card (:func:`~unicache_core.bagel.card_fit.card_table`).
 
     .venv/bin/python -m tools.card_table            # print the markdown tables
-    .venv/bin/python -m tools.card_table --write    # put them into README.md between their markers
+    .venv/bin/python -m tools.card_table --write    # put them into README.md and docs/memory.md between markers
 
 A request is one row group (:data:`REQUESTS`): add one there to add it to the table. ``tests/test_card_table.py``
 checks that the README holds the table this script makes, so a change of the plan shows up as a failing test
@@ -25,6 +25,9 @@ START = "<!-- card-table:start (python -m tools.card_table --write) -->"
 END = "<!-- card-table:end -->"
 IMAGES_START = "<!-- card-images:start (python -m tools.card_table --write) -->"
 IMAGES_END = "<!-- card-images:end -->"
+COMFY_START = "<!-- comfy-box:start (python -m tools.card_table --write) -->"
+COMFY_END = "<!-- comfy-box:end -->"
+MEMORY_DOC = ROOT / "docs" / "memory.md"
 #: Card sizes, in decimal GB as the plan counts them (an "8 GB" card has 8 GiB = 8.6 GB, some of it taken by
 #: the driver and the display: the decimal size is a margin for that).
 CARDS_GB = (8, 12, 16, 24)
@@ -107,18 +110,78 @@ def table() -> str:
 
 def images_table() -> str:
     """The most input images per card (fp8 weights, without and with layer offload): 1024² images of an edit (the
-    edited one included) and 980 px images of an understanding question, with full KV and with UniCache."""
-    from unicache_core.bagel.card_fit import card_table
+    edited one included) and 980 px images of an understanding question, with full KV (each image's rows held
+    once) and with UniCache at its default."""
+    from unicache_core.bagel.card_fit import MOST_IMAGES_SEARCHED, card_table
 
     cells = {(r.card_gb, r.offload, r.task, r.kv_method): r.most_images for r in card_table()}
+
+    def count(value: int) -> str:
+        return "-" if not value else f"{value}+" if value >= MOST_IMAGES_SEARCHED else str(value)
+
     rows = [
-        "| card | offload | edit, 1024² images: full KV | UniCache | understand, 980 px images: full KV | UniCache |",
-        "|---|---|---|---|---|---|",
+        "| card | offload | edit, 1024² images: full KV | UniCache | x | understand, 980 px images: full KV | UniCache"
+        " | x |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for card in CARDS_GB:
         for offload in ("none", "layers"):
-            counts = [cells[(card, offload, task, kv)] for task in ("edit", "und") for kv in ("full", "unicache")]
-            rows.append(f"| {card} GB | {offload} | " + " | ".join(str(c) if c else "-" for c in counts) + " |")
+            counts = []
+            for task in ("edit", "und"):
+                full, ours = cells[(card, offload, task, "full")], cells[(card, offload, task, "unicache")]
+                ratio = (f"{ours / full:.1f}" + ("+" if ours >= MOST_IMAGES_SEARCHED else "")) if full else "-"
+                counts += [count(full), count(ours), ratio]
+            rows.append(f"| {card} GB | {offload} | " + " | ".join(counts) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def _comfy_cell(full: dict, ours: dict) -> str:
+    def streamed(row: dict) -> str:
+        unit = "answer token" if row["task"] == "understanding" else "step"
+        return f"{row['streamed_per_step'] / GB:.1f} GB/{unit}"
+
+    if ours["whole"] and full["whole"]:
+        return "whole model on the card"
+    text = f"streams {streamed(ours)}, {ours['offloaded'] / GB:.1f} GB off the card"
+    return text if streamed(full) == streamed(ours) else f"{text} (full KV: {streamed(full)})"
+
+
+def comfy_box() -> str:
+    """The README's ComfyUI box: per card and loader ``weight_dtype``, what ComfyUI's own placement does with
+    BAGEL-7B-MoT for each task at 1024² with UniCache (and full KV where it differs), from the memory plan of
+    ComfyUI's rules (:mod:`unicache_core.bagel.comfy_placement`); then the bytes streamed per denoising step for a
+    2- and a 4-image 1024² edit on 12 and 16 GB cards."""
+    from unicache_core.bagel.card_fit import COMFY_BOX_REQUESTS, comfy_box_rows, comfy_stream_rows
+
+    cells = {(r["card_gb"], r["weight_dtype"], r["task"], r["kv_method"]): r for r in comfy_box_rows()}
+    labels = {"understanding": "understand a 1024² image", "t2i": "text to image, 1024²", "edit": "edit a 1024² image"}
+    rows = [
+        "| your card | loader `weight_dtype` | " + " | ".join(labels[t] for t, _ in COMFY_BOX_REQUESTS) + " |",
+        "|---|---|" + "---|" * len(COMFY_BOX_REQUESTS),
+    ]
+    for card in CARDS_GB:
+        for weight_dtype in ("fp8_e4m3fn", "default"):
+            cols = [
+                _comfy_cell(cells[(card, weight_dtype, t, "full")], cells[(card, weight_dtype, t, "unicache")])
+                for t, _ in COMFY_BOX_REQUESTS
+            ]
+            rows.append(f"| {card} GB | `{weight_dtype}` | " + " | ".join(cols) + " |")
+    rows += [
+        "",
+        "A plan, not a measurement: ComfyUI 0.3.75's placement rules (`load_models_gpu`, lowvram partial loading) "
+        "applied to the memory the pack asks for, a card of N GB taken as N x 10^9 bytes free. With several images "
+        "(fp8; GB):",
+        "",
+        "| card | 1024² edit of | full KV: memory_required / off the card / streamed per step | UniCache |",
+        "|---|---|---|---|",
+    ]
+    stream = {(r["card_gb"], r["images"], r["kv_method"]): r for r in comfy_stream_rows()}
+    for card, images in sorted({(c, n) for c, n, _ in stream}):
+        cols = [
+            f"{r['memory_required'] / GB:.2f} / {r['offloaded'] / GB:.2f} / {r['streamed_per_step'] / GB:.1f}"
+            for r in (stream[(card, images, "full")], stream[(card, images, "unicache")])
+        ]
+        rows.append(f"| {card} GB | {images} images | " + " | ".join(cols) + " |")
     return "\n".join(rows) + "\n"
 
 
@@ -137,20 +200,38 @@ def write_into(text: str, new_table: str, start: str = START, end: str = END) ->
     return f"{head}{start}\n{new_table}{end}{tail}"
 
 
+def blocks() -> list[tuple[str, str, str]]:
+    """``(start marker, end marker, text)`` of every generated block."""
+    return [(START, END, table()), (IMAGES_START, IMAGES_END, images_table()), (COMFY_START, COMFY_END, comfy_box())]
+
+
+def write_blocks(path: Path, made: list[tuple[str, str, str]]) -> list[str]:
+    """Write each block of ``made`` whose markers ``path`` holds; the start markers written."""
+    text = path.read_text(encoding="utf-8")
+    written = []
+    for start, end, block in made:
+        if start in text and end in text:
+            text = write_into(text, block, start, end)
+            written.append(start)
+    path.write_text(text, encoding="utf-8")
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m tools.card_table", description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="write the table into README.md (between its markers)")
+    parser.add_argument(
+        "--write", action="store_true", help="write the tables into README.md and docs/memory.md (between markers)"
+    )
     args = parser.parse_args(argv)
-    new_table, new_images = table(), images_table()
-    if args.write:
-        try:
-            text = write_into(README.read_text(encoding="utf-8"), new_table)
-            README.write_text(write_into(text, new_images, IMAGES_START, IMAGES_END), encoding="utf-8")
-        except ValueError as error:
-            sys.stderr.write(f"error: {error}\n")
-            return 2
-    else:
-        sys.stdout.write(new_table + "\n" + new_images)
+    made = blocks()
+    if not args.write:
+        sys.stdout.write("\n".join(block for _, _, block in made))
+        return 0
+    written = write_blocks(README, made) + write_blocks(MEMORY_DOC, made)
+    missing = [start for start, _, _ in made if start not in written]
+    if missing:
+        sys.stderr.write(f"error: no file holds the markers {', '.join(missing)}: add them where the table goes\n")
+        return 2
     return 0
 
 

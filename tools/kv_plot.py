@@ -5,9 +5,11 @@ measured results in docs/results/ (nothing is computed here that the benchmarks 
 
 Left: BAGEL-7B-MoT's geometry (random weights, the real sizes): the KV of every CFG branch of an edit at 256,
 512 and 1024 px on an H200 (``gpu_real_size.json``, fp8 weights, no offload) and of an answer about a 256 px
-image on the CPU (``real_size.json``). Right: the bundled model, every task at the paper's reductions, with the
-task's score beside each bar (``quality.json``), so the bytes saved sit next to what they cost. Needs matplotlib
-(the ``docs`` extra: ``pip install -e '.[docs]'``).
+image on the CPU (``real_size.json``). Middle: the KV held at its peak (the context filled, when the first denoising
+step begins) and after compression, for edits of 1, 2, 4 and 8 images (``bagel_e2e.json``, the medium checkpoint),
+full KV's peak beside UniCache's peak and steady bytes. Right: the bundled model, every task at the paper's
+reductions, with the task's score beside each bar (``quality.json``), so the bytes saved sit next to what they
+cost. Needs matplotlib (the ``docs`` extra: ``pip install -e '.[docs]'``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ EDIT_WEIGHTS, EDIT_OFFLOAD = "fp8_e4m3fn", "none"
 #: quality.json's target set that the right panel shows (the paper's reductions: und 80%, t2i 60%, edit 80%).
 QUALITY_TARGETS = "paper"
 TASK_NAMES = {"und": "understand", "t2i": "text to image", "edit": "edit"}
-FULL_COLOR, UNICACHE_COLOR = "#9e9e9e", "#1e88e5"
+FULL_COLOR, UNICACHE_COLOR, PEAK_COLOR = "#9e9e9e", "#1e88e5", "#90caf9"
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,41 @@ def real_size_bars(results: Path) -> list[Bar]:
     return bars
 
 
+@dataclass(frozen=True)
+class PeakBar:
+    """One image count's bars: full KV's peak, UniCache's peak and its steady bytes (MB)."""
+
+    label: str
+    full_peak: float
+    unicache_peak: float
+    unicache_steady: float
+
+
+#: bagel_e2e.json's checkpoint and task of the peak panel.
+PEAK_CHECKPOINT, PEAK_TASK = "medium", "edit"
+
+
+def peak_bars(results: Path) -> list[PeakBar]:
+    """Edits of several images (``bagel_e2e.json``): the KV all branches hold at the peak and after compression."""
+    e2e = json.loads((results / "bagel_e2e.json").read_text(encoding="utf-8"))
+    rows = {
+        (r.get("images", 1), r["method"]): r
+        for r in e2e["results"]
+        if r["checkpoint"] == PEAK_CHECKPOINT and r["task"] == PEAK_TASK and r["method"] in ("full", "unicache")
+    }
+    size = e2e["config"]["edit_size"]
+    return [
+        PeakBar(
+            f"{n} x {size}²",
+            rows[(n, "full")]["kv_bytes_peak"] / MB,
+            rows[(n, "unicache")]["kv_bytes_peak"] / MB,
+            rows[(n, "unicache")]["kv_bytes_steady"] / MB,
+        )
+        for n in sorted({n for n, _ in rows})
+        if (n, "full") in rows and (n, "unicache") in rows
+    ]
+
+
 def bundled_bars(results: Path) -> list[Bar]:
     """The bundled model: per task, the share of full KV's compressible bytes held (%) and both scores."""
     quality = json.loads((results / "quality.json").read_text(encoding="utf-8"))
@@ -85,14 +122,15 @@ def bundled_bars(results: Path) -> list[Bar]:
     return bars
 
 
-def render(left: list[Bar], right: list[Bar], out: Path) -> None:
-    """Draw both panels into ``out`` (PNG)."""
+def render(left: list[Bar], right: list[Bar], out: Path, peaks: list[PeakBar] | None = None) -> None:
+    """Draw the panels into ``out`` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_l, ax_r) = plt.subplots(1, 2, figsize=(11, 4.4), gridspec_kw={"width_ratios": [4, 3]})
+    fig, (ax_l, ax_p, ax_r) = plt.subplots(1, 3, figsize=(15, 4.4), gridspec_kw={"width_ratios": [4, 4, 3]})
+    _peak_panel(ax_p, peaks or [])
     width = 0.38
     for ax, bars, unit in ((ax_l, left, "MB"), (ax_r, right, "%")):
         xs = range(len(bars))
@@ -124,13 +162,41 @@ def render(left: list[Bar], right: list[Bar], out: Path) -> None:
         ax.legend(frameon=False, fontsize=8, loc="upper left")
     ax_l.set_yscale("log")
     ax_l.set_ylabel("KV held, all CFG branches (MB, log scale)")
-    ax_l.set_title("BAGEL-7B-MoT geometry, measured", fontsize=10)
+    ax_l.set_title("BAGEL-7B-MoT geometry, measured after compression", fontsize=10)
     ax_r.set_ylabel("compressible KV held (% of full)")
     ax_r.set_ylim(0, 115)
     ax_r.set_title("bundled model, paper reductions: bytes and score", fontsize=10)
     fig.tight_layout()
     write_atomically("--out", out, lambda tmp: fig.savefig(tmp, format="png", dpi=100, metadata={"Software": None}))
     plt.close(fig)
+
+
+def _peak_panel(ax, peaks: list[PeakBar]) -> None:
+    """Full KV's peak, UniCache's peak and UniCache's steady bytes per image count."""
+    width = 0.27
+    xs = range(len(peaks))
+    series = (
+        ("full KV, peak", [p.full_peak for p in peaks], FULL_COLOR, -width),
+        ("UniCache, peak", [p.unicache_peak for p in peaks], PEAK_COLOR, 0.0),
+        ("UniCache, after compression", [p.unicache_steady for p in peaks], UNICACHE_COLOR, width),
+    )
+    for label, values, color, offset in series:
+        ax.bar([x + offset for x in xs], values, width, color=color, label=label)
+    for x, bar in zip(xs, peaks):
+        ax.annotate(
+            f"{bar.full_peak / bar.unicache_peak:.1f}x",
+            (x, bar.unicache_peak),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            fontsize=8,
+            color="#1565c0",
+        )
+    ax.set_xticks(list(xs), [p.label for p in peaks], fontsize=8)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.legend(frameon=False, fontsize=8, loc="upper left")
+    ax.set_ylabel("KV held, all CFG branches (MB)")
+    ax.set_title("edits of several images (medium checkpoint): peak and steady", fontsize=10)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,12 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as error:
         parser.error(str(error))
     try:
-        left, right = real_size_bars(args.results), bundled_bars(args.results)
+        left, right, peaks = real_size_bars(args.results), bundled_bars(args.results), peak_bars(args.results)
     except (OSError, KeyError, ValueError) as error:
         sys.stderr.write(f"error: {args.results}: cannot read the results the plot needs ({error!r})\n")
         return 2
     try:
-        render(left, right, args.out)
+        render(left, right, args.out, peaks)
     except ImportError:
         sys.stderr.write("error: the plot needs matplotlib: pip install -e '.[docs]'\n")
         return 2

@@ -194,18 +194,6 @@ class RequestTokens:
             counts["gen"] += self.decoded + BOUNDARY_TOKENS
         return counts
 
-    def shared_fork_tokens(self) -> int:
-        """Rows ``cfg_text`` shares with ``gen`` in a segmented (compressing) cache until the first compression:
-        the input images' rows (a text appended to ``gen`` after the fork copies its text and boundary stores), or
-        all of them when nothing follows the fork. A :class:`~unicache_core.kv.cache.FullKVCache` shares none: its
-        next append to ``gen`` builds new tensors of every row."""
-        if self.task == "understanding":
-            return 0
-        counts = self.branches()
-        if self.cfg_text_tail == 0 and not self.system:
-            return counts["cfg_text"]
-        return sum(vae + vit for vae, vit in self.image_blocks() if vae)
-
     def largest_image(self) -> tuple[int, int]:
         """``(vae, vit)``: the most tokens of one input image's VAE block and of one ViT block (encoded and
         prefilled one image at a time)."""

@@ -106,9 +106,78 @@ def card_table(
     return rows
 
 
+#: The ComfyUI figures: the cards and image counts of the streamed-bytes table, the box's requests (task, side).
+COMFY_STREAM_CARDS_GB = (12, 16)
+COMFY_STREAM_IMAGES = (2, 4)
+COMFY_BOX_REQUESTS = (("understanding", 1024), ("t2i", 1024), ("edit", 1024))
+
+
+def comfy_request(
+    config: BagelConfig,
+    task: str,
+    side: int,
+    images: int,
+    kv_method: str,
+    card_gb: int,
+    weight_dtype: str = "fp8_e4m3fn",
+) -> dict:
+    """ComfyUI's placement (:func:`~.comfy_placement.comfy_placement`) of a request of ``images`` input images of
+    ``side`` px (``t2i``: none, a ``side`` px output) on a ``card_gb`` card, with the ``memory_required`` the pack
+    passes for it (:func:`~.comfy_placement.memory_required`), as a dict of bytes."""
+    import torch
+
+    from .accounting import request_tokens
+    from .comfy_placement import comfy_placement, memory_required
+
+    sizes = ((side, side),) * images if task != "t2i" and images else None
+    tokens = request_tokens(config, task, side, side, images=sizes)
+    required = memory_required(config, torch.bfloat16, tokens, kv_method)
+    placement = comfy_placement(config, weight_dtype, torch.bfloat16, card_gb * 10**9, required, task=task)
+    return {
+        "card_gb": card_gb,
+        "task": task,
+        "side": side,
+        "images": images,
+        "kv_method": kv_method,
+        "weight_dtype": weight_dtype,
+        **placement.to_dict(),
+    }
+
+
+def comfy_stream_rows(config: BagelConfig | None = None) -> list[dict]:
+    """The bytes ComfyUI streams per denoising step for a 1024² edit of :data:`COMFY_STREAM_IMAGES` images on
+    :data:`COMFY_STREAM_CARDS_GB` cards (fp8), full KV and UniCache."""
+    config = official_config() if config is None else config
+    return [
+        comfy_request(config, "edit", 1024, images, method, card)
+        for card in COMFY_STREAM_CARDS_GB
+        for images in COMFY_STREAM_IMAGES
+        for method in ("full", "unicache")
+    ]
+
+
+def comfy_box_rows(config: BagelConfig | None = None, weight_dtypes=("fp8_e4m3fn", "default")) -> list[dict]:
+    """ComfyUI's placement of each of :data:`COMFY_BOX_REQUESTS` (one input image) on every card of
+    :data:`CARD_SIZES_GB`, per loader ``weight_dtype``, full KV and UniCache."""
+    config = official_config() if config is None else config
+    return [
+        comfy_request(config, task, side, 0 if task == "t2i" else 1, method, card, weight_dtype)
+        for card in CARD_SIZES_GB
+        for weight_dtype in weight_dtypes
+        for task, side in COMFY_BOX_REQUESTS
+        for method in ("full", "unicache")
+    ]
+
+
 __all__ = [
     "CARD_SIZES_GB",
+    "COMFY_BOX_REQUESTS",
+    "COMFY_STREAM_CARDS_GB",
+    "COMFY_STREAM_IMAGES",
     "CardRow",
+    "comfy_box_rows",
+    "comfy_request",
+    "comfy_stream_rows",
     "MOST_IMAGES_SEARCHED",
     "TABLE_IMAGE_SIZES",
     "card_table",

@@ -278,6 +278,14 @@ def describe(plan) -> str:
         f"  {name:<28} {size / gb:8.3f} GB" + ("  (detail, not added)" if name in NOT_IN_PEAK else "")
         for name, size in plan.breakdown.items()
     ]
+    parts = plan.breakdown
+    if "kv_held" in parts:
+        lines.append(
+            f"  KV held at the LLM phases' peak {parts['kv_held'] / gb:.3f} GB (each image's rows once; the official "
+            f"code's every branch apart: {parts['kv_full'] / gb:.3f} GB); peak phase {plan.peak_phase}"
+        )
+    if plan.phases:
+        lines.append("  phases (GB): " + " | ".join(f"{name} {size / gb:.2f}" for name, size in plan.phases))
     if "taylorseer" in plan.breakdown:
         ours, official = plan.breakdown["taylorseer"], plan.breakdown["taylorseer_official"]
         lines.append(describe_factors(ours, official, plan.settings, GENERATION_BRANCHES))

@@ -61,12 +61,13 @@ import torch
 
 from .accounting import (
     PLAN_PROMPT_TOKENS,
+    RequestTokens,
     request_memory_parts,
     request_tokens,
 )
 from .config import BagelConfig, bagel_config_from_dicts, load_bagel_config
 from .image_fit import suggest_fewer_images
-from .plan_kv import kv_parts, kv_per_image
+from .plan_kv import KVPhase, kv_parts, kv_per_image, kv_phases
 from .runtime_memory import (
     CPU_CONV_KERNEL_BYTES,
     CPU_MATMUL_KERNEL_BYTES,
@@ -79,6 +80,7 @@ from .runtime_memory import (
     matmul_shapes,
 )
 from .settings import T2I_DEFAULTS
+from .vae_memory import tiled_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +90,13 @@ OFFICIAL_CHECKPOINT = "bagel-7b-mot"
 NOT_IN_PEAK = (
     "weights_host",
     "kv_full",
+    "kv_shared",
     "kv_held",
-    "kv_compressing",
+    "kv_transient",
     "kv_scoring",
     "kv_compressed",
     "upcast",
+    "upcast_attention",
     "attention",
     "mlp",
     "vae_working",
@@ -179,6 +183,23 @@ class MemoryPlan:
     vae_decode: str = "whole"
     #: each input image's uncompressed KV: ``{"size", "vae_tokens", "vit_tokens", "bytes_per_branch"}``
     kv_images: tuple[dict[str, Any], ...] = ()
+    #: each phase's bytes on the device (weights, runtime and that phase's working memory), in the order they run:
+    #: ``vae:encode``, ``prefill:item<j>``, ``denoise:first`` or ``decode`` (understanding), ``vae:decode``
+    phases: tuple[tuple[str, int], ...] = ()
+    #: the same without the runtime's own memory (CPU kernels and heap, CUDA workspaces): the tensors alone
+    tensor_phases: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase that reaches the peak (the first of equal ones)."""
+        return max(self.phases, key=lambda phase: phase[1])[0] if self.phases else ""
+
+    @property
+    def above_weights(self) -> int:
+        """The peak less the weights on the device and the VAE's: what a host keeps free beside the model
+        (ComfyUI's ``memory_required``)."""
+        weights = sum(v for k, v in self.breakdown.items() if k.startswith("weights_device_"))
+        return self.peak_bytes - weights - self.breakdown.get("vae", 0)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -188,6 +209,8 @@ class MemoryPlan:
             "fits": self.fits,
             "suggestion": self.suggestion,
             "vae_decode": self.vae_decode,
+            "peak_phase": self.peak_phase,
+            "phases": dict(self.phases),
             "settings": {
                 **self.settings.to_dict(),
                 "kv_branches": dict(self.kv_branches),
@@ -209,6 +232,25 @@ def _weights(config: BagelConfig, weight_dtype: str, dtype: torch.dtype, offload
     return parts, dtype.itemsize
 
 
+@functools.lru_cache(maxsize=16)
+def _upcasts(config: BagelConfig, weight_dtype: str, upcast: int) -> tuple[int, int]:
+    """(``upcast``, ``upcast_attention``): a decoder layer's upcast weights (``upcast``, :func:`_weights`) as a
+    forward holds them: the whole layer during its MLP, the attention's during the attention call (a layer upcasts
+    its Linears as they are called); fp8 e4m3fn adds one weight's int16 bits (:func:`~.modeling.operations.
+    upcast_weight` goes through them) while the last is made: +136 MB at BAGEL-7B, measured on the CPU
+    (docs/memory.md)."""
+    from .weight_layout import bagel_layout
+    from .weights import WEIGHT_DTYPES, parse_weight_dtype
+
+    linear = [s for s in bagel_layout(config).llm_layer if s.role == "linear"]
+    attention = [s for s in linear if s.name.startswith("self_attn.")]
+    upcast_attention = upcast * sum(s.numel for s in attention) // max(1, sum(s.numel for s in linear))
+    if upcast and WEIGHT_DTYPES[parse_weight_dtype(weight_dtype)] == torch.float8_e4m3fn:
+        upcast += max(s.numel for s in linear) * 2
+        upcast_attention += max(s.numel for s in attention) * 2
+    return upcast, upcast_attention
+
+
 def plan_memory(
     config: BagelConfig,
     settings: PlanSettings,
@@ -228,10 +270,12 @@ def plan_memory(
     return dataclasses.replace(plan, suggestion=_suggest(config, settings, device_bytes))
 
 
-def plan_without_suggestion(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> MemoryPlan:
-    """:func:`plan_memory` at the default text lengths without searching for a setting that fits (what a search over
-    settings calls)."""
-    return _predict(config, settings, device_bytes)
+def plan_without_suggestion(
+    config: BagelConfig, settings: PlanSettings, device_bytes: int, tokens: RequestTokens | None = None
+) -> MemoryPlan:
+    """:func:`plan_memory` at the default text lengths (or of ``tokens``, a counted request) without searching for a
+    setting that fits (what a search over settings calls)."""
+    return _predict(config, settings, device_bytes, tokens=tokens)
 
 
 def _predict(
@@ -240,16 +284,19 @@ def _predict(
     device_bytes: int,
     prompt_tokens: int = PLAN_PROMPT_TOKENS,
     answer_tokens: int | None = None,
+    tokens: RequestTokens | None = None,
 ) -> MemoryPlan:
-    """:func:`plan_memory` without the suggestion."""
+    """:func:`plan_memory` without the suggestion (``tokens``: a request counted from its real texts instead)."""
     from .checkpoint.loader import parse_dtype
 
     task = PLAN_TASKS[settings.task]
     dtype = parse_dtype(settings.dtype)
     images = tuple(tuple(size) for size in settings.images) or None
-    tokens = request_tokens(config, task, settings.width, settings.height, prompt_tokens, answer_tokens, images)
+    if tokens is None:
+        tokens = request_tokens(config, task, settings.width, settings.height, prompt_tokens, answer_tokens, images)
     parts, _ = _weights(config, settings.weight_dtype, dtype, settings.offload)
     parts = dict(parts)
+    parts["upcast"], parts["upcast_attention"] = _upcasts(config, settings.weight_dtype, parts["upcast"])
     kv_branches = tokens.kv_bytes(config, dtype)
     kv = kv_parts(config, dtype, tokens, settings.kv_method)
     compressed = kv.pop("kv_compressed", None)
@@ -257,7 +304,7 @@ def _predict(
     work = request_memory_parts(
         config, dtype, tokens, taylor_order=settings.taylorseer_order if settings.taylorseer else None
     )
-    parts.update(attention=work["attention"], mlp=work["mlp"], vae_working=work["vae"])
+    parts["vae_working"] = work["vae"]
     if work["taylorseer"]:
         parts["taylorseer"] = work["taylorseer"]
         parts["taylorseer_official"] = work["taylorseer"] * config.llm.num_hidden_layers
@@ -270,19 +317,23 @@ def _predict(
     elif settings.device == "cuda":
         parts.update(cuda_runtime_parts(config, tokens, work))
         vae_heap = parts["cuda_vae_workspace"]
-    parts["working"] = _working(parts, freed_heap, vae_heap)
+    llm_phases = kv_phases(config, dtype, tokens, settings.kv_method)
+    _llm_peak(parts, llm_phases, config, dtype)
+    parts["working"] = _working(parts, llm_phases, config, dtype, freed_heap, vae_heap)
     peak = sum(v for k, v in parts.items() if k not in NOT_IN_PEAK)
     vae_decode = "whole"
     if settings.device == "cuda" and peak > device_bytes:
         # the pipeline decodes in tiles when the whole decode runs out of device memory (.denoise)
         tiled = dict(parts, **cuda_runtime_parts(config, tokens, work, tiled=True))
-        tiled["working"] = _working(tiled, 0, tiled["cuda_vae_workspace"])
+        tiled["working"] = _working(tiled, llm_phases, config, dtype, 0, tiled["cuda_vae_workspace"])
         tiled_peak = sum(v for k, v in tiled.items() if k not in NOT_IN_PEAK)
         if tiled_peak < peak:
             parts, peak, vae_decode = tiled, tiled_peak, "tiled"
     if compressed is not None:
         parts["kv_compressed"] = compressed
     sizes = images if images is not None else ((settings.width, settings.height),)
+    tiled = vae_decode == "tiled"
+    rows = _phase_bytes(parts, llm_phases, config, dtype, work, freed_heap, tokens, settings.device, tiled)
     return MemoryPlan(
         peak_bytes=int(peak),
         breakdown=parts,
@@ -292,29 +343,102 @@ def _predict(
         settings=settings,
         kv_branches=kv_branches,
         vae_decode=vae_decode,
-        kv_images=kv_per_image(config, dtype, tokens, sizes, shared=settings.kv_method != "full"),
+        kv_images=kv_per_image(config, dtype, tokens, sizes, kv_method=settings.kv_method),
+        phases=tuple((name, size) for name, size, _ in rows),
+        tensor_phases=tuple((name, tensors) for name, _, tensors in rows),
     )
 
 
-def _working(parts: dict[str, int], freed_heap: int = 0, vae_heap: int = 0) -> int:
-    """The working memory of the larger phase: the LLM's (the KV the branches hold and a decoder layer's upcast
-    weights, attention and MLP, TaylorSeer's factors, and on the CPU the heap its forward keeps; or, after the first
-    step, that KV and the first compressed branch's copy), or a VAE pass's (and on the CPU its heap)."""
-    held = parts.get("kv_held", parts["kv_full"])
-    forward = parts["upcast"] + parts["attention"] + parts["mlp"] + parts.get("kv_scoring", 0)
-    seer = parts.get("taylorseer", 0)
-    return max(
-        held + forward + seer + freed_heap,
-        held + parts.get("kv_compressing", 0) + seer,
-        parts["vae_working"] + vae_heap,
-    )
+def forward_bytes(config: BagelConfig, dtype: torch.dtype, rows: int, branches: int) -> tuple[int, int]:
+    """``(attention, mlp)`` bytes of a forward of ``rows`` rows (:func:`~.accounting.request_memory_parts`'s
+    formulas): the fp32 partial outputs and their merge; gate, up, their product and ``4 + branches`` hidden-size
+    tensors (the branches of a denoising step run through each layer together)."""
+    llm = config.llm
+    attention = rows * 2 * llm.num_attention_heads * llm.head_dim * 4
+    mlp = rows * (3 * llm.intermediate_size + (4 + branches) * llm.hidden_size) * dtype.itemsize
+    return attention, mlp
+
+
+def _phase_working(phase: KVPhase, parts: dict[str, int], config: BagelConfig, dtype: torch.dtype) -> int:
+    """One LLM phase's working memory: its KV, TaylorSeer's factors while denoising, and the larger of a layer's two
+    halves: its attention call (the attention's upcast weights, the outputs, the gathered layer and the layer's new
+    rows, a key scorer's transient) or its MLP (the whole layer's upcast weights and the MLP's activations; measured
+    on the CPU at BAGEL-7B's widths: UniCache's scorer did not raise the peak the MLP sets, docs/memory.md)."""
+    attention, mlp = forward_bytes(config, dtype, phase.tokens, phase.branches)
+    seer = parts.get("taylorseer", 0) if phase.name.startswith("denoise") else 0
+    # the branches of a step run each layer in turn: from the second on, its attention call finds every weight upcast
+    upcast = parts["upcast"] if phase.branches > 1 else parts["upcast_attention"]
+    call = upcast + attention + phase.transient + phase.scoring
+    return phase.kv + max(call, parts["upcast"] + mlp) + seer
+
+
+def _llm_peak(parts: dict[str, int], phases: list[KVPhase], config: BagelConfig, dtype: torch.dtype) -> None:
+    """Record the largest LLM phase's terms in ``parts`` (``kv_held``, ``kv_transient``, ``kv_scoring``,
+    ``attention``, ``mlp``)."""
+    top = max(phases, key=lambda phase: _phase_working(phase, parts, config, dtype))
+    attention, mlp = forward_bytes(config, dtype, top.tokens, top.branches)
+    parts.update(kv_held=top.kv, kv_transient=top.transient, attention=attention, mlp=mlp)
+    if top.scoring:
+        parts["kv_scoring"] = top.scoring
+
+
+def _working(
+    parts: dict[str, int],
+    phases: list[KVPhase],
+    config: BagelConfig,
+    dtype: torch.dtype,
+    freed_heap: int = 0,
+    vae_heap: int = 0,
+) -> int:
+    """The working memory of the largest phase: an LLM phase's (:func:`_phase_working`, and on the CPU the heap its
+    forward keeps) or a VAE pass's (and its heap or workspace)."""
+    llm = max(_phase_working(phase, parts, config, dtype) for phase in phases)
+    return max(llm + freed_heap, parts["vae_working"] + vae_heap)
+
+
+def _phase_bytes(
+    parts: dict[str, int],
+    phases: list[KVPhase],
+    config: BagelConfig,
+    dtype: torch.dtype,
+    work: dict[str, int],
+    freed_heap: int,
+    tokens: RequestTokens,
+    device: str,
+    tiled: bool,
+) -> tuple[tuple[str, int, int], ...]:
+    """Each phase's bytes on the device: the peak's fixed parts plus the phase's working memory (a VAE pass with its
+    CUDA workspace or CPU heap, the decode whole or in tiles as the plan counts it), and the same without the
+    runtime's own memory (kernels, heap, workspaces): what the tensors alone reach."""
+    fixed = sum(v for k, v in parts.items() if k not in NOT_IN_PEAK and k != "working")
+    pixels = config.latent_downsample**2
+    decode = work["vae_decode_tiled" if tiled else "vae_decode"]
+    encode_extra = decode_extra = parts.get("cpu_vae_heap", 0)
+    if device == "cuda":
+        encode_extra = CUDA_VAE_ENCODE_PER_PIXEL * tokens.largest_image()[0] * pixels
+        decoded = tiled_tokens(config, tokens.latent) if tiled else tokens.latent
+        decode_extra = CUDA_VAE_DECODE_PER_PIXEL * decoded * pixels
+    runtime = parts.get("cpu_kernel_cache", 0) + parts.get("cuda_runtime", 0)
+    rows: list[tuple[str, int, int]] = []  # (phase, bytes, bytes of the tensors alone)
+    if any(vae for vae, _ in tokens.image_blocks()):
+        rows.append(("vae:encode", fixed + work["vae_encode"] + encode_extra, fixed - runtime + work["vae_encode"]))
+    for phase in phases:
+        working = _phase_working(phase, parts, config, dtype)
+        rows.append((phase.name, fixed + working + freed_heap, fixed - runtime + working))
+    if tokens.latent:
+        rows.append(("vae:decode", fixed + decode + decode_extra, fixed - runtime + decode))
+    return tuple(rows)
 
 
 def tensor_peak_bytes(plan: MemoryPlan) -> int:
     """The plan's peak without the runtime's own memory (CPU or CUDA): what the tensors alone should reach."""
-    parts = plan.breakdown
-    runtime = parts.get("cpu_kernel_cache", 0) + parts.get("cuda_runtime", 0)
-    return plan.peak_bytes - runtime - (parts["working"] - _working(parts))
+    return max(tensor_phase_bytes(plan).values())
+
+
+def tensor_phase_bytes(plan: MemoryPlan) -> dict[str, int]:
+    """Each phase's planned bytes without the runtime's own memory (CPU or CUDA heap, kernels, workspaces): what a
+    tensor-accounting run measures phase by phase."""
+    return dict(plan.tensor_phases)
 
 
 def _suggest(config: BagelConfig, settings: PlanSettings, device_bytes: int) -> str:
@@ -368,5 +492,7 @@ __all__ = [
     "plan_memory",
     "plan_without_suggestion",
     "request_tokens",
+    "forward_bytes",
     "tensor_peak_bytes",
+    "tensor_phase_bytes",
 ]

@@ -5,14 +5,16 @@ operator returns while it is active is counted by its storage (views and in-plac
 the last Python tensor on that storage is freed. It works on any device, ``meta`` included, so a plan can run a
 module on meta tensors and read the peak its activations would reach without allocating them
 (:func:`meta_trace`). What it does not see: tensors created before it was entered (the weights) and the
-scratch space fused kernels allocate and free inside one operator (the CPU flash attention's blocks).
+scratch space fused kernels allocate and free inside one operator (the CPU flash attention's blocks). An operator
+that returns a view of an earlier tensor counts that tensor's storage while the view lives, unless the tensor is
+given as ``existing`` (the weights a run reads through views: a Linear's ``weight.t()``, an fp8 weight's bits).
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +32,11 @@ class TensorMemoryTracker(TorchDispatchMode):
         storage_sizes: the distinct byte sizes of the storages tracked.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, existing: Iterable[torch.Tensor] = ()) -> None:
+        """``existing``: tensors made before (a model's parameters and buffers) whose storages are never counted,
+        even when an operator returns a view of them (``weight.t()``, ``weight.view(torch.int8)``)."""
         super().__init__()
+        self._existing = {(t.untyped_storage()._cdata, t.untyped_storage().data_ptr()) for t in existing}
         self._storage_bytes: dict[int, int] = {}
         self._tensor_counts: dict[int, int] = {}
         self.live_bytes = 0
@@ -50,6 +55,8 @@ class TensorMemoryTracker(TorchDispatchMode):
     def _track(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         key = storage._cdata  # the storage's own address: shared by every view of it, on any device
+        if self._existing and (key, storage.data_ptr()) in self._existing:
+            return
         if key not in self._storage_bytes:
             self._storage_bytes[key] = storage.nbytes()
             self.storage_sizes.add(storage.nbytes())
