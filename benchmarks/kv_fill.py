@@ -18,15 +18,16 @@ the file's (rows of the same label are replaced). Deterministic bytes, not timin
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-from pathlib import Path
+import sys
 
 import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks.report_file import check_report_paths, write_json_report
+from unicache_commands.flags import OneLineParser, path_arg
+from unicache_commands.input_files import parse_json, read_text_file
 from unicache_core.bagel import BagelPipeline, RunHooks, load_bagel, preset
 from unicache_core.bagel.memory_trace import TensorMemoryTracker
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR
@@ -97,13 +98,21 @@ def measure(loaded, checkpoint: str, method: str, images: int, size: int = 128) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.kv_fill", description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", type=Path, default=BUNDLED_CHECKPOINT_DIR)
+    parser = OneLineParser(prog="python -m benchmarks.kv_fill", description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", type=path_arg, default=BUNDLED_CHECKPOINT_DIR)
     parser.add_argument("--images", default="1,2")
     parser.add_argument("--methods", default="full,unicache")
     parser.add_argument("--label", default="this checkout")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=path_arg, default=None, help="add this run's rows to this JSON report")
     args = parser.parse_args(argv)
+    check_report_paths(parser, [("--json", args.json, "JSON report")], checkpoints=[args.checkpoint])
+    old: dict = {"rows": []}
+    if args.json is not None and args.json.exists():  # the rows of other labels stay (main's beside a branch's)
+        text = read_text_file(args.json, label="--json", max_bytes=64 << 20, advice="give a new --json path")
+        previous = parse_json(text, label=f"--json {args.json}")
+        if not isinstance(previous, dict) or not isinstance(previous.get("rows"), list):
+            parser.error(f"--json: {args.json} is not a report of this program (no 'rows' list); give a new path")
+        old = previous
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     loaded = load_bagel(args.checkpoint, dtype=torch.float32)
@@ -113,16 +122,16 @@ def main(argv: list[str] | None = None) -> None:
             row = {"label": args.label, "checkpoint": args.checkpoint.name}
             row.update(measure(loaded, str(args.checkpoint), method, n))
             rows.append(row)
-            print(
+            sys.stdout.write(
                 f"{args.label:14} {method:9} {n} img: KV after prefill {row['kv_after_prefill']:>9,} B, "
                 f"at peak {row['kv_peak']:>9,}, after step 1 {row['kv_after_first_step']:>9,}, steady "
                 f"{row['kv_steady']:>9,}; prefill-call peak {max(c['peak'] for c in row['prefill_calls']):>11,}; "
                 + ", ".join(f"{k} {v:,}" for k, v in row["phase_peaks"].items())
+                + "\n"
             )
     if args.json is not None:
-        old = json.loads(args.json.read_text()) if args.json.exists() else {"rows": []}
         keep = [r for r in old["rows"] if not (r["label"] == args.label and r["checkpoint"] == args.checkpoint.name)]
-        args.json.write_text(json.dumps({"rows": keep + rows}, indent=1) + "\n", encoding="utf-8")
+        write_json_report(args.json, {"rows": keep + rows})
 
 
 if __name__ == "__main__":
