@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from unicache_core.bagel.items import ImageItem, TextItem
 from unicache_core.bagel.notices import empty_text_warning
+from unicache_core.kv.token_types import Task
 
 from .base import CATEGORY, ITEMS, UniCacheNode, warnings_ui
 from .convert import from_comfy_latent, image_to_pils
@@ -58,7 +59,7 @@ def request_items(items: BagelItems, loaded, encode=None) -> list:
     """The engine's items of a chain for the checkpoint ``loaded``: each image item's LATENT checked, put on BAGEL's
     grid and converted (:func:`~.validation.fit_source_latent`); ``encode(pil) -> latent``: an external VAE's encode
     of the images given without one (None: the engine encodes them)."""
-    out = []
+    out: list[TextItem | ImageItem] = []
     for index, item in enumerate(items.items):
         if isinstance(item, TextItem):
             out.append(item)
@@ -81,7 +82,7 @@ def request_of(prior: list, source, prompt: str, latent=None) -> list:
     return [*prior, *own, TextItem(prompt)]
 
 
-def memory_of(loaded, task: str, request: list, settings, kv=None) -> int:
+def memory_of(loaded, task: Task, request: list, settings, kv=None) -> int:
     """The ``memory_required`` of an item request for ComfyUI (its KV at its largest under the KV method ``kv``,
     None: full KV; working memory and, when on, TaylorSeer's factors):
     :func:`unicache_core.bagel.comfy_placement.memory_required`."""
@@ -139,8 +140,9 @@ class UniCacheImageItem(UniCacheNode):
         samples = [None] * len(pixels)
         if latent is not None:
             batch = latent.get("samples") if isinstance(latent, dict) else None
-            count = getattr(batch, "shape", (None,))[0] if batch is not None and getattr(batch, "ndim", 0) else None
-            if count != len(pixels):
+            shape = tuple(getattr(batch, "shape", ()))  # a samples tensor [B, C, H, W], else no batch
+            count = int(shape[0]) if shape else None
+            if batch is None or count != len(pixels):
                 raise ValueError(
                     f"`latent` holds {count if count is not None else 'no'} latent(s) for {len(pixels)} image(s); "
                     f"encode the same batch with VAEEncode (one latent per image)"

@@ -33,6 +33,7 @@ from unicache_core.bagel.taylorseer import taylorseer_order
 from unicache_core.compression import Method, make_cache_factory
 from unicache_core.compression.report_view import chart_data
 from unicache_core.errors import CancelledError
+from unicache_core.kv.token_types import Task
 
 from . import host
 from .base import CATEGORY, REPORT, UniCacheNode, warnings_ui
@@ -106,7 +107,7 @@ def _hooks(progress: _Progress, *, preview: bool) -> RunHooks:
     return RunHooks(progress=progress, cancel=host.interrupted, preview=progress.preview if preview else None)
 
 
-def _memory(model: BagelModel, task: str, prompt: str, settings, source_size=None, vae_size=None, kv=None) -> int:
+def _memory(model: BagelModel, task: Task, prompt: str, settings, source_size=None, vae_size=None, kv=None) -> int:
     """The ``memory_required`` of the request for ComfyUI: the memory plan's peak above the weights under the KV
     method ``kv`` (None: full KV), :func:`unicache_core.bagel.comfy_placement.memory_required`; ``vae_size``: an
     edit's output size set by its source latent."""
@@ -171,7 +172,7 @@ def _generation_outputs(results, pipe: BagelPipeline) -> tuple:
     return image, latent, thinking, _merge_reports([r.kv_report for r in results])
 
 
-def _settings(task: str, inputs: dict):
+def _settings(task: Task, inputs: dict):
     """The node's widgets as the engine's settings (the ``task`` preset's other values)."""
     if task == "understanding":
         keys = ("max_new_tokens", "do_sample", "temperature", "think")
@@ -180,7 +181,7 @@ def _settings(task: str, inputs: dict):
     return preset(task, **settings_of(inputs), **size)
 
 
-def _procedure(pipe: BagelPipeline, task: str, prior: list, source, prompt: str, latent, settings):
+def _procedure(pipe: BagelPipeline, task: Task, prior: list, source, prompt: str, latent, settings):
     """The engine call of one image of the batch (``source``: None for text to image and a text-only question)."""
     if prior:  # the chain's items, then the node's own image and its prompt
         request = request_of(prior, source, prompt, latent)
@@ -194,13 +195,13 @@ def _procedure(pipe: BagelPipeline, task: str, prior: list, source, prompt: str,
     return partial(pipe.understand, prompt, source, settings)
 
 
-def request_notes(model: BagelModel, task: str, prior: list, source, prompt: str, latent=None) -> list[str]:
+def request_notes(model: BagelModel, task: Task, prior: list, source, prompt: str, latent=None) -> list[str]:
     """The warnings about the node's request (its chain's items, its first image and its prompt)."""
     request = request_of(prior, source, prompt, latent)
     return request_warnings(task, request, model.loaded.config, trained=trained_images(model.checkpoint_dir))
 
 
-def run_task(node: str, task: str, inputs: dict) -> io.NodeOutput:
+def run_task(node: str, task: Task, inputs: dict) -> io.NodeOutput:
     """Run one task node (``task``: ``t2i``, ``edit`` or ``understanding``) on its input values ``inputs``."""
     settings = _settings(task, inputs)
     model, prompt = inputs["model"], inputs["prompt"]

@@ -231,6 +231,20 @@ def image_tokens(
     return (width // step) * (height // step), (vit_width // patch) * (vit_height // patch)
 
 
+def _generation(settings: GenerationSettings | UnderstandingSettings) -> GenerationSettings:
+    """``settings`` of a text-to-image or edit request (the caller's task says so; a mismatch is a caller's bug)."""
+    if not isinstance(settings, GenerationSettings):
+        raise TypeError(f"a generation request takes GenerationSettings, got {type(settings).__name__}")
+    return settings
+
+
+def _understanding(settings: GenerationSettings | UnderstandingSettings) -> UnderstandingSettings:
+    """``settings`` of an understanding request."""
+    if not isinstance(settings, UnderstandingSettings):
+        raise TypeError(f"an understanding request takes UnderstandingSettings, got {type(settings).__name__}")
+    return settings
+
+
 def count_request(
     config: BagelConfig,
     tokenizer,
@@ -247,12 +261,13 @@ def count_request(
     if source_size is not None:
         vae, vit = image_tokens(config, source_size, vae_size=vae_size)
     if task == "understanding":
-        system_prompt, decoded = VLM_THINK_SYSTEM_PROMPT, settings.max_new_tokens
+        system_prompt, decoded = VLM_THINK_SYSTEM_PROMPT, _understanding(settings).max_new_tokens
         vae = 0
     else:
-        system_prompt, decoded = GEN_THINK_SYSTEM_PROMPT, settings.think_max_new_tokens if settings.think else 0
+        gen = _generation(settings)
+        system_prompt, decoded = GEN_THINK_SYSTEM_PROMPT, gen.think_max_new_tokens if gen.think else 0
         step = config.latent_downsample
-        latent = vae if task == "edit" else (settings.width // step) * (settings.height // step)
+        latent = vae if task == "edit" else (gen.width // step) * (gen.height // step)
     system = len(tokenizer.encode(system_prompt)) if settings.think else 0
     prompt_tokens = len(tokenizer.encode(prompt, special_tokens=settings.prompt_special_tokens))
     return RequestTokens(
@@ -273,7 +288,7 @@ def count_items(
     generation = task != "understanding"
     images: list[tuple[int, int]] = []
     prompt = texts = tail = 0
-    output_size = (settings.width, settings.height) if task == "t2i" else None
+    output_size = (_generation(settings).width, _generation(settings).height) if task == "t2i" else None
     last_vae_size = None
     for item in items:
         if isinstance(item, TextItem):
@@ -283,6 +298,8 @@ def count_items(
         tail = 0
         if isinstance(item, GenerateItem):  # its image is generated at the size of the one before it
             vae_size = last_vae_size if output_size is None else output_size
+            if vae_size is None:  # request_items refuses a list whose first image is a GENERATE marker
+                raise ValueError("a GENERATE marker needs an input image before it (or an output size)")
             vae, vit = image_tokens(config, vae_size, vae_size=vae_size)
         else:
             vae_size = _latent_size(config, item.latent) if generation else None
@@ -293,9 +310,10 @@ def count_items(
         images.append((vae if generation else 0, vit))
     step = config.latent_downsample
     if task == "understanding":
-        system_prompt, decoded, latent = VLM_THINK_SYSTEM_PROMPT, settings.max_new_tokens, 0
+        system_prompt, decoded, latent = VLM_THINK_SYSTEM_PROMPT, _understanding(settings).max_new_tokens, 0
     else:
-        system_prompt, decoded = GEN_THINK_SYSTEM_PROMPT, settings.think_max_new_tokens if settings.think else 0
+        gen = _generation(settings)
+        system_prompt, decoded = GEN_THINK_SYSTEM_PROMPT, gen.think_max_new_tokens if gen.think else 0
         width, height = output_size if output_size is not None else last_vae_size or (0, 0)
         latent = (width // step) * (height // step)
     return RequestTokens(
@@ -321,7 +339,7 @@ def _latent_size(config: BagelConfig, latent) -> tuple[int, int] | None:
 
 def request_tokens(
     config: BagelConfig,
-    task: str,
+    task: Task,
     width: int,
     height: int,
     prompt_tokens: int = PLAN_PROMPT_TOKENS,

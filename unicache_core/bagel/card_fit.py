@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..kv.token_types import Task
 from . import image_fit
 from .config import BagelConfig
 from .memory_plan import PlanSettings, official_config, plan_without_suggestion
@@ -39,7 +40,8 @@ def most_images(
     method, device) fits in ``device_bytes`` by the plan (0 when not even one does; ``limit`` when that many do)."""
 
     def fits(count: int) -> bool:
-        trial = replace(settings, images=(tuple(image_size),) * count, width=image_size[0], height=image_size[1])
+        size = (int(image_size[0]), int(image_size[1]))
+        trial = replace(settings, images=(size,) * count, width=size[0], height=size[1])
         return plan_without_suggestion(config, trial, device_bytes).fits
 
     if not fits(1):
@@ -109,12 +111,12 @@ def card_table(
 #: The ComfyUI figures: the cards and image counts of the streamed-bytes table, the box's requests (task, side).
 COMFY_STREAM_CARDS_GB = (12, 16)
 COMFY_STREAM_IMAGES = (2, 4)
-COMFY_BOX_REQUESTS = (("understanding", 1024), ("t2i", 1024), ("edit", 1024))
+COMFY_BOX_REQUESTS: tuple[tuple[Task, int], ...] = (("understanding", 1024), ("t2i", 1024), ("edit", 1024))
 
 
 def comfy_request(
     config: BagelConfig,
-    task: str,
+    task: Task,
     side: int,
     images: int,
     kv_method: str,

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
-Fits = Callable[[object], bool]
+#: The plan's predictor of a trial's settings (a :class:`~.memory_plan.PlanSettings`, not imported: the plan imports
+#: this module).
+Fits = Callable[[Any], bool]
 
 
 def fitting_images(settings, fits: Fits) -> int:
@@ -28,7 +31,7 @@ def fitting_images(settings, fits: Fits) -> int:
 
 
 def suggest_fewer_images(
-    settings, device_bytes: int, fits: Fits, weights: Sequence[str], one_image: Callable[[object], str]
+    settings, device_bytes: int, fits: Fits, weights: Sequence[str], one_image: Callable[[Any], str]
 ) -> str:
     """What to do when a request of several input images does not fit ``device_bytes``: how many of them fit with
     these settings, or the first of ``weights`` x offload that fits them all; ``one_image(settings)``: the plan's

@@ -120,7 +120,7 @@ def refuse_unfitting_run(args: argparse.Namespace, checked) -> None:
         width, height = checked.image.size
     else:
         width = height = 0
-    images = ()
+    images: tuple[tuple[int, int], ...] = ()
     if checked.items is not None:
         from .items import GenerateItem, ImageItem
 
@@ -246,7 +246,8 @@ def check_plan_size(config, task: str, width: int, height: int) -> None:
         return
     if task in ("und", "understand") and width == height == 0:
         return  # an understanding request without an image
-    if width < 1 or height < 1 or width * height > Image.MAX_IMAGE_PIXELS:
+    most = Image.MAX_IMAGE_PIXELS  # PIL's decompression-bomb bound (None: PIL set to read any size)
+    if width < 1 or height < 1 or (most is not None and width * height > most):
         raise ValueError(
             f"--width/--height: an input image of {width}x{height} px cannot be read by the run: give its size, at "
             f"least 1x1 and at most {Image.MAX_IMAGE_PIXELS} pixels (0x0 plans an understanding without image)"

@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from ..kv.token_types import Task
 from .accounting import (
     PLAN_PROMPT_TOKENS,
     RequestTokens,
@@ -107,7 +108,7 @@ NOT_IN_PEAK = (
     "taylorseer_official",
 )
 #: Tasks a plan accepts (the CLI's names).
-PLAN_TASKS = {"und": "understanding", "understand": "understanding", "t2i": "t2i", "edit": "edit"}
+PLAN_TASKS: dict[str, Task] = {"und": "understanding", "understand": "understanding", "t2i": "t2i", "edit": "edit"}
 #: Weight dtypes tried, in order, when the chosen settings do not fit (cheapest in quality first).
 FALLBACK_WEIGHTS = ("bf16", "fp8_e4m3fn", "int8")
 #: The smallest ``--device-memory`` a plan accepts (64 MiB: less is no GPU, nor a machine running torch).
@@ -291,7 +292,7 @@ def _predict(
 
     task = PLAN_TASKS[settings.task]
     dtype = parse_dtype(settings.dtype)
-    images = tuple(tuple(size) for size in settings.images) or None
+    images = tuple((int(w), int(h)) for w, h in settings.images) or None
     if tokens is None:
         tokens = request_tokens(config, task, settings.width, settings.height, prompt_tokens, answer_tokens, images)
     parts, _ = _weights(config, settings.weight_dtype, dtype, settings.offload)
@@ -332,8 +333,8 @@ def _predict(
     if compressed is not None:
         parts["kv_compressed"] = compressed
     sizes = images if images is not None else ((settings.width, settings.height),)
-    tiled = vae_decode == "tiled"
-    rows = _phase_bytes(parts, llm_phases, config, dtype, work, freed_heap, tokens, settings.device, tiled)
+    decode_tiled = vae_decode == "tiled"
+    rows = _phase_bytes(parts, llm_phases, config, dtype, work, freed_heap, tokens, settings.device, decode_tiled)
     return MemoryPlan(
         peak_bytes=int(peak),
         breakdown=parts,
