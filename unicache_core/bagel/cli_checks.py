@@ -18,7 +18,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from unicache_commands.input_files import read_text_file
 from unicache_commands.output_files import check_output_file, same_file, save_text, write_atomically
@@ -273,6 +273,31 @@ class Checked:
     items: tuple | None = None
     rounds_out: tuple[Path, ...] = ()
 
+    def understanding_settings(self) -> UnderstandingSettings:
+        """``settings`` of an ``understand`` request (a TypeError when they are a generation's)."""
+        return narrow_settings(self.settings, UnderstandingSettings)
+
+    def generation_settings(self) -> GenerationSettings:
+        """``settings`` of a ``t2i`` / ``edit`` request (a TypeError when they are an understanding's)."""
+        return narrow_settings(self.settings, GenerationSettings)
+
+
+def require_prompt(prompt: str | None) -> str:
+    """The prompt of a request without ``--items`` (a ValueError naming the flags when it is missing)."""
+    if prompt is None:
+        raise ValueError("--prompt: the request has no text; give --prompt TEXT, --prompt-file FILE or --items FILE")
+    return prompt
+
+
+_S = TypeVar("_S", GenerationSettings, UnderstandingSettings)
+
+
+def narrow_settings(settings: GenerationSettings | UnderstandingSettings, kind: type[_S]) -> _S:
+    """``settings`` as ``kind``, the settings class of the command (a TypeError, a bug, when they are not)."""
+    if not isinstance(settings, kind):
+        raise TypeError(f"the request's settings are {type(settings).__name__}, expected {kind.__name__}")
+    return settings
+
 
 def resolve_device(device: str) -> str:
     """``--device``: ``auto`` is cuda when available, else cpu; anything else must be a usable torch device."""
@@ -389,8 +414,9 @@ def preflight(args, *, items: bool = False) -> Checked:
     check_kv_target_size(getattr(args, "kv_target", None), config, args.dtype)
     check_policy_table(args, root)
     if task == "t2i":
+        t2i = narrow_settings(settings, GenerationSettings)
         try:
-            check_output_size(config, settings.width, settings.height)
+            check_output_size(config, t2i.width, t2i.height)
         except ValueError as exc:
             raise with_flag(exc) from None
     if items:
@@ -402,28 +428,31 @@ def preflight(args, *, items: bool = False) -> Checked:
     tokenizer = BagelTokenizer.from_dir(root)
     check_bagel_tokens(tokenizer, root)
     has_image = image is not None
+    text = require_prompt(prompt)
     try:
         if task == "understand":
+            understanding = narrow_settings(settings, UnderstandingSettings)
             used = understanding_positions(
                 tokenizer,
-                prompt,
+                text,
                 has_image=has_image,
-                think=settings.think,
-                special_tokens=settings.prompt_special_tokens,
+                think=understanding.think,
+                special_tokens=understanding.prompt_special_tokens,
             )
             check_positions(config, used, 0, "prompt")
-            check_positions(config, used, settings.max_new_tokens, "max_new_tokens")
+            check_positions(config, used, understanding.max_new_tokens, "max_new_tokens")
         else:
+            generation = narrow_settings(settings, GenerationSettings)
             used = generation_positions(
                 tokenizer,
-                prompt,
+                text,
                 has_image=has_image,
-                think=settings.think,
-                special_tokens=settings.prompt_special_tokens,
+                think=generation.think,
+                special_tokens=generation.prompt_special_tokens,
             )
             check_positions(config, used, 0, "prompt")
-            if settings.think:
-                check_positions(config, used, settings.think_max_new_tokens + 2, "think_max_new_tokens")
+            if generation.think:
+                check_positions(config, used, generation.think_max_new_tokens + 2, "think_max_new_tokens")
     except ValueError as exc:
         raise with_flag(exc, prompt_flag) from None
     check_folder_weights(root, config)  # the weights' headers, so the plan and the load never build a claimed geometry
@@ -445,7 +474,9 @@ __all__ = [
     "check_text_argument",
     "open_image",
     "preflight",
+    "narrow_settings",
     "read_prompt_file",
+    "require_prompt",
     "request_settings",
     "resolve_device",
     "same_file",
