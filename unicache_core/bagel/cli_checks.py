@@ -375,6 +375,28 @@ def taylorseer_changes(args) -> dict[str, Any]:
     return {"taylorseer": enabled, **given} if enabled else {}
 
 
+def check_prompt_positions(
+    config, tokenizer, task: str, prompt: str, has_image: bool, settings: GenerationSettings | UnderstandingSettings
+) -> None:
+    """The prompt's RoPE positions, then with the answer's (``understand``) or the think plan's, against the
+    checkpoint's budget (a ValueError naming the field)."""
+    from .accounting import check_positions, generation_positions, understanding_positions
+
+    if task == "understand":
+        understanding = narrow_settings(settings, UnderstandingSettings)
+        think, special = understanding.think, understanding.prompt_special_tokens
+        used = understanding_positions(tokenizer, prompt, has_image=has_image, think=think, special_tokens=special)
+        check_positions(config, used, 0, "prompt")
+        check_positions(config, used, understanding.max_new_tokens, "max_new_tokens")
+        return
+    generation = narrow_settings(settings, GenerationSettings)
+    think, special = generation.think, generation.prompt_special_tokens
+    used = generation_positions(tokenizer, prompt, has_image=has_image, think=think, special_tokens=special)
+    check_positions(config, used, 0, "prompt")
+    if think:
+        check_positions(config, used, generation.think_max_new_tokens + 2, "think_max_new_tokens")
+
+
 def preflight(args, *, items: bool = False) -> Checked:
     """Validate a parsed command line (``args.command``: ``understand``, ``t2i`` or ``edit``): the prompt, the
     request's settings and seed, the device, the output size and the prompt's positions against the
@@ -382,7 +404,6 @@ def preflight(args, *, items: bool = False) -> Checked:
     item list (:func:`~.cli_items.preflight_request` checks its images, texts and positions), so the image and the
     prompt's positions are left to it.
     """
-    from .accounting import check_positions, generation_positions, understanding_positions
     from .checkpoint.folder import check_folder_weights
     from .config import load_bagel_config
     from .tokenizer import BagelTokenizer, check_bagel_tokens
@@ -427,32 +448,9 @@ def preflight(args, *, items: bool = False) -> Checked:
     image = open_image(paths[0]) if paths else None
     tokenizer = BagelTokenizer.from_dir(root)
     check_bagel_tokens(tokenizer, root)
-    has_image = image is not None
     text = require_prompt(prompt)
     try:
-        if task == "understand":
-            understanding = narrow_settings(settings, UnderstandingSettings)
-            used = understanding_positions(
-                tokenizer,
-                text,
-                has_image=has_image,
-                think=understanding.think,
-                special_tokens=understanding.prompt_special_tokens,
-            )
-            check_positions(config, used, 0, "prompt")
-            check_positions(config, used, understanding.max_new_tokens, "max_new_tokens")
-        else:
-            generation = narrow_settings(settings, GenerationSettings)
-            used = generation_positions(
-                tokenizer,
-                text,
-                has_image=has_image,
-                think=generation.think,
-                special_tokens=generation.prompt_special_tokens,
-            )
-            check_positions(config, used, 0, "prompt")
-            if generation.think:
-                check_positions(config, used, generation.think_max_new_tokens + 2, "think_max_new_tokens")
+        check_prompt_positions(config, tokenizer, task, text, image is not None, settings)
     except ValueError as exc:
         raise with_flag(exc, prompt_flag) from None
     check_folder_weights(root, config)  # the weights' headers, so the plan and the load never build a claimed geometry
@@ -467,6 +465,7 @@ __all__ = [
     "check_kv_target_size",
     "check_out_path",
     "check_policy_table",
+    "check_prompt_positions",
     "check_report_path",
     "check_writable_file",
     "taylorseer_changes",
