@@ -58,7 +58,8 @@ class BagelModules(torch.nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.bagel.execution_device
+        # BAGEL's device is its execution_device, which __init__ sets (the final norm's device were it unset).
+        return self.bagel.device
 
     @device.setter
     def device(self, value) -> None:

@@ -17,17 +17,25 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..cli import OneLineParser as _Parser
 from ..cli import path_arg as _path
 from ..errors import UniCacheError
-from .cli_checks import save_image, save_text
+from .cli_checks import require_prompt, save_image, save_text
 from .cli_items import preflight_request
 from .memory_cli import add_memory_arguments, add_plan_parser, refuse_unfitting_run, run_plan
 from .request import RunHooks
 from .settings import BUNDLED_CHECKPOINT, BUNDLED_CHECKPOINT_DIR, EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
+
+if TYPE_CHECKING:  # the run imports the model code only after the checks, so a refusal never loads it
+    from PIL import Image
+
+    from .cli_checks import Checked
+    from .generation import GenerationResult
+    from .pipeline import BagelPipeline
 
 logger = logging.getLogger("unicache_core.bagel.cli")
 
@@ -229,34 +237,60 @@ def _run(args: argparse.Namespace) -> int:
     )
     pipe = BagelPipeline(loaded, factory)
     if args.command == "understand":
-        bar = _progress("decoding", args.quiet)
-        hooks = RunHooks(progress=bar)
-        if checked.items is not None:
-            result = pipe.understand_items(checked.items, checked.settings, seed=checked.seed, hooks=hooks)
-        else:
-            result = pipe.understand(checked.prompt, checked.image, checked.settings, seed=checked.seed, hooks=hooks)
-        if bar is not None:
-            bar.close()
-        _write_report(args, result.kv_report)
-        sys.stdout.write(result.text + "\n")
-        sys.stdout.flush()
-        return 0
+        return _understand(pipe, args, checked)
+    return _generate(pipe, args, checked)
+
+
+def _understand(pipe: BagelPipeline, args: argparse.Namespace, checked: Checked) -> int:
+    """Run a checked ``understand`` request: the answer to stdout, the KV report to ``--report``."""
+    settings = checked.understanding_settings()
+    bar = _progress("decoding", args.quiet)
+    hooks = RunHooks(progress=bar)
+    if checked.items is not None:
+        result = pipe.understand_items(checked.items, settings, seed=checked.seed, hooks=hooks)
+    else:
+        result = pipe.understand(
+            require_prompt(checked.prompt), checked.image, settings, seed=checked.seed, hooks=hooks
+        )
+    if bar is not None:
+        bar.close()
+    _write_report(args, result.kv_report)
+    sys.stdout.write(result.text + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def _generate(pipe: BagelPipeline, args: argparse.Namespace, checked: Checked) -> int:
+    """Run a checked ``t2i`` / ``edit`` request: its images to ``--out`` (and the earlier rounds'), the KV report
+    to ``--report``."""
+    settings = checked.generation_settings()
+    out_format = checked.out_format
+    if out_format is None:  # --out has a default: set unless a caller built the namespace by hand
+        raise ValueError("--out: this command writes an image; give --out FILE.png (or .jpg, .webp)")
     hooks = RunHooks(progress=_progress("denoising", args.quiet))
     if checked.items is not None:
-        result = pipe.generate(args.command, checked.items, checked.settings, seed=checked.seed, hooks=hooks)
+        result = pipe.generate(args.command, checked.items, settings, seed=checked.seed, hooks=hooks)
     elif args.command == "t2i":
-        result = pipe.text_to_image(checked.prompt, checked.settings, seed=checked.seed, hooks=hooks)
+        result = pipe.text_to_image(require_prompt(checked.prompt), settings, seed=checked.seed, hooks=hooks)
     else:
-        result = pipe.edit(checked.prompt, checked.image, checked.settings, seed=checked.seed, hooks=hooks)
+        result = pipe.edit(require_prompt(checked.prompt), checked.image, settings, seed=checked.seed, hooks=hooks)
     if result.think_text is not None:
         logger.info("plan: %s", result.think_text)
     for earlier, path in zip(result.rounds, checked.rounds_out):
-        save_image(earlier.image, path, checked.out_format)
+        save_image(earlier.image, path, out_format)
         logger.info("wrote %s (an earlier round)", path)
-    save_image(result.image, args.out, checked.out_format)
-    logger.info("wrote %s (%dx%d)", args.out, *result.image.size)
+    image = _decoded(result)
+    save_image(image, args.out, out_format)
+    logger.info("wrote %s (%dx%d)", args.out, *image.size)
     _write_report(args, _with_rounds(result))
     return 0
+
+
+def _decoded(result: GenerationResult) -> Image.Image:
+    """The image of a generation run with ``decode=True`` (the command line's; a RuntimeError, a bug, without)."""
+    if result.image is None:
+        raise RuntimeError("the generation returned no image (it ran with decode=False)")
+    return result.image
 
 
 def _with_rounds(result) -> dict | None:
@@ -296,7 +330,7 @@ def _write_report(args: argparse.Namespace, report: dict | None) -> None:
 
     from ..compression.report import REPORT_FORMAT
 
-    payload = (
+    payload: dict[str, Any] = (
         report
         if report is not None
         else {"format": REPORT_FORMAT, "version": 1, "method": "full", "summary": None, "steps": []}

@@ -18,7 +18,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from unicache_commands.input_files import read_text_file
 from unicache_commands.output_files import check_output_file, same_file, save_text, write_atomically
@@ -273,6 +273,31 @@ class Checked:
     items: tuple | None = None
     rounds_out: tuple[Path, ...] = ()
 
+    def understanding_settings(self) -> UnderstandingSettings:
+        """``settings`` of an ``understand`` request (a TypeError when they are a generation's)."""
+        return narrow_settings(self.settings, UnderstandingSettings)
+
+    def generation_settings(self) -> GenerationSettings:
+        """``settings`` of a ``t2i`` / ``edit`` request (a TypeError when they are an understanding's)."""
+        return narrow_settings(self.settings, GenerationSettings)
+
+
+def require_prompt(prompt: str | None) -> str:
+    """The prompt of a request without ``--items`` (a ValueError naming the flags when it is missing)."""
+    if prompt is None:
+        raise ValueError("--prompt: the request has no text; give --prompt TEXT, --prompt-file FILE or --items FILE")
+    return prompt
+
+
+_S = TypeVar("_S", GenerationSettings, UnderstandingSettings)
+
+
+def narrow_settings(settings: GenerationSettings | UnderstandingSettings, kind: type[_S]) -> _S:
+    """``settings`` as ``kind``, the settings class of the command (a TypeError, a bug, when they are not)."""
+    if not isinstance(settings, kind):
+        raise TypeError(f"the request's settings are {type(settings).__name__}, expected {kind.__name__}")
+    return settings
+
 
 def resolve_device(device: str) -> str:
     """``--device``: ``auto`` is cuda when available, else cpu; anything else must be a usable torch device."""
@@ -350,6 +375,28 @@ def taylorseer_changes(args) -> dict[str, Any]:
     return {"taylorseer": enabled, **given} if enabled else {}
 
 
+def check_prompt_positions(
+    config, tokenizer, task: str, prompt: str, has_image: bool, settings: GenerationSettings | UnderstandingSettings
+) -> None:
+    """The prompt's RoPE positions, then with the answer's (``understand``) or the think plan's, against the
+    checkpoint's budget (a ValueError naming the field)."""
+    from .accounting import check_positions, generation_positions, understanding_positions
+
+    if task == "understand":
+        understanding = narrow_settings(settings, UnderstandingSettings)
+        think, special = understanding.think, understanding.prompt_special_tokens
+        used = understanding_positions(tokenizer, prompt, has_image=has_image, think=think, special_tokens=special)
+        check_positions(config, used, 0, "prompt")
+        check_positions(config, used, understanding.max_new_tokens, "max_new_tokens")
+        return
+    generation = narrow_settings(settings, GenerationSettings)
+    think, special = generation.think, generation.prompt_special_tokens
+    used = generation_positions(tokenizer, prompt, has_image=has_image, think=think, special_tokens=special)
+    check_positions(config, used, 0, "prompt")
+    if think:
+        check_positions(config, used, generation.think_max_new_tokens + 2, "think_max_new_tokens")
+
+
 def preflight(args, *, items: bool = False) -> Checked:
     """Validate a parsed command line (``args.command``: ``understand``, ``t2i`` or ``edit``): the prompt, the
     request's settings and seed, the device, the output size and the prompt's positions against the
@@ -357,7 +404,6 @@ def preflight(args, *, items: bool = False) -> Checked:
     item list (:func:`~.cli_items.preflight_request` checks its images, texts and positions), so the image and the
     prompt's positions are left to it.
     """
-    from .accounting import check_positions, generation_positions, understanding_positions
     from .checkpoint.folder import check_folder_weights
     from .config import load_bagel_config
     from .tokenizer import BagelTokenizer, check_bagel_tokens
@@ -389,8 +435,9 @@ def preflight(args, *, items: bool = False) -> Checked:
     check_kv_target_size(getattr(args, "kv_target", None), config, args.dtype)
     check_policy_table(args, root)
     if task == "t2i":
+        t2i = narrow_settings(settings, GenerationSettings)
         try:
-            check_output_size(config, settings.width, settings.height)
+            check_output_size(config, t2i.width, t2i.height)
         except ValueError as exc:
             raise with_flag(exc) from None
     if items:
@@ -401,29 +448,9 @@ def preflight(args, *, items: bool = False) -> Checked:
     image = open_image(paths[0]) if paths else None
     tokenizer = BagelTokenizer.from_dir(root)
     check_bagel_tokens(tokenizer, root)
-    has_image = image is not None
+    text = require_prompt(prompt)
     try:
-        if task == "understand":
-            used = understanding_positions(
-                tokenizer,
-                prompt,
-                has_image=has_image,
-                think=settings.think,
-                special_tokens=settings.prompt_special_tokens,
-            )
-            check_positions(config, used, 0, "prompt")
-            check_positions(config, used, settings.max_new_tokens, "max_new_tokens")
-        else:
-            used = generation_positions(
-                tokenizer,
-                prompt,
-                has_image=has_image,
-                think=settings.think,
-                special_tokens=settings.prompt_special_tokens,
-            )
-            check_positions(config, used, 0, "prompt")
-            if settings.think:
-                check_positions(config, used, settings.think_max_new_tokens + 2, "think_max_new_tokens")
+        check_prompt_positions(config, tokenizer, task, text, image is not None, settings)
     except ValueError as exc:
         raise with_flag(exc, prompt_flag) from None
     check_folder_weights(root, config)  # the weights' headers, so the plan and the load never build a claimed geometry
@@ -438,6 +465,7 @@ __all__ = [
     "check_kv_target_size",
     "check_out_path",
     "check_policy_table",
+    "check_prompt_positions",
     "check_report_path",
     "check_writable_file",
     "taylorseer_changes",
@@ -445,7 +473,9 @@ __all__ = [
     "check_text_argument",
     "open_image",
     "preflight",
+    "narrow_settings",
     "read_prompt_file",
+    "require_prompt",
     "request_settings",
     "resolve_device",
     "same_file",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .cli_checks import Checked, open_image, preflight
+from .cli_checks import Checked, open_image, preflight, require_prompt
 from .cli_files import check_command_outputs, round_paths
 from .items import ImageItem, Item, TextItem, request_items
 from .items_file import open_items
@@ -63,7 +63,7 @@ def request_images(args, prompt: str | None):
             return (images[0] if images else None), None, paths
         if not images:
             return None, None, paths
-        items = request_items([*images, TextItem(prompt)], generation=task != "understand")
+        items = request_items([*images, TextItem(require_prompt(prompt))], generation=task != "understand")
     if task == "edit" and not any(isinstance(item, ImageItem) for item in items):
         raise ValueError(f"--items {items_file}: an edit needs an image item before its first text")
     last = [item.image for item in items if isinstance(item, ImageItem)]

@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from PIL import Image
@@ -186,6 +187,8 @@ def run_generation(
         )
         if not last:
             earlier.append(result)
+            if result.image is None:  # an earlier round is always decoded: the next round edits its image
+                raise RuntimeError(f"GENERATE {number + 1}: the round returned no image to edit further")
             generated = ImageItem(result.image)
             names[generated] = ImageNames(f"the image generated at GENERATE {number + 1}")
             history.append(generated)
@@ -272,7 +275,7 @@ def _round(
         )
         t3 = time.perf_counter()
         width, height, branches = contexts.width, contexts.height, contexts.branches()
-        info = {
+        info: dict[str, Any] = {
             "context_tokens": {name: ctx.num_tokens for name, ctx in branches.items()},
             "cache_bytes": {name: ctx.cache.nbytes() for name, ctx in branches.items()},
             "forwards": forwards,

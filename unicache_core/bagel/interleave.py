@@ -56,13 +56,21 @@ def build_understanding_context(
     if think:
         append_text(loaded, ctx, VLM_THINK_SYSTEM_PROMPT)
     index = 0
-    for item in items:
+    for position, item in enumerate(items):
         if isinstance(item, TextItem):
             append_text(loaded, ctx, item.text, special_tokens=special_tokens)
         else:
-            append_vit(loaded, ctx, vit(prepared[item].picture), index=index)
+            append_vit(loaded, ctx, vit(_prepared(prepared, position, item).picture), index=index)
             index += 1
     return ctx
+
+
+def _prepared(prepared: Mapping[ImageItem, PreparedImage], position: int, item: Item) -> PreparedImage:
+    """The prepared image of ``items[position]``, an image item (a ValueError for a :data:`~.items.GENERATE`
+    marker: :mod:`.generation` splits the request at them before any context is built)."""
+    if not isinstance(item, ImageItem):
+        raise ValueError(f"item {position}: a GENERATE marker cannot enter a context; split the request at it first")
+    return prepared[item]
 
 
 def build_generation_contexts(
@@ -97,7 +105,12 @@ def build_generation_contexts(
             append_text(loaded, gen, item.text, special_tokens=special_tokens)
             append_text(loaded, cfg_img, item.text, special_tokens=special_tokens)
             continue
-        image = prepared[item]
+        image = _prepared(prepared, position, item)
+        if image.latent is None or image.how is None:
+            raise ValueError(
+                f"item {position}: the image was prepared for understanding, without a source latent; "
+                "prepare it with generation=True"
+            )
         append_vae(loaded, gen, image.latent, *image.grid, index=len(hows))
         append_vit(loaded, gen, vit(image.picture), index=len(hows))
         hows.append(image.how)

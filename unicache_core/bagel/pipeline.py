@@ -198,8 +198,11 @@ class BagelPipeline:
         """The contexts of ``[image, prompt]`` (or ``[prompt]``; :func:`.interleave.build_generation_contexts`) in
         ``session`` (a new one when None); ``width``/``height`` without ``image``; ``vae`` encodes an edit's source
         (see :meth:`resolve_vae`) unless ``given.source_latent`` is set."""
-        if image is None and (width is None or height is None):
-            raise ValueError("`width` and `height` are required without a source image")
+        size: tuple[int, int] | None = None  # an edit's output has its source image's size
+        if image is None:
+            if width is None or height is None:
+                raise ValueError("`width` and `height` are required without a source image")
+            size = (width, height)
         session = self.start_session(task) if session is None else session
         items = single_request(prompt, image, latent=given.source_latent, vae_noise=given.vae_noise)
         prepared = {}
@@ -214,7 +217,6 @@ class BagelPipeline:
                 vae=encoder,
                 generator=generator,
             )
-        size = (width, height) if image is None else None
         return build_generation_contexts(self.loaded, session, items, prepared, size=size, think=think)
 
     # ---------------------------------------------------------------- public procedures
