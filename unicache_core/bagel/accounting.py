@@ -6,7 +6,7 @@
 * the tokens each branch's cache holds (:func:`count_items`, :func:`count_request` → :class:`RequestTokens`), their
   KV bytes at the checkpoint's layer geometry (:func:`kv_bytes_per_token`, :meth:`RequestTokens.kv_bytes`);
 * the device memory a request needs besides the weights (:func:`request_memory_bytes`; the VAE's working memory:
-  :mod:`.vae_memory`; TaylorSeer's factors while it is on: :func:`~.taylorseer.taylorseer_bytes`).
+  :mod:`.vae_memory`; TaylorSeer's factors while it is on: :func:`taylorseer_bytes`).
 
 Token counts follow the blocks of :mod:`.contexts`: a text block is its tokens plus ``<|im_start|>`` and
 ``<|im_end|>``, an image block its tokens plus two boundary tokens; images take one RoPE position each.
@@ -24,7 +24,7 @@ from .config import BagelConfig
 from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT
 from .items import GenerateItem, ImageItem, Item, TextItem
 from .settings import UNDERSTANDING_DEFAULTS, GenerationSettings, UnderstandingSettings
-from .taylorseer import GENERATION_BRANCHES, taylorseer_bytes
+from .taylorseer import GENERATION_BRANCHES, factor_bytes
 from .transforms import ImageTransforms
 from .vae_memory import tiled_decode_bytes, vae_working_bytes
 
@@ -375,6 +375,17 @@ def request_tokens(
 
 
 # ----------------------------------------------------------------------------------------- memory
+
+
+def taylorseer_bytes(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, order: int | None) -> int:
+    """Bytes TaylorSeer's factors hold at most (0 when ``order`` is ``None`` or the task is understanding): per CFG
+    branch, ``order + 1`` tensors of the latent block ``[latent + 2, hidden]`` in the model dtype
+    (:func:`~.taylorseer.factor_bytes`; this engine keeps them for the last decoder layer only, the official code
+    for every layer: ``num_hidden_layers`` times as many)."""
+    if order is None or tokens.task == "understanding" or not tokens.latent:
+        return 0
+    element = torch.empty((), dtype=dtype).element_size()
+    return GENERATION_BRANCHES * factor_bytes(config.llm.hidden_size, tokens.latent, order, element)
 
 
 def request_memory_bytes(

@@ -19,7 +19,7 @@
 
 Several input images (``PlanSettings.images``, the CLI's ``--image-sizes``) are counted in ``gen`` and ``cfg_text``
 as the official contexts hold them (``settings.kv_images`` of :meth:`MemoryPlan.to_json`: each one's bytes).
-TaylorSeer's factors (``taylorseer``, :func:`~.taylorseer.taylorseer_bytes`) add to the LLM phase when it is on.
+TaylorSeer's factors (``taylorseer``, :func:`~.accounting.taylorseer_bytes`) add to the LLM phase when it is on.
 
 On the CPU (``device="cpu"``) two parts the tensors do not show are added (:func:`cpu_runtime_parts`):
 

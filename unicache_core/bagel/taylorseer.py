@@ -42,8 +42,6 @@ from .contexts import Context
 from .settings import UnderstandingSettings
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .accounting import RequestTokens
-    from .config import BagelConfig
     from .settings import GenerationSettings
 
 logger = logging.getLogger(__name__)
@@ -213,17 +211,6 @@ def taylorseer_order(settings: GenerationSettings | UnderstandingSettings) -> in
     return settings.taylorseer_order
 
 
-def taylorseer_bytes(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, order: int | None) -> int:
-    """Bytes TaylorSeer's factors hold at most (0 when ``order`` is ``None`` or the task is understanding): per CFG
-    branch, ``order + 1`` tensors of the latent block ``[latent + 2, hidden]`` in the model dtype
-    (:func:`factor_bytes`; this engine keeps them for the last decoder layer only, the official code
-    for every layer: ``num_hidden_layers`` times as many)."""
-    if order is None or tokens.task == "understanding" or not tokens.latent:
-        return 0
-    element = torch.empty((), dtype=dtype).element_size()
-    return GENERATION_BRANCHES * factor_bytes(config.llm.hidden_size, tokens.latent, order, element)
-
-
 __all__ = [
     "GENERATION_BRANCHES",
     "TaylorFactors",
@@ -231,6 +218,5 @@ __all__ = [
     "TaylorSeer",
     "describe_factors",
     "factor_bytes",
-    "taylorseer_bytes",
     "taylorseer_order",
 ]
