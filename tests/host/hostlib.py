@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 import urllib.error
@@ -102,6 +103,21 @@ class Comfy:
         status, data, _ = self.get_bytes("/view?" + q)
         assert status == 200, f"/view {image}: HTTP {status}"
         return data
+
+
+#: The browser test's playwright script (tests/host/browser/run_workflow.mjs) and where its screenshots go.
+BROWSER_DIR = REPO / "tests" / "host" / "browser"
+SCREENSHOTS = REPO / "out" / "screenshots"
+
+
+def run_in_browser(url: str, workflow: Path, shot: Path, seconds: int, edits: str | None = None) -> dict:
+    """Load ``workflow`` (UI format) in the frontend at ``url`` in headless Chromium, apply ``edits`` (JSON of
+    ``{node id: {widget: value}}``), queue it, wait up to ``seconds`` for it, screenshot into ``shot``; the script's
+    JSON result (loaded nodes, missing types, dialogs, status, warnings shown). A failing script fails the test."""
+    command = ["node", "run_workflow.mjs", url, str(workflow), str(shot), str(seconds)] + ([edits] if edits else [])
+    proc = subprocess.run(command, cwd=BROWSER_DIR, capture_output=True, text=True, timeout=seconds + 300)
+    assert proc.returncode == 0, f"browser script failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def messages(entry: dict, kind: str) -> list[dict]:

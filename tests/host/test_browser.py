@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from hostlib import REPO, WORKFLOWS_UI
+from hostlib import BROWSER_DIR, REPO, SCREENSHOTS, WORKFLOWS_UI, run_in_browser
 
 pytestmark = [pytest.mark.host, pytest.mark.browser]
 
-BROWSER_DIR = REPO / "tests" / "host" / "browser"
-SCREENSHOTS = REPO / "out" / "screenshots"
 CHROMIUM = "/usr/bin/chromium"
 UI_WORKFLOW = "text_to_image"
 
@@ -38,15 +35,7 @@ def test_frontend_runs_shipped_ui_workflow(comfy):
     status, _ = comfy.request("POST", "/settings/Comfy.TutorialCompleted", True)
     assert status == 200
     shot = SCREENSHOTS / f"{UI_WORKFLOW}.png"
-    proc = subprocess.run(
-        ["node", "run_workflow.mjs", comfy.url, str(workflow), str(shot), "600"],
-        cwd=BROWSER_DIR,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, f"browser script failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_in_browser(comfy.url, workflow, shot, 600)
     print(json.dumps({k: v for k, v in result.items() if k != "console_errors"}, indent=1))
     assert result["missing"] == [], f"node types unknown to the frontend: {result['missing']}"
     assert not any("missing" in d.lower() for d in result["dialogs"]), result["dialogs"]

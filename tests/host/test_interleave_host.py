@@ -10,16 +10,13 @@ from __future__ import annotations
 import io
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from hostlib import REPO, describe, load_api_workflow
+from hostlib import BROWSER_DIR, REPO, SCREENSHOTS, describe, load_api_workflow, run_in_browser
 
 pytestmark = pytest.mark.host
 
-BROWSER_DIR = REPO / "tests" / "host" / "browser"
-SCREENSHOTS = REPO / "out" / "screenshots"
 OLD = REPO / "tests" / "old_workflows"
 
 
@@ -60,15 +57,7 @@ def test_frontend_runs_the_iterative_and_an_old_ui_workflow(comfy, workflow: Pat
     status, _ = comfy.request("POST", "/settings/Comfy.TutorialCompleted", True)
     assert status == 200
     shot = SCREENSHOTS / f"{workflow.parent.name}_{workflow.stem}.png"
-    proc = subprocess.run(
-        ["node", "run_workflow.mjs", comfy.url, str(workflow), str(shot), "900"],
-        cwd=BROWSER_DIR,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, f"browser script failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_in_browser(comfy.url, workflow, shot, 900)
     assert result["missing"] == [] and not any("missing" in d.lower() for d in result["dialogs"]), result
     assert sorted(result["graph_nodes"]) == sorted(n["type"] for n in json.loads(workflow.read_text())["nodes"])
     assert result["status"] == "success", result

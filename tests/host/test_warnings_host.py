@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import pytest
-from hostlib import REPO, describe, load_api_workflow
+from hostlib import BROWSER_DIR, REPO, SCREENSHOTS, describe, load_api_workflow, run_in_browser
 
 pytestmark = pytest.mark.host
 
-BROWSER_DIR = REPO / "tests" / "host" / "browser"
-SCREENSHOTS = REPO / "out" / "screenshots"
 OLD = REPO / "tests" / "old_workflows"
 #: The iterative edit's Text Item (its text is Edit 1's prompt and part of Edit 2's items) and the two edits.
 TEXT_ITEM, EDIT_1, EDIT_2 = "5", "6", "7"
@@ -61,15 +58,7 @@ def test_frontend_shows_the_empty_text_items_warning_on_the_node(comfy):
     workflow = REPO / "workflows" / "iterative_edit.json"
     shot = SCREENSHOTS / "iterative_edit_empty_text_item.png"
     edits = json.dumps({TEXT_ITEM: {"text": ""}})
-    proc = subprocess.run(
-        ["node", "run_workflow.mjs", comfy.url, str(workflow), str(shot), "900", edits],
-        cwd=BROWSER_DIR,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, f"browser script failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_in_browser(comfy.url, workflow, shot, 900, edits)
     assert result["edited"] == [f"{TEXT_ITEM}.text"] and result["status"] == "success", result
     shown = {str(w["id"]): w for w in result["warnings"]}
     assert "this Text Item is empty" in shown[TEXT_ITEM]["text"] and shown[TEXT_ITEM]["shown"], result["warnings"]
