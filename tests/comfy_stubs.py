@@ -115,6 +115,20 @@ def _make_stubs(base: Path) -> dict[str, types.ModuleType]:
     }
 
 
+#: The Image Edit node's widgets after its prompt, small for the tiny checkpoint (steps .. think).
+EDIT_WIDGETS = (2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False)
+
+
+@pytest.fixture(scope="module")
+def fresh_model_cache():
+    """Import it as an autouse fixture of a module: the nodes' model cache is emptied before and after the module."""
+    from nodes import model
+
+    model.clear_cache()
+    yield
+    model.clear_cache()
+
+
 @pytest.fixture
 def host_stubs(tmp_path, monkeypatch, tiny_checkpoint):
     stubs = _make_stubs(tmp_path)

@@ -14,23 +14,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from comfy_stubs import TINY_NAME, NodeCall, host_stubs  # noqa: F401  (host_stubs: a fixture)
+from comfy_stubs import EDIT_WIDGETS, TINY_NAME, NodeCall, fresh_model_cache, host_stubs  # noqa: F401  (host_stubs, fresh_model_cache: fixtures)
 from test_workflows import _check_links, _convert, _object_info
 
 from unicache_core.bagel.items import ImageItem, TextItem
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD = ROOT / "tests" / "old_workflows"
-EDIT_WIDGETS = (2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False)  # steps .. think
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _fresh_model_cache():
-    from nodes import model
-
-    model.clear_cache()
-    yield
-    model.clear_cache()
+def _fresh_model_cache(fresh_model_cache):
+    """The nodes' model cache emptied around this module (tests/comfy_stubs.py)."""
 
 
 def _model():

@@ -9,23 +9,17 @@ import logging
 
 import pytest
 import torch
-from comfy_stubs import TINY_NAME, NodeCall, host_stubs  # noqa: F401  (host_stubs: a fixture)
+from comfy_stubs import EDIT_WIDGETS, TINY_NAME, NodeCall, fresh_model_cache, host_stubs  # noqa: F401  (host_stubs, fresh_model_cache: fixtures)
 from PIL import Image
 
 from unicache_core.bagel.items import ImageItem, TextItem
 from unicache_core.bagel.notices import TRAINED_IMAGES_KEY, request_warnings, trained_images
 from unicache_core.bagel.transforms import ImageTransforms
 
-EDIT_WIDGETS = (2, 0, 4.0, 2.0, 0.0, 1.0, 3.0, 0.0, "text_channel", False)  # steps .. think
-
 
 @pytest.fixture(scope="module", autouse=True)
-def _fresh_model_cache():
-    from nodes import model
-
-    model.clear_cache()
-    yield
-    model.clear_cache()
+def _fresh_model_cache(fresh_model_cache):
+    """The nodes' model cache emptied around this module (tests/comfy_stubs.py)."""
 
 
 def _node(node_id: str) -> NodeCall:

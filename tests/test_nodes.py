@@ -17,19 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfy_stubs import TINY_NAME, Interrupt, NodeCall, host_stubs  # noqa: F401  (host_stubs: a fixture)
+from comfy_stubs import TINY_NAME, Interrupt, NodeCall, fresh_model_cache, host_stubs  # noqa: F401  (host_stubs, fresh_model_cache: fixtures)
 from test_safetensors_sniff import resave_with_low_byte
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _fresh_model_cache():
-    from nodes import model
-
-    model.clear_cache()
-    yield
-    model.clear_cache()
+def _fresh_model_cache(fresh_model_cache):
+    """The nodes' model cache emptied around this module (tests/comfy_stubs.py)."""
 
 
 @pytest.fixture(scope="module")
