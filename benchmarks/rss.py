@@ -44,7 +44,9 @@ def start_peak_window() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """This process's resident high-water mark since the last :func:`start_peak_window` (``VmHWM``)."""
+    """This process's resident high-water mark since the last :func:`start_peak_window` (``VmHWM``). The kernel folds
+    per-thread resident counters into it in batches, so it can lag the resident set read as the window's base by a
+    page: callers take the peak as at least that base (a window's peak includes its start)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
@@ -64,7 +66,7 @@ def _measure_load(checkpoint: Path, weight_dtype: str, dtype: str) -> dict:
     start = time.perf_counter()
     loaded = load_bagel(checkpoint, dtype=dtype, weight_dtype=weight_dtype)
     seconds = time.perf_counter() - start
-    peak = peak_rss_bytes()
+    peak = max(peak_rss_bytes(), base)  # the window's peak includes its start (peak_rss_bytes: the counters' lag)
     files = [checkpoint] if checkpoint.is_file() else list(checkpoint.glob("*.safetensors"))
     return {
         "weight_dtype": weight_dtype,
