@@ -85,10 +85,10 @@ def request_of(prior: list, source, prompt: str, latent=None) -> list:
 def memory_of(loaded, task: Task, request: list, settings, kv=None) -> int:
     """The ``memory_required`` of an item request for ComfyUI (its KV at its largest under the KV method ``kv``,
     None: full KV; working memory and, when on, TaylorSeer's factors):
-    :func:`unicache_core.bagel.comfy_placement.memory_required`."""
-    from unicache_core.bagel.accounting import count_items
-    from unicache_core.bagel.comfy_placement import memory_required
+    :func:`unicache_core.bagel.memory.comfy_placement.memory_required`."""
     from unicache_core.bagel.items import request_items as checked
+    from unicache_core.bagel.memory.accounting import count_items
+    from unicache_core.bagel.memory.comfy_placement import memory_required
     from unicache_core.bagel.taylorseer import taylorseer_order
 
     tokens = count_items(

@@ -16,8 +16,8 @@ import logging
 from functools import partial
 
 from unicache_core.bagel import BagelPipeline, GivenLatents, ImageTransforms, RunHooks
-from unicache_core.bagel.accounting import count_request
-from unicache_core.bagel.comfy_placement import memory_required
+from unicache_core.bagel.memory.accounting import count_request
+from unicache_core.bagel.memory.comfy_placement import memory_required
 from unicache_core.bagel.notices import request_warnings, trained_images
 from unicache_core.bagel.seeding import MAX_SEED
 from unicache_core.bagel.settings import (
@@ -109,7 +109,7 @@ def _hooks(progress: _Progress, *, preview: bool) -> RunHooks:
 
 def _memory(model: BagelModel, task: Task, prompt: str, settings, source_size=None, vae_size=None, kv=None) -> int:
     """The ``memory_required`` of the request for ComfyUI: the memory plan's peak above the weights under the KV
-    method ``kv`` (None: full KV), :func:`unicache_core.bagel.comfy_placement.memory_required`; ``vae_size``: an
+    method ``kv`` (None: full KV), :func:`unicache_core.bagel.memory.comfy_placement.memory_required`; ``vae_size``: an
     edit's output size set by its source latent."""
     check_prompt(prompt)  # before the tokenizer sees it (a lone surrogate can arrive in a /prompt JSON)
     loaded = model.loaded

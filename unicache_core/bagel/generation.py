@@ -28,12 +28,12 @@ from torch import Tensor
 
 from ..kv.cache import Task
 from . import contexts as C
-from .accounting import check_item_positions
 from .decoding import decode_text
 from .denoise import decode_latents, denoise
 from .interleave import build_generation_contexts
 from .items import ImageItem, Item, image_items, rounds
 from .latents import latent_factors
+from .memory.accounting import check_item_positions
 from .modeling import AutoEncoder
 from .numerics import check_noise
 from .request import GivenLatents, RunHooks

@@ -40,7 +40,6 @@ from PIL import Image
 
 from ..kv.cache import CacheFactory, CacheSession, RequestInfo, Task, as_cache_factory, full_cache_factory
 from . import contexts as C
-from .accounting import check_item_positions
 from .checkpoint.loader import LoadedBagel
 from .checkpoint.model_id import model_id_of
 from .contexts import Context, GenerationContexts
@@ -48,6 +47,7 @@ from .decoding import decode_text
 from .generation import GenerationCall, GenerationResult, run_generation
 from .interleave import build_generation_contexts, build_understanding_context
 from .items import Item, check_image_item, image_items, request_items, single_request
+from .memory.accounting import check_item_positions
 from .request import NO_GIVEN_LATENTS, NO_HOOKS, GivenLatents, RunHooks
 from .seeding import check_seed, seeded_generator
 from .settings import (

@@ -6,7 +6,7 @@
 * the tokens each branch's cache holds (:func:`count_items`, :func:`count_request` → :class:`RequestTokens`), their
   KV bytes at the checkpoint's layer geometry (:func:`kv_bytes_per_token`, :meth:`RequestTokens.kv_bytes`);
 * the device memory a request needs besides the weights (:func:`request_memory_bytes`; the VAE's working memory:
-  :mod:`.vae_memory`; TaylorSeer's factors while it is on: :func:`taylorseer_bytes`).
+  :mod:`.vae`; TaylorSeer's factors while it is on: :func:`taylorseer_bytes`).
 
 Token counts follow the blocks of :mod:`.contexts`: a text block is its tokens plus ``<|im_start|>`` and
 ``<|im_end|>``, an image block its tokens plus two boundary tokens; images take one RoPE position each.
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv.cache import Task
-from .config import BagelConfig
-from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT
-from .items import GenerateItem, ImageItem, Item, TextItem
-from .settings import UNDERSTANDING_DEFAULTS, GenerationSettings, UnderstandingSettings
-from .taylorseer import GENERATION_BRANCHES, factor_bytes
-from .transforms import ImageTransforms
-from .vae_memory import tiled_decode_bytes, vae_working_bytes
+from ...kv.cache import Task
+from ..config import BagelConfig
+from ..contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT
+from ..items import GenerateItem, ImageItem, Item, TextItem
+from ..settings import UNDERSTANDING_DEFAULTS, GenerationSettings, UnderstandingSettings
+from ..taylorseer import GENERATION_BRANCHES, factor_bytes
+from ..transforms import ImageTransforms
+from .vae import tiled_decode_bytes, vae_working_bytes
 
 #: Tokens a block adds around its content (``<|im_start|>``/``<|im_end|>``, or an image's start/end).
 BOUNDARY_TOKENS = 2
@@ -422,7 +422,7 @@ def request_memory_parts(
       tensors of the layer (residual, norm, attention output, projection) and the ``B`` blocks of a step's
       branches run together through each layer (1 for understanding, 3 for generation).
     * ``vae``: the peak of the fp32 VAE encoding the source or decoding the output, found by running the VAE
-      on meta tensors under a :class:`~.memory_trace.TensorMemoryTracker` (:func:`vae_working_bytes`);
+      on meta tensors under a :class:`~.trace.TensorMemoryTracker` (:func:`vae_working_bytes`);
       ``vae_encode`` and ``vae_decode`` apart, and ``vae_decode_tiled``: the decode in tiles
       (:func:`tiled_decode_bytes`).
 
