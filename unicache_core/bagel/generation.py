@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +32,10 @@ from .denoise import decode_latents, denoise
 from .interleave import build_generation_contexts
 from .items import ImageItem, Item, image_items, rounds
 from .latents import latent_factors
-from .memory.accounting import check_item_positions
 from .modeling import AutoEncoder
 from .numerics import check_noise
 from .request import GivenLatents, RunHooks
+from .request_check import CheckedRequest
 from .seeding import check_seed, seeded_generator
 from .settings import GenerationSettings, check_bool
 from .source_images import SINGLE_IMAGE_NAMES, ImageNames, PreparedImage, check_given, prepare_image
@@ -97,8 +96,7 @@ class _Request:
 class GenerationCall:
     """A generation call's arguments besides its items and settings (see :meth:`~.pipeline.BagelPipeline.edit`).
 
-    ``given.initial_noise`` starts the last round; ``single``: the request came from a single-image call (errors
-    name ``image``, ``source_latent``, ``prompt``)."""
+    ``given.initial_noise`` starts the last round."""
 
     seed: int | None
     hooks: RunHooks
@@ -106,23 +104,15 @@ class GenerationCall:
     vae: object = None
     decode: bool = True
     return_step0_velocity: bool = False
-    single: bool = False
 
 
-def check_generation(
-    pipe,
-    task: Task,
-    items: Sequence[Item],
-    settings: GenerationSettings,
-    call: GenerationCall,
-    names: dict[ImageItem, ImageNames],
-) -> None:
-    """Refuse, before any forward, what a generation of ``items`` cannot run: an edit without an image before its
-    first generation, latents given in the wrong place or of the wrong shape, more RoPE positions than the model
-    has (a single-image call's messages name ``prompt``, an item list's ``items``)."""
-    given = call.given
+def check_generation(pipe, request: CheckedRequest, call: GenerationCall, names: dict[ImageItem, ImageNames]) -> None:
+    """Refuse, before any forward, what a checked generation request (its items and RoPE positions already checked,
+    :mod:`.request_check`) cannot run: an edit without an image before its first generation, latents given in the
+    wrong place or of the wrong shape."""
+    given, items = call.given, request.items
     first = rounds(items)[0]
-    if task == "edit" and not any(isinstance(item, ImageItem) for item in first):
+    if request.task == "edit" and not any(isinstance(item, ImageItem) for item in first):
         raise ValueError(
             "an edit needs an image to edit: put an image item before the first text it generates from "
             "(e.g. [image, 'make it blue'])"
@@ -132,29 +122,19 @@ def check_generation(
             "with an item list, give each image's source latent or VAE noise in its ImageItem (latent=, vae_noise=), "
             "not in GivenLatents"
         )
-    check_item_positions(
-        pipe.loaded.config,
-        pipe.loaded.tokenizer,
-        items,
-        generation=True,
-        think=settings.think,
-        special_tokens=settings.prompt_special_tokens,
-        extra=settings.think_max_new_tokens + 2 if settings.think else 0,
-        extra_name="think_max_new_tokens",
-        name="prompt" if call.single else "items",
-    )
     external = not isinstance(pipe.resolve_vae(call.vae), AutoEncoder)  # an adapter never samples the noise
     for item in image_items(items):
         check_given(pipe.loaded, item.image, item.latent, item.vae_noise, external_vae=external, names=names[item])
 
 
-def run_generation(
-    pipe, task: Task, items: Sequence[Item], settings: GenerationSettings, call: GenerationCall
-) -> GenerationResult:
-    """Run the checked ``items`` (:func:`~.items.request_items`) of a ``task`` generation on ``pipe`` (a
-    :class:`~.pipeline.BagelPipeline`), round by round (module docstring)."""
+def run_generation(pipe, request: CheckedRequest, call: GenerationCall) -> GenerationResult:
+    """Run a checked generation ``request`` (:mod:`.request_check`) on ``pipe`` (a :class:`~.pipeline.BagelPipeline`),
+    round by round (module docstring)."""
+    if not isinstance(request.settings, GenerationSettings):
+        raise TypeError(f"a generation request takes GenerationSettings, got {type(request.settings).__name__}")
+    task, items, settings = request.task, request.items, request.settings
     seed = check_seed(call.seed)
-    decode, given, vae, single = check_bool("decode", call.decode), call.given, call.vae, call.single
+    decode, given, vae, single = check_bool("decode", call.decode), call.given, call.vae, request.single
     parts = rounds(items)
     needs_encode = len(parts) > 1 or any(item.latent is None for item in image_items(items))
     # a missing VAE is refused before any forward
@@ -166,8 +146,8 @@ def run_generation(
         for i, item in enumerate(items)
         if isinstance(item, ImageItem)
     }
-    check_generation(pipe, task, items, settings, call, names)
-    request = _Request(task, settings, call.hooks, encoder, vae, seeded_generator(seed), names)
+    check_generation(pipe, request, call, names)
+    shared = _Request(task, settings, call.hooks, encoder, vae, seeded_generator(seed), names)
     history: list[Item] = []
     prepared: dict[ImageItem, PreparedImage] = {}
     earlier: list[GenerationResult] = []
@@ -176,7 +156,7 @@ def run_generation(
         last = number == len(parts) - 1
         result = _round(
             pipe,
-            request,
+            shared,
             history,
             prepared,
             seed=seed,
