@@ -50,6 +50,7 @@ from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.compression import METHODS, PolicyTable, make_cache_factory, paper_policy_table
 from unicache_core.compression.family import JointPlan
+from unicache_core.kv.token_types import THINK
 
 from .medium import write_medium_checkpoint
 
@@ -153,7 +154,7 @@ def _run(
 
 
 def _compressed_steps(report: dict) -> list[dict]:
-    steps = [s for s in report["steps"] if "plan" not in s["branches"]]
+    steps = [s for s in report["steps"] if THINK not in s["branches"]]
     first = report["summary"].get("first_compressed_step")
     if report["method"] == "full" or first is None:
         return steps[1:] if len(steps) > 1 else steps  # the same steps the compressed methods are timed on

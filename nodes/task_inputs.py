@@ -18,13 +18,13 @@ from .host import io
 OUTPUT_TOOLTIPS = (
     "The generated image(s), [batch, height, width, 3] in [0, 1].",
     "The final latent in ComfyUI's FLUX convention (decode with core VAEDecode and the FLUX ae.safetensors).",
-    "The plan decoded in think mode (empty when think is off).",
+    "The reasoning decoded in think mode (empty when think is off).",
     "The KV-cache report of the run (connect to UniCache KV Report).",
 )
 
 
 def generation_outputs() -> list:
-    """IMAGE, LATENT, the think-mode plan and the KV report (output ids differ from the input names, as V3 wants;
+    """IMAGE, LATENT, the think-mode reasoning and the KV report (output ids differ from the input names, as V3 wants;
     the names shown are the display names)."""
     image, latent, thinking, report = OUTPUT_TOOLTIPS
     return [
@@ -118,7 +118,7 @@ def generation_inputs(defaults) -> list:
             default=defaults.cfg_renorm_type,
             tooltip="How the guided velocity is renormalised.",
         ),
-        think_input("Decode a plan first (think mode) and generate from it; the plan is the `thinking` output."),
+        think_input("Reason first (think mode) and generate from the reasoning, which is the `thinking` output."),
     ]
 
 

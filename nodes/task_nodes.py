@@ -82,7 +82,7 @@ class _Progress:
         self.loaded = loaded
 
     def __call__(self, done: int, total: int, latent=None) -> None:
-        if total != self.per_item:  # think mode: the plan tokens first, then the steps
+        if total != self.per_item:  # think mode: the think tokens first, then the steps
             self.bar(done, total, latent)
         else:
             self.bar(self.item * self.per_item + done, self.items * self.per_item, latent)
@@ -252,7 +252,7 @@ class UniCacheTextToImage(UniCacheNode):
             display_name="UniCache BAGEL Text to Image",
             category=CATEGORY,
             description="Text-to-image with BAGEL; the KV cache is compressed by the connected UniCache KV Config "
-            "(full when none). Outputs the image, its latent (FLUX convention), the think-mode plan and the KV "
+            "(full when none). Outputs the image, its latent (FLUX convention), the think-mode reasoning and the KV "
             "report.",
             inputs=[
                 model_input(),

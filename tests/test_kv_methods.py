@@ -227,8 +227,8 @@ def test_think_plan_has_its_own_context_name(loaded):
         "a dog", preset("t2i", width=32, height=32, num_timesteps=3, think=True, think_max_new_tokens=3)
     )
     phases = {(s["phase"], name) for s in res.kv_report["steps"] for name in s["branches"]}
-    assert ("decode", "plan") in phases and ("decode", "gen") not in phases
-    assert all(not s["branches"]["plan"]["compressed"] for s in res.kv_report["steps"] if "plan" in s["branches"])
+    assert ("decode", "think") in phases and ("decode", "gen") not in phases
+    assert all(not s["branches"]["think"]["compressed"] for s in res.kv_report["steps"] if "think" in s["branches"])
 
 
 def test_bad_settings_each_give_one_clear_error(loaded, tmp_path):
@@ -329,7 +329,7 @@ def test_a_settled_branch_is_neither_measured_nor_compressed_again(loaded, sourc
     for report in (und.kv_report, fixed_edit.kv_report):
         steps = report["steps"]
         first = report["summary"]["first_compressed_step"]
-        later = [s for s in steps if s["step"] > first and "plan" not in s["branches"]]
+        later = [s for s in steps if s["step"] > first and "think" not in s["branches"]]
         assert len(later) >= 10
         assert all(s["stats_s"] == 0 and s["alloc_s"] == 0 for s in later), report["task"]
         assert not any(b["compressed_after"] for s in later for b in s["branches"].values())

@@ -485,7 +485,7 @@ def test_t2i_think_branches_are_upper_bounds(pipe, loaded):
     tokens = _count(loaded, "t2i", "a cat", settings)
     result = pipe.text_to_image("a cat", settings, seed=0)
     counted, held = tokens.branches(), result.info["context_tokens"]
-    assert set(counted) == {"gen", "cfg_text", "cfg_img", "plan"} and tokens.latent == 4
+    assert set(counted) == {"gen", "cfg_text", "cfg_img", "think"} and tokens.latent == 4
     assert held["cfg_text"] == counted["cfg_text"] > 0 and held["cfg_img"] == counted["cfg_img"]
     assert counted["cfg_img"] < held["gen"] <= counted["gen"]  # the plan (at most 3 tokens) went into gen
 

@@ -2,7 +2,7 @@
 // execution returns the `unicache_kv` ui data (UniCacheKVReport, UniCacheUnderstand).
 import { app } from "../../scripts/app.js";
 
-const BRANCH_COLORS = { gen: "#4285f4", cfg_text: "#ea4335", cfg_img: "#34a853", plan: "#fbbc04" };
+const BRANCH_COLORS = { gen: "#4285f4", cfg_text: "#ea4335", cfg_img: "#34a853", think: "#fbbc04" };
 const CHART_HEIGHT = 190;
 
 function fmtBytes(n) {

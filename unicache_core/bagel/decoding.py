@@ -1,4 +1,4 @@
-"""Autoregressive text decoding over a context: an understanding answer or a think-mode plan (docs/bagel.md §5.2)."""
+"""Autoregressive text decoding over a context: an understanding answer or think-mode reasoning (docs/bagel.md §5.2)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def decode_text(
     forwards including the start token: official ``max_length = M`` equals ``max_new_tokens = M-1``.)
     ``draw_discarded_sample``: when sampling stops at the length limit, consume the one extra
     multinomial draw the official loop makes (and discards) from ``generator``, so that later draws
-    from the same generator (the latent noise after a think plan) match the official RNG stream.
+    from the same generator (the latent noise after a think text) match the official RNG stream.
     ``hooks``: progress and ``steer`` (the next token id) after every token, cancel polled before every token.
     ``session``/``branch``: the cache session is told where each decoded token begins and ends.
 

@@ -34,7 +34,7 @@ from .transforms import image_from_tensor
 
 logger = logging.getLogger(__name__)
 
-#: The classifier-free guidance branches a denoising step may compute (all but the think plan's).
+#: The classifier-free guidance branches a denoising step may compute (all but the think text's).
 CFG_BRANCHES = tuple(branch for branch in BRANCHES if branch != THINK)
 
 

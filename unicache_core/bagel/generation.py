@@ -10,7 +10,7 @@ beside its own; the earlier items are prefilled again at full precision, every K
 contexts a one-round request of that list would.
 
 Randomness: one CPU generator seeded with ``seed`` gives, in order, the VAE-encode noise of every input image (in
-item order; an image is encoded once, when its round first needs it), each round's think-plan samples and initial
+item order; an image is encoded once, when its round first needs it), each round's think-mode samples and initial
 latent noise, then the encode noise of the image it made. For a one-round request that is the official order.
 """
 
@@ -61,7 +61,7 @@ class GenerationResult:
             ``None``), how the last input image's source latent was made (``source_latent``: ``"checkpoint_vae"``,
             ``"external_vae"``, ``"given"``; ``source_latents``: every input image's, in request order; ``images``:
             their count) and the latent constants (``latent_format``).
-        think_text: the plan decoded in think mode, else ``None``.
+        think_text: the reasoning decoded in think mode, else ``None``.
         step0_velocity: with ``return_step0_velocity=True``: ``{"gen", "cfg_text", "cfg_img"
             (branches computed), "guided"}`` ``[h*w, 64]`` velocities of step 0.
         kv_report: the cache session's report (see :mod:`unicache_core.compression`).

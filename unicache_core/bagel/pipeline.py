@@ -10,7 +10,7 @@ in rounds for iterative editing: :mod:`.generation`). Each procedure takes its v
 (:mod:`.settings`), a seed, run-time hooks and given latents (:mod:`.request`).
 
 Randomness: one CPU ``torch.Generator`` seeded with ``seed`` gives, in order, the VAE-encode noise of
-every input image (in item order), the think-mode plan samples (including the official loop's final discarded
+every input image (in item order), the think-mode reasoning samples (including the official loop's final discarded
 draw) and the initial latent noise: the official code draws all of them from the global CPU RNG in
 that order, so seeded runs reproduce it (checked against the official code, sampled think mode too).
 Seeds below ``2**32`` seed it with ``manual_seed`` exactly as officially; every larger seed (up to
@@ -327,7 +327,7 @@ class BagelPipeline:
         Args:
             prompt: the instruction text (wrapped as ``<|im_start|> prompt <|im_end|>``, no chat template).
             settings: denoising, guidance, think mode and size (default: the official T2I preset).
-            seed: seeds the CPU generator of the noise and plan samples (``None`` = random, reported).
+            seed: seeds the CPU generator of the noise and think-mode samples (``None`` = random, reported).
             hooks: progress per plan token and per denoising step, cancel polled before each, live preview
                 ``preview(done, total, x0)`` of the clean-latent estimate ``[1, 16, H/8, W/8]`` per step.
             given: ``initial_noise`` ``[h*w, 64]`` to start from instead of drawing it.

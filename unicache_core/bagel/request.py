@@ -11,20 +11,20 @@ from torch import Tensor
 _Next = TypeVar("_Next", Tensor, int)
 
 #: ``progress(done, total)``: called after every decoded token (understanding; in think mode first for
-#: the plan tokens, ``total = think_max_new_tokens``) and after every denoising step (``total = steps``).
+#: the think tokens, ``total = think_max_new_tokens``) and after every denoising step (``total = steps``).
 ProgressFn = Callable[[int, int], None]
 #: ``cancel()``: polled before every decoded token and denoising step; True raises ``CancelledError``.
 CancelFn = Callable[[], bool]
 #: ``preview(done, total, x0)``: the current clean-latent estimate ``[1, 16, H/8, W/8]`` after each denoising step.
 PreviewFn = Callable[[int, int, Tensor], None]
 #: ``steer(step, output, proposed) -> next``: after every denoising step (``output`` the guided velocity
-#: ``[h*w, 64]``, ``proposed`` the next latent ``[h*w, 64]`` fp32) and every decoded token, a think plan's included
+#: ``[h*w, 64]``, ``proposed`` the next latent ``[h*w, 64]`` fp32) and every decoded token, a think text's included
 #: (``output`` the logits ``[vocab]``, ``proposed`` the next token id): what the loop continues from. Returning
 #: ``proposed`` observes a run; returning another run's recorded value forces this one along that run's path
 #: (teacher forcing: the quality benchmark measures a compressed cache's outputs on full KV's path with it).
 SteerFn = Callable[[int, Tensor, _Next], _Next]
 #: ``phase(name)``: called as each phase of a request begins: ``"contexts"`` (VAE encode and prefill), then
-#: ``"answer"`` (understanding), or ``"think"`` (a think plan), ``"denoise"`` and ``"decode"`` (the VAE decode; the
+#: ``"answer"`` (understanding), or ``"think"`` (a think text), ``"denoise"`` and ``"decode"`` (the VAE decode; the
 #: request's KV caches are released before it). A memory meter reads each phase's peak with it.
 PhaseFn = Callable[[str], None]
 

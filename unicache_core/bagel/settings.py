@@ -136,7 +136,7 @@ class GenerationSettings:
         cfg_interval: guidance is active for the steps with ``lo < t <= hi``.
         cfg_renorm_min, cfg_renorm_type: norm clamp after guidance: ``global`` | ``channel`` | ``text_channel``.
         think: decode a plan first and generate from it.
-        think_max_new_tokens, think_do_sample, think_temperature: how the plan is decoded (checked with ``think``).
+        think_max_new_tokens, think_do_sample, think_temperature: how the reasoning is decoded (checked with ``think``).
         width, height: text-to-image output size in pixels (checked against the checkpoint by
             :func:`check_output_size`); an edit's output follows its source image and ignores them.
         prompt_special_tokens: parse control-token strings in the prompt as the official code does

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.cache import Task
+from ..kv.token_types import THINK
 from .config import BagelConfig
 from .contexts import GEN_THINK_SYSTEM_PROMPT, VLM_THINK_SYSTEM_PROMPT
 from .items import GenerateItem, ImageItem, Item, TextItem
@@ -142,7 +143,7 @@ class RequestTokens:
         vit: ViT patch tokens of the input images (0 without one).
         vae: latent tokens of a generation's input images (0 otherwise).
         latent: latent tokens denoised (t2i and edit: ``(H/16) * (W/16)`` of the output).
-        decoded: most tokens decoded: the answer (understanding) or the think plan (generation).
+        decoded: most tokens decoded: the answer (understanding) or the think text (generation).
         images: ``(vae, vit)`` tokens of each input image in request order; empty: one image of ``vae``/``vit``
             tokens when either is set (the single-image requests).
         texts: text blocks (each adds its two boundary tokens).
@@ -169,8 +170,8 @@ class RequestTokens:
 
     def branches(self) -> dict[str, int]:
         """Most tokens each branch's cache holds (uncompressed): ``{"gen"}`` for understanding; ``gen``,
-        ``cfg_text``, ``cfg_img`` (and ``plan`` in think mode: a fork of ``gen`` the plan is decoded in)
-        for generation. The plan is then appended to ``gen`` as a text block."""
+        ``cfg_text``, ``cfg_img`` (and ``think`` in think mode: a fork of ``gen`` the reasoning is decoded in)
+        for generation. The reasoning is then appended to ``gen`` as a text block."""
         system = self.system + BOUNDARY_TOKENS if self.system else 0
         texts = self.prompt + BOUNDARY_TOKENS * self.texts
         if self.task == "understanding":
@@ -181,7 +182,7 @@ class RequestTokens:
         gen = system + images + texts
         counts = {"gen": gen, "cfg_text": gen - tail, "cfg_img": system + texts}
         if self.system:
-            counts["plan"] = counts["gen"] + self.decoded
+            counts[THINK] = counts["gen"] + self.decoded
             counts["gen"] += self.decoded + BOUNDARY_TOKENS
         return counts
 

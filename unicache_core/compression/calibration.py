@@ -31,7 +31,7 @@ import logging
 from dataclasses import dataclass
 
 from ..kv.cache import AttentionCall, CacheFactory, CacheSession, RequestInfo, StepInfo
-from ..kv.token_types import CANDIDATE_TYPES
+from ..kv.token_types import CANDIDATE_TYPES, THINK
 from .compressing_cache import CompressingKVCache
 from .defaults import SCORE_QUERIES
 from .method import Method
@@ -55,8 +55,8 @@ class Calibration(Method, register=False):
         return 1.0
 
     def plan_call(self, view: BranchView, call: AttentionCall) -> CallPlan:
-        if view.branch == "plan":
-            return CallPlan()  # the think-mode plan context is not read by the answer / the latents
+        if view.branch == THINK:
+            return CallPlan()  # the think branch is not read by the answer / the latents
         task = view.task
         queries = self.score_queries
         if task == "understanding":

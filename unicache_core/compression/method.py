@@ -26,7 +26,7 @@ Timeline shared by every method (docs/compression.md §8.1, §8.6, §8.10):
   scores are gathered once, at the branch's first observation.
 - understanding: the prompt prefill is observed (the question's queries: the post-modality window); the cache is
   compressed before the first decoded token, so every decoded token reads compressed KV.
-- protected types (boundary, current latent, decoded text) are never touched; the think-mode ``plan`` context is
+- protected types (boundary, current latent, decoded text) are never touched; the ``think`` branch is
   never compressed.
 """
 
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..kv.cache import AttentionCall, RequestInfo
+from ..kv.token_types import THINK
 from ..validation import check_bool, check_int
 from .defaults import DEFAULT_REDUCTION, SCORE_QUERIES, VLCACHE_THRESHOLD
 from .plan import BranchPlan, CallPlan, LayerPlan
@@ -135,7 +136,7 @@ class Method:
 
     def plan_call(self, view: BranchView, call: AttentionCall) -> CallPlan:
         """What ``call`` measures on the branch and whether the branch is compressed before or after it."""
-        if view.branch == "plan":
+        if view.branch == THINK:
             return CallPlan()
         written = self.compresses_written and call.phase == "prefill" and call.update
         if view.task == "understanding":

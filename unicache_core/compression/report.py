@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 
 from ..kv.cache import AttentionCall, StepInfo
-from ..kv.token_types import TokenType
+from ..kv.token_types import THINK, TokenType
 from .protocol import ReportedBranch, ReportedSession
 
 #: The ``format`` field of every KV report (and what a report reader checks first).
@@ -138,14 +138,14 @@ class ReportBuilder:
     def build(self) -> dict:
         """The report: format, method, task, config, policy, the summary over the steps, and the steps."""
         session = self.session
-        caches = [c for c in session.live_caches() if c.branch != "plan"]
+        caches = [c for c in session.live_caches() if c.branch != THINK]
         full = sum(c.managed_full_bytes() for c in caches)
         first = next(
             (i for i, s in enumerate(self.steps) if any(b.get("compressed") for b in s["branches"].values())), None
         )
         after = self.steps[first:] if first is not None else []
         if session.method.name == "full":
-            after = [s for s in self.steps if s["phase"] != "decode" or "plan" not in s["branches"]]
+            after = [s for s in self.steps if s["phase"] != "decode" or THINK not in s["branches"]]
         steady = statistics.fmean(s["managed_bytes_all"] for s in after) if after else None
         target = session.target_ratio
         rho_weighted = None

@@ -9,7 +9,7 @@ from .report import REPORT_FORMAT
 
 #: Most points per series in the compact chart data (long decodes are subsampled evenly).
 MAX_POINTS = 64
-BRANCH_COLORS = {"gen": (66, 133, 244), "cfg_text": (234, 67, 53), "cfg_img": (52, 168, 83), "plan": (251, 188, 4)}
+BRANCH_COLORS = {"gen": (66, 133, 244), "cfg_text": (234, 67, 53), "cfg_img": (52, 168, 83), "think": (251, 188, 4)}
 TYPE_COLORS = {
     "instruction": (171, 71, 188),
     "source_vit": (0, 172, 193),

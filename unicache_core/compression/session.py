@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..kv.cache import AttentionCall, CacheSession, KVCache, RequestInfo, StepInfo, unique_nbytes
 from ..kv.stores import KVStore
+from ..kv.token_types import THINK
 from .compressing_cache import CompressingKVCache
 from .method import Method
 from .report import ReportBuilder
@@ -142,7 +143,7 @@ class CompressionSession(CacheSession):
         if self.target_ratio is None:
             target = self.method.target(self.request.task)
             if isinstance(target, int):
-                full = sum(c.managed_full_bytes() for c in self.live_caches() if c.branch != "plan")
+                full = sum(c.managed_full_bytes() for c in self.live_caches() if c.branch != THINK)
                 ratio = 1.0 if full == 0 else min(1.0, target / full)
                 logger.info("kv_target %d bytes = %.4f of the %d full managed bytes", target, ratio, full)
                 self.target_ratio = ratio
@@ -157,7 +158,7 @@ class CompressionSession(CacheSession):
             return self.target_ratio >= 1.0
         target = self.method.target(self.request.task)
         if isinstance(target, int):
-            return target >= sum(c.managed_full_bytes() for c in self.live_caches() if c.branch != "plan")
+            return target >= sum(c.managed_full_bytes() for c in self.live_caches() if c.branch != THINK)
         return float(target) >= 1.0
 
     def grant(self, branch: str, layer: int) -> int:
@@ -192,8 +193,8 @@ class CompressionSession(CacheSession):
     def _share(self, cache: CompressingKVCache, replaced: list[tuple[int, list[KVStore], KVStore]]) -> None:
         """Stores ``cache`` replaced that other branches held too (a fork's rows) are replaced there by the same new
         store, so the rows stay one store after compression (docs/compression.md §13). A branch holding only some of
-        the replaced stores keeps its own; the think-mode ``plan`` context is never compressed."""
-        others = [c for c in self.live_caches() if c is not cache and c.branch != "plan"]
+        the replaced stores keeps its own; the ``think`` branch is never compressed."""
+        others = [c for c in self.live_caches() if c is not cache and c.branch != THINK]
         for index, old, new in replaced:
             wanted = [storages(store) for store in old]
             for other in others:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..kv.cache import AttentionCall, RequestInfo, StepInfo
 from ..kv.stores import KVStore, QuantizedStore
-from ..kv.token_types import BRANCHES, CANDIDATE_TYPES, TokenType
+from ..kv.token_types import BRANCHES, CANDIDATE_TYPES, THINK, TokenType
 from .family import FULL_BITS, Segment
 from .ops import shared_rows
 
@@ -192,11 +192,11 @@ class LayerView:
     @cached_property
     def shared_with(self) -> Mapping[SegmentKey, frozenset[str]]:
         """The candidate segments whose stores other live branches of the request hold too (a fork's rows until one of
-        them re-lays them out), and those branches; the think-mode ``plan`` context is not counted."""
+        them re-lays them out), and those branches; the ``think`` branch is not counted."""
         others = [
             c
             for c in self._cache.session.live_caches()
-            if c is not self._cache and c.branch != "plan" and c.num_layers == self._cache.num_layers
+            if c is not self._cache and c.branch != THINK and c.num_layers == self._cache.num_layers
         ]
         holders: dict[int, set[str]] = {}
         for other in others:

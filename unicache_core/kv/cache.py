@@ -14,8 +14,8 @@ the RoPE positions and token types in :class:`AttentionCall` are metadata for co
 0 for the first row ever cached in the context. "Position" always means a RoPE id.)
 
 Every cache of one pipeline request comes from one :class:`CacheSession`, started by a
-:class:`CacheFactory`; the session sees every branch (``gen``, ``cfg_text``, ``cfg_img``, ``plan``),
-builds ``cfg_text`` (and the think-mode ``plan`` context) from its parent with :meth:`CacheSession.fork`,
+:class:`CacheFactory`; the session sees every branch (``gen``, ``cfg_text``, ``cfg_img``, ``think``),
+builds ``cfg_text`` (and the ``think`` branch) from its parent with :meth:`CacheSession.fork`,
 is told when each denoising step / decoded token begins and ends and which branches run in it
 (:class:`StepInfo`), and returns a JSON-serialisable report when the request ends.
 Cached keys are always fully visible to new queries (BAGEL never masks earlier context); the new
@@ -116,7 +116,7 @@ class StepInfo:
         phase: ``denoise`` or ``decode``.
         step: 0-based index; total: steps (tokens: the most) of this phase.
         branches: the contexts whose output this step uses (CFG branches skip steps outside ``cfg_interval``;
-            think-mode plan tokens run in ``plan``).
+            think-mode reasoning tokens run in ``think``).
         timestep: flow time ``t`` of a denoising step.
         forecast: the branches of ``branches`` whose output this step is forecast instead of computed
             (TaylorSeer, ``unicache_core/bagel/taylorseer.py``): their caches see no call in this step.
@@ -432,7 +432,7 @@ class CacheSession:
         """Called after them (also when a later step is never reached)."""
 
     def release(self, branch: str) -> None:
-        """The pipeline dropped the context of ``branch`` (e.g. the think plan after decoding)."""
+        """The pipeline dropped the context of ``branch`` (e.g. the think text after decoding)."""
         self.caches.pop(branch, None)
 
     def finish(self) -> dict | None:

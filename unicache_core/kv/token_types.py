@@ -14,11 +14,11 @@ import torch
 #: The three request kinds: answer about images, generate an image from text, edit an image.
 Task = Literal["understanding", "t2i", "edit"]
 TASKS: tuple[str, ...] = ("understanding", "t2i", "edit")
-#: ``gen``/``cfg_text``/``cfg_img``: BAGEL's CFG contexts; ``plan``: the think-mode plan decoding context.
-Branch = Literal["gen", "cfg_text", "cfg_img", "plan"]
-BRANCHES: tuple[str, ...] = ("gen", "cfg_text", "cfg_img", "plan")
-#: The think-mode branch: a fork of ``gen`` that the reasoning is decoded in.
-THINK: Branch = "plan"
+#: ``gen``/``cfg_text``/``cfg_img``: BAGEL's CFG contexts; ``think``: the context think mode decodes its reasoning in.
+Branch = Literal["gen", "cfg_text", "cfg_img", "think"]
+BRANCHES: tuple[str, ...] = ("gen", "cfg_text", "cfg_img", "think")
+#: The think-mode branch: a fork of ``gen`` that the reasoning is decoded in (never compressed).
+THINK: Branch = "think"
 
 
 class TokenType(IntEnum):

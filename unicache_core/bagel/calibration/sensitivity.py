@@ -13,7 +13,7 @@ from ...compression.policy_table import PolicyTable
 from ...compression.routing import PolicyKind
 from ...compression.session import CompressionSession
 from ...kv.cache import CacheFactory, RequestInfo
-from ...kv.token_types import CANDIDATE_TYPES, TokenType
+from ...kv.token_types import CANDIDATE_TYPES, THINK, TokenType
 from .options import SENSITIVITY_RATIO, CalibrationOptions
 from .requests import run_request
 
@@ -71,7 +71,7 @@ class _KeepSession(CacheFactory):
 
         def measured_release(branch: str) -> None:
             cache = session.caches.get(branch)
-            if cache is not None and branch != "plan":
+            if cache is not None and branch != THINK:
                 for ttype, (held, full) in _type_bytes(cache).items():
                     total = self.released.setdefault(ttype, [0, 0])
                     total[0], total[1] = total[0] + held, total[1] + full
@@ -101,7 +101,7 @@ def type_retained(keep: _KeepSession, ttype: TokenType) -> float | None:
         raise ValueError("type_retained reads the session of a run: run a request through `keep` first")
     held, full = keep.released.get(ttype, [0, 0])
     for cache in keep.last.live_caches():
-        if cache.branch == "plan":
+        if cache.branch == THINK:
             continue
         h, f = _type_bytes(cache).get(ttype, (0, 0))
         held, full = held + h, full + f

@@ -317,7 +317,7 @@ def resolve_device(device: str) -> str:
 def request_settings(args) -> GenerationSettings | UnderstandingSettings:
     """The settings of a parsed ``understand`` / ``t2i`` / ``edit`` command line (a ValueError names the field).
 
-    ``--max-new-tokens`` and ``--temperature`` set the answer's decoding, or the think plan's in generation.
+    ``--max-new-tokens`` and ``--temperature`` set the answer's decoding, or the think text's in generation.
     """
     if args.command == "understand":
         return preset(
@@ -378,7 +378,7 @@ def taylorseer_changes(args) -> dict[str, Any]:
 def check_prompt_positions(
     config, tokenizer, task: str, prompt: str, has_image: bool, settings: GenerationSettings | UnderstandingSettings
 ) -> None:
-    """The prompt's RoPE positions, then with the answer's (``understand``) or the think plan's, against the
+    """The prompt's RoPE positions, then with the answer's (``understand``) or the think text's, against the
     checkpoint's budget (a ValueError naming the field)."""
     from ..memory.accounting import check_positions, generation_positions, understanding_positions
 

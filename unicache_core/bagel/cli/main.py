@@ -83,7 +83,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "--max-new-tokens",
             type=int,
             default=None,
-            help=f"max generated tokens (answer: {UNDERSTANDING_DEFAULTS.max_new_tokens}, think plan: "
+            help=f"max generated tokens (answer: {UNDERSTANDING_DEFAULTS.max_new_tokens}, think text: "
             f"{T2I_DEFAULTS.think_max_new_tokens})",
         )
         p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
