@@ -9,6 +9,7 @@ from unicache_core.bagel.seeding import MAX_SEED
 from unicache_core.bagel.settings import (
     MAX_CFG_SCALE,
     MAX_NUM_TIMESTEPS,
+    T2I_DEFAULTS,
     TIMESTEP_SHIFT_RANGE,
 )
 
@@ -89,7 +90,7 @@ def generation_inputs(defaults) -> list:
             max=MAX_NUM_TIMESTEPS,
             step=1,
             tooltip="Points of the timestep schedule (BAGEL's num_timesteps; steps-1 Euler updates are run). "
-            "Official: 50.",
+            f"Official: {defaults.num_timesteps}.",
         ),
         seed_input(),
         scale("cfg_text_scale", defaults.cfg_text_scale, "Text guidance; <= 1 turns it (and image guidance) off."),
@@ -107,7 +108,7 @@ def generation_inputs(defaults) -> list:
             max=hi,
             step=0.1,
             round=0.01,
-            tooltip="Shift s of the schedule t' = s t / (1 + (s-1) t). Official: 3.0.",
+            tooltip=f"Shift s of the schedule t' = s t / (1 + (s-1) t). Official: {defaults.timestep_shift}.",
         ),
         unit(
             "cfg_renorm_min", defaults.cfg_renorm_min, "Lower clamp of the norm ratio after guidance (1 = no renorm)."
@@ -144,7 +145,8 @@ def taylorseer_input():  # optional: a workflow saved before it existed still ru
         "taylorseer",
         optional=True,
         default=False,
-        tooltip="TaylorSeer (official): after 5 steps the model runs on 1 step in 3, the others are forecast.",
+        tooltip=f"TaylorSeer (official): after {T2I_DEFAULTS.taylorseer_first_steps} steps the model runs on 1 step in "
+        f"{T2I_DEFAULTS.taylorseer_interval}, the others are forecast.",
     )
 
 

@@ -15,19 +15,18 @@ class MethodCacheFactory(CacheFactory):
     """Starts a :class:`~unicache_core.compression.session.CompressionSession` of one method per request.
 
     Attributes:
-        kv_method: the method as the user gave it (its files are resolved for each request: :meth:`Method.bind`);
-            ``method`` is its name.
+        method: the method as the user gave it (its files are resolved for each request: :meth:`Method.bind`;
+            its name is ``method.name``).
         checkpoint_dir: where the method looks for the checkpoint's own files (UniCache's policy table).
     """
 
     def __init__(self, method: Method, checkpoint_dir: str = ""):
-        self.kv_method = method
-        self.method = method.name
+        self.method = method
         self.checkpoint_dir = checkpoint_dir
 
     def start(self, request: RequestInfo) -> CacheSession:
-        bound, policy_info = self.kv_method.bind(request, self.checkpoint_dir)
-        return CompressionSession(request, bound, policy_info, self.kv_method.settings())
+        bound, policy_info = self.method.bind(request, self.checkpoint_dir)
+        return CompressionSession(request, bound, policy_info, self.method.settings())
 
 
 class FullCacheFactory(CacheFactory):
@@ -35,11 +34,10 @@ class FullCacheFactory(CacheFactory):
     factory) that also measure attention time, attended rows and bytes."""
 
     def __init__(self, method: Full):
-        self.kv_method = method
-        self.method = method.name
+        self.method = method
 
     def start(self, request: RequestInfo) -> CacheSession:
-        return FullSession(request, self.kv_method)
+        return FullSession(request, self.method)
 
 
 def make_cache_factory(method: str | Method = "full", *, checkpoint_dir: str = "", **settings: Any) -> CacheFactory:
