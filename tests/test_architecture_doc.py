@@ -49,3 +49,22 @@ def test_every_path_and_name_in_the_architecture_page_exists():
         if not (base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()):
             missing.append(module)
     assert missing == []
+
+
+def _contract_ids() -> set[str]:
+    import tomllib
+
+    with (ROOT / "pyproject.toml").open("rb") as file:
+        return {c["id"] for c in tomllib.load(file)["tool"]["importlinter"]["contracts"]}
+
+
+def test_the_rules_table_is_the_import_contracts():
+    """The "Rules checked here" table lists every import-linter contract of pyproject.toml and nothing else, and
+    every contract the page cites elsewhere ("contract `name`") exists."""
+    text = DOC.read_text(encoding="utf-8")
+    section = text.split("## Rules checked here", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `([\w-]+)` \|", section, flags=re.MULTILINE)
+    ids = _contract_ids()
+    assert len(listed) == len(set(listed)) and set(listed) == ids
+    cited = re.findall(r"contracts? `([\w-]+)`", text)
+    assert cited and set(cited) <= ids, set(cited) - ids
