@@ -441,13 +441,9 @@ class CacheSession:
 
 
 class CacheFactory:
-    """Starts one :class:`CacheSession` per pipeline request. The default builds full caches.
-
-    Attributes:
-        method: the compression method's name (``full`` here).
+    """Starts one :class:`CacheSession` per pipeline request. The default builds full caches (a compressing
+    factory holds its method object as ``method``: :class:`~unicache_core.compression.registry.MethodCacheFactory`).
     """
-
-    method: str = "full"
 
     def start(self, request: RequestInfo) -> CacheSession:
         return CacheSession(request)
@@ -456,7 +452,6 @@ class CacheFactory:
 class _CallableFactory(CacheFactory):
     def __init__(self, fn: Callable[[CacheRequest], KVCache]):
         self.fn = fn
-        self.method = getattr(fn, "__name__", "custom")
 
     def start(self, request: RequestInfo) -> CacheSession:
         return CacheSession(request, lambda branch: self.fn(CacheRequest(request.task, branch, request.num_layers)))

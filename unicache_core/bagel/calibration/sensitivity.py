@@ -58,7 +58,6 @@ class _KeepSession(CacheFactory):
 
     def __init__(self, inner: CacheFactory):
         self.inner = inner
-        self.method = inner.method
         self.last: CompressionSession | None = None
         self.released: dict[TokenType, list[int]] = {}
 

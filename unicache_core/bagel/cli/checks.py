@@ -18,7 +18,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from unicache_commands.input_files import read_text_file
 from unicache_commands.output_files import check_output_file, same_file, save_text, write_atomically
@@ -33,6 +33,9 @@ from ..settings import (
     check_prompt,
     preset,
 )
+
+if TYPE_CHECKING:
+    from ..request_check import CheckedRequest
 
 #: Output formats by file suffix (checked before the model loads, so a typo costs nothing).
 OUT_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
@@ -261,8 +264,9 @@ def check_policy_table(args, root: Path) -> None:
 class Checked:
     """What :func:`preflight` validated: the prompt text, the decoded image, the output format, the device, the
     request's settings and seed; ``items``: the request's item list when it is not a single-image request (several
-    ``--image``, ``--items``: :mod:`.items`; ``image`` is then its last image), ``rounds_out``: where an
-    iterative request writes its earlier images."""
+    ``--image``, ``--items``: :mod:`.items`; ``image`` is then its last image), ``request``: that list checked and
+    counted once (:class:`~..request_check.CheckedRequest`, run as it is), ``rounds_out``: where an iterative
+    request writes its earlier images."""
 
     prompt: str | None
     image: Any
@@ -271,6 +275,7 @@ class Checked:
     settings: GenerationSettings | UnderstandingSettings
     seed: int
     items: tuple | None = None
+    request: CheckedRequest | None = None
     rounds_out: tuple[Path, ...] = ()
 
     def understanding_settings(self) -> UnderstandingSettings:

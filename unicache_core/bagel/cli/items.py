@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from ...kv.token_types import Task
 from ..items import ImageItem, Item, TextItem, request_items
+from ..request_check import CheckedRequest, check_request
 from .checks import Checked, open_image, preflight, require_prompt
 from .files import check_command_outputs, round_paths
 from .items_file import open_items
@@ -35,12 +37,12 @@ def preflight_request(args) -> Checked:
 
     checked = preflight(args, items=True)  # every other argument first
     image, items, paths = request_images(args, checked.prompt)
-    check_item_request(
+    request = check_item_request(
         load_bagel_config(args.checkpoint), BagelTokenizer.from_dir(args.checkpoint), items, checked.settings, args
     )
     out = getattr(args, "out", None)
     rounds_out = tuple(round_paths(out, items)) if out is not None else ()  # checked with every output by preflight
-    return dataclasses.replace(checked, image=image, items=items, rounds_out=rounds_out)
+    return dataclasses.replace(checked, image=image, items=request.items, request=request, rounds_out=rounds_out)
 
 
 def request_images(args, prompt: str | None):
@@ -70,26 +72,13 @@ def request_images(args, prompt: str | None):
     return (last[-1] if last else None), items, paths
 
 
-def check_item_request(config, tokenizer, items: tuple[Item, ...], settings, args) -> None:
-    """The item list's RoPE positions against the checkpoint (too many images names what fits), the error naming
-    ``--items`` or ``--image``."""
-    from ..memory.accounting import check_item_positions
-
-    generation = args.command != "understand"
+def check_item_request(config, tokenizer, items: tuple[Item, ...], settings, args) -> CheckedRequest:
+    """The item list checked and counted once for the checkpoint (:func:`~..request_check.check_request`): its RoPE
+    positions against the model's (too many images names what fits), the error naming ``--items`` or ``--image``."""
+    task: Task = "understanding" if args.command == "understand" else args.command
     flag = f"--items {args.items}" if getattr(args, "items", None) is not None else "--image"
     try:
-        check_item_positions(
-            config,
-            tokenizer,
-            items,
-            generation=generation,
-            think=settings.think,
-            special_tokens=settings.prompt_special_tokens,
-            extra=(settings.think_max_new_tokens + 2 if settings.think else 0)
-            if generation
-            else settings.max_new_tokens,
-            extra_name="think_max_new_tokens" if generation else "max_new_tokens",
-        )
+        return check_request(config, tokenizer, task, items, settings)
     except ValueError as exc:
         raise ValueError(f"{flag}: {exc}") from None
 

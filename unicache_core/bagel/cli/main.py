@@ -246,8 +246,8 @@ def _understand(pipe: BagelPipeline, args: argparse.Namespace, checked: Checked)
     settings = checked.understanding_settings()
     bar = _progress("decoding", args.quiet)
     hooks = RunHooks(progress=bar)
-    if checked.items is not None:
-        result = pipe.understand_items(checked.items, settings, seed=checked.seed, hooks=hooks)
+    if checked.request is not None:  # an item list, checked and counted before the weights loaded
+        result = pipe.understand_request(checked.request, seed=checked.seed, hooks=hooks)
     else:
         result = pipe.understand(
             require_prompt(checked.prompt), checked.image, settings, seed=checked.seed, hooks=hooks
@@ -268,14 +268,14 @@ def _generate(pipe: BagelPipeline, args: argparse.Namespace, checked: Checked) -
     if out_format is None:  # --out has a default: set unless a caller built the namespace by hand
         raise ValueError("--out: this command writes an image; give --out FILE.png (or .jpg, .webp)")
     hooks = RunHooks(progress=_progress("denoising", args.quiet))
-    if checked.items is not None:
-        result = pipe.generate(args.command, checked.items, settings, seed=checked.seed, hooks=hooks)
+    if checked.request is not None:  # an item list, checked and counted before the weights loaded
+        result = pipe.generate_request(checked.request, seed=checked.seed, hooks=hooks)
     elif args.command == "t2i":
         result = pipe.text_to_image(require_prompt(checked.prompt), settings, seed=checked.seed, hooks=hooks)
     else:
         result = pipe.edit(require_prompt(checked.prompt), checked.image, settings, seed=checked.seed, hooks=hooks)
     if result.think_text is not None:
-        logger.info("plan: %s", result.think_text)
+        logger.info("think: %s", result.think_text)
     for earlier, path in zip(result.rounds, checked.rounds_out):
         save_image(earlier.image, path, out_format)
         logger.info("wrote %s (an earlier round)", path)
