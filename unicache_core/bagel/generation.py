@@ -37,6 +37,7 @@ from .modeling import AutoEncoder
 from .numerics import check_noise
 from .request import GivenLatents, RunHooks
 from .request_check import CheckedRequest
+from .run_info import GenerationInfo
 from .seeding import check_seed, seeded_generator
 from .settings import GenerationSettings, check_bool
 from .source_images import SINGLE_IMAGE_NAMES, ImageNames, PreparedImage, check_given, prepare_image
@@ -54,13 +55,9 @@ class GenerationResult:
             ComfyUI's ``LATENT["samples"]`` is :func:`~.latents.to_comfy_latent` of it).
         num_steps: denoising steps run (``num_timesteps - 1``).
         seed: seed of the noise generator.
-        info: timings (``prefill_s``, ``think_s``, ``denoise_s``, ``decode_s``), context sizes (``context_tokens``) and
-            cache bytes (``cache_bytes``) per branch, denoising forwards per branch (``forwards``: the steps that ran
-            its decoder; with TaylorSeer also ``forecasts``, the steps that forecast it, and ``taylorseer_peak_bytes``,
-            the most its Taylor factors held), which VAE decoded (``vae``: ``"checkpoint"``, ``"external"`` or
-            ``None``), how the last input image's source latent was made (``source_latent``: ``"checkpoint_vae"``,
-            ``"external_vae"``, ``"given"``; ``source_latents``: every input image's, in request order; ``images``:
-            their count) and the latent constants (``latent_format``).
+        info: what the round measured (:class:`~.run_info.GenerationInfo`: timings, context sizes, cache bytes and
+            decoder forwards per branch, TaylorSeer's forecasts, which VAE decoded, how the source latents were made,
+            the latent constants); read by attribute, or as a mapping of the same values.
         think_text: the reasoning decoded in think mode, else ``None``.
         step0_velocity: with ``return_step0_velocity=True``: ``{"gen", "cfg_text", "cfg_img"
             (branches computed), "guided"}`` ``[h*w, 64]`` velocities of step 0.
@@ -73,7 +70,7 @@ class GenerationResult:
     latents: Tensor
     num_steps: int
     seed: int
-    info: dict = field(default_factory=dict)
+    info: GenerationInfo
     think_text: str | None = None
     step0_velocity: dict[str, Tensor] | None = None
     kv_report: dict | None = None
@@ -242,21 +239,20 @@ def _initial_latent(loaded, contexts: C.GenerationContexts, generator, initial_n
     return check_noise("initial_noise", initial_noise, shape).float().clone()
 
 
-def _branches_info(contexts: C.GenerationContexts, denoised: Denoised) -> dict[str, Any]:
-    """The round's context sizes, cache bytes and decoder forwards per branch, and its input images' latents."""
+def _measured(contexts: C.GenerationContexts, denoised: Denoised) -> dict[str, Any]:
+    """The round's :class:`~.run_info.GenerationInfo` fields that its contexts and its flow give: context sizes,
+    cache bytes, decoder forwards (and forecasts) per branch, and its input images' latents."""
     branches = contexts.branches()
-    info: dict[str, Any] = {
+    return {
         "context_tokens": {name: ctx.num_tokens for name, ctx in branches.items()},
         "cache_bytes": {name: ctx.cache.nbytes() for name, ctx in branches.items()},
         "forwards": denoised.forwards,
         "source_latent": contexts.source_latent,
         "source_latents": list(contexts.source_latents),
         "images": len(contexts.source_latents),
+        "forecasts": denoised.forecasts,
+        "taylorseer_peak_bytes": denoised.peak_factor_bytes,
     }
-    if denoised.forecasts is not None:
-        info["taylorseer_peak_bytes"] = denoised.peak_factor_bytes
-        info["forecasts"] = denoised.forecasts
-    return info
 
 
 def _round(
@@ -280,7 +276,7 @@ def _round(
         hooks.enter("denoise")
         denoised = denoise(loaded, contexts, x.to(loaded.device), s, hooks=hooks, return_step0_velocity=run.step0)
         t3 = time.perf_counter()
-        width, height, info = contexts.width, contexts.height, _branches_info(contexts, denoised)
+        width, height, measured = contexts.width, contexts.height, _measured(contexts, denoised)
         kv_report = session.finish()
         # The caches are done with: free them before the VAE decode, the largest activation of a large image
         # (a 1024 px decode needs 4.3 GB; BAGEL-7B's full KV of that edit is 1.0 GB).
@@ -293,15 +289,14 @@ def _round(
         latent, picture = decode_latents(loaded, denoised.latent, height, width, chosen)
         t4 = time.perf_counter()
     scale, shift = latent_factors(loaded.config)
-    info.update(
-        {
-            "prefill_s": t1 - t0,
-            "think_s": t2 - t1,
-            "denoise_s": t3 - t2,
-            "decode_s": t4 - t3,
-            "vae": None if chosen is None else ("checkpoint" if chosen is loaded.vae else "external"),
-            "latent_format": {"convention": "bagel", "scale_factor": scale, "shift_factor": shift},
-        }
+    info = GenerationInfo(
+        **measured,
+        prefill_s=t1 - t0,
+        think_s=t2 - t1,
+        denoise_s=t3 - t2,
+        decode_s=t4 - t3,
+        vae=None if chosen is None else ("checkpoint" if chosen is loaded.vae else "external"),
+        latent_format={"convention": "bagel", "scale_factor": scale, "shift_factor": shift},
     )
     logger.info("%s %dx%d: %d steps in %.2fs", shared.task, width, height, s.num_steps, t3 - t2)
     return GenerationResult(

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from PIL import Image
@@ -49,6 +49,7 @@ from .interleave import build_generation_contexts, build_understanding_context
 from .items import Item, check_image_item, image_items, single_request
 from .request import NO_GIVEN_LATENTS, NO_HOOKS, GivenLatents, RunHooks
 from .request_check import CheckedRequest, check_request, check_single
+from .run_info import UnderstandingInfo
 from .seeding import check_seed, seeded_generator
 from .settings import (
     EDIT_DEFAULTS,
@@ -68,11 +69,12 @@ PRESET = "unicache_core.bagel.settings.preset"
 
 @dataclass
 class UnderstandingResult:
-    """Output of :meth:`BagelPipeline.understand`: answer text and generated ids (no ``<|im_start|>``)."""
+    """Output of :meth:`BagelPipeline.understand`: answer text and generated ids (no ``<|im_start|>``), what the run
+    measured (:class:`~.run_info.UnderstandingInfo`) and the KV report."""
 
     text: str
     token_ids: list[int]
-    info: dict = field(default_factory=dict)
+    info: UnderstandingInfo
     kv_report: dict | None = None
 
 
@@ -299,13 +301,13 @@ class BagelPipeline:
                 session=session,
             )
             t2 = time.perf_counter()
-        info = {
-            "prefill_s": t1 - t0,
-            "decode_s": t2 - t1,
-            "context_tokens": {"gen": context_tokens},
-            "cache_bytes": ctx.cache.nbytes(),
-            "images": len(prepared),
-        }
+        info = UnderstandingInfo(
+            prefill_s=t1 - t0,
+            decode_s=t2 - t1,
+            context_tokens={"gen": context_tokens},
+            cache_bytes=ctx.cache.nbytes(),
+            images=len(prepared),
+        )
         logger.info("understanding: %d context tokens, %d new tokens, %.2fs", context_tokens, len(ids), t2 - t0)
         return UnderstandingResult(text=text, token_ids=ids, info=info, kv_report=session.finish())
 
