@@ -56,3 +56,29 @@ def test_the_check_finds_a_forward_where_there_is_one():
     """The check itself: the run path's modules that run the model are found running it."""
     running = {rel for rel, tree in _modules() if _runs_the_model(tree)}
     assert {"unicache_core/bagel/contexts.py", "unicache_core/bagel/pipeline.py"} <= running
+
+
+def _branch_literals(tree: ast.Module) -> list[tuple[int, str]]:
+    """String constants compared with a ``branch`` (``view.branch == "gen"``, ``"think" not in s["branches"]``)."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        names = ast.unparse(node)
+        if "branch" not in names:
+            continue
+        found += [(node.lineno, s.value) for s in sides if isinstance(s, ast.Constant) and isinstance(s.value, str)]
+    return found
+
+
+def test_branch_names_compared_in_code_are_real_branches():
+    """A branch compared by name is one of kv.token_types.BRANCHES (the think branch was once called "plan": a
+    comparison left with the old name would silently never match)."""
+    from unicache_core.kv.token_types import BRANCHES
+
+    wrong = []
+    for path in sorted((ROOT / "unicache_core").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        wrong += [f"{path.relative_to(ROOT)}:{line}: {value!r}" for line, value in _branch_literals(tree)]
+    assert [w for w in wrong if w.rsplit(": ", 1)[1].strip("'") not in BRANCHES] == []
