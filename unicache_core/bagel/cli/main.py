@@ -23,6 +23,8 @@ import torch
 
 from ...cli import OneLineParser as _Parser
 from ...cli import path_arg as _path
+from ...compression.defaults import DEFAULT_REDUCTION, RHO0, RHO_FLOOR
+from ...compression.method import METHODS
 from ...errors import UniCacheError
 from ..request import RunHooks
 from ..settings import BUNDLED_CHECKPOINT, BUNDLED_CHECKPOINT_DIR, EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
@@ -41,6 +43,14 @@ logger = logging.getLogger("unicache_core.bagel.cli")
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: The error of a second --image (a repeated single-value flag is refused, never dropped: unicache_core.cli).
+
+
+def _per_task(values: dict[str, float], *, percent: bool = False) -> str:
+    """A per-task default of unicache_core/compression/defaults.py as argparse's help says it: ``0.2 und, 0.4 t2i,
+    0.2 edit`` (``percent``: ``80%% und, ...``, escaped for argparse)."""
+    names = {"understanding": "und", "t2i": "t2i", "edit": "edit"}
+    form = "{:.0%}" if percent else "{:g}"
+    return ", ".join(f"{form.format(values[task])} {name}" for task, name in names.items()).replace("%", "%%")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -88,16 +98,12 @@ def _build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
         kv = p.add_argument_group("KV-cache compression")
-        kv.add_argument(
-            "--kv-method",
-            default="full",
-            help="full | unicache | h2o | snapkv | pyramidkv | streamingllm | kivi | vlcache",
-        )
+        kv.add_argument("--kv-method", default="full", help=" | ".join(METHODS))
         kv.add_argument(
             "--kv-target",
             default=None,
             help="memory of the compressible KV: a retained ratio (0.2, 20%%) or a size (150MB); "
-            "default: the paper's reduction (80%% understanding/edit, 60%% t2i)",
+            f"default: the paper's reduction ({_per_task(DEFAULT_REDUCTION, percent=True)})",
         )
         kv.add_argument(
             "--policy",
@@ -105,8 +111,10 @@ def _build_parser() -> argparse.ArgumentParser:
             default=None,
             help="unicache policy table JSON (default: the checkpoint's unicache_policy.json, else the paper's table)",
         )
-        kv.add_argument("--rho", type=float, default=None, help="unicache starting retention rho0 in (0, 1]")
-        kv.add_argument("--rho-floor", type=float, default=None, help="unicache lowest retention, <= rho")
+        kv.add_argument("--rho", type=float, default=None, help=f"unicache rho0 in (0, 1] ({_per_task(RHO0)})")
+        kv.add_argument(
+            "--rho-floor", type=float, default=None, help=f"unicache floor, <= rho ({_per_task(RHO_FLOOR)})"
+        )
         kv.add_argument("--report", type=_path, default=None, help="write the per-step KV report (JSON) here")
 
     def flow(p: argparse.ArgumentParser, d) -> None:
