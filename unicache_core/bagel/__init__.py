@@ -10,6 +10,10 @@ Typical use::
     answer = pipe.understand("What colour is the cube?", image).text
     both = pipe.generate("edit", [image, edited, "put the cube of the first image into the second"]).image
 
+A request can be checked and its tokens counted once, then run (what the ComfyUI nodes do, sharing it with the
+memory plan): ``request = pipe.check("edit", [image, "make it blue"])``, ``pipe.generate_request(request)``
+(:class:`CheckedRequest`).
+
 A compressing cache is plugged in with ``BagelPipeline(loaded, cache_factory=...)``. A single converted
 ``.safetensors`` (ComfyUI-BAGEL's form) loads with ``load_bagel(file, tokenizer_dir=..., vae=None or
 "ae.safetensors")``; an external VAE goes in ``BagelPipeline(loaded, vae=adapter)``. Command line:
@@ -25,6 +29,8 @@ from .items import GENERATE, ImageItem, TextItem
 from .latents import VAEAdapter, from_comfy_latent, to_comfy_latent
 from .pipeline import BagelPipeline, GenerationResult, UnderstandingResult
 from .request import GivenLatents, RunHooks
+from .request_check import CheckedRequest, check_request, check_single
+from .run_info import GenerationInfo, UnderstandingInfo
 from .sampling import RENORM_TYPES, combine_cfg, timestep_schedule
 from .settings import GenerationSettings, UnderstandingSettings, preset
 from .tokenizer import BagelTokenizer
@@ -44,10 +50,12 @@ __all__ = [
     "BagelConfig",
     "BagelPipeline",
     "BagelTokenizer",
+    "CheckedRequest",
     "Context",
     "GENERATE",
     "GEN_THINK_SYSTEM_PROMPT",
     "GenerationContexts",
+    "GenerationInfo",
     "GenerationResult",
     "GenerationSettings",
     "GivenLatents",
@@ -63,6 +71,7 @@ __all__ = [
     "RunHooks",
     "TextItem",
     "TransformConfig",
+    "UnderstandingInfo",
     "UnderstandingResult",
     "UnderstandingSettings",
     "VAEAdapter",
@@ -70,6 +79,8 @@ __all__ = [
     "VIT_TRANSFORM",
     "VLM_THINK_SYSTEM_PROMPT",
     "ViTConfig",
+    "check_request",
+    "check_single",
     "combine_cfg",
     "from_comfy_latent",
     "load_bagel",
