@@ -418,7 +418,7 @@ def _unicache_layer(
     cache.layer(0).append(ctx.keys, ctx.values, ctx.types)
     cache.end_call(prefill)
     cache.state[0].scores = sc.accumulated.float()
-    session.stats.update(0, 0, {t: m for t, m in sc.masses.items() if t in CANDIDATE_TYPES}, branch="gen")
+    session.state.note_masses("gen", 0, 0, {t: m for t, m in sc.masses.items() if t in CANDIDATE_TYPES})
     step0 = AttentionCall(
         token_types=ctx.types[:1], rope_positions=rope[:1], causal=False, update=False, phase="denoise", step=0
     )
