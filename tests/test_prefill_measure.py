@@ -25,14 +25,14 @@ BLOCKS = [  # an edit's gen context: the image's VAE and ViT blocks, then the in
 
 
 @dataclass(frozen=True, kw_only=True)
-class PromptSnapKV(SnapKV, register=False):
-    """SnapKV measured on the instruction's window as it is prefilled."""
+class FirstStepSnapKV(SnapKV, register=False):
+    """SnapKV as it was before it measured the prompt: its window is the first denoising step's latents."""
 
-    measures_prompt = True
+    measures_prompt = False
 
 
 @dataclass(frozen=True, kw_only=True)
-class EndOfBlock(PromptSnapKV, register=False):
+class EndOfBlock(SnapKV, register=False):
     """Compresses right at the end of the measured block, and records what its probe showed."""
 
     def plan_prefill(self, view, call) -> CallPlan:
@@ -88,7 +88,8 @@ def _first_step(session, cache, gen) -> list[int]:
 
 
 def test_the_instructions_window_is_measured_at_prefill_and_compresses_before_the_first_read():
-    session, cache, gen = _prefilled(PromptSnapKV(kv_target=0.3, window=8))
+    """SnapKV's paper timeline: the instruction after the image is its observation window."""
+    session, cache, gen = _prefilled(SnapKV(kv_target=0.3, window=8))
     view = session.view(cache)
     assert view.measured_phase == "prefill" and view.compressions == 0
     full_rows = cache.layer(0).appended_tokens
@@ -98,6 +99,9 @@ def test_the_instructions_window_is_measured_at_prefill_and_compresses_before_th
         assert cache.state[layer].last_score_queries == 8  # the instruction block's last 8 queries
         assert float(scores[:92].sum()) > 0  # the images' rows drew the window's attention
     read = _first_step(session, cache, gen)
+    for layer in range(LAYERS):  # the window's own rows (the instruction's last 8, a boundary among them) are kept
+        held = torch.cat([s.token_index.long().reshape(-1) for s in cache.layer(layer).stores])
+        assert set(range(full_rows - 8, full_rows)) <= set(held.tolist())
     assert all(rows < full_rows for rows in read)  # the first step already reads the compressed cache
     report = session.finish()
     assert report["steps"][0]["branches"]["gen"]["compressed_after"]
@@ -105,7 +109,7 @@ def test_the_instructions_window_is_measured_at_prefill_and_compresses_before_th
 
 
 def test_without_the_prompt_window_the_first_step_is_measured_and_compresses_after():
-    session, cache, gen = _prefilled(SnapKV(kv_target=0.3, window=8))
+    session, cache, gen = _prefilled(FirstStepSnapKV(kv_target=0.3, window=8))
     assert session.view(cache).measured_phase is None
     assert all(state.last_scores is None for state in cache.state)
     full_rows = cache.layer(0).appended_tokens

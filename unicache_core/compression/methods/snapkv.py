@@ -18,8 +18,12 @@ from .eviction import GlobalEviction
 @dataclass(frozen=True, kw_only=True)
 class SnapKV(GlobalEviction):
     """Scores rows by the attention of the last ``window`` queries of the observed call, average-pooled along the
-    keys; the selection is frozen afterwards. For understanding the window is the end of the prompt and its own
-    rows are always kept (they are in the key set); denoising latents are not.
+    keys; the selection is frozen afterwards. As in the paper, the window is the end of the prompt: the question
+    (understanding) or the instruction prefilled after the input images (generation, ``measures_prompt``: the
+    branch is compressed before its first denoising step reads it), and its own rows are always kept (they are in
+    the key set). A branch with no prompt after images (text-to-image; ``cfg_text``, a copy of ``gen`` taken before
+    the instruction; ``cfg_img``, which holds no image) is measured on its first denoising step's last latent
+    queries and compressed after it (docs/compression.md §8.10, §12.2); latents are not in the key set.
 
     Attributes:
         window: the observation window (queries), 64 (kvpress).
@@ -27,6 +31,7 @@ class SnapKV(GlobalEviction):
     """
 
     name = "snapkv"
+    measures_prompt = True
     window: int = WINDOW
     kernel: int = SNAPKV_KERNEL
 
@@ -47,8 +52,8 @@ class SnapKV(GlobalEviction):
         return layer.last_scores
 
     def forced_rows(self, view: BranchView, layer: LayerView) -> Tensor | None:
-        if view.task != "understanding":
-            return None  # denoising latents are not in the key set
+        if view.task != "understanding" and view.measured_phase != "prefill":
+            return None  # the window was denoising latents: not in the key set
         forced = torch.zeros(layer.appended, dtype=torch.bool)
         forced[max(0, layer.appended - self.window) :] = True
         return forced
