@@ -152,8 +152,9 @@ def kv_phases(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, kv
         rows += count
         transient = (rows if GATHER else 0) + (count if as_written else 0)
         scoring = 0
-        if index == len(blocks) - 1 and method.text_prior and len(blocks) > 1:
-            scoring = scoring_bytes(config, rows)  # the instruction's attention to the images (text prior)
+        prompt_scored = method.text_prior or (method.measures_prompt and not understanding)
+        if index == len(blocks) - 1 and prompt_scored and len(blocks) > 1:
+            scoring = scoring_bytes(config, rows)  # the instruction's attention to the images (its prefill window)
         phases.append(KVPhase(f"prefill:item{index}", int(held * per_token), transient * per_layer, scoring, count, 1))
     scoring = scoring_bytes(config, rows) if method.needs_scores else 0
     if understanding:
