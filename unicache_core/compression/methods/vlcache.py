@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
-from ...validation import check_ratio
+from ...validation import check_int, check_ratio
 from ..allocator import allocate_integer
 from ..defaults import VLCACHE_THRESHOLD
 from ..protocol import Measurement
@@ -33,14 +32,9 @@ def vlcache_layer_budgets(sparsities: Sequence[float], total: int, num_tokens: i
     if n_layers == 0:
         raise ValueError("`sparsities` must not be empty")
     for i, g in enumerate(sparsities):
-        if not (isinstance(g, (int, float)) and math.isfinite(g) and 0.0 <= g <= 1.0):
-            raise ValueError(f"`sparsities[{i}]` must be in [0, 1], got {g!r}")
-    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
-        raise ValueError(f"`num_tokens` must be an int >= 1, got {num_tokens!r}")
-    if not isinstance(total, int) or isinstance(total, bool) or not n_layers <= total <= n_layers * num_tokens:
-        raise ValueError(
-            f"`total` must be an int in [{n_layers}, {n_layers * num_tokens}] (1..T tokens per layer), got {total!r}"
-        )
+        check_ratio(f"sparsities[{i}]", g, allow_zero=True)
+    check_int("num_tokens", num_tokens, 1)
+    check_int("total", total, n_layers, n_layers * num_tokens)  # 1..T tokens per layer
     extra = allocate_integer([num_tokens - 1] * n_layers, [1.0 - g for g in sparsities], total - n_layers)
     return [1 + e for e in extra]
 
