@@ -107,3 +107,14 @@ def test_a_plan_is_computed_without_touching_the_cache(loaded):
         for s in gen.layer(i).stores
         if s.token_type in CANDIDATE_TYPES
     )
+
+
+def test_the_call_plan_carries_the_methods_attention_setting():
+    """The cache reads how to attend from the plan (``fused``), never from the method."""
+    from unicache_core.kv.cache import AttentionCall, RequestInfo
+
+    call = AttentionCall(torch.zeros(4, dtype=torch.int8), torch.zeros(4, dtype=torch.long), True, True)
+    for fused in (True, False):
+        session = make_cache_factory("h2o", fused=fused).start(RequestInfo("edit", 2, 3))
+        cache = session.new_cache("gen")
+        assert session.plan_call(cache, call).fused is fused

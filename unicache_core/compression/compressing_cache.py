@@ -127,9 +127,9 @@ class CompressingKVCache(SegmentedKVCache):
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:
         st = self.layer(layer)
         plan = self._plan
-        sync = self.method.sync_timing
+        sync = self.request_state.sync_timing
         start = clock(q, sync)
-        if not (plan.observe or plan.measure) and self.method.fused:
+        if not (plan.observe or plan.measure) and plan.fused:
             out, _ = st.attend(q, k, v, causal=call.causal, new_mask=call.new_block_mask, fused=True)
             res = None
         else:

@@ -28,6 +28,8 @@ class CallPlan:
         compress_after: compress the branch once this call has run (a prefill call: its block is written, before
             the next item is prefilled).
         store_written: each layer's appended rows are stored as the method's ``plan_written`` says, at once.
+        fused: a call that measures nothing attends through one head-major workspace per layer (the method's
+            ``fused`` setting, filled in by the session).
     """
 
     observe: bool = False
@@ -35,6 +37,7 @@ class CallPlan:
     compress_before: bool = False
     compress_after: bool = False
     store_written: bool = False
+    fused: bool = True
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from ..kv.cache import AttentionCall, CacheSession, KVCache, RequestInfo, StepInfo, unique_nbytes
 from ..kv.stores import KVStore
@@ -70,7 +71,7 @@ class CompressionSession(CacheSession):
         super().__init__(request)
         self.method = method
         self.settings = settings if settings is not None else method.settings()
-        self.state = RequestState(request.task)
+        self.state = RequestState(request.task, sync_timing=method.sync_timing)
         self.released: set[str] = set()
         self._step_start: float | None = None  # perf_counter() when the current step began
         self.report = ReportBuilder(self, self.state, policy_info or {})
@@ -133,8 +134,9 @@ class CompressionSession(CacheSession):
     # ------------------------------------------------------------------ the call seams (CallCoordinator)
 
     def plan_call(self, cache: CompressingKVCache, call: AttentionCall) -> CallPlan:
-        """The method's plan of ``call`` on ``cache``."""
-        return self.method.plan_call(self.view(cache, call), call)
+        """The method's plan of ``call`` on ``cache`` (with the method's attention setting, ``fused``)."""
+        plan = self.method.plan_call(self.view(cache, call), call)
+        return plan if self.method.fused else replace(plan, fused=False)
 
     def plan_written(self, cache: CompressingKVCache, call: AttentionCall, layer: int) -> LayerPlan:
         """The method's plan of the rows ``call`` just appended to ``layer`` of ``cache``."""

@@ -50,7 +50,8 @@ class BranchRecord:
 class RequestState:
     """Statistics, clocks, step, target, grants and branch records of one request (see the module docstring)."""
 
-    def __init__(self, task: str):
+    def __init__(self, task: str, *, sync_timing: bool = False):
+        self.sync_timing = sync_timing  # clocks wait for the device (exact per-call times, slower)
         self.stats = ChunkedAttentionStats.for_task(task)
         self.timers: dict[str, float] = dict.fromkeys(TIMERS, 0.0)
         self.step: StepInfo | None = None
