@@ -47,10 +47,14 @@ def check_float(
     return float(value)  # type: ignore[arg-type]
 
 
-def check_ratio(name: str, value: object, *, allow_zero: bool = False) -> float:
-    """``float(value)`` when it is a number in (0, 1] (or [0, 1] with ``allow_zero``)."""
-    if not is_real(value) or not (0.0 <= value <= 1.0 if allow_zero else 0.0 < value <= 1.0):  # type: ignore[operator]
-        raise ValueError(f"`{name}` must be a number in {'[0, 1]' if allow_zero else '(0, 1]'}, got {value!r}")
+def check_ratio(name: str, value: object, *, allow_zero: bool = False, allow_one: bool = True) -> float:
+    """``float(value)`` when it is a number in (0, 1] (0 included with ``allow_zero``, 1 left out without
+    ``allow_one``)."""
+    ok = is_real(value) and (0.0 <= value if allow_zero else 0.0 < value)  # type: ignore[operator]
+    ok = ok and (value <= 1.0 if allow_one else value < 1.0)  # type: ignore[operator]
+    if not ok:
+        interval = ("[0" if allow_zero else "(0") + (", 1]" if allow_one else ", 1)")
+        raise ValueError(f"`{name}` must be a number in {interval}, got {value!r}")
     return float(value)  # type: ignore[arg-type]
 
 

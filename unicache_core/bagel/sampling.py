@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..validation import check_float, check_int
+
 #: Allowed ``cfg_renorm_type`` values.
 RENORM_TYPES: tuple[str, ...] = ("global", "channel", "text_channel")
 
@@ -24,10 +26,8 @@ def timestep_schedule(num_timesteps: int, shift: float) -> tuple[Tensor, Tensor]
         ``(timesteps [num_timesteps-1], dts [num_timesteps-1])`` fp32: the times at which the model
         is evaluated (first ``num_timesteps-1`` points) and ``dt_i = t_i - t_{i+1}``.
     """
-    if int(num_timesteps) != num_timesteps or num_timesteps < 2:
-        raise ValueError(f"`num_timesteps` must be an integer >= 2, got {num_timesteps!r}")
-    if not shift > 0:
-        raise ValueError(f"`timestep_shift` must be > 0, got {shift!r}")
+    check_int("num_timesteps", num_timesteps, 2)
+    check_float("timestep_shift", shift, 0.0, strict=True)
     t = torch.linspace(1, 0, int(num_timesteps))
     t = shift * t / (1 + (shift - 1) * t)
     return t[:-1], t[:-1] - t[1:]

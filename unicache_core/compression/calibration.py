@@ -56,18 +56,13 @@ class Calibration(Method, register=False):
 
     def plan_call(self, view: BranchView, call: AttentionCall) -> CallPlan:
         if view.branch == THINK:
-            return CallPlan()  # the think branch is not read by the answer / the latents
-        task = view.task
-        queries = self.score_queries
-        if task == "understanding":
+            return CallPlan()  # the think-mode plan context is not read by the answer / the latents
+        if view.task == "understanding":
             if call.phase not in ("prefill", "decode"):
-                return CallPlan()
-            last = True  # text queries: the last ones (observation window)
-        elif call.phase == "denoise":
-            last = False  # latent queries: an evenly strided subsample
-        else:
+                return CallPlan()  # text queries: the last ones (observation window, Method.measure)
+        elif call.phase != "denoise":  # latent queries: an evenly strided subsample
             return CallPlan()  # generation prefill: the cache is written, not read for the output
-        return CallPlan(observe=True, score=True, last_queries=last, num_queries=queries)
+        return CallPlan(observe=True, measure=True)
 
     def plan(self, view: BranchView) -> BranchPlan:
         """Nothing is kept out: calibration runs at full KV."""

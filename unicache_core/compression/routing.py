@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ..validation import check_ratio
 from .defaults import DEFAULT_K90_THRESHOLD, K90_COVERAGE
 
 PolicyKind = Literal["evict", "quantize", "joint", "protect"]
@@ -49,10 +50,8 @@ def k90(mass: Tensor, coverage: float = K90_COVERAGE) -> float:
 
 def route(k90_value: float, threshold: float = DEFAULT_K90_THRESHOLD) -> PolicyKind:
     """``"evict"`` when ``k90_value <= threshold`` (concentrated attention), else ``"quantize"``."""
-    if not 0.0 <= k90_value <= 1.0:
-        raise ValueError(f"`k90_value` must be in [0, 1], got {k90_value!r}")
-    if not 0.0 <= threshold <= 1.0:
-        raise ValueError(f"`threshold` must be in [0, 1], got {threshold!r}")
+    check_ratio("k90_value", k90_value, allow_zero=True)
+    check_ratio("threshold", threshold, allow_zero=True)
     return "evict" if k90_value <= threshold else "quantize"
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..kv.token_types import TokenType
-from ..validation import check_int
+from ..validation import check_int, check_ratio
 from .defaults import EMA_DECAY, LAYER_CHUNK_SIZE, RHO0, STEP_CHUNK_SIZE, UNDERSTANDING_EMA_WINDOW
 
 logger = logging.getLogger(__name__)
@@ -22,16 +22,14 @@ logger = logging.getLogger(__name__)
 def layer_chunk(layer: int, size: int = LAYER_CHUNK_SIZE) -> int:
     """Layer 0 alone, then chunks of ``size``: ``0 if l == 0 else 1 + (l - 1) // size``."""
     check_int("layer", layer, 0)
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"`size` must be an int >= 1, got {size!r}")
+    check_int("size", size, 1)
     return 0 if layer == 0 else 1 + (layer - 1) // size
 
 
 def step_chunk(step: int, size: int = STEP_CHUNK_SIZE) -> int:
     """Step 0 alone, then chunks of ``size``: ``0 if t == 0 else 1 + (t - 1) // size``."""
     check_int("step", step, 0)
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"`size` must be an int >= 1, got {size!r}")
+    check_int("size", size, 1)
     return 0 if step == 0 else 1 + (step - 1) // size
 
 
@@ -78,15 +76,13 @@ class ChunkedAttentionStats:
     _last_k90: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.decay < 1.0:
-            raise ValueError(f"`decay` must be in [0, 1), got {self.decay!r}")
+        check_ratio("decay", self.decay, allow_zero=True, allow_one=False)
 
     @classmethod
     def for_task(cls, task: str, ema_window_size: int = UNDERSTANDING_EMA_WINDOW) -> ChunkedAttentionStats:
         """Presets of §8.5: t2i/edit decay 0.8; understanding decay ``1 - 1/ema_window_size``, carried."""
         if task == "understanding":
-            if not isinstance(ema_window_size, int) or ema_window_size < 1:
-                raise ValueError(f"`ema_window_size` must be an int >= 1, got {ema_window_size!r}")
+            check_int("ema_window_size", ema_window_size, 1)
             return cls(decay=1.0 - 1.0 / ema_window_size, carry_across_steps=True, fallback_previous_layer_chunk=True)
         if task in ("t2i", "edit"):
             return cls(decay=EMA_DECAY)

@@ -17,6 +17,8 @@ import math
 import torch
 from torch import Tensor
 
+from ..validation import check_int
+
 logger = logging.getLogger(__name__)
 
 _cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -146,8 +148,8 @@ def block_causal_mask(
     """
     if len(lengths) != len(causal):
         raise ValueError(f"`lengths` ({len(lengths)}) and `causal` ({len(causal)}) must have one entry per block")
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lengths):
-        raise ValueError(f"`lengths` must be non-negative ints, got {list(lengths)!r}")
+    for i, n in enumerate(lengths):
+        check_int(f"lengths[{i}]", n, 0)
     total = sum(lengths)
     mask = torch.zeros(total, total, dtype=torch.bool, device=device)
     start = 0

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from ..validation import check_int
 from .attention import attention_with_lse, merge_attention
 from .token_types import BRANCHES, TASKS, Task
 
@@ -100,12 +101,9 @@ class RequestInfo:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"`task` must be one of {TASKS}, got {self.task!r}")
-        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers <= 0:
-            raise ValueError(f"`num_layers` must be an int > 0, got {self.num_layers!r}")
-        if self.num_steps is not None and (
-            isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 0
-        ):
-            raise ValueError(f"`num_steps` must be an int >= 0 or None, got {self.num_steps!r}")
+        check_int("num_layers", self.num_layers, 1)
+        if self.num_steps is not None:
+            check_int("num_steps", self.num_steps, 0)
 
 
 @dataclass(frozen=True)
@@ -148,9 +146,7 @@ class KVCache(ABC):
     """
 
     def __init__(self, num_layers: int, *, task: Task | None = None, branch: str | None = None):
-        if num_layers <= 0:
-            raise ValueError(f"`num_layers` must be > 0, got {num_layers}")
-        self.num_layers = num_layers
+        self.num_layers = check_int("num_layers", num_layers, 1)
         self.task = task
         self.branch = branch
 
@@ -255,9 +251,7 @@ class FullKVCache(KVCache):
         self.layers = [_FullLayer() for _ in range(num_layers)]
 
     def _check_layer(self, layer: int) -> _FullLayer:
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"`layer` must be in [0, {self.num_layers}), got {layer}")
-        return self.layers[layer]
+        return self.layers[check_int("layer", layer, 0, self.num_layers - 1)]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:
         state = self._check_layer(layer)

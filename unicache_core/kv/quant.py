@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ..errors import NonFiniteKVError
+from ..validation import check_int
 from .ranges import codes_for, fit_ranges, minmax_ranges
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -61,9 +62,7 @@ def _check_bits(bits: int) -> int:
 
 
 def _check_group(group_size: int) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
-        raise ValueError(f"`group_size` must be a positive int, got {group_size!r}")
-    return group_size
+    return check_int("group_size", group_size, 1)
 
 
 def pack_bits(codes: Tensor, bits: int) -> Tensor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..validation import check_int
 from .attention import attention_with_lse, merge_attention
 from .cache import AttentionCall, KVCache, Task
 from .stores import EvictedStore, FullStore, KVStore, QuantizedStore, StoreKind
@@ -226,8 +227,7 @@ class SegmentedLayer:
 
     def replace(self, index: int, store: KVStore) -> KVStore:
         """Swap store ``index`` for ``store`` (same token type, heads, head dim, dtype, device); returns the old one."""
-        if not 0 <= index < len(self.stores):
-            raise ValueError(f"`index` must be in [0, {len(self.stores)}), got {index}")
+        index = check_int("index", index, 0, len(self.stores) - 1)
         if not isinstance(store, KVStore):
             raise ValueError(f"`store` must be a KVStore, got {type(store).__name__}")
         old = self.stores[index]
@@ -309,9 +309,7 @@ class SegmentedKVCache(KVCache):
         self.layers = [SegmentedLayer() for _ in range(num_layers)]
 
     def layer(self, layer: int) -> SegmentedLayer:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
-            raise ValueError(f"`layer` must be in [0, {self.num_layers}), got {layer!r}")
-        return self.layers[layer]
+        return self.layers[check_int("layer", layer, 0, self.num_layers - 1)]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall) -> Tensor:
         """``q [Tn, Hq, d]`` over every store of ``layer`` plus the new block ``k/v [Tn, Hkv, d]`` → ``[Tn, Hq, d]``.

@@ -26,6 +26,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
+from ..validation import check_int
 from .attention import attention_with_lse, merge_attention
 from .index_runs import index_runs, runs_index
 from .quant import QuantizedTensor, quantize_keys, quantize_values, quantized_kv_nbytes
@@ -424,9 +425,7 @@ class QuantizedStore(KVStore):
         h, t, _ = keys.shape
         if tuple(token_index.shape) not in ((t,), (h, t)):
             raise ValueError(f"`token_index` must be [T]=({t},) or [Hkv, T]=({h}, {t}), got {tuple(token_index.shape)}")
-        if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
-            raise ValueError(f"`residual` must be an int >= 0, got {residual!r}")
-        r = min(residual, t)
+        r = min(check_int("residual", residual, 0), t)
         qvalues = quantize_values(values[:, : t - r], bits, group_size, fit=fit_values)
         return cls(
             quantize_keys(keys[:, : t - r], bits, group_size),

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from PIL import Image, ImageDraw
 
+from ..validation import check_int
+
 CANVAS = 128
 GRID = 3
 SUPERSAMPLE = 4
@@ -272,9 +274,7 @@ def random_scene(rng: random.Random, *, min_objects: int = 1, max_objects: int =
 
 
 def _check_seed(seed: int) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"`seed` must be an integer >= 0, got {seed!r}")
-    return seed
+    return check_int("seed", seed, 0)
 
 
 def t2i_sample(seed: int, *, max_objects: int = 2) -> Scene:

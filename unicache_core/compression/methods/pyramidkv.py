@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...validation import check_float, check_int
+from ...validation import check_float, check_int, check_ratio
 from ..defaults import PYRAMID_BETA
 from ..view import BranchView
 from .snapkv import SnapKV
@@ -30,10 +30,8 @@ def pyramid_layer_budgets(
     check_int("total_tokens", total_tokens, 0)
     check_int("window", window, 0)
     check_int("num_layers", num_layers, 1)
-    if not 0.0 <= compression < 1.0:
-        raise ValueError(f"`compression` must be in [0, 1), got {compression!r}")
-    if not beta >= 1:
-        raise ValueError(f"`beta` must be >= 1, got {beta!r}")
+    check_ratio("compression", compression, allow_zero=True, allow_one=False)
+    check_float("beta", beta, 1.0)
     kept = total_tokens * (1.0 - compression)
     fallback = [round(kept)] * num_layers
     min_num = kept / beta

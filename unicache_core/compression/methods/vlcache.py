@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
-from ...validation import check_ratio
+from ...validation import check_int, check_ratio
 from ..allocator import allocate_integer
 from ..defaults import VLCACHE_THRESHOLD
+from ..protocol import Measurement
+from ..scoring import CallProbe
 from ..view import BranchView, LayerView
 from .eviction import GlobalEviction
 
@@ -31,14 +32,9 @@ def vlcache_layer_budgets(sparsities: Sequence[float], total: int, num_tokens: i
     if n_layers == 0:
         raise ValueError("`sparsities` must not be empty")
     for i, g in enumerate(sparsities):
-        if not (isinstance(g, (int, float)) and math.isfinite(g) and 0.0 <= g <= 1.0):
-            raise ValueError(f"`sparsities[{i}]` must be in [0, 1], got {g!r}")
-    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
-        raise ValueError(f"`num_tokens` must be an int >= 1, got {num_tokens!r}")
-    if not isinstance(total, int) or isinstance(total, bool) or not n_layers <= total <= n_layers * num_tokens:
-        raise ValueError(
-            f"`total` must be an int in [{n_layers}, {n_layers * num_tokens}] (1..T tokens per layer), got {total!r}"
-        )
+        check_ratio(f"sparsities[{i}]", g, allow_zero=True)
+    check_int("num_tokens", num_tokens, 1)
+    check_int("total", total, n_layers, n_layers * num_tokens)  # 1..T tokens per layer
     extra = allocate_integer([num_tokens - 1] * n_layers, [1.0 - g for g in sparsities], total - n_layers)
     return [1 + e for e in extra]
 
@@ -54,15 +50,22 @@ class VLCache(GlobalEviction):
     """
 
     name = "vlcache"
-    needs_sparsity = True
     threshold: float = VLCACHE_THRESHOLD
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_ratio("threshold", self.threshold)
 
-    def sparsity_threshold(self) -> float:
-        return self.threshold
+    def measure(self, probe: CallProbe) -> Measurement:
+        """The post-modality attention (the last text queries, or strided latents) and the layer's sparsity: the
+        share of the (query, key) entries below ``threshold`` of their row's largest, over every head."""
+        found = probe.key_scores(
+            self.score_queries, last=probe.call.phase != "denoise", relative_threshold=self.threshold
+        )
+        assert found.counts is not None  # counted: a relative threshold was given
+        heads = probe.q.shape[1]
+        sparsity = 1.0 - float(found.counts.sum()) / max(1, found.entries * heads)
+        return Measurement(found.scores, found.queries, {"sparsity": sparsity})
 
     def layer_scores(self, view: BranchView, layer: LayerView) -> Tensor | None:
         return layer.last_scores
@@ -73,7 +76,7 @@ class VLCache(GlobalEviction):
             return budgets
         sparsity = []
         for i in range(len(rows)):
-            measured = view.layer(i).sparsity
+            measured = view.layer(i).measured.get("sparsity")
             sparsity.append(measured if measured is not None else 0.0)
         cap = min(rows)
         total = min(total, cap * len(rows))
