@@ -1,15 +1,17 @@
 """UniCache (https://arxiv.org/abs/2609.32831; docs/compression.md §8, §11, §13): task- and type-aware KV compression.
 
-An image's rows of the types the table quantizes are stored quantized as each layer writes them (:meth:`plan_written`,
-at the bits the starting retention gives). Per branch and layer chunk, after the branch's first step and at the end of
-every step chunk (understanding: before the first decoded token, then every chunk of decoded tokens): the chunk's EMA
-attention mass lowers the rho schedule (never raising it); ``rho * sum(capacity)`` is shared among the types by mass
-(§8.6); each type takes the (rows, bits) of its table's policy that fits its bytes (evict, quantize or joint, §11),
-quantized types sharing one store where the budget cannot hold them at 4 bits (§11.7), a branch under its 2-bit floor
-paid for by the others (§11.8). Rows and bits only go down; bytes a type or layer leaves go to the next; no type holds
-more than its full K and V. Rows a fork shares with its parent are planned by the parent, which pools them apart from
-its own, and stay one store for both (§13). A re-allocation runs only when some chunk's rho went down; once every
-chunk's rho is fixed or at its floor the branch is settled and neither measured nor compressed again.
+An image's rows are stored quantized as each layer writes them (:meth:`plan_written`): the types the table quantizes
+at the bits the starting retention gives, the types it evicts at the lowest bits, their rows chosen at those bits once
+the scores exist (a ratio of an evicted type is a share of what it stores). Per branch and layer chunk, after the
+branch's first step and at the end of every step chunk (understanding: before the first decoded token, then every
+chunk of decoded tokens): the chunk's EMA attention mass lowers the rho schedule (never raising it);
+``rho * sum(capacity)`` is shared among the types by mass (§8.6); each type takes the (rows, bits) of its table's
+policy that fits its bytes (evict, quantize or joint, §11), quantized types sharing one store where the budget cannot
+hold them at 4 bits (§11.7), a branch under its 2-bit floor paid for by the others (§11.8). Rows and bits only go
+down; bytes a type or layer leaves go to the next; no type holds more than its full K and V. Rows a fork shares with
+its parent are planned by the parent, which pools them apart from its own, and stay one store for both (§13). A
+re-allocation runs only when some chunk's rho went down; once every chunk's rho is fixed or at its floor the branch
+is settled and neither measured nor compressed again.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ...kv.cache import AttentionCall, RequestInfo
 from ...kv.token_types import CANDIDATE_TYPES, TokenType
@@ -34,6 +36,7 @@ from ..report import type_name
 from ..schedule import RetentionSchedule
 from ..stats import fallback_budget_ratio, layer_chunks, step_chunk
 from ..view import POOLED, BranchView, LayerView, SegmentKey
+from ..written import reference_bytes, written_plan
 
 #: The unit of the quantized types that share one store (:meth:`UniCache._pool`): the type a store of several
 #: candidate types has.
@@ -65,6 +68,9 @@ class UniCache(Method):
 
     name = "unicache"
     compresses_written = True
+    #: The policy kinds whose image rows are stored compressed as they are written (:meth:`plan_written`); the
+    #: memory plan reads it (``unicache_core/bagel/plan_kv.py``).
+    written_kinds: ClassVar[tuple[str, ...]] = ("quantize", "evict")
     policy: str | Path | PolicyTable | None = None
     rho: float | None = None
     rho_floor: float | None = None
@@ -178,27 +184,12 @@ class UniCache(Method):
     # ------------------------------------------------------------------ how
 
     def plan_written(self, view: BranchView, layer: int) -> LayerPlan:
-        """An image's rows of a type the table quantizes, stored as each layer writes them (§13): every row at the most
-        precise setting that fits ``rho0`` of their bytes (no scores needed); rows that would not all fit wait."""
+        """An image's rows of a type in :attr:`written_kinds`, stored as each layer writes them (§13;
+        :func:`~unicache_core.compression.written.written_plan`)."""
         if isinstance(self.kv_target, int):
             return LayerPlan()  # a byte target is a share of the whole context: known once it is filled
-        lay = view.layer(layer)
-        if lay.geometry is None:
-            return LayerPlan()
-        rho = self.new_schedule(view).rho0
-        keeps = []
-        for key in lay.candidate_keys:
-            if key.image is None or self.table.kind(view.task, key.type) != "quantize":
-                continue  # an image's rows only: a text's few rows wait for the first compression's carry and scores
-            segment = lay.segment((key,))
-            if segment.held_bits != FULL_BITS or not segment.shared_rows or segment.held_rows < segment.full_rows:
-                continue  # compressed already
-            choice = choose(segment, "quantize", floor_bytes(rho, segment.full_bytes), self.geometry())
-            if not choice.quantized or choice.rows < segment.held_rows:
-                continue
-            held = segment.choice_bytes(choice)
-            keeps.append(Keep((key,), choice.rows, choice.bits, choice.group, choice.residual, fit_values=self.fit_ranges, expected_bytes=held))  # noqa: E501  # fmt: skip
-        return LayerPlan(keeps=tuple(keeps))
+        kinds = {t: k for t in CANDIDATE_TYPES if (k := self.table.kind(view.task, t)) in self.written_kinds}
+        return written_plan(view.layer(layer), kinds, self.new_schedule(view).rho0, self.geometry(), self.fit_ranges)
 
     @staticmethod
     def _rows(layer: LayerView) -> dict[TokenType, int]:
@@ -404,11 +395,12 @@ class UniCache(Method):
         """
         task = view.task
         rows = self._rows(layer)
-        budgets = {t: floor_bytes(r, rows[t] * layer.row_bytes) for t, r in ratios.items()}
+        kinds = {t: self.table.kind(task, t) for t in ratios}
+        geometry = self.geometry()
+        budgets = {t: floor_bytes(r, reference_bytes(layer, t, kinds[t], rows[t], geometry)) for t, r in ratios.items()}
         base = sum(budgets.values())
         for t in budgets:
             budgets[t] += math.floor(carry * (budgets[t] / base if base else 1 / len(budgets)))
-        kinds = {t: self.table.kind(task, t) for t in ratios}
         pool = self._pool(view, layer, budgets, kinds, at_floor)
         pooled: dict = {}
         if pool:  # the pooled types are one unit: their budgets summed, quantized together
