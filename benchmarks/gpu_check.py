@@ -26,7 +26,7 @@ from benchmarks.report_file import check_report_paths, write_json_report
 from training.tiny import write_tiny_checkpoint
 from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
-from unicache_core.bagel.memory_plan import PlanSettings, plan_config, plan_memory
+from unicache_core.bagel.memory.plan import PlanSettings, plan_config, plan_memory
 from unicache_core.compression import METHODS, make_cache_factory
 
 from .bagel_e2e import _source_image

@@ -15,13 +15,13 @@ device with ``--weight-dtype``, and each KV method edits a ``--size`` px source 
 :class:`PhaseMeter` on :attr:`RunHooks.phase <unicache_core.bagel.request.RunHooks.phase>` reads, for each
 phase of the request (``contexts``: VAE encode and prefill; ``denoise``; ``decode``: the VAE decode), the bytes
 allocated when it begins and the most reached inside it (CUDA: ``torch.cuda.memory_allocated`` and
-``max_memory_allocated``). Each row puts the run's peak beside :func:`~unicache_core.bagel.memory_plan.plan_memory`'s
+``max_memory_allocated``). Each row puts the run's peak beside :func:`~unicache_core.bagel.memory.plan.plan_memory`'s
 peak and breakdown for the same request, and (``decode_entry_tensors``) the largest tensors Python still
 references when the decode begins, so a gap can be traced to what holds it. ``--replan REPORT`` plans a stored
 report's rows again with the current plan (the measured bytes stay; no GPU needed).
 
 ``--device cpu`` with twin dimensions (:func:`run`'s ``llm``/``vit``) is the unit test's dry run: there the meter
-counts the loaded parameters plus the tensors a :class:`~unicache_core.bagel.memory_trace.TensorMemoryTracker`
+counts the loaded parameters plus the tensors a :class:`~unicache_core.bagel.memory.trace.TensorMemoryTracker`
 sees alive.
 """
 
@@ -44,7 +44,7 @@ from benchmarks.report_file import check_report_paths, write_json_report
 from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.config import BagelConfig
-from unicache_core.bagel.memory_plan import (
+from unicache_core.bagel.memory.plan import (
     PlanSettings,
     official_config,
     plan_config,
@@ -52,7 +52,7 @@ from unicache_core.bagel.memory_plan import (
     tensor_peak_bytes,
     tensor_phase_bytes,
 )
-from unicache_core.bagel.memory_trace import TensorMemoryTracker
+from unicache_core.bagel.memory.trace import TensorMemoryTracker
 from unicache_core.bagel.request import RunHooks
 from unicache_core.bagel.transform_config import TRANSFORM_CONFIG_FILE, parse_transform_config
 from unicache_core.bagel.weights import parameter_bytes
@@ -157,7 +157,7 @@ def _plan(
 
 
 def meter_phases(planned: dict[str, int]) -> dict[str, int]:
-    """The plan's phases (:attr:`~unicache_core.bagel.memory_plan.MemoryPlan.phases`) as the request's
+    """The plan's phases (:attr:`~unicache_core.bagel.memory.plan.MemoryPlan.phases`) as the request's
     :attr:`RunHooks.phase` names them: ``contexts`` (the VAE encode and every item's prefill), ``denoise``,
     ``decode`` (the VAE's; an answer's decoding steps count as ``decode`` too)."""
     grouped: dict[str, int] = {}
@@ -297,7 +297,7 @@ def _prompt_tokens(row: dict) -> int:
 
 def replan(report: dict) -> dict:
     """``report`` (a CUDA run at BAGEL-7B-MoT's geometry) with every row's plan made again by the current
-    :func:`~unicache_core.bagel.memory_plan.plan_memory`; the measured bytes are kept as they were."""
+    :func:`~unicache_core.bagel.memory.plan.plan_memory`; the measured bytes are kept as they were."""
     rows = []
     for row in report["results"]:
         tokens = _prompt_tokens(row)

@@ -15,7 +15,7 @@ steps, CFG on the whole schedule, three branches per step): ``full``, ``full+tay
 - ``denoise_seconds`` (the pipeline's ``info["denoise_s"]``), ``decoder_forwards`` and ``forecasts`` (summed over the
   branches), and ``speedup_vs_full`` / ``speedup_vs_method`` (the same method without TaylorSeer) of the denoising;
 - ``denoise_peak_bytes``: the most allocated during the denoising phase (:class:`~benchmarks.gpu_real_size.PhaseMeter`),
-  ``plan_bytes``: :func:`~unicache_core.bagel.memory_plan.plan_memory`'s peak for the same request (TaylorSeer's
+  ``plan_bytes``: :func:`~unicache_core.bagel.memory.plan.plan_memory`'s peak for the same request (TaylorSeer's
   factors counted), ``taylorseer_peak_bytes``: the factors at their most;
 - ``psnr_to_full`` (dB) of the image against the ``full`` row's.
 
@@ -41,8 +41,8 @@ from benchmarks.real_size import DEFAULT_OUT, write_real_size_checkpoint
 from benchmarks.report_file import check_report_paths, write_json_report
 from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
-from unicache_core.bagel.memory_plan import PlanSettings, plan_config, plan_memory, tensor_peak_bytes
-from unicache_core.bagel.memory_trace import TensorMemoryTracker
+from unicache_core.bagel.memory.plan import PlanSettings, plan_config, plan_memory, tensor_peak_bytes
+from unicache_core.bagel.memory.trace import TensorMemoryTracker
 from unicache_core.bagel.request import RunHooks
 from unicache_core.bagel.weights import parameter_bytes
 from unicache_core.compression import make_cache_factory

@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.kv_fill [--checkpoint DIR] [--images 1,2] [--methods full,unicache] [--label NAME]
 [--json PATH]`` edits ``N`` sources (128 px, 3 timesteps) on a checkpoint (default: the bundled shapes model) and
-records, with tensor accounting (:class:`~unicache_core.bagel.memory_trace.TensorMemoryTracker`; the weights, loaded
+records, with tensor accounting (:class:`~unicache_core.bagel.memory.trace.TensorMemoryTracker`; the weights, loaded
 before, are not counted):
 
 - per prefill call (each image's VAE and ViT block, each text): the branch, the image, the KV the session holds after
@@ -29,7 +29,7 @@ from benchmarks.report_file import check_report_paths, write_json_report
 from unicache_commands.flags import OneLineParser, path_arg
 from unicache_commands.input_files import parse_json, read_text_file
 from unicache_core.bagel import BagelPipeline, RunHooks, load_bagel, preset
-from unicache_core.bagel.memory_trace import TensorMemoryTracker
+from unicache_core.bagel.memory.trace import TensorMemoryTracker
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR
 from unicache_core.compression import make_cache_factory
 from unicache_core.compression.compressing_cache import CompressingKVCache

@@ -6,12 +6,12 @@ For the bundled model (``models/bagel/unicache-shapes``, 128 px) and the medium 
 (:mod:`benchmarks.medium`, written to ``out/medium`` when missing; 512 px), and each task (understanding with a
 16-token answer, text-to-image and edit with 3 timesteps), bf16 compute:
 
-- ``plan_bytes``: :func:`~unicache_core.bagel.memory_plan.plan_memory`'s peak for that request on the CPU
+- ``plan_bytes``: :func:`~unicache_core.bagel.memory.plan.plan_memory`'s peak for that request on the CPU
   (with the CPU runtime's own memory, ``cpu_kernel_cache`` and ``cpu_freed_heap``), compared with the RSS;
 - ``plan_tensor_bytes``: the same plan without those parts
-  (:func:`~unicache_core.bagel.memory_plan.tensor_peak_bytes`), compared with the tensors;
+  (:func:`~unicache_core.bagel.memory.plan.tensor_peak_bytes`), compared with the tensors;
 - ``tensor_bytes``: tensor accounting: the loaded model's and VAE's parameter bytes plus the peak of the tensors
-  alive during the run (:class:`~unicache_core.bagel.memory_trace.TensorMemoryTracker`);
+  alive during the run (:class:`~unicache_core.bagel.memory.trace.TensorMemoryTracker`);
 - ``rss_bytes``: the whole process in a fresh subprocess: ``VmHWM`` over the load and the run minus the resident
   set just before the load. Before taking that base the child loads the tiny test checkpoint and runs the same
   task on it once, so torch's lazily imported modules, kernels and thread pools (tens of MB, whatever the
@@ -37,8 +37,8 @@ from benchmarks.rss import peak_rss_bytes, start_peak_window
 from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.checkpoint.tensor_file import release_freed_host_memory
-from unicache_core.bagel.memory_plan import PlanSettings, plan_config, plan_memory, tensor_peak_bytes
-from unicache_core.bagel.memory_trace import TensorMemoryTracker
+from unicache_core.bagel.memory.plan import PlanSettings, plan_config, plan_memory, tensor_peak_bytes
+from unicache_core.bagel.memory.trace import TensorMemoryTracker
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT
 from unicache_core.bagel.weights import parameter_bytes
 

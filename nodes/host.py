@@ -195,7 +195,7 @@ def make_patcher(module, load_device, offload_device):
 
 def load_to_device(patcher, memory_required: int) -> None:
     """Have ComfyUI load the model, keeping ``memory_required`` bytes (the request's KV cache and working memory,
-    :mod:`unicache_core.bagel.accounting`) free: all of it when it fits, else as much as fits (ComfyUI's lowvram
+    :mod:`unicache_core.bagel.memory.accounting`) free: all of it when it fits, else as much as fits (ComfyUI's lowvram
     partial load; the rest is cast to the load device layer by layer as it runs)."""
     import comfy.model_management as mm
 

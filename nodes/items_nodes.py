@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 from unicache_core.bagel.items import ImageItem, TextItem
 from unicache_core.bagel.notices import empty_text_warning
-from unicache_core.kv.token_types import Task
 
 from .base import CATEGORY, ITEMS, UniCacheNode, warnings_ui
 from .convert import from_comfy_latent, image_to_pils
@@ -82,19 +81,16 @@ def request_of(prior: list, source, prompt: str, latent=None) -> list:
     return [*prior, *own, TextItem(prompt)]
 
 
-def memory_of(loaded, task: Task, request: list, settings, kv=None) -> int:
-    """The ``memory_required`` of an item request for ComfyUI (its KV at its largest under the KV method ``kv``,
-    None: full KV; working memory and, when on, TaylorSeer's factors):
-    :func:`unicache_core.bagel.comfy_placement.memory_required`."""
-    from unicache_core.bagel.accounting import count_items
-    from unicache_core.bagel.comfy_placement import memory_required
-    from unicache_core.bagel.items import request_items as checked
+def memory_of(loaded, request, kv=None) -> int:
+    """The ``memory_required`` for ComfyUI of a checked request (a
+    :class:`~unicache_core.bagel.request_check.CheckedRequest`: its KV at its largest under the KV method ``kv``,
+    None: full KV; working memory and, when on, TaylorSeer's factors), from the tokens counted when it was checked:
+    :func:`unicache_core.bagel.memory.comfy_placement.memory_required`."""
+    from unicache_core.bagel.memory.comfy_placement import memory_required
     from unicache_core.bagel.taylorseer import taylorseer_order
 
-    tokens = count_items(
-        loaded.config, loaded.tokenizer, task, checked(request, generation=task != "understanding"), settings
-    )
-    return memory_required(loaded.config, loaded.dtype, tokens, kv_name(kv), taylor_order=taylorseer_order(settings))
+    order = taylorseer_order(request.settings)
+    return memory_required(loaded.config, loaded.dtype, request.tokens, kv_name(kv), taylor_order=order)
 
 
 def kv_name(kv) -> str:

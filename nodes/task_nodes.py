@@ -15,10 +15,9 @@ from __future__ import annotations
 import logging
 from functools import partial
 
-from unicache_core.bagel import BagelPipeline, GivenLatents, ImageTransforms, RunHooks
-from unicache_core.bagel.accounting import count_request
-from unicache_core.bagel.comfy_placement import memory_required
+from unicache_core.bagel import BagelPipeline, ImageTransforms, RunHooks
 from unicache_core.bagel.notices import request_warnings, trained_images
+from unicache_core.bagel.request_check import CheckedRequest, check_request, check_single
 from unicache_core.bagel.seeding import MAX_SEED
 from unicache_core.bagel.settings import (
     EDIT_DEFAULTS,
@@ -29,7 +28,6 @@ from unicache_core.bagel.settings import (
     check_prompt,
     preset,
 )
-from unicache_core.bagel.taylorseer import taylorseer_order
 from unicache_core.compression import Method, make_cache_factory
 from unicache_core.compression.report_view import chart_data
 from unicache_core.errors import CancelledError
@@ -39,7 +37,7 @@ from . import host
 from .base import CATEGORY, REPORT, UniCacheNode, warnings_ui
 from .convert import ComfyVAEAdapter, from_comfy_latent, image_to_pils, pils_to_image, to_comfy_latent
 from .host import io
-from .items_nodes import check_items, kv_name, memory_of, request_items, request_of
+from .items_nodes import check_items, memory_of, request_items, request_of
 from .model import BagelModel
 from .task_inputs import (
     generation_inputs,
@@ -107,18 +105,6 @@ def _hooks(progress: _Progress, *, preview: bool) -> RunHooks:
     return RunHooks(progress=progress, cancel=host.interrupted, preview=progress.preview if preview else None)
 
 
-def _memory(model: BagelModel, task: Task, prompt: str, settings, source_size=None, vae_size=None, kv=None) -> int:
-    """The ``memory_required`` of the request for ComfyUI: the memory plan's peak above the weights under the KV
-    method ``kv`` (None: full KV), :func:`unicache_core.bagel.comfy_placement.memory_required`; ``vae_size``: an
-    edit's output size set by its source latent."""
-    check_prompt(prompt)  # before the tokenizer sees it (a lone surrogate can arrive in a /prompt JSON)
-    loaded = model.loaded
-    tokens = count_request(
-        loaded.config, loaded.tokenizer, task, prompt, settings, source_size=source_size, vae_size=vae_size
-    )
-    return memory_required(loaded.config, loaded.dtype, tokens, kv_name(kv), taylor_order=taylorseer_order(settings))
-
-
 def _external_vae(loaded, vae):
     """The connected ComfyUI VAE as the engine's external VAE (None: the checkpoint's own); a clear error
     (before anything loads) when the checkpoint has no VAE and none is connected."""
@@ -140,14 +126,14 @@ def _encode_sources(vae, loaded, sources) -> list:
     return [adapter.encode(transforms.vae(transforms.prepare(s, "image")).unsqueeze(0)) for s in sources]
 
 
-def _source_latents(latent, count: int, loaded) -> tuple[list, tuple[int, int]]:
+def _source_latents(latent, count: int, loaded) -> list:
     """The ``LATENT`` input (core VAEEncode, ComfyUI's FLUX convention, any size) → one BAGEL latent per source
-    image, on BAGEL's grid (:func:`~.validation.fit_source_latent`), and the edit's output ``(width, height)``."""
+    image, on BAGEL's grid (:func:`~.validation.fit_source_latent`; the edit's output takes its size)."""
     samples = check_source_latent(latent, loaded.config.ae.z_channels)
     if samples.shape[0] not in (1, count):
         raise ValueError(f"`latent` holds {samples.shape[0]} latents for {count} images; encode the same batch")
-    samples, size = fit_source_latent(samples, loaded.config)
-    return [from_comfy_latent(samples[min(i, samples.shape[0] - 1) :][:1], loaded) for i in range(count)], size
+    samples, _ = fit_source_latent(samples, loaded.config)
+    return [from_comfy_latent(samples[min(i, samples.shape[0] - 1) :][:1], loaded) for i in range(count)]
 
 
 def _chain_items(items, loaded, vae) -> list:
@@ -181,24 +167,33 @@ def _settings(task: Task, inputs: dict):
     return preset(task, **settings_of(inputs), **size)
 
 
-def _procedure(pipe: BagelPipeline, task: Task, prior: list, source, prompt: str, latent, settings):
-    """The engine call of one image of the batch (``source``: None for text to image and a text-only question)."""
-    if prior:  # the chain's items, then the node's own image and its prompt
-        request = request_of(prior, source, prompt, latent)
-        if task == "understanding":
-            return partial(pipe.understand_items, request, settings)
-        return partial(pipe.generate, task, request, settings)
-    if task == "t2i":
-        return partial(pipe.text_to_image, prompt, settings)
-    if task == "edit":
-        return partial(pipe.edit, prompt, source, settings, given=GivenLatents(source_latent=latent))
-    return partial(pipe.understand, prompt, source, settings)
+def _requests(model: BagelModel, task: Task, prior: list, sources: list, prompt: str, latents: list, settings):
+    """The request of each image of the batch (``sources``: None for text to image and a text-only question), checked
+    and tokenised once: the memory plan and the engine run the same record. With an item chain, its items and then
+    the node's own image and prompt; else the single-image call ``[image, prompt]``."""
+    config, tokenizer = model.loaded.config, model.loaded.tokenizer
+    if prior:
+        return [
+            check_request(config, tokenizer, task, request_of(prior, source, prompt, latent), settings)
+            for source, latent in zip(sources, latents)
+        ]
+    return [
+        check_single(config, tokenizer, task, prompt, source, settings, latent=latent)
+        for source, latent in zip(sources, latents)
+    ]
 
 
-def request_notes(model: BagelModel, task: Task, prior: list, source, prompt: str, latent=None) -> list[str]:
-    """The warnings about the node's request (its chain's items, its first image and its prompt)."""
-    request = request_of(prior, source, prompt, latent)
-    return request_warnings(task, request, model.loaded.config, trained=trained_images(model.checkpoint_dir))
+def _procedure(pipe: BagelPipeline, request: CheckedRequest):
+    """The engine call of one image of the batch."""
+    if request.generation:
+        return partial(pipe.generate_request, request)
+    return partial(pipe.understand_request, request)
+
+
+def request_notes(model: BagelModel, request: CheckedRequest) -> list[str]:
+    """The warnings about the node's checked request (its chain's items, its first image and its prompt)."""
+    items = list(request.items)
+    return request_warnings(request.task, items, model.loaded.config, trained=trained_images(model.checkpoint_dir))
 
 
 def run_task(node: str, task: Task, inputs: dict) -> io.NodeOutput:
@@ -211,29 +206,28 @@ def run_task(node: str, task: Task, inputs: dict) -> io.NodeOutput:
     if task == "t2i":
         check_output_size(loaded.config, inputs["width"], inputs["height"])  # before anything is loaded
     sources = image_to_pils(image, "image") if image is not None else [None]
-    latents, size = [None] * len(sources), None
+    latents = [None] * len(sources)
     if latent is not None:
-        latents, size = _source_latents(latent, len(sources), loaded)
-    source_size = None if sources[0] is None else sources[0].size
-    kv = inputs.get("kv")
-    memory = _memory(model, task, prompt, settings, source_size=source_size, vae_size=size, kv=kv)
+        latents = _source_latents(latent, len(sources), loaded)
+    check_prompt(prompt)  # before the tokenizer or a VAE sees it (a lone surrogate can arrive in a /prompt JSON)
     if task == "edit" and latent is None and vae is not None:
         latents = _encode_sources(vae, loaded, sources)
     prior = _chain_items(inputs.get("items"), loaded, vae if task in GENERATION else None)
-    if prior:
-        memory = memory_of(loaded, task, request_of(prior, sources[0], prompt, latents[0]), settings, kv)
-    ui = warnings_ui(node, request_notes(model, task, prior, sources[0], prompt, latents[0]))
+    requests = _requests(model, task, prior, sources, prompt, latents, settings)
+    kv = inputs.get("kv")
+    memory = memory_of(loaded, requests[0], kv)
+    ui = warnings_ui(node, request_notes(model, requests[0]))
     external = _external_vae(loaded, vae) if task in GENERATION else None
     pipe = _pipeline(model, kv, memory)
     generation = task in GENERATION
     progress = _Progress(len(sources), settings.num_timesteps - 1 if generation else settings.max_new_tokens, loaded)
     results = []
-    for i, (source, z) in enumerate(zip(sources, latents)):
+    for i, request in enumerate(requests):
         progress.item = i
         seeded = dict(seed=(inputs["seed"] + i) % (MAX_SEED + 1), hooks=_hooks(progress, preview=generation))
         if generation:
             seeded["vae"] = external
-        results.append(_run(_procedure(pipe, task, prior, source, prompt, z, settings), **seeded))
+        results.append(_run(_procedure(pipe, request), **seeded))
     if generation:
         return io.NodeOutput(*_generation_outputs(results, pipe), ui=ui)
     text = "\n\n".join(r.text for r in results)

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from unicache_core.bagel import __main__ as bagel_cli
 from unicache_core.bagel.checkpoint import loader as loader_module
+from unicache_core.bagel.cli import main as bagel_cli
 
 
 def exit_status(main: Callable[[list[str]], int], argv: Sequence[str]) -> int:

@@ -11,10 +11,10 @@ import torch
 
 from benchmarks.medium import write_medium_checkpoint
 from benchmarks.rss import measure_load_in_subprocess
-from unicache_core.bagel.__main__ import main as cli_main
 from unicache_core.bagel.checkpoint.header import read_header
 from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.checkpoint.tensor_file import RELEASE_EVERY_BYTES
+from unicache_core.bagel.cli.main import main as cli_main
 from unicache_core.bagel.modeling import Bagel
 from unicache_core.bagel.modeling.operations import is_low_precision, store_weight
 from unicache_core.bagel.pipeline import BagelPipeline

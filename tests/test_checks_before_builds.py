@@ -17,7 +17,7 @@ from cli_runs import run_bagel_cli
 
 from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.config import load_bagel_config
-from unicache_core.bagel.memory_plan import PlanSettings, official_config, plan_memory
+from unicache_core.bagel.memory.plan import PlanSettings, official_config, plan_memory
 from unicache_core.bagel.modeling import autoencoder as autoencoder_module
 from unicache_core.bagel.modeling import bagel as bagel_module
 from unicache_core.errors import CheckpointError

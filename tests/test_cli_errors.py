@@ -22,10 +22,10 @@ from checkpoint_edits import edit_json, rewrite_tensors, set_value
 from cli_runs import exit_status, forbid_weight_loading, run_bagel_cli, with_flags
 from PIL import Image
 
-from unicache_core.bagel import __main__ as cli
 from unicache_core.bagel import denoise as denoise_module
 from unicache_core.bagel.checkpoint import loader as loader_module
-from unicache_core.bagel.cli_checks import open_image, read_prompt_file, save_image
+from unicache_core.bagel.cli import main as cli
+from unicache_core.bagel.cli.checks import open_image, read_prompt_file, save_image
 from unicache_core.errors import NumericalError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ import pytest
 from cli_runs import forbid_weight_loading, run_bagel_cli
 from PIL import Image
 
-from unicache_core.bagel.card_fit import CARD_SIZES_GB, card_table, fitting_images, most_images
-from unicache_core.bagel.memory_plan import PlanSettings, official_config, plan_memory
+from unicache_core.bagel.memory.card_fit import CARD_SIZES_GB, card_table, fitting_images, most_images
+from unicache_core.bagel.memory.plan import PlanSettings, official_config, plan_memory
 from unicache_core.shapes.world import Scene, Shape
 
 GB = 10**9
@@ -174,7 +174,7 @@ def test_too_many_images_for_the_device_names_the_count_and_what_fits(
     """The run is planned at BAGEL-7B's geometry (whose KV outgrows the VAE's working memory within a few images) on
     a device that holds one image less than given: refused before loading, naming the count and what fits."""
     forbid_weight_loading(monkeypatch)
-    monkeypatch.setattr("unicache_core.bagel.memory_plan.plan_config", lambda checkpoint: official_config())
+    monkeypatch.setattr("unicache_core.bagel.memory.plan.plan_config", lambda checkpoint: official_config())
     # the tiny checkpoint's weights stand in for BAGEL-7B's: their header check would (rightly) refuse the swap
     monkeypatch.setattr("unicache_core.bagel.checkpoint.folder.check_folder_weights", lambda root, config, **kw: None)
     config = official_config()
@@ -186,7 +186,7 @@ def test_too_many_images_for_the_device_names_the_count_and_what_fits(
         return plan_memory(config, settings, 1 << 50).peak_bytes
 
     count = next(n for n in range(2, 40) if peak(n) > peak(n - 1) > peak(1))
-    monkeypatch.setattr("unicache_core.bagel.memory_plan.device_memory_bytes", lambda device: peak(count - 1))
+    monkeypatch.setattr("unicache_core.bagel.memory.plan.device_memory_bytes", lambda device: peak(count - 1))
     images = [arg for _ in range(count) for arg in ("--image", str(shapes[0]))]
     argv = [
         "edit",

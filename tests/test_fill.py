@@ -16,7 +16,7 @@ from PIL import Image
 
 from benchmarks.quality import paper_table_for
 from unicache_core.bagel.checkpoint.loader import load_bagel
-from unicache_core.bagel.memory_trace import TensorMemoryTracker
+from unicache_core.bagel.memory.trace import TensorMemoryTracker
 from unicache_core.bagel.pipeline import BagelPipeline
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR, preset
 from unicache_core.compression import make_cache_factory

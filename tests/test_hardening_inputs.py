@@ -18,13 +18,13 @@ from cli_runs import with_flags
 from PIL import Image
 from test_cli_errors import _exit_code, _one_line_error, no_weights  # noqa: F401  (no_weights: a fixture)
 
-from unicache_core.bagel import __main__ as cli
-from unicache_core.bagel.accounting import kv_bytes_per_token, understanding_positions
 from unicache_core.bagel.checkpoint.folder import inspect_folder
 from unicache_core.bagel.checkpoint.loader import load_bagel
-from unicache_core.bagel.cli_checks import open_image, preflight, request_settings, save_text
+from unicache_core.bagel.cli import main as cli
+from unicache_core.bagel.cli.checks import open_image, preflight, request_settings, save_text
 from unicache_core.bagel.config import load_bagel_config
 from unicache_core.bagel.contexts import text_ids
+from unicache_core.bagel.memory.accounting import kv_bytes_per_token, understanding_positions
 from unicache_core.bagel.pipeline import BagelPipeline
 from unicache_core.bagel.settings import preset
 from unicache_core.bagel.tokenizer import BagelTokenizer

@@ -10,7 +10,7 @@ import pytest
 from cli_runs import run_bagel_cli
 from test_cli_errors import no_weights  # noqa: F401  (a fixture)
 
-from unicache_core.bagel.cli_checks import taylorseer_changes
+from unicache_core.bagel.cli.checks import taylorseer_changes
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR
 
 

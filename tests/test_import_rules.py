@@ -105,6 +105,20 @@ def _broken_copy(tmp_path: Path, module: str, line: str) -> Path:
             "command-helpers-stand-alone",
             "unicache_commands.flags -> unicache_core.sizes",
         ),
+        # the engine's memory planning reaching up into its command line
+        (
+            "unicache_core.bagel.memory.plan",
+            "from ..cli import checks",
+            "engine-in-three-packages",
+            "unicache_core.bagel.memory.plan -> unicache_core.bagel.cli.checks",
+        ),
+        # the engine's run path reaching up into memory planning
+        (
+            "unicache_core.bagel.denoise",
+            "from .memory import plan",
+            "engine-in-three-packages",
+            "unicache_core.bagel.denoise -> unicache_core.bagel.memory.plan",
+        ),
         # a circle between two sibling modules (quant is imported by stores)
         (
             "unicache_core.kv.quant",

@@ -15,9 +15,9 @@ import pytest
 import torch
 from PIL import Image
 
-from unicache_core.bagel.accounting import count_items, image_tokens, kv_bytes_per_token
 from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.items import GENERATE, ImageItem, request_items
+from unicache_core.bagel.memory.accounting import count_items, image_tokens, kv_bytes_per_token
 from unicache_core.bagel.pipeline import BagelPipeline
 from unicache_core.bagel.request import GivenLatents
 from unicache_core.bagel.seeding import seeded_generator

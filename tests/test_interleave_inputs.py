@@ -14,9 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
-from unicache_core.bagel.accounting import check_item_positions
 from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.items import GENERATE, ImageItem, TextItem, request_items, rounds
+from unicache_core.bagel.memory.accounting import check_item_positions
 from unicache_core.bagel.pipeline import BagelPipeline
 from unicache_core.bagel.request import GivenLatents
 from unicache_core.bagel.settings import preset

@@ -11,9 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from unicache_core.bagel.__main__ import main as cli_main
 from unicache_core.bagel.checkpoint.loader import load_bagel
-from unicache_core.bagel.memory_plan import (
+from unicache_core.bagel.cli.main import main as cli_main
+from unicache_core.bagel.memory.plan import (
     CPU_MATMUL_KERNEL_BYTES,
     CUDA_VAE_DECODE_PER_PIXEL,
     GLIBC_MMAP_THRESHOLD_MAX,
@@ -106,7 +106,7 @@ def test_plan_json_schema(tmp_path: Path, capsys):
 
 
 def test_cli_refuses_a_run_that_cannot_fit(tiny_checkpoint: Path, tmp_path: Path, monkeypatch, capsys):
-    monkeypatch.setattr("unicache_core.bagel.memory_plan.device_memory_bytes", lambda device: 1000)
+    monkeypatch.setattr("unicache_core.bagel.memory.plan.device_memory_bytes", lambda device: 1000)
     code = cli_main(
         [
             "t2i",

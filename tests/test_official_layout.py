@@ -25,7 +25,7 @@ SIZES = {f.name: f.size for f in OFFICIAL_FILES}
 
 def test_the_weight_files_sizes_are_the_official_geometrys():
     # ema.safetensors is BAGEL-7B-MoT's tensors in bf16 and ae.safetensors the FLUX VAE's in fp32 (tensor data)
-    from unicache_core.bagel.memory_plan import official_config
+    from unicache_core.bagel.memory.plan import official_config
     from unicache_core.bagel.modeling import AutoEncoder
     from unicache_core.bagel.weights import build_bagel
 

@@ -1,5 +1,5 @@
 """BAGEL procedures end to end on the tiny checkpoint (docs/bagel.md §4.6, §5), and the token and memory accounting
-of a request (unicache_core.bagel.accounting) against what the pipeline builds."""
+of a request (unicache_core.bagel.memory.accounting) against what the pipeline builds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import torch
 from PIL import Image
 
 from unicache_core.bagel import contexts as C
-from unicache_core.bagel.accounting import (
+from unicache_core.bagel.checkpoint.loader import load_bagel
+from unicache_core.bagel.decoding import decode_text
+from unicache_core.bagel.denoise import branch_velocities
+from unicache_core.bagel.memory.accounting import (
     RequestTokens,
     count_request,
     generation_positions,
@@ -18,9 +21,6 @@ from unicache_core.bagel.accounting import (
     request_memory_bytes,
     understanding_positions,
 )
-from unicache_core.bagel.checkpoint.loader import load_bagel
-from unicache_core.bagel.decoding import decode_text
-from unicache_core.bagel.denoise import branch_velocities
 from unicache_core.bagel.pipeline import BagelPipeline
 from unicache_core.bagel.request import GivenLatents, RunHooks
 from unicache_core.bagel.settings import GenerationSettings, preset

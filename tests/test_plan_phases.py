@@ -1,5 +1,6 @@
 """The memory plan phase by phase (issue 54): full KV holds each image's rows once, UniCache stores them compressed
-as the context fills, and ComfyUI's lowvram placement of what is left (unicache_core/bagel/comfy_placement.py)."""
+as the context fills, and ComfyUI's lowvram placement of what is left
+(unicache_core/bagel/memory/comfy_placement.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from unicache_core.bagel.accounting import kv_bytes_per_token, request_tokens
-from unicache_core.bagel.comfy_placement import (
+from unicache_core.bagel.memory.accounting import kv_bytes_per_token, request_tokens
+from unicache_core.bagel.memory.comfy_placement import (
     MINIMUM_INFERENCE_MEMORY,
     NUM_STREAMS,
     comfy_modules,
@@ -17,8 +18,8 @@ from unicache_core.bagel.comfy_placement import (
     lowvram_budget,
     memory_required,
 )
-from unicache_core.bagel.memory_plan import PlanSettings, official_config, plan_without_suggestion
-from unicache_core.bagel.plan_kv import floor_ratio, kv_phases, prefill_ratios
+from unicache_core.bagel.memory.plan import PlanSettings, official_config, plan_without_suggestion
+from unicache_core.bagel.memory.plan_kv import floor_ratio, kv_phases, prefill_ratios
 from unicache_core.kv.quant import quantize_keys, quantize_values
 
 GB = 10**9
@@ -153,7 +154,7 @@ def test_comfy_modules_are_the_modules_comfyui_walks():
     """The module list, counted from the geometry, is the one ComfyUI's ``ModelPatcher._load_list`` walks on the
     pack's model: every module with parameters of its own (none in a child), its state_dict's bytes; built here on
     the meta device from a namespace that stores fp8 as a plain cast, as ComfyUI's operations do."""
-    from unicache_core.bagel.memory_plan import plan_config
+    from unicache_core.bagel.memory.plan import plan_config
     from unicache_core.bagel.modeling.autoencoder import AutoEncoder
     from unicache_core.bagel.modeling.operations import TorchOperations
     from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR

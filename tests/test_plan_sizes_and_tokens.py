@@ -10,8 +10,8 @@ import pytest
 from checkpoint_edits import edit_json
 from cli_runs import run_bagel_cli
 
-from unicache_core.bagel import __main__ as bagel_cli
-from unicache_core.bagel.cli_checks import preflight
+from unicache_core.bagel.cli import main as bagel_cli
+from unicache_core.bagel.cli.checks import preflight
 from unicache_core.bagel.tokenizer import BagelTokenizer
 from unicache_core.errors import CheckpointError
 

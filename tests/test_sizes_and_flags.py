@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from cli_runs import exit_status, run_bagel_cli
 
-from unicache_core.bagel import __main__ as bagel_cli
 from unicache_core.bagel.calibration import cli as calibrate_cli
 from unicache_core.bagel.checkpoint import single_file
 from unicache_core.bagel.checkpoint.loader import load_bagel
-from unicache_core.bagel.memory_plan import parse_memory_size
+from unicache_core.bagel.cli import main as bagel_cli
+from unicache_core.bagel.memory.plan import parse_memory_size
 from unicache_core.compression import parse_kv_target
 from unicache_core.sizes import MAX_BYTES, parse_size
 
@@ -160,7 +160,7 @@ def test_single_value_flag_given_twice_is_refused(capsys, main, argv, flag):
 def test_image_repeats_and_a_single_value_flag_does_not(capsys, command):
     """``--image`` is declared to repeat (several images, in order: tests/test_cli_interleave.py); ``--prompt`` is not,
     and giving it twice is refused in one line."""
-    from unicache_core.bagel.__main__ import _build_parser
+    from unicache_core.bagel.cli.main import _build_parser
 
     args = _build_parser().parse_args([command, "--prompt", "a", "--image", "a.png", "--image", "b.png"])
     assert [str(p) for p in args.image] == ["a.png", "b.png"]

@@ -22,9 +22,9 @@ from PIL import Image
 
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel import denoise as denoise_module
-from unicache_core.bagel.accounting import count_request, request_memory_bytes, request_memory_parts
 from unicache_core.bagel.contexts import latent_gen_mask
-from unicache_core.bagel.memory_plan import PlanSettings, official_config, plan_memory
+from unicache_core.bagel.memory.accounting import count_request, request_memory_bytes, request_memory_parts
+from unicache_core.bagel.memory.plan import PlanSettings, official_config, plan_memory
 from unicache_core.bagel.taylorseer import TaylorRule, TaylorSeer
 from unicache_core.compression import METHODS, make_cache_factory
 from unicache_core.compression.schedule import RetentionSchedule

@@ -12,7 +12,7 @@ from PIL import Image
 
 from training.tiny import TINY_TRANSFORMS, tiny_config
 from unicache_core.bagel.checkpoint.loader import load_bagel
-from unicache_core.bagel.cli_checks import open_image
+from unicache_core.bagel.cli.checks import open_image
 from unicache_core.bagel.config import (
     TRANSFORM_CONFIG_FILE,
     BagelConfig,

@@ -12,8 +12,8 @@ import torch
 
 from unicache_core.bagel import load_bagel
 from unicache_core.bagel.denoise import decode_latents
-from unicache_core.bagel.memory_plan import PlanSettings, official_config, plan_memory
-from unicache_core.bagel.memory_trace import TensorMemoryTracker
+from unicache_core.bagel.memory.plan import PlanSettings, official_config, plan_memory
+from unicache_core.bagel.memory.trace import TensorMemoryTracker
 from unicache_core.bagel.modeling import vae_tiling
 from unicache_core.bagel.modeling.vae_tiling import decode_tiled, tile_starts
 from unicache_core.bagel.sampling import pack_latent

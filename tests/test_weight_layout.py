@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from unicache_core.bagel.config import load_bagel_config
-from unicache_core.bagel.memory_plan import _weights, official_config
+from unicache_core.bagel.memory.plan import _weights, official_config
 from unicache_core.bagel.modeling import AutoEncoder
 from unicache_core.bagel.modeling.operations import is_low_precision
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR

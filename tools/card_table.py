@@ -1,6 +1,6 @@
 """The README's "what fits on your card" tables: BAGEL-7B-MoT's memory plan (``python -m unicache_core.bagel plan
 --checkpoint bagel-7b-mot ...``) for each request the pack runs, weight storage and offload, on 8-24 GB cards; and
-the most input images a request takes on each card (:func:`~unicache_core.bagel.card_fit.card_table`).
+the most input images a request takes on each card (:func:`~unicache_core.bagel.memory.card_fit.card_table`).
 
     .venv/bin/python -m tools.card_table            # print the markdown tables
     .venv/bin/python -m tools.card_table --write    # put them into README.md and docs/memory.md between markers
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from unicache_commands.flags import OneLineParser
-from unicache_core.bagel.memory_plan import MemoryPlan, PlanSettings, official_config, plan_memory
+from unicache_core.bagel.memory.plan import MemoryPlan, PlanSettings, official_config, plan_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -112,7 +112,7 @@ def images_table() -> str:
     """The most input images per card (fp8 weights, without and with layer offload): 1024² images of an edit (the
     edited one included) and 980 px images of an understanding question, with full KV (each image's rows held
     once) and with UniCache at its default."""
-    from unicache_core.bagel.card_fit import MOST_IMAGES_SEARCHED, card_table
+    from unicache_core.bagel.memory.card_fit import MOST_IMAGES_SEARCHED, card_table
 
     cells = {(r.card_gb, r.offload, r.task, r.kv_method): r.most_images for r in card_table()}
 
@@ -149,9 +149,9 @@ def _comfy_cell(full: dict, ours: dict) -> str:
 def comfy_box() -> str:
     """The README's ComfyUI box: per card and loader ``weight_dtype``, what ComfyUI's own placement does with
     BAGEL-7B-MoT for each task at 1024² with UniCache (and full KV where it differs), from the memory plan of
-    ComfyUI's rules (:mod:`unicache_core.bagel.comfy_placement`); then the bytes streamed per denoising step for a
-    2- and a 4-image 1024² edit on 12 and 16 GB cards."""
-    from unicache_core.bagel.card_fit import COMFY_BOX_REQUESTS, comfy_box_rows, comfy_stream_rows
+    ComfyUI's rules (:mod:`unicache_core.bagel.memory.comfy_placement`); then the bytes streamed per denoising step
+    for a 2- and a 4-image 1024² edit on 12 and 16 GB cards."""
+    from unicache_core.bagel.memory.card_fit import COMFY_BOX_REQUESTS, comfy_box_rows, comfy_stream_rows
 
     cells = {(r["card_gb"], r["weight_dtype"], r["task"], r["kv_method"]): r for r in comfy_box_rows()}
     labels = {"understanding": "understand a 1024² image", "t2i": "text to image, 1024²", "edit": "edit a 1024² image"}

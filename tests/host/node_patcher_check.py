@@ -109,7 +109,7 @@ def real_geometry_model_sizes() -> dict:
     from unicache_pack.nodes import host
     from unicache_pack.nodes.model import BagelModules
 
-    from unicache_core.bagel.memory_plan import official_config
+    from unicache_core.bagel.memory.plan import official_config
     from unicache_core.bagel.modeling import AutoEncoder
     from unicache_core.bagel.weights import build_bagel
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from PIL import Image
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from ..errors import CancelledError, NonFiniteKVError, NumericalError
 from ..kv.cache import StepInfo
-from ..kv.token_types import BRANCHES
+from ..kv.token_types import BRANCHES, THINK
 from . import contexts as C
 from .checkpoint.loader import LoadedBagel
 from .contexts import GenerationContexts
@@ -34,7 +35,7 @@ from .transforms import image_from_tensor
 logger = logging.getLogger(__name__)
 
 #: The classifier-free guidance branches a denoising step may compute (all but the think plan's).
-CFG_BRANCHES = tuple(branch for branch in BRANCHES if branch != "plan")
+CFG_BRANCHES = tuple(branch for branch in BRANCHES if branch != THINK)
 
 
 def step_branches(t: Tensor, settings: GenerationSettings) -> tuple[list[str], float, float]:
@@ -109,6 +110,51 @@ def guided_velocity(
     return guided, raw
 
 
+@dataclass(frozen=True)
+class Denoised:
+    """What :func:`denoise` returns.
+
+    Attributes:
+        latent: the final latent ``x0`` ``[h*w, 64]`` fp32 (packed).
+        forwards: decoder forwards per CFG branch (the steps that ran its decoder).
+        forecasts: with TaylorSeer, the steps that forecast each branch instead (None without TaylorSeer).
+        peak_factor_bytes: with TaylorSeer, the most bytes its Taylor factors held (None without).
+        step0_velocity: with ``return_step0_velocity``: the branch velocities computed at step 0 and ``guided``,
+            ``[h*w, 64]`` each (None otherwise).
+    """
+
+    latent: Tensor
+    forwards: dict[str, int]
+    forecasts: dict[str, int] | None = None
+    peak_factor_bytes: int | None = None
+    step0_velocity: dict[str, Tensor] | None = None
+
+
+def _preview(loaded: LoadedBagel, contexts: GenerationContexts, x: Tensor, t: Tensor, v: Tensor) -> Tensor:
+    """The live preview's image of a step: the flow's estimate of the clean latent ``x0 = x_t - t * v``
+    (``x``, ``v``: ``[h*w, 64]``) unpacked to ``[1, 16, H/8, W/8]`` (BAGEL's convention)."""
+    cfg = loaded.config
+    lp = cfg.latent_downsample
+    estimate = x.float() - float(t) * v.to(x.device).float()
+    return unpack_latent(
+        estimate, contexts.height // lp, contexts.width // lp, cfg.latent_channel, cfg.latent_patch_size
+    )
+
+
+def _step_info(seer: TaylorSeer | None, step: int, total: int, names: list[str], timestep: Tensor) -> StepInfo:
+    """What the caches' session is told of denoising step ``step``: the branches it computes (``names``) and, with
+    TaylorSeer, those it forecasts and the next step that computes them all."""
+    return StepInfo(
+        phase="denoise",
+        step=step,
+        total=total,
+        branches=tuple(names),
+        timestep=float(timestep),
+        forecast=() if seer is None else seer.forecast_branches(step, names),
+        next_full=None if seer is None else seer.next_full(step, names),
+    )
+
+
 @torch.inference_mode()
 def denoise(
     loaded: LoadedBagel,
@@ -118,42 +164,28 @@ def denoise(
     *,
     hooks: RunHooks = NO_HOOKS,
     return_step0_velocity: bool = False,
-    forecasts: dict | None = None,
-) -> tuple[Tensor, dict[str, int], dict[str, Tensor] | None]:
+) -> Denoised:
     """Euler flow from noise ``x`` ``[h*w, 64]`` (fp32): ``x -= v * dt`` for ``num_timesteps - 1`` steps.
 
     ``hooks``: cancel polled before each step, progress and ``steer`` (the next latent) after it, and
     ``preview(done, total, x0)`` with the flow's current estimate of the clean latent, ``x0 = x_t - t * v``
     unpacked to ``[1, 16, H/8, W/8]`` (BAGEL's convention), for a live preview.
 
-    With ``settings.taylorseer`` only the steps :mod:`.taylorseer` computes run a branch's decoder; ``forecasts``
-    (when given, a dict) receives each branch's count of forecast steps and ``peak_factor_bytes``, the most bytes
-    the Taylor factors held.
-
-    Returns:
-        ``(x0 [h*w, 64] fp32, decoder forwards per branch, step-0 velocities or None)``.
+    With ``settings.taylorseer`` only the steps :mod:`.taylorseer` computes run a branch's decoder; the result
+    counts the steps that forecast each branch instead and the most bytes the Taylor factors held
+    (:class:`Denoised`).
     """
-    cfg = loaded.config
     timesteps, dts = timestep_schedule(settings.num_timesteps, settings.timestep_shift)
     total = len(timesteps)
     forwards = dict.fromkeys(CFG_BRANCHES, 0)
     forecast_counts = dict.fromkeys(CFG_BRANCHES, 0)
-    plan = [step_branches(t, settings)[0] for t in timesteps]
-    seer = TaylorSeer.for_settings(settings, plan)
+    computed = [step_branches(t, settings)[0] for t in timesteps]  # the branches each step computes
+    seer = TaylorSeer.for_settings(settings, computed)
     step0 = None
     for i in range(total):
         if hooks.cancelled():
             raise CancelledError(f"denoising cancelled before step {i + 1} of {total}")
-        names = plan[i]
-        info = StepInfo(
-            phase="denoise",
-            step=i,
-            total=total,
-            branches=tuple(names),
-            timestep=float(timesteps[i]),
-            forecast=() if seer is None else seer.forecast_branches(i, names),
-            next_full=None if seer is None else seer.next_full(i, names),
-        )
+        info = _step_info(seer, i, total, computed[i], timesteps[i])
         if contexts.session is not None:
             contexts.session.begin_step(info)
         try:
@@ -180,15 +212,7 @@ def denoise(
         if i == 0 and return_step0_velocity:
             step0 = {**raw, "guided": v}
         if hooks.preview is not None:
-            lp = cfg.latent_downsample
-            estimate = x.float() - float(timesteps[i]) * v.to(x.device).float()
-            hooks.preview(
-                i + 1,
-                total,
-                unpack_latent(
-                    estimate, contexts.height // lp, contexts.width // lp, cfg.latent_channel, cfg.latent_patch_size
-                ),
-            )
+            hooks.preview(i + 1, total, _preview(loaded, contexts, x, timesteps[i], v))
         # Official order: the velocity (model dtype) times the fp32 0-dim dt stays in the velocity
         # dtype, then it is subtracted from the fp32 latent.
         x = hooks.steered(i, v, x - v.to(x.device) * dts[i].to(x.device))
@@ -201,10 +225,8 @@ def denoise(
             total,
             seer.peak_bytes,
         )
-        if forecasts is not None:
-            forecasts.update(forecast_counts)
-            forecasts["peak_factor_bytes"] = seer.peak_bytes
-    return x, forwards, step0
+        return Denoised(x, forwards, forecast_counts, seer.peak_bytes, step0)
+    return Denoised(x, forwards, step0_velocity=step0)
 
 
 @torch.inference_mode()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,16 +26,17 @@ from PIL import Image
 from torch import Tensor
 
 from ..kv.cache import Task
+from ..kv.token_types import THINK
 from . import contexts as C
-from .accounting import check_item_positions
 from .decoding import decode_text
-from .denoise import decode_latents, denoise
+from .denoise import Denoised, decode_latents, denoise
 from .interleave import build_generation_contexts
 from .items import ImageItem, Item, image_items, rounds
 from .latents import latent_factors
 from .modeling import AutoEncoder
 from .numerics import check_noise
 from .request import GivenLatents, RunHooks
+from .request_check import CheckedRequest
 from .seeding import check_seed, seeded_generator
 from .settings import GenerationSettings, check_bool
 from .source_images import SINGLE_IMAGE_NAMES, ImageNames, PreparedImage, check_given, prepare_image
@@ -97,8 +97,7 @@ class _Request:
 class GenerationCall:
     """A generation call's arguments besides its items and settings (see :meth:`~.pipeline.BagelPipeline.edit`).
 
-    ``given.initial_noise`` starts the last round; ``single``: the request came from a single-image call (errors
-    name ``image``, ``source_latent``, ``prompt``)."""
+    ``given.initial_noise`` starts the last round."""
 
     seed: int | None
     hooks: RunHooks
@@ -106,23 +105,15 @@ class GenerationCall:
     vae: object = None
     decode: bool = True
     return_step0_velocity: bool = False
-    single: bool = False
 
 
-def check_generation(
-    pipe,
-    task: Task,
-    items: Sequence[Item],
-    settings: GenerationSettings,
-    call: GenerationCall,
-    names: dict[ImageItem, ImageNames],
-) -> None:
-    """Refuse, before any forward, what a generation of ``items`` cannot run: an edit without an image before its
-    first generation, latents given in the wrong place or of the wrong shape, more RoPE positions than the model
-    has (a single-image call's messages name ``prompt``, an item list's ``items``)."""
-    given = call.given
+def check_generation(pipe, request: CheckedRequest, call: GenerationCall, names: dict[ImageItem, ImageNames]) -> None:
+    """Refuse, before any forward, what a checked generation request (its items and RoPE positions already checked,
+    :mod:`.request_check`) cannot run: an edit without an image before its first generation, latents given in the
+    wrong place or of the wrong shape."""
+    given, items = call.given, request.items
     first = rounds(items)[0]
-    if task == "edit" and not any(isinstance(item, ImageItem) for item in first):
+    if request.task == "edit" and not any(isinstance(item, ImageItem) for item in first):
         raise ValueError(
             "an edit needs an image to edit: put an image item before the first text it generates from "
             "(e.g. [image, 'make it blue'])"
@@ -132,29 +123,19 @@ def check_generation(
             "with an item list, give each image's source latent or VAE noise in its ImageItem (latent=, vae_noise=), "
             "not in GivenLatents"
         )
-    check_item_positions(
-        pipe.loaded.config,
-        pipe.loaded.tokenizer,
-        items,
-        generation=True,
-        think=settings.think,
-        special_tokens=settings.prompt_special_tokens,
-        extra=settings.think_max_new_tokens + 2 if settings.think else 0,
-        extra_name="think_max_new_tokens",
-        name="prompt" if call.single else "items",
-    )
     external = not isinstance(pipe.resolve_vae(call.vae), AutoEncoder)  # an adapter never samples the noise
     for item in image_items(items):
         check_given(pipe.loaded, item.image, item.latent, item.vae_noise, external_vae=external, names=names[item])
 
 
-def run_generation(
-    pipe, task: Task, items: Sequence[Item], settings: GenerationSettings, call: GenerationCall
-) -> GenerationResult:
-    """Run the checked ``items`` (:func:`~.items.request_items`) of a ``task`` generation on ``pipe`` (a
-    :class:`~.pipeline.BagelPipeline`), round by round (module docstring)."""
+def run_generation(pipe, request: CheckedRequest, call: GenerationCall) -> GenerationResult:
+    """Run a checked generation ``request`` (:mod:`.request_check`) on ``pipe`` (a :class:`~.pipeline.BagelPipeline`),
+    round by round (module docstring)."""
+    if not isinstance(request.settings, GenerationSettings):
+        raise TypeError(f"a generation request takes GenerationSettings, got {type(request.settings).__name__}")
+    task, items, settings = request.task, request.items, request.settings
     seed = check_seed(call.seed)
-    decode, given, vae, single = check_bool("decode", call.decode), call.given, call.vae, call.single
+    decode, given, vae, single = check_bool("decode", call.decode), call.given, call.vae, request.single
     parts = rounds(items)
     needs_encode = len(parts) > 1 or any(item.latent is None for item in image_items(items))
     # a missing VAE is refused before any forward
@@ -166,25 +147,21 @@ def run_generation(
         for i, item in enumerate(items)
         if isinstance(item, ImageItem)
     }
-    check_generation(pipe, task, items, settings, call, names)
-    request = _Request(task, settings, call.hooks, encoder, vae, seeded_generator(seed), names)
+    check_generation(pipe, request, call, names)
+    shared = _Request(task, settings, call.hooks, encoder, vae, seeded_generator(seed), names)
     history: list[Item] = []
     prepared: dict[ImageItem, PreparedImage] = {}
     earlier: list[GenerationResult] = []
     for number, part in enumerate(parts):
         history.extend(part)
         last = number == len(parts) - 1
-        result = _round(
-            pipe,
-            request,
-            history,
-            prepared,
-            seed=seed,
+        run = _RoundOptions(
             initial_noise=given.initial_noise if last else None,
             decode=decode or not last,
-            return_step0_velocity=call.return_step0_velocity and last,
+            step0=call.return_step0_velocity and last,
             keep_sources=not last,
         )
+        result = _round(pipe, shared, history, prepared, seed, run)
         if not last:
             earlier.append(result)
             if result.image is None:  # an earlier round is always decoded: the next round edits its image
@@ -196,106 +173,124 @@ def run_generation(
     return result
 
 
+@dataclass(frozen=True)
+class _RoundOptions:
+    """How one round runs: ``initial_noise`` ``[h*w, 64]`` to start from (None: drawn), ``decode`` its latent,
+    keep its ``step0`` velocities, ``keep_sources``: keep the prepared images for a later round."""
+
+    initial_noise: Tensor | None
+    decode: bool
+    step0: bool
+    keep_sources: bool
+
+
+def _prefill(pipe, shared: _Request, session, items: list[Item], prepared: dict[ImageItem, PreparedImage], keep: bool):
+    """Encode the images not yet encoded (in item order, so the generator's draws are the official ones) and build
+    the round's contexts; ``keep``: keep ``prepared`` for a later round."""
+    loaded, s = pipe.loaded, shared.settings
+    for item in items:
+        if isinstance(item, ImageItem) and item not in prepared:
+            prepared[item] = prepare_image(
+                loaded,
+                item.image,
+                generation=True,
+                latent=item.latent,
+                vae_noise=item.vae_noise,
+                vae=shared.encoder,
+                generator=shared.generator,
+                names=shared.names[item],
+            )
+    size = (s.width, s.height) if shared.task == "t2i" else None
+    contexts = build_generation_contexts(
+        loaded, session, items, prepared, size=size, think=s.think, special_tokens=s.prompt_special_tokens
+    )
+    if not keep:  # no later round prefills them again: nothing but the caches outlives the prefill
+        prepared.clear()
+    C.release_between_phases(loaded)
+    return contexts
+
+
+def _think(loaded, shared: _Request, session, contexts: C.GenerationContexts) -> str:
+    """Think mode: decode the reasoning in a fork of ``gen`` (the ``THINK`` branch), then append it to ``gen`` as
+    the official code does (its control tokens parsed)."""
+    s = shared.settings
+    think_ctx = C.Context(session.fork(contexts.gen.cache, THINK), contexts.gen.rope)
+    text, _ = decode_text(
+        loaded,
+        think_ctx,
+        max_new_tokens=s.think_max_new_tokens,
+        do_sample=s.think_do_sample,
+        temperature=s.think_temperature,
+        generator=shared.generator,
+        hooks=shared.hooks,
+        draw_discarded_sample=True,
+        session=session,
+        branch=THINK,
+    )
+    session.release(THINK)
+    del think_ctx
+    C.append_text(loaded, contexts.gen, text, special_tokens=True)
+    return text
+
+
+def _initial_latent(loaded, contexts: C.GenerationContexts, generator, initial_noise: Tensor | None) -> Tensor:
+    """The noise ``[h*w, 64]`` fp32 the flow starts from: drawn from ``generator``, or the given one checked."""
+    lp = loaded.config.latent_downsample
+    shape = ((contexts.height // lp) * (contexts.width // lp), loaded.config.patch_latent_dim)
+    if initial_noise is None:
+        return torch.randn(shape, generator=generator, dtype=torch.float32)
+    return check_noise("initial_noise", initial_noise, shape).float().clone()
+
+
+def _branches_info(contexts: C.GenerationContexts, denoised: Denoised) -> dict[str, Any]:
+    """The round's context sizes, cache bytes and decoder forwards per branch, and its input images' latents."""
+    branches = contexts.branches()
+    info: dict[str, Any] = {
+        "context_tokens": {name: ctx.num_tokens for name, ctx in branches.items()},
+        "cache_bytes": {name: ctx.cache.nbytes() for name, ctx in branches.items()},
+        "forwards": denoised.forwards,
+        "source_latent": contexts.source_latent,
+        "source_latents": list(contexts.source_latents),
+        "images": len(contexts.source_latents),
+    }
+    if denoised.forecasts is not None:
+        info["taylorseer_peak_bytes"] = denoised.peak_factor_bytes
+        info["forecasts"] = denoised.forecasts
+    return info
+
+
 def _round(
-    pipe,
-    request: _Request,
-    items: list[Item],
-    prepared: dict[ImageItem, PreparedImage],
-    *,
-    seed: int,
-    initial_noise: Tensor | None,
-    decode: bool,
-    return_step0_velocity: bool,
-    keep_sources: bool,
+    pipe, shared: _Request, items: list[Item], prepared: dict[ImageItem, PreparedImage], seed: int, run: _RoundOptions
 ) -> GenerationResult:
     """One generation from ``items`` (texts and images): encode the images not yet encoded, build the contexts,
-    [think], denoise, release the caches, decode. ``keep_sources``: keep ``prepared`` for a later round."""
-    loaded, s, hooks, generator = pipe.loaded, request.settings, request.hooks, request.generator
-    session = pipe.start_session(request.task, s.num_steps)
+    [think], denoise, release the caches, decode."""
+    loaded, s, hooks = pipe.loaded, shared.settings, shared.hooks
+    session = pipe.start_session(shared.task, s.num_steps)
     with torch.inference_mode():
         t0 = time.perf_counter()
         hooks.enter("contexts")
-        for item in items:  # in item order, so the generator's draws are the official ones
-            if isinstance(item, ImageItem) and item not in prepared:
-                prepared[item] = prepare_image(
-                    loaded,
-                    item.image,
-                    generation=True,
-                    latent=item.latent,
-                    vae_noise=item.vae_noise,
-                    vae=request.encoder,
-                    generator=generator,
-                    names=request.names[item],
-                )
-        size = (s.width, s.height) if request.task == "t2i" else None
-        contexts = build_generation_contexts(
-            loaded, session, items, prepared, size=size, think=s.think, special_tokens=s.prompt_special_tokens
-        )
-        if not keep_sources:  # no later round prefills them again: nothing but the caches outlives the prefill
-            prepared.clear()
-        C.release_between_phases(loaded)
+        contexts = _prefill(pipe, shared, session, items, prepared, run.keep_sources)
         t1 = time.perf_counter()
         think_text = None
         if s.think:
             hooks.enter("think")
-            plan_ctx = C.Context(session.fork(contexts.gen.cache, "plan"), contexts.gen.rope)
-            think_text, _ = decode_text(
-                loaded,
-                plan_ctx,
-                max_new_tokens=s.think_max_new_tokens,
-                do_sample=s.think_do_sample,
-                temperature=s.think_temperature,
-                generator=generator,
-                hooks=hooks,
-                draw_discarded_sample=True,
-                session=session,
-                branch="plan",
-            )
-            session.release("plan")
-            del plan_ctx
-            # the model's own plan text is re-fed as the official code does (its control tokens parsed)
-            C.append_text(loaded, contexts.gen, think_text, special_tokens=True)
+            think_text = _think(loaded, shared, session, contexts)
         t2 = time.perf_counter()
-        lp = loaded.config.latent_downsample
-        shape = ((contexts.height // lp) * (contexts.width // lp), loaded.config.patch_latent_dim)
-        if initial_noise is None:
-            x = torch.randn(shape, generator=generator, dtype=torch.float32)
-        else:
-            x = check_noise("initial_noise", initial_noise, shape).float().clone()
+        x = _initial_latent(loaded, contexts, shared.generator, run.initial_noise)
         hooks.enter("denoise")
-        forecasts: dict = {}
-        x, forwards, step0 = denoise(
-            loaded,
-            contexts,
-            x.to(loaded.device),
-            s,
-            hooks=hooks,
-            return_step0_velocity=return_step0_velocity,
-            forecasts=forecasts,
-        )
+        denoised = denoise(loaded, contexts, x.to(loaded.device), s, hooks=hooks, return_step0_velocity=run.step0)
         t3 = time.perf_counter()
-        width, height, branches = contexts.width, contexts.height, contexts.branches()
-        info: dict[str, Any] = {
-            "context_tokens": {name: ctx.num_tokens for name, ctx in branches.items()},
-            "cache_bytes": {name: ctx.cache.nbytes() for name, ctx in branches.items()},
-            "forwards": forwards,
-            "source_latent": contexts.source_latent,
-            "source_latents": list(contexts.source_latents),
-            "images": len(contexts.source_latents),
-        }
-        if s.taylorseer:
-            info["taylorseer_peak_bytes"] = forecasts.pop("peak_factor_bytes")
-            info["forecasts"] = forecasts
+        width, height, info = contexts.width, contexts.height, _branches_info(contexts, denoised)
         kv_report = session.finish()
         # The caches are done with: free them before the VAE decode, the largest activation of a large image
         # (a 1024 px decode needs 4.3 GB; BAGEL-7B's full KV of that edit is 1.0 GB).
-        for name in branches:
+        for name in contexts.branches():
             session.release(name)
-        del contexts, branches
+        del contexts
         C.release_between_phases(loaded)
         hooks.enter("decode")
-        chosen = pipe.resolve_vae(request.decoder, "decode the latents") if decode else None
-        latent, picture = decode_latents(loaded, x, height, width, chosen)
+        chosen = pipe.resolve_vae(shared.decoder, "decode the latents") if run.decode else None
+        latent, picture = decode_latents(loaded, denoised.latent, height, width, chosen)
         t4 = time.perf_counter()
     scale, shift = latent_factors(loaded.config)
     info.update(
@@ -308,7 +303,7 @@ def _round(
             "latent_format": {"convention": "bagel", "scale_factor": scale, "shift_factor": shift},
         }
     )
-    logger.info("%s %dx%d: %d steps in %.2fs", request.task, width, height, s.num_steps, t3 - t2)
+    logger.info("%s %dx%d: %d steps in %.2fs", shared.task, width, height, s.num_steps, t3 - t2)
     return GenerationResult(
         image=picture,
         latents=latent,
@@ -316,7 +311,7 @@ def _round(
         seed=seed,
         info=info,
         think_text=think_text,
-        step0_velocity=step0,
+        step0_velocity=denoised.step0_velocity,
         kv_report=kv_report,
     )
 

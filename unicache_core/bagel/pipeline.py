@@ -40,15 +40,15 @@ from PIL import Image
 
 from ..kv.cache import CacheFactory, CacheSession, RequestInfo, Task, as_cache_factory, full_cache_factory
 from . import contexts as C
-from .accounting import check_item_positions
 from .checkpoint.loader import LoadedBagel
 from .checkpoint.model_id import model_id_of
 from .contexts import Context, GenerationContexts
 from .decoding import decode_text
 from .generation import GenerationCall, GenerationResult, run_generation
 from .interleave import build_generation_contexts, build_understanding_context
-from .items import Item, check_image_item, image_items, request_items, single_request
+from .items import Item, check_image_item, image_items, single_request
 from .request import NO_GIVEN_LATENTS, NO_HOOKS, GivenLatents, RunHooks
+from .request_check import CheckedRequest, check_request, check_single
 from .seeding import check_seed, seeded_generator
 from .settings import (
     EDIT_DEFAULTS,
@@ -56,7 +56,6 @@ from .settings import (
     UNDERSTANDING_DEFAULTS,
     GenerationSettings,
     UnderstandingSettings,
-    check_output_size,
     check_prompt,
     preset,
 )
@@ -237,9 +236,9 @@ class BagelPipeline:
         ``hooks``: progress per decoded token, cancel polled before each.
         """
         check_prompt(prompt)
-        if image is not None:
-            check_image_item(0, image, name="image")
-        return self._understand(single_request(prompt, image), settings, seed, hooks, name="prompt")
+        s = _checked("settings", settings, UnderstandingSettings, UNDERSTANDING_DEFAULTS, PRESET)
+        request = check_single(self.loaded.config, self.loaded.tokenizer, "understanding", prompt, image, s)
+        return self.understand_request(request, seed=seed, hooks=hooks)
 
     def understand_items(
         self,
@@ -252,22 +251,31 @@ class BagelPipeline:
         """Answer after an item list (:mod:`.items`: texts and images in order, e.g. ``[img_a, img_b, "what differs
         between the two pictures?"]``), built as ``interleave_inference`` builds it; arguments as :meth:`understand`.
         """
-        return self._understand(request_items(items, generation=False), settings, seed, hooks, name="items")
+        return self.understand_request(self.check("understanding", items, settings), seed=seed, hooks=hooks)
 
-    def _understand(self, items, settings, seed, hooks, *, name: str) -> UnderstandingResult:
-        s = _checked("settings", settings, UnderstandingSettings, UNDERSTANDING_DEFAULTS, PRESET)
+    def check(
+        self,
+        task: Task,
+        items: Sequence[Item | str | Image.Image],
+        settings: GenerationSettings | UnderstandingSettings | None = None,
+    ) -> CheckedRequest:
+        """The item list ``items`` of a ``task`` request checked and tokenised once for this checkpoint
+        (:func:`~.request_check.check_request`; ``settings`` default to the task's preset), to run with
+        :meth:`understand_request` or :meth:`generate_request`."""
+        kind = UnderstandingSettings if task == "understanding" else GenerationSettings
+        s = _checked("settings", settings, kind, preset(task), PRESET)
+        return check_request(self.loaded.config, self.loaded.tokenizer, task, items, s)
+
+    def understand_request(
+        self, request: CheckedRequest, *, seed: int | None = None, hooks: RunHooks | None = None
+    ) -> UnderstandingResult:
+        """Answer a checked understanding request (:meth:`check`, :func:`~.request_check.check_single`); ``seed``
+        and ``hooks`` as in :meth:`understand`."""
+        if request.task != "understanding" or not isinstance(request.settings, UnderstandingSettings):
+            raise ValueError(f"`request` is a {request.task} request; understand_request answers understanding ones")
+        items, s = request.items, request.settings
         hooks, _ = _call_parts(hooks, None)
         generator = None if seed is None else seeded_generator(check_seed(seed))
-        check_item_positions(
-            self.loaded.config,
-            self.loaded.tokenizer,
-            items,
-            generation=False,
-            think=s.think,
-            special_tokens=s.prompt_special_tokens,
-            extra=s.max_new_tokens,
-            name=name,
-        )
         session = self.start_session("understanding", s.max_new_tokens)
         with torch.inference_mode():
             t0 = time.perf_counter()
@@ -331,13 +339,18 @@ class BagelPipeline:
         check_prompt(prompt)
         s = _checked("settings", settings, GenerationSettings, T2I_DEFAULTS, PRESET)
         hooks, given = _call_parts(hooks, given)
-        check_output_size(self.loaded.config, s.width, s.height)
+        request = check_single(self.loaded.config, self.loaded.tokenizer, "t2i", prompt, None, s)
         if given.source_latent is not None:
             raise ValueError("`source_latent` is the latent of an edit's source image; text-to-image takes none")
         call = GenerationCall(
-            seed, hooks, GivenLatents(initial_noise=given.initial_noise), vae, decode, return_step0_velocity, True
+            seed=seed,
+            hooks=hooks,
+            given=GivenLatents(initial_noise=given.initial_noise),
+            vae=vae,
+            decode=decode,
+            return_step0_velocity=return_step0_velocity,
         )
-        return run_generation(self, "t2i", single_request(prompt), s, call)
+        return run_generation(self, request, call)
 
     def edit(
         self,
@@ -368,11 +381,18 @@ class BagelPipeline:
         check_image_item(0, image, name="image")
         s = _checked("settings", settings, GenerationSettings, EDIT_DEFAULTS, PRESET)
         hooks, given = _call_parts(hooks, given)
-        items = single_request(prompt, image, latent=given.source_latent, vae_noise=given.vae_noise)
+        latent, vae_noise = given.source_latent, given.vae_noise
+        config, tokenizer = self.loaded.config, self.loaded.tokenizer
+        request = check_single(config, tokenizer, "edit", prompt, image, s, latent=latent, vae_noise=vae_noise)
         call = GenerationCall(
-            seed, hooks, GivenLatents(initial_noise=given.initial_noise), vae, decode, return_step0_velocity, True
+            seed=seed,
+            hooks=hooks,
+            given=GivenLatents(initial_noise=given.initial_noise),
+            vae=vae,
+            decode=decode,
+            return_step0_velocity=return_step0_velocity,
         )
-        return run_generation(self, "edit", items, s, call)
+        return run_generation(self, request, call)
 
     def generate(
         self,
@@ -398,13 +418,37 @@ class BagelPipeline:
         """
         if task not in ("t2i", "edit"):
             raise ValueError(f"`task` must be 't2i' or 'edit', got {task!r} (understanding: understand_items)")
-        checked = request_items(items, generation=True)
-        s = _checked("settings", settings, GenerationSettings, preset(task), PRESET)
+        request = self.check(task, items, settings)
+        return self.generate_request(
+            request,
+            seed=seed,
+            hooks=hooks,
+            given=given,
+            vae=vae,
+            decode=decode,
+            return_step0_velocity=return_step0_velocity,
+        )
+
+    def generate_request(
+        self,
+        request: CheckedRequest,
+        *,
+        seed: int | None = 0,
+        hooks: RunHooks | None = None,
+        given: GivenLatents | None = None,
+        vae=None,
+        decode: bool = True,
+        return_step0_velocity: bool = False,
+    ) -> GenerationResult:
+        """Run a checked generation request (:meth:`check`, :func:`~.request_check.check_single`); other arguments
+        as in :meth:`generate`."""
+        if not request.generation:
+            raise ValueError("`request` is an understanding request; understand_request answers it")
         hooks, given = _call_parts(hooks, given)
-        if task == "t2i":
-            check_output_size(self.loaded.config, s.width, s.height)
-        call = GenerationCall(seed, hooks, given, vae, decode, return_step0_velocity)
-        return run_generation(self, task, checked, s, call)
+        call = GenerationCall(
+            seed=seed, hooks=hooks, given=given, vae=vae, decode=decode, return_step0_velocity=return_step0_velocity
+        )
+        return run_generation(self, request, call)
 
 
 __all__ = ["BagelPipeline", "GenerationResult", "UnderstandingResult"]

@@ -17,6 +17,8 @@ TASKS: tuple[str, ...] = ("understanding", "t2i", "edit")
 #: ``gen``/``cfg_text``/``cfg_img``: BAGEL's CFG contexts; ``plan``: the think-mode plan decoding context.
 Branch = Literal["gen", "cfg_text", "cfg_img", "plan"]
 BRANCHES: tuple[str, ...] = ("gen", "cfg_text", "cfg_img", "plan")
+#: The think-mode branch: a fork of ``gen`` that the reasoning is decoded in.
+THINK: Branch = "plan"
 
 
 class TokenType(IntEnum):

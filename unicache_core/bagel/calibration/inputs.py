@@ -40,7 +40,7 @@ def prompt_line_numbers(path: Path) -> list[int]:
 
 def read_images(folder: Path) -> list[tuple[str, object]]:
     """``[(file name, PIL image)]`` of the image files of ``folder`` (not recursive), sorted by name."""
-    from ..cli_checks import open_image
+    from ..cli.checks import open_image
 
     if not folder.exists():
         raise FileNotFoundError(f"--images: folder not found: {folder}")

@@ -63,7 +63,7 @@ class CalibrationJob:
 
 
 def _check_prompt_lengths(job: CalibrationJob, task: str, prompts: list[str], config, tokenizer) -> None:
-    from ..accounting import check_positions, generation_positions, understanding_positions
+    from ..memory.accounting import check_positions, generation_positions, understanding_positions
 
     for lineno, prompt in zip(prompt_line_numbers(job.prompts), prompts):
         if task == "understanding":
@@ -91,7 +91,7 @@ def check_job(job: CalibrationJob) -> dict:
     model id and the ``--merge`` table (or ``None``).
     """
     from ..checkpoint.model_id import model_id_of
-    from ..cli_checks import check_checkpoint_dir, resolve_device, with_flag
+    from ..cli.checks import check_checkpoint_dir, resolve_device, with_flag
     from ..config import load_bagel_config
     from ..seeding import check_seed
     from ..settings import check_int, check_output_size

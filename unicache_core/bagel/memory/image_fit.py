@@ -1,5 +1,5 @@
 """How many of a request's input images fit, and what to do when they do not (the plan's suggestion for several
-images: :func:`~.memory_plan.plan_memory`, the CLI's refusal of a run that does not fit).
+images: :func:`~.plan.plan_memory`, the CLI's refusal of a run that does not fit).
 
 The functions take the plan's predictor (``predict(settings) -> fits``) rather than importing the plan, so the plan
 can call them. The images kept are the last ones: an edit edits its last image, the earlier ones are references.
@@ -11,13 +11,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-#: The plan's predictor of a trial's settings (a :class:`~.memory_plan.PlanSettings`, not imported: the plan imports
+#: The plan's predictor of a trial's settings (a :class:`~.plan.PlanSettings`, not imported: the plan imports
 #: this module).
 Fits = Callable[[Any], bool]
 
 
 def fitting_images(settings, fits: Fits) -> int:
-    """The most of ``settings.images`` (a :class:`~.memory_plan.PlanSettings`) whose last ones ``fits``; 0 when not
+    """The most of ``settings.images`` (a :class:`~.plan.PlanSettings`) whose last ones ``fits``; 0 when not
     even the last one does."""
     images = settings.images
     low, high = 0, len(images) + 1  # the last `low` fit; the last `high` do not (or there are not that many)

@@ -1,5 +1,5 @@
 """The runtime's own memory beside a request's tensors: the CPU's (oneDNN's kernel cache, the heap glibc keeps)
-and CUDA's (cuBLAS workspaces, cuDNN's VAE workspaces). The memory plan (:mod:`.memory_plan`) adds them on its
+and CUDA's (cuBLAS workspaces, cuDNN's VAE workspaces). The memory plan (:mod:`.plan`) adds them on its
 device; docs/memory.md gives the measurements every constant here was sized from.
 """
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from ..config import BagelConfig
 from .accounting import BOUNDARY_TOKENS, RequestTokens
-from .config import BagelConfig
-from .vae_memory import tiled_tokens
+from .vae import tiled_tokens
 
 #: Bytes oneDNN keeps per bf16 matrix-product shape it has run (its compiled kernel; docs/memory.md).
 CPU_MATMUL_KERNEL_BYTES = 600_000
@@ -30,7 +30,7 @@ CUDA_VAE_ENCODE_PER_PIXEL = 520
 def cuda_runtime_parts(
     config: BagelConfig, tokens: RequestTokens, work: dict[str, int], *, tiled: bool = False
 ) -> dict[str, int]:
-    """CUDA's own memory beside the tensors (:mod:`.memory_plan`'s docstring): ``cuda_runtime``, and of the VAE pass
+    """CUDA's own memory beside the tensors (:mod:`.plan`'s docstring): ``cuda_runtime``, and of the VAE pass
     that needs more on CUDA (the source's encode or the output's decode, whole or, when ``tiled``, one tile of it) its
     tensors (``vae_working``, from ``work`` = :func:`~.accounting.request_memory_parts`) and
     ``cuda_vae_workspace``."""
@@ -104,19 +104,19 @@ def matmul_shapes(config: BagelConfig, tokens: RequestTokens) -> set[tuple[int, 
 
 
 def cpu_runtime_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens) -> dict[str, int]:
-    """The CPU runtime's own memory beside the tensors (:mod:`.memory_plan`'s docstring): ``kernel_cache``,
+    """The CPU runtime's own memory beside the tensors (:mod:`.plan`'s docstring): ``kernel_cache``,
     ``freed_heap`` and ``vae_heap``.
 
     ``kernel_cache`` = :data:`CPU_MATMUL_KERNEL_BYTES` x :func:`matmul_shapes` (bf16/fp16 compute: fp32 products
     go to MKL, which keeps none) + :data:`CPU_CONV_KERNEL_BYTES` x the VAE's distinct convolutions
-    (:func:`~.vae_memory.vae_convolution_shapes`). ``freed_heap``: the LLM forward's activations
+    (:func:`~.vae.vae_convolution_shapes`). ``freed_heap``: the LLM forward's activations
     (:func:`~.accounting.request_memory_parts`) whose single tensors stay under :data:`GLIBC_MMAP_THRESHOLD_MAX`.
     ``vae_heap``: two of the VAE decode's largest activations under that threshold
-    (:func:`~.vae_memory.vae_activation_below`), and for an edit two of its encode's as well.
+    (:func:`~.vae.vae_activation_below`), and for an edit two of its encode's as well.
 
     Each term is sized from measurements listed in docs/memory.md ("Where the runtime terms come from").
     """
-    from .vae_memory import vae_activation_below, vae_convolution_shapes
+    from .vae import vae_activation_below, vae_convolution_shapes
 
     products = len(matmul_shapes(config, tokens)) if dtype != torch.float32 else 0
     encodes = {vae for vae, _ in tokens.image_blocks() if vae}

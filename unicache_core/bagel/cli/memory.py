@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import path_arg
-from .checkpoint.loader import OFFLOAD_MODES
-from .weights import WEIGHT_DTYPES
+from ...cli import path_arg
+from ..checkpoint.loader import OFFLOAD_MODES
+from ..weights import WEIGHT_DTYPES
 
 #: ``plan``'s image side when neither ``--width``/``--height`` nor ``--image-sizes`` gives it.
 PLAN_SIDE = 1024
@@ -32,8 +32,8 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_plan_parser(sub) -> None:
     """The ``plan`` subcommand: the predicted peak device memory of a run, before anything is downloaded or loaded."""
-    from .memory_plan import OFFICIAL_CHECKPOINT, PLAN_TASKS
-    from .settings import T2I_DEFAULTS
+    from ..memory.plan import OFFICIAL_CHECKPOINT, PLAN_TASKS
+    from ..settings import T2I_DEFAULTS
 
     p = sub.add_parser("plan", help="predict the peak device memory of a run and whether it fits")
     p.add_argument(
@@ -122,7 +122,7 @@ def refuse_unfitting_run(args: argparse.Namespace, checked) -> None:
         width = height = 0
     images: tuple[tuple[int, int], ...] = ()
     if checked.items is not None:
-        from .items import GenerateItem, ImageItem
+        from ..items import GenerateItem, ImageItem
 
         sizes = []
         for item in checked.items:  # a GENERATE marker's image is the size of the one before it
@@ -145,9 +145,8 @@ def _plan_of(
 ):
     import torch
 
-    from .checkpoint.folder import check_folder_weights
-    from .cli_checks import resolve_device
-    from .memory_plan import (
+    from ..checkpoint.folder import check_folder_weights
+    from ..memory.plan import (
         OFFICIAL_CHECKPOINT,
         PlanSettings,
         device_memory_bytes,
@@ -155,7 +154,8 @@ def _plan_of(
         plan_config,
         plan_memory,
     )
-    from .settings import BUNDLED_CHECKPOINT_DIR
+    from ..settings import BUNDLED_CHECKPOINT_DIR
+    from .checks import resolve_device
 
     root = checkpoint if checkpoint is not None else BUNDLED_CHECKPOINT_DIR
     config = plan_config(root)
@@ -196,8 +196,8 @@ def check_plan_request(args: argparse.Namespace, images) -> tuple[int, int]:
     ``--taylorseer-order`` without ``--taylorseer`` or out of range, ``--taylorseer`` on an understanding, and
     ``--width``/``--height`` beside ``--image-sizes`` for und and edit (the images give the size there). Returns the
     planned ``(width, height)``."""
-    from .cli_checks import taylorseer_changes, with_flag
-    from .settings import preset
+    from ..settings import preset
+    from .checks import taylorseer_changes, with_flag
 
     changes = taylorseer_changes(args)
     if changes:
@@ -216,9 +216,9 @@ def check_plan_request(args: argparse.Namespace, images) -> tuple[int, int]:
 
 def check_plan_positions(config, task: str, images: int) -> None:
     """The planned request's RoPE positions (its images and a prompt of the plan's length), refused as the run
-    refuses them (:func:`~.accounting.check_image_positions`, naming ``--image-sizes``)."""
-    from .accounting import BOUNDARY_TOKENS, PLAN_PROMPT_TOKENS, check_image_positions
-    from .settings import UNDERSTANDING_DEFAULTS
+    refuses them (:func:`~..memory.accounting.check_image_positions`, naming ``--image-sizes``)."""
+    from ..memory.accounting import BOUNDARY_TOKENS, PLAN_PROMPT_TOKENS, check_image_positions
+    from ..settings import UNDERSTANDING_DEFAULTS
 
     generation = task != "und"
     used = PLAN_PROMPT_TOKENS + BOUNDARY_TOKENS + images * (2 if generation else 1) + (1 if generation else 0)
@@ -235,7 +235,7 @@ def check_plan_size(config, task: str, width: int, height: int) -> None:
     (edit, and understanding unless both are 0 for none) at least 1 px a side and at most PIL's decoding limit."""
     from PIL import Image
 
-    from .settings import check_output_size
+    from ..settings import check_output_size
 
     if task == "t2i":
         try:
@@ -255,9 +255,9 @@ def check_plan_size(config, task: str, width: int, height: int) -> None:
 
 
 def describe(plan) -> str:
-    """The plan (:class:`~.memory_plan.MemoryPlan`) as a few human-readable lines (for the CLI's stdout)."""
-    from .memory_plan import NOT_IN_PEAK
-    from .taylorseer import GENERATION_BRANCHES, describe_factors
+    """The plan (:class:`~..memory.plan.MemoryPlan`) as a few human-readable lines (for the CLI's stdout)."""
+    from ..memory.plan import NOT_IN_PEAK
+    from ..taylorseer import GENERATION_BRANCHES, describe_factors
 
     gb = 1e9
     seer = f", TaylorSeer order {plan.settings.taylorseer_order}" if plan.settings.taylorseer else ""

@@ -59,17 +59,18 @@ from typing import Any
 
 import torch
 
-from ..kv.token_types import Task
+from ...kv.token_types import Task
+from ..config import BagelConfig, bagel_config_from_dicts, load_bagel_config
+from ..settings import T2I_DEFAULTS
 from .accounting import (
     PLAN_PROMPT_TOKENS,
     RequestTokens,
     request_memory_parts,
     request_tokens,
 )
-from .config import BagelConfig, bagel_config_from_dicts, load_bagel_config
 from .image_fit import suggest_fewer_images
 from .plan_kv import KVPhase, kv_parts, kv_per_image, kv_phases
-from .runtime_memory import (
+from .runtime import (
     CPU_CONV_KERNEL_BYTES,
     CPU_MATMUL_KERNEL_BYTES,
     CUDA_RUNTIME_BYTES,
@@ -80,8 +81,7 @@ from .runtime_memory import (
     cuda_runtime_parts,
     matmul_shapes,
 )
-from .settings import T2I_DEFAULTS
-from .vae_memory import tiled_tokens
+from .vae import tiled_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ MIN_DEVICE_BYTES = 64 << 20
 def official_config() -> BagelConfig:
     """BAGEL-7B-MoT's configuration (the published ``llm_config.json`` / ``vit_config.json``, kept once in
     :mod:`.checkpoint.single_file`)."""
-    from .checkpoint.single_file import OFFICIAL_LLM_CONFIG, OFFICIAL_VIT_CONFIG
+    from ..checkpoint.single_file import OFFICIAL_LLM_CONFIG, OFFICIAL_VIT_CONFIG
 
     return bagel_config_from_dicts(dict(OFFICIAL_LLM_CONFIG), dict(OFFICIAL_VIT_CONFIG), source=OFFICIAL_CHECKPOINT)
 
@@ -132,7 +132,7 @@ def plan_config(checkpoint: str | Path) -> BagelConfig:
 
 def parse_memory_size(value: str) -> int:
     """``"24GB"``, ``"24 GiB"``, ``"1.5e10"`` → bytes (:func:`~unicache_core.sizes.parse_size`, >= 64 MiB)."""
-    from ..sizes import parse_size
+    from ...sizes import parse_size
 
     return parse_size(value, "--device-memory", minimum=MIN_DEVICE_BYTES)
 
@@ -224,7 +224,7 @@ class MemoryPlan:
 def _weights(config: BagelConfig, weight_dtype: str, dtype: torch.dtype, offload: str) -> tuple[dict[str, int], int]:
     """(``weights_device_<dtype>``, ``weights_host``, ``vae``, ``upcast`` bytes, the compute dtype's element size),
     counted from the config's tensor shapes (:mod:`.weight_layout`): nothing is built, at any layer count."""
-    from .weight_layout import bagel_layout, vae_bytes, weight_bytes
+    from ..weight_layout import bagel_layout, vae_bytes, weight_bytes
 
     parts = weight_bytes(bagel_layout(config), weight_dtype, dtype, offload)
     upcast = parts.pop("upcast")
@@ -240,8 +240,8 @@ def _upcasts(config: BagelConfig, weight_dtype: str, upcast: int) -> tuple[int, 
     its Linears as they are called); fp8 e4m3fn adds one weight's int16 bits (:func:`~.modeling.operations.
     upcast_weight` goes through them) while the last is made: +136 MB at BAGEL-7B, measured on the CPU
     (docs/memory.md)."""
-    from .weight_layout import bagel_layout
-    from .weights import WEIGHT_DTYPES, parse_weight_dtype
+    from ..weight_layout import bagel_layout
+    from ..weights import WEIGHT_DTYPES, parse_weight_dtype
 
     linear = [s for s in bagel_layout(config).llm_layer if s.role == "linear"]
     attention = [s for s in linear if s.name.startswith("self_attn.")]
@@ -288,7 +288,7 @@ def _predict(
     tokens: RequestTokens | None = None,
 ) -> MemoryPlan:
     """:func:`plan_memory` without the suggestion (``tokens``: a request counted from its real texts instead)."""
-    from .checkpoint.loader import parse_dtype
+    from ..checkpoint.loader import parse_dtype
 
     task = PLAN_TASKS[settings.task]
     dtype = parse_dtype(settings.dtype)

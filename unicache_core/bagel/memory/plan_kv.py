@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
+from ..config import BagelConfig
+from ..taylorseer import GENERATION_BRANCHES
 from .accounting import BOUNDARY_TOKENS, RequestTokens, kv_bytes_per_token
-from .config import BagelConfig
-from .taylorseer import GENERATION_BRANCHES
 
 #: Methods that score keys (:func:`unicache_core.compression.scoring.key_scores`) at their observed calls: every
 #: method but ``full``, ``streamingllm`` and ``kivi`` (``CompressionMethod.needs_scores``).
@@ -66,8 +66,8 @@ class KVPhase:
 def floor_ratio(config: BagelConfig, rows: int) -> float:
     """Bytes of ``rows`` rows at UniCache's lowest lookup setting (2 bits, largest group, no residual) over their
     uncompressed bytes."""
-    from ..compression.defaults import KIVI_FLOOR
-    from ..kv.quant import quantized_kv_nbytes
+    from ...compression.defaults import KIVI_FLOOR
+    from ...kv.quant import quantized_kv_nbytes
 
     if rows <= 0:
         return 1.0
@@ -79,7 +79,7 @@ def floor_ratio(config: BagelConfig, rows: int) -> float:
 
 def target_ratio(kv_method: str, task: str) -> float:
     """The method's default target ratio for ``task`` (1.0 for ``full`` or a byte target)."""
-    from ..compression import method_from_name
+    from ...compression import method_from_name
 
     if kv_method == "full":
         return 1.0
@@ -91,7 +91,7 @@ def written_kinds(kv_method: str) -> tuple[str, ...]:
     """The policy kinds whose image rows ``kv_method`` stores compressed as they are written: its ``written_kinds``
     (``"evict"`` ones at the floor bits until the eviction), else ``("quantize",)`` when it compresses as written
     (``compresses_written``), else none."""
-    from ..compression import method_from_name
+    from ...compression import method_from_name
 
     if kv_method == "full":
         return ()
@@ -109,8 +109,8 @@ def prefill_ratios(config: BagelConfig, kv_method: str, task: str, rows: int) ->
     if not kinds:
         return {"vae": 1.0, "vit": 1.0}
     target = target_ratio(kv_method, task)
-    from ..compression.policy_table import paper_policy_table
-    from ..kv.token_types import TokenType
+    from ...compression.policy_table import paper_policy_table
+    from ...kv.token_types import TokenType
 
     table = paper_policy_table()
     ratios = {}
@@ -206,8 +206,8 @@ def scoring_bytes(config: BagelConfig, context_tokens: int) -> int:
     the place of one) and the keys in fp32. Sized on CPU tensor accounting at BAGEL-7B's widths (2 layers, four
     256 px sources: the first step peaked 86 MB above the layer's upcast weights, for 72 MB of one logits chunk and
     the keys; docs/results/real_width_images.json)."""
-    from ..compression.defaults import SCORE_QUERIES
-    from ..compression.scoring import SCORE_ELEMENTS
+    from ...compression.defaults import SCORE_QUERIES
+    from ...compression.scoring import SCORE_ELEMENTS
 
     llm = config.llm
     logits = min(SCORE_ELEMENTS, llm.num_attention_heads * SCORE_QUERIES * context_tokens)

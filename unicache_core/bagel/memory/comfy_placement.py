@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import BagelConfig
-from .weight_layout import LLM_LAYERS, VIT_LAYERS, bagel_layout, vae_layout
+from ..config import BagelConfig
+from ..weight_layout import LLM_LAYERS, VIT_LAYERS, bagel_layout, vae_layout
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -96,7 +96,7 @@ def _module_of(spec_name: str) -> str:
 def comfy_modules(config: BagelConfig, weight_dtype: str, dtype: torch.dtype) -> tuple[ComfyModule, ...]:
     """The modules ComfyUI's lowvram loading places, for the loader's ``weight_dtype`` (``default``/``auto``:
     the compute dtype; an fp8 name) computing in ``dtype``."""
-    from .weights import WEIGHT_DTYPES, head_storage_dtype, parse_weight_dtype
+    from ..weights import WEIGHT_DTYPES, head_storage_dtype, parse_weight_dtype
 
     name = "auto" if weight_dtype == "default" else parse_weight_dtype(weight_dtype)
     storage = WEIGHT_DTYPES[name] or dtype
@@ -161,8 +161,8 @@ def memory_required(
     fallback: it counts whole). The denoising's phases, not the one-off decode, then decide how many weights ComfyUI
     keeps on the card."""
     from .accounting import request_memory_parts
-    from .memory_plan import PlanSettings, plan_without_suggestion
-    from .runtime_memory import CUDA_RUNTIME_BYTES, CUDA_VAE_ENCODE_PER_PIXEL, cuda_runtime_parts
+    from .plan import PlanSettings, plan_without_suggestion
+    from .runtime import CUDA_RUNTIME_BYTES, CUDA_VAE_ENCODE_PER_PIXEL, cuda_runtime_parts
 
     names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
     settings = PlanSettings(

@@ -9,12 +9,12 @@ import math
 
 import torch
 
-from .config import BagelConfig
+from ..config import BagelConfig
 
 
 def tiled_tokens(config: BagelConfig, latent_tokens: int) -> int:
     """BAGEL latent tokens of one tile of :func:`~.modeling.vae_tiling.decode_tiled` (at most the image's)."""
-    from .modeling.vae_tiling import TILE_CELLS
+    from ..modeling.vae_tiling import TILE_CELLS
 
     side = TILE_CELLS * config.ae.downsample // config.latent_downsample
     return min(latent_tokens, side * side)
@@ -23,7 +23,7 @@ def tiled_tokens(config: BagelConfig, latent_tokens: int) -> int:
 def tiled_decode_bytes(config: BagelConfig, latent_tokens: int) -> int:
     """Peak bytes of the tiled decode of ``latent_tokens`` BAGEL latent tokens: one tile's decode plus the fp32
     output and blend weights of the whole image (:func:`~.modeling.vae_tiling.tiled_decode_extra_bytes`)."""
-    from .modeling.vae_tiling import tiled_decode_extra_bytes
+    from ..modeling.vae_tiling import tiled_decode_extra_bytes
 
     if latent_tokens <= 0:
         return 0
@@ -44,9 +44,9 @@ def _latent_grid(latent_tokens: int, latent_downsample: int, vae_downsample: int
 @functools.lru_cache(maxsize=64)
 def _vae_trace(config: BagelConfig, latent_tokens: int, decode: bool):
     """The VAE's decode (or encode) of ``latent_tokens`` (> 0) BAGEL latent tokens, run once on meta tensors
-    (:func:`~.memory_trace.meta_trace`: nothing is allocated)."""
-    from .memory_trace import meta_trace
-    from .modeling import AutoEncoder
+    (:func:`~.trace.meta_trace`: nothing is allocated)."""
+    from ..modeling import AutoEncoder
+    from .trace import meta_trace
 
     ae = config.ae
     height, width = _latent_grid(latent_tokens, config.latent_downsample, ae.downsample)

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..kv.token_types import Task
+from ...kv.token_types import Task
+from ..config import BagelConfig
 from . import image_fit
-from .config import BagelConfig
-from .memory_plan import PlanSettings, official_config, plan_without_suggestion
+from .plan import PlanSettings, official_config, plan_without_suggestion
 
 #: Card memories of the README table, in GB.
 CARD_SIZES_GB = (8, 12, 16, 24)

@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 from unicache_commands.input_files import read_text_file
 from unicache_commands.output_files import check_output_file, same_file, save_text, write_atomically
 
-from .seeding import check_seed
-from .settings import (
+from ..seeding import check_seed
+from ..settings import (
     T2I_DEFAULTS,
     UNDERSTANDING_DEFAULTS,
     GenerationSettings,
@@ -105,7 +105,7 @@ def check_checkpoint_dir(path: Path) -> Path:
         if path.exists():
             raise FileNotFoundError(f"--checkpoint: is not a folder: {path}")
         raise not_found("--checkpoint", path, "folder")
-    from .checkpoint.official_layout import is_checkpoint_folder, not_a_checkpoint_message
+    from ..checkpoint.official_layout import is_checkpoint_folder, not_a_checkpoint_message
 
     if not is_checkpoint_folder(path):
         raise FileNotFoundError(f"--checkpoint: {not_a_checkpoint_message(path)}")
@@ -191,7 +191,7 @@ def open_image(path: Path, flag: str = "--image"):
     """
     from PIL import Image, UnidentifiedImageError
 
-    from .transforms import pil_img2rgb
+    from ..transforms import pil_img2rgb
 
     if path.is_dir():
         raise ValueError(f"{flag}: {path} is a directory; pass an image file")
@@ -225,9 +225,9 @@ def open_image(path: Path, flag: str = "--image"):
 def check_kv_target_size(kv_target: str | None, config, dtype: str) -> None:
     """``--kv-target``: parsed (a ValueError names the flag), and a size must hold at least one cached token of the
     checkpoint (keys and values of every layer in ``dtype``), else nothing could be kept."""
-    from ..compression import parse_kv_target
-    from .accounting import kv_bytes_per_token
-    from .checkpoint.loader import parse_dtype
+    from ...compression import parse_kv_target
+    from ..checkpoint.loader import parse_dtype
+    from ..memory.accounting import kv_bytes_per_token
 
     try:
         target = parse_kv_target(kv_target)
@@ -245,8 +245,8 @@ def check_kv_target_size(kv_target: str | None, config, dtype: str) -> None:
 def check_policy_table(args, root: Path) -> None:
     """``--kv-method unicache``: the policy table it will use (``--policy``, else the checkpoint's own
     ``unicache_policy.json``) is read and must cover the task, so a broken table costs no weights load."""
-    from ..compression.policy_table import CHECKPOINT_POLICY_FILE, resolve_policy_table
-    from .checkpoint.model_id import model_id_of
+    from ...compression.policy_table import CHECKPOINT_POLICY_FILE, resolve_policy_table
+    from ..checkpoint.model_id import model_id_of
 
     policy = getattr(args, "policy", None)
     if getattr(args, "kv_method", None) != "unicache" or (
@@ -261,7 +261,7 @@ def check_policy_table(args, root: Path) -> None:
 class Checked:
     """What :func:`preflight` validated: the prompt text, the decoded image, the output format, the device, the
     request's settings and seed; ``items``: the request's item list when it is not a single-image request (several
-    ``--image``, ``--items``: :mod:`.cli_items`; ``image`` is then its last image), ``rounds_out``: where an
+    ``--image``, ``--items``: :mod:`.items`; ``image`` is then its last image), ``rounds_out``: where an
     iterative request writes its earlier images."""
 
     prompt: str | None
@@ -303,7 +303,7 @@ def resolve_device(device: str) -> str:
     """``--device``: ``auto`` is cuda when available, else cpu; anything else must be a usable torch device."""
     import torch
 
-    from .checkpoint.loader import parse_device
+    from ..checkpoint.loader import parse_device
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -380,7 +380,7 @@ def check_prompt_positions(
 ) -> None:
     """The prompt's RoPE positions, then with the answer's (``understand``) or the think plan's, against the
     checkpoint's budget (a ValueError naming the field)."""
-    from .accounting import check_positions, generation_positions, understanding_positions
+    from ..memory.accounting import check_positions, generation_positions, understanding_positions
 
     if task == "understand":
         understanding = narrow_settings(settings, UnderstandingSettings)
@@ -401,12 +401,12 @@ def preflight(args, *, items: bool = False) -> Checked:
     """Validate a parsed command line (``args.command``: ``understand``, ``t2i`` or ``edit``): the prompt, the
     request's settings and seed, the device, the output size and the prompt's positions against the
     checkpoint's config, the input image and ``--out``. Nothing here loads weights. ``items``: the request is an
-    item list (:func:`~.cli_items.preflight_request` checks its images, texts and positions), so the image and the
+    item list (:func:`~.items.preflight_request` checks its images, texts and positions), so the image and the
     prompt's positions are left to it.
     """
-    from .checkpoint.folder import check_folder_weights
-    from .config import load_bagel_config
-    from .tokenizer import BagelTokenizer, check_bagel_tokens
+    from ..checkpoint.folder import check_folder_weights
+    from ..config import load_bagel_config
+    from ..tokenizer import BagelTokenizer, check_bagel_tokens
 
     root = check_checkpoint_dir(args.checkpoint)
     prompt_flag = None

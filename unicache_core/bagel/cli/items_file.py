@@ -8,7 +8,7 @@ The file is UTF-8 JSON: an object whose ``items`` is a list (a bare list is acce
 
 For example ``{"items": [{"image": "a.png"}, {"image": "b.png"}, {"text": "..."}]}``. :func:`read_items_file`
 checks it before anything loads and names the first mistake on one line (``--items FILE: items[2] ...``); the
-images are decoded as ``--image`` files are (:func:`~.cli_checks.open_image`).
+images are decoded as ``--image`` files are (:func:`~.checks.open_image`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from unicache_commands.input_files import parse_json
 
-from .items import GENERATE, Item, TextItem
+from ..items import GENERATE, Item, TextItem
 
 #: Largest accepted ``--items`` file (its images are separate files; the texts are bounded by the positions).
 MAX_ITEMS_FILE_BYTES = 4 << 20
@@ -32,7 +32,7 @@ def _fail(path: Path, message: str) -> ValueError:
 
 
 def _load(path: Path) -> object:
-    from .cli_checks import not_found
+    from .checks import not_found
 
     if path.is_dir():
         raise ValueError(f"--items: {path} is a directory; pass a JSON file of the request's items")
@@ -104,10 +104,10 @@ def read_items_file(path: Path, *, generation: bool) -> tuple[list[object], list
 
 
 def open_items(path: Path, *, generation: bool) -> tuple[tuple[Item, ...], list[Path]]:
-    """:func:`read_items_file` with every image decoded (:func:`~.cli_checks.open_image`, errors naming the element);
+    """:func:`read_items_file` with every image decoded (:func:`~.checks.open_image`, errors naming the element);
     the items are then checked as the engine checks them (:func:`~.items.request_items`)."""
-    from .cli_checks import open_image
-    from .items import request_items
+    from ..items import request_items
+    from .checks import open_image
 
     raw, images = read_items_file(path, generation=generation)
     opened = []

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .cli_checks import Checked, open_image, preflight, require_prompt
-from .cli_files import check_command_outputs, round_paths
-from .items import ImageItem, Item, TextItem, request_items
+from ..items import ImageItem, Item, TextItem, request_items
+from .checks import Checked, open_image, preflight, require_prompt
+from .files import check_command_outputs, round_paths
 from .items_file import open_items
 
 
@@ -24,14 +24,14 @@ def is_item_request(args) -> bool:
 
 
 def preflight_request(args) -> Checked:
-    """:func:`~.cli_checks.preflight` of any command line, an item list's images, texts, positions and round outputs
+    """:func:`~.checks.preflight` of any command line, an item list's images, texts, positions and round outputs
     included: every check before the weights load. Every output is first checked against every input, the
-    checkpoint and each other (:func:`~.cli_files.check_command_outputs`)."""
+    checkpoint and each other (:func:`~.files.check_command_outputs`)."""
     check_command_outputs(args)
     if not is_item_request(args):
         return preflight(args)
-    from .config import load_bagel_config
-    from .tokenizer import BagelTokenizer
+    from ..config import load_bagel_config
+    from ..tokenizer import BagelTokenizer
 
     checked = preflight(args, items=True)  # every other argument first
     image, items, paths = request_images(args, checked.prompt)
@@ -73,7 +73,7 @@ def request_images(args, prompt: str | None):
 def check_item_request(config, tokenizer, items: tuple[Item, ...], settings, args) -> None:
     """The item list's RoPE positions against the checkpoint (too many images names what fits), the error naming
     ``--items`` or ``--image``."""
-    from .accounting import check_item_positions
+    from ..memory.accounting import check_item_positions
 
     generation = args.command != "understand"
     flag = f"--items {args.items}" if getattr(args, "items", None) is not None else "--image"

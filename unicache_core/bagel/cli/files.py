@@ -14,7 +14,7 @@ from pathlib import Path
 
 from unicache_commands.output_files import check_outputs
 
-from .items import GenerateItem
+from ..items import GenerateItem
 from .items_file import read_items_file
 
 
