@@ -69,7 +69,7 @@ class UniCache(Method):
     name = "unicache"
     compresses_written = True
     #: The policy kinds whose image rows are stored compressed as they are written (:meth:`plan_written`); the
-    #: memory plan reads it (``unicache_core/bagel/plan_kv.py``).
+    #: memory plan reads it (``unicache_core/bagel/memory/plan_kv.py``).
     written_kinds: ClassVar[tuple[str, ...]] = ("quantize", "evict")
     policy: str | Path | PolicyTable | None = None
     rho: float | None = None
