@@ -286,8 +286,9 @@ def test_default_policy_is_the_checkpoints_table_else_the_paper_one(loaded, tiny
 def test_no_recompression_after_the_last_denoising_step(loaded, source, steps, last_compressed):
     """UniCache re-compresses at the last step of each step chunk (steps 5, 10, ...), except after the request's
     last step, which no step reads: 6 timesteps = steps 0-5 (step 5 ends the chunk and the request); with 7
-    the chunk's end, step 5, is followed by step 6 and compresses for it."""
-    result = _edit(_pipe(loaded, "unicache"), source, steps=steps + 1)
+    the chunk's end, step 5, is followed by step 6 and compresses for it. (A decaying schedule: an edit's default
+    one stays at rho0 and is settled after its first compression.)"""
+    result = _edit(_pipe(loaded, "unicache", rho_floor=0.1), source, steps=steps + 1)
     records = {s["step"]: s for s in result.kv_report["steps"]}
     assert max(records) == steps - 1
     assert all(b["compressed_after"] for b in records[0]["branches"].values())

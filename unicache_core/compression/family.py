@@ -244,6 +244,14 @@ def choose(
     return subset
 
 
+def choice_error(segment: Segment, choice: JointChoice) -> float:
+    """A choice's expected share of its rows' attention output lost, the sensitivity model the allocation compares
+    choices with: a kept row at ``b`` bits loses ``4**-b`` (quantization noise power falls by 4 per bit), a full
+    precision one nothing, a dropped row all of it."""
+    kept = min(1.0, choice.rows / segment.full_rows) if segment.full_rows else 1.0
+    return kept * (4.0**-choice.bits if choice.quantized else 0.0) + (1.0 - kept)
+
+
 @functools.lru_cache(maxsize=4096)
 def quantized_floor_bytes(rows: int, num_kv_heads: int, head_dim: int, elem: int, geometry: QuantGeometry) -> int:
     """The floor of a quantized segment of ``rows`` rows: the bytes of every row at the lowest bits and largest group
@@ -358,6 +366,7 @@ __all__ = [
     "FULL_BITS",
     "JointChoice",
     "JointPlan",
+    "choice_error",
     "QuantGeometry",
     "Segment",
     "choose",

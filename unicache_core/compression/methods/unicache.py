@@ -26,8 +26,8 @@ from ...kv.cache import AttentionCall, RequestInfo
 from ...kv.token_types import CANDIDATE_TYPES, TokenType
 from ...validation import check_bool, check_ratio
 from ..allocator import allocate_with_floors, mass_shares
-from ..defaults import FIT_VALUE_RANGES, POOL_BELOW_BITS, RECENT_FRACTION
-from ..family import FULL_BITS, JointChoice, QuantGeometry, Segment, choose, quantized_floor_bytes
+from ..defaults import FIT_VALUE_RANGES, RECENT_FRACTION
+from ..family import FULL_BITS, QuantGeometry, Segment, choice_error, choose, quantized_floor_bytes
 from ..method import Method
 from ..ops import floor_bytes
 from ..plan import BranchPlan, CallPlan, Keep, LayerPlan
@@ -59,7 +59,7 @@ class UniCache(Method):
             the checkpoint's ``unicache_policy.json``, else the shipped paper table.
         rho: starting retention ``rho0`` (default: the task's, 0.2 understanding and editing, 0.4 text-to-image); an
             explicit ``kv_target`` fixes it too.
-        rho_floor: the lowest retention the schedule may reach (default 0.35 t2i, 0.1 edit).
+        rho_floor: the lowest retention the schedule may reach (default 0.35 t2i, 0.2 edit: its rho0).
         recent_fraction: recent share of an eviction budget (0.25).
         residual: a fixed number of full-precision residual rows for the quantized segments; ``None`` (default): the
             residual follows the segment's length (docs/compression.md §11.2).
@@ -340,12 +340,12 @@ class UniCache(Method):
         at_floor: float,
     ) -> frozenset:  # fmt: skip
         """The quantized types of ``layer`` that share one store (docs/compression.md §11.7), decided once, at the
-        branch's first compression: two or more quantized types whose budgets at the schedule's floor together
-        cannot hold every row at :data:`~unicache_core.compression.defaults.POOL_BELOW_BITS` bits or one's cannot
-        hold its own 2-bit floor (a short instruction's scale/zero per key channel). Under its floor a type drops
-        rows, all of them when its budget is below one row (a short instruction). One store for all of them pays
-        for one set of groups, keeps every row at the lowest bits where separate stores could not, spends what is
-        left on every row alike, and what it cannot keep it drops by score across the types."""
+        branch's first compression: two or more quantized types whose budgets at the schedule's floor give a smaller
+        expected error in one store than apart (:func:`~unicache_core.compression.family.choice_error`, weighted by
+        each type's measured attention mass): apart, a type whose mass share is below its byte share falls to fewer
+        bits (or drops rows under its 2-bit floor: a short instruction's scale/zero per key channel), where one
+        store keeps every row at the same bits, KIVI's choice. One store pays for one set of groups, spends its bytes
+        on every row alike, and what it cannot keep it drops by score across the types."""
         if view.compressions:  # decided at the branch's first compression, while every row is at full precision
             return frozenset(layer.pooled)
         budgets = {t: math.floor(b * at_floor) for t, b in budgets.items()}
@@ -364,12 +364,15 @@ class UniCache(Method):
             next(iter(segments.values())), full_rows=rows, held_rows=rows, held_bits=FULL_BITS, shared_rows=True
         )
         geometry = self.geometry()
-        finer = shared.choice_bytes(JointChoice(rows, POOL_BELOW_BITS, max(geometry.groups), 0))
-        if sum(budgets[t] for t in segments) >= finer and all(
-            budgets[t] >= self._type_floor(layer, t) for t in segments
-        ):
-            return frozenset()
-        return frozenset(quantized)
+        weights = {t: max(0.0, layer.masses.get(t, 0.0)) for t in segments}
+        if sum(weights.values()) <= 0:
+            weights = {t: float(segment.full_rows) for t, segment in segments.items()}
+        apart = sum(
+            w * choice_error(segments[t], choose(segments[t], "quantize", budgets[t], geometry))
+            for t, w in weights.items()
+        )
+        pooled = choose(shared, "quantize", sum(budgets[t] for t in segments), geometry)
+        return frozenset(quantized) if sum(weights.values()) * choice_error(shared, pooled) < apart else frozenset()
 
     def _poolable(self, layer: LayerView, types: list[TokenType]) -> list[TokenType]:
         """The largest group of ``types`` whose segments the same branches hold (each holder can take the pool, §13)."""
