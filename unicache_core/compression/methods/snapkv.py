@@ -9,6 +9,8 @@ from torch import Tensor
 
 from ...validation import check_int
 from ..defaults import SNAPKV_KERNEL, WINDOW
+from ..protocol import Measurement
+from ..scoring import CallProbe
 from ..view import BranchView, LayerView
 from .eviction import GlobalEviction
 
@@ -33,11 +35,10 @@ class SnapKV(GlobalEviction):
         check_int("window", self.window, 1)
         check_int("kernel", self.kernel, 1)
 
-    def score_window(self) -> bool:
-        return True
-
-    def score_query_count(self) -> int:
-        return self.window
+    def measure(self, probe: CallProbe) -> Measurement:
+        """The attention of the observation window: the call's last ``window`` queries."""
+        found = probe.key_scores(self.window, last=True)
+        return Measurement(found.scores, found.queries)
 
     def smooth_kernel(self) -> int:
         return self.kernel

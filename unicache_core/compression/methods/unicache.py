@@ -67,7 +67,8 @@ class UniCache(Method):
     """
 
     name = "unicache"
-    compresses_written = True
+    budget = "rho"
+    compresses_written = text_prior = True
     #: The policy kinds whose image rows are stored compressed as they are written (:meth:`plan_written`); the
     #: memory plan reads it (``unicache_core/bagel/memory/plan_kv.py``).
     written_kinds: ClassVar[tuple[str, ...]] = ("quantize", "evict")
