@@ -16,6 +16,7 @@ from ..kv.token_types import TokenType
 from .family import FULL_BITS, JointChoice, QuantGeometry, choose, quantized_floor_bytes
 from .ops import floor_bytes
 from .plan import Keep, LayerPlan
+from .routing import Kind
 from .view import LayerView
 
 
@@ -26,7 +27,7 @@ def written_floor(geometry: QuantGeometry, rows: int) -> JointChoice:
 
 
 def written_plan(
-    layer: LayerView, kinds: dict[TokenType, str], rho0: float, geometry: QuantGeometry, fit_values: bool
+    layer: LayerView, kinds: dict[TokenType, Kind], rho0: float, geometry: QuantGeometry, fit_values: bool
 ) -> LayerPlan:
     """The stores of ``layer``'s image segments just written (module docstring); ``kinds``: the policy kind of each
     type stored as written (the others wait)."""
@@ -40,12 +41,12 @@ def written_plan(
         segment = layer.segment((key,))
         if segment.held_bits != FULL_BITS or not segment.shared_rows or segment.held_rows < segment.full_rows:
             continue  # compressed already
-        if kind == "evict":
+        if kind == Kind.EVICT:
             choice = written_floor(geometry, segment.held_rows)
             if segment.choice_bytes(choice) >= segment.held_bytes:
                 continue  # too few rows for quantizing to shrink them
         else:
-            choice = choose(segment, "quantize", floor_bytes(rho0, segment.full_bytes), geometry)
+            choice = choose(segment, Kind.QUANTIZE, floor_bytes(rho0, segment.full_bytes), geometry)
             if not choice.quantized or choice.rows < segment.held_rows:
                 continue
         held = segment.choice_bytes(choice)
@@ -53,10 +54,10 @@ def written_plan(
     return LayerPlan(keeps=tuple(keeps))
 
 
-def reference_bytes(layer: LayerView, token_type: TokenType, kind: str, rows: int, geometry: QuantGeometry) -> int:
+def reference_bytes(layer: LayerView, token_type: TokenType, kind: Kind, rows: int, geometry: QuantGeometry) -> int:
     """The bytes a retained ratio of ``rows`` rows of ``token_type`` (those this branch plans) is a share of: their
     uncompressed K and V, but for an evicted type each image segment stored as written counts at the floor's bytes."""
-    if kind != "evict":
+    if kind != Kind.EVICT:
         return rows * layer.row_bytes
     geo = layer.geometry
     assert geo is not None

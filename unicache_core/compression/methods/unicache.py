@@ -33,6 +33,7 @@ from ..ops import floor_bytes
 from ..plan import BranchPlan, CallPlan, Keep, LayerPlan
 from ..policy_table import PolicyTable, resolve_policy_table
 from ..report import type_name
+from ..routing import Kind
 from ..schedule import RetentionSchedule
 from ..stats import fallback_budget_ratio, layer_chunks, step_chunk
 from ..view import POOLED, BranchView, LayerView, SegmentKey
@@ -71,7 +72,7 @@ class UniCache(Method):
     compresses_written = text_prior = True
     #: The policy kinds whose image rows are stored compressed as they are written (:meth:`plan_written`); the
     #: memory plan reads it (``unicache_core/bagel/memory/plan_kv.py``).
-    written_kinds: ClassVar[tuple[str, ...]] = ("quantize", "evict")
+    written_kinds: ClassVar[tuple[Kind, ...]] = (Kind.QUANTIZE, Kind.EVICT)
     policy: str | Path | PolicyTable | None = None
     rho: float | None = None
     rho_floor: float | None = None
@@ -203,7 +204,7 @@ class UniCache(Method):
 
     def _types(self, view: BranchView, layer: LayerView) -> list[TokenType]:
         rows = self._rows(layer)
-        return [t for t in CANDIDATE_TYPES if rows.get(t, 0) and self.table.kind(view.task, t) != "protect"]
+        return [t for t in CANDIDATE_TYPES if rows.get(t, 0) and self.table.kind(view.task, t) != Kind.PROTECT]
 
     def plan(self, view: BranchView) -> BranchPlan:
         """Per layer chunk: update rho from the chunk's mass, share it among the types, apply each type's policy."""
@@ -264,7 +265,7 @@ class UniCache(Method):
                 rows = {t: self._rows(layer)[t] for t in self._types(view, layer)}
                 if geo is None or not rows:
                     continue
-                quantized = [n for t, n in rows.items() if self.table.kind(view.task, t) == "quantize"]
+                quantized = [n for t, n in rows.items() if self.table.kind(view.task, t) == Kind.QUANTIZE]
                 need = (
                     quantized_floor_bytes(sum(quantized), geo.num_kv_heads, geo.head_dim, geo.elem, geometry)
                     if quantized
@@ -284,7 +285,7 @@ class UniCache(Method):
         floors = {
             t: self._type_floor(layer, t) / (n * layer.row_bytes)
             for t, n in caps.items()
-            if self.table.kind(view.task, t) == "quantize"
+            if self.table.kind(view.task, t) == Kind.QUANTIZE
         }
         return allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
 
@@ -305,7 +306,7 @@ class UniCache(Method):
         )
 
     def _parts(
-        self, layer: LayerView, unit: TokenType, keys: tuple[SegmentKey, ...], budget: int, kind: str, pool: frozenset
+        self, layer: LayerView, unit: TokenType, keys: tuple[SegmentKey, ...], budget: int, kind: Kind, pool: frozenset
     ) -> list[tuple[tuple[SegmentKey, ...], int, int]]:
         """A unit's segments and each one's share of the unit's ``budget`` bytes: ``(keys, budget, full rows)``.
 
@@ -319,7 +320,7 @@ class UniCache(Method):
         masses = {key: layer.segment_masses.get(key, 0.0) for key in keys}
         weights = masses if sum(masses.values()) > 0 else {key: float(n) for key, n in caps.items()}
         floors = {}
-        if kind == "quantize":
+        if kind == Kind.QUANTIZE:
             floors = {key: self._floor(layer, n) / (n * layer.row_bytes) for key, n in caps.items() if n}
         live = {key: n for key, n in caps.items() if n}
         ratios = allocate_with_floors(live, weights, budget / layer.row_bytes, floors) if live else {}
@@ -337,7 +338,7 @@ class UniCache(Method):
         return layer.segment(keys, full_rows=full)
 
     def _pool(
-        self, view: BranchView, layer: LayerView, budgets: dict[TokenType, int], kinds: Mapping[TokenType, str],
+        self, view: BranchView, layer: LayerView, budgets: dict[TokenType, int], kinds: Mapping[TokenType, Kind],
         at_floor: float,
     ) -> frozenset:  # fmt: skip
         """The quantized types of ``layer`` that share one store (docs/compression.md §11.7), decided once, at the
@@ -350,7 +351,7 @@ class UniCache(Method):
         if view.compressions:  # decided at the branch's first compression, while every row is at full precision
             return frozenset(layer.pooled)
         budgets = {t: math.floor(b * at_floor) for t, b in budgets.items()}
-        quantized = self._poolable(layer, [t for t in budgets if kinds[t] == "quantize"])
+        quantized = self._poolable(layer, [t for t in budgets if kinds[t] == Kind.QUANTIZE])
         if len(quantized) < 2:
             return frozenset()
         segments = {}
@@ -369,10 +370,10 @@ class UniCache(Method):
         if sum(weights.values()) <= 0:
             weights = {t: float(segment.full_rows) for t, segment in segments.items()}
         apart = sum(
-            w * choice_error(segments[t], choose(segments[t], "quantize", budgets[t], geometry))
+            w * choice_error(segments[t], choose(segments[t], Kind.QUANTIZE, budgets[t], geometry))
             for t, w in weights.items()
         )
-        pooled = choose(shared, "quantize", sum(budgets[t] for t in segments), geometry)
+        pooled = choose(shared, Kind.QUANTIZE, sum(budgets[t] for t in segments), geometry)
         return frozenset(quantized) if sum(weights.values()) * choice_error(shared, pooled) < apart else frozenset()
 
     def _poolable(self, layer: LayerView, types: list[TokenType]) -> list[TokenType]:
@@ -411,15 +412,15 @@ class UniCache(Method):
             if not layer.pooled:
                 pooled = mass_shares({t: layer.masses.get(t, 0.0) for t in pool}, {t: rows[t] for t in pool})
             budgets[POOL] = sum(budgets.pop(t) for t in pool if t in budgets)
-            kinds = {t: kind for t, kind in kinds.items() if t not in pool} | {POOL: "quantize"}
+            kinds = {t: kind for t, kind in kinds.items() if t not in pool} | {POOL: Kind.QUANTIZE}
         order = sorted(budgets, key=lambda t: _SERVE_ORDER[kinds[t]])
         keeps: list[Keep] = []
         flags: dict[Any, str | None] = {}
         held_all = leftover = 0
         for position, t in enumerate(order):
             kind = kinds[t]
-            if kind != "quantize" and leftover:
-                takers = [u for u in order[position:] if kinds[u] != "quantize"]
+            if kind != Kind.QUANTIZE and leftover:
+                takers = [u for u in order[position:] if kinds[u] != Kind.QUANTIZE]
                 share = sum(budgets[u] for u in takers)
                 extra = leftover if share == 0 else math.floor(leftover * budgets[t] / share)
                 budgets[t] += extra
@@ -428,7 +429,7 @@ class UniCache(Method):
             keys = self._unit_keys(layer, t, pool)
             if not keys:
                 continue
-            joint = self.table.plan_for(task, t) if kind == "joint" else None
+            joint = self.table.plan_for(task, t) if kind == Kind.JOINT else None
             plan_bits = joint.bits_for(ratios[t]) if joint else None
             held = held_rows = 0
             spare = 0  # what the unit's earlier segments left of their share
@@ -454,7 +455,7 @@ class UniCache(Method):
         return plan, max(0, base + carry - held_all)  # a type over its budget (flagged) uses up what others left
 
     def _choose(
-        self, view: BranchView, layer: LayerView, segment: Segment, keys: tuple[SegmentKey, ...], kind: str,
+        self, view: BranchView, layer: LayerView, segment: Segment, keys: tuple[SegmentKey, ...], kind: Kind,
         budget: int, plan_bits: int | None,
     ) -> tuple[Keep | None, int]:  # fmt: skip
         """The (rows, bits) of one segment for ``budget`` bytes (:func:`~.family.choose`): the change to apply (or
@@ -482,7 +483,7 @@ class UniCache(Method):
 
 #: Which types are served first when a layer's budgets are applied: the coarse quantized settings, whose unused
 #: bytes then go to the types that can use any number of bytes.
-_SERVE_ORDER = {"quantize": 0, "joint": 1, "evict": 2}
+_SERVE_ORDER = {Kind.QUANTIZE: 0, Kind.JOINT: 1, Kind.EVICT: 2}
 
 
 def _mean_masses(view: BranchView, layers: list[int], types: list[TokenType]) -> dict | None:
