@@ -233,8 +233,7 @@ def _observed(sched: RetentionSchedule, *masses: float) -> list[float]:
 
 def test_schedule_endpoints_and_monotone():
     sched = RetentionSchedule.for_task("edit")
-    assert sched.rho == 0.2 and sched.floor == 0.2  # an edit's floor is its rho0: no decay by default (#51)
-    assert _observed(sched, 2.0, 1e-6) == pytest.approx([0.2])
+    assert sched.rho == 0.2 and sched.floor == 0.1
     paper = RetentionSchedule(rho0=0.5, floor=0.1)  # the paper's start
     assert paper.observe(0, 2.0).rho == 0.5
     # 1.2/2 of rho0; vanishing mass reaches the floor; it never rises when the mass recovers

@@ -18,11 +18,8 @@ DEFAULT_REDUCTION: dict[str, float] = {"understanding": 0.8, "t2i": 0.6, "edit":
 #: does (our choice; ``rho=0.5`` gives the paper's start). It is also the budget ratio while no attention
 #: statistics exist yet (§8.6) and the strength of a policy-table entry that names none.
 RHO0: dict[str, float] = {task: round(1.0 - reduction, 6) for task, reduction in DEFAULT_REDUCTION.items()}
-#: Lowest retention the schedule decays to, per task (understanding stays at its ``rho0``). Editing's is its ``rho0``
-#: too (it was 0.1): on the bundled model, whose calibrated table quantizes every type, falling from 0.2 to 0.1 saved
-#: 13% of the bytes and lost more fidelity than KIVI's uniform bits lose at the same bytes (docs/quality.md, issue
-#: #51); an explicit ``rho_floor`` still gives the paper's decaying schedule.
-RHO_FLOOR: dict[str, float] = {"understanding": 0.2, "t2i": 0.35, "edit": 0.2}
+#: Lowest retention the schedule decays to, per task (understanding stays at its ``rho0``).
+RHO_FLOOR: dict[str, float] = {"understanding": 0.2, "t2i": 0.35, "edit": 0.1}
 #: Tasks whose retention stays ``rho0`` whatever the attention does.
 FIXED_RHO_TASKS: frozenset[str] = frozenset({"understanding"})
 #: Exponent of the schedule ``rho_j = clip(rho0 * (m_j / m0) ** gamma, floor, rho0)``.

@@ -56,7 +56,7 @@ class RetentionSchedule:
     @classmethod
     def for_task(cls, task: str) -> RetentionSchedule:
         """Preset of the task (:data:`~unicache_core.compression.defaults.RHO0`, ``RHO_FLOOR``): understanding fixed
-        at 0.2; t2i 0.4 -> floor 0.35; edit 0.2 -> floor 0.2 (no decay)."""
+        at 0.2; t2i 0.4 -> floor 0.35; edit 0.2 -> floor 0.1."""
         if task not in RHO0:
             raise ValueError(f"`task` must be one of {tuple(RHO0)}, got {task!r}")
         return cls(rho0=RHO0[task], floor=RHO_FLOOR[task], fixed=task in FIXED_RHO_TASKS)

@@ -60,7 +60,7 @@ class UniCache(Method):
             the checkpoint's ``unicache_policy.json``, else the shipped paper table.
         rho: starting retention ``rho0`` (default: the task's, 0.2 understanding and editing, 0.4 text-to-image); an
             explicit ``kv_target`` fixes it too.
-        rho_floor: the lowest retention the schedule may reach (default 0.35 t2i, 0.2 edit: its rho0).
+        rho_floor: the lowest retention the schedule may reach (default 0.35 t2i, 0.1 edit).
         recent_fraction: recent share of an eviction budget (0.25).
         residual: a fixed number of full-precision residual rows for the quantized segments; ``None`` (default): the
             residual follows the segment's length (docs/compression.md §11.2).
