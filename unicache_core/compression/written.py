@@ -4,9 +4,9 @@ retention ratio of those rows is a share of. Pure functions of a layer's view; n
 - A type the policy table quantizes: every row at the most precise lookup setting whose real bytes fit ``rho0`` of
   the rows' uncompressed bytes (the bits the rows keep); rows that would not all fit wait for the first compression.
 - A type the table evicts: every row at the lookup's lowest setting (:func:`written_floor`: 2 bits, largest group, no
-  residual) until the scores to evict exist. Its retained ratio is then a share of what it stores
-  (:func:`reference_bytes`): the eviction keeps that share of its rows, the best by score, at the bits they were
-  written at (bits never rise).
+  residual) until the scores to evict exist (a full target, ``rho0`` 1, leaves them whole). Its retained ratio is
+  then a share of what it stores (:func:`reference_bytes`): the eviction keeps that share of its rows, the best by
+  score, at the bits they were written at (bits never rise).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def written_plan(
             continue  # compressed already
         if kind == Kind.EVICT:
             choice = written_floor(geometry, segment.held_rows)
-            if segment.choice_bytes(choice) >= segment.held_bytes:
-                continue  # too few rows for quantizing to shrink them
+            if rho0 >= 1.0 or segment.choice_bytes(choice) >= segment.held_bytes:
+                continue  # a full target keeps every row as it is; too few rows for quantizing to shrink them
         else:
             choice = choose(segment, Kind.QUANTIZE, floor_bytes(rho0, segment.full_bytes), geometry)
             if not choice.quantized or choice.rows < segment.held_rows:
