@@ -279,6 +279,7 @@ def _round(
         x = _initial_latent(loaded, contexts, shared.generator, run.initial_noise)
         hooks.enter("denoise")
         denoised = denoise(loaded, contexts, x.to(loaded.device), s, hooks=hooks, return_step0_velocity=run.step0)
+        del x  # the initial noise: only the denoised latent is alive at the decode
         t3 = time.perf_counter()
         width, height, info = contexts.width, contexts.height, _branches_info(contexts, denoised)
         kv_report = session.finish()
