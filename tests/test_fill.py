@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from benchmarks.quality import paper_table_for
 from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.memory.trace import TensorMemoryTracker
 from unicache_core.bagel.pipeline import BagelPipeline
@@ -214,21 +215,32 @@ def test_a_byte_target_is_not_applied_before_the_context_is_filled(shapes, monke
     assert any(s["branches"]["gen"]["managed_bytes"] < 200_000 for s in result.kv_report["steps"])
 
 
-def test_understanding_stores_image_i_quantized_before_image_i_plus_one(shapes, monkeypatch):
-    """Each image's ViT rows are quantized as written: when image 1's block begins, image 0's rows already are."""
+@pytest.mark.parametrize("table", ["calibrated", "paper"])
+def test_understanding_stores_image_i_quantized_before_image_i_plus_one(shapes, monkeypatch, table):
+    """Each image's ViT rows are quantized as written: when image 1's block begins, image 0's rows already are. With
+    the calibrated table the ViT rows are a type it quantizes; with the paper's (BAGEL-7B-MoT's) a type it evicts,
+    stored at the floor (2 bits) until the question's scores choose the rows to keep, at those bits."""
     at_begin: list[tuple[int | None, list[str]]] = []
+    bits: list[int] = []
     begin_call = CompressingKVCache.begin_call
 
     def record(self, call):
         if call.phase == "prefill" and call.update:
-            at_begin.append((call.image, [type(s).__name__ for s in self.layers[-1].stores if s.image is not None]))
+            held = [s for s in self.layers[-1].stores if s.image is not None]
+            at_begin.append((call.image, [type(s).__name__ for s in held]))
+            bits.extend(getattr(s, "bits", 16) for s in held)
         begin_call(self, call)
 
     monkeypatch.setattr(CompressingKVCache, "begin_call", record)
-    pipe = BagelPipeline(shapes, make_cache_factory("unicache", checkpoint_dir=str(BUNDLED_CHECKPOINT_DIR)))
+    policy = {"policy": paper_table_for(BUNDLED_CHECKPOINT_DIR)} if table == "paper" else {}
+    factory = make_cache_factory("unicache", checkpoint_dir=str(BUNDLED_CHECKPOINT_DIR), **policy)
     items = [_image(20, (96, 96)), _image(21, (96, 96)), "where is the red circle?"]
-    result = pipe.understand_items(items, preset("understanding", max_new_tokens=2))
+    result = BagelPipeline(shapes, factory).understand_items(items, preset("understanding", max_new_tokens=2))
     images = [stores for image, stores in at_begin if image == 1]
     assert images and images[0] and all(kind == "QuantizedStore" for kind in images[0])  # image 0's, quantized
     assert at_begin[-1][0] is None and len(at_begin[-1][1]) == 2  # the question: both images' rows held, quantized
     assert all(kind == "QuantizedStore" for kind in at_begin[-1][1]) and not result.kv_report["summary"]["flags"]
+    if table == "paper":  # the evicted type waits at the floor's bits; its eviction then keeps fewer rows at them
+        assert set(bits) == {2}
+        vit = result.kv_report["summary"]["images"]["0"]["types"]["source_vit"]
+        assert 0 < vit["held_bytes"] < 0.2 * vit["full_bytes"]

@@ -196,7 +196,8 @@ def choose(
 ) -> JointChoice:
     """The (rows, bits) of one type for ``budget`` bytes, never more rows or bits than it holds now.
 
-    - ``evict``: the most full-precision rows that fit (the paper's H2O route);
+    - ``evict``: the most full-precision rows that fit (the paper's H2O route); rows held quantized (stored so as
+      they were written) keep their bits;
     - ``quantize``: every row at the most precise lookup setting that fits (the paper's KIVI route); when
       even the least one does not fit, whichever keeps more rows of: a subset at the lowest bits, or
       full-precision rows;
@@ -211,11 +212,11 @@ def choose(
     max_rows = segment.held_rows
     allowed = [b for b in FAMILY_BITS if b <= segment.held_bits]
     if kind == "evict":
-        return (
-            segment.most_rows(FULL_BITS, budget, geometry, max_rows)
-            if FULL_BITS in allowed
-            else segment.most_rows(min(allowed), budget, geometry, max_rows)
-        )
+        if FULL_BITS in allowed:
+            return segment.most_rows(FULL_BITS, budget, geometry, max_rows)
+        # rows stored quantized as they were written: the most of them at those bits, with no residual (the
+        # full-precision values a residual would hold are gone)
+        return segment.most_rows(min(allowed), budget, replace(geometry, residual_max=0), max_rows)
     if kind == "joint":
         if plan_bits is None:
             raise ValueError("a joint entry needs the bits of its budget level (`plan_bits`)")
@@ -241,6 +242,14 @@ def choose(
         if evicted.rows >= subset.rows:
             return evicted
     return subset
+
+
+def choice_error(segment: Segment, choice: JointChoice) -> float:
+    """A choice's expected share of its rows' attention output lost, the sensitivity model the allocation compares
+    choices with: a kept row at ``b`` bits loses ``4**-b`` (quantization noise power falls by 4 per bit), a full
+    precision one nothing, a dropped row all of it."""
+    kept = min(1.0, choice.rows / segment.full_rows) if segment.full_rows else 1.0
+    return kept * (4.0**-choice.bits if choice.quantized else 0.0) + (1.0 - kept)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -357,6 +366,7 @@ __all__ = [
     "FULL_BITS",
     "JointChoice",
     "JointPlan",
+    "choice_error",
     "QuantGeometry",
     "Segment",
     "choose",

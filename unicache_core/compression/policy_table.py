@@ -25,7 +25,7 @@ from unicache_commands.input_files import read_text_file
 from ..kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, TASKS, TokenType
 from .defaults import DEFAULT_K90_THRESHOLD, RHO0, UNICACHE_GROUPS
 from .family import JointPlan, QuantGeometry
-from .routing import POLICY_KINDS, PolicyKind, route
+from .routing import POLICY_KINDS, Kind, PolicyKind, route
 
 logger = logging.getLogger(__name__)
 
@@ -184,9 +184,9 @@ class PolicyTable:
         _check_task(task)
         ttype = TokenType.parse(token_type)
         if ttype in PROTECTED_TYPES or ttype == TokenType.UNKNOWN:
-            return "protect"
+            return Kind.PROTECT
         try:
-            return self.entries[(task, ttype)]  # type: ignore[return-value]
+            return Kind(self.entries[(task, ttype)])
         except KeyError:
             where = f"policy table {self.origin!r}" if self.origin else "this table"
             raise ValueError(

@@ -8,7 +8,7 @@ with H2O; a diffuse one is quantized with KIVI. The resulting (task, type) assig
 from __future__ import annotations
 
 import math
-from typing import Literal
+from enum import StrEnum
 
 import torch
 from torch import Tensor
@@ -16,10 +16,22 @@ from torch import Tensor
 from ..validation import check_ratio
 from .defaults import DEFAULT_K90_THRESHOLD, K90_COVERAGE
 
-PolicyKind = Literal["evict", "quantize", "joint", "protect"]
-#: ``joint``: rows kept by score at calibrated bits per budget level (docs/compression.md §11); K90 routing
-#: itself only ever gives ``evict`` or ``quantize``.
-POLICY_KINDS: tuple[str, ...] = ("evict", "quantize", "joint", "protect")
+
+class Kind(StrEnum):
+    """A token type's policy family in a task. ``JOINT``: rows kept by score at calibrated bits per budget level
+    (docs/compression.md §11); K90 routing itself only ever gives ``EVICT`` or ``QUANTIZE``. A member equals its
+    string (``Kind.EVICT == "evict"``), which is how policy tables store it."""
+
+    EVICT = "evict"
+    QUANTIZE = "quantize"
+    JOINT = "joint"
+    PROTECT = "protect"
+
+
+#: The policy kind's former name (a type alias kept for callers).
+PolicyKind = Kind
+#: Every kind's name, as policy tables write them.
+POLICY_KINDS: tuple[str, ...] = tuple(kind.value for kind in Kind)
 
 
 def k90(mass: Tensor, coverage: float = K90_COVERAGE) -> float:
@@ -49,10 +61,10 @@ def k90(mass: Tensor, coverage: float = K90_COVERAGE) -> float:
 
 
 def route(k90_value: float, threshold: float = DEFAULT_K90_THRESHOLD) -> PolicyKind:
-    """``"evict"`` when ``k90_value <= threshold`` (concentrated attention), else ``"quantize"``."""
+    """:attr:`Kind.EVICT` when ``k90_value <= threshold`` (concentrated attention), else :attr:`Kind.QUANTIZE`."""
     check_ratio("k90_value", k90_value, allow_zero=True)
     check_ratio("threshold", threshold, allow_zero=True)
-    return "evict" if k90_value <= threshold else "quantize"
+    return Kind.EVICT if k90_value <= threshold else Kind.QUANTIZE
 
 
-__all__ = ["POLICY_KINDS", "PolicyKind", "k90", "route"]
+__all__ = ["POLICY_KINDS", "Kind", "PolicyKind", "k90", "route"]

@@ -25,7 +25,7 @@ CARD_SIZES_GB = (8, 12, 16, 24)
 #: The table's image sizes: an edit's 1024 px images, an understanding question's 980 px images (the ViT's size).
 TABLE_IMAGE_SIZES = {"edit": 1024, "und": 980}
 #: The most images a search tries (far beyond what any card holds at these sizes).
-MOST_IMAGES_SEARCHED = 256
+MOST_IMAGES_SEARCHED = 1024
 
 
 def most_images(

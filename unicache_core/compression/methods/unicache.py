@@ -1,15 +1,17 @@
 """UniCache (https://arxiv.org/abs/2609.32831; docs/compression.md §8, §11, §13): task- and type-aware KV compression.
 
-An image's rows of the types the table quantizes are stored quantized as each layer writes them (:meth:`plan_written`,
-at the bits the starting retention gives). Per branch and layer chunk, after the branch's first step and at the end of
-every step chunk (understanding: before the first decoded token, then every chunk of decoded tokens): the chunk's EMA
-attention mass lowers the rho schedule (never raising it); ``rho * sum(capacity)`` is shared among the types by mass
-(§8.6); each type takes the (rows, bits) of its table's policy that fits its bytes (evict, quantize or joint, §11),
-quantized types sharing one store where the budget cannot hold them at 4 bits (§11.7), a branch under its 2-bit floor
-paid for by the others (§11.8). Rows and bits only go down; bytes a type or layer leaves go to the next; no type holds
-more than its full K and V. Rows a fork shares with its parent are planned by the parent, which pools them apart from
-its own, and stay one store for both (§13). A re-allocation runs only when some chunk's rho went down; once every
-chunk's rho is fixed or at its floor the branch is settled and neither measured nor compressed again.
+An image's rows are stored quantized as each layer writes them (:meth:`plan_written`): the types the table quantizes
+at the bits the starting retention gives, the types it evicts at the lowest bits, their rows chosen at those bits once
+the scores exist (a ratio of an evicted type is a share of what it stores). Per branch and layer chunk, after the
+branch's first step and at the end of every step chunk (understanding: before the first decoded token, then every
+chunk of decoded tokens): the chunk's EMA attention mass lowers the rho schedule (never raising it);
+``rho * sum(capacity)`` is shared among the types by mass (§8.6); each type takes the (rows, bits) of its table's
+policy that fits its bytes (evict, quantize or joint, §11), quantized types sharing one store where the budget cannot
+hold them at 4 bits (§11.7), a branch under its 2-bit floor paid for by the others (§11.8). Rows and bits only go
+down; bytes a type or layer leaves go to the next; no type holds more than its full K and V. Rows a fork shares with
+its parent are planned by the parent, which pools them apart from its own, and stay one store for both (§13). A
+re-allocation runs only when some chunk's rho went down; once every chunk's rho is fixed or at its floor the branch
+is settled and neither measured nor compressed again.
 """
 
 from __future__ import annotations
@@ -18,22 +20,24 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ...kv.cache import AttentionCall, RequestInfo
 from ...kv.token_types import CANDIDATE_TYPES, TokenType
 from ...validation import check_bool, check_ratio
 from ..allocator import allocate_with_floors, mass_shares
-from ..defaults import FIT_VALUE_RANGES, POOL_BELOW_BITS, RECENT_FRACTION
-from ..family import FULL_BITS, JointChoice, QuantGeometry, Segment, choose, quantized_floor_bytes
+from ..defaults import FIT_VALUE_RANGES, RECENT_FRACTION
+from ..family import FULL_BITS, QuantGeometry, Segment, choice_error, choose, quantized_floor_bytes
 from ..method import Method
 from ..ops import floor_bytes
 from ..plan import BranchPlan, CallPlan, Keep, LayerPlan
 from ..policy_table import PolicyTable, resolve_policy_table
 from ..report import type_name
+from ..routing import Kind
 from ..schedule import RetentionSchedule
 from ..stats import fallback_budget_ratio, layer_chunks, step_chunk
 from ..view import POOLED, BranchView, LayerView, SegmentKey
+from ..written import reference_bytes, written_plan
 
 #: The unit of the quantized types that share one store (:meth:`UniCache._pool`): the type a store of several
 #: candidate types has.
@@ -66,6 +70,9 @@ class UniCache(Method):
     name = "unicache"
     budget = "rho"
     compresses_written = text_prior = True
+    #: The policy kinds whose image rows are stored compressed as they are written (:meth:`plan_written`); the
+    #: memory plan reads it (``unicache_core/bagel/memory/plan_kv.py``).
+    written_kinds: ClassVar[tuple[Kind, ...]] = (Kind.QUANTIZE, Kind.EVICT)
     policy: str | Path | PolicyTable | None = None
     rho: float | None = None
     rho_floor: float | None = None
@@ -179,27 +186,12 @@ class UniCache(Method):
     # ------------------------------------------------------------------ how
 
     def plan_written(self, view: BranchView, layer: int) -> LayerPlan:
-        """An image's rows of a type the table quantizes, stored as each layer writes them (§13): every row at the most
-        precise setting that fits ``rho0`` of their bytes (no scores needed); rows that would not all fit wait."""
+        """An image's rows of a type in :attr:`written_kinds`, stored as each layer writes them (§13;
+        :func:`~unicache_core.compression.written.written_plan`)."""
         if isinstance(self.kv_target, int):
             return LayerPlan()  # a byte target is a share of the whole context: known once it is filled
-        lay = view.layer(layer)
-        if lay.geometry is None:
-            return LayerPlan()
-        rho = self.new_schedule(view).rho0
-        keeps = []
-        for key in lay.candidate_keys:
-            if key.image is None or self.table.kind(view.task, key.type) != "quantize":
-                continue  # an image's rows only: a text's few rows wait for the first compression's carry and scores
-            segment = lay.segment((key,))
-            if segment.held_bits != FULL_BITS or not segment.shared_rows or segment.held_rows < segment.full_rows:
-                continue  # compressed already
-            choice = choose(segment, "quantize", floor_bytes(rho, segment.full_bytes), self.geometry())
-            if not choice.quantized or choice.rows < segment.held_rows:
-                continue
-            held = segment.choice_bytes(choice)
-            keeps.append(Keep((key,), choice.rows, choice.bits, choice.group, choice.residual, fit_values=self.fit_ranges, expected_bytes=held))  # noqa: E501  # fmt: skip
-        return LayerPlan(keeps=tuple(keeps))
+        kinds = {t: k for t in CANDIDATE_TYPES if (k := self.table.kind(view.task, t)) in self.written_kinds}
+        return written_plan(view.layer(layer), kinds, self.new_schedule(view).rho0, self.geometry(), self.fit_ranges)
 
     @staticmethod
     def _rows(layer: LayerView) -> dict[TokenType, int]:
@@ -212,7 +204,7 @@ class UniCache(Method):
 
     def _types(self, view: BranchView, layer: LayerView) -> list[TokenType]:
         rows = self._rows(layer)
-        return [t for t in CANDIDATE_TYPES if rows.get(t, 0) and self.table.kind(view.task, t) != "protect"]
+        return [t for t in CANDIDATE_TYPES if rows.get(t, 0) and self.table.kind(view.task, t) != Kind.PROTECT]
 
     def plan(self, view: BranchView) -> BranchPlan:
         """Per layer chunk: update rho from the chunk's mass, share it among the types, apply each type's policy."""
@@ -273,7 +265,7 @@ class UniCache(Method):
                 rows = {t: self._rows(layer)[t] for t in self._types(view, layer)}
                 if geo is None or not rows:
                     continue
-                quantized = [n for t, n in rows.items() if self.table.kind(view.task, t) == "quantize"]
+                quantized = [n for t, n in rows.items() if self.table.kind(view.task, t) == Kind.QUANTIZE]
                 need = (
                     quantized_floor_bytes(sum(quantized), geo.num_kv_heads, geo.head_dim, geo.elem, geometry)
                     if quantized
@@ -293,7 +285,7 @@ class UniCache(Method):
         floors = {
             t: self._type_floor(layer, t) / (n * layer.row_bytes)
             for t, n in caps.items()
-            if self.table.kind(view.task, t) == "quantize"
+            if self.table.kind(view.task, t) == Kind.QUANTIZE
         }
         return allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
 
@@ -314,7 +306,7 @@ class UniCache(Method):
         )
 
     def _parts(
-        self, layer: LayerView, unit: TokenType, keys: tuple[SegmentKey, ...], budget: int, kind: str, pool: frozenset
+        self, layer: LayerView, unit: TokenType, keys: tuple[SegmentKey, ...], budget: int, kind: Kind, pool: frozenset
     ) -> list[tuple[tuple[SegmentKey, ...], int, int]]:
         """A unit's segments and each one's share of the unit's ``budget`` bytes: ``(keys, budget, full rows)``.
 
@@ -328,7 +320,7 @@ class UniCache(Method):
         masses = {key: layer.segment_masses.get(key, 0.0) for key in keys}
         weights = masses if sum(masses.values()) > 0 else {key: float(n) for key, n in caps.items()}
         floors = {}
-        if kind == "quantize":
+        if kind == Kind.QUANTIZE:
             floors = {key: self._floor(layer, n) / (n * layer.row_bytes) for key, n in caps.items() if n}
         live = {key: n for key, n in caps.items() if n}
         ratios = allocate_with_floors(live, weights, budget / layer.row_bytes, floors) if live else {}
@@ -346,20 +338,20 @@ class UniCache(Method):
         return layer.segment(keys, full_rows=full)
 
     def _pool(
-        self, view: BranchView, layer: LayerView, budgets: dict[TokenType, int], kinds: Mapping[TokenType, str],
+        self, view: BranchView, layer: LayerView, budgets: dict[TokenType, int], kinds: Mapping[TokenType, Kind],
         at_floor: float,
     ) -> frozenset:  # fmt: skip
         """The quantized types of ``layer`` that share one store (docs/compression.md §11.7), decided once, at the
-        branch's first compression: two or more quantized types whose budgets at the schedule's floor together
-        cannot hold every row at :data:`~unicache_core.compression.defaults.POOL_BELOW_BITS` bits or one's cannot
-        hold its own 2-bit floor (a short instruction's scale/zero per key channel). Under its floor a type drops
-        rows, all of them when its budget is below one row (a short instruction). One store for all of them pays
-        for one set of groups, keeps every row at the lowest bits where separate stores could not, spends what is
-        left on every row alike, and what it cannot keep it drops by score across the types."""
+        branch's first compression: two or more quantized types whose budgets at the schedule's floor give a smaller
+        expected error in one store than apart (:func:`~unicache_core.compression.family.choice_error`, weighted by
+        each type's measured attention mass): apart, a type whose mass share is below its byte share falls to fewer
+        bits (or drops rows under its 2-bit floor: a short instruction's scale/zero per key channel), where one
+        store keeps every row at the same bits, KIVI's choice. One store pays for one set of groups, spends its bytes
+        on every row alike, and what it cannot keep it drops by score across the types."""
         if view.compressions:  # decided at the branch's first compression, while every row is at full precision
             return frozenset(layer.pooled)
         budgets = {t: math.floor(b * at_floor) for t, b in budgets.items()}
-        quantized = self._poolable(layer, [t for t in budgets if kinds[t] == "quantize"])
+        quantized = self._poolable(layer, [t for t in budgets if kinds[t] == Kind.QUANTIZE])
         if len(quantized) < 2:
             return frozenset()
         segments = {}
@@ -374,12 +366,15 @@ class UniCache(Method):
             next(iter(segments.values())), full_rows=rows, held_rows=rows, held_bits=FULL_BITS, shared_rows=True
         )
         geometry = self.geometry()
-        finer = shared.choice_bytes(JointChoice(rows, POOL_BELOW_BITS, max(geometry.groups), 0))
-        if sum(budgets[t] for t in segments) >= finer and all(
-            budgets[t] >= self._type_floor(layer, t) for t in segments
-        ):
-            return frozenset()
-        return frozenset(quantized)
+        weights = {t: max(0.0, layer.masses.get(t, 0.0)) for t in segments}
+        if sum(weights.values()) <= 0:
+            weights = {t: float(segment.full_rows) for t, segment in segments.items()}
+        apart = sum(
+            w * choice_error(segments[t], choose(segments[t], Kind.QUANTIZE, budgets[t], geometry))
+            for t, w in weights.items()
+        )
+        pooled = choose(shared, Kind.QUANTIZE, sum(budgets[t] for t in segments), geometry)
+        return frozenset(quantized) if sum(weights.values()) * choice_error(shared, pooled) < apart else frozenset()
 
     def _poolable(self, layer: LayerView, types: list[TokenType]) -> list[TokenType]:
         """The largest group of ``types`` whose segments the same branches hold (each holder can take the pool, §13)."""
@@ -405,26 +400,27 @@ class UniCache(Method):
         """
         task = view.task
         rows = self._rows(layer)
-        budgets = {t: floor_bytes(r, rows[t] * layer.row_bytes) for t, r in ratios.items()}
+        kinds = {t: self.table.kind(task, t) for t in ratios}
+        geometry = self.geometry()
+        budgets = {t: floor_bytes(r, reference_bytes(layer, t, kinds[t], rows[t], geometry)) for t, r in ratios.items()}
         base = sum(budgets.values())
         for t in budgets:
             budgets[t] += math.floor(carry * (budgets[t] / base if base else 1 / len(budgets)))
-        kinds = {t: self.table.kind(task, t) for t in ratios}
         pool = self._pool(view, layer, budgets, kinds, at_floor)
         pooled: dict = {}
         if pool:  # the pooled types are one unit: their budgets summed, quantized together
             if not layer.pooled:
                 pooled = mass_shares({t: layer.masses.get(t, 0.0) for t in pool}, {t: rows[t] for t in pool})
             budgets[POOL] = sum(budgets.pop(t) for t in pool if t in budgets)
-            kinds = {t: kind for t, kind in kinds.items() if t not in pool} | {POOL: "quantize"}
+            kinds = {t: kind for t, kind in kinds.items() if t not in pool} | {POOL: Kind.QUANTIZE}
         order = sorted(budgets, key=lambda t: _SERVE_ORDER[kinds[t]])
         keeps: list[Keep] = []
         flags: dict[Any, str | None] = {}
         held_all = leftover = 0
         for position, t in enumerate(order):
             kind = kinds[t]
-            if kind != "quantize" and leftover:
-                takers = [u for u in order[position:] if kinds[u] != "quantize"]
+            if kind != Kind.QUANTIZE and leftover:
+                takers = [u for u in order[position:] if kinds[u] != Kind.QUANTIZE]
                 share = sum(budgets[u] for u in takers)
                 extra = leftover if share == 0 else math.floor(leftover * budgets[t] / share)
                 budgets[t] += extra
@@ -433,7 +429,7 @@ class UniCache(Method):
             keys = self._unit_keys(layer, t, pool)
             if not keys:
                 continue
-            joint = self.table.plan_for(task, t) if kind == "joint" else None
+            joint = self.table.plan_for(task, t) if kind == Kind.JOINT else None
             plan_bits = joint.bits_for(ratios[t]) if joint else None
             held = held_rows = 0
             spare = 0  # what the unit's earlier segments left of their share
@@ -459,7 +455,7 @@ class UniCache(Method):
         return plan, max(0, base + carry - held_all)  # a type over its budget (flagged) uses up what others left
 
     def _choose(
-        self, view: BranchView, layer: LayerView, segment: Segment, keys: tuple[SegmentKey, ...], kind: str,
+        self, view: BranchView, layer: LayerView, segment: Segment, keys: tuple[SegmentKey, ...], kind: Kind,
         budget: int, plan_bits: int | None,
     ) -> tuple[Keep | None, int]:  # fmt: skip
         """The (rows, bits) of one segment for ``budget`` bytes (:func:`~.family.choose`): the change to apply (or
@@ -487,7 +483,7 @@ class UniCache(Method):
 
 #: Which types are served first when a layer's budgets are applied: the coarse quantized settings, whose unused
 #: bytes then go to the types that can use any number of bytes.
-_SERVE_ORDER = {"quantize": 0, "joint": 1, "evict": 2}
+_SERVE_ORDER = {Kind.QUANTIZE: 0, Kind.JOINT: 1, Kind.EVICT: 2}
 
 
 def _mean_masses(view: BranchView, layers: list[int], types: list[TokenType]) -> dict | None:
