@@ -38,12 +38,16 @@ from unicache_core.compression.defaults import (
     FIT_VALUE_RANGES,
     KIVI_FLOOR,
     KIVI_RESIDUAL,
+    LOOKM_MERGE,
+    LOOKM_RECENT_FRACTION,
     RECENT_FRACTION,
     SINK_TOKENS,
     SNAPKV_KERNEL,
     WINDOW,
 )
 from unicache_core.compression.family import FULL_BITS, Segment, grid_choices, plan_from_errors
+from unicache_core.compression.merging import merge_rows
+from unicache_core.compression.methods.lookm import TEXT_TYPES, text_prior_scores
 from unicache_core.compression.methods.pyramidkv import pyramid_layer_budgets
 from unicache_core.compression.methods.streamingllm import sink_recency_scores
 from unicache_core.compression.ops import compress_rows, quantized_bytes
@@ -317,6 +321,14 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
 
     vl_scores, _ = key_scores(ctx.score_queries, ck, sc.lse)
     methods["vlcache"] = [layer(evicted(select_rows(vl_scores.t(), n_keep)))]
+
+    # LOOK-M: text rows first, then the accumulated attention (this context has no prompt queries: the scoring
+    # step's stand in for them), half the rows the most recent, the evicted ones merged into their pivots
+    text = torch.isin(ctx.types[cand].long(), torch.tensor([int(t) for t in TEXT_TYPES]))
+    recent = min(n_keep, int(n_keep * LOOKM_RECENT_FRACTION + 0.5))
+    lm_rows = select_rows(text_prior_scores(acc_c, text).t(), n_keep, recent=recent)
+    lm_k, lm_v = merge_rows(ck.transpose(0, 1), cv.transpose(0, 1), lm_rows, LOOKM_MERGE)
+    methods["lookm"] = [layer(EvictedStore(lm_k.contiguous(), lm_v.contiguous(), cand[lm_rows], TT.UNKNOWN))]
 
     # KIVI-2: the most accurate (small G, large R) 2-bit setting whose measured bytes fit the budget
     kivi = None

@@ -91,7 +91,7 @@ def _build_parser() -> argparse.ArgumentParser:
         kv.add_argument(
             "--kv-method",
             default="full",
-            help="full | unicache | h2o | snapkv | pyramidkv | streamingllm | kivi | vlcache",
+            help="full | unicache | h2o | snapkv | pyramidkv | streamingllm | kivi | vlcache | lookm",
         )
         kv.add_argument(
             "--kv-target",

@@ -41,7 +41,9 @@ from .taylorseer import GENERATION_BRANCHES
 
 #: Methods that score keys (:func:`unicache_core.compression.scoring.key_scores`) at their observed calls: every
 #: method but ``full``, ``streamingllm`` and ``kivi`` (``CompressionMethod.needs_scores``).
-SCORING_METHODS = ("unicache", "h2o", "snapkv", "pyramidkv", "vlcache")
+SCORING_METHODS = ("unicache", "h2o", "snapkv", "pyramidkv", "vlcache", "lookm")
+#: Methods that score keys at every prefill call (LOOK-M: the prompt's queries score every row they see).
+PREFILL_SCORING_METHODS = ("lookm",)
 #: A forward's attention call holds one layer's rows of its branch at the compute dtype (``full``: the layer's
 #: chunks concatenated; a compressing cache: its stores gathered and dequantized).
 GATHER = True
@@ -153,7 +155,7 @@ def kv_phases(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, kv
         held += stored
         rows += count
         transient = (rows if GATHER else 0) + (count if as_written else 0)
-        scoring = 0
+        scoring = scoring_bytes(config, rows) if kv_method in PREFILL_SCORING_METHODS else 0
         if index == len(blocks) - 1 and kv_method == "unicache" and len(blocks) > 1:
             scoring = scoring_bytes(config, rows)  # the instruction's attention to the images (text prior)
         phases.append(KVPhase(f"prefill:item{index}", int(held * per_token), transient * per_layer, scoring, count, 1))
@@ -244,6 +246,7 @@ __all__ = [
     "GATHER",
     "KVPhase",
     "written_kinds",
+    "PREFILL_SCORING_METHODS",
     "SCORING_METHODS",
     "floor_ratio",
     "kv_parts",

@@ -100,4 +100,3 @@ class LOOKM(GlobalEviction):
 
 
 __all__ = ["LOOKM", "TEXT_TYPES", "text_prior_scores"]
-
