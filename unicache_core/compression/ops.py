@@ -117,8 +117,13 @@ def evict(
         The new store (one :class:`EvictedStore`, typed when all pooled stores share a type).
     """
     stores = [layer.stores[i] for i in indices]
-    one_evicted = len(stores) == 1 and isinstance(stores[0], EvictedStore)
-    if one_evicted and forced is None and smooth_kernel == 1 and merge == "none":
+    if (
+        len(stores) == 1
+        and isinstance(stores[0], EvictedStore)
+        and forced is None
+        and smooth_kernel == 1
+        and merge == "none"
+    ):
         # one evicted store (a later re-allocation): its rows are already per head in append order
         store = stores[0]
         index = store.keep_idx.long()

@@ -32,6 +32,9 @@ from .eviction import GlobalEviction
 
 #: The token types LOOK-M's text prior keeps first (every other candidate type is an image's rows).
 TEXT_TYPES: tuple[TokenType, ...] = (TokenType.INSTRUCTION,)
+#: The contexts LOOK-M compresses: the CFG branches (an understanding request's one context is ``gen``); the
+#: think-mode plan context is never compressed.
+COMPRESSED_BRANCHES: tuple[str, ...] = ("gen", "cfg_text", "cfg_img")
 
 
 def text_prior_scores(scores: Tensor, text: Tensor) -> Tensor:
@@ -78,7 +81,7 @@ class LOOKM(GlobalEviction):
         """Prefill calls score the rows they see with their own queries (a strided subsample of at most
         ``score_queries`` per call); the branch is compressed before its first denoising step or decoded token reads
         it, i.e. at the end of its prefill. Nothing is measured afterwards."""
-        if view.branch == "plan":
+        if view.branch not in COMPRESSED_BRANCHES:
             return CallPlan()
         if call.phase == "prefill":
             return CallPlan(score=True, num_queries=self.score_queries) if call.update else CallPlan()
@@ -99,4 +102,4 @@ class LOOKM(GlobalEviction):
         return self.merge
 
 
-__all__ = ["LOOKM", "TEXT_TYPES", "text_prior_scores"]
+__all__ = ["COMPRESSED_BRANCHES", "LOOKM", "TEXT_TYPES", "text_prior_scores"]
