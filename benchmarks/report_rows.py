@@ -5,7 +5,9 @@ docs/results/quality.json --json new.json`` runs full KV and the named methods o
 the report's unicache rows achieved, paired with their per-sample figures (unicache is not run again); then
 ``python -m benchmarks.report_rows docs/results/quality.json new.json`` puts the new rows into the report, after
 its rows of the same task and target, and checks that the new run's full-KV rows are the report's (same samples, same
-outputs), so the added rows pair with the report's as if one run had made them all.
+outputs), so the added rows pair with the report's as if one run had made them all. A ``benchmarks.multi_image``
+report takes the rows of a run with ``--methods unicache,...`` the same way, its unicache rows checked against the
+report's.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.report_file import write_json_report
+from benchmarks.report_file import write_json_report, write_text_report
 from unicache_commands.flags import OneLineParser, path_arg
 
 
@@ -81,6 +83,27 @@ def merge_reports(report: dict, new: dict) -> dict:
     return {"config": config, "results": rows}
 
 
+def merge_multi_image(report: dict, new: dict) -> dict:
+    """``report`` (``benchmarks.multi_image``) with the non-unicache rows of ``new`` after its rows of the same task and
+    image count; ``new``'s unicache rows must equal ``report``'s (their per-sample step fidelity: the same samples,
+    the same bytes to match), and a method ``report`` already has is refused."""
+    rows = list(report["results"])
+    mine = {(r["task"], r["images"]): r for r in rows if r["method"] == "unicache"}
+    for row in new["results"]:
+        key = (row["task"], row["images"])
+        if row["method"] == "unicache":
+            if key not in mine or row["per_sample_step_fidelity"] != mine[key]["per_sample_step_fidelity"]:
+                raise ValueError(f"{key}: the new run's unicache row differs from the report's (not the same samples)")
+            continue
+        if any((r["task"], r["images"], r["method"]) == (*key, row["method"]) for r in rows):
+            raise ValueError(f"the report already has {row['method']} for {key}")
+        same = [i for i, r in enumerate(rows) if (r["task"], r["images"]) == key]
+        rows.insert(same[-1] + 1 if same else len(rows), row)
+    config = dict(report["config"])
+    config["methods"] = list(dict.fromkeys([*config["methods"], *new["config"]["methods"]]))
+    return {"config": config, "results": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m benchmarks.report_rows", description=__doc__.splitlines()[0])
     parser.add_argument("report", type=path_arg, help="the committed report (rewritten with the new rows)")
@@ -92,10 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     if Path(args.report).resolve() == Path(args.new).resolve():
         parser.error(f"{args.new}: the new rows must come from another file than the report")
     try:
-        merged = merge_reports(*(json.loads(Path(p).read_text(encoding="utf-8")) for p in (args.report, args.new)))
+        report, new = (json.loads(Path(p).read_text(encoding="utf-8")) for p in (args.report, args.new))
+        merge = merge_multi_image if "images" in report["config"] else merge_reports
+        merged = merge(report, new)
     except (ValueError, KeyError) as exc:
         parser.error(f"{args.new} cannot be added to {args.report}: {exc}")
     write_json_report(args.report, merged, flag="report")
+    if merge is merge_multi_image:  # its table beside it, as the benchmark writes it
+        from benchmarks.multi_image import format_table
+
+        write_text_report(Path(args.report).with_suffix(".txt"), format_table(merged), flag="report")
     return 0
 
 
