@@ -6,8 +6,8 @@ the report's unicache rows achieved, paired with their per-sample figures (unica
 ``python -m benchmarks.report_rows docs/results/quality.json new.json`` puts the new rows into the report, after
 its rows of the same task and target, and checks that the new run's full-KV rows are the report's (same samples, same
 outputs), so the added rows pair with the report's as if one run had made them all. A ``benchmarks.multi_image``
-report takes the rows of a run with ``--methods unicache,...`` the same way, its unicache rows checked against the
-report's.
+report takes the rows of a run with ``--methods unicache,...`` the same way; they stay paired with that run's unicache
+rows, which they carry when UniCache changed since the report was made.
 """
 
 from __future__ import annotations
@@ -85,18 +85,24 @@ def merge_reports(report: dict, new: dict) -> dict:
 
 def merge_multi_image(report: dict, new: dict) -> dict:
     """``report`` (``benchmarks.multi_image``) with the non-unicache rows of ``new`` after its rows of the same task and
-    image count; ``new``'s unicache rows must equal ``report``'s (their per-sample step fidelity: the same samples,
-    the same bytes to match), and a method ``report`` already has is refused."""
+    image count (a method ``report`` already has is refused). Each added row keeps its pairing with the unicache row
+    of its own run (``unicache_minus_this_step_db``, the same samples); where that unicache row is not the report's
+    (UniCache changed since the report was made), the added row also carries it as ``paired_unicache``."""
     rows = list(report["results"])
     mine = {(r["task"], r["images"]): r for r in rows if r["method"] == "unicache"}
+    theirs = {(r["task"], r["images"]): r for r in new["results"] if r["method"] == "unicache"}
     for row in new["results"]:
         key = (row["task"], row["images"])
         if row["method"] == "unicache":
-            if key not in mine or row["per_sample_step_fidelity"] != mine[key]["per_sample_step_fidelity"]:
-                raise ValueError(f"{key}: the new run's unicache row differs from the report's (not the same samples)")
             continue
         if any((r["task"], r["images"], r["method"]) == (*key, row["method"]) for r in rows):
             raise ValueError(f"the report already has {row['method']} for {key}")
+        paired = theirs.get(key)
+        if paired is None:
+            raise ValueError(f"{key}: the new run has no unicache row to pair {row['method']} with")
+        if key not in mine or paired["per_sample_step_fidelity"] != mine[key]["per_sample_step_fidelity"]:
+            fields = ("held_ratio", "step_fidelity_db", "free_fidelity", "per_sample_step_fidelity")
+            row = {**row, "paired_unicache": {f: paired[f] for f in fields}}
         same = [i for i, r in enumerate(rows) if (r["task"], r["images"]) == key]
         rows.insert(same[-1] + 1 if same else len(rows), row)
     config = dict(report["config"])

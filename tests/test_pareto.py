@@ -82,25 +82,38 @@ def test_added_rows_go_after_their_target_and_must_pair_with_the_report():
         report_rows.merge_reports(report, _report(["kivi"], [_row("edit", "kivi", 0.8, [0, 0])]))
 
 
-def test_multi_image_rows_are_added_only_over_the_same_unicache_samples():
+def test_multi_image_rows_keep_the_unicache_row_they_were_paired_with():
     def row(method, images, steps):
-        return {"task": "edit", "images": images, "method": method, "per_sample_step_fidelity": steps}
+        return {
+            "task": "edit",
+            "images": images,
+            "method": method,
+            "per_sample_step_fidelity": steps,
+            "held_ratio": 0.2,
+            "step_fidelity_db": sum(steps) / len(steps),
+            "free_fidelity": 30.0,
+        }
 
     report = {
         "config": {"methods": ["unicache", "kivi"], "images": [2, 3]},
         "results": [row("unicache", 2, [1.0, 2.0]), row("kivi", 2, [3.0, 1.0]), row("unicache", 3, [2.0, 2.0])],
     }
-    new = {
+    same = {
         "config": {"methods": ["unicache", "lookm"]},
         "results": [row("unicache", 2, [1.0, 2.0]), row("lookm", 2, [0.5, 0.5])],
     }
-    merged = report_rows.merge_multi_image(report, new)
+    merged = report_rows.merge_multi_image(report, same)
     assert [(r["method"], r["images"]) for r in merged["results"]] == [
         ("unicache", 2),
         ("kivi", 2),
         ("lookm", 2),
         ("unicache", 3),
     ]
-    drifted = {"config": new["config"], "results": [row("unicache", 2, [1.0, 2.5]), row("lookm", 2, [0.5, 0.5])]}
-    with pytest.raises(ValueError, match="not the same samples"):
-        report_rows.merge_multi_image(report, drifted)
+    assert "paired_unicache" not in merged["results"][2]
+    drifted = {"config": same["config"], "results": [row("unicache", 2, [1.0, 2.5]), row("lookm", 2, [0.5, 0.5])]}
+    added = report_rows.merge_multi_image(report, drifted)["results"][2]
+    assert added["paired_unicache"]["per_sample_step_fidelity"] == [1.0, 2.5]
+    with pytest.raises(ValueError, match="already has kivi"):
+        report_rows.merge_multi_image(
+            report, {"config": same["config"], "results": [row("unicache", 2, [1.0, 2.0]), row("kivi", 2, [1.0, 1.0])]}
+        )
