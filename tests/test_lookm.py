@@ -114,7 +114,7 @@ def test_text_rows_are_kept_before_any_image_row():
         for head in range(HKV):
             assert text <= set(store.keep_idx[head].tolist())  # 12 text rows fit in 0.3 x 132 rows
     # without the prior the same budget keeps only some of them: they are not in the recent window here
-    plain = _Prompt(num_layers=2, causal=False, seed=3, text_first=True, kv_target=0.3, text_prior=False)
+    plain = _Prompt(num_layers=2, causal=False, seed=3, text_first=True, kv_target=0.3, prefer_text=False)
     assert any(not text <= set(plain.store(layer).keep_idx[h].tolist()) for layer in range(2) for h in range(HKV))
 
 

@@ -61,21 +61,21 @@ class LOOKM(GlobalEviction):
             ``average``, ``weighted`` or ``none``.
         recent_fraction: share of a layer's kept rows that are the prompt's most recent rows (0.5: the official
             ``hh_ratio = recent_ratio = 0.1``).
-        text_prior: rank text rows above image rows (``False``: LOOK-M's merging over plain accumulated attention).
+        prefer_text: rank text rows above image rows (``False``: LOOK-M's merging over plain accumulated attention).
     """
 
     name = "lookm"
     merge: str = LOOKM_MERGE
     recent_fraction: float = LOOKM_RECENT_FRACTION
-    text_prior: bool = True
+    prefer_text: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.merge not in MERGES:
             raise ValueError(f"`merge` must be one of {', '.join(MERGES)}, got {self.merge!r}")
         check_ratio("recent_fraction", self.recent_fraction)
-        if not isinstance(self.text_prior, bool):
-            raise ValueError(f"`text_prior` must be true or false, got {self.text_prior!r}")
+        if not isinstance(self.prefer_text, bool):
+            raise ValueError(f"`prefer_text` must be true or false, got {self.prefer_text!r}")
 
     def plan_call(self, view: BranchView, call: AttentionCall) -> CallPlan:
         """Prefill calls score the rows they see with their own queries (a strided subsample of at most
@@ -91,7 +91,7 @@ class LOOKM(GlobalEviction):
 
     def layer_scores(self, view: BranchView, layer: LayerView) -> Tensor | None:
         scores = layer.scores
-        if scores is None or not self.text_prior:
+        if scores is None or not self.prefer_text:
             return scores
         return text_prior_scores(scores, layer.type_mask(TEXT_TYPES)[: scores.shape[0]])
 
