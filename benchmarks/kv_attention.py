@@ -12,9 +12,9 @@ The K/V are SYNTHETIC (no trained BAGEL weights exist here): random keys plus a 
 and ViT keys aligned with the latent-query direction (concentrated attention) and mildly aligned VAE
 keys (large but spread mass), i.e. the attention shape the UniCache paper reports for BAGEL. Speed and
 bytes do not depend on the values; the error column only shows each method's behaviour on that shape.
-Every method scores with the library's scorer (:func:`unicache_core.compression.scoring.key_scores`) on an
-earlier step's latent queries (an independent draw), never on the queries that are timed and measured,
-and selects rows with the library's eviction rule (:func:`unicache_core.compression.selection.select_rows`).
+Every method is the library's own object (:func:`library_method`): the scoring step, an earlier step's latent
+queries (an independent draw, never the queries that are timed and measured), runs through a real compressing
+cache, where the method measures its own statistic and then compresses, as in a pipeline run.
 
 Memory matching (docs/compression.md §1): the byte budget of the candidate (compressible) KV is
 ``min(keep * candidate_bytes, keep * full_kv_bytes - protected_bytes)`` so the *whole* branch, protected
@@ -41,16 +41,11 @@ from unicache_core.compression.defaults import (
     LOOKM_MERGE,
     LOOKM_RECENT_FRACTION,
     RECENT_FRACTION,
-    SINK_TOKENS,
-    SNAPKV_KERNEL,
-    WINDOW,
 )
 from unicache_core.compression.family import FULL_BITS, Segment, grid_choices, plan_from_errors
 from unicache_core.compression.merging import merge_rows
 from unicache_core.compression.methods.lookm import TEXT_TYPES, text_prior_scores
-from unicache_core.compression.methods.pyramidkv import pyramid_layer_budgets
-from unicache_core.compression.methods.streamingllm import sink_recency_scores
-from unicache_core.compression.ops import compress_rows, quantized_bytes
+from unicache_core.compression.ops import compress_rows
 from unicache_core.compression.scoring import key_scores
 from unicache_core.compression.selection import select_rows
 from unicache_core.kv.attention import attention_with_lse
@@ -286,8 +281,6 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
         "candidate_byte_budget": budget,
         "evict_keep_tokens_per_head": n_keep,
     }
-    ck, cv = ctx.keys[cand], ctx.values[cand]
-    acc_c = sc.accumulated[cand]  # [T_cand, Hkv]
     methods: dict[str, list[SegmentedLayer]] = {}
 
     def layer(*stores) -> SegmentedLayer:
@@ -295,59 +288,69 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
         seg.stores = [protected, *stores]
         return seg
 
-    def evicted(keep: Tensor, typ: TokenType = TT.UNKNOWN, rows: Tensor = cand) -> EvictedStore:
-        return EvictedStore.from_selection(ctx.keys[rows], ctx.values[rows], rows, keep, typ)
-
     full = SegmentedLayer()
     full.stores = [FullStore(ctx.keys, ctx.values, torch.arange(ctx.keys.shape[0]), TT.UNKNOWN)]
     methods["full"] = [full]
-
-    methods["h2o"] = [layer(evicted(select_rows(acc_c.t(), n_keep, recent=recent_rows(n_keep))))]
-
-    # SnapKV / PyramidKV: the last WINDOW scoring queries, pooled along the keys
-    window_scores, _ = key_scores(ctx.score_queries[-WINDOW:], ck, sc.lse[-WINDOW:])
-    methods["snapkv"] = [layer(evicted(select_rows(window_scores.t(), n_keep, smooth_kernel=SNAPKV_KERNEL)))]
-
-    total = cand.numel()
-    budgets = [min(total, b) for b in pyramid_layer_budgets(total, WINDOW, 1.0 - n_keep / total, cfg.pyramid_layers)]
-    # same synthetic K/V in every layer: only the budgets differ
-    methods["pyramidkv"] = [
-        layer(evicted(select_rows(window_scores.t(), b, smooth_kernel=SNAPKV_KERNEL))) for b in budgets
-    ]
-    info["pyramidkv_layer_budgets"] = budgets
-
-    sinks = sink_recency_scores(total, torch.ones(total, dtype=torch.bool), SINK_TOKENS)
-    methods["streamingllm"] = [layer(evicted(select_rows(sinks[None, :].expand(cfg.num_kv_heads, -1), n_keep)))]
-
-    vl_scores, _ = key_scores(ctx.score_queries, ck, sc.lse)
-    methods["vlcache"] = [layer(evicted(select_rows(vl_scores.t(), n_keep)))]
+    # the baselines are the library's method objects, each measuring its own statistic on the scoring step
+    for name in ("h2o", "snapkv", "pyramidkv", "streamingllm", "vlcache", "kivi"):
+        methods[name] = library_method(name, ctx, budget, cfg.pyramid_layers if name == "pyramidkv" else 1)
+    info["pyramidkv_layer_budgets"] = [_managed_rows(lay) for lay in methods["pyramidkv"]]
+    (kivi,) = [s for s in methods["kivi"][0].stores if isinstance(s, QuantizedStore)]
+    info["kivi"] = {"bits": kivi.bits, "group_size": kivi.group_size, "residual": kivi.residual}
 
     # LOOK-M: text rows first, then the accumulated attention (this context has no prompt queries: the scoring
     # step's stand in for them), half the rows the most recent, the evicted ones merged into their pivots
+    ck, cv, acc_c = ctx.keys[cand], ctx.values[cand], sc.accumulated[cand]
     text = torch.isin(ctx.types[cand].long(), torch.tensor([int(t) for t in TEXT_TYPES]))
     recent = min(n_keep, int(n_keep * LOOKM_RECENT_FRACTION + 0.5))
     lm_rows = select_rows(text_prior_scores(acc_c, text).t(), n_keep, recent=recent)
     lm_k, lm_v = merge_rows(ck.transpose(0, 1), cv.transpose(0, 1), lm_rows, LOOKM_MERGE)
     methods["lookm"] = [layer(EvictedStore(lm_k.contiguous(), lm_v.contiguous(), cand[lm_rows], TT.UNKNOWN))]
 
-    # KIVI-2: the most accurate (small G, large R) 2-bit setting whose measured bytes fit the budget
-    kivi = None
-    for g, r in ((32, 128), (32, 32), (64, 32), (128, 32)):
-        if quantized_bytes(total, cfg.num_kv_heads, cfg.head_dim, 2, g, r, elem) <= budget:
-            kivi = {"bits": 2, "group_size": g, "residual": r}
-            break
-    if kivi is None:
-        raise RuntimeError("no 2-bit KIVI setting fits the budget")
-    methods["kivi"] = [
-        layer(QuantizedStore.from_kv(ck, cv, cand, kivi["bits"], kivi["group_size"], kivi["residual"], TT.UNKNOWN))
-    ]
-    info["kivi"] = kivi
-
     methods["unicache"] = [_unicache_layer(ctx, sc, budget, info)]
     joint = _joint_table(ctx, sc, elem, info)
     methods["unicache_joint"] = [_unicache_layer(ctx, sc, budget, info, table=joint, key="unicache_joint")]
     methods["unicache_engine"] = [layer(*_unicache_engine_stores(cfg, ctx, sc))]
     return methods, info
+
+
+def library_method(name: str, ctx: Context, budget: int, num_layers: int = 1) -> list[SegmentedLayer]:
+    """The library's method ``name`` (its registered object, default settings) on this branch.
+
+    The context is appended to a real :class:`~unicache_core.compression.compressing_cache.CompressingKVCache` of
+    ``num_layers`` identical layers; the scoring step (an earlier denoising step's latent queries, never the timed
+    ones) runs through the cache, where the method measures its own statistic
+    (:meth:`~unicache_core.compression.method.Method.measure`) before anything is evicted, and the method's one
+    compression follows it at the candidate byte budget of every layer (``kv_target`` in bytes).
+    """
+    request = RequestInfo(task="edit", num_layers=num_layers, num_steps=2)
+    session = make_cache_factory(name, kv_target=int(budget) * num_layers).start(request)
+    cache = session.new_cache("gen")
+    rope = torch.zeros(ctx.types.shape[0], dtype=torch.long)
+    prefill = AttentionCall(token_types=ctx.types, rope_positions=rope, causal=False, update=True, phase="prefill")
+    cache.begin_call(prefill)
+    for index in range(num_layers):
+        cache.layer(index).append(ctx.keys, ctx.values, ctx.types)
+    cache.end_call(prefill)
+    latents = torch.full((ctx.score_queries.shape[0],), int(TT.CURRENT_LATENT), dtype=torch.int8)
+    step0 = AttentionCall(
+        token_types=latents,
+        rope_positions=torch.zeros(latents.shape[0], dtype=torch.long),
+        causal=False,
+        update=False,
+        phase="denoise",
+        step=0,
+    )
+    cache.begin_call(step0)
+    for index in range(num_layers):
+        cache.attend(index, ctx.score_queries, ctx.score_k_new, ctx.score_v_new, step0)
+    cache.end_call(step0)  # the method compresses after its first (observed) step
+    return [cache.layer(index) for index in range(num_layers)]
+
+
+def _managed_rows(layer: SegmentedLayer) -> int:
+    """Rows per KV head a layer keeps of its candidate KV (its boundary rows left out)."""
+    return sum(s.num_tokens for s in layer.stores if s.token_type != TT.BOUNDARY)
 
 
 def _joint_table(ctx: Context, sc: Scoring, elem: int, info: dict) -> PolicyTable:
@@ -430,7 +433,7 @@ def _unicache_layer(
     cache.layer(0).append(ctx.keys, ctx.values, ctx.types)
     cache.end_call(prefill)
     cache.state[0].scores = sc.accumulated.float()
-    session.stats.update(0, 0, {t: m for t, m in sc.masses.items() if t in CANDIDATE_TYPES}, branch="gen")
+    session.state.note_masses("gen", 0, 0, {t: m for t, m in sc.masses.items() if t in CANDIDATE_TYPES})
     step0 = AttentionCall(
         token_types=ctx.types[:1], rope_positions=rope[:1], causal=False, update=False, phase="denoise", step=0
     )

@@ -62,7 +62,7 @@ def measure(loaded, checkpoint: str, method: str, images: int, size: int = 128) 
             end_call(self, call)
             if call.phase == "prefill":
                 item = "text" if call.image is None else f"image{call.image}"
-                held = self.session.held_bytes()
+                held = self.coordinator.held_bytes()
                 calls.append({"branch": self.branch, "item": item, "kv_held": held, "peak": tracker.peak_bytes})
 
         patched[cls] = (begin_call, end_call)

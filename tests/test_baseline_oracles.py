@@ -214,7 +214,7 @@ def test_vlcache_keeps_its_oracles_rows_and_sparsity_budgets():
         policy = VLCachePolicy(threshold=VLCACHE_THRESHOLD, queries_in_keys=False)
         # over the cached keys: a denoising call's own latent block is not part of the cache
         sparsities.append(policy.sparsity(ScoreInputs(keys=run.keys[layer], queries=seen[layer]["q"])))
-        assert run.cache.state[layer].sparsity == pytest.approx(sparsities[layer], abs=1e-6)
+        assert run.cache.state[layer].measured["sparsity"] == pytest.approx(sparsities[layer], abs=1e-6)
         oracle = policy.select(run.oracle_inputs(layer, seen[layer]), counts[layer])
         assert torch.equal(run.pooled_store(layer).keep_idx.long(), run.kept_rows(oracle))
     assert counts == vlcache_layer_budgets(sparsities, sum(counts), run.candidates.numel())
@@ -247,7 +247,7 @@ def test_unicache_keep_sets_only_shrink():
             # a selection inside the previous keep set comes back unchanged; an evicted row coming back would not
             assert torch.equal(keep_sets[store.token_type].update(rows), rows)
     assert set(keep_sets) == {TT.INSTRUCTION, TT.SOURCE_VIT}
-    assert run.cache.compressions == 3
+    assert run.session.state.branch("gen").compressions == 3
 
 
 def test_oracles_import_only_the_vocabulary():

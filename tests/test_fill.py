@@ -120,7 +120,7 @@ def _record_prefill(monkeypatch, cls) -> list[tuple[str, int | None, int]]:
     def recording(self, call):
         end_call(self, call)
         if call.phase == "prefill":
-            seen.append((self.branch, call.image, self.session.held_bytes()))
+            seen.append((self.branch, call.image, self.coordinator.held_bytes()))
 
     monkeypatch.setattr(cls, "end_call", recording)
     return seen

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from unicache_core.compression import make_cache_factory
-from unicache_core.compression.compressing_cache import MANAGED_TYPES
-from unicache_core.compression.view import BranchView, SegmentKey
+from unicache_core.compression.report import MANAGED_TYPES, images_snapshot
+from unicache_core.compression.view import SegmentKey
 from unicache_core.kv.cache import AttentionCall, RequestInfo
 from unicache_core.kv.token_types import TokenType as TT
 
@@ -50,7 +50,7 @@ def test_each_images_rows_are_a_segment_and_are_reported_per_image(method):
     session = _session(method)
     cache = session.new_cache("gen")
     _prefill(cache, torch.Generator().manual_seed(0))
-    report_images = cache.snapshot_images()
+    report_images = images_snapshot(cache)
     assert set(report_images) == {"0", "1"}
     for image in ("0", "1"):
         types = report_images[image]["types"]
@@ -85,7 +85,7 @@ def _compress_with_masses(method: str, masses: dict, **settings):
         ls.segment_masses = {SegmentKey(TT.SOURCE_VIT, image): m for image, m in masses.items()} | {
             SegmentKey(TT.SOURCE_VAE, image): 0.1 for image in masses
         }
-        session.stats.update(layer, 0, ls.masses, branch="gen")
+        session.state.note_masses("gen", layer, 0, ls.masses)
     step0 = AttentionCall(
         _types([(TT.CURRENT_LATENT, 4)]), torch.zeros(4, dtype=torch.long), False, False, phase="denoise", step=0
     )
@@ -101,9 +101,9 @@ def test_unicache_splits_a_types_budget_over_the_images_by_their_mass():
         assert vit[0].num_tokens > vit[1].num_tokens  # the image the queries look at keeps more of its rows
         held = sum(s.nbytes() for s in cache.layer(layer).stores if s.token_type in MANAGED_TYPES)
         assert held <= cache.managed_full_bytes(layer)
-    images = cache.snapshot_images()
+    images = images_snapshot(cache)
     assert images["0"]["types"]["source_vit"]["bytes"] > images["1"]["types"]["source_vit"]["bytes"]
-    swapped = _compress_with_masses("unicache", {0: 0.05, 1: 0.5}, kv_target=0.2)[1].snapshot_images()
+    swapped = images_snapshot(_compress_with_masses("unicache", {0: 0.05, 1: 0.5}, kv_target=0.2)[1])
     assert swapped["1"]["types"]["source_vit"]["bytes"] > swapped["0"]["types"]["source_vit"]["bytes"]
 
 
@@ -111,10 +111,10 @@ def test_a_method_that_pools_every_row_still_reports_bytes_per_image():
     session, cache = _compress_with_masses("h2o", {0: 0.5, 1: 0.05}, kv_target=0.2)
     pooled = [s for s in cache.layer(0).stores if s.token_type == TT.UNKNOWN]
     assert len(pooled) == 1 and pooled[0].image is None  # one store over both images (and the instruction)
-    images = cache.snapshot_images()
+    images = images_snapshot(cache)
     held = sum(v["bytes"] for v in images.values())
     assert 0 < held < sum(v["full_bytes"] for v in images.values())
-    view = BranchView(cache)
+    view = session.view(cache)
     assert view.layer(0).segment_rows[SegmentKey(TT.SOURCE_VAE, 1)] == 48
     report = session.finish()
     assert set(report["summary"]["images"]) == {"0", "1"}

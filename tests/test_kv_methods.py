@@ -114,11 +114,10 @@ def test_cfg_text_forks_from_gen_shares_rows_and_then_lives_on_its_own(loaded, s
     session = pipe.start_session("edit", 3)
     ctxs = pipe.build_generation_contexts("edit", "make it blue", image=source, session=session)
     gen, cfg = ctxs.gen.cache, ctxs.cfg_text.cache
-    assert isinstance(cfg, CompressingKVCache) and cfg.branch == "cfg_text" and cfg.session is session
+    assert isinstance(cfg, CompressingKVCache) and cfg.branch == "cfg_text" and cfg.coordinator is session
     # the rows both hold identically at the clone point are stored once
     assert unique_nbytes(gen.tensors() + cfg.tensors()) < gen.nbytes() + cfg.nbytes()
     cfg_before = [[s.token_index.clone() for s in cfg.layer(i).stores] for i in range(cfg.num_layers)]
-    session.resolve_target()
     for layer in range(gen.num_layers):
         gen.state[layer].scores = torch.rand(gen.layer(layer).appended_tokens, gen.layer(layer).geometry[0])
     session.compress(gen, None)

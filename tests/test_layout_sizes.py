@@ -35,7 +35,6 @@ LONG_FUNCTIONS: dict[str, int] = {
     "unicache_core/bagel/denoise.py::denoise": 72,
     "unicache_core/bagel/generation.py::_round": 109,
     "unicache_core/bagel/tokenizer.py::BagelTokenizer.__init__": 67,
-    "unicache_core/compression/compressing_cache.py::CompressingKVCache._score": 66,
     "unicache_core/compression/policy_table.py::PolicyTable.from_dict": 94,
     "unicache_core/compression/report_view.py::render_plot": 67,
 }

@@ -90,8 +90,6 @@ def test_methods_are_frozen_values_checked_where_they_are_made():
 
 def test_a_plan_is_computed_without_touching_the_cache(loaded):
     """``Method.plan`` reads a view and returns a plan; the cache changes only when it applies the plan."""
-    from unicache_core.compression.view import BranchView
-
     pipe = BagelPipeline(loaded, make_cache_factory("h2o", kv_target=0.2))
     session = pipe.start_session("edit", 3)
     ctxs = pipe.build_generation_contexts("edit", "x", image=Image.new("RGB", (32, 32)), session=session)
@@ -99,7 +97,7 @@ def test_a_plan_is_computed_without_touching_the_cache(loaded):
     for layer in range(gen.num_layers):
         gen.state[layer].scores = torch.rand(gen.layer(layer).appended_tokens, gen.layer(layer).geometry[0])
     stores = [list(gen.layer(i).stores) for i in range(gen.num_layers)]
-    plan = session.method.plan(BranchView(gen, None))
+    plan = session.method.plan(session.view(gen))
     assert all(list(gen.layer(i).stores) == stores[i] for i in range(gen.num_layers))  # nothing changed yet
     assert plan.layers and all(len(lp.keeps) == 1 for lp in plan.layers.values())
     gen.apply(plan)

@@ -18,10 +18,9 @@ import pytest
 import torch
 
 from unicache_core.compression import METHODS, make_cache_factory
-from unicache_core.compression.compressing_cache import MANAGED_TYPES
 from unicache_core.compression.family import JointPlan
 from unicache_core.compression.policy_table import PolicyTable, paper_policy_table
-from unicache_core.compression.view import BranchView
+from unicache_core.compression.report import MANAGED_TYPES
 from unicache_core.kv.cache import AttentionCall, RequestInfo
 from unicache_core.kv.token_types import CANDIDATE_TYPES
 from unicache_core.kv.token_types import TokenType as TT
@@ -105,18 +104,18 @@ def _measure(session, cache, call: AttentionCall, plan, gen: torch.Generator) ->
     for layer in range(LAYERS):
         ls = cache.state[layer]
         n = cache.layer(layer).appended_tokens
-        if plan.score:
+        if plan.measure:
             scores = torch.rand(n, HKV, generator=gen)
             ls.last_scores = scores
             ls.scores = scores.clone() if ls.scores is None else ls.scores + scores
-            ls.sparsity = float(torch.rand(1, generator=gen))
-        if plan.observe or plan.score:
+            ls.measured = {"sparsity": float(torch.rand(1, generator=gen))}
+        if plan.observe or plan.measure:
             masses = {
                 t: float(torch.rand(1, generator=gen)) * 0.3 for t in CANDIDATE_TYPES if cache.layer(layer).find(t)
             }
             ls.masses = masses
             if call.phase != "prefill":
-                session.stats.update(layer, int(call.step), masses, branch=cache.branch)
+                session.state.note_masses(cache.branch, layer, int(call.step), masses)
 
 
 def _check(caches, where: str) -> None:
@@ -144,7 +143,7 @@ def run_request(
     main = session.new_cache("gen")
     context = torch.cat([torch.full((n,), int(t), dtype=torch.int8) for t, n in _context(task, lengths)])
     prefill = AttentionCall(context, torch.arange(context.shape[0]), causal=True, update=True, phase="prefill")
-    plan = session.method.plan_call(BranchView(main, prefill), prefill)
+    plan = session.plan_call(main, prefill)
     _append(main, context, gen, dtype)
     _measure(session, main, prefill, plan, gen)
     caches = [main] if task == "understanding" else [main, session.fork(main, "cfg_text")]
@@ -165,7 +164,7 @@ def run_request(
                 phase=phase,
                 step=step,
             )
-            plan = session.method.plan_call(BranchView(cache, call), call)
+            plan = session.plan_call(cache, call)
             if plan.compress_before:
                 session.compress(cache, call)
             _measure(session, cache, call, plan, gen)

@@ -111,7 +111,7 @@ def test_the_pool_is_decided_once_and_its_mass_stays_with_its_types(bundled, cac
         .kv_report
     )
     gen = next(c for c in caches if c.branch == "gen")
-    assert gen.compressions >= 2  # re-allocated after the first compression
+    assert gen.request_state.branch("gen").compressions >= 2  # re-allocated after the first compression
     rhos = [s["branches"]["gen"]["rho"] for s in report["steps"] if "gen" in s["branches"]]
     assert rhos[-1] < rhos[0] and rhos[-1] > 0.1 - 1e-9
     cfg_text = next(c for c in caches if c.branch == "cfg_text")
@@ -124,7 +124,7 @@ def test_the_pool_is_decided_once_and_its_mass_stays_with_its_types(bundled, cac
         shared = [s for s in cfg_text.layer(layer).stores if s.token_type not in PROTECTED_TYPES]
         assert len(shared) == 1 and shared[0].qkeys.packed.data_ptr() == managed[0].qkeys.packed.data_ptr()
         assert TT.UNKNOWN not in ls.masses and all(ls.masses.get(t, 0.0) > 0 for t in ls.pooled), ls.masses
-    chunk_masses = gen.session.stats.cell_masses(1, 2, list(CANDIDATES), branch="gen")
+    chunk_masses = gen.request_state.stats.cell_masses(1, 2, list(CANDIDATES), branch="gen")
     assert chunk_masses is not None and all(m > 0 for m in chunk_masses.values()), chunk_masses
     assert not report["summary"].get("flags")
 
@@ -157,8 +157,10 @@ def test_a_branch_under_its_floor_is_paid_for_by_the_others(bundled, caches):
         own_budget = int(0.1 * rows * cfg_img.row_bytes(layer))
         (store,) = [s for s in cfg_img.layer(layer).stores if s.token_type == TT.INSTRUCTION]
         assert store.kind == "quantized" and store.bits == 2 and store.num_tokens == rows
-        assert store.nbytes() > own_budget and cfg_img.session.grant("cfg_img", layer) >= store.nbytes() - own_budget
-    grants = [c.session.grant(c.branch, layer) for c in branches.values() for layer in range(c.num_layers)]
+        assert (
+            store.nbytes() > own_budget and cfg_img.request_state.grant("cfg_img", layer) >= store.nbytes() - own_budget
+        )
+    grants = [c.request_state.grant(c.branch, layer) for c in branches.values() for layer in range(c.num_layers)]
     assert sum(grants) <= 0 and min(grants) < 0  # given = taken (rounding keeps the rest)
     summary = report["summary"]
     assert summary["achieved_ratio"] <= 0.1 and summary["within_budget"] and not summary.get("flags"), summary

@@ -39,11 +39,6 @@ from .accounting import BOUNDARY_TOKENS, RequestTokens, kv_bytes_per_token
 from .config import BagelConfig
 from .taylorseer import GENERATION_BRANCHES
 
-#: Methods that score keys (:func:`unicache_core.compression.scoring.key_scores`) at their observed calls: every
-#: method but ``full``, ``streamingllm`` and ``kivi`` (``CompressionMethod.needs_scores``).
-SCORING_METHODS = ("unicache", "h2o", "snapkv", "pyramidkv", "vlcache", "lookm")
-#: Methods that score keys at every prefill call (LOOK-M: the prompt's queries score every row they see).
-PREFILL_SCORING_METHODS = ("lookm",)
 #: A forward's attention call holds one layer's rows of its branch at the compute dtype (``full``: the layer's
 #: chunks concatenated; a compressing cache: its stores gathered and dequantized).
 GATHER = True
@@ -79,13 +74,17 @@ def floor_ratio(config: BagelConfig, rows: int) -> float:
     return min(1.0, packed / (rows * llm.num_key_value_heads * llm.head_dim * 2 * 2))
 
 
-def target_ratio(kv_method: str, task: str) -> float:
-    """The method's default target ratio for ``task`` (1.0 for ``full`` or a byte target)."""
+def _method(kv_method: Any) -> Any:
+    """The method object of a name (or the object itself): what the plan reads of it, never its name."""
     from ..compression import method_from_name
 
-    if kv_method == "full":
-        return 1.0
-    target = method_from_name(kv_method).target(task)
+    return method_from_name(kv_method)
+
+
+def target_ratio(kv_method: str, task: str) -> float:
+    """The method's default target ratio for ``task`` (1.0 for a method that never compresses, or a byte target)."""
+    method = _method(kv_method)
+    target = method.target(task) if method.compresses else 1.0
     return float(target) if isinstance(target, float) else 1.0
 
 
@@ -93,11 +92,7 @@ def written_kinds(kv_method: str) -> tuple[str, ...]:
     """The policy kinds whose image rows ``kv_method`` stores compressed as they are written: its ``written_kinds``
     (``"evict"`` ones at the floor bits until the eviction), else ``("quantize",)`` when it compresses as written
     (``compresses_written``), else none."""
-    from ..compression import method_from_name
-
-    if kv_method == "full":
-        return ()
-    method = method_from_name(kv_method)
+    method = _method(kv_method)
     default = ("quantize",) if getattr(method, "compresses_written", False) else ()
     return tuple(getattr(method, "written_kinds", default))
 
@@ -134,6 +129,7 @@ def kv_phases(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, kv
     """The LLM phases of ``tokens`` under ``kv_method`` (module docstring), in the order they run."""
     per_token = kv_bytes_per_token(config, dtype)
     per_layer = per_token // max(1, config.llm.num_hidden_layers)
+    method = _method(kv_method)
     compressing = bool(written_kinds(kv_method))
     largest = max((max(vae, vit) for vae, vit in tokens.image_blocks()), default=0)
     ratios = prefill_ratios(config, kv_method, tokens.task, largest)
@@ -155,19 +151,19 @@ def kv_phases(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, kv
         held += stored
         rows += count
         transient = (rows if GATHER else 0) + (count if as_written else 0)
-        scoring = scoring_bytes(config, rows) if kv_method in PREFILL_SCORING_METHODS else 0
-        if index == len(blocks) - 1 and kv_method == "unicache" and len(blocks) > 1:
+        scoring = scoring_bytes(config, rows) if method.measures_prefill else 0
+        if index == len(blocks) - 1 and method.text_prior and len(blocks) > 1:
             scoring = scoring_bytes(config, rows)  # the instruction's attention to the images (text prior)
         phases.append(KVPhase(f"prefill:item{index}", int(held * per_token), transient * per_layer, scoring, count, 1))
-    scoring = scoring_bytes(config, rows) if kv_method in SCORING_METHODS else 0
+    scoring = scoring_bytes(config, rows) if method.needs_scores else 0
     if understanding:
         evicted = held
-        if kv_method == "unicache":  # the text prior evicted the ViT rows at the instruction's prefill
+        if method.text_prior:  # the text prior evicted the ViT rows at the instruction's prefill
             target = target_ratio(kv_method, tokens.task)
             vit = sum(v for _, v in tokens.image_blocks())
             evicted -= vit * ratios["vit"] * (1 - target)
         answer = tokens.decoded
-        decode_scoring = 0 if kv_method == "unicache" else scoring
+        decode_scoring = 0 if method.text_prior else scoring
         phases.append(
             KVPhase("decode", int((evicted + answer) * per_token), (rows + answer) * per_layer, decode_scoring, 1, 1)
         )
@@ -196,7 +192,7 @@ def kv_parts(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, kv_
     full = sum(branches.values())
     shared = full - branches.get("cfg_text", 0)  # cfg_text is a fork of gen: every row it holds is gen's
     parts = {"kv_full": full, "kv_shared": shared}
-    if kv_method != "full":
+    if _method(kv_method).compresses:
         parts["kv_compressed"] = int(shared * target_ratio(kv_method, tokens.task))
     return parts
 
@@ -246,8 +242,6 @@ __all__ = [
     "GATHER",
     "KVPhase",
     "written_kinds",
-    "PREFILL_SCORING_METHODS",
-    "SCORING_METHODS",
     "floor_ratio",
     "kv_parts",
     "kv_per_image",

@@ -57,17 +57,12 @@ class Calibration(Method, register=False):
     def plan_call(self, view: BranchView, call: AttentionCall) -> CallPlan:
         if view.branch == "plan":
             return CallPlan()  # the think-mode plan context is not read by the answer / the latents
-        task = view.task
-        queries = self.score_queries
-        if task == "understanding":
+        if view.task == "understanding":
             if call.phase not in ("prefill", "decode"):
-                return CallPlan()
-            last = True  # text queries: the last ones (observation window)
-        elif call.phase == "denoise":
-            last = False  # latent queries: an evenly strided subsample
-        else:
+                return CallPlan()  # text queries: the last ones (observation window, Method.measure)
+        elif call.phase != "denoise":  # latent queries: an evenly strided subsample
             return CallPlan()  # generation prefill: the cache is written, not read for the output
-        return CallPlan(observe=True, score=True, last_queries=last, num_queries=queries)
+        return CallPlan(observe=True, measure=True)
 
     def plan(self, view: BranchView) -> BranchPlan:
         """Nothing is kept out: calibration runs at full KV."""

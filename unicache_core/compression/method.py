@@ -1,20 +1,27 @@
-"""What a compression method is: a frozen object of settings that decides, from what a branch shows it, when to
-measure and what to keep. It never touches a cache.
+"""What a compression method is: a frozen object of settings that measures its own statistic from what an attention
+call exposes and decides, from a read-only view of the branch, when to measure and what to keep. It never touches
+a cache.
 
 A method is a frozen dataclass whose fields are its settings with their defaults (``SnapKV(window=64, kernel=5)``,
 ``UniCache(rho=0.3)``); a subclass with a ``name`` registers itself (:data:`METHODS`, :func:`method_from_name`).
-Two pure calls make it work (docs/compression.md §12):
+Its hooks, all pure (docs/compression.md §12):
 
-- :meth:`Method.plan_call` when a forward pass begins: what the cache measures in it and whether the branch is
-  compressed before or after it (a :class:`~unicache_core.compression.plan.CallPlan`);
+- :meth:`Method.plan_call` when a forward pass begins (prefill blocks, denoising steps, decoded tokens): what the
+  call measures and whether the branch is compressed before it or after it (a
+  :class:`~unicache_core.compression.plan.CallPlan`); a prefill call may measure and compress right after its
+  block is written, before the next item is prefilled;
+- :meth:`Method.measure` in each layer of a call whose plan says ``measure``: its statistic (a
+  :class:`~unicache_core.compression.protocol.Measurement`) from the
+  :class:`~unicache_core.compression.scoring.CallProbe` of the layer (the call's queries and new keys, the
+  attention it computed, the resident stores); the cache keeps it for the layer;
 - :meth:`Method.plan_written` while the context fills (prefill calls whose plan says ``store_written``): right after
   a layer's new rows are appended, what they are stored as (a
   :class:`~unicache_core.compression.plan.LayerPlan` the cache applies before the next layer runs);
 - :meth:`Method.plan` at a compression point: given a read-only
-  :class:`~unicache_core.compression.view.BranchView` (per layer and type: rows, masses, scores, geometry, bytes),
-  the :class:`~unicache_core.compression.plan.BranchPlan` (rows kept, bits and groups per segment) that the cache
-  then applies. State a method keeps across compressions of a branch (UniCache's schedules) goes out in the plan
-  and comes back in the next view.
+  :class:`~unicache_core.compression.view.BranchView` (per layer and type: rows, masses, measurements, geometry,
+  bytes; the request's target), the :class:`~unicache_core.compression.plan.BranchPlan` (rows kept, bits and
+  groups per segment) that the cache then applies. State a method keeps across compressions of a branch
+  (UniCache's schedules) goes out in the plan and comes back in the next view.
 
 Timeline shared by every method (docs/compression.md §8.1, §8.6, §8.10):
 
@@ -39,11 +46,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..kv.cache import AttentionCall, RequestInfo
 from ..validation import check_bool, check_int
-from .defaults import DEFAULT_REDUCTION, SCORE_QUERIES, VLCACHE_THRESHOLD
+from .defaults import DEFAULT_REDUCTION, SCORE_QUERIES
 from .plan import BranchPlan, CallPlan, LayerPlan
+from .protocol import Measurement
 from .targets import parse_kv_target
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .scoring import CallProbe
     from .view import BranchView
 
 #: Every selectable method by name, in the order they were registered (``full`` first).
@@ -64,16 +73,25 @@ class Method:
             "Measurements behind the engine's choices").
         sync_timing: synchronise CUDA around timed attention calls (exact per-call clocks, slower).
 
-    Class attributes (not settings): ``name`` (the registry name; a subclass without one is not registered),
-    ``compresses_written`` (prefill calls ask :meth:`plan_written` for each layer's new rows), ``needs_scores``
-    (per-key scores are gathered at the observed calls), ``needs_sparsity`` (VL-Cache's layer
-    sparsity, measured with :meth:`sparsity_threshold`).
+    Class attributes (not settings; what the cache, the memory plan and the report read of a method instead of its
+    name): ``name`` (the registry name; a subclass without one is not registered), ``compresses`` (False: the method
+    never shrinks a cache, ``full``), ``budget`` (what the method's bytes are aimed at: ``"kv_target"``, or
+    ``"rho"`` for a method whose retention schedule sets them), ``compresses_written`` (prefill calls ask
+    :meth:`plan_written` for each layer's new rows), ``needs_scores`` (its observed calls :meth:`measure` per-key
+    scores), ``text_prior`` (the memory plan: the instruction's prefill scores the image rows, and for
+    understanding evicts the ViT rows there), ``measures_prompt`` (generation: the text prefilled after the input
+    images is measured as it is prefilled, and the branch is compressed before its first denoising step reads it:
+    :meth:`plan_prefill`), ``measures_prefill`` (the memory plan: every prefill block is measured, LOOK-M).
     """
 
     name: ClassVar[str] = ""
+    compresses: ClassVar[bool] = True
+    budget: ClassVar[str] = "kv_target"
     compresses_written: ClassVar[bool] = False
     needs_scores: ClassVar[bool] = True
-    needs_sparsity: ClassVar[bool] = False
+    text_prior: ClassVar[bool] = False
+    measures_prompt: ClassVar[bool] = False
+    measures_prefill: ClassVar[bool] = False
 
     kv_target: float | int | None = None
     score_queries: int = SCORE_QUERIES
@@ -115,20 +133,6 @@ class Method:
 
     # ------------------------------------------------------------------ when
 
-    def sparsity_threshold(self) -> float:
-        """VL-Cache's relative ThresholdFilter: an attention entry counts when it is at least this share of its row's
-        largest (used when a call plan asks for sparsity)."""
-        return VLCACHE_THRESHOLD
-
-    def score_window(self) -> bool:
-        """Scores come from the last ``score_query_count`` queries (SnapKV's window) rather than a strided subsample
-        (latents) or the last ``score_queries`` text queries."""
-        return False
-
-    def score_query_count(self) -> int:
-        """Most queries an observed call scores keys with."""
-        return self.score_queries
-
     def is_compression_step(self, view: BranchView, step: int) -> bool:
         """Denoising: compress after this step of the branch? Default: once, after its first step."""
         return view.compressions == 0
@@ -137,17 +141,10 @@ class Method:
         """What ``call`` measures on the branch and whether the branch is compressed before or after it."""
         if view.branch == "plan":
             return CallPlan()
-        written = self.compresses_written and call.phase == "prefill" and call.update
         if view.task == "understanding":
             if call.phase == "prefill":
-                return CallPlan(
-                    observe=True,
-                    score=self.needs_scores,
-                    last_queries=True,
-                    num_queries=self.score_query_count(),
-                    sparsity=self.needs_sparsity,
-                    store_written=written,
-                )
+                written = self.compresses_written and call.update
+                return CallPlan(observe=True, measure=self.needs_scores, store_written=written)
             if call.phase == "decode":
                 if view.compressions == 0:  # the first decoded token already reads compressed KV
                     return CallPlan(observe=True, compress_before=True)
@@ -155,25 +152,50 @@ class Method:
                     return CallPlan()
                 return self.plan_decode(view, call)
             return CallPlan()
+        if call.phase == "prefill":
+            return self.plan_prefill(view, call)
         if call.phase != "denoise":
-            return CallPlan(store_written=written)
+            return CallPlan()
+        if view.compressions == 0 and view.measured_phase == "prefill":
+            return CallPlan(compress_before=True)  # measured as the prompt was prefilled: compressed before any read
         step = int(call.step or 0)
         if self.is_compression_step(view, step) and not view.recompresses_unread(step):
             # keys are scored at the branch's first observation only (module docstring)
-            return CallPlan(
-                observe=True,
-                score=self.needs_scores and view.compressions == 0,
-                last_queries=self.score_window(),
-                num_queries=self.score_query_count(),
-                sparsity=self.needs_sparsity,
-                compress_after=True,
-            )
+            return CallPlan(observe=True, measure=self.needs_scores and view.compressions == 0, compress_after=True)
         return CallPlan()  # the fast path: nothing is measured on the steps that do not compress
+
+    def plan_prefill(self, view: BranchView, call: AttentionCall) -> CallPlan:
+        """A generation's prefill call (one context item's block, written before the next item is prefilled).
+
+        Default: rows stored as written where the method does (``compresses_written``); with ``measures_prompt``, a
+        text block that follows the input images is measured (:meth:`measure`, the instruction's queries over the
+        images' rows), and the branch is compressed before its first denoising step reads it. A method that compresses
+        right at the end of a block returns ``compress_after=True`` here (the session plans with the view of this
+        call: ``view.call`` is the block, ``view.measured_phase`` is ``"prefill"``)."""
+        measure = self.measures_prompt and self.prompt_after_images(view, call)
+        return CallPlan(measure=measure, store_written=self.compresses_written and call.update)
+
+    @staticmethod
+    def prompt_after_images(view: BranchView, call: AttentionCall) -> bool:
+        """Whether ``call`` appends a text block to a branch that already holds input images' rows (an instruction or
+        a question after the images: the post-modality window)."""
+        if not call.update or call.image is not None:
+            return False
+        return any(key.image is not None for key in view.layer(0).segment_rows)
 
     def plan_decode(self, view: BranchView, call: AttentionCall) -> CallPlan:
         """Understanding decode calls after the first compression (default: the fast path, nothing measured: a
         decoded token is one query row, so per-call statistics would be a visible share of its cost)."""
         return CallPlan()
+
+    # ------------------------------------------------------------------ what
+
+    def measure(self, probe: CallProbe) -> Measurement:
+        """The method's statistic of one layer of a call whose plan says ``measure`` (default: the attention each
+        row receives from at most ``score_queries`` queries: the last ones of a text call, an evenly strided subset
+        of a denoising call's latents)."""
+        found = probe.key_scores(self.score_queries, last=probe.call.phase != "denoise")
+        return Measurement(found.scores, found.queries)
 
     # ------------------------------------------------------------------ how
 

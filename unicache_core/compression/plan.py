@@ -12,23 +12,29 @@ from typing import Any
 
 from torch import Tensor
 
-from .defaults import SCORE_QUERIES
 from .family import FULL_BITS
 from .view import SegmentKey
 
 
 @dataclass(frozen=True)
 class CallPlan:
-    """What one forward pass of a branch measures and when the branch is compressed around it."""
+    """What one forward pass of a branch measures and when the branch is compressed around it.
 
-    observe: bool = False  # type masses from the per-store LSE
-    score: bool = False  # per-key scores over a query subsample
-    last_queries: bool = False  # subsample = the last queries (text window) rather than strided
-    num_queries: int = SCORE_QUERIES
-    sparsity: bool = False  # VL-Cache layer sparsity
-    compress_before: bool = False  # compress the branch before this call reads it
-    compress_after: bool = False  # compress the branch once this call has run
-    store_written: bool = False  # each layer's appended rows are stored as the method's plan_written says, at once
+    Attributes:
+        observe: type masses from the per-store LSE (free once attention ran store by store).
+        measure: each layer asks the method's :meth:`~unicache_core.compression.method.Method.measure` for its
+            statistic (from the call's queries, keys and attention); prefill calls included.
+        compress_before: compress the branch before this call reads it.
+        compress_after: compress the branch once this call has run (a prefill call: its block is written, before
+            the next item is prefilled).
+        store_written: each layer's appended rows are stored as the method's ``plan_written`` says, at once.
+    """
+
+    observe: bool = False
+    measure: bool = False
+    compress_before: bool = False
+    compress_after: bool = False
+    store_written: bool = False
 
 
 @dataclass(frozen=True)

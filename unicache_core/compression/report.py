@@ -16,12 +16,20 @@ from __future__ import annotations
 
 import statistics
 
+import torch
+
 from ..kv.cache import AttentionCall, StepInfo
-from ..kv.token_types import TokenType
+from ..kv.stores import KVStore, QuantizedStore
+from ..kv.token_types import CANDIDATE_TYPES, TokenType
 from .protocol import ReportedBranch, ReportedSession
+from .state import RequestState
 
 #: The ``format`` field of every KV report (and what a report reader checks first).
 REPORT_FORMAT = "unicache-kv-report"
+#: Types a method may compress; ``UNKNOWN`` marks a pooled store of several of them (global baselines).
+MANAGED_TYPES = frozenset(CANDIDATE_TYPES) | {TokenType.UNKNOWN}
+#: The policy a store's kind shows in the report.
+_KIND_POLICY = {"full": "full", "evicted": "evict", "quantized": "quantize"}
 
 
 def type_name(t: TokenType) -> str:
@@ -29,18 +37,139 @@ def type_name(t: TokenType) -> str:
     return "candidate" if t == TokenType.UNKNOWN else t.name.lower()
 
 
-def branch_snapshot(cache: ReportedBranch) -> dict:
+def branch_snapshot(cache: ReportedBranch, state: RequestState) -> dict:
     """Bytes, rows and settings per type of one branch cache, summed over its layers."""
     managed, protected = cache.split_bytes()
+    record = state.branch(cache.branch or "")
     return {
-        "types": cache.snapshot_types(),
-        "images": cache.snapshot_images(),
+        "types": types_snapshot(cache),
+        "images": images_snapshot(cache),
         "managed_bytes": managed,
         "protected_bytes": protected,
         "full_managed_bytes": cache.managed_full_bytes(),
-        "rho": (round(statistics.fmean(cache.rho.values()), 6) if cache.rho else None),
-        "compressed": cache.compressions > 0,
+        "rho": (round(statistics.fmean(record.rho.values()), 6) if record.rho else None),
+        "compressed": record.compressions > 0,
     }
+
+
+def types_snapshot(cache: ReportedBranch) -> dict[str, dict]:
+    """Per type name, summed over the layers: the policy acting on it, bytes held, rows per KV head, store kinds,
+    KIVI settings, budget bytes, attention mass and uncompressed rows (the report's ``types``)."""
+    if cache.holds_every_row:
+        return _full_types(cache)
+    types: dict[str, dict] = {}
+    for layer in range(cache.num_layers):
+        ls = cache.state[layer]
+        for store in cache.stores_of(layer):
+            name = type_name(store.token_type)
+            entry = types.setdefault(name, {"policy": "protect", "bytes": 0, "rows_per_head": 0.0, "stores": {}})
+            entry["bytes"] += store.nbytes()
+            entry["rows_per_head"] += store.num_tokens / cache.num_layers
+            entry["stores"][store.kind] = entry["stores"].get(store.kind, 0) + 1
+            if store.token_type in MANAGED_TYPES and entry["policy"] in ("protect", "full"):
+                entry["policy"] = _KIND_POLICY[store.kind]
+            if isinstance(store, QuantizedStore):
+                entry["bits"], entry["group_size"], entry["residual"] = store.bits, store.group_size, store.residual
+        for name, budget in ls.budgets.items():
+            entry = types.setdefault(name, {"policy": "full", "bytes": 0, "rows_per_head": 0.0, "stores": {}})
+            entry["budget_bytes"] = entry.get("budget_bytes", 0) + int(budget)
+        for t, m in ls.masses.items():
+            massed = types.get(type_name(t))
+            if massed is not None:
+                massed["mass"] = massed.get("mass", 0.0) + m / cache.num_layers
+    for t, n in cache.type_rows(0).items():
+        if type_name(t) in types:
+            types[type_name(t)]["full_rows"] = n
+    for entry in types.values():
+        entry["rows_per_head"] = round(entry["rows_per_head"], 2)
+        if "mass" in entry:
+            entry["mass"] = round(entry["mass"], 6)
+    return types
+
+
+def _full_types(cache: ReportedBranch) -> dict[str, dict]:
+    """The ``types`` of an uncompressed cache: every row held in full, one store per type and layer."""
+    out: dict[str, dict] = {}
+    row_bytes = sum(cache.row_bytes(i) for i in range(cache.num_layers))
+    for t, n in cache.type_rows(0).items():
+        out[t.name.lower()] = {
+            "policy": "full" if t in CANDIDATE_TYPES else "protect",
+            "bytes": n * row_bytes,
+            "rows_per_head": float(n),
+            "full_rows": n,
+            "stores": {"full": cache.num_layers},
+        }
+    return out
+
+
+def images_snapshot(cache: ReportedBranch) -> dict[str, dict]:
+    """Per input image (its index as a string), summed over the layers: per candidate type the bytes held, the rows
+    held per KV head and the rows it had, and the image's bytes held and full bytes (the report's ``images``). A
+    store of one image's rows counts for that image; a store pooling several (a pool of types or a baseline's one
+    store) is split by the images its rows belong to. ``{}`` without image rows."""
+    if cache.holds_every_row:
+        return _full_images(cache)
+    rows = {key: n for key, n in cache.segment_rows(0).items() if key.image is not None}
+    if not rows:
+        return {}
+    row_bytes = sum(cache.row_bytes(layer) for layer in range(cache.num_layers))
+    out: dict[str, dict] = {}
+    for key, n in sorted(rows.items(), key=lambda kv: (kv[0].image, kv[0].type)):
+        entry = out.setdefault(str(key.image), {"bytes": 0, "full_bytes": 0, "types": {}})
+        entry["types"][type_name(key.type)] = {"bytes": 0, "rows_per_head": 0.0, "full_rows": n}
+        entry["full_bytes"] += n * row_bytes
+    for layer in range(cache.num_layers):
+        for store in cache.stores_of(layer):
+            if not store.num_tokens or store.token_type not in MANAGED_TYPES:
+                continue
+            for (image, token_type), share in _image_shares(cache, store).items():
+                entry = out.get(str(image), {}).get("types", {}).get(type_name(token_type))
+                if entry is None:
+                    continue
+                nbytes = store.nbytes() * share
+                entry["bytes"] += nbytes
+                entry["rows_per_head"] += store.num_tokens * share / cache.num_layers
+                out[str(image)]["bytes"] += nbytes
+    for totals in out.values():
+        totals["bytes"] = int(round(totals["bytes"]))
+        for per_type in totals["types"].values():
+            per_type["bytes"] = int(round(per_type["bytes"]))
+            per_type["rows_per_head"] = round(per_type["rows_per_head"], 2)
+    return out
+
+
+def _full_images(cache: ReportedBranch) -> dict[str, dict]:
+    """The ``images`` of an uncompressed cache: each image's candidate rows per type, held in full."""
+    types = cache.types.long()
+    images = cache.images.long()[: types.shape[0]]
+    row_bytes = sum(cache.row_bytes(i) for i in range(cache.num_layers))
+    out: dict[str, dict] = {}
+    for t in CANDIDATE_TYPES:
+        for image in torch.unique(images[(types == int(t)) & (images >= 0)]).tolist():
+            n = int(((types == int(t)) & (images == image)).sum())
+            entry = out.setdefault(str(image), {"bytes": 0, "full_bytes": 0, "types": {}})
+            entry["types"][t.name.lower()] = {"bytes": n * row_bytes, "rows_per_head": float(n), "full_rows": n}
+            entry["bytes"] += n * row_bytes
+            entry["full_bytes"] += n * row_bytes
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def _image_shares(cache: ReportedBranch, store: KVStore) -> dict[tuple[int, TokenType], float]:
+    """The share of ``store``'s rows that belongs to each (input image, type) (rows of no image left out)."""
+    if store.image is not None and store.token_type != TokenType.UNKNOWN:
+        return {(store.image, store.token_type): 1.0}
+    index = store.token_index.long().reshape(-1).cpu()
+    known = index < cache.images.shape[0]  # rows appended to a layer directly name no image
+    images = torch.full_like(index, -1)
+    images[known] = cache.images[index[known]].long()
+    types = cache.types[index].long()
+    mine = images >= 0
+    if not bool(mine.any()):
+        return {}
+    width = len(TokenType)
+    counts = torch.bincount(images[mine] * width + types[mine]).tolist()
+    total = index.numel()
+    return {(i // width, TokenType(i % width)): c / total for i, c in enumerate(counts) if c}
 
 
 def image_totals(caches: list) -> dict[str, dict]:
@@ -48,7 +177,7 @@ def image_totals(caches: list) -> dict[str, dict]:
     and per candidate type (the report summary's ``images``; ``{}`` without image rows)."""
     out: dict[str, dict] = {}
     for cache in caches:
-        for image, snap in cache.snapshot_images().items():
+        for image, snap in images_snapshot(cache).items():
             entry = out.setdefault(image, {"full_bytes": 0, "held_bytes": 0, "types": {}})
             entry["full_bytes"] += snap["full_bytes"]
             entry["held_bytes"] += snap["bytes"]
@@ -63,8 +192,9 @@ def image_totals(caches: list) -> dict[str, dict]:
 class ReportBuilder:
     """Collects the records of one session; :meth:`build` returns the report dict."""
 
-    def __init__(self, session: ReportedSession, policy_info: dict):
+    def __init__(self, session: ReportedSession, state: RequestState, policy_info: dict):
         self.session = session
+        self.state = state
         self.policy_info = policy_info
         self.steps: list[dict] = []
         self.peak_bytes = 0
@@ -108,7 +238,7 @@ class ReportBuilder:
             cache = caches.get(name)
             if cache is None:
                 continue
-            snap = branch_snapshot(cache)
+            snap = branch_snapshot(cache, self.state)
             snap["attended_rows"] = self._rows.get(name, 0)
             snap["compressed_after"] = name in self._compressed_now
             snap["observed"] = name in self._observed_now
@@ -144,10 +274,10 @@ class ReportBuilder:
             (i for i, s in enumerate(self.steps) if any(b.get("compressed") for b in s["branches"].values())), None
         )
         after = self.steps[first:] if first is not None else []
-        if session.method.name == "full":
+        if not session.method.compresses:
             after = [s for s in self.steps if s["phase"] != "decode" or "plan" not in s["branches"]]
         steady = statistics.fmean(s["managed_bytes_all"] for s in after) if after else None
-        target = session.target_ratio
+        target = self.state.target_ratio
         rho_weighted = None
         weights = [
             (b["rho"], b["full_managed_bytes"])
@@ -175,7 +305,7 @@ class ReportBuilder:
             "images": image_totals(caches),
             **_forward_counts(self.steps),
         }
-        budget = rho_weighted if session.method.name == "unicache" else target
+        budget = rho_weighted if session.method.budget == "rho" else target
         if budget is not None and summary["achieved_ratio"] is not None:
             summary["budget_ratio"] = budget
             summary["within_budget"] = summary["achieved_ratio"] <= budget * (1 + 1e-9)
@@ -211,4 +341,13 @@ def _forward_counts(steps: list[dict]) -> dict:
     }
 
 
-__all__ = ["REPORT_FORMAT", "ReportBuilder", "branch_snapshot", "type_name"]
+__all__ = [
+    "MANAGED_TYPES",
+    "REPORT_FORMAT",
+    "ReportBuilder",
+    "branch_snapshot",
+    "image_totals",
+    "images_snapshot",
+    "type_name",
+    "types_snapshot",
+]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from PIL import Image, ImageDraw, ImageFont
 
+from .method import METHODS
 from .report import REPORT_FORMAT
 
 #: Most points per series in the compact chart data (long decodes are subsampled evenly).
@@ -95,7 +96,8 @@ def _budget_line(method, s: dict) -> str:
     rho; a baseline: ``kv_target``), as numbers: a few percent off the aim is how the method rounds, not a failure;
     ``flags`` say when fixed parts make the aim unreachable."""
     held, aim = s.get("achieved_ratio"), s.get("budget_ratio")
-    what = "the mean retention rho" if method == "unicache" else "kv_target"
+    registered = METHODS.get(method) if isinstance(method, str) else None
+    what = "the mean retention rho" if registered is not None and registered.budget == "rho" else "kv_target"
     line = f"held {held:.3f} of the full compressible KV; aimed at {aim:.3f} ({what})"
     if s["within_budget"]:
         return line + ": within it"

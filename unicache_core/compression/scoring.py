@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from ..kv.cache import AttentionCall
+from ..kv.segmented_cache import LayerAttention
 from ..kv.stores import KVStore, QuantizedStore
+from ..kv.token_types import PROTECTED_TYPES
 
 #: fp32 logits materialised at once by :func:`key_scores` (64 MiB).
 SCORE_ELEMENTS = 1 << 24
@@ -170,8 +174,113 @@ def scored_rows(stores: list[KVStore], num_kv_heads: int) -> tuple[Tensor | None
     return torch.cat(keys), torch.cat(index)
 
 
+@dataclass(frozen=True)
+class KeyScores:
+    """One scoring pass over a layer of a call (:meth:`CallProbe.key_scores`).
+
+    Attributes:
+        scores: ``[T_appended, Hkv]`` fp32 attention per appended row (the new block's included when it was
+            appended), summed over the scored queries, averaged over each KV group's heads.
+        queries: how many queries were scored.
+        counts: ``[Hq]`` int64 entries at or above the relative threshold per query head (``None``: not counted).
+        entries: how many (query, key) entries per head the counts are out of.
+    """
+
+    scores: Tensor
+    queries: int
+    counts: Tensor | None = None
+    entries: int = 0
+
+
+@dataclass(frozen=True)
+class CallProbe:
+    """What one layer of an attention call exposes to a method's measurement, read-only: the call, its queries and
+    new keys, the attention it computed store by store (log-sum-exps), and the layer's resident stores.
+
+    Attributes:
+        layer: the layer index.
+        call: the attention call (phase, step, token types, image index, masks).
+        q: ``[Tq, Hq, d]`` the call's queries; k_new: ``[Tn, Hkv, d]`` its new keys.
+        attention: the layer's attention result (``lse [Tq, Hq]``, the per-store log-sum-exps).
+        stores: the layer's resident stores, before the new block is appended.
+        appended: rows appended to the layer before this call (the new block's rows follow them).
+    """
+
+    layer: int
+    call: AttentionCall
+    q: Tensor
+    k_new: Tensor
+    attention: LayerAttention
+    stores: tuple[KVStore, ...]
+    appended: int
+
+    def key_scores(self, num_queries: int, *, last: bool, relative_threshold: float | None = None) -> KeyScores:
+        """Attention of a query subsample to every resident row (protected rows left out unless counted) and, with
+        ``update``, to the new block's rows, in one pass. ``num_queries``: most queries scored (0: all); ``last``: the
+        last queries (an observation window) rather than an evenly strided subset; ``relative_threshold``: also
+        count, per query head, the entries whose probability is at least this share of their row's largest."""
+        q, call, k_new = self.q, self.call, self.k_new
+        if 0 < num_queries < q.shape[0]:
+            idx = query_subsample(q.shape[0], num_queries, last=last, device=q.device)
+            qs, lse = q.index_select(0, idx), self.attention.lse.index_select(0, idx)
+        else:  # every query is scored: no subsample to gather
+            idx, qs, lse = None, q, self.attention.lse
+        tn = k_new.shape[0] if call.update else 0
+        total, hkv = self.appended + tn, k_new.shape[1]
+        dense = torch.zeros(total, hkv, dtype=torch.float32, device=q.device)
+        visible = _new_block_visibility(call, q, idx, tn)
+        counting = relative_threshold is not None
+        scored = [  # every resident row that can be scored (protected rows only when counted)
+            s for s in self.stores if s.num_tokens and scorable(s) and (counting or s.token_type not in PROTECTED_TYPES)
+        ]
+        keys, index = scored_rows(scored, hkv)
+        merged = call.update and visible is None and tn > 0
+        if merged:  # every query sees the whole new block: its keys are scored in the same pass
+            new_index = torch.arange(self.appended, total, device=q.device).unsqueeze(1).expand(-1, hkv)
+            keys = k_new if keys is None else torch.cat([keys, k_new.to(keys.dtype)])
+            index = new_index if index is None else torch.cat([index.to(q.device), new_index])
+        thresholds = None
+        if relative_threshold is not None:
+            rowmax = torch.full(lse.shape, float("-inf"), device=q.device)
+            if keys is not None:
+                rowmax = torch.maximum(rowmax, row_max_logits(qs, keys))
+            if call.update and not merged:
+                rowmax = torch.maximum(rowmax, row_max_logits(qs, k_new, visible=visible))
+            thresholds = rowmax + math.log(relative_threshold)
+        counts = torch.zeros(q.shape[1], dtype=torch.int64, device=q.device)
+        valid = 0
+        if keys is not None and index is not None:
+            scores, c = key_scores(qs, keys, lse, count_above=thresholds)
+            dense.scatter_add_(0, index.to(q.device), scores)
+            if c is not None:
+                counts += c
+                valid += qs.shape[0] * keys.shape[0]
+        if call.update and not merged:
+            scores, c = key_scores(qs, k_new, lse, visible=visible, count_above=thresholds)
+            dense[self.appended :] += scores
+            if c is not None:
+                counts += c
+                valid += int(visible.sum()) if visible is not None else qs.shape[0] * tn
+        return KeyScores(dense, int(qs.shape[0]), counts if counting else None, valid)
+
+
+def _new_block_visibility(call: AttentionCall, q: Tensor, idx: Tensor | None, tn: int) -> Tensor | None:
+    """``[Tq_scored, Tn]`` bool: which new keys each scored query sees (``None``: all of them, or no new block)."""
+    if not call.update:
+        return None
+    if call.new_block_mask is not None:
+        visible = call.new_block_mask.to(q.device)
+        return visible if idx is None else visible.index_select(0, idx)
+    if call.causal:
+        rows = torch.arange(q.shape[0], device=q.device) if idx is None else idx
+        return torch.arange(tn, device=q.device)[None, :] <= rows[:, None]
+    return None
+
+
 __all__ = [
     "SCORE_ELEMENTS",
+    "CallProbe",
+    "KeyScores",
     "key_scores",
     "mass_from_lse",
     "masses_from_lse",

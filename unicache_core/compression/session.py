@@ -1,11 +1,13 @@
-"""The session of one compressing request: its branch caches, statistics, clocks, target and report.
+"""The session of one compressing request: its branch caches, its state and its report.
 
-:class:`CompressionSession` is the :class:`~unicache_core.kv.cache.CacheSession` of one request: the branch caches
-(:class:`~unicache_core.compression.compressing_cache.CompressingKVCache`), the chunked statistics (keyed per
-branch), the clocks, the memory target, the bytes moved between branches so every branch can keep its floor
-(:meth:`CompressionSession.grant`, docs/compression.md §11.8) and the per-step records returned as the report
-(:mod:`.report`). At a compression point it asks the method for a plan over a read-only view of the branch and has
-the cache apply it (:meth:`CompressionSession.compress`).
+:class:`CompressionSession` is the :class:`~unicache_core.kv.cache.CacheSession` of one request. It owns the branch
+caches (:class:`~unicache_core.compression.compressing_cache.CompressingKVCache`) and the request's one
+:class:`~unicache_core.compression.state.RequestState` (statistics, clocks, step, target, the bytes moved between
+branches so every branch can keep its floor, docs/compression.md §11.8, and each branch's compressions and schedule),
+which it hands to its caches to record into. It is the one that talks to the method: at each call it asks for the
+call's plan, while the context fills for the plan of the rows just written, and at a compression point for a plan
+over a read-only view of the branch, which the cache applies (:meth:`CompressionSession.compress`). The per-step
+records are returned as the report (:mod:`.report`).
 """
 
 from __future__ import annotations
@@ -13,15 +15,13 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-from torch import Tensor
-
 from ..kv.cache import AttentionCall, CacheSession, KVCache, RequestInfo, StepInfo, unique_nbytes
 from ..kv.stores import KVStore
 from .compressing_cache import CompressingKVCache
 from .method import Method
+from .plan import CallPlan, LayerPlan
 from .report import ReportBuilder
-from .stats import ChunkedAttentionStats
+from .state import RequestState, clock
 from .view import BranchView, storages
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def floor_grants(needs: dict[str, dict[int, tuple[int, int]]]) -> dict[str, dict
 
 
 class CompressionSession(CacheSession):
-    """Per-request state of a compressing method (see the module docstring).
+    """Per-request owner of a compressing method's caches and state (see the module docstring).
 
     Args:
         request: the request.
@@ -70,31 +70,26 @@ class CompressionSession(CacheSession):
         super().__init__(request)
         self.method = method
         self.settings = settings if settings is not None else method.settings()
-        self.stats = ChunkedAttentionStats.for_task(request.task)
-        self.timers = {"attention": 0.0, "stats": 0.0, "alloc": 0.0}
-        self.step: StepInfo | None = None
-        self.target_ratio: float | None = None  # resolved memory target (ratio of full managed bytes)
+        self.state = RequestState(request.task)
         self.released: set[str] = set()
-        self._grants: dict[str, dict[int, int]] | None = None  # decided at the request's first compression
         self._step_start: float | None = None  # perf_counter() when the current step began
-        self.report = ReportBuilder(self, policy_info or {})
+        self.report = ReportBuilder(self, self.state, policy_info or {})
 
-    def clock(self, like: Tensor | None = None) -> float:
+    def clock(self, like=None) -> float:
         """``perf_counter()``, after the device of ``like`` finished its work when the method asks for synced clocks."""
-        if self.method.sync_timing and like is not None and like.is_cuda:
-            torch.cuda.synchronize(like.device)
-        return time.perf_counter()
+        return clock(like, self.method.sync_timing)
 
     # ------------------------------------------------------------------ caches
 
     def new_cache(self, branch: str) -> KVCache:
         super().new_cache(branch)  # validates the name
-        cache = CompressingKVCache(self, branch)
+        cache = CompressingKVCache(self, self.request, self.method, self.state, branch)
         self.caches[branch] = cache
         return cache
 
     def fork(self, parent: KVCache, branch: str) -> KVCache:
         cache = super().fork(parent, branch)
+        self.state.fork(parent.branch or "", branch)
         logger.debug("fork %s -> %s at %d tokens", parent.branch, branch, cache.num_tokens)
         return cache
 
@@ -110,23 +105,43 @@ class CompressionSession(CacheSession):
         """Bytes of every live branch cache, storages shared by branches counted once."""
         return unique_nbytes(t for c in self.live_caches() for t in c.tensors())
 
+    def view(self, cache: CompressingKVCache, call: AttentionCall | None = None) -> BranchView:
+        """A read-only view of ``cache`` at ``call`` for the method."""
+        return BranchView(
+            cache,
+            self.state,
+            call,
+            request=self.request,
+            peers=self.live_caches(),
+            method_target=self.method.target(self.request.task),
+        )
+
     # ------------------------------------------------------------------ steps
 
     def begin_step(self, step: StepInfo) -> None:
-        if self.step is None:
+        if self.state.step is None:
             self.report.note_peak()
-        self.step = step
-        self.timers = {"attention": 0.0, "stats": 0.0, "alloc": 0.0}
+        self.state.begin_step(step)
         self.report.begin_step(step)
         self._step_start = time.perf_counter()
 
     def end_step(self, step: StepInfo) -> None:
-        timers = dict(self.timers)
+        timers = dict(self.state.timers)
         timers["step"] = 0.0 if self._step_start is None else time.perf_counter() - self._step_start
         self.report.end_step(step, timers)
 
+    # ------------------------------------------------------------------ the call seams (CallCoordinator)
+
+    def plan_call(self, cache: CompressingKVCache, call: AttentionCall) -> CallPlan:
+        """The method's plan of ``call`` on ``cache``."""
+        return self.method.plan_call(self.view(cache, call), call)
+
+    def plan_written(self, cache: CompressingKVCache, call: AttentionCall, layer: int) -> LayerPlan:
+        """The method's plan of the rows ``call`` just appended to ``layer`` of ``cache``."""
+        return self.method.plan_written(self.view(cache, call), layer)
+
     def note_observed(self, branch: str, call: AttentionCall) -> None:
-        """``call`` of ``branch`` measures statistics (its plan observes or scores): the report marks the branch
+        """``call`` of ``branch`` measures statistics (its plan observes or measures): the report marks the branch
         ``observed`` in a denoising step or decoded token; a session that records them listens here (calibration)."""
         if call.phase in ("denoise", "decode"):
             self.report.note_observed(branch)
@@ -137,32 +152,38 @@ class CompressionSession(CacheSession):
 
     # ------------------------------------------------------------------ budgets
 
-    def resolve_target(self) -> float:
-        """The memory target as a ratio of the full managed bytes of every live branch (bytes are converted)."""
-        if self.target_ratio is None:
-            target = self.method.target(self.request.task)
-            if isinstance(target, int):
-                full = sum(c.managed_full_bytes() for c in self.live_caches() if c.branch != "plan")
-                ratio = 1.0 if full == 0 else min(1.0, target / full)
-                logger.info("kv_target %d bytes = %.4f of the %d full managed bytes", target, ratio, full)
-                self.target_ratio = ratio
-            else:
-                self.target_ratio = float(target)
-        return self.target_ratio
+    def _full_managed_bytes(self) -> int:
+        return sum(c.managed_full_bytes() for c in self.live_caches() if c.branch != "plan")
+
+    def _resolve_target(self) -> None:
+        """Keep the memory target as a ratio of the full managed bytes of every live branch (bytes are converted),
+        once, for a method whose budget is its target (or that was given one)."""
+        if self.state.target_ratio is not None:
+            return
+        if self.method.budget != "kv_target" and self.method.kv_target is None:
+            return  # the method's own schedule sets its bytes: no target to report
+        target = self.method.target(self.request.task)
+        if isinstance(target, int):
+            full = self._full_managed_bytes()
+            ratio = 1.0 if full == 0 else min(1.0, target / full)
+            logger.info("kv_target %d bytes = %.4f of the %d full managed bytes", target, ratio, full)
+            self.state.set_target(ratio)
+        else:
+            self.state.set_target(float(target))
 
     def _keeps_every_row(self) -> bool:
         """Whether the target is 100% (a ratio of 1, or bytes >= the full KV): then no method compresses anything.
         Read without resolving the target, so a method that never asks for it (UniCache's schedule) reports none."""
-        if self.target_ratio is not None:
-            return self.target_ratio >= 1.0
+        if self.state.target_ratio is not None:
+            return self.state.target_ratio >= 1.0
         target = self.method.target(self.request.task)
         if isinstance(target, int):
-            return target >= sum(c.managed_full_bytes() for c in self.live_caches() if c.branch != "plan")
+            return target >= self._full_managed_bytes()
         return float(target) >= 1.0
 
     def grant(self, branch: str, layer: int) -> int:
         """Bytes ``layer`` of ``branch`` receives (> 0) or gives (< 0) so every branch keeps its floor (0: none)."""
-        return (self._grants or {}).get(branch, {}).get(layer, 0)
+        return self.state.grant(branch, layer)
 
     def _decide_grants(self, cache: CompressingKVCache) -> None:
         """The floor grants of every live branch, from the method's needs, at the request's first compression: every
@@ -171,22 +192,27 @@ class CompressionSession(CacheSession):
         for other in self.live_caches():
             if other.num_layers != cache.num_layers:
                 continue
-            need = self.method.floor_needs(BranchView(other))
+            need = self.method.floor_needs(self.view(other))
             if need is None:
-                self._grants = {}
+                self.state.set_grants({})
                 return
             needs[other.branch or ""] = need
-        self._grants = floor_grants(needs)
+        self.state.set_grants(floor_grants(needs))
 
     def compress(self, cache: CompressingKVCache, call: AttentionCall | None) -> None:
         """Plan ``cache``'s compression at ``call`` with the method and apply it, timed as allocation and recorded."""
         start = self.clock()
-        if self._grants is None and cache.compressions == 0:
+        branch = cache.branch or ""
+        if self.state.grants is None and self.state.branch(branch).compressions == 0:
             self._decide_grants(cache)
-        if not self._keeps_every_row():
-            self._share(cache, cache.apply(self.method.plan(BranchView(cache, call))))
-        cache.compressions += 1
-        self.timers["alloc"] += self.clock() - start
+        if self._keeps_every_row():
+            self.state.note_compressed(branch, None, None)
+        else:
+            self._resolve_target()
+            plan = self.method.plan(self.view(cache, call))
+            self._share(cache, cache.apply(plan))
+            self.state.note_compressed(branch, plan.rho, plan.state)
+        self.state.add_time("alloc", self.clock() - start)
         self.report.note_compression(cache)
 
     def _share(self, cache: CompressingKVCache, replaced: list[tuple[int, list[KVStore], KVStore]]) -> None:

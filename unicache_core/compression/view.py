@@ -1,17 +1,19 @@
 """What a method sees of a branch: read-only views of its layers, segments, measurements and bytes.
 
-A :class:`BranchView` is handed to :meth:`~unicache_core.compression.method.Method.plan_call` and
-:meth:`~unicache_core.compression.method.Method.plan`; it reads the branch cache and its session and offers
-nothing that changes them. A segment is the rows of one token type of one input image
+A :class:`BranchView` is handed to :meth:`~unicache_core.compression.method.Method.plan_call`,
+:meth:`~unicache_core.compression.method.Method.plan_written` and :meth:`~unicache_core.compression.method.Method.plan`;
+it reads the branch cache (through :class:`~unicache_core.compression.protocol.ViewedBranch`), the other live branches
+of the request and the request's :class:`~unicache_core.compression.state.RequestState`, and offers nothing that
+changes them. A segment is the rows of one token type of one input image
 (:class:`SegmentKey`); the stores a method pooled earlier carry the key ``(UNKNOWN, None)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -21,10 +23,8 @@ from ..kv.stores import KVStore, QuantizedStore
 from ..kv.token_types import BRANCHES, CANDIDATE_TYPES, TokenType
 from .family import FULL_BITS, Segment
 from .ops import shared_rows
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .compressing_cache import CompressingKVCache
-    from .protocol import LayerState
+from .protocol import LayerState, ViewedBranch
+from .state import RequestState
 
 
 class SegmentKey(NamedTuple):
@@ -70,10 +70,11 @@ class RowGeometry:
 class LayerView:
     """One layer of a branch: its stores' rows and bytes per segment, and what the cache measured there."""
 
-    def __init__(self, cache: CompressingKVCache, index: int):
+    def __init__(self, cache: ViewedBranch, index: int, peers: Sequence[ViewedBranch] = ()):
         self._layer = cache.layer(index)
         self._state: LayerState = cache.state[index]
         self._cache = cache
+        self._peers = peers
         self.index = index
 
     # ------------------------------------------------------------------ geometry and rows
@@ -200,7 +201,7 @@ class LayerView:
         them re-lays them out), and those branches; the think-mode ``plan`` context is not counted."""
         others = [
             c
-            for c in self._cache.session.live_caches()
+            for c in self._peers
             if c is not self._cache and c.branch != "plan" and c.num_layers == self._cache.num_layers
         ]
         holders: dict[int, set[str]] = {}
@@ -241,9 +242,9 @@ class LayerView:
         return self._state.last_scores
 
     @property
-    def sparsity(self) -> float | None:
-        """VL-Cache's layer sparsity of the last scored call."""
-        return self._state.sparsity
+    def measured(self) -> Mapping[str, Any]:
+        """The method's own statistics of the layer at its last measured call, by name (``Measurement.extra``)."""
+        return self._state.measured
 
     @property
     def masses(self) -> Mapping[TokenType, float]:
@@ -262,17 +263,35 @@ class LayerView:
 
 
 class BranchView:
-    """One branch cache at one call, read-only (see the module docstring)."""
+    """One branch cache at one call, read-only (see the module docstring).
 
-    def __init__(self, cache: CompressingKVCache, call: AttentionCall | None = None):
+    Args:
+        cache: the branch cache; state: the request's state; call: the call (``None`` outside one).
+        peers: every live branch cache of the request (the shared rows and a byte target are counted over them).
+        method_target: the method's memory target for the task (a ratio, or bytes over every branch).
+    """
+
+    def __init__(
+        self,
+        cache: ViewedBranch,
+        state: RequestState,
+        call: AttentionCall | None = None,
+        *,
+        request: RequestInfo,
+        peers: Sequence[ViewedBranch] = (),
+        method_target: float | int = 1.0,
+    ):
         self._cache = cache
-        self._session = cache.session
+        self._state = state
+        self._peers = tuple(peers)
+        self._method_target = method_target
         self.call = call
         self.branch: str = cache.branch or ""
-        self.request: RequestInfo = cache.session.request
-        self.task: str = self.request.task
+        self.request: RequestInfo = request
+        self.task: str = request.task
         self.num_layers: int = cache.num_layers
-        self.compressions: int = cache.compressions
+        self._record = state.branch(self.branch)
+        self.compressions: int = self._record.compressions
 
     @property
     def call_step(self) -> int:
@@ -282,41 +301,54 @@ class BranchView:
     @property
     def step_info(self) -> StepInfo | None:
         """The step running now (``None`` before the first)."""
-        return self._session.step
+        return self._state.step
 
     @property
     def state(self) -> Any:
         """What the method returned for this branch with its last plan (``None`` before the first)."""
-        return self._cache.method_state
+        return self._record.method_state
 
     @property
     def rho(self) -> dict[int, float]:
         """The scheduled retention per layer chunk after the last compression."""
-        return dict(self._cache.rho)
+        return dict(self._record.rho)
 
     @property
+    def measured_phase(self) -> str | None:
+        """The phase of the branch's last call that measured (``"prefill"``: the statistics in the layers' records
+        come from the context's prefill, e.g. an instruction's queries; ``None``: nothing measured yet)."""
+        return self._record.measured_phase
+
+    @cached_property
     def target(self) -> float:
-        """The request's memory target as a ratio of the full candidate bytes (byte targets converted)."""
-        return self._session.resolve_target()
+        """The request's memory target as a ratio of the full candidate bytes (byte targets converted over every
+        live branch but the think-mode ``plan`` context; the session keeps it from the first compression on)."""
+        if self._state.target_ratio is not None:
+            return self._state.target_ratio
+        target = self._method_target
+        if isinstance(target, int):
+            full = sum(c.managed_full_bytes() for c in self._peers if c.branch != "plan")
+            return 1.0 if full == 0 else min(1.0, target / full)
+        return float(target)
 
     def grant(self, layer: int) -> int:
         """Bytes the session moves into (> 0) or out of (< 0) this branch's ``layer`` (docs/compression.md §11.8)."""
-        return self._session.grant(self.branch, layer)
+        return self._state.grant(self.branch, layer)
 
     def layer(self, index: int) -> LayerView:
-        return LayerView(self._cache, index)
+        return LayerView(self._cache, index, self._peers)
 
     def cell_masses(
         self, layer_chunk: int, step_chunk: int, types: Iterable[TokenType]
     ) -> dict[TokenType, float] | None:
         """EMA masses of ``types`` in one (layer chunk, step chunk) cell of this branch, or ``None``."""
-        return self._session.stats.cell_masses(layer_chunk, step_chunk, types, branch=self.branch)
+        return self._state.stats.cell_masses(layer_chunk, step_chunk, types, branch=self.branch)
 
     def next_call_step(self, step: int) -> int | None:
         """The next step after denoising ``step`` at which this branch's caches are called: ``step + 1``, or with
         TaylorSeer its next computed step (forecast steps call nothing; docs/compression.md §11.12); ``None`` when
         none comes."""
-        info = self._session.step
+        info = self._state.step
         if info is not None and info.phase == "denoise" and info.step == step:
             return info.next_call_step(self.branch)
         return step + 1
@@ -326,7 +358,7 @@ class BranchView:
         the request's last denoising step or last possible decoded token, or the branch's last computed step when
         the later ones are forecast (TaylorSeer). (The first compression still runs: the report's figures are those
         of a compressed cache.)"""
-        info = self._session.step
+        info = self._state.step
         if self.compressions == 0 or info is None or info.phase not in ("denoise", "decode"):
             return False
         if info.phase == "denoise" and info.step == step:

@@ -27,9 +27,9 @@ class GlobalEviction(Method):
     """
 
     def layer_scores(self, view: BranchView, layer: LayerView) -> Tensor | None:
-        """``[T_appended, Hkv]`` fp32 score of every appended row (higher = keep; default: the attention accumulated
-        over every scored call, H2O)."""
-        return layer.scores
+        """``[T_appended, Hkv]`` fp32 score of every appended row (higher = keep): each method's own, from what its
+        :meth:`~unicache_core.compression.method.Method.measure` recorded (or from the rows themselves)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement layer_scores()")
 
     def forced_rows(self, view: BranchView, layer: LayerView) -> Tensor | None:
         """Optional ``[T_appended]`` bool of rows always kept (inside the budget)."""

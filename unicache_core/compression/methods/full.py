@@ -16,6 +16,7 @@ class Full(Method):
     to running without a cache factory)."""
 
     name = "full"
+    compresses = False
     needs_scores = False
 
     def target(self, task: str) -> float:

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from ...validation import check_ratio
 from ..defaults import RECENT_FRACTION
+from ..protocol import Measurement
+from ..scoring import CallProbe
+from ..view import BranchView, LayerView
 from .eviction import GlobalEviction
 
 
@@ -24,6 +29,15 @@ class H2O(GlobalEviction):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_ratio("recent_fraction", self.recent_fraction, allow_zero=True)
+
+    def measure(self, probe: CallProbe) -> Measurement:
+        """The attention each row receives from at most ``score_queries`` queries (strided latents, or the last text
+        queries); the cache accumulates it over every measured call."""
+        found = probe.key_scores(self.score_queries, last=probe.call.phase != "denoise")
+        return Measurement(found.scores, found.queries)
+
+    def layer_scores(self, view: BranchView, layer: LayerView) -> Tensor | None:
+        return layer.scores  # the heavy hitters: attention accumulated over every measured call
 
     def recent_share(self) -> float:
         return self.recent_fraction

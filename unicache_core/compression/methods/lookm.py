@@ -27,6 +27,8 @@ from ...validation import check_ratio
 from ..defaults import LOOKM_MERGE, LOOKM_RECENT_FRACTION
 from ..merging import MERGES
 from ..plan import CallPlan
+from ..protocol import Measurement
+from ..scoring import CallProbe
 from ..view import BranchView, LayerView
 from .eviction import GlobalEviction
 
@@ -65,6 +67,7 @@ class LOOKM(GlobalEviction):
     """
 
     name = "lookm"
+    measures_prefill = True
     merge: str = LOOKM_MERGE
     recent_fraction: float = LOOKM_RECENT_FRACTION
     prefer_text: bool = True
@@ -78,16 +81,22 @@ class LOOKM(GlobalEviction):
             raise ValueError(f"`prefer_text` must be true or false, got {self.prefer_text!r}")
 
     def plan_call(self, view: BranchView, call: AttentionCall) -> CallPlan:
-        """Prefill calls score the rows they see with their own queries (a strided subsample of at most
-        ``score_queries`` per call); the branch is compressed before its first denoising step or decoded token reads
-        it, i.e. at the end of its prefill. Nothing is measured afterwards."""
+        """Every prefill call is measured (:meth:`measure`: the rows it sees, scored by its own queries); the branch is
+        compressed before its first denoising step or decoded token reads it, i.e. at the end of its prefill.
+        Nothing is measured afterwards."""
         if view.branch not in COMPRESSED_BRANCHES:
             return CallPlan()
         if call.phase == "prefill":
-            return CallPlan(score=True, num_queries=self.score_queries) if call.update else CallPlan()
+            return CallPlan(measure=call.update)
         if view.compressions == 0:
             return CallPlan(compress_before=True)
         return CallPlan()
+
+    def measure(self, probe: CallProbe) -> Measurement:
+        """The attention each row receives from the prefill call's queries (an evenly strided subset of at most
+        ``score_queries`` of them; every query of a shorter block); the cache sums it over the calls."""
+        found = probe.key_scores(self.score_queries, last=False)
+        return Measurement(found.scores, found.queries)
 
     def layer_scores(self, view: BranchView, layer: LayerView) -> Tensor | None:
         scores = layer.scores

@@ -64,7 +64,8 @@ class UniCache(Method):
     """
 
     name = "unicache"
-    compresses_written = True
+    budget = "rho"
+    compresses_written = text_prior = True
     policy: str | Path | PolicyTable | None = None
     rho: float | None = None
     rho_floor: float | None = None

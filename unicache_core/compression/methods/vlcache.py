@@ -11,6 +11,8 @@ from torch import Tensor
 from ...validation import check_ratio
 from ..allocator import allocate_integer
 from ..defaults import VLCACHE_THRESHOLD
+from ..protocol import Measurement
+from ..scoring import CallProbe
 from ..view import BranchView, LayerView
 from .eviction import GlobalEviction
 
@@ -54,15 +56,22 @@ class VLCache(GlobalEviction):
     """
 
     name = "vlcache"
-    needs_sparsity = True
     threshold: float = VLCACHE_THRESHOLD
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_ratio("threshold", self.threshold)
 
-    def sparsity_threshold(self) -> float:
-        return self.threshold
+    def measure(self, probe: CallProbe) -> Measurement:
+        """The post-modality attention (the last text queries, or strided latents) and the layer's sparsity: the
+        share of the (query, key) entries below ``threshold`` of their row's largest, over every head."""
+        found = probe.key_scores(
+            self.score_queries, last=probe.call.phase != "denoise", relative_threshold=self.threshold
+        )
+        assert found.counts is not None  # counted: a relative threshold was given
+        heads = probe.q.shape[1]
+        sparsity = 1.0 - float(found.counts.sum()) / max(1, found.entries * heads)
+        return Measurement(found.scores, found.queries, {"sparsity": sparsity})
 
     def layer_scores(self, view: BranchView, layer: LayerView) -> Tensor | None:
         return layer.last_scores
@@ -73,7 +82,7 @@ class VLCache(GlobalEviction):
             return budgets
         sparsity = []
         for i in range(len(rows)):
-            measured = view.layer(i).sparsity
+            measured = view.layer(i).measured.get("sparsity")
             sparsity.append(measured if measured is not None else 0.0)
         cap = min(rows)
         total = min(total, cap * len(rows))
