@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.report_file import write_json_report, write_text_report
+from benchmarks.report_file import write_text_report
 from unicache_commands.flags import OneLineParser, path_arg
+from unicache_commands.output_files import save_text
 
 
 def items(parser, name: str, value: str, allowed) -> tuple[str, ...]:
@@ -110,6 +111,12 @@ def merge_multi_image(report: dict, new: dict) -> dict:
     return {"config": config, "results": rows}
 
 
+def _indent(path: Path) -> int:
+    """The indent of the JSON file at ``path`` (its second line's leading spaces; 1 when it has none)."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return max(1, len(lines[1]) - len(lines[1].lstrip(" "))) if len(lines) > 1 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m benchmarks.report_rows", description=__doc__.splitlines()[0])
     parser.add_argument("report", type=path_arg, help="the committed report (rewritten with the new rows)")
@@ -126,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         merged = merge(report, new)
     except (ValueError, KeyError) as exc:
         parser.error(f"{args.new} cannot be added to {args.report}: {exc}")
-    write_json_report(args.report, merged, flag="report")
+    save_text(json.dumps(merged, indent=_indent(args.report)) + "\n", args.report, "report")  # its own layout
     if merge is merge_multi_image:  # its table beside it, as the benchmark writes it
         from benchmarks.multi_image import format_table
 
