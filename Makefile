@@ -86,11 +86,13 @@ demo: host bundled
 	    --seed-start 42 --out $(DEMO_OUT)/$$n --summary $(DEMO_OUT)/$$n/summary.json || rc=1; \
 	done; $(PY) tools/comfyhost.py stop --name demo; exit $$rc
 
-# The README's pictures and generated table: the plot of KV bytes from docs/results (tools/kv_plot.py), the
+# The README's pictures and generated table: the plot of KV bytes and the Pareto figure of fidelity against bytes
+# from docs/results (tools/kv_plot.py, tools/pareto.py), the
 # "what fits on your card" table from the memory plan (tools/card_table.py), and the workflow thumbnails from
 # make demo's outputs (tools/thumbnails.py: strips into docs/images/, template cards workflows/<name>.jpg).
 figures: setup
 	$(PY) -m tools.kv_plot
+	$(PY) -m tools.pareto
 	$(PY) -m tools.card_table --write
 
 thumbnails: demo

@@ -38,9 +38,13 @@ from unicache_core.compression.defaults import (
     FIT_VALUE_RANGES,
     KIVI_FLOOR,
     KIVI_RESIDUAL,
+    LOOKM_MERGE,
+    LOOKM_RECENT_FRACTION,
     RECENT_FRACTION,
 )
 from unicache_core.compression.family import FULL_BITS, Segment, grid_choices, plan_from_errors
+from unicache_core.compression.merging import merge_rows
+from unicache_core.compression.methods.lookm import TEXT_TYPES, text_prior_scores
 from unicache_core.compression.ops import compress_rows
 from unicache_core.compression.scoring import key_scores
 from unicache_core.compression.selection import select_rows
@@ -293,6 +297,15 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
     info["pyramidkv_layer_budgets"] = [_managed_rows(lay) for lay in methods["pyramidkv"]]
     (kivi,) = [s for s in methods["kivi"][0].stores if isinstance(s, QuantizedStore)]
     info["kivi"] = {"bits": kivi.bits, "group_size": kivi.group_size, "residual": kivi.residual}
+
+    # LOOK-M: text rows first, then the accumulated attention (this context has no prompt queries: the scoring
+    # step's stand in for them), half the rows the most recent, the evicted ones merged into their pivots
+    ck, cv, acc_c = ctx.keys[cand], ctx.values[cand], sc.accumulated[cand]
+    text = torch.isin(ctx.types[cand].long(), torch.tensor([int(t) for t in TEXT_TYPES]))
+    recent = min(n_keep, int(n_keep * LOOKM_RECENT_FRACTION + 0.5))
+    lm_rows = select_rows(text_prior_scores(acc_c, text).t(), n_keep, recent=recent)
+    lm_k, lm_v = merge_rows(ck.transpose(0, 1), cv.transpose(0, 1), lm_rows, LOOKM_MERGE)
+    methods["lookm"] = [layer(EvictedStore(lm_k.contiguous(), lm_v.contiguous(), cand[lm_rows], TT.UNKNOWN))]
 
     methods["unicache"] = [_unicache_layer(ctx, sc, budget, info)]
     joint = _joint_table(ctx, sc, elem, info)

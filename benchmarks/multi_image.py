@@ -1,6 +1,6 @@
 """Fidelity to full KV of requests with several images, every method, on the bundled model.
 
-``python -m benchmarks.multi_image [--quick] [--json PATH]``
+``python -m benchmarks.multi_image [--quick] [--json PATH] [--methods unicache,lookm,...]``
 
 The bundled model (``models/bagel/unicache-shapes``) was trained on one image per request and never saw two, so it has
 no multi-image task quality to score: what is measured is how close each method's outputs stay to full KV's on the
@@ -163,14 +163,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="3 samples, 2 images, 8 timesteps")
     parser.add_argument("--samples", type=int, default=None)
     parser.add_argument("--json", type=path_arg, default=None, help="write the JSON report here (and a .txt table)")
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="comma list of methods (unicache always runs first: the baselines take its bytes)",
+    )
     args = parser.parse_args(argv)
     check_report_paths(parser, json_and_table(args.json))
+    methods = None
+    if args.methods is not None:
+        allowed = [m for m in METHODS if m != "full"]
+        items = [m.strip() for m in args.methods.split(",") if m.strip()]
+        bad = [m for m in items if m not in allowed]
+        if bad or not items:
+            parser.error(f"--methods: unknown {bad or args.methods!r}; choose from {', '.join(allowed)}")
+        methods = ("unicache", *dict.fromkeys(m for m in items if m != "unicache"))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     kw: dict = dict(QUICK) if args.quick else {}
     if args.samples is not None:
         if args.samples < 2:
             parser.error("--samples must be >= 2 (paired intervals need two)")
         kw["samples"] = args.samples
+    if methods is not None:
+        kw["methods"] = methods
     report = run(MultiImageConfig(**kw))
     table = format_table(report)
     logger.info("results\n%s", table)

@@ -57,6 +57,7 @@ from unicache_core.shapes import analyse, edit_sample, judge_t2i, psnr, scenes_m
 from unicache_core.shapes.world import EVAL_SEEDS, image_array, understanding_sample
 
 from .paired import paired_difference
+from .report_rows import check_match_from, earlier_unicache, items
 from .step_path import StepPath, fidelity_db
 
 logger = logging.getLogger("benchmarks.quality")
@@ -106,6 +107,7 @@ class QualityConfig:
     step_fidelity: bool = True
     #: t2i and edit: full+taylorseer once per task, unicache+taylorseer per target (psnr_to_full_taylorseer)
     taylorseer: bool = True
+    match_from: str | None = None  #: an earlier report's unicache rows instead of running unicache (.report_rows)
 
 
 #: --quick: fewer samples and steps, two targets, no teacher-forced pass (it doubles the run; --step-fidelity adds it)
@@ -289,6 +291,10 @@ def run(cfg: QualityConfig) -> dict:
                 matched = reduction
                 # UniCache's per-sample scores and fidelity at this target: the other rows pair with them
                 unicache_samples = unicache_to_full = unicache_steps = None
+                if cfg.match_from is not None:
+                    matched, unicache_samples, unicache_to_full, unicache_steps = earlier_unicache(
+                        cfg.match_from, task, reduction
+                    )
                 for method in runs:
                     t0 = time.perf_counter()
                     kw = {"policy": paper_table_for(checkpoint)} if method == PAPER_ROW else {}
@@ -476,14 +482,6 @@ def _paired_lines(rows: list[dict], methods: list[str], reductions: dict) -> lis
     return scores + fidelity + steps
 
 
-def _items(parser, name: str, value: str, allowed) -> tuple[str, ...]:
-    items = tuple(v.strip() for v in value.split(",") if v.strip())
-    bad = [v for v in items if v not in allowed]
-    if bad or not items:
-        parser.error(f"--{name}: unknown {bad or value!r}; choose from {', '.join(allowed)}")
-    return items
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m benchmarks.quality", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -504,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tasks", default=None, help="comma list: und,t2i,edit")
     parser.add_argument("--methods", default=None, help="comma list of methods (full always runs)")
+    parser.add_argument("--match-from", type=path_arg, default=None, help="run at this report's unicache bytes")
     parser.add_argument("--samples", type=int, default=None, help="held-out samples per task (und gets 3x)")
     parser.add_argument("--timesteps", type=int, default=None, help="num_timesteps of t2i and edit")
     parser.add_argument("--threads", type=int, default=0)
@@ -522,11 +521,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("unicache_core.compression.registry").setLevel(logging.ERROR)
     kw: dict = dict(QUICK) if args.quick else {}
     if args.tasks:
-        kw["tasks"] = _items(parser, "tasks", args.tasks, TASKS)
+        kw["tasks"] = items(parser, "tasks", args.tasks, TASKS)
     if args.targets:
-        kw["targets"] = _items(parser, "targets", args.targets, TARGET_NAMES)
+        kw["targets"] = items(parser, "targets", args.targets, TARGET_NAMES)
     if args.methods:
-        kw["methods"] = _items(parser, "methods", args.methods, tuple(METHODS))
+        kw["methods"] = items(parser, "methods", args.methods, tuple(METHODS))
+    kw["match_from"] = check_match_from(parser, args.match_from, kw.get("methods", METHODS))
     if args.samples is not None:
         if args.samples < 1:
             parser.error(f"--samples must be >= 1, got {args.samples}")

@@ -45,7 +45,7 @@ class UniCacheKVConfig(UniCacheNode):
             category="UniCache/cache",
             description="KV-cache compression for the UniCache task nodes: `unicache` (typed: instruction and ViT "
             "evicted by attention, source VAE quantized, retention rho per step), a baseline (h2o, snapkv, "
-            "pyramidkv, streamingllm, kivi, vlcache) or `full` (no compression, still reports bytes). Protected "
+            "pyramidkv, streamingllm, kivi, vlcache, lookm) or `full` (no compression, still reports bytes). Protected "
             "tokens (boundaries, the current latent, decoded text) are never compressed. Without this node a task "
             "runs with the full cache.",
             inputs=[

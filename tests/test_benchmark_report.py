@@ -6,7 +6,18 @@ import sys
 
 from benchmarks import kv_attention
 
-METHODS = ["full", "h2o", "snapkv", "pyramidkv", "streamingllm", "kivi", "vlcache", "unicache", "unicache_joint"]
+METHODS = [
+    "full",
+    "h2o",
+    "snapkv",
+    "pyramidkv",
+    "streamingllm",
+    "kivi",
+    "vlcache",
+    "lookm",
+    "unicache",
+    "unicache_joint",
+]
 KEYS = {"method", "kv_bytes", "full_kv_bytes", "step_seconds_median", "speedup_vs_full", "rel_error_vs_full"}
 
 
@@ -29,7 +40,7 @@ def test_quick_benchmark_report(tmp_path):
         assert row["full_kv_bytes"] / row["kv_bytes"] >= 5.0 - 1e-9, (name, row["kv_bytes"])
         assert 0.0 < row["rel_error_vs_full"]
     # at equal memory, UniCache's typed plan is more accurate than every single-policy baseline
-    for name in ("h2o", "snapkv", "pyramidkv", "streamingllm", "kivi", "vlcache"):
+    for name in ("h2o", "snapkv", "pyramidkv", "streamingllm", "kivi", "vlcache", "lookm"):
         assert rows["unicache"]["rel_error_vs_full"] < rows[name]["rel_error_vs_full"], name
         assert rows["unicache_joint"]["rel_error_vs_full"] < rows[name]["rel_error_vs_full"], name
     # the joint row's plan was calibrated on the context: bits per budget level for every candidate type

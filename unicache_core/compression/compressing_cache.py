@@ -297,6 +297,7 @@ class CompressingKVCache(SegmentedKVCache):
                 recent=keep.recent,
                 forced=keep.forced,
                 smooth_kernel=keep.smooth_kernel,
+                merge=keep.merge,
             )
         else:
             store = compress_rows(

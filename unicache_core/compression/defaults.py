@@ -61,6 +61,12 @@ PYRAMID_BETA = 20.0
 SINK_TOKENS = 4
 #: VL-Cache's relative ThresholdFilter ``p``: an entry counts when >= p x its row maximum.
 VLCACHE_THRESHOLD = 0.01
+#: LOOK-M's share of the kept rows that are the prompt's most recent ones: its official scripts keep 10% of the
+#: prompt as heavy hitters and 10% as the recent window (``hh_ratio = recent_ratio = 0.1``), half and half.
+LOOKM_RECENT_FRACTION = 0.5
+#: LOOK-M's merge of the evicted rows into the kept ones: pivotal merging, its official scripts' variant
+#: (``text_prior_pivot_merge``; docs/compression.md §14).
+LOOKM_MERGE = "pivot"
 
 # ---------------------------------------------------------------- quantization (§6, §8.6)
 

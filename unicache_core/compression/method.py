@@ -82,7 +82,7 @@ class Method:
     scores), ``text_prior`` (the memory plan: the instruction's prefill scores the image rows, and for
     understanding evicts the ViT rows there), ``measures_prompt`` (generation: the text prefilled after the input
     images is measured as it is prefilled, and the branch is compressed before its first denoising step reads it:
-    :meth:`plan_prefill`).
+    :meth:`plan_prefill`), ``measures_prefill`` (the memory plan: every prefill block is measured, LOOK-M).
     """
 
     name: ClassVar[str] = ""
@@ -92,6 +92,7 @@ class Method:
     needs_scores: ClassVar[bool] = True
     text_prior: ClassVar[bool] = False
     measures_prompt: ClassVar[bool] = False
+    measures_prefill: ClassVar[bool] = False
 
     kv_target: float | int | None = None
     score_queries: int = SCORE_QUERIES

@@ -18,6 +18,7 @@ from ..kv.segmented_cache import SegmentedLayer
 from ..kv.stores import EvictedStore, FullStore, KVStore, QuantizedStore
 from ..kv.token_types import TokenType
 from .family import FULL_BITS
+from .merging import merge_rows
 from .selection import residual_last, select_rows
 
 #: UniCache's bits/group lookup (docs/compression.md §8.6): (nominal retained ratio, bits, group size).
@@ -101,6 +102,7 @@ def evict(
     recent: int = 0,
     forced: Tensor | None = None,
     smooth_kernel: int = 1,
+    merge: str = "none",
 ) -> KVStore:
     """Keep ``keep`` rows per KV head of the stores at ``indices`` (pooled), drop the rest for real.
 
@@ -109,12 +111,19 @@ def evict(
         recent: the ``recent`` most recent rows of each head are always kept (H2O's window).
         forced: optional ``[T_appended]`` bool: rows always kept (SnapKV's observation window).
         smooth_kernel: SnapKV's 1-D average pooling of the pooled scores along the append order.
+        merge: how the dropped rows are merged into the kept ones (:func:`~.merging.merge_rows`; ``none``: dropped).
 
     Returns:
         The new store (one :class:`EvictedStore`, typed when all pooled stores share a type).
     """
     stores = [layer.stores[i] for i in indices]
-    if len(stores) == 1 and isinstance(stores[0], EvictedStore) and forced is None and smooth_kernel == 1:
+    if (
+        len(stores) == 1
+        and isinstance(stores[0], EvictedStore)
+        and forced is None
+        and smooth_kernel == 1
+        and merge == "none"
+    ):
         # one evicted store (a later re-allocation): its rows are already per head in append order
         store = stores[0]
         index = store.keep_idx.long()
@@ -128,11 +137,10 @@ def evict(
     rows = select_rows(
         pooled_scores, keep, recent=recent, forced=pooled_forced, smooth_kernel=smooth_kernel
     )  # [Hkv, keep], ascending = append order
-    d = keys.shape[2]
-    gather = rows.unsqueeze(-1).expand(-1, -1, d)
+    kept_keys, kept_values = merge_rows(keys, values, rows, merge)  # [Hkv, keep, d] each
     store = EvictedStore(
-        torch.gather(keys, 1, gather).contiguous(),
-        torch.gather(values, 1, gather).contiguous(),
+        kept_keys.contiguous(),
+        kept_values.contiguous(),
         torch.gather(index, 1, rows).to(torch.int32),
         pooled_type(stores),
     )

@@ -54,6 +54,8 @@ class Keep:
         recent: the most recent rows always kept (H2O's window); forced: ``[T_appended]`` bool rows always kept
             (SnapKV's observation window); smooth_kernel: 1-D average pooling of the scores (SnapKV).
         fit_values: values quantized here get least-squares ranges instead of min-max.
+        merge: at full precision, how the dropped rows are merged into the kept ones (LOOK-M's ``average``,
+            ``pivot``, ``weighted``; :mod:`~unicache_core.compression.merging`); ``none``: they are dropped.
         expected_bytes: the bytes the method counted on the new store holding (checked when applied).
     """
 
@@ -67,6 +69,7 @@ class Keep:
     forced: Tensor | None = None
     smooth_kernel: int = 1
     fit_values: bool = False
+    merge: str = "none"
     expected_bytes: int | None = None
 
 

@@ -93,6 +93,7 @@ class ViewedBranch(Protocol):
     branch: str | None
     num_layers: int
     state: list[LayerState]
+    types: Tensor  # [T] int8 TokenType of each append index
 
     def layer(self, index: int) -> SegmentedLayer: ...
 

@@ -168,6 +168,11 @@ class LayerView:
             elem=geo.elem,
         )
 
+    def type_mask(self, types: Iterable[TokenType]) -> Tensor:
+        """``[T_appended]`` bool: the append indices whose token type is one of ``types`` (held or not)."""
+        wanted = torch.tensor(sorted(int(t) for t in types), dtype=self._cache.types.dtype)
+        return torch.isin(self._cache.types[: self.appended], wanted)
+
     def candidate_mask(self) -> Tensor:
         """``[T_appended]`` bool: the append indices the candidate stores hold (in any KV head)."""
         mask = torch.zeros(self.appended, dtype=torch.bool)

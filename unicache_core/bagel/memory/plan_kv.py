@@ -151,7 +151,7 @@ def kv_phases(config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, kv
         held += stored
         rows += count
         transient = (rows if GATHER else 0) + (count if as_written else 0)
-        scoring = 0
+        scoring = scoring_bytes(config, rows) if method.measures_prefill else 0
         prompt_scored = method.text_prior or (method.measures_prompt and not understanding)
         if index == len(blocks) - 1 and prompt_scored and len(blocks) > 1:
             scoring = scoring_bytes(config, rows)  # the instruction's attention to the images (its prefill window)

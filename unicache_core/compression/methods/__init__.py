@@ -11,5 +11,6 @@ from .pyramidkv import PyramidKV
 from .streamingllm import StreamingLLM
 from .kivi import KIVI
 from .vlcache import VLCache
+from .lookm import LOOKM
 
-__all__ = ["H2O", "KIVI", "Full", "PyramidKV", "SnapKV", "StreamingLLM", "UniCache", "VLCache"]
+__all__ = ["H2O", "KIVI", "LOOKM", "Full", "PyramidKV", "SnapKV", "StreamingLLM", "UniCache", "VLCache"]

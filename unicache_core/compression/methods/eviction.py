@@ -43,6 +43,10 @@ class GlobalEviction(Method):
         """Width of the 1-D average pooling of the scores along the rows (1: none)."""
         return 1
 
+    def merge_rule(self) -> str:
+        """How the dropped rows are merged into the kept ones (:data:`~..merging.MERGES`; default ``none``)."""
+        return "none"
+
     def layer_rows(self, view: BranchView, budgets: list[int], rows: list[int]) -> list[int]:
         """Rows per KV head for each layer, given each layer's byte-budget rows (default: as is)."""
         return budgets
@@ -94,6 +98,7 @@ class GlobalEviction(Method):
                 recent=recent,
                 forced=self.forced_rows(view, layer),
                 smooth_kernel=self.smooth_kernel(),
+                merge=self.merge_rule(),
                 expected_bytes=kept * evicted_row_bytes(geo.num_kv_heads, geo.head_dim, geo.elem),
             )
             plans[layer.index] = LayerPlan(keeps=(action,), budgets=lp_budget)

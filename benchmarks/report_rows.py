@@ -1,0 +1,145 @@
+"""Adding one method's rows to a committed quality report without running every method again.
+
+``python -m benchmarks.quality --methods lookm --targets paper,robust,extreme --match-from
+docs/results/quality.json --json new.json`` runs full KV and the named methods on the report's samples, at the bytes
+the report's unicache rows achieved, paired with their per-sample figures (unicache is not run again); then
+``python -m benchmarks.report_rows docs/results/quality.json new.json`` puts the new rows into the report, after
+its rows of the same task and target, and checks that the new run's full-KV rows are the report's (same samples, same
+outputs), so the added rows pair with the report's as if one run had made them all. A ``benchmarks.multi_image``
+report takes the rows of a run with ``--methods unicache,...`` the same way; they stay paired with that run's unicache
+rows, which they carry when UniCache changed since the report was made.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.report_file import write_text_report
+from unicache_commands.flags import OneLineParser, path_arg
+from unicache_commands.output_files import save_text
+
+
+def items(parser, name: str, value: str, allowed) -> tuple[str, ...]:
+    """The comma list ``value`` of ``--name``, each one of ``allowed`` (else one error line)."""
+    found = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [v for v in found if v not in allowed]
+    if bad or not found:
+        parser.error(f"--{name}: unknown {bad or value!r}; choose from {', '.join(allowed)}")
+    return found
+
+
+def check_match_from(parser, path: Path | None, methods) -> str | None:
+    """The ``--match-from`` report's path as a string, after checking it can be used (``None``: not given)."""
+    if path is None:
+        return None
+    if not Path(path).is_file():
+        parser.error(f"--match-from {path}: no such report file")
+    if "unicache" in methods:
+        parser.error("--match-from takes unicache's rows from the report: leave unicache out of --methods")
+    return str(path)
+
+
+def earlier_unicache(path: str, task: str, reduction: float) -> tuple[float, list, list, list | None]:
+    """``(achieved reduction, per-sample scores, per-sample fidelity to full, per-sample step fidelity)`` of the
+    unicache row of the report at ``path`` for ``task`` at ``reduction``."""
+    for row in json.loads(Path(path).read_text(encoding="utf-8"))["results"]:
+        if row["task"] == task and row["method"] == "unicache" and row["target_reduction"] == reduction:
+            m = row["metrics"]
+            return (
+                row["achieved_reduction"],
+                m["per_sample"],
+                m["per_sample_to_full"],
+                m.get("per_sample_step_fidelity"),
+            )
+    raise ValueError(f"the --match-from report has no unicache row for {task} at {reduction:.0%} reduction")
+
+
+def merge_reports(report: dict, new: dict) -> dict:
+    """``report`` with the non-full rows of ``new`` after its rows of the same (task, target); ``new``'s full rows
+    must equal ``report``'s (their per-sample scores), and a method ``report`` already has is refused."""
+    full = {r["task"]: r for r in report["results"] if r["method"] == "full"}
+    for row in new["results"]:
+        if row["method"] == "full" and row["metrics"]["per_sample"] != full[row["task"]]["metrics"]["per_sample"]:
+            raise ValueError(f"{row['task']}: the new run's full KV differs from the report's (not the same samples)")
+    have = {(r["task"], r["method"], r.get("target_reduction")) for r in report["results"]}
+    rows = list(report["results"])
+    for row in new["results"]:
+        if row["method"] in ("full", "full+taylorseer"):
+            continue
+        key = (row["task"], row["method"], row["target_reduction"])
+        if key in have:
+            raise ValueError(f"the report already has {row['method']} for {row['task']} at {key[2]:.0%}")
+        same = [i for i, r in enumerate(rows) if r["task"] == key[0] and r.get("target_reduction") == key[2]]
+        rows.insert(same[-1] + 1 if same else len(rows), row)
+    config = dict(report["config"])
+    config["methods"] = list(dict.fromkeys([*config["methods"], *new["config"]["methods"]]))
+    config.setdefault("added_runs", []).append(
+        {
+            "methods": new["config"]["methods"],
+            "match_from": new["config"].get("match_from"),
+            "seconds": new["config"].get("seconds"),
+        }
+    )
+    return {"config": config, "results": rows}
+
+
+def merge_multi_image(report: dict, new: dict) -> dict:
+    """``report`` (``benchmarks.multi_image``) with the non-unicache rows of ``new`` after its rows of the same task and
+    image count (a method ``report`` already has is refused). Each added row keeps its pairing with the unicache row
+    of its own run (``unicache_minus_this_step_db``, the same samples); where that unicache row is not the report's
+    (UniCache changed since the report was made), the added row also carries it as ``paired_unicache``."""
+    rows = list(report["results"])
+    mine = {(r["task"], r["images"]): r for r in rows if r["method"] == "unicache"}
+    theirs = {(r["task"], r["images"]): r for r in new["results"] if r["method"] == "unicache"}
+    for row in new["results"]:
+        key = (row["task"], row["images"])
+        if row["method"] == "unicache":
+            continue
+        if any((r["task"], r["images"], r["method"]) == (*key, row["method"]) for r in rows):
+            raise ValueError(f"the report already has {row['method']} for {key}")
+        paired = theirs.get(key)
+        if paired is None:
+            raise ValueError(f"{key}: the new run has no unicache row to pair {row['method']} with")
+        if key not in mine or paired["per_sample_step_fidelity"] != mine[key]["per_sample_step_fidelity"]:
+            fields = ("held_ratio", "step_fidelity_db", "free_fidelity", "per_sample_step_fidelity")
+            row = {**row, "paired_unicache": {f: paired[f] for f in fields}}
+        same = [i for i, r in enumerate(rows) if (r["task"], r["images"]) == key]
+        rows.insert(same[-1] + 1 if same else len(rows), row)
+    config = dict(report["config"])
+    config["methods"] = list(dict.fromkeys([*config["methods"], *new["config"]["methods"]]))
+    return {"config": config, "results": rows}
+
+
+def _indent(path: Path) -> int:
+    """The indent of the JSON file at ``path`` (its second line's leading spaces; 1 when it has none)."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return max(1, len(lines[1]) - len(lines[1].lstrip(" "))) if len(lines) > 1 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="python -m benchmarks.report_rows", description=__doc__.splitlines()[0])
+    parser.add_argument("report", type=path_arg, help="the committed report (rewritten with the new rows)")
+    parser.add_argument("new", type=path_arg, help="a --match-from run over the same samples")
+    args = parser.parse_args(argv)
+    for path in (args.report, args.new):
+        if not Path(path).is_file():
+            parser.error(f"{path}: no such report file")
+    if Path(args.report).resolve() == Path(args.new).resolve():
+        parser.error(f"{args.new}: the new rows must come from another file than the report")
+    try:
+        report, new = (json.loads(Path(p).read_text(encoding="utf-8")) for p in (args.report, args.new))
+        merge = merge_multi_image if "images" in report["config"] else merge_reports
+        merged = merge(report, new)
+    except (ValueError, KeyError) as exc:
+        parser.error(f"{args.new} cannot be added to {args.report}: {exc}")
+    save_text(json.dumps(merged, indent=_indent(args.report)) + "\n", args.report, "report")  # its own layout
+    if merge is merge_multi_image:  # its table beside it, as the benchmark writes it
+        from benchmarks.multi_image import format_table
+
+        write_text_report(Path(args.report).with_suffix(".txt"), format_table(merged), flag="report")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
