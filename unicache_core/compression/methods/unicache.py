@@ -12,36 +12,33 @@ down; bytes a type or layer leaves go to the next; no type holds more than its f
 its parent are planned by the parent, which pools them apart from its own, and stay one store for both (§13). A
 re-allocation runs only when some chunk's rho went down; once every chunk's rho is fixed or at its floor the branch
 is settled and neither measured nor compressed again.
+
+This class is the method's protocol (when to measure and compress, the retention schedule); the byte allocation is
+the pure functions of :mod:`~unicache_core.compression.unicache_allocation`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ...kv.cache import AttentionCall, RequestInfo
-from ...kv.token_types import CANDIDATE_TYPES, TokenType
+from ...kv.token_types import CANDIDATE_TYPES
 from ...validation import check_bool, check_ratio
-from ..allocator import allocate_with_floors, mass_shares
 from ..defaults import FIT_VALUE_RANGES, RECENT_FRACTION
-from ..family import FULL_BITS, QuantGeometry, Segment, choice_error, choose, quantized_floor_bytes
+from ..family import QuantGeometry, quantized_floor_bytes
 from ..method import Method
 from ..ops import floor_bytes
-from ..plan import BranchPlan, CallPlan, Keep, LayerPlan
+from ..plan import BranchPlan, CallPlan, LayerPlan
 from ..policy_table import PolicyTable, resolve_policy_table
-from ..report import type_name
 from ..routing import Kind
 from ..schedule import RetentionSchedule
-from ..stats import fallback_budget_ratio, layer_chunks, step_chunk
-from ..view import POOLED, BranchView, LayerView, SegmentKey
-from ..written import reference_bytes, written_plan
-
-#: The unit of the quantized types that share one store (:meth:`UniCache._pool`): the type a store of several
-#: candidate types has.
-POOL = TokenType.UNKNOWN
+from ..stats import layer_chunks, step_chunk
+from ..unicache_allocation import AllocationSettings, ChunkBudget, mean_masses, plan_layers, planned_rows, planned_types
+from ..view import BranchView
+from ..written import written_plan
 
 
 @dataclass(frozen=True)
@@ -193,41 +190,32 @@ class UniCache(Method):
         kinds = {t: k for t in CANDIDATE_TYPES if (k := self.table.kind(view.task, t)) in self.written_kinds}
         return written_plan(view.layer(layer), kinds, self.new_schedule(view).rho0, self.geometry(), self.fit_ranges)
 
-    @staticmethod
-    def _rows(layer: LayerView) -> dict[TokenType, int]:
-        """Rows per type this branch plans: all but those another branch plans for both (``planned_elsewhere``)."""
-        rows = dict(layer.type_rows)
-        for key in layer.planned_elsewhere:
-            if key.type in rows:
-                rows[key.type] -= layer.segment_rows.get(key, 0)
-        return rows
-
-    def _types(self, view: BranchView, layer: LayerView) -> list[TokenType]:
-        rows = self._rows(layer)
-        return [t for t in CANDIDATE_TYPES if rows.get(t, 0) and self.table.kind(view.task, t) != Kind.PROTECT]
+    def allocation(self) -> AllocationSettings:
+        """What the byte allocation (:mod:`~unicache_core.compression.unicache_allocation`) needs of the settings."""
+        return AllocationSettings(self.table, self.geometry(), self.recent_fraction, self.fit_ranges)
 
     def plan(self, view: BranchView) -> BranchPlan:
-        """Per layer chunk: update rho from the chunk's mass, share it among the types, apply each type's policy."""
-        task = view.task
+        """Per layer chunk: update rho from the chunk's mass, share it among the types, apply each type's policy
+        (:func:`~unicache_core.compression.unicache_allocation.plan_layers`)."""
         initial = view.compressions == 0
         chunk_now = step_chunk(view.call_step)
         schedules = self._schedules(view)
         rho_before = view.rho
         rho_now = dict(rho_before)
-        chunks: list[tuple[list[int], dict, dict | None, float, float]] = []  # (layers, caps, masses, rho, floor)
+        chunks: list[ChunkBudget] = []
         lowered = initial
         for c, layers in layer_chunks(view.num_layers).items():
             first = view.layer(layers[0])
-            types = self._types(view, first)
+            types = planned_types(self.table, view.task, first)
             if not types:
                 continue
-            if task == "understanding" and initial:
-                weights = _mean_masses(view, layers, types)  # the prompt's (post-modality) observation
+            if view.task == "understanding" and initial:
+                masses = mean_masses(view, layers, types)  # the prompt's (post-modality) observation
             else:
-                weights = view.cell_masses(c, chunk_now, types)
+                masses = view.cell_masses(c, chunk_now, types)
             sched = schedules.get(c) or self.new_schedule(view)
-            if weights is not None:
-                mass = sum(weights.values())
+            if masses is not None:
+                mass = sum(masses.values())
                 if sched.m0 is None:
                     sched = sched.observe(0, mass)  # the branch's first (full-KV) observation is the reference
                 elif not initial:
@@ -235,26 +223,18 @@ class UniCache(Method):
             schedules[c] = sched
             lowered = lowered or c not in rho_before or sched.rho < rho_before[c]
             rho_now[c] = sched.rho
-            caps = {t: self._rows(first)[t] for t in types}
-            chunks.append((layers, caps, weights, sched.rho, sched.least))
+            rows = planned_rows(first)
+            chunks.append(ChunkBudget(layers, {t: rows[t] for t in types}, masses, sched.rho, sched.least))
         state = UniCacheState(schedules)
         if not lowered:
             # no budget went down: the branch already holds at most it, and a re-split could only lose rows
             return BranchPlan(rho=rho_now, state=state)
-        plans: dict[int, LayerPlan] = {}
-        carry = 0  # bytes the previous layers left unused
-        for layers, caps, weights, rho, floor in chunks:
-            ratios = self._type_ratios(view, view.layer(layers[0]), caps, weights, rho)
-            for index in layers:
-                plans[index], carry = self._plan_layer(
-                    view, view.layer(index), ratios, carry + view.grant(index), floor / rho if rho > 0 else 1.0
-                )
-        return BranchPlan(layers=plans, rho=rho_now, state=state)
+        return BranchPlan(layers=plan_layers(view, chunks, self.allocation()), rho=rho_now, state=state)
 
     def floor_needs(self, view: BranchView) -> dict[int, tuple[int, int]]:
         """Per layer: ``(budget, floor)`` bytes at the least retention the branch's schedule can reach: the candidate
         rows' budget, and what its quantized rows need to keep every row at 2 bits (one store when two or more types
-        are quantized, :meth:`_pool`)."""
+        are quantized, :func:`~unicache_core.compression.unicache_allocation.choose_pool`)."""
         geometry = self.geometry()
         out = {}
         for c, layers in layer_chunks(view.num_layers).items():
@@ -262,7 +242,8 @@ class UniCache(Method):
             for index in layers:
                 layer = view.layer(index)
                 geo = layer.geometry
-                rows = {t: self._rows(layer)[t] for t in self._types(view, layer)}
+                planned = planned_rows(layer)
+                rows = {t: planned[t] for t in planned_types(self.table, view.task, layer)}
                 if geo is None or not rows:
                     continue
                 quantized = [n for t, n in rows.items() if self.table.kind(view.task, t) == Kind.QUANTIZE]
@@ -274,223 +255,5 @@ class UniCache(Method):
                 out[index] = (floor_bytes(least, sum(rows.values()) * layer.row_bytes), need)
         return out
 
-    def _type_ratios(
-        self, view: BranchView, layer: LayerView, caps: dict, weights: dict | None, rho: float
-    ) -> dict[TokenType, float]:
-        """Each type's retained ratio for a layer chunk (``layer``: its first): ``rho * sum(caps)`` shared by mass, no
-        quantized type under its floor (§8.6); without masses, every type at ``rho`` (at most the fallback)."""
-        if weights is None or sum(weights.values()) <= 0:
-            ratio = min(rho, fallback_budget_ratio(view.task))
-            return {t: ratio for t in caps}
-        floors = {
-            t: self._type_floor(layer, t) / (n * layer.row_bytes)
-            for t, n in caps.items()
-            if self.table.kind(view.task, t) == Kind.QUANTIZE
-        }
-        return allocate_with_floors(caps, weights, rho * sum(caps.values()), floors)
 
-    def _floor(self, layer: LayerView, rows: int) -> int:
-        """The 2-bit floor of ``rows`` rows of ``layer`` in a store of their own
-        (:func:`~unicache_core.compression.family.quantized_floor_bytes`)."""
-        geo = layer.geometry
-        assert geo is not None
-        return quantized_floor_bytes(rows, geo.num_kv_heads, geo.head_dim, geo.elem, self.geometry())
-
-    def _type_floor(self, layer: LayerView, token_type: TokenType) -> int:
-        """The floor of a quantized type: every row of each of its segments (one per input image) at the lowest bits
-        and largest group, each segment a store of its own."""
-        return sum(
-            self._floor(layer, rows)
-            for key, rows in layer.segment_rows.items()
-            if key.type == token_type and key not in layer.planned_elsewhere
-        )
-
-    def _parts(
-        self, layer: LayerView, unit: TokenType, keys: tuple[SegmentKey, ...], budget: int, kind: Kind, pool: frozenset
-    ) -> list[tuple[tuple[SegmentKey, ...], int, int]]:
-        """A unit's segments and each one's share of the unit's ``budget`` bytes: ``(keys, budget, full rows)``.
-
-        A type's rows of several input images are split by the attention mass each image's rows drew in the last
-        observed call (by their rows without one), capped by their rows, no quantized segment under its 2-bit floor
-        (docs/compression.md §12.1). One segment, or the pool of several types, takes the whole budget."""
-        rows = layer.segment_rows
-        if unit == POOL or len(keys) < 2:
-            return [(keys, budget, self._unit_segment(layer, unit, keys, pool).full_rows)]
-        caps = {key: rows.get(key, 0) for key in keys}
-        masses = {key: layer.segment_masses.get(key, 0.0) for key in keys}
-        weights = masses if sum(masses.values()) > 0 else {key: float(n) for key, n in caps.items()}
-        floors = {}
-        if kind == Kind.QUANTIZE:
-            floors = {key: self._floor(layer, n) / (n * layer.row_bytes) for key, n in caps.items() if n}
-        live = {key: n for key, n in caps.items() if n}
-        ratios = allocate_with_floors(live, weights, budget / layer.row_bytes, floors) if live else {}
-        return [((key,), floor_bytes(ratios.get(key, 0.0), caps[key] * layer.row_bytes), caps[key]) for key in keys]
-
-    def _unit_keys(self, layer: LayerView, unit: TokenType, pool: frozenset) -> tuple[SegmentKey, ...]:
-        """The segment keys of a unit: a type's own, or (:data:`POOL`) the pooled types' and the pooled store's."""
-        if unit == POOL:
-            return layer.keys_of([*pool, POOLED.type])
-        return tuple(key for key in layer.keys_of([unit]) if key not in layer.planned_elsewhere)
-
-    def _unit_segment(self, layer: LayerView, unit: TokenType, keys, pool: frozenset) -> Segment:
-        rows = self._rows(layer)
-        full = sum(rows.get(t, 0) for t in pool) if unit == POOL else rows.get(unit, 0)
-        return layer.segment(keys, full_rows=full)
-
-    def _pool(
-        self, view: BranchView, layer: LayerView, budgets: dict[TokenType, int], kinds: Mapping[TokenType, Kind],
-        at_floor: float,
-    ) -> frozenset:  # fmt: skip
-        """The quantized types of ``layer`` that share one store (docs/compression.md §11.7), decided once, at the
-        branch's first compression: two or more quantized types whose budgets at the schedule's floor give a smaller
-        expected error in one store than apart (:func:`~unicache_core.compression.family.choice_error`, weighted by
-        each type's measured attention mass): apart, a type whose mass share is below its byte share falls to fewer
-        bits (or drops rows under its 2-bit floor: a short instruction's scale/zero per key channel), where one
-        store keeps every row at the same bits, KIVI's choice. One store pays for one set of groups, spends its bytes
-        on every row alike, and what it cannot keep it drops by score across the types."""
-        if view.compressions:  # decided at the branch's first compression, while every row is at full precision
-            return frozenset(layer.pooled)
-        budgets = {t: math.floor(b * at_floor) for t, b in budgets.items()}
-        quantized = self._poolable(layer, [t for t in budgets if kinds[t] == Kind.QUANTIZE])
-        if len(quantized) < 2:
-            return frozenset()
-        segments = {}
-        for t in quantized:
-            keys = self._unit_keys(layer, t, frozenset())
-            if keys:
-                segments[t] = self._unit_segment(layer, t, keys, frozenset())
-        if len(segments) < 2:
-            return frozenset()
-        rows = sum(segment.full_rows for segment in segments.values())
-        shared = replace(
-            next(iter(segments.values())), full_rows=rows, held_rows=rows, held_bits=FULL_BITS, shared_rows=True
-        )
-        geometry = self.geometry()
-        weights = {t: max(0.0, layer.masses.get(t, 0.0)) for t in segments}
-        if sum(weights.values()) <= 0:
-            weights = {t: float(segment.full_rows) for t, segment in segments.items()}
-        apart = sum(
-            w * choice_error(segments[t], choose(segments[t], Kind.QUANTIZE, budgets[t], geometry))
-            for t, w in weights.items()
-        )
-        pooled = choose(shared, Kind.QUANTIZE, sum(budgets[t] for t in segments), geometry)
-        return frozenset(quantized) if sum(weights.values()) * choice_error(shared, pooled) < apart else frozenset()
-
-    def _poolable(self, layer: LayerView, types: list[TokenType]) -> list[TokenType]:
-        """The largest group of ``types`` whose segments the same branches hold (each holder can take the pool, §13)."""
-        groups: dict[frozenset[str], list[TokenType]] = {}
-        for t in types:
-            holders = {layer.shared_with.get(key, frozenset()) for key in self._unit_keys(layer, t, frozenset())}
-            if len(holders) == 1:
-                groups.setdefault(holders.pop(), []).append(t)
-        rows = self._rows(layer)
-        return max(groups.values(), key=lambda group: sum(rows.get(t, 0) for t in group), default=[])
-
-    def _plan_layer(
-        self, view: BranchView, layer: LayerView, ratios: dict[TokenType, float], carry: int = 0, at_floor: float = 1.0
-    ) -> tuple[LayerPlan, int]:
-        """Each type's (rows, bits) for its bytes (docs/compression.md §11.3), never more rows or bits than it holds.
-        ``carry`` (bytes earlier layers left unused) is added to the types' budgets in proportion to them. Types are
-        served coarsest first (quantize, joint, evict): what a type leaves of its budget goes to the joint and evicted
-        types after it, in proportion to their budgets. Quantized types may share one store (:meth:`_pool`;
-        ``at_floor``: the schedule's floor over its current rho).
-
-        Returns:
-            the layer's plan and the bytes it leaves unused, for the next layer.
-        """
-        task = view.task
-        rows = self._rows(layer)
-        kinds = {t: self.table.kind(task, t) for t in ratios}
-        geometry = self.geometry()
-        budgets = {t: floor_bytes(r, reference_bytes(layer, t, kinds[t], rows[t], geometry)) for t, r in ratios.items()}
-        base = sum(budgets.values())
-        for t in budgets:
-            budgets[t] += math.floor(carry * (budgets[t] / base if base else 1 / len(budgets)))
-        pool = self._pool(view, layer, budgets, kinds, at_floor)
-        pooled: dict = {}
-        if pool:  # the pooled types are one unit: their budgets summed, quantized together
-            if not layer.pooled:
-                pooled = mass_shares({t: layer.masses.get(t, 0.0) for t in pool}, {t: rows[t] for t in pool})
-            budgets[POOL] = sum(budgets.pop(t) for t in pool if t in budgets)
-            kinds = {t: kind for t, kind in kinds.items() if t not in pool} | {POOL: Kind.QUANTIZE}
-        order = sorted(budgets, key=lambda t: _SERVE_ORDER[kinds[t]])
-        keeps: list[Keep] = []
-        flags: dict[Any, str | None] = {}
-        held_all = leftover = 0
-        for position, t in enumerate(order):
-            kind = kinds[t]
-            if kind != Kind.QUANTIZE and leftover:
-                takers = [u for u in order[position:] if kinds[u] != Kind.QUANTIZE]
-                share = sum(budgets[u] for u in takers)
-                extra = leftover if share == 0 else math.floor(leftover * budgets[t] / share)
-                budgets[t] += extra
-                leftover -= extra
-            flags[t] = None
-            keys = self._unit_keys(layer, t, pool)
-            if not keys:
-                continue
-            joint = self.table.plan_for(task, t) if kind == Kind.JOINT else None
-            plan_bits = joint.bits_for(ratios[t]) if joint else None
-            held = held_rows = 0
-            spare = 0  # what the unit's earlier segments left of their share
-            for part_keys, part_budget, full_rows in self._parts(layer, t, keys, budgets[t], kind, pool):
-                part_budget += spare
-                segment = layer.segment(part_keys, full_rows=full_rows)
-                keep, part_held = self._choose(view, layer, segment, part_keys, kind, part_budget, plan_bits)
-                if keep is not None:
-                    keeps.append(keep)
-                spare = max(0, part_budget - part_held)
-                held += part_held
-                held_rows += segment.held_rows
-            if held > budgets[t]:
-                flags[t] = (
-                    f"{held_rows} rows held ({held} B) exceed their budget of {budgets[t]} B: "
-                    "rows and bits never grow back, and nothing smaller fits this policy"
-                )
-            leftover += max(0, budgets[t] - held)
-            held_all += held
-        plan = LayerPlan(
-            keeps=tuple(keeps), budgets={type_name(t): b for t, b in budgets.items()}, flags=flags, pooled=pooled
-        )
-        return plan, max(0, base + carry - held_all)  # a type over its budget (flagged) uses up what others left
-
-    def _choose(
-        self, view: BranchView, layer: LayerView, segment: Segment, keys: tuple[SegmentKey, ...], kind: Kind,
-        budget: int, plan_bits: int | None,
-    ) -> tuple[Keep | None, int]:  # fmt: skip
-        """The (rows, bits) of one segment for ``budget`` bytes (:func:`~.family.choose`): the change to apply (or
-        ``None`` when it keeps what it holds) and the bytes it holds after."""
-        choice = choose(segment, kind, budget, self.geometry(), plan_bits)
-        fewer = choice.rows < segment.held_rows or choice.bits < segment.held_bits
-        if not (fewer or (segment.held_bytes > budget and segment.choice_bytes(choice) < segment.held_bytes)):
-            return None, segment.held_bytes
-        if choice.rows < segment.held_rows and layer.scores is None:
-            raise RuntimeError(f"unicache: layer {layer.index} of branch {view.branch} was never scored")
-        held = segment.choice_bytes(choice)
-        keep = Keep(
-            segments=keys,
-            rows=choice.rows,
-            bits=choice.bits,
-            group=choice.group,
-            residual=choice.residual,
-            scores=layer.scores,
-            recent=min(choice.rows, int(choice.rows * self.recent_fraction + 0.5)),
-            fit_values=self.fit_ranges,
-            expected_bytes=held,
-        )
-        return keep, held
-
-
-#: Which types are served first when a layer's budgets are applied: the coarse quantized settings, whose unused
-#: bytes then go to the types that can use any number of bytes.
-_SERVE_ORDER = {Kind.QUANTIZE: 0, Kind.JOINT: 1, Kind.EVICT: 2}
-
-
-def _mean_masses(view: BranchView, layers: list[int], types: list[TokenType]) -> dict | None:
-    seen = [view.layer(index).masses for index in layers if view.layer(index).masses]
-    if not seen:
-        return None
-    return {t: sum(m.get(t, 0.0) for m in seen) / len(seen) for t in types}
-
-
-__all__ = ["POOL", "UniCache", "UniCacheState"]
+__all__ = ["UniCache", "UniCacheState"]
