@@ -169,8 +169,8 @@ def _type_floor(layer: LayerView, token_type: TokenType, geometry: QuantGeometry
 
 
 def _parts(
-    layer: LayerView, unit: TokenType, keys: tuple[SegmentKey, ...], budget: int, kind: Kind, pool: frozenset,
-    geometry: QuantGeometry,
+    layer: LayerView, unit: TokenType, keys: tuple[SegmentKey, ...], budget: int, kind: Kind,
+    pool: frozenset[TokenType], geometry: QuantGeometry,
 ) -> list[Part]:  # fmt: skip
     """A unit's segments and each one's share of the unit's ``budget`` bytes.
 
@@ -191,14 +191,16 @@ def _parts(
     return [Part((key,), floor_bytes(ratios.get(key, 0.0), caps[key] * layer.row_bytes), caps[key]) for key in keys]
 
 
-def _unit_keys(layer: LayerView, unit: TokenType, pool: frozenset) -> tuple[SegmentKey, ...]:
+def _unit_keys(layer: LayerView, unit: TokenType, pool: frozenset[TokenType]) -> tuple[SegmentKey, ...]:
     """The segment keys of a unit: a type's own, or (:data:`POOL`) the pooled types' and the pooled store's."""
     if unit == POOL:
         return layer.keys_of([*pool, POOLED.type])
     return tuple(key for key in layer.keys_of([unit]) if key not in layer.planned_elsewhere)
 
 
-def _unit_segment(layer: LayerView, unit: TokenType, keys: tuple[SegmentKey, ...], pool: frozenset) -> Segment:
+def _unit_segment(
+    layer: LayerView, unit: TokenType, keys: tuple[SegmentKey, ...], pool: frozenset[TokenType]
+) -> Segment:
     rows = planned_rows(layer)
     full = sum(rows.get(t, 0) for t in pool) if unit == POOL else rows.get(unit, 0)
     return layer.segment(keys, full_rows=full)
@@ -207,7 +209,7 @@ def _unit_segment(layer: LayerView, unit: TokenType, keys: tuple[SegmentKey, ...
 def choose_pool(
     view: BranchView, layer: LayerView, budgets: Mapping[TokenType, int], kinds: Mapping[TokenType, Kind],
     at_floor: float, geometry: QuantGeometry,
-) -> frozenset:  # fmt: skip
+) -> frozenset[TokenType]:  # fmt: skip
     """The quantized types of ``layer`` that share one store (docs/compression.md §11.7), decided once, at the
     branch's first compression: two or more quantized types whose budgets at the schedule's floor give a smaller
     expected error in one store than apart (:func:`~unicache_core.compression.family.choice_error`, weighted by
@@ -273,7 +275,7 @@ def plan_layer(
     for t in budgets:
         budgets[t] += math.floor(carry * (budgets[t] / base if base else 1 / len(budgets)))
     pool = choose_pool(view, layer, budgets, kinds, at_floor, geometry)
-    pooled: dict = {}
+    pooled: dict[TokenType, float] = {}
     if pool:  # the pooled types are one unit: their budgets summed, quantized together
         if not layer.pooled:
             pooled = mass_shares({t: layer.masses.get(t, 0.0) for t in pool}, {t: rows[t] for t in pool})
