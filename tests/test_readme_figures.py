@@ -105,8 +105,9 @@ def test_the_plot_shows_the_measured_bytes(tmp_path):
     }
     assert [p.label for p in peaks] == [f"{n} x 512²" for n in (1, 2, 4, 8)]
     assert peaks[2].full_peak == pytest.approx(four["full"]["kv_bytes_peak"] / 1e6)
-    assert peaks[2].unicache_steady == pytest.approx(four["unicache"]["kv_bytes_steady"] / 1e6)
-    assert all(p.unicache_steady < p.unicache_peak <= p.full_peak for p in peaks)
+    assert peaks[2].unicache_peak == pytest.approx(four["unicache"]["kv_bytes_peak"] / 1e6)
+    # issue 54: UniCache's image rows are stored compressed as written, so its peak is several times below full KV's
+    assert all(p.full_peak / p.unicache_peak > 4.0 for p in peaks)
     kv_plot.render(left, right, out, peaks)
     with Image.open(out) as image, Image.open(kv_plot.OUT) as committed:
         assert image.size == committed.size == (1500, 440)
