@@ -19,8 +19,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from unicache_commands.flags import OneLineParser, path_arg
-from unicache_commands.output_files import check_outputs, write_atomically
+from tools.figure_command import run_figure
+from unicache_commands.flags import OneLineParser
+from unicache_commands.output_files import write_atomically
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -199,25 +200,14 @@ def _peak_panel(ax, peaks: list[PeakBar]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m tools.kv_plot", description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, default=RESULTS, help="the benchmarks' JSON folder")
-    parser.add_argument("--out", type=path_arg, default=OUT, help="the PNG to write")
-    args = parser.parse_args(argv)
-    try:  # the one output guard: never an input, a device, a folder, a checkpoint's file
-        check_outputs([("--out", args.out, "plot PNG")], input_folders=[("--results", args.results)])
-    except (OSError, ValueError) as error:
-        parser.error(str(error))
-    try:
-        left, right, peaks = real_size_bars(args.results), bundled_bars(args.results), peak_bars(args.results)
-    except (OSError, KeyError, ValueError) as error:
-        sys.stderr.write(f"error: {args.results}: cannot read the results the plot needs ({error!r})\n")
-        return 2
-    try:
-        render(left, right, args.out, peaks)
-    except ImportError:
-        sys.stderr.write("error: the plot needs matplotlib: pip install -e '.[docs]'\n")
-        return 2
-    sys.stdout.write(f"{args.out}\n")
-    return 0
+    return run_figure(
+        parser,
+        argv,
+        results=RESULTS,
+        out=OUT,
+        read=lambda folder: (real_size_bars(folder), bundled_bars(folder), peak_bars(folder)),
+        render=lambda bars, out: render(bars[0], bars[1], out, bars[2]),
+    )
 
 
 if __name__ == "__main__":

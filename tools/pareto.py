@@ -20,8 +20,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from unicache_commands.flags import OneLineParser, path_arg
-from unicache_commands.output_files import check_outputs, write_atomically
+from tools.figure_command import run_figure
+from unicache_commands.flags import OneLineParser
+from unicache_commands.output_files import write_atomically
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -153,25 +154,7 @@ def render(drawn: list[tuple[str, list[Point]]], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m tools.pareto", description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, default=RESULTS, help="the benchmarks' JSON folder")
-    parser.add_argument("--out", type=path_arg, default=OUT, help="the PNG to write")
-    args = parser.parse_args(argv)
-    try:  # the one output guard: never an input, a device, a folder, a checkpoint's file
-        check_outputs([("--out", args.out, "plot PNG")], input_folders=[("--results", args.results)])
-    except (OSError, ValueError) as error:
-        parser.error(str(error))
-    try:
-        drawn = panels(args.results)
-    except (OSError, KeyError, ValueError) as error:
-        sys.stderr.write(f"error: {args.results}: cannot read the results the plot needs ({error!r})\n")
-        return 2
-    try:
-        render(drawn, args.out)
-    except ImportError:
-        sys.stderr.write("error: the plot needs matplotlib: pip install -e '.[docs]'\n")
-        return 2
-    sys.stdout.write(f"{args.out}\n")
-    return 0
+    return run_figure(parser, argv, results=RESULTS, out=OUT, read=panels, render=render)
 
 
 if __name__ == "__main__":

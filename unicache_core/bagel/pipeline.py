@@ -110,6 +110,17 @@ def _call_parts(hooks, given) -> tuple[RunHooks, GivenLatents]:
     )
 
 
+def _one_request_call(
+    seed: int | None, hooks: RunHooks, given: GivenLatents, vae, decode: bool, return_step0_velocity: bool
+) -> GenerationCall:
+    """The call of :meth:`BagelPipeline.text_to_image` / :meth:`BagelPipeline.edit`: of ``given`` only the initial
+    noise travels on (an edit's source latent and VAE noise are part of its checked request)."""
+    noise_only = GivenLatents(initial_noise=given.initial_noise)
+    return GenerationCall(
+        seed=seed, hooks=hooks, given=noise_only, vae=vae, decode=decode, return_step0_velocity=return_step0_velocity
+    )
+
+
 class BagelPipeline:
     """Runs BAGEL requests on a loaded checkpoint with caches from ``cache_factory``.
 
@@ -344,15 +355,7 @@ class BagelPipeline:
         request = check_single(self.loaded.config, self.loaded.tokenizer, "t2i", prompt, None, s)
         if given.source_latent is not None:
             raise ValueError("`source_latent` is the latent of an edit's source image; text-to-image takes none")
-        call = GenerationCall(
-            seed=seed,
-            hooks=hooks,
-            given=GivenLatents(initial_noise=given.initial_noise),
-            vae=vae,
-            decode=decode,
-            return_step0_velocity=return_step0_velocity,
-        )
-        return run_generation(self, request, call)
+        return run_generation(self, request, _one_request_call(seed, hooks, given, vae, decode, return_step0_velocity))
 
     def edit(
         self,
@@ -386,15 +389,7 @@ class BagelPipeline:
         latent, vae_noise = given.source_latent, given.vae_noise
         config, tokenizer = self.loaded.config, self.loaded.tokenizer
         request = check_single(config, tokenizer, "edit", prompt, image, s, latent=latent, vae_noise=vae_noise)
-        call = GenerationCall(
-            seed=seed,
-            hooks=hooks,
-            given=GivenLatents(initial_noise=given.initial_noise),
-            vae=vae,
-            decode=decode,
-            return_step0_velocity=return_step0_velocity,
-        )
-        return run_generation(self, request, call)
+        return run_generation(self, request, _one_request_call(seed, hooks, given, vae, decode, return_step0_velocity))
 
     def generate(
         self,
