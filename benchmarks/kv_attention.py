@@ -50,8 +50,9 @@ from unicache_core.compression.scoring import key_scores
 from unicache_core.compression.selection import select_rows
 from unicache_core.kv.attention import attention_with_lse
 from unicache_core.kv.cache import AttentionCall, RequestInfo
+from unicache_core.kv.quantized_store import QuantizedStore
 from unicache_core.kv.segmented_cache import SegmentedLayer
-from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore
+from unicache_core.kv.stores import EvictedStore, FullStore
 from unicache_core.kv.token_types import CANDIDATE_TYPES, TokenType
 
 logger = logging.getLogger("benchmarks.kv_attention")

@@ -10,8 +10,9 @@ from PIL import Image
 
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.kv.cache import AttentionCall, CacheRequest, FullKVCache
+from unicache_core.kv.quantized_store import QuantizedStore
 from unicache_core.kv.segmented_cache import SegmentedKVCache
-from unicache_core.kv.stores import EvictedStore, QuantizedStore
+from unicache_core.kv.stores import EvictedStore
 from unicache_core.kv.token_types import TokenType
 
 

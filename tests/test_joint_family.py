@@ -25,8 +25,8 @@ from unicache_core.compression.family import (
 from unicache_core.compression.ops import compress_rows, quantized_bytes, rows_for_bytes
 from unicache_core.compression.policy_table import PolicyTable, PolicyTableError, paper_policy_table
 from unicache_core.kv.attention import attention_with_lse
+from unicache_core.kv.quantized_store import QuantizedStore
 from unicache_core.kv.segmented_cache import SegmentedLayer
-from unicache_core.kv.stores import QuantizedStore
 from unicache_core.kv.token_types import TokenType as TT
 
 H, D = 2, 32

@@ -8,8 +8,9 @@ import torch
 from unicache_core.compression.allocator import allocate
 from unicache_core.compression.selection import topk_per_head
 from unicache_core.compression.stats import ChunkedAttentionStats
+from unicache_core.kv.quantized_store import QuantizedStore
 from unicache_core.kv.segmented_cache import SegmentedLayer
-from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore
+from unicache_core.kv.stores import EvictedStore, FullStore
 from unicache_core.kv.token_types import TokenType as TT
 
 

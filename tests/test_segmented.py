@@ -7,8 +7,9 @@ import torch
 from oracles import KIVIPolicy
 
 from unicache_core.kv.cache import AttentionCall, FullKVCache, KVCache
+from unicache_core.kv.quantized_store import QuantizedStore
 from unicache_core.kv.segmented_cache import SegmentedKVCache
-from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore
+from unicache_core.kv.stores import EvictedStore, FullStore
 from unicache_core.kv.token_types import TokenType
 
 HKV, HQ, D, LAYERS = 2, 4, 16, 2

@@ -10,8 +10,8 @@ import torch
 from unicache_core.compression import ops
 from unicache_core.compression.ops import compress_rows
 from unicache_core.kv import quant
+from unicache_core.kv.quantized_store import QuantizedStore
 from unicache_core.kv.segmented_cache import SegmentedLayer
-from unicache_core.kv.stores import QuantizedStore
 from unicache_core.kv.token_types import TokenType as TT
 
 H, D = 2, 32
@@ -36,7 +36,7 @@ def _count_value_quantizations(monkeypatch) -> list[int]:
         return real(values, bits, group, fit=fit)
 
     monkeypatch.setattr(ops, "quantize_values", counting)
-    monkeypatch.setattr("unicache_core.kv.stores.quantize_values", counting)
+    monkeypatch.setattr("unicache_core.kv.quantized_store.quantize_values", counting)
     return calls
 
 

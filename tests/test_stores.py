@@ -6,10 +6,11 @@ import pytest
 import torch
 from oracles import KIVIPolicy
 
-import unicache_core.kv.stores as stores_module
+import unicache_core.kv.quantized_store as quantized_store_module
 from unicache_core.kv.attention import attention_with_lse
 from unicache_core.kv.quant import quantized_kv_nbytes
-from unicache_core.kv.stores import EvictedStore, FullStore, QuantizedStore
+from unicache_core.kv.quantized_store import QuantizedStore
+from unicache_core.kv.stores import EvictedStore, FullStore
 from unicache_core.kv.token_types import TokenType
 
 T, HKV, HQ, D = 200, 2, 6, 32
@@ -142,7 +143,7 @@ def test_quantized_chunked_attention(monkeypatch) -> None:
     q, k, v, pos = _kv()
     store = QuantizedStore.from_kv(k, v, pos, bits=4, group_size=16, residual=8)
     whole, whole_lse = store.attend(q)
-    monkeypatch.setattr(stores_module, "DEQUANT_CHUNK", 40)  # -> chunks of 32 tokens
+    monkeypatch.setattr(quantized_store_module, "DEQUANT_CHUNK", 40)  # -> chunks of 32 tokens
     chunked, chunked_lse = store.attend(q)
     assert torch.allclose(whole, chunked, atol=1e-5) and torch.allclose(whole_lse, chunked_lse, atol=1e-5)
 

@@ -14,8 +14,9 @@ import torch
 from torch import Tensor
 
 from ..kv.quant import SCALE_DTYPE, QuantizedTensor, quantize_keys, quantize_values, quantized_kv_nbytes
+from ..kv.quantized_store import QuantizedStore
 from ..kv.segmented_cache import SegmentedLayer
-from ..kv.stores import EvictedStore, FullStore, KVStore, QuantizedStore
+from ..kv.stores import EvictedStore, FullStore, KVStore
 from ..kv.token_types import TokenType
 from .family import FULL_BITS
 from .merging import merge_rows

@@ -19,7 +19,8 @@ import statistics
 import torch
 
 from ..kv.cache import AttentionCall, StepInfo
-from ..kv.stores import KVStore, QuantizedStore
+from ..kv.quantized_store import QuantizedStore
+from ..kv.stores import KVStore
 from ..kv.token_types import CANDIDATE_TYPES, THINK, TokenType
 from .protocol import ReportedBranch, ReportedSession
 from .state import RequestState

@@ -17,8 +17,9 @@ import torch
 from torch import Tensor
 
 from ..kv.cache import AttentionCall
+from ..kv.quantized_store import QuantizedStore
 from ..kv.segmented_cache import LayerAttention
-from ..kv.stores import KVStore, QuantizedStore
+from ..kv.stores import KVStore
 from ..kv.token_types import PROTECTED_TYPES
 
 #: fp32 logits materialised at once by :func:`key_scores` (64 MiB).

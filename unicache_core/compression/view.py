@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from ..kv.cache import AttentionCall, RequestInfo, StepInfo
-from ..kv.stores import KVStore, QuantizedStore
+from ..kv.quantized_store import QuantizedStore
+from ..kv.stores import KVStore
 from ..kv.token_types import BRANCHES, CANDIDATE_TYPES, THINK, TokenType
 from .family import FULL_BITS, Segment
 from .ops import shared_rows

@@ -16,7 +16,8 @@ from torch import Tensor
 from ..validation import check_int
 from .attention import attention_with_lse, merge_attention
 from .cache import AttentionCall, KVCache, Task
-from .stores import EvictedStore, FullStore, KVStore, QuantizedStore, StoreKind
+from .quantized_store import QuantizedStore
+from .stores import EvictedStore, FullStore, KVStore, StoreKind
 from .token_types import CANDIDATE_TYPES, TokenType
 
 logger = logging.getLogger(__name__)

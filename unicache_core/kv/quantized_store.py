@@ -1,0 +1,242 @@
+"""The KIVI-quantized KV store (:class:`QuantizedStore`): keys per channel, values per token, packed at 2, 4 or 8 bits,
+the last rows in full precision; the same :class:`~unicache_core.kv.stores.KVStore` interface as the full and evicted
+stores of :mod:`unicache_core.kv.stores`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ..validation import check_int
+from .attention import attention_with_lse, merge_attention
+from .quant import QuantizedTensor, quantize_keys, quantize_values, quantized_kv_nbytes
+from .stores import KVStore, StoreKind, check_kv
+from .token_types import TokenType
+
+#: Largest number of quantized tokens dequantized at once in :meth:`QuantizedStore.attend`.
+DEQUANT_CHUNK = 8192
+
+
+@dataclass(eq=False)
+class QuantizedStore(KVStore):
+    """KIVI store: keys per-channel, values per-token, ``bits``-bit packed; the last ``residual`` rows in full
+    precision.
+
+    The rows are the same for every KV head (``token_index [T]``: a whole segment quantized) or chosen per
+    KV head (``token_index [Hkv, T]``: the rows a joint eviction kept, then quantized; row ``i`` of head
+    ``h`` is ``token_index[h, i]``). The layout is head-major either way.
+
+    Attributes:
+        qkeys, qvalues: quantized rows ``[0, T - R)`` (head-major, see :mod:`unicache_core.kv.quant`).
+        res_keys, res_values: ``[Hkv, R, d]`` residual rows in the cache dtype.
+        token_index: ``[T]`` or ``[Hkv, T]`` int32 append indices (quantized rows first, then the residual).
+        cache_dtype: the cache dtype (dequantization target and residual dtype).
+    """
+
+    qkeys: QuantizedTensor
+    qvalues: QuantizedTensor
+    res_keys: Tensor
+    res_values: Tensor
+    token_index: Tensor
+    token_type: TokenType
+    bits: int
+    group_size: int
+    residual: int
+    cache_dtype: torch.dtype
+    kind: ClassVar[StoreKind] = "quantized"
+
+    @classmethod
+    def from_kv(
+        cls,
+        keys: Tensor,
+        values: Tensor,
+        token_index: Tensor,
+        bits: int = 2,
+        group_size: int = 32,
+        residual: int = 128,
+        token_type: TokenType = TokenType.SOURCE_VAE,
+        fit_values: bool = False,
+    ) -> QuantizedStore:
+        """Quantize ``keys/values [T, Hkv, d]``; the last ``min(residual, T)`` rows stay exact."""
+        check_kv(keys, values, token_index)
+        return cls.from_head_rows(
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            token_index,
+            bits,
+            group_size,
+            residual,
+            token_type,
+            fit_values,
+        )
+
+    @classmethod
+    def from_head_rows(
+        cls,
+        keys: Tensor,
+        values: Tensor,
+        token_index: Tensor,
+        bits: int,
+        group_size: int,
+        residual: int,
+        token_type: TokenType,
+        fit_values: bool = False,
+    ) -> QuantizedStore:
+        """Quantize head-major ``keys/values [Hkv, T, d]``, rows ``token_index`` (``[T]`` shared or ``[Hkv, T]`` per
+        head, ascending); each head's last ``min(residual, T)`` rows stay exact; ``fit_values``: :mod:`.ranges`."""
+        if keys.dim() != 3 or keys.shape != values.shape:
+            raise ValueError(
+                f"`keys`/`values` must both be [Hkv, T, d]; got {tuple(keys.shape)}, {tuple(values.shape)}"
+            )
+        if keys.dtype != values.dtype or not keys.dtype.is_floating_point or keys.device != values.device:
+            raise ValueError(
+                f"`keys` ({keys.dtype}, {keys.device}) and `values` ({values.dtype}, {values.device}) "
+                "must share one floating dtype and device"
+            )
+        h, t, _ = keys.shape
+        if tuple(token_index.shape) not in ((t,), (h, t)):
+            raise ValueError(f"`token_index` must be [T]=({t},) or [Hkv, T]=({h}, {t}), got {tuple(token_index.shape)}")
+        r = min(check_int("residual", residual, 0), t)
+        qvalues = quantize_values(values[:, : t - r], bits, group_size, fit=fit_values)
+        return cls(
+            quantize_keys(keys[:, : t - r], bits, group_size),
+            qvalues,
+            keys[:, t - r :].clone(memory_format=torch.contiguous_format),
+            values[:, t - r :].clone(memory_format=torch.contiguous_format),
+            token_index.to(device=keys.device, dtype=torch.int32).clone(),
+            TokenType(token_type),
+            bits,
+            group_size,
+            residual,
+            keys.dtype,
+        )
+
+    @property
+    def per_head_rows(self) -> bool:
+        """The KV heads hold different rows (``token_index [Hkv, T]``)."""
+        return self.token_index.dim() == 2
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows held (per KV head)."""
+        return int(self.token_index.shape[-1])
+
+    @property
+    def num_quantized(self) -> int:
+        return self.qkeys.num_tokens
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.res_keys.shape[0])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.res_keys.shape[2])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cache_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.res_keys.device
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """All rows as ``(keys, values)`` ``[T, Hkv, d]`` in ``dtype`` (default: the cache dtype): row ``i`` of head
+        ``h`` is ``token_index[i]`` (or ``token_index[h, i]`` when the heads hold different rows)."""
+        dtype = self.cache_dtype if dtype is None else dtype
+        k = torch.cat([self.qkeys.dequantize(dtype), self.res_keys.to(dtype)], dim=1)
+        v = torch.cat([self.qvalues.dequantize(dtype), self.res_values.to(dtype)], dim=1)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def attend(self, q: Tensor, scale: float | None = None) -> tuple[Tensor, Tensor]:
+        """Dequantize in chunks of <= :data:`DEQUANT_CHUNK` tokens and attend; ``q [Tq, Hq, d]``.
+
+        Each chunk's workspace is a temporary: no dequantized copy outlives the call.
+        """
+        n = self.num_quantized
+        h, r, d = self.res_keys.shape
+        # Key groups must not straddle chunks.
+        chunk = max(self.group_size, DEQUANT_CHUNK // self.group_size * self.group_size)
+        parts = []
+        start = 0
+        while start < n or (start == 0 and r):
+            stop = min(n, start + chunk)
+            last = stop >= n
+            extra = r if last else 0
+            k = torch.empty(h, stop - start + extra, d, dtype=q.dtype, device=q.device)
+            v = torch.empty_like(k)
+            if stop > start:
+                self.qkeys.dequantize_into(k[:, : stop - start], start, stop)
+                self.qvalues.dequantize_into(v[:, : stop - start], start, stop)
+            if extra:
+                k[:, stop - start :] = self.res_keys
+                v[:, stop - start :] = self.res_values
+            parts.append(attention_with_lse(q, k.transpose(0, 1), v.transpose(0, 1), scale=scale))
+            if last:
+                break
+            start = stop
+        if not parts:
+            return attention_with_lse(q, q.new_zeros(0, h, d), q.new_zeros(0, h, d), scale=scale)
+        return merge_attention(parts)
+
+    def write_kv(self, k_out: Tensor, v_out: Tensor) -> None:
+        """Dequantize every row (quantized, then residual); each head's slice ``k_out[h]`` should be contiguous."""
+        n = self.num_quantized
+        if n:
+            self.qkeys.dequantize_into(k_out[:, :n])
+            self.qvalues.dequantize_into(v_out[:, :n])
+        if self.res_keys.shape[1]:
+            k_out[:, n:] = self.res_keys
+            v_out[:, n:] = self.res_values
+
+    def tensors(self) -> list[Tensor]:
+        return [
+            self.qkeys.packed,
+            self.qkeys.scale,
+            self.qkeys.zero,
+            self.qvalues.packed,
+            self.qvalues.scale,
+            self.qvalues.zero,
+            self.res_keys,
+            self.res_values,
+            self.token_index,
+        ]
+
+    def nominal_bytes(self) -> int:
+        h, _, d = self.res_keys.shape
+        elem = torch.empty(0, dtype=self.cache_dtype).element_size()
+        return (
+            quantized_kv_nbytes(
+                self.num_tokens,
+                h,
+                d,
+                self.bits,
+                self.group_size,
+                self.residual,
+                elem,
+                key_group_bytes=2 * self.qkeys.scale.element_size(),
+                value_group_bytes=2 * self.qvalues.scale.element_size(),
+            )
+            + 4 * self.token_index.numel()
+        )
+
+    def share(self) -> QuantizedStore:
+        return QuantizedStore(
+            self.qkeys,
+            self.qvalues,
+            self.res_keys,
+            self.res_values,
+            self.token_index,
+            self.token_type,
+            self.bits,
+            self.group_size,
+            self.residual,
+            self.cache_dtype,
+        )
+
+
+__all__ = ["DEQUANT_CHUNK", "QuantizedStore"]
