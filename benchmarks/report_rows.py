@@ -8,6 +8,11 @@ its rows of the same task and target, and checks that the new run's full-KV rows
 outputs), so the added rows pair with the report's as if one run had made them all. A ``benchmarks.multi_image``
 report takes the rows of a run with ``--methods unicache,...`` the same way; they stay paired with that run's unicache
 rows, which they carry when UniCache changed since the report was made.
+
+``--replace`` combines runs split by task or target (``python -m benchmarks.quality --tasks edit --targets extreme
+--json edit.json`` beside ``--tasks und ...``, one process each): the new run's rows take the place of the report's
+rows of the same task, method and target, rows of a task or target the report lacks are added, and where both have a
+task its full-KV rows must still be the same.
 """
 
 from __future__ import annotations
@@ -55,28 +60,50 @@ def earlier_unicache(path: str, task: str, reduction: float) -> tuple[float, lis
     raise ValueError(f"the --match-from report has no unicache row for {task} at {reduction:.0%} reduction")
 
 
-def merge_reports(report: dict, new: dict) -> dict:
+def _key(row: dict) -> tuple:
+    """A quality row's place in a report: ``(task, method, target reduction)``."""
+    return (row["task"], row["method"], row.get("target_reduction"))
+
+
+def merge_reports(report: dict, new: dict, replace: bool = False) -> dict:
     """``report`` with the non-full rows of ``new`` after its rows of the same (task, target); ``new``'s full rows
-    must equal ``report``'s (their per-sample scores), and a method ``report`` already has is refused."""
+    must equal ``report``'s (their per-sample scores) for every task both have. A method ``report`` already has at a
+    task and target is refused, or with ``replace`` takes the new row's place; full rows of a task ``report`` lacks
+    are added."""
     full = {r["task"]: r for r in report["results"] if r["method"] == "full"}
-    for row in new["results"]:
-        if row["method"] == "full" and row["metrics"]["per_sample"] != full[row["task"]]["metrics"]["per_sample"]:
-            raise ValueError(f"{row['task']}: the new run's full KV differs from the report's (not the same samples)")
-    have = {(r["task"], r["method"], r.get("target_reduction")) for r in report["results"]}
     rows = list(report["results"])
     for row in new["results"]:
-        if row["method"] in ("full", "full+taylorseer"):
+        if row["method"] != "full":
             continue
-        key = (row["task"], row["method"], row["target_reduction"])
-        if key in have:
+        if row["task"] not in full:
+            rows.append(row)
+        elif row["metrics"]["per_sample"] != full[row["task"]]["metrics"]["per_sample"]:
+            raise ValueError(f"{row['task']}: the new run's full KV differs from the report's (not the same samples)")
+    for row in new["results"]:
+        if row["method"] == "full" or (row["method"] == "full+taylorseer" and row["task"] in full):
+            continue
+        key = _key(row)
+        at = [i for i, r in enumerate(rows) if _key(r) == key]
+        if at and not replace:
             raise ValueError(f"the report already has {row['method']} for {row['task']} at {key[2]:.0%}")
+        if at:
+            rows[at[0]] = row
+            continue
         same = [i for i, r in enumerate(rows) if r["task"] == key[0] and r.get("target_reduction") == key[2]]
         rows.insert(same[-1] + 1 if same else len(rows), row)
     config = dict(report["config"])
-    config["methods"] = list(dict.fromkeys([*config["methods"], *new["config"]["methods"]]))
+    for field in ("methods", "tasks"):
+        config[field] = list(dict.fromkeys([*config.get(field, []), *new["config"].get(field, [])]))
+    targets = {name: dict(reductions) for name, reductions in config.get("targets", {}).items()}
+    for name, reductions in new["config"].get("targets", {}).items():
+        targets.setdefault(name, {}).update(reductions)
+    config["targets"] = targets
     config.setdefault("added_runs", []).append(
         {
             "methods": new["config"]["methods"],
+            "tasks": new["config"].get("tasks"),
+            "targets": sorted(new["config"].get("targets", {})),
+            "replaced": replace,
             "match_from": new["config"].get("match_from"),
             "seconds": new["config"].get("seconds"),
         }
@@ -121,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m benchmarks.report_rows", description=__doc__.splitlines()[0])
     parser.add_argument("report", type=path_arg, help="the committed report (rewritten with the new rows)")
     parser.add_argument("new", type=path_arg, help="a --match-from run over the same samples")
+    parser.add_argument(
+        "--replace", action="store_true", help="the new rows replace the report's of the same task, method and target"
+    )
     args = parser.parse_args(argv)
     for path in (args.report, args.new):
         if not Path(path).is_file():
@@ -129,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.new}: the new rows must come from another file than the report")
     try:
         report, new = (json.loads(Path(p).read_text(encoding="utf-8")) for p in (args.report, args.new))
-        merge = merge_multi_image if "images" in report["config"] else merge_reports
-        merged = merge(report, new)
+        if "images" in report["config"]:
+            if args.replace:
+                parser.error("--replace combines quality reports; a multi_image report is run whole")
+            merge, merged = merge_multi_image, merge_multi_image(report, new)
+        else:
+            merge, merged = merge_reports, merge_reports(report, new, replace=args.replace)
     except (ValueError, KeyError) as exc:
         parser.error(f"{args.new} cannot be added to {args.report}: {exc}")
     save_text(json.dumps(merged, indent=_indent(args.report)) + "\n", args.report, "report")  # its own layout

@@ -82,6 +82,30 @@ def test_added_rows_go_after_their_target_and_must_pair_with_the_report():
         report_rows.merge_reports(report, _report(["kivi"], [_row("edit", "kivi", 0.8, [0, 0])]))
 
 
+def test_split_runs_combine_and_replace_only_with_replace():
+    und = _report(["full", "unicache"], [_row("und", "full", 0.0, [1, 0]), _row("und", "unicache", 0.95, [1, 1])])
+    und["config"]["targets"] = {"extreme": {"und": 0.95}}
+    edit = _report(["full", "kivi"], [_row("edit", "full", 0.0, [3, 4]), _row("edit", "kivi", 0.95, [2, 2])])
+    edit["config"]["targets"] = {"extreme": {"edit": 0.95}}
+    merged = report_rows.merge_reports(und, edit)
+    assert [(r["task"], r["method"]) for r in merged["results"]] == [
+        ("und", "full"),
+        ("und", "unicache"),
+        ("edit", "full"),
+        ("edit", "kivi"),
+    ]
+    assert merged["config"]["targets"] == {"extreme": {"und": 0.95, "edit": 0.95}}
+    again = _report(["full", "unicache"], [_row("und", "full", 0.0, [1, 0]), _row("und", "unicache", 0.95, [0, 0])])
+    with pytest.raises(ValueError, match="already has unicache"):
+        report_rows.merge_reports(merged, again)
+    replaced = report_rows.merge_reports(merged, again, replace=True)
+    assert [r["metrics"]["per_sample"] for r in replaced["results"] if r["method"] == "unicache"] == [[0, 0]]
+    assert len(replaced["results"]) == 4 and replaced["config"]["added_runs"][-1]["replaced"] is True
+    other = _report(["full"], [_row("und", "full", 0.0, [0, 0])])
+    with pytest.raises(ValueError, match="not the same samples"):
+        report_rows.merge_reports(merged, other, replace=True)
+
+
 def test_multi_image_rows_keep_the_unicache_row_they_were_paired_with():
     def row(method, images, steps):
         return {
