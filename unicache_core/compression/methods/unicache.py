@@ -267,7 +267,9 @@ class UniCache(Method):
         return out
 
 
-def quantized_ladder(rows: int, num_kv_heads: int, head_dim: int, elem: int, geometry: QuantGeometry) -> tuple:
+def quantized_ladder(
+    rows: int, num_kv_heads: int, head_dim: int, elem: int, geometry: QuantGeometry
+) -> tuple[Level, ...]:
     """The levels of ``rows`` quantized rows in one store (:class:`~unicache_core.compression.grants.Level`): every
     row at 2, 4 and 8 bits with the largest group and no residual (the least bytes that hold those bits; the first is
     their floor, :func:`~unicache_core.compression.family.quantized_floor_bytes`), then full precision; the error of
