@@ -299,9 +299,10 @@ def test_no_recompression_after_the_last_denoising_step(loaded, source, steps, l
 @pytest.mark.parametrize("route", ["evict", "quantize"])
 @pytest.mark.parametrize("target", [0.4, 0.25, 0.15])
 def test_unicache_fills_its_budget_to_within_one_row(loaded, target, route):
-    """What a layer leaves of its budget goes to the next layer, so a branch holds its budget to within one row
-    of one layer (the stores' granularity), never above it. Without the carry each layer may leave up to a row:
-    measured up to 1.84 rows here."""
+    """What a layer leaves of its budget goes to the next layer, so a request holds its branches' budgets to within
+    one row of one layer per branch (the stores' granularity), never above them. Without the carry each layer may
+    leave up to a row: measured up to 1.84 rows here. (The request's, not each branch's: the grants of
+    docs/compression.md §11.8 move bytes between its branches, here text-to-image's ``cfg_img`` to ``gen``.)"""
     routes = {key: route for key in paper_policy_table().entries}  # every candidate type on one route
     table = PolicyTable(entries=routes, model_id=loaded.model_id, source="calibrated")
     pipe = _pipe(loaded, "unicache", kv_target=target, policy=table)
@@ -311,15 +312,21 @@ def test_unicache_fills_its_budget_to_within_one_row(loaded, target, route):
     )
     for prompt in prompts:
         report = pipe.text_to_image(prompt, preset("t2i", width=32, height=32, num_timesteps=8), seed=1).kv_report
+        last: dict[str, dict] = {}  # a branch a step does not run (outside the CFG interval) holds what it held
         for step in report["steps"]:
-            for record in step["branches"].values():
+            last.update(step["branches"])
+            held = budget = one_row = 0.0
+            branches = 0
+            for record in last.values():
                 if not record["full_managed_bytes"] or not record["compressed"]:
                     continue
                 rows = sum(t["full_rows"] for name, t in record["types"].items() if name != "boundary")
-                one_row = record["full_managed_bytes"] / rows / loaded.model.num_layers
-                budget = record["rho"] * record["full_managed_bytes"]
-                assert record["managed_bytes"] <= budget + 1, (prompt, step["step"], record)
-                assert budget - record["managed_bytes"] < one_row, (prompt, step["step"], record)
+                one_row = max(one_row, record["full_managed_bytes"] / rows / loaded.model.num_layers)
+                budget += record["rho"] * record["full_managed_bytes"]
+                held += record["managed_bytes"]
+                branches += 1
+            assert held <= budget + branches, (prompt, step["step"], step["branches"])
+            assert budget - held < one_row * max(1, branches), (prompt, step["step"], step["branches"])
 
 
 def test_a_settled_branch_is_neither_measured_nor_compressed_again(loaded, source):

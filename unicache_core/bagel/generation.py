@@ -38,6 +38,7 @@ from .numerics import check_noise
 from .request import GivenLatents, RunHooks
 from .request_check import CheckedRequest
 from .run_info import GenerationInfo
+from .sampling import guidance_weights
 from .seeding import check_seed, seeded_generator
 from .settings import GenerationSettings, check_bool
 from .source_images import SINGLE_IMAGE_NAMES, ImageNames, PreparedImage, check_given, prepare_image
@@ -261,7 +262,7 @@ def _round(
     """One generation from ``items`` (texts and images): encode the images not yet encoded, build the contexts,
     [think], denoise, release the caches, decode."""
     loaded, s, hooks = pipe.loaded, shared.settings, shared.hooks
-    session = pipe.start_session(shared.task, s.num_steps)
+    session = pipe.start_session(shared.task, s.num_steps, guidance_weights(s.cfg_text_scale, s.cfg_img_scale))
     with torch.inference_mode():
         t0 = time.perf_counter()
         hooks.enter("contexts")

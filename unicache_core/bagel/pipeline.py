@@ -163,11 +163,19 @@ class BagelPipeline:
             )
         return chosen
 
-    def start_session(self, task: Task, num_steps: int | None = None) -> CacheSession:
-        """The cache session of one request (every context of the request gets its cache from it)."""
-        return self.cache_factory.start(
-            RequestInfo(task=task, num_layers=self.loaded.model.num_layers, num_steps=num_steps, model_id=self.model_id)
+    def start_session(
+        self, task: Task, num_steps: int | None = None, branch_weights: tuple[tuple[str, float], ...] = ()
+    ) -> CacheSession:
+        """The cache session of one request (every context of the request gets its cache from it); ``branch_weights``:
+        each branch's coefficient in the output (:func:`.sampling.guidance_weights`)."""
+        request = RequestInfo(
+            task=task,
+            num_layers=self.loaded.model.num_layers,
+            num_steps=num_steps,
+            model_id=self.model_id,
+            branch_weights=branch_weights,
         )
+        return self.cache_factory.start(request)
 
     def new_context(self, task: Task, branch: str, session: CacheSession | None = None) -> Context:
         """An empty context whose cache comes from ``session`` (a new session of the factory when None)."""

@@ -38,6 +38,19 @@ def cfg_active(t: Tensor, interval: tuple[float, float]) -> bool:
     return bool(t > interval[0]) and bool(t <= interval[1])
 
 
+def guidance_weights(text_scale: float, img_scale: float) -> tuple[tuple[str, float], ...]:
+    """Each branch's coefficient in the guided velocity of :func:`combine_cfg` before its renorm:
+    ``s_i * s_t * v + s_i * (1 - s_t) * v_text + (1 - s_i) * v_img`` with both scales active (an edit at 4 and 2:
+    8, -6, -1), ``s_t * v + (1 - s_t) * v_text`` with text guidance only, ``v`` without guidance. The renorm scales
+    the guided velocity (or its text part) as a whole, so it leaves the branches' shares of its error unchanged
+    (the compression's branch weights, docs/compression.md §11.8)."""
+    if not text_scale > 1.0:
+        return (("gen", 1.0),)
+    if not img_scale > 1.0:
+        return (("gen", text_scale), ("cfg_text", 1.0 - text_scale))
+    return (("gen", img_scale * text_scale), ("cfg_text", img_scale * (1.0 - text_scale)), ("cfg_img", 1.0 - img_scale))
+
+
 def combine_cfg(
     v: Tensor,
     v_text: Tensor | None,

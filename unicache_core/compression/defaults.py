@@ -24,6 +24,9 @@ RHO_FLOOR: dict[str, float] = {"understanding": 0.2, "t2i": 0.35, "edit": 0.1}
 FIXED_RHO_TASKS: frozenset[str] = frozenset({"understanding"})
 #: Exponent of the schedule ``rho_j = clip(rho0 * (m_j / m0) ** gamma, floor, rho0)``.
 RHO_GAMMA = 1.0
+#: Whether the schedule decays in bits (error parity, docs/compression.md §11.5): ``rho_j = rho0 + log4(m_j / m0)``
+#: bits' worth of retention, instead of the power law above.
+RHO_DECAY_IN_BITS = True
 #: Least relative fall of ``rho`` the schedule acts on (this project's hysteresis, docs/compression.md §8.7): a
 #: chunk whose formula lands less than 5% below the ``rho`` in force (and above the floor) keeps it. A smaller fall
 #: frees under 5% of the budget, fewer bytes than the re-layout of every store it touches is worth.

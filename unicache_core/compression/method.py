@@ -48,6 +48,7 @@ from ..kv.cache import AttentionCall, RequestInfo
 from ..kv.token_types import THINK
 from ..validation import check_bool, check_int
 from .defaults import DEFAULT_REDUCTION, SCORE_QUERIES
+from .grants import UnitNeed
 from .plan import BranchPlan, CallPlan, LayerPlan
 from .protocol import Measurement
 from .targets import parse_kv_target
@@ -209,10 +210,10 @@ class Method:
         """What the branch keeps, layer by layer (called at the compression points)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement plan()")
 
-    def floor_needs(self, view: BranchView) -> dict[int, tuple[int, int]] | None:
-        """Per layer ``(budget, floor)`` bytes at the least retention the branch can reach, when the method wants
-        the session to move bytes between branches so every branch can keep its floor (UniCache,
-        docs/compression.md §11.8); ``None``: no such need."""
+    def grant_needs(self, view: BranchView) -> dict[int, UnitNeed] | None:
+        """Per layer, its budget and its ladder of levels (:class:`~.grants.UnitNeed`) at the least retention the
+        branch can reach, when the method wants the session to move bytes between branches and layers: floors first,
+        then by sensitivity (UniCache, docs/compression.md §11.8); ``None``: no such need."""
         return None
 
 

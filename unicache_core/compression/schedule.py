@@ -19,7 +19,10 @@ class RetentionSchedule:
     (UniCache hands it back to its branch with each plan). Step chunk 0 (the full-KV step) supplies the reference
     mass ``m0``. For every later observation of chunk ``j``: ``rho_j = clip(rho0 * (m_j / m0) ** gamma, floor,
     rho0)`` and the scheduled ``rho`` is the minimum over all observations so far: it never rises. ``m0 ~ 0`` (or not
-    observed yet) keeps ``rho0``. A ``rho_j`` less than ``min_fall`` (relative) below the ``rho`` in force, and above
+    observed yet) keeps ``rho0``. With ``per_bit`` set the schedule decays in bits instead (error parity,
+    docs/compression.md §11.5): ``rho_j = clip(rho0 + per_bit * log4(m_j / m0), floor, rho0)``, ``per_bit`` the
+    retention of one bit per element of the cache's dtype, so a row's expected error ``m * 4**-b`` stays at the
+    reference's as the mass falls. A ``rho_j`` less than ``min_fall`` (relative) below the ``rho`` in force, and above
     the floor, is not acted on: the schedule falls in steps of at least 5%, or straight to its floor.
 
     Attributes:
@@ -29,6 +32,7 @@ class RetentionSchedule:
         fixed: ``rho`` stays ``rho0`` whatever is observed (understanding).
         min_fall: least relative fall acted on (:data:`~unicache_core.compression.defaults.RHO_MIN_FALL`; 0: every
             fall, the paper's schedule).
+        per_bit: retention of one bit per cached element (``1 / (8 * bytes per element)``); ``None``: the power law.
         m0: the reference mass (``None`` until step chunk 0 is observed).
         rho: the scheduled retention ratio now (``rho0`` until it falls).
     """
@@ -38,6 +42,7 @@ class RetentionSchedule:
     gamma: float = RHO_GAMMA
     fixed: bool = False
     min_fall: float = RHO_MIN_FALL
+    per_bit: float | None = None
     m0: float | None = None
     rho: float = -1.0  # set to rho0 when not given
 
@@ -50,6 +55,8 @@ class RetentionSchedule:
             raise ValueError(f"`gamma` must be > 0, got {self.gamma!r}")
         if not 0.0 <= self.min_fall < 1.0:
             raise ValueError(f"`min_fall` must be in [0, 1), got {self.min_fall!r}")
+        if self.per_bit is not None and not (math.isfinite(self.per_bit) and self.per_bit > 0):
+            raise ValueError(f"`per_bit` must be > 0 or None, got {self.per_bit!r}")
         if self.rho < 0:
             object.__setattr__(self, "rho", self.rho0)
 
@@ -67,11 +74,16 @@ class RetentionSchedule:
         return self.rho if self.fixed else min(self.floor, self.rho)
 
     def ratio_for(self, mass: float) -> float:
-        """``clip(rho0 * (mass / m0) ** gamma, floor, rho0)``; ``rho0`` when ``m0`` is unknown or ~0."""
+        """``clip(rho0 * (mass / m0) ** gamma, floor, rho0)`` (with ``per_bit``: ``rho0 + per_bit * log4(mass / m0)``);
+        ``rho0`` when ``m0`` is unknown or ~0."""
         if self.fixed or self.m0 is None or self.m0 <= 1e-12:
             return self.rho0
         rel = max(0.0, mass) / self.m0
-        return min(self.rho0, max(self.floor, self.rho0 * rel**self.gamma))
+        if self.per_bit is None:
+            proposed = self.rho0 * rel**self.gamma
+        else:
+            proposed = self.floor if rel <= 0 else self.rho0 + self.per_bit * math.log(rel, 4)
+        return min(self.rho0, max(self.floor, proposed))
 
     def observe(self, step_chunk: int, mass: float) -> RetentionSchedule:
         """The schedule after the summed candidate mass ``mass`` of ``step_chunk`` was observed."""

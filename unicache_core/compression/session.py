@@ -20,6 +20,7 @@ from ..kv.cache import AttentionCall, CacheSession, KVCache, RequestInfo, StepIn
 from ..kv.stores import KVStore
 from ..kv.token_types import THINK
 from .compressing_cache import CompressingKVCache
+from .grants import branch_grants
 from .method import Method
 from .plan import CallPlan, LayerPlan
 from .report import ReportBuilder
@@ -27,32 +28,6 @@ from .state import RequestState, clock
 from .view import BranchView, storages
 
 logger = logging.getLogger(__name__)
-
-
-def floor_grants(needs: dict[str, dict[int, tuple[int, int]]]) -> dict[str, dict[int, int]]:
-    """Bytes each (branch, layer) receives (> 0) or gives (< 0) so that every branch's quantized rows can keep their
-    2-bit floor (docs/compression.md §11.8).
-
-    A branch whose whole budget is under the floor of its quantized rows (an edit's image-free CFG branch holds only
-    its instruction: 5 rows at 2 bits need 476 B a layer where 10% gives 256 B) would otherwise drop them; the other
-    branches' bytes above their floors pay for it, in proportion to what they have above, so the request's total
-    stays within its budget.
-
-    Args:
-        needs: per branch, per layer ``(budget, floor)`` bytes at the least retention the branch can reach.
-    """
-    deficit = {(b, layer): max(0, need - budget) for b, plan in needs.items() for layer, (budget, need) in plan.items()}
-    surplus = {(b, layer): max(0, budget - need) for b, plan in needs.items() for layer, (budget, need) in plan.items()}
-    short, spare = sum(deficit.values()), sum(surplus.values())
-    moved = min(short, spare)
-    if moved == 0:
-        return {}
-    return {
-        b: {
-            layer: (deficit[(b, layer)] * moved) // short - -((-surplus[(b, layer)] * moved) // spare) for layer in plan
-        }
-        for b, plan in needs.items()
-    }
 
 
 class CompressionSession(CacheSession):
@@ -189,18 +164,20 @@ class CompressionSession(CacheSession):
         return self.state.grant(branch, layer)
 
     def _decide_grants(self, cache: CompressingKVCache) -> None:
-        """The floor grants of every live branch, from the method's needs, at the request's first compression: every
-        branch is then at the same least retention, so what one branch is given the others give."""
+        """The grants of every live branch and layer, from the method's needs and the branches' weights in the
+        request's output (the square of their coefficients), at the request's first compression: every branch is then
+        at the same least retention, so what one branch is given the others give (:func:`.grants.branch_grants`)."""
         needs = {}
         for other in self.live_caches():
             if other.num_layers != cache.num_layers:
                 continue
-            need = self.method.floor_needs(self.view(other))
+            need = self.method.grant_needs(self.view(other))
             if need is None:
                 self.state.set_grants({})
                 return
             needs[other.branch or ""] = need
-        self.state.set_grants(floor_grants(needs))
+        weights = {b: self.request.branch_weight(b) ** 2 for b in needs}
+        self.state.set_grants(branch_grants(needs, weights))
 
     def compress(self, cache: CompressingKVCache, call: AttentionCall | None) -> None:
         """Plan ``cache``'s compression at ``call`` with the method and apply it, timed as allocation and recorded."""
@@ -236,4 +213,4 @@ class CompressionSession(CacheSession):
         return self.report.build()
 
 
-__all__ = ["CompressionSession", "floor_grants"]
+__all__ = ["CompressionSession"]

@@ -2,8 +2,9 @@
 
 Everything a request accumulates across branches and steps lives here, and changes only through its methods: the
 chunked attention statistics, the clocks of the running step, the step itself, the resolved memory target, the
-bytes moved between branches (floor grants) and, per branch, its compressions, rho schedule, the method's state and
-the phase of its last measured call. The caches record into it; views read it; the report reads it.
+bytes moved between branches and layers (grants, docs/compression.md §11.8) and, per branch, its compressions, rho
+schedule, the method's state and the phase of its last measured call. The caches record into it; views read it; the
+report reads it.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class RequestState:
         self.target_ratio = ratio
 
     def set_grants(self, grants: dict[str, dict[int, int]]) -> None:
-        """The floor grants, decided once at the request's first compression."""
+        """The grants (:func:`~.grants.branch_grants`), decided once at the request's first compression."""
         self.grants = grants
 
 

@@ -25,6 +25,7 @@ block sees itself causally (text) or bidirectionally (image blocks, denoising la
 from __future__ import annotations
 
 import copy
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -91,12 +92,15 @@ class RequestInfo:
         num_steps: denoising steps that will run (``num_timesteps - 1``), or the most tokens that will be
             decoded (understanding); ``None`` when unknown.
         model_id: the model's id (a factory may pick settings made for that model with it), or ``""``.
+        branch_weights: ``(branch, coefficient)`` pairs: each branch's coefficient in the output the request returns
+            (classifier-free guidance combines the branches' outputs linearly; empty: every branch counts 1).
     """
 
     task: Task
     num_layers: int
     num_steps: int | None = None
     model_id: str = ""
+    branch_weights: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -104,6 +108,14 @@ class RequestInfo:
         check_int("num_layers", self.num_layers, 1)
         if self.num_steps is not None:
             check_int("num_steps", self.num_steps, 0)
+        for name, coefficient in self.branch_weights:
+            if name not in BRANCHES or not math.isfinite(coefficient):
+                pair = (name, coefficient)
+                raise ValueError(f"`branch_weights` must pair a branch of {BRANCHES} with a number, got {pair!r}")
+
+    def branch_weight(self, branch: str) -> float:
+        """The coefficient of ``branch`` in the request's output (1 when not given)."""
+        return dict(self.branch_weights).get(branch, 1.0)
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ...kv.cache import AttentionCall, RequestInfo
+from ...kv.quant import SUPPORTED_BITS
 from ...kv.token_types import CANDIDATE_TYPES
 from ...validation import check_bool, check_ratio
+from .. import defaults
 from ..defaults import FIT_VALUE_RANGES, RECENT_FRACTION
-from ..family import QuantGeometry, quantized_floor_bytes
+from ..family import FULL_BITS, JointChoice, QuantGeometry, Segment, choice_error, quantized_floor_bytes
+from ..grants import Level, UnitNeed
 from ..method import Method
 from ..ops import floor_bytes
 from ..plan import BranchPlan, CallPlan, LayerPlan
@@ -139,7 +142,16 @@ class UniCache(Method):
             floor = self.rho_floor
         if floor > rho0:
             raise ValueError(f"`rho_floor` ({floor}) must not exceed rho ({rho0})")
-        return RetentionSchedule(rho0=rho0, floor=floor, fixed=preset.fixed)
+        return RetentionSchedule(rho0=rho0, floor=floor, fixed=preset.fixed, per_bit=self._per_bit(view))
+
+    @staticmethod
+    def _per_bit(view: BranchView) -> float | None:
+        """The retention of one bit per element of the branch's cache dtype (the schedule decays in bits,
+        :data:`~unicache_core.compression.defaults.RHO_DECAY_IN_BITS`), ``None``: the power law (or no rows yet)."""
+        if not defaults.RHO_DECAY_IN_BITS:
+            return None
+        geometry = next((g for i in range(view.num_layers) if (g := view.layer(i).geometry) is not None), None)
+        return None if geometry is None else 1.0 / (8 * geometry.elem)
 
     def _schedules(self, view: BranchView) -> dict[int, RetentionSchedule]:
         state = view.state
@@ -231,10 +243,11 @@ class UniCache(Method):
             return BranchPlan(rho=rho_now, state=state)
         return BranchPlan(layers=plan_layers(view, chunks, self.allocation()), rho=rho_now, state=state)
 
-    def floor_needs(self, view: BranchView) -> dict[int, tuple[int, int]]:
-        """Per layer: ``(budget, floor)`` bytes at the least retention the branch's schedule can reach: the candidate
-        rows' budget, and what its quantized rows need to keep every row at 2 bits (one store when two or more types
-        are quantized, :func:`~unicache_core.compression.unicache_allocation.choose_pool`)."""
+    def grant_needs(self, view: BranchView) -> dict[int, UnitNeed]:
+        """Per layer, at the least retention the branch's schedule can reach: the candidate rows' budget and the
+        ladder of its quantized rows (one store when two or more types are quantized,
+        :func:`~unicache_core.compression.unicache_allocation.choose_pool`): :func:`quantized_ladder` when every
+        planned type is quantized, else only their 2-bit floor (docs/compression.md §11.8)."""
         geometry = self.geometry()
         out = {}
         for c, layers in layer_chunks(view.num_layers).items():
@@ -246,14 +259,34 @@ class UniCache(Method):
                 rows = {t: planned[t] for t in planned_types(self.table, view.task, layer)}
                 if geo is None or not rows:
                     continue
-                quantized = [n for t, n in rows.items() if self.table.kind(view.task, t) == Kind.QUANTIZE]
-                need = (
-                    quantized_floor_bytes(sum(quantized), geo.num_kv_heads, geo.head_dim, geo.elem, geometry)
-                    if quantized
-                    else 0
-                )
-                out[index] = (floor_bytes(least, sum(rows.values()) * layer.row_bytes), need)
+                quantized = sum(n for t, n in rows.items() if self.table.kind(view.task, t) == Kind.QUANTIZE)
+                ladder = quantized_ladder(quantized, geo.num_kv_heads, geo.head_dim, geo.elem, geometry)
+                if quantized != sum(rows.values()):
+                    ladder = ladder[:1]
+                out[index] = UnitNeed(floor_bytes(least, sum(rows.values()) * layer.row_bytes), ladder)
         return out
 
 
-__all__ = ["UniCache", "UniCacheState"]
+def quantized_ladder(
+    rows: int, num_kv_heads: int, head_dim: int, elem: int, geometry: QuantGeometry
+) -> tuple[Level, ...]:
+    """The levels of ``rows`` quantized rows in one store (:class:`~unicache_core.compression.grants.Level`): every
+    row at 2, 4 and 8 bits with the largest group and no residual (the least bytes that hold those bits; the first is
+    their floor, :func:`~unicache_core.compression.family.quantized_floor_bytes`), then full precision; the error of
+    each is :func:`~unicache_core.compression.family.choice_error`. ``((0, 0.0),)`` without rows."""
+    if rows == 0:
+        return (Level(0, 0.0),)
+    whole = Segment(rows, rows, FULL_BITS, 0, True, num_kv_heads, head_dim, elem)
+    full = JointChoice(rows, FULL_BITS)
+    ladder = [Level(quantized_floor_bytes(rows, num_kv_heads, head_dim, elem, geometry), 4.0 ** -min(SUPPORTED_BITS))]
+    for bits in sorted(SUPPORTED_BITS)[1:]:
+        choice = JointChoice(rows, bits, max(geometry.groups), 0)
+        cost = whole.choice_bytes(choice)
+        if ladder[-1].bytes < cost < whole.full_bytes:
+            ladder.append(Level(cost, choice_error(whole, choice)))
+    if ladder[-1].bytes < whole.full_bytes:
+        ladder.append(Level(whole.full_bytes, choice_error(whole, full)))
+    return tuple(ladder)
+
+
+__all__ = ["UniCache", "UniCacheState", "quantized_ladder"]
