@@ -300,7 +300,7 @@ def test_most_images_is_the_plans_boundary():
 def test_card_table_rows_grow_with_the_card():
     """More memory never fits fewer images; UniCache, which stores an edit's VAE rows compressed as the context fills,
     fits more images of an edit than full KV (each image's rows held once), and at most a few fewer of a question.
-    With the rows it evicts also written at the floor bits (FILL_DESIGN D2), at least 4x at 24 GB fp8 for both tasks
+    With the rows it evicts also written at the target's bytes (FILL_DESIGN D2), at least 4x at 24 GB fp8 for both tasks
     and 3x with the layer offload on 8-16 GB (test_card_table_with_evicted_rows_written)."""
     rows = card_table()
     assert len(rows) == len(CARD_SIZES_GB) * 2 * 2 * 2
@@ -319,7 +319,7 @@ def test_card_table_rows_grow_with_the_card():
 
 
 def test_card_table_with_evicted_rows_written(monkeypatch):
-    """Issue 54's targets, planned for UniCache storing the rows it evicts at the floor bits as they are written."""
+    """Issue 54's targets, planned for UniCache storing the rows it evicts at the target's bytes as they are written."""
     from unicache_core.compression.methods.unicache import UniCache
 
     monkeypatch.setattr(UniCache, "written_kinds", ("quantize", "evict"), raising=False)

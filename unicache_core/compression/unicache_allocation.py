@@ -27,7 +27,7 @@ from .report import type_name
 from .routing import Kind
 from .stats import fallback_budget_ratio
 from .view import POOLED, BranchView, LayerView, SegmentKey
-from .written import reference_bytes
+from .written import written_choice
 
 #: The unit of the quantized types that share one store (:func:`choose_pool`): the type a store of several
 #: candidate types has.
@@ -270,7 +270,7 @@ def plan_layer(
     rows = planned_rows(layer)
     kinds = {t: settings.table.kind(task, t) for t in ratios}
     geometry = settings.geometry
-    budgets = {t: floor_bytes(r, reference_bytes(layer, t, kinds[t], rows[t], geometry)) for t, r in ratios.items()}
+    budgets = {t: floor_bytes(r, rows[t] * layer.row_bytes) for t, r in ratios.items()}
     base = sum(budgets.values())
     for t in budgets:
         budgets[t] += math.floor(carry * (budgets[t] / base if base else 1 / len(budgets)))
@@ -328,7 +328,10 @@ def segment_change(
     plan_bits: int | None, settings: AllocationSettings,
 ) -> SegmentChange:  # fmt: skip
     """The (rows, bits) of one segment for ``budget`` bytes (:func:`~unicache_core.compression.family.choose`)."""
-    choice = choose(segment, kind, budget, settings.geometry, plan_bits)
+    if kind == Kind.EVICT and segment.held_bits != FULL_BITS:  # an evicted type's rows stored as written (§13)
+        choice = written_choice(segment, budget, settings.geometry)
+    else:
+        choice = choose(segment, kind, budget, settings.geometry, plan_bits)
     fewer = choice.rows < segment.held_rows or choice.bits < segment.held_bits
     if not (fewer or (segment.held_bytes > budget and segment.choice_bytes(choice) < segment.held_bytes)):
         return SegmentChange(None, segment.held_bytes)

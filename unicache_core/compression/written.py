@@ -1,19 +1,23 @@
-"""How UniCache stores an image's rows as each layer writes them (docs/compression.md §13), and what a later
-retention ratio of those rows is a share of. Pure functions of a layer's view; no scores needed.
+"""How UniCache stores an image's rows as each layer writes them (docs/compression.md §13), and what an evicted type's
+rows held so become for a later budget. Pure functions of a layer's view and a segment; no scores needed to write.
 
-- A type the policy table quantizes: every row at the most precise lookup setting whose real bytes fit ``rho0`` of
-  the rows' uncompressed bytes (the bits the rows keep); rows that would not all fit wait for the first compression.
-- A type the table evicts: every row at the lookup's lowest setting (:func:`written_floor`: 2 bits, largest group, no
-  residual) until the scores to evict exist (a full target, ``rho0`` 1, leaves them whole). Its retained ratio is
-  then a share of what it stores (:func:`reference_bytes`): the eviction keeps that share of its rows, the best by
-  score, at the bits they were written at (bits never rise).
+- Every type the policy table quantizes or evicts: an image's rows at the most precise lookup setting whose real bytes
+  fit ``rho0`` of the rows' uncompressed bytes (the bits the rows keep at most). A quantized type's rows that would
+  not all fit wait for the first compression; an evicted type's are then stored at the lookup's lowest setting
+  (:func:`written_floor`: 2 bits, largest group, no residual) until the scores to evict exist. A full target
+  (``rho0`` 1) leaves them whole.
+- A retained ratio is a share of a type's uncompressed bytes, whatever it stores. An evicted type's rows held
+  quantized then take :func:`written_choice` for their bytes: every row at fewer bits while they all fit, else the
+  most rows that fit at the lowest bits, the best by score (the eviction).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..kv.quant import SUPPORTED_BITS
 from ..kv.token_types import TokenType
-from .family import FULL_BITS, JointChoice, QuantGeometry, choose, quantized_floor_bytes
+from .family import FULL_BITS, JointChoice, QuantGeometry, Segment, choose
 from .ops import floor_bytes
 from .plan import Keep, LayerPlan
 from .routing import Kind
@@ -21,7 +25,8 @@ from .view import LayerView
 
 
 def written_floor(geometry: QuantGeometry, rows: int) -> JointChoice:
-    """How ``rows`` rows of an evicted type are stored as they are written: the lookup's lowest setting, the bytes of
+    """How ``rows`` rows of an evicted type are stored as they are written when ``rho0`` is under every setting that
+    keeps them all: the lookup's lowest setting, the bytes of
     :func:`~unicache_core.compression.family.quantized_floor_bytes`."""
     return JointChoice(rows, min(SUPPORTED_BITS), max(geometry.groups), 0)
 
@@ -31,8 +36,8 @@ def written_plan(
 ) -> LayerPlan:
     """The stores of ``layer``'s image segments just written (module docstring); ``kinds``: the policy kind of each
     type stored as written (the others wait)."""
-    if layer.geometry is None:
-        return LayerPlan()
+    if layer.geometry is None or rho0 >= 1.0:
+        return LayerPlan()  # a full target keeps every row as it is
     keeps = []
     for key in layer.candidate_keys:
         kind = kinds.get(key.type)
@@ -41,34 +46,25 @@ def written_plan(
         segment = layer.segment((key,))
         if segment.held_bits != FULL_BITS or not segment.shared_rows or segment.held_rows < segment.full_rows:
             continue  # compressed already
-        if kind == Kind.EVICT:
-            choice = written_floor(geometry, segment.held_rows)
-            if rho0 >= 1.0 or segment.choice_bytes(choice) >= segment.held_bytes:
-                continue  # a full target keeps every row as it is; too few rows for quantizing to shrink them
-        else:
-            choice = choose(segment, Kind.QUANTIZE, floor_bytes(rho0, segment.full_bytes), geometry)
-            if not choice.quantized or choice.rows < segment.held_rows:
+        choice = choose(segment, Kind.QUANTIZE, floor_bytes(rho0, segment.full_bytes), geometry)
+        if not choice.quantized or choice.rows < segment.held_rows:
+            if kind != Kind.EVICT:
                 continue
+            choice = written_floor(geometry, segment.held_rows)  # an eviction waits for scores: every row, at least
+        if segment.choice_bytes(choice) >= segment.held_bytes:
+            continue  # too few rows for quantizing to shrink them
         held = segment.choice_bytes(choice)
         keeps.append(Keep((key,), choice.rows, choice.bits, choice.group, choice.residual, fit_values=fit_values, expected_bytes=held))  # noqa: E501  # fmt: skip
     return LayerPlan(keeps=tuple(keeps))
 
 
-def reference_bytes(layer: LayerView, token_type: TokenType, kind: Kind, rows: int, geometry: QuantGeometry) -> int:
-    """The bytes a retained ratio of ``rows`` rows of ``token_type`` (those this branch plans) is a share of: their
-    uncompressed K and V, but for an evicted type each image segment stored as written counts at the floor's bytes."""
-    if kind != Kind.EVICT:
-        return rows * layer.row_bytes
-    geo = layer.geometry
-    assert geo is not None
-    total = 0
-    for key, n in layer.segment_rows.items():
-        if key.type != token_type or key in layer.planned_elsewhere:
-            continue
-        written = key.image is not None and layer.segment((key,)).held_bits != FULL_BITS
-        floor = quantized_floor_bytes(n, geo.num_kv_heads, geo.head_dim, geo.elem, geometry)
-        total += floor if written else n * layer.row_bytes
-    return total
+def written_choice(segment: Segment, budget: int, geometry: QuantGeometry) -> JointChoice:
+    """The (rows, bits) of an evicted type's segment held quantized (written so) for ``budget`` bytes, never more rows
+    or bits than it holds: every row at the most precise setting that fits (the quantize route of
+    :func:`~unicache_core.compression.family.choose`), and below every row's floor the most rows that fit at the
+    lowest bits, the rows to keep chosen by score. The written residual-free store stays residual-free (the
+    full-precision values a residual would hold are gone)."""
+    return choose(segment, Kind.QUANTIZE, budget, replace(geometry, residual_max=0))
 
 
-__all__ = ["reference_bytes", "written_floor", "written_plan"]
+__all__ = ["written_choice", "written_floor", "written_plan"]

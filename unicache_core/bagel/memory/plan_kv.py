@@ -20,8 +20,9 @@ Every method holds what is identical once (copy on write, ``full`` included): th
 How rows are stored while the context fills (:func:`prefill_ratios`): as the method does it (:func:`written_kinds`,
 read from the method): a method that compresses as written (UniCache) stores each image's rows at once, the types
 its policy quantizes at the bytes of the method's target ratio (the bits the row keeps) and, where it says so, the
-types it evicts at the lowest bits of its lookup (:data:`~unicache_core.compression.defaults.KIVI_FLOOR`) until the
-scores to evict them exist; the other methods keep them whole until their first compression. Text and boundary
+types it evicts at those bytes too, or at the lowest bits of its lookup
+(:data:`~unicache_core.compression.defaults.KIVI_FLOOR`) where the target is under them, until the scores to evict
+them exist; the other methods keep them whole until their first compression. Text and boundary
 rows stay whole until then.
 
 ``kv_full`` is what the official code holds (every branch apart, uncompressed); ``kv_compressed`` what the method
@@ -90,8 +91,8 @@ def target_ratio(kv_method: str, task: str) -> float:
 
 def written_kinds(kv_method: str) -> tuple[str, ...]:
     """The policy kinds whose image rows ``kv_method`` stores compressed as they are written: its ``written_kinds``
-    (``"evict"`` ones at the floor bits until the eviction), else ``("quantize",)`` when it compresses as written
-    (``compresses_written``), else none."""
+    (``"evict"`` ones at the target's bytes, at least the floor's, until the eviction), else ``("quantize",)`` when it
+    compresses as written (``compresses_written``), else none."""
     method = _method(kv_method)
     default = ("quantize",) if getattr(method, "compresses_written", False) else ()
     return tuple(getattr(method, "written_kinds", default))
@@ -101,7 +102,7 @@ def prefill_ratios(config: BagelConfig, kv_method: str, task: str, rows: int) ->
     """Stored bytes over uncompressed bytes of an image's ``vae`` and ``vit`` content rows (``rows`` of each, for
     the floor's groups) while the context fills, under ``kv_method`` (module docstring): the kinds of
     :func:`written_kinds` by the shipped policy table (a ``quantize`` type at the target ratio, an ``evict`` type at
-    the floor), every other type whole."""
+    the target ratio or the floor, whichever is more), every other type whole."""
     kinds = written_kinds(kv_method)
     if not kinds:
         return {"vae": 1.0, "vit": 1.0}
@@ -115,7 +116,8 @@ def prefill_ratios(config: BagelConfig, kv_method: str, task: str, rows: int) ->
         kind = table.kind(task, token_type)
         ratio = 1.0
         if kind in kinds:
-            ratio = target if kind == "quantize" else floor_ratio(config, rows) if kind == "evict" else 1.0
+            floor = floor_ratio(config, rows)
+            ratio = target if kind == "quantize" else max(target, floor) if kind == "evict" else 1.0
         ratios[name] = ratio
     return ratios
 
