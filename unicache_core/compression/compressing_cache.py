@@ -310,6 +310,8 @@ class CompressingKVCache(SegmentedKVCache):
                 keep.scores,
                 recent=keep.recent,
                 fit_values=keep.fit_values,
+                value_bits=keep.value_bits,
+                key_per_token=keep.key_per_token,
             )
         if keep.expected_bytes is not None and store.nbytes() != keep.expected_bytes:
             reason = (
