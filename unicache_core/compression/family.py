@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ..kv.quant import PACKED_BITS, SUPPORTED_BITS, quantized_kv_nbytes
@@ -281,17 +281,11 @@ def choose(
             best = evicted
     if least == FULL_BITS:
         return best
-    per_token = next(  # keys grouped per token (fewer rows than channels): every row, else the most that fit
-        (
-            found
-            for bits, group in lookup_order(geometry)
-            if bits in allowed
-            and (found := segment.quantized(max_rows, bits, group, geometry, budget, values(bits), True)) is not None
-        ),
-        segment.most_rows(least, budget, geometry, max_rows, values(least), key_per_token=True),
-    )
-    if per_token_keys and max_rows < segment.head_dim and per_token.rows and choice_error(segment, per_token) < choice_error(segment, best):
-        best = per_token
+    if per_token_keys and max_rows < segment.head_dim:  # per-token key metadata costs less than per-channel
+        per_token = _per_token_keys(segment, least, [(b, g) for b, g in lookup_order(geometry) if b in allowed],
+                                    budget, geometry, values)  # fmt: skip
+        if per_token.rows and choice_error(segment, per_token) < choice_error(segment, best):
+            best = per_token
     for value_bits in sorted((b for b in PACKED_BITS if value_floor <= b < least and b <= held_values), reverse=True):
         fewer = _fewer_value_bits(segment, least, value_bits, budget, geometry)
         if fewer.rows and choice_error(segment, fewer) < choice_error(segment, best):
@@ -299,7 +293,22 @@ def choose(
     return best
 
 
-def _fewer_value_bits(segment: Segment, bits: int, value_bits: int, budget: int, geometry: QuantGeometry) -> JointChoice:
+def _per_token_keys(
+    segment: Segment, least: int, settings: list[tuple[int, int]], budget: int, geometry: QuantGeometry,
+    values: Callable[[int], int | None],
+) -> JointChoice:  # fmt: skip
+    """Every row with its keys grouped per token at the first of ``settings`` (``(bits, group)``, most precise first)
+    that fits ``budget``, else the most rows that fit at ``least`` bits; ``values(bits)``: the values' bits."""
+    for bits, group in settings:
+        found = segment.quantized(segment.held_rows, bits, group, geometry, budget, values(bits), key_per_token=True)
+        if found is not None:
+            return found
+    return segment.most_rows(least, budget, geometry, segment.held_rows, values(least), key_per_token=True)
+
+
+def _fewer_value_bits(
+    segment: Segment, bits: int, value_bits: int, budget: int, geometry: QuantGeometry
+) -> JointChoice:
     """The most rows with keys at ``bits`` and values at ``value_bits`` that fit ``budget``; when every row fits,
     the smallest key group that does (as the lookup's order)."""
     for group in geometry.groups:

@@ -1,6 +1,6 @@
 """The KIVI-quantized KV store (:class:`QuantizedStore`): keys per channel, values per token, packed at 2, 4 or 8 bits
-(values also at 1 bit, docs/compression.md §11.13), the last rows in full precision; the same :class:`~unicache_core.kv.stores.KVStore` interface as the full and evicted
-stores of :mod:`unicache_core.kv.stores`."""
+(values also at 1 bit, keys also per token: docs/compression.md §11.13), the last rows in full precision; the same
+:class:`~unicache_core.kv.stores.KVStore` interface as the full and evicted stores of :mod:`unicache_core.kv.stores`."""
 
 from __future__ import annotations
 
@@ -107,7 +107,8 @@ class QuantizedStore(KVStore):
         if tuple(token_index.shape) not in ((t,), (h, t)):
             raise ValueError(f"`token_index` must be [T]=({t},) or [Hkv, T]=({h}, {t}), got {tuple(token_index.shape)}")
         r = min(check_int("residual", residual, 0), t)
-        qvalues = quantize_values(values[:, : t - r], bits if value_bits is None else value_bits, group_size, fit_values)
+        vbits = bits if value_bits is None else value_bits
+        qvalues = quantize_values(values[:, : t - r], vbits, group_size, fit_values)
         return cls(
             quantize_keys(keys[:, : t - r], bits, group_size, key_per_token),
             qvalues,
