@@ -20,7 +20,14 @@ from unicache_core.compression.family import (
     row_loss,
 )
 from unicache_core.compression.ops import compress_rows
-from unicache_core.kv.quant import pack_bits, quantize_keys, quantize_values, quantized_kv_nbytes, unpack_bits
+from unicache_core.kv.quant import (
+    StoreLayout,
+    pack_bits,
+    quantize_keys,
+    quantize_values,
+    quantized_kv_nbytes,
+    unpack_bits,
+)
 from unicache_core.kv.quantized_store import QuantizedStore
 from unicache_core.kv.segmented_cache import SegmentedLayer
 from unicache_core.kv.token_types import TokenType as TT
@@ -72,7 +79,7 @@ def test_a_store_with_one_bit_values_counts_what_it_holds() -> None:
     k, v = torch.randn(40, H, D, generator=gen), torch.randn(40, H, D, generator=gen)
     store = QuantizedStore.from_kv(k, v, torch.arange(40), 2, 128, 0, TT.SOURCE_VIT, True, value_bits=1)
     assert (store.bits, store.value_bits) == (2, 1)
-    assert store.nbytes() == quantized_kv_nbytes(40, H, D, 2, 128, 0, 4, value_bits=1) + 4 * 40
+    assert store.nbytes() == quantized_kv_nbytes(40, H, D, 2, 128, 0, 4, layout=StoreLayout(value_bits=1)) + 4 * 40
     both = QuantizedStore.from_kv(k, v, torch.arange(40), 2, 128, 0, TT.SOURCE_VIT, True)
     assert both.nbytes() - store.nbytes() == H * 40 * 4  # 4 bytes fewer per value row and head
     keys, values = store.dequantize()
@@ -85,7 +92,8 @@ def test_per_token_keys_cost_a_scale_and_zero_per_row() -> None:
     assert per_token.axis == "token" and per_token.scale.shape == (H, 5, 1)
     assert per_channel.scale.shape == (H, 1, D)
     assert per_token.nbytes() == H * (5 * 8 + 5 * 4)
-    assert quantized_kv_nbytes(5, H, D, 2, 32, 0, 4, key_per_token=True) == H * (5 * 16 + 5 * 4 + 5 * 4)
+    per_token_bytes = quantized_kv_nbytes(5, H, D, 2, 32, 0, 4, layout=StoreLayout(key_per_token=True))
+    assert per_token_bytes == H * (5 * 16 + 5 * 4 + 5 * 4)
     store = QuantizedStore.from_kv(keys.transpose(0, 1), keys.transpose(0, 1), torch.arange(5), 2, 32, 0,
                                    TT.INSTRUCTION, key_per_token=True)  # fmt: skip
     assert store.key_per_token and store.nbytes() == H * (5 * 16 + 5 * 4 + 5 * 4) + 4 * 5
@@ -152,8 +160,7 @@ def test_compress_rows_makes_the_store_the_choice_counted(value_bits: int, per_t
     scores = torch.rand(n, H, generator=gen)
     for keep in (n, 12):  # every row (one shared index), then a per-head subset of the held store
         choice = JointChoice(keep, 2, 16, 0, None if value_bits == 2 else value_bits, per_token)
-        store = compress_rows(layer, [0], keep, 2, 16, 0, scores, fit_values=True,
-                              value_bits=choice.value_bits, key_per_token=per_token)  # fmt: skip
+        store = compress_rows(layer, [0], keep, 2, 16, 0, scores, fit_values=True, layout=choice.layout)
         assert isinstance(store, QuantizedStore)
         assert (store.value_bits, store.key_per_token, store.num_tokens) == (value_bits, per_token, keep)
         if keep == n:

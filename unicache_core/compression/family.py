@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from ..kv.quant import PACKED_BITS, SUPPORTED_BITS, quantized_kv_nbytes
+from ..kv.quant import PACKED_BITS, SUPPORTED_BITS, StoreLayout, quantized_kv_nbytes
 from .defaults import JOINT_BITS, JOINT_LEVELS, KIVI_GROUPS, KIVI_RESIDUAL, KIVI_RESIDUAL_SHARE
 
 #: ``bits`` of rows kept at the cache's own precision (evicted or uncompressed rows).
@@ -113,6 +113,11 @@ class JointChoice:
         return self.bits != FULL_BITS
 
     @property
+    def layout(self) -> StoreLayout:
+        """The store layout of a quantized choice (its value bits and key groups)."""
+        return StoreLayout(self.value_bits, self.key_per_token)
+
+    @property
     def vbits(self) -> int:
         """The values' bits (``bits`` unless fewer)."""
         return self.bits if self.value_bits is None else self.value_bits
@@ -159,9 +164,8 @@ class Segment:
             return choice.rows * h * (2 * d * self.elem + 4)
         index = 4 * choice.rows * (h if per_head_index else 1)
         nbytes = quantized_kv_nbytes(
-            choice.rows, h, d, choice.bits, choice.group, choice.residual, self.elem, value_bits=choice.value_bits,
-            key_per_token=choice.key_per_token,
-        )  # fmt: skip
+            choice.rows, h, d, choice.bits, choice.group, choice.residual, self.elem, layout=choice.layout
+        )
         return nbytes + index
 
     def quantized(

@@ -13,7 +13,15 @@ import math
 import torch
 from torch import Tensor
 
-from ..kv.quant import SCALE_DTYPE, QuantizedTensor, quantize_keys, quantize_values, quantized_kv_nbytes
+from ..kv.quant import (
+    KIVI_LAYOUT,
+    SCALE_DTYPE,
+    QuantizedTensor,
+    StoreLayout,
+    quantize_keys,
+    quantize_values,
+    quantized_kv_nbytes,
+)
 from ..kv.quantized_store import QuantizedStore
 from ..kv.segmented_cache import SegmentedLayer
 from ..kv.stores import EvictedStore, FullStore, KVStore
@@ -160,13 +168,12 @@ def compress_rows(
     *,
     recent: int = 0,
     fit_values: bool = False,
-    value_bits: int | None = None,
-    key_per_token: bool = False,
+    layout: StoreLayout = KIVI_LAYOUT,
 ) -> KVStore:
     """Keep ``keep`` rows per KV head of the pooled stores at ``indices`` (chosen by ``scores``, as :func:`evict`)
     at ``bits`` (:data:`~unicache_core.compression.family.FULL_BITS`: an :class:`EvictedStore`; else a
-    :class:`QuantizedStore` of those rows, values at ``value_bits`` (``None``: ``bits``), keys per token with
-    ``key_per_token`` (docs/compression.md §11.13), whose ``residual``
+    :class:`QuantizedStore` of those rows, its values' bits and key groups as ``layout`` says (docs/compression.md
+    §11.13), whose ``residual``
     best-scored rows per head stay in full precision, or the newest ones without scores).
 
     Every row of a pool whose heads share their rows is quantized as one segment (one ``[T]`` index).
@@ -179,7 +186,7 @@ def compress_rows(
         if scores is None:
             raise ValueError("evicting rows needs their scores")
         return evict(layer, indices, keep, scores, recent=recent)
-    vbits = bits if value_bits is None else value_bits
+    vbits, key_per_token = layout.values(bits), layout.key_per_token
     if keep >= total and len(stores) == 1 and shared_rows(stores) and keeps_value_codes(stores[0], bits, group, vbits):
         return _requantize_shared(layer, indices[0], group, residual, scores, fit_values, key_per_token)
     if keep >= total and shared_rows(stores):

@@ -172,6 +172,24 @@ def unpack_into(packed: Tensor, bits: int, out: Tensor) -> Tensor:
     return out
 
 
+@dataclass(frozen=True)
+class StoreLayout:
+    """How a quantized store departs from KIVI's layout below the 2-bit floor (docs/compression.md §11.13): the values'
+    bits when fewer than the keys' (``value_bits``, ``None``: the keys'), keys grouped per token (``key_per_token``: a
+    row's channels share a scale and zero) instead of per channel."""
+
+    value_bits: int | None = None
+    key_per_token: bool = False
+
+    def values(self, bits: int) -> int:
+        """The values' bits of a store whose keys have ``bits``."""
+        return bits if self.value_bits is None else self.value_bits
+
+
+#: KIVI's own layout: values at the keys' bits, keys per channel.
+KIVI_LAYOUT = StoreLayout()
+
+
 #: Rows (tokens x heads) per fp32 block in the per-token (value) dequantization.
 VALUE_BLOCK_ROWS = 8192
 
@@ -441,12 +459,10 @@ def quantized_kv_nbytes(
     elem_bytes: int,
     key_group_bytes: int = BYTES_PER_GROUP,
     value_group_bytes: int = BYTES_PER_GROUP,
-    value_bits: int | None = None,
-    key_per_token: bool = False,
+    layout: StoreLayout = KIVI_LAYOUT,
 ) -> int:
     """Bytes of packed KIVI K+V for ``num_tokens`` tokens (docs/compression.md §1, fp16 scale/zero): keys at
-    ``bits``, values at ``value_bits`` (``None``: ``bits`` too; fewer value bits: §11.13); ``key_per_token``: the
-    keys grouped per token like the values (§11.13).
+    ``bits``, values and key groups as ``layout`` says (KIVI's: values at ``bits``, keys per channel; §11.13).
 
     The last ``min(residual, num_tokens)`` tokens are counted at ``elem_bytes`` (the cache dtype).
     ``key_group_bytes`` / ``value_group_bytes``: scale + zero bytes per group (8 where fp32 scales were
@@ -454,9 +470,9 @@ def quantized_kv_nbytes(
     """
     r = min(residual, num_tokens)
     n = num_tokens - r
-    vbits = bits if value_bits is None else value_bits
+    vbits = layout.values(bits)
     payload = n * (-(-head_dim * bits // 8) + -(-head_dim * vbits // 8))
-    key_groups = n * (-(-head_dim // group_size)) if key_per_token else -(-n // group_size) * head_dim
+    key_groups = n * (-(-head_dim // group_size)) if layout.key_per_token else -(-n // group_size) * head_dim
     key_meta = key_groups * key_group_bytes
     value_meta = n * (-(-head_dim // group_size)) * value_group_bytes
     res = r * head_dim * 2 * elem_bytes
@@ -467,7 +483,9 @@ __all__ = [
     "BYTES_PER_GROUP",
     "PACKED_BITS",
     "QuantizedTensor",
+    "KIVI_LAYOUT",
     "SCALE_DTYPE",
+    "StoreLayout",
     "SUPPORTED_BITS",
     "VALUE_BLOCK_ROWS",
     "byte_lut",

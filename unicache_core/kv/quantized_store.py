@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..validation import check_int
 from .attention import attention_with_lse, merge_attention
-from .quant import QuantizedTensor, quantize_keys, quantize_values, quantized_kv_nbytes
+from .quant import QuantizedTensor, StoreLayout, quantize_keys, quantize_values, quantized_kv_nbytes
 from .stores import KVStore, StoreKind, check_kv
 from .token_types import TokenType
 
@@ -238,8 +238,7 @@ class QuantizedStore(KVStore):
                 elem,
                 key_group_bytes=2 * self.qkeys.scale.element_size(),
                 value_group_bytes=2 * self.qvalues.scale.element_size(),
-                value_bits=self.value_bits,
-                key_per_token=self.key_per_token,
+                layout=StoreLayout(self.value_bits, self.key_per_token),
             )
             + 4 * self.token_index.numel()
         )
