@@ -3,7 +3,8 @@
 A type of ``n`` rows may keep ``rows <= n`` rows per KV head (chosen by its scores) at ``bits`` in
 {2, 4, 8} (KIVI layout, docs/compression.md §6) or at full precision (:data:`FULL_BITS`). ``rows < n`` at
 full precision is eviction, ``rows = n`` at b bits is quantization, anything between is a joint choice
-(docs/compression.md §11).
+(docs/compression.md §11). Below the 2-bit floor a segment of fewer rows than channels may group its keys per token,
+and values may take fewer bits than keys (§11.13).
 
 Quantization geometry follows the segment and the budget (§11.2): the bits and group are the most
 precise whose every row fits the budget; the full-precision residual then takes the bytes left, up to
@@ -234,8 +235,9 @@ def choose(
       they were written) keep their bits;
     - ``quantize``: every row at the most precise lookup setting that fits (the paper's KIVI route); when
       even the least one does not fit, whichever keeps more rows of: a subset at the lowest bits, or
-      full-precision rows; and with ``value_floor`` below 2 bits, the most rows with 2-bit keys and values at fewer
-      bits where that loses less by :func:`choice_error` (docs/compression.md §11.13);
+      full-precision rows; or, where it loses less by :func:`choice_error` (docs/compression.md §11.13), with
+      ``per_token_keys`` and fewer rows than channels the rows with their keys grouped per token, and with
+      ``value_floor`` below 2 bits the most rows with 2-bit keys and values at fewer bits;
     - ``joint``: ``plan_bits`` (the calibrated bits for this budget level) and the most rows that fit.
 
     A budget that covers the segment as it is held keeps it unchanged (the returned choice has its rows and
@@ -324,8 +326,7 @@ def _fewer_value_bits(
 
 def row_loss(bits: int) -> float:
     """The share of a row's part (its key or its value) lost at ``bits``: quantization noise power falls by 4 per bit
-    (``4**-b``; at 1 bit the fitted values' measured noise, 0.33 of their variance against 0.10 at 2 bits, is within
-    this model's 4x); nothing at full precision."""
+    (``4**-b``, 1 bit included: docs/compression.md §11.13); nothing at full precision."""
     return 0.0 if bits == FULL_BITS else 4.0**-bits
 
 
