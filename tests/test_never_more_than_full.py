@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from unicache_core.compression import METHODS, make_cache_factory
+from unicache_core.compression import METHODS, make_cache_factory, unicache_allocation
 from unicache_core.compression.family import JointPlan
 from unicache_core.compression.policy_table import PolicyTable, paper_policy_table
 from unicache_core.compression.report import MANAGED_TYPES
@@ -223,3 +223,23 @@ def test_every_edge_length_for_the_quantizing_methods() -> None:
         for policy in (None, _joint_table(), _quantize_table()):
             run_request("unicache", task, TARGETS[target][task], [length, length, length], torch.bfloat16, i, policy)
         run_request("kivi", "t2i", TARGETS[target]["t2i"], [length, length, length], torch.bfloat16, i)
+
+
+@pytest.mark.parametrize("quantize_all", [False, True])
+def test_fewer_value_bits_never_exceed_full(monkeypatch, quantize_all: bool) -> None:
+    """The same sweep with UniCache's values allowed below 2 bits under the floor (docs/compression.md §11.13; off by
+    default): 2-bit keys with 1-bit values, keys grouped per token, and the paper's subsets, every length 1..40 and
+    every edge length, fp32 and bf16."""
+    monkeypatch.setattr(unicache_allocation, "VALUE_FLOOR_BITS", 1)
+    policy = _quantize_table() if quantize_all else None
+    seed = 50_000 + 1000 * quantize_all
+    for t, task in enumerate(TASKS):
+        for target, lengths in _dense_requests(t):
+            seed += 1
+            run_request("unicache", task, TARGETS[target][task], lengths, torch.bfloat16 if seed % 2 else torch.float32,
+                        seed, policy)  # fmt: skip
+        for i, length in enumerate(EDGE_LENGTHS):
+            seed += 1
+            target = ("robust", "extreme")[i % 2]
+            run_request("unicache", task, TARGETS[target][task], [length, length, length],
+                        torch.bfloat16 if seed % 2 else torch.float32, seed, policy)  # fmt: skip

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..kv.cache import AttentionCall, RequestInfo
+from ..kv.quant import StoreLayout
 from ..kv.segmented_cache import LayerAttention, SegmentedKVCache
 from ..kv.stores import KVStore
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
@@ -310,6 +311,7 @@ class CompressingKVCache(SegmentedKVCache):
                 keep.scores,
                 recent=keep.recent,
                 fit_values=keep.fit_values,
+                layout=StoreLayout(keep.value_bits, keep.key_per_token),
             )
         if keep.expected_bytes is not None and store.nbytes() != keep.expected_bytes:
             reason = (

@@ -81,6 +81,10 @@ KIVI_RESIDUAL_SHARE = 0.5
 #: UniCache fits each value row's quantization range by least squares instead of taking its min and max (same
 #: bytes; docs/compression.md §11.10); the KIVI baseline keeps its paper's min-max.
 FIT_VALUE_RANGES = True
+#: Below the 2-bit floor UniCache may keep a quantized type's rows with 2-bit keys and values at this many bits instead
+#: of dropping them, where the sensitivity model says it loses less (docs/compression.md §11.13); only with fitted
+#: value ranges (a 1-bit min-max range loses more than the values themselves hold). 2: no fewer value bits.
+VALUE_FLOOR_BITS = 2
 #: The most compressed (bits, group) of UniCache's lookup: the floor of a quantized segment.
 KIVI_FLOOR = (2, 128)
 #: KIVI group sizes (key groups run over tokens, value groups over channels): the KIVI baseline's and the

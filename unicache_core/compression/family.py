@@ -3,7 +3,8 @@
 A type of ``n`` rows may keep ``rows <= n`` rows per KV head (chosen by its scores) at ``bits`` in
 {2, 4, 8} (KIVI layout, docs/compression.md §6) or at full precision (:data:`FULL_BITS`). ``rows < n`` at
 full precision is eviction, ``rows = n`` at b bits is quantization, anything between is a joint choice
-(docs/compression.md §11).
+(docs/compression.md §11). Below the 2-bit floor a segment of fewer rows than channels may group its keys per token,
+and values may take fewer bits than keys (§11.13).
 
 Quantization geometry follows the segment and the budget (§11.2): the bits and group are the most
 precise whose every row fits the budget; the full-precision residual then takes the bytes left, up to
@@ -17,10 +18,10 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from ..kv.quant import SUPPORTED_BITS, quantized_kv_nbytes
+from ..kv.quant import PACKED_BITS, SUPPORTED_BITS, StoreLayout, quantized_kv_nbytes
 from .defaults import JOINT_BITS, JOINT_LEVELS, KIVI_GROUPS, KIVI_RESIDUAL, KIVI_RESIDUAL_SHARE
 
 #: ``bits`` of rows kept at the cache's own precision (evicted or uncompressed rows).
@@ -105,10 +106,22 @@ class JointChoice:
     bits: int = FULL_BITS
     group: int = 0  # quantized choices only
     residual: int = 0  # quantized choices only
+    value_bits: int | None = None  # quantized choices only: the values' bits when fewer than the keys' (§11.13)
+    key_per_token: bool = False  # quantized choices only: keys grouped per token (§11.13)
 
     @property
     def quantized(self) -> bool:
         return self.bits != FULL_BITS
+
+    @property
+    def layout(self) -> StoreLayout:
+        """The store layout of a quantized choice (its value bits and key groups)."""
+        return StoreLayout(self.value_bits, self.key_per_token)
+
+    @property
+    def vbits(self) -> int:
+        """The values' bits (``bits`` unless fewer)."""
+        return self.bits if self.value_bits is None else self.value_bits
 
 
 @dataclass(frozen=True)
@@ -118,7 +131,10 @@ class Segment:
     Attributes:
         full_rows: ``n``, rows the type had uncompressed.
         held_rows: rows per KV head it holds now; held_bits: their bits (:data:`FULL_BITS` when full/evicted);
-            held_bytes: the bytes its stores hold now.
+            held_bytes: the bytes its stores hold now; held_value_bits: its values' bits when fewer than
+            ``held_bits`` (``None``: the same).
+        kept_mass: ``kept_mass[k]`` is the share of the held rows' attention mass its ``k`` best-scored rows drew
+            (``k = 0 .. held_rows``; ``None``: every row alike), what :func:`choice_error` weighs dropped rows by.
         shared_rows: every KV head holds the same rows (an uncompressed or wholly quantized segment).
         num_kv_heads, head_dim, elem: geometry of a row (``elem``: bytes per element of the cache dtype).
     """
@@ -131,6 +147,8 @@ class Segment:
     num_kv_heads: int
     head_dim: int
     elem: int
+    held_value_bits: int | None = None
+    kept_mass: tuple[float, ...] | None = None
 
     @property
     def full_bytes(self) -> int:
@@ -146,24 +164,35 @@ class Segment:
                 return 2 * choice.rows * h * d * self.elem  # kept as it is: no index tensor
             return choice.rows * h * (2 * d * self.elem + 4)
         index = 4 * choice.rows * (h if per_head_index else 1)
-        return quantized_kv_nbytes(choice.rows, h, d, choice.bits, choice.group, choice.residual, self.elem) + index
+        nbytes = quantized_kv_nbytes(
+            choice.rows, h, d, choice.bits, choice.group, choice.residual, self.elem, layout=choice.layout
+        )
+        return nbytes + index
 
-    def quantized(self, rows: int, bits: int, group: int, geometry: QuantGeometry, budget: int) -> JointChoice | None:
-        """``rows`` at ``bits``/``group`` with the largest residual (up to the geometry's) that fits ``budget``;
-        ``None`` when not even the rows without a residual fit."""
-        if self.choice_bytes(JointChoice(rows, bits, group, 0)) > budget:
+    def quantized(
+        self, rows: int, bits: int, group: int, geometry: QuantGeometry, budget: int, value_bits: int | None = None,
+        key_per_token: bool = False,
+    ) -> JointChoice | None:  # fmt: skip
+        """``rows`` at ``bits``/``group`` (values at ``value_bits``, ``None``: ``bits``; keys per token with
+        ``key_per_token``) with the largest residual (up to the geometry's) that fits ``budget``; ``None`` when not
+        even the rows without a residual fit."""
+        if self.choice_bytes(JointChoice(rows, bits, group, 0, value_bits, key_per_token)) > budget:
             return None
         lo, hi = 0, geometry.residual(rows)
         while lo < hi:  # bytes grow with the residual
             mid = (lo + hi + 1) // 2
-            if self.choice_bytes(JointChoice(rows, bits, group, mid)) <= budget:
+            if self.choice_bytes(JointChoice(rows, bits, group, mid, value_bits, key_per_token)) <= budget:
                 lo = mid
             else:
                 hi = mid - 1
-        return JointChoice(rows, bits, group, lo)
+        return JointChoice(rows, bits, group, lo, value_bits, key_per_token)
 
-    def most_rows(self, bits: int, budget: int, geometry: QuantGeometry, max_rows: int) -> JointChoice:
-        """The most rows (``<= max_rows``) that fit ``budget`` at ``bits`` (largest group: least metadata)."""
+    def most_rows(
+        self, bits: int, budget: int, geometry: QuantGeometry, max_rows: int, value_bits: int | None = None,
+        key_per_token: bool = False,
+    ) -> JointChoice:  # fmt: skip
+        """The most rows (``<= max_rows``) that fit ``budget`` at ``bits`` (largest group: least metadata; values at
+        ``value_bits``, ``None``: ``bits``; keys per token with ``key_per_token``)."""
         if bits == FULL_BITS:
             lo, hi = 0, max_rows
             while lo < hi:  # bytes grow with the rows
@@ -177,12 +206,12 @@ class Segment:
         lo, hi = 0, max_rows
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.quantized(mid, bits, group, geometry, budget) is not None:
+            if self.quantized(mid, bits, group, geometry, budget, value_bits, key_per_token) is not None:
                 lo = mid
             else:
                 hi = mid - 1
-        found = self.quantized(lo, bits, group, geometry, budget)
-        return found if found is not None else JointChoice(0, bits, group, 0)
+        found = self.quantized(lo, bits, group, geometry, budget, value_bits, key_per_token)
+        return found if found is not None else JointChoice(0, bits, group, 0, value_bits, key_per_token)
 
 
 def lookup_order(geometry: QuantGeometry) -> list[tuple[int, int]]:
@@ -192,7 +221,13 @@ def lookup_order(geometry: QuantGeometry) -> list[tuple[int, int]]:
 
 
 def choose(
-    segment: Segment, kind: str, budget: int, geometry: QuantGeometry, plan_bits: int | None = None
+    segment: Segment,
+    kind: str,
+    budget: int,
+    geometry: QuantGeometry,
+    plan_bits: int | None = None,
+    value_floor: int = min(SUPPORTED_BITS),
+    per_token_keys: bool = False,
 ) -> JointChoice:
     """The (rows, bits) of one type for ``budget`` bytes, never more rows or bits than it holds now.
 
@@ -200,23 +235,31 @@ def choose(
       they were written) keep their bits;
     - ``quantize``: every row at the most precise lookup setting that fits (the paper's KIVI route); when
       even the least one does not fit, whichever keeps more rows of: a subset at the lowest bits, or
-      full-precision rows;
+      full-precision rows; or, where it loses less by :func:`choice_error` (docs/compression.md §11.13), with
+      ``per_token_keys`` and fewer rows than channels the rows with their keys grouped per token, and with
+      ``value_floor`` below 2 bits the most rows with 2-bit keys and values at fewer bits;
     - ``joint``: ``plan_bits`` (the calibrated bits for this budget level) and the most rows that fit.
 
     A budget that covers the segment as it is held keeps it unchanged (the returned choice has its rows and
-    bits); a choice is applied only when it holds fewer rows or bits.
+    bits); a choice is applied only when it holds fewer rows or bits (values included).
     """
-    held = JointChoice(segment.held_rows, segment.held_bits)
+    held = JointChoice(segment.held_rows, segment.held_bits, value_bits=segment.held_value_bits)
     if segment.held_bytes <= budget:
         return held
     max_rows = segment.held_rows
     allowed = [b for b in FAMILY_BITS if b <= segment.held_bits]
+    held_values = held.vbits
+
+    def values(bits: int) -> int | None:  # never more value bits than the segment holds
+        return None if bits <= held_values else held_values
+
     if kind == "evict":
         if FULL_BITS in allowed:
             return segment.most_rows(FULL_BITS, budget, geometry, max_rows)
         # rows stored quantized as they were written: the most of them at those bits, with no residual (the
         # full-precision values a residual would hold are gone)
-        return segment.most_rows(min(allowed), budget, replace(geometry, residual_max=0), max_rows)
+        least = min(allowed)
+        return segment.most_rows(least, budget, replace(geometry, residual_max=0), max_rows, values(least))
     if kind == "joint":
         if plan_bits is None:
             raise ValueError("a joint entry needs the bits of its budget level (`plan_bits`)")
@@ -225,31 +268,81 @@ def choose(
             return segment.most_rows(FULL_BITS, budget, geometry, max_rows)
         for b, group in lookup_order(geometry):  # every row fits: the smallest group that does
             if b == bits:
-                found = segment.quantized(max_rows, b, group, geometry, budget)
+                found = segment.quantized(max_rows, b, group, geometry, budget, values(b))
                 if found is not None:
                     return found
-        return segment.most_rows(bits, budget, geometry, max_rows)
+        return segment.most_rows(bits, budget, geometry, max_rows, values(bits))
     if kind != "quantize":
         raise ValueError(f"`kind` must be 'evict', 'quantize' or 'joint', got {kind!r}")
     for bits, group in lookup_order(geometry):
         if bits in allowed:
-            found = segment.quantized(max_rows, bits, group, geometry, budget)
+            found = segment.quantized(max_rows, bits, group, geometry, budget, values(bits))
             if found is not None:
                 return found
-    subset = segment.most_rows(min(allowed), budget, geometry, max_rows)
+    least = min(allowed)
+    best = segment.most_rows(least, budget, geometry, max_rows, values(least))
     if FULL_BITS in allowed:
         evicted = segment.most_rows(FULL_BITS, budget, geometry, max_rows)
-        if evicted.rows >= subset.rows:
-            return evicted
-    return subset
+        if evicted.rows >= best.rows:
+            best = evicted
+    if least == FULL_BITS:
+        return best
+    if per_token_keys and max_rows < segment.head_dim:  # per-token key metadata costs less than per-channel
+        per_token = _per_token_keys(segment, least, [(b, g) for b, g in lookup_order(geometry) if b in allowed],
+                                    budget, geometry, values)  # fmt: skip
+        if per_token.rows and choice_error(segment, per_token) < choice_error(segment, best):
+            best = per_token
+    for value_bits in sorted((b for b in PACKED_BITS if value_floor <= b < least and b <= held_values), reverse=True):
+        fewer = _fewer_value_bits(segment, least, value_bits, budget, geometry)
+        if fewer.rows and choice_error(segment, fewer) < choice_error(segment, best):
+            best = fewer
+    return best
+
+
+def _per_token_keys(
+    segment: Segment, least: int, settings: list[tuple[int, int]], budget: int, geometry: QuantGeometry,
+    values: Callable[[int], int | None],
+) -> JointChoice:  # fmt: skip
+    """Every row with its keys grouped per token at the first of ``settings`` (``(bits, group)``, most precise first)
+    that fits ``budget``, else the most rows that fit at ``least`` bits; ``values(bits)``: the values' bits."""
+    for bits, group in settings:
+        found = segment.quantized(segment.held_rows, bits, group, geometry, budget, values(bits), key_per_token=True)
+        if found is not None:
+            return found
+    return segment.most_rows(least, budget, geometry, segment.held_rows, values(least), key_per_token=True)
+
+
+def _fewer_value_bits(
+    segment: Segment, bits: int, value_bits: int, budget: int, geometry: QuantGeometry
+) -> JointChoice:
+    """The most rows with keys at ``bits`` and values at ``value_bits`` that fit ``budget``; when every row fits,
+    the smallest key group that does (as the lookup's order)."""
+    for group in geometry.groups:
+        found = segment.quantized(segment.held_rows, bits, group, geometry, budget, value_bits)
+        if found is not None:
+            return found
+    return segment.most_rows(bits, budget, geometry, segment.held_rows, value_bits)
+
+
+def row_loss(bits: int) -> float:
+    """The share of a row's part (its key or its value) lost at ``bits``: quantization noise power falls by 4 per bit
+    (``4**-b``, 1 bit included: docs/compression.md §11.13); nothing at full precision."""
+    return 0.0 if bits == FULL_BITS else 4.0**-bits
 
 
 def choice_error(segment: Segment, choice: JointChoice) -> float:
     """A choice's expected share of its rows' attention output lost, the sensitivity model the allocation compares
-    choices with: a kept row at ``b`` bits loses ``4**-b`` (quantization noise power falls by 4 per bit), a full
-    precision one nothing, a dropped row all of it."""
-    kept = min(1.0, choice.rows / segment.full_rows) if segment.full_rows else 1.0
-    return kept * (4.0**-choice.bits if choice.quantized else 0.0) + (1.0 - kept)
+    choices with: a kept row loses the mean of its key's and its value's :func:`row_loss` (``4**-b`` when both have
+    ``b`` bits), a full precision one nothing, a dropped row all of it; each row weighs its share of the attention
+    mass where the segment knows it (``kept_mass``: the best-scored rows are the ones kept), else its share of the
+    rows."""
+    if segment.kept_mass is not None and segment.held_rows:
+        share = segment.held_rows / segment.full_rows if segment.full_rows else 1.0
+        kept = share * segment.kept_mass[max(0, min(choice.rows, len(segment.kept_mass) - 1))]
+    else:
+        kept = min(1.0, choice.rows / segment.full_rows) if segment.full_rows else 1.0
+    loss = (row_loss(choice.bits) + row_loss(choice.vbits)) / 2 if choice.quantized else 0.0
+    return kept * loss + (1.0 - kept)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -374,4 +467,5 @@ __all__ = [
     "least_quantized_bytes",
     "lookup_order",
     "plan_from_errors",
+    "row_loss",
 ]

@@ -13,7 +13,15 @@ import math
 import torch
 from torch import Tensor
 
-from ..kv.quant import SCALE_DTYPE, QuantizedTensor, quantize_keys, quantize_values, quantized_kv_nbytes
+from ..kv.quant import (
+    KIVI_LAYOUT,
+    SCALE_DTYPE,
+    QuantizedTensor,
+    StoreLayout,
+    quantize_keys,
+    quantize_values,
+    quantized_kv_nbytes,
+)
 from ..kv.quantized_store import QuantizedStore
 from ..kv.segmented_cache import SegmentedLayer
 from ..kv.stores import EvictedStore, FullStore, KVStore
@@ -160,11 +168,13 @@ def compress_rows(
     *,
     recent: int = 0,
     fit_values: bool = False,
+    layout: StoreLayout = KIVI_LAYOUT,
 ) -> KVStore:
     """Keep ``keep`` rows per KV head of the pooled stores at ``indices`` (chosen by ``scores``, as :func:`evict`)
     at ``bits`` (:data:`~unicache_core.compression.family.FULL_BITS`: an :class:`EvictedStore`; else a
-    :class:`QuantizedStore` of those rows whose ``residual`` best-scored rows per head stay in full precision,
-    or the newest ones without scores).
+    :class:`QuantizedStore` of those rows, its values' bits and key groups as ``layout`` says (docs/compression.md
+    §11.13), whose ``residual``
+    best-scored rows per head stay in full precision, or the newest ones without scores).
 
     Every row of a pool whose heads share their rows is quantized as one segment (one ``[T]`` index).
     ``scores``: ``[T_appended, Hkv]`` (needed only when rows are dropped). ``fit_values``: values quantized from here on
@@ -176,12 +186,19 @@ def compress_rows(
         if scores is None:
             raise ValueError("evicting rows needs their scores")
         return evict(layer, indices, keep, scores, recent=recent)
-    if keep >= total and len(stores) == 1 and shared_rows(stores) and keeps_value_codes(stores[0], bits, group):
-        return _requantize_shared(layer, indices[0], group, residual, scores, fit_values)
+    vbits, key_per_token = layout.values(bits), layout.key_per_token
+    if keep >= total and len(stores) == 1 and shared_rows(stores) and keeps_value_codes(stores[0], bits, group, vbits):
+        return _requantize_shared(layer, indices[0], group, residual, scores, fit_values, key_per_token)
     if keep >= total and shared_rows(stores):
-        return quantize(layer, indices, bits, group, residual, scores, fit_values=fit_values)
-    if len(stores) == 1 and keeps_value_codes(stores[0], bits, group):
-        return _shrink_quantized(layer, indices[0], keep, group, residual, scores, recent=recent, fit_values=fit_values)
+        return quantize(
+            layer, indices, bits, group, residual, scores, fit_values=fit_values, value_bits=vbits,
+            key_per_token=key_per_token,
+        )  # fmt: skip
+    if len(stores) == 1 and keeps_value_codes(stores[0], bits, group, vbits):
+        return _shrink_quantized(
+            layer, indices[0], keep, group, residual, scores, recent=recent, fit_values=fit_values,
+            key_per_token=key_per_token,
+        )  # fmt: skip
     keys, values, index = pool_rows(stores)
     pooled_scores = None if scores is None else torch.gather(scores.float().t().to(index.device), 1, index)
     position = _kept_positions(pooled_scores, keep, total, residual, recent)
@@ -190,8 +207,9 @@ def compress_rows(
         keys, values = torch.gather(keys, 1, gather), torch.gather(values, 1, gather)
         index = torch.gather(index, 1, position)
     store = QuantizedStore.from_head_rows(
-        keys.contiguous(), values.contiguous(), index, bits, group, residual, pooled_type(stores), fit_values
-    )
+        keys.contiguous(), values.contiguous(), index, bits, group, residual, pooled_type(stores), fit_values, vbits,
+        key_per_token,
+    )  # fmt: skip
     layer.replace_many(list(indices), store)
     return store
 
@@ -212,11 +230,15 @@ def _kept_positions(pooled_scores: Tensor | None, keep: int, total: int, residua
     return position
 
 
-def keeps_value_codes(store: KVStore, bits: int, group: int) -> bool:
-    """Re-laying ``store`` out at ``bits``/``group`` leaves its quantized value rows as they are: it is quantized at
-    ``bits`` already, its values' channel groups stay the same and its scales are fp16 (values are quantized per
-    row, so re-quantizing a dequantized value row at its own bits returns its codes)."""
-    if not isinstance(store, QuantizedStore) or store.bits != bits or store.num_quantized == 0:
+def keeps_value_codes(store: KVStore, bits: int, group: int, value_bits: int | None = None) -> bool:
+    """Re-laying ``store`` out at ``bits``/``group`` (values at ``value_bits``, ``None``: ``bits``) leaves its quantized
+    value rows as they are: it is quantized at those bits already, its values' channel groups stay the same and its
+    scales are fp16 (values are quantized per row, so re-quantizing a dequantized value row at its own bits returns
+    its codes)."""
+    vbits = bits if value_bits is None else value_bits
+    if not isinstance(store, QuantizedStore) or store.bits != bits or store.value_bits != vbits:
+        return False
+    if store.num_quantized == 0:
         return False
     qv = store.qvalues
     same_groups = -(-qv.head_dim // group) == qv.scale.shape[-1] and (qv.scale.shape[-1] == 1 or group == qv.group_size)
@@ -233,6 +255,7 @@ def _shrink_quantized(
     *,
     recent: int = 0,
     fit_values: bool = False,
+    key_per_token: bool = False,
 ) -> QuantizedStore:
     """:func:`compress_rows` of one quantized store at its own bits (:func:`keeps_value_codes`): the same rows, order
     and store, but the value rows that stay quantized keep their codes and scales (no dequantize + quantize);
@@ -257,9 +280,9 @@ def _shrink_quantized(
     if body and bool((kept_body < quantized).all()):
         qvalues = store.qvalues.select_tokens(kept_body, group)
     else:
-        qvalues = quantize_values(_value_rows(store, kept_body), store.bits, group, fit=fit_values)
+        qvalues = quantize_values(_value_rows(store, kept_body), store.value_bits, group, fit=fit_values)
     new = QuantizedStore(
-        quantize_keys(keys[:, :body], store.bits, group),
+        quantize_keys(keys[:, :body], store.bits, group, key_per_token),
         qvalues,
         keys[:, body:].clone(memory_format=torch.contiguous_format),
         _value_rows(store, position[:, body:]).contiguous(),
@@ -275,8 +298,9 @@ def _shrink_quantized(
 
 
 def _requantize_shared(
-    layer: SegmentedLayer, index: int, group: int, residual: int, scores: Tensor | None, fit_values: bool = False
-) -> QuantizedStore:
+    layer: SegmentedLayer, index: int, group: int, residual: int, scores: Tensor | None, fit_values: bool = False,
+    key_per_token: bool = False,
+) -> QuantizedStore:  # fmt: skip
     """:func:`quantize` of one quantized store whose heads share their rows, at its own bits
     (:func:`keeps_value_codes`): the same rows, order and store as :func:`quantize` gives, but the value rows that
     were quantized keep their codes and scales; only the keys (whose groups span rows) and the values of rows
@@ -298,15 +322,18 @@ def _requantize_shared(
     qvalues = store.qvalues
     if joining.numel():  # residual rows that join the quantized part: their values alone are quantized
         rows = store.res_values[:, joining - quantized].to(store.cache_dtype)  # [Hkv, m, d]
-        extra = quantize_values(rows, store.bits, group, fit=fit_values)
+        extra = quantize_values(rows, store.value_bits, group, fit=fit_values)
         if extra.scale.dtype != qvalues.scale.dtype:
-            return quantize(layer, [index], store.bits, group, residual, scores, fit_values=fit_values)
+            return quantize(
+                layer, [index], store.bits, group, residual, scores, fit_values=fit_values,
+                value_bits=store.value_bits, key_per_token=key_per_token,
+            )  # fmt: skip
         qvalues = _append_rows(qvalues, extra, group)
         kept = torch.where(kept >= quantized, quantized + torch.searchsorted(joining, kept), kept)
     keys = _head_keys(store)[:, order]  # [Hkv, n, d]
     tail = order[body:].unsqueeze(0).expand(h, -1)
     new = QuantizedStore(
-        quantize_keys(keys[:, :body], store.bits, group),
+        quantize_keys(keys[:, :body], store.bits, group, key_per_token),
         qvalues.select_tokens(kept.unsqueeze(0).expand(h, -1), group),
         keys[:, body:].clone(memory_format=torch.contiguous_format),
         _value_rows(store, tail).contiguous(),
@@ -370,10 +397,13 @@ def quantize(
     scores: Tensor | None = None,
     *,
     fit_values: bool = False,
+    value_bits: int | None = None,
+    key_per_token: bool = False,
 ) -> QuantizedStore:
     """Quantize the (full or wholly quantized) stores at ``indices`` as one KIVI store, in append order; its
     ``residual`` full-precision rows are the best-scored ones (``scores [T_appended, Hkv]``, averaged over
-    the KV heads) or, without scores, the newest. ``fit_values``: least-squares value ranges instead of min-max."""
+    the KV heads) or, without scores, the newest. ``fit_values``: least-squares value ranges instead of min-max;
+    ``value_bits``: the values' bits (``None``: ``bits``); ``key_per_token``: keys grouped per token."""
     stores = [layer.stores[i] for i in indices]
     ks, vs, idx = [], [], []
     for store in stores:
@@ -396,7 +426,9 @@ def quantize(
         row_scores = scores.float().mean(dim=1).to(index.device)[index[order]]
         order = order[residual_last(row_scores, residual)]
     keys, values = torch.cat(ks)[order], torch.cat(vs)[order]
-    store = QuantizedStore.from_kv(keys, values, index[order], bits, group, residual, pooled_type(stores), fit_values)
+    store = QuantizedStore.from_kv(
+        keys, values, index[order], bits, group, residual, pooled_type(stores), fit_values, value_bits, key_per_token
+    )
     layer.replace_many(list(indices), store)
     return store
 

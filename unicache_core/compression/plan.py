@@ -50,7 +50,9 @@ class Keep:
         bits: :data:`~unicache_core.compression.family.FULL_BITS` keeps the rows at full precision (an evicted
             store); 2, 4 or 8 quantizes them (KIVI layout) with ``group`` and ``residual`` full-precision rows.
         scores: ``[T_appended, Hkv]`` per append index (higher = keep), needed when rows are dropped; a quantized
-            store's residual rows are the best-scored ones (the newest without scores).
+            store's residual rows are the best-scored ones (the newest without scores). value_bits: the quantized
+            values' bits when fewer than ``bits`` (``None``: ``bits``; docs/compression.md §11.13); key_per_token: the
+            quantized keys grouped per token (§11.13).
         recent: the most recent rows always kept (H2O's window); forced: ``[T_appended]`` bool rows always kept
             (SnapKV's observation window); smooth_kernel: 1-D average pooling of the scores (SnapKV).
         fit_values: values quantized here get least-squares ranges instead of min-max.
@@ -71,6 +73,8 @@ class Keep:
     fit_values: bool = False
     merge: str = "none"
     expected_bytes: int | None = None
+    value_bits: int | None = None
+    key_per_token: bool = False
 
 
 @dataclass(frozen=True)

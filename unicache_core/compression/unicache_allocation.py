@@ -17,8 +17,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+import torch
+
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
 from .allocator import allocate_with_floors, mass_shares
+from .defaults import KIVI_FLOOR, VALUE_FLOOR_BITS
 from .family import FULL_BITS, QuantGeometry, Segment, choice_error, choose, quantized_floor_bytes
 from .ops import floor_bytes
 from .plan import Keep, LayerPlan
@@ -53,6 +56,11 @@ class AllocationSettings:
     geometry: QuantGeometry
     recent_fraction: float
     fit_ranges: bool
+
+    @property
+    def value_floor(self) -> int:
+        """The fewest bits a quantized value may take below the 2-bit floor (§11.13): fitted ranges only."""
+        return VALUE_FLOOR_BITS if self.fit_ranges else KIVI_FLOOR[0]
 
 
 class ChunkBudget(NamedTuple):
@@ -208,7 +216,7 @@ def _unit_segment(
 
 def choose_pool(
     view: BranchView, layer: LayerView, budgets: Mapping[TokenType, int], kinds: Mapping[TokenType, Kind],
-    at_floor: float, geometry: QuantGeometry,
+    at_floor: float, geometry: QuantGeometry, value_floor: int = KIVI_FLOOR[0],
 ) -> frozenset[TokenType]:  # fmt: skip
     """The quantized types of ``layer`` that share one store (docs/compression.md §11.7), decided once, at the
     branch's first compression: two or more quantized types whose budgets at the schedule's floor give a smaller
@@ -238,10 +246,10 @@ def choose_pool(
     if sum(weights.values()) <= 0:
         weights = {t: float(segment.full_rows) for t, segment in segments.items()}
     apart = sum(
-        w * choice_error(segments[t], choose(segments[t], Kind.QUANTIZE, at_least[t], geometry))
+        w * choice_error(segments[t], choose(segments[t], Kind.QUANTIZE, at_least[t], geometry, None, value_floor))
         for t, w in weights.items()
     )
-    pooled = choose(shared, Kind.QUANTIZE, sum(at_least[t] for t in segments), geometry)
+    pooled = choose(shared, Kind.QUANTIZE, sum(at_least[t] for t in segments), geometry, None, value_floor)
     return frozenset(quantized) if sum(weights.values()) * choice_error(shared, pooled) < apart else frozenset()
 
 
@@ -274,7 +282,7 @@ def plan_layer(
     base = sum(budgets.values())
     for t in budgets:
         budgets[t] += math.floor(carry * (budgets[t] / base if base else 1 / len(budgets)))
-    pool = choose_pool(view, layer, budgets, kinds, at_floor, geometry)
+    pool = choose_pool(view, layer, budgets, kinds, at_floor, geometry, settings.value_floor)
     pooled: dict[TokenType, float] = {}
     if pool:  # the pooled types are one unit: their budgets summed, quantized together
         if not layer.pooled:
@@ -323,6 +331,20 @@ def plan_layer(
     return LayerResult(plan, max(0, base + carry - held_all))
 
 
+def kept_mass(layer: LayerView, keys: tuple[SegmentKey, ...], held: int) -> tuple[float, ...] | None:
+    """``[k]``: the share of the attention mass of the rows of ``keys`` that its ``k`` best-scored rows drew (their
+    scores averaged over the KV heads), ``k = 0 .. held``; ``None`` without scores."""
+    if layer.scores is None or held == 0:
+        return None
+    mask = layer.type_mask({key.type for key in keys}) & layer.candidate_mask()
+    scores = layer.scores[: mask.shape[0]][mask[: layer.scores.shape[0]]].float().clamp(min=0).mean(dim=1)
+    total = float(scores.sum())
+    if scores.numel() == 0 or total <= 0:
+        return None
+    order = torch.sort(scores, descending=True).values[:held].cumsum(0) / total
+    return (0.0, *(float(v) for v in order), *([1.0] * max(0, held - order.numel())))
+
+
 def segment_change(
     view: BranchView, layer: LayerView, segment: Segment, keys: tuple[SegmentKey, ...], kind: Kind, budget: int,
     plan_bits: int | None, settings: AllocationSettings,
@@ -331,8 +353,11 @@ def segment_change(
     if kind == Kind.EVICT and segment.held_bits != FULL_BITS:  # an evicted type's rows stored as written (§13)
         choice = written_choice(segment, budget, settings.geometry)
     else:
-        choice = choose(segment, kind, budget, settings.geometry, plan_bits)
-    fewer = choice.rows < segment.held_rows or choice.bits < segment.held_bits
+        if kind == Kind.QUANTIZE and segment.held_bytes > budget:
+            segment = replace(segment, kept_mass=kept_mass(layer, keys, segment.held_rows))
+        choice = choose(segment, kind, budget, settings.geometry, plan_bits, settings.value_floor, per_token_keys=True)
+    held_values = segment.held_bits if segment.held_value_bits is None else segment.held_value_bits
+    fewer = choice.rows < segment.held_rows or choice.bits < segment.held_bits or choice.vbits < held_values
     if not (fewer or (segment.held_bytes > budget and segment.choice_bytes(choice) < segment.held_bytes)):
         return SegmentChange(None, segment.held_bytes)
     if choice.rows < segment.held_rows and layer.scores is None:
@@ -348,6 +373,8 @@ def segment_change(
         recent=min(choice.rows, int(choice.rows * settings.recent_fraction + 0.5)),
         fit_values=settings.fit_ranges,
         expected_bytes=held,
+        value_bits=choice.value_bits,
+        key_per_token=choice.key_per_token,
     )
     return SegmentChange(keep, held)
 

@@ -158,6 +158,7 @@ class LayerView:
         if full_rows is None:
             full_rows = sum(self.segment_rows.get(k, 0) for k in set(keys))
         bits = min((s.bits if isinstance(s, QuantizedStore) else FULL_BITS for s in stores), default=FULL_BITS)
+        value_bits = min((s.value_bits for s in stores if isinstance(s, QuantizedStore)), default=bits)
         return Segment(
             full_rows=full_rows,
             held_rows=sum(s.num_tokens for s in stores),
@@ -167,6 +168,7 @@ class LayerView:
             num_kv_heads=geo.num_kv_heads,
             head_dim=geo.head_dim,
             elem=geo.elem,
+            held_value_bits=value_bits if value_bits < bits else None,
         )
 
     def type_mask(self, types: Iterable[TokenType]) -> Tensor:

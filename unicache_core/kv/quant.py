@@ -11,7 +11,8 @@ each group's ``(s, z)`` is fitted to its values by least squares (:mod:`.ranges`
 
 Storage convention (used by every byte formula in this project):
 
-* codes are packed ``8 // b`` per byte along the channel axis (``b`` in {2, 4, 8});
+* codes are packed ``8 // b`` per byte along the channel axis (``b`` in {1, 2, 4, 8}; 1 bit: UniCache's values below
+  the 2-bit floor, docs/compression.md §11.13; KIVI's lookup uses 2, 4 and 8, :data:`SUPPORTED_BITS`);
 * scales and zero-points are **fp16** (2 + 2 bytes per group, docs/compression.md §1). They are rounded
   *before* the codes are computed (zero rounded down, scale rounded up), so the error bound
   ``|x - x_hat| <= s/2`` holds with the stored fp16 scale. A tensor whose values (or ranges) would not
@@ -36,7 +37,10 @@ from ..errors import NonFiniteKVError
 from ..validation import check_int
 from .ranges import codes_for, fit_ranges, minmax_ranges
 
+#: The bit widths of KIVI's lookup (docs/compression.md §8.6).
 SUPPORTED_BITS = (2, 4, 8)
+#: Every bit width a tensor can be packed at: the lookup's and 1 bit (8 codes per byte, §11.13).
+PACKED_BITS = (1, *SUPPORTED_BITS)
 SCALE_DTYPE = torch.float16
 #: Bytes of metadata per quantization group (fp16 scale + fp16 zero-point).
 BYTES_PER_GROUP = 4
@@ -56,8 +60,8 @@ def _scale_dtype_for_largest(largest: float) -> torch.dtype:
 
 
 def _check_bits(bits: int) -> int:
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"`bits` must be one of {SUPPORTED_BITS}, got {bits!r}")
+    if isinstance(bits, bool) or bits not in PACKED_BITS:
+        raise ValueError(f"`bits` must be one of {PACKED_BITS}, got {bits!r}")
     return int(bits)
 
 
@@ -70,7 +74,7 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
 
     Args:
         codes: ``[..., n]`` uint8, every value ``< 2**bits``.
-        bits: 2, 4 or 8.
+        bits: 1, 2, 4 or 8.
 
     Returns:
         ``[..., ceil(n * bits / 8)]`` uint8.
@@ -101,7 +105,7 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
 
     Args:
         packed: ``[..., ceil(n * bits / 8)]`` uint8.
-        bits: 2, 4 or 8.
+        bits: 1, 2, 4 or 8.
         n: number of codes per row before packing.
 
     Returns:
@@ -134,7 +138,7 @@ def byte_lut(bits: int, dtype: torch.dtype, device: torch.device | str = "cpu") 
     """Lookup table ``[256, 8 // bits]`` in ``dtype``: row ``b`` holds the codes packed in byte ``b``.
 
     One gather of whole bytes then unpacks ``8 // bits`` codes at once (codes < 16 are exact in every
-    float dtype). Tables are small (at most 256 x 4) and cached per ``(bits, dtype, device)``.
+    float dtype). Tables are small (at most 256 x 8) and cached per ``(bits, dtype, device)``.
     """
     bits = _check_bits(bits)
     device = torch.device(device)
@@ -166,6 +170,24 @@ def unpack_into(packed: Tensor, bits: int, out: Tensor) -> Tensor:
     idx = packed.reshape(-1).to(torch.int32)
     torch.index_select(byte_lut(bits, out.dtype, out.device), 0, idx, out=out.view(-1, per))
     return out
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """How a quantized store departs from KIVI's layout below the 2-bit floor (docs/compression.md §11.13): the values'
+    bits when fewer than the keys' (``value_bits``, ``None``: the keys'), keys grouped per token (``key_per_token``: a
+    row's channels share a scale and zero) instead of per channel."""
+
+    value_bits: int | None = None
+    key_per_token: bool = False
+
+    def values(self, bits: int) -> int:
+        """The values' bits of a store whose keys have ``bits``."""
+        return bits if self.value_bits is None else self.value_bits
+
+
+#: KIVI's own layout: values at the keys' bits, keys per channel.
+KIVI_LAYOUT = StoreLayout()
 
 
 #: Rows (tokens x heads) per fp32 block in the per-token (value) dequantization.
@@ -365,8 +387,12 @@ def _checked_scale_dtype(name: str, x: Tensor) -> torch.dtype:
     return _scale_dtype_for_largest(largest)
 
 
-def quantize_keys(keys: Tensor, bits: int, group_size: int) -> QuantizedTensor:
-    """Per-channel quantization of ``[Hkv, T, d]`` keys: groups of ``group_size`` tokens (last may be short)."""
+def quantize_keys(keys: Tensor, bits: int, group_size: int, per_token: bool = False) -> QuantizedTensor:
+    """Per-channel quantization of ``[Hkv, T, d]`` keys: groups of ``group_size`` tokens (last may be short);
+    ``per_token``: each key's channels in groups of ``group_size`` instead, min-max (a segment of fewer rows than
+    channels pays less for them, docs/compression.md §11.13)."""
+    if per_token:
+        return quantize_values(keys, bits, group_size)
     bits, g = _check_bits(bits), _check_group(group_size)
     if keys.dim() != 3:
         raise ValueError(f"`keys` must be [Hkv, T, d], got shape {tuple(keys.shape)}")
@@ -433,8 +459,10 @@ def quantized_kv_nbytes(
     elem_bytes: int,
     key_group_bytes: int = BYTES_PER_GROUP,
     value_group_bytes: int = BYTES_PER_GROUP,
+    layout: StoreLayout = KIVI_LAYOUT,
 ) -> int:
-    """Bytes of packed KIVI K+V for ``num_tokens`` tokens (docs/compression.md §1, fp16 scale/zero).
+    """Bytes of packed KIVI K+V for ``num_tokens`` tokens (docs/compression.md §1, fp16 scale/zero): keys at
+    ``bits``, values and key groups as ``layout`` says (KIVI's: values at ``bits``, keys per channel; §11.13).
 
     The last ``min(residual, num_tokens)`` tokens are counted at ``elem_bytes`` (the cache dtype).
     ``key_group_bytes`` / ``value_group_bytes``: scale + zero bytes per group (8 where fp32 scales were
@@ -442,8 +470,10 @@ def quantized_kv_nbytes(
     """
     r = min(residual, num_tokens)
     n = num_tokens - r
-    payload = 2 * n * (-(-head_dim * bits // 8))
-    key_meta = -(-n // group_size) * head_dim * key_group_bytes
+    vbits = layout.values(bits)
+    payload = n * (-(-head_dim * bits // 8) + -(-head_dim * vbits // 8))
+    key_groups = n * (-(-head_dim // group_size)) if layout.key_per_token else -(-n // group_size) * head_dim
+    key_meta = key_groups * key_group_bytes
     value_meta = n * (-(-head_dim // group_size)) * value_group_bytes
     res = r * head_dim * 2 * elem_bytes
     return num_kv_heads * (payload + key_meta + value_meta + res)
@@ -451,8 +481,11 @@ def quantized_kv_nbytes(
 
 __all__ = [
     "BYTES_PER_GROUP",
+    "PACKED_BITS",
     "QuantizedTensor",
+    "KIVI_LAYOUT",
     "SCALE_DTYPE",
+    "StoreLayout",
     "SUPPORTED_BITS",
     "VALUE_BLOCK_ROWS",
     "byte_lut",

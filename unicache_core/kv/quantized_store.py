@@ -1,6 +1,6 @@
-"""The KIVI-quantized KV store (:class:`QuantizedStore`): keys per channel, values per token, packed at 2, 4 or 8 bits,
-the last rows in full precision; the same :class:`~unicache_core.kv.stores.KVStore` interface as the full and evicted
-stores of :mod:`unicache_core.kv.stores`."""
+"""The KIVI-quantized KV store (:class:`QuantizedStore`): keys per channel, values per token, packed at 2, 4 or 8 bits
+(values also at 1 bit, keys also per token: docs/compression.md §11.13), the last rows in full precision; the same
+:class:`~unicache_core.kv.stores.KVStore` interface as the full and evicted stores of :mod:`unicache_core.kv.stores`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..validation import check_int
 from .attention import attention_with_lse, merge_attention
-from .quant import QuantizedTensor, quantize_keys, quantize_values, quantized_kv_nbytes
+from .quant import QuantizedTensor, StoreLayout, quantize_keys, quantize_values, quantized_kv_nbytes
 from .stores import KVStore, StoreKind, check_kv
 from .token_types import TokenType
 
@@ -22,8 +22,8 @@ DEQUANT_CHUNK = 8192
 
 @dataclass(eq=False)
 class QuantizedStore(KVStore):
-    """KIVI store: keys per-channel, values per-token, ``bits``-bit packed; the last ``residual`` rows in full
-    precision.
+    """KIVI store: keys per-channel at ``bits``, values per-token at :attr:`value_bits` (``bits`` unless the store was
+    made with fewer value bits, §11.13), packed; the last ``residual`` rows in full precision.
 
     The rows are the same for every KV head (``token_index [T]``: a whole segment quantized) or chosen per
     KV head (``token_index [Hkv, T]``: the rows a joint eviction kept, then quantized; row ``i`` of head
@@ -59,6 +59,8 @@ class QuantizedStore(KVStore):
         residual: int = 128,
         token_type: TokenType = TokenType.SOURCE_VAE,
         fit_values: bool = False,
+        value_bits: int | None = None,
+        key_per_token: bool = False,
     ) -> QuantizedStore:
         """Quantize ``keys/values [T, Hkv, d]``; the last ``min(residual, T)`` rows stay exact."""
         check_kv(keys, values, token_index)
@@ -71,6 +73,8 @@ class QuantizedStore(KVStore):
             residual,
             token_type,
             fit_values,
+            value_bits,
+            key_per_token,
         )
 
     @classmethod
@@ -84,9 +88,12 @@ class QuantizedStore(KVStore):
         residual: int,
         token_type: TokenType,
         fit_values: bool = False,
+        value_bits: int | None = None,
+        key_per_token: bool = False,
     ) -> QuantizedStore:
         """Quantize head-major ``keys/values [Hkv, T, d]``, rows ``token_index`` (``[T]`` shared or ``[Hkv, T]`` per
-        head, ascending); each head's last ``min(residual, T)`` rows stay exact; ``fit_values``: :mod:`.ranges`."""
+        head, ascending); each head's last ``min(residual, T)`` rows stay exact; ``fit_values``: :mod:`.ranges`;
+        ``value_bits``: the values' bits (``None``: ``bits``); ``key_per_token``: keys grouped per token (§11.13)."""
         if keys.dim() != 3 or keys.shape != values.shape:
             raise ValueError(
                 f"`keys`/`values` must both be [Hkv, T, d]; got {tuple(keys.shape)}, {tuple(values.shape)}"
@@ -100,9 +107,10 @@ class QuantizedStore(KVStore):
         if tuple(token_index.shape) not in ((t,), (h, t)):
             raise ValueError(f"`token_index` must be [T]=({t},) or [Hkv, T]=({h}, {t}), got {tuple(token_index.shape)}")
         r = min(check_int("residual", residual, 0), t)
-        qvalues = quantize_values(values[:, : t - r], bits, group_size, fit=fit_values)
+        vbits = bits if value_bits is None else value_bits
+        qvalues = quantize_values(values[:, : t - r], vbits, group_size, fit_values)
         return cls(
-            quantize_keys(keys[:, : t - r], bits, group_size),
+            quantize_keys(keys[:, : t - r], bits, group_size, key_per_token),
             qvalues,
             keys[:, t - r :].clone(memory_format=torch.contiguous_format),
             values[:, t - r :].clone(memory_format=torch.contiguous_format),
@@ -123,6 +131,16 @@ class QuantizedStore(KVStore):
     def num_tokens(self) -> int:
         """Rows held (per KV head)."""
         return int(self.token_index.shape[-1])
+
+    @property
+    def value_bits(self) -> int:
+        """Bits of the quantized values (``bits`` unless fewer, §11.13)."""
+        return self.qvalues.bits
+
+    @property
+    def key_per_token(self) -> bool:
+        """The keys are grouped per token (channels in groups) rather than per channel (§11.13)."""
+        return self.qkeys.axis == "token"
 
     @property
     def num_quantized(self) -> int:
@@ -220,6 +238,7 @@ class QuantizedStore(KVStore):
                 elem,
                 key_group_bytes=2 * self.qkeys.scale.element_size(),
                 value_group_bytes=2 * self.qvalues.scale.element_size(),
+                layout=StoreLayout(self.value_bits, self.key_per_token),
             )
             + 4 * self.token_index.numel()
         )
