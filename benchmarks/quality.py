@@ -354,6 +354,10 @@ def run(cfg: QualityConfig) -> dict:
         torch.set_num_threads(saved)
     config = asdict(cfg)
     config.update(
+        # the report is committed: a checkpoint inside the repository is named by its path there
+        checkpoint=str(checkpoint.resolve().relative_to(REPO))
+        if checkpoint.resolve().is_relative_to(REPO)
+        else cfg.checkpoint,
         threads=torch.get_num_threads() if not cfg.threads else cfg.threads,
         dtype="float32",
         device="cpu",
