@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from test_joint_family import _segment  # the same full-precision segment of n rows, H = 2, D = 32
 
 from unicache_core.compression import unicache_allocation
 from unicache_core.compression.family import (
@@ -34,19 +35,6 @@ from unicache_core.kv.token_types import TokenType as TT
 
 H, D = 2, 32
 GEOMETRY = QuantGeometry(groups=(8, 16, 32, 64, 128))
-
-
-def _segment(n: int, elem: int = 4, d: int = D) -> Segment:
-    return Segment(
-        full_rows=n,
-        held_rows=n,
-        held_bits=FULL_BITS,
-        held_bytes=2 * n * H * d * elem,
-        shared_rows=True,
-        num_kv_heads=H,
-        head_dim=d,
-        elem=elem,
-    )
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 32, 33, 100])
