@@ -43,12 +43,12 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from benchmarks.report_file import check_report_paths, write_json_report
+from benchmarks.report_file import check_report_paths, committed_path, write_json_report
 from unicache_core.bagel import BagelPipeline, RunHooks, load_bagel, preset
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT
 from unicache_core.cli import OneLineParser, path_arg
@@ -83,12 +83,10 @@ FULL_TAYLORSEER_ROW, UNICACHE_TAYLORSEER_ROW = "full+taylorseer", "unicache+tayl
 
 def paper_table_for(checkpoint: Path):
     """The paper's assignment (instruction and ViT evicted, VAE quantized) as a table for this checkpoint."""
-    import dataclasses
-
     from unicache_core.bagel.checkpoint.model_id import model_id_of
     from unicache_core.compression.policy_table import paper_policy_table
 
-    return dataclasses.replace(paper_policy_table(), model_id=model_id_of(checkpoint))
+    return replace(paper_policy_table(), model_id=model_id_of(checkpoint))
 
 
 @dataclass
@@ -354,10 +352,7 @@ def run(cfg: QualityConfig) -> dict:
         torch.set_num_threads(saved)
     config = asdict(cfg)
     config.update(
-        # the report is committed: a checkpoint inside the repository is named by its path there
-        checkpoint=str(checkpoint.resolve().relative_to(REPO))
-        if checkpoint.resolve().is_relative_to(REPO)
-        else cfg.checkpoint,
+        checkpoint=committed_path(checkpoint),
         threads=torch.get_num_threads() if not cfg.threads else cfg.threads,
         dtype="float32",
         device="cpu",

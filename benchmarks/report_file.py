@@ -40,3 +40,10 @@ def write_json_report(path: Path, report: dict, flag: str = "--json") -> None:
 def write_text_report(path: Path, text: str, flag: str = "--json") -> None:
     """Write ``text`` (and a final newline) to ``path`` atomically, creating its folder."""
     save_text(text + "\n", path, flag)
+
+
+def committed_path(path: Path | str) -> str:
+    """``path`` as a committed report names it: relative to the repository when it lies inside it (no machine's
+    absolute paths in docs/results), else as given."""
+    here, repo = Path(path).resolve(), Path(__file__).resolve().parent.parent
+    return str(here.relative_to(repo)) if here.is_relative_to(repo) else str(path)

@@ -125,3 +125,15 @@ def test_paired_difference_verdicts():
 
     with pytest.raises(ValueError, match="same non-zero number"):
         paired_difference([1.0], [1.0, 2.0])
+
+
+def test_committed_reports_name_the_repository_checkpoint_by_its_path_there(tmp_path):
+    import json
+
+    from benchmarks.report_file import committed_path
+
+    assert committed_path(DEFAULT_CHECKPOINT) == "models/bagel/unicache-shapes"
+    assert committed_path(tmp_path) == str(tmp_path)  # outside the repository: as given
+    results = DEFAULT_CHECKPOINT.parents[2] / "docs" / "results"
+    report = json.loads((results / "quality.json").read_text(encoding="utf-8"))
+    assert report["config"]["checkpoint"] == "models/bagel/unicache-shapes"
