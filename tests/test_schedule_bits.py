@@ -6,20 +6,12 @@ import math
 
 import pytest
 import torch
+from test_unicache_parts import _observed  # rho after each observed mass, chunk 0 first
 
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.compression import defaults, make_cache_factory
 from unicache_core.compression.methods.unicache import UniCacheState
 from unicache_core.compression.schedule import RetentionSchedule
-
-
-def _observed(sched: RetentionSchedule, *masses: float) -> list[float]:
-    sched = sched.observe(0, masses[0])
-    out = []
-    for chunk, mass in enumerate(masses[1:], start=1):
-        sched = sched.observe(chunk, mass)
-        out.append(sched.rho)
-    return out
 
 
 def test_decays_by_the_bits_the_mass_fall_is_worth():
