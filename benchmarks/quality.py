@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import statistics
 import sys
 import time
@@ -57,6 +56,16 @@ from unicache_core.shapes import analyse, edit_sample, judge_t2i, psnr, scenes_m
 from unicache_core.shapes.world import EVAL_SEEDS, image_array, understanding_sample
 
 from .paired import paired_difference
+from .quality_rows import (
+    FULL_TAYLORSEER_ROW,
+    PAPER_ROW,
+    UNICACHE_ROWS,
+    UNICACHE_TAYLORSEER_ROW,
+    at_bytes_row,
+    is_unicache_row,
+    unequal_bytes,
+)
+from .quality_table import format_table
 from .report_rows import check_match_from, earlier_unicache, items
 from .step_path import StepPath, fidelity_db
 
@@ -75,10 +84,6 @@ TARGETS: tuple[tuple[str, dict[str, float]], ...] = (
 TARGET_NAMES = tuple(name for name, _ in TARGETS)
 #: Disjoint held-out seed blocks per task (all inside EVAL_SEEDS).
 _SEED_OFFSET = {"und": 0, "t2i": 1 << 20, "edit": 2 << 20}
-#: The row of unicache run with the shipped paper table instead of the checkpoint's calibrated one.
-PAPER_ROW = "unicache_paper_table"
-#: The TaylorSeer rows (TaylorSeer at its official settings): at full KV once per task, with UniCache per target.
-FULL_TAYLORSEER_ROW, UNICACHE_TAYLORSEER_ROW = "full+taylorseer", "unicache+taylorseer"
 
 
 def paper_table_for(checkpoint: Path):
@@ -112,8 +117,6 @@ class QualityConfig:
 QUICK = dict(
     samples={"und": 36, "t2i": 8, "edit": 8}, num_timesteps=12, targets=("paper", "robust"), step_fidelity=False
 )
-#: UniCache rows, run first at each target: the baselines are matched to the first one's achieved bytes.
-UNICACHE_ROWS = ("unicache", PAPER_ROW)
 
 
 def _seeds(task: str, n: int) -> list[int]:
@@ -249,6 +252,59 @@ def calibration_check(checkpoint: Path) -> dict:
     return {"table": str(shown), "routing": routes, "agrees_with_paper": not mismatches, "mismatches": mismatches}
 
 
+def _method_row(
+    loaded, task: str, cfg: QualityConfig, method: str, reduction: float, run_at: float, full_out: dict,
+    full_paths: dict, seer_outputs: dict | None,
+) -> dict:  # fmt: skip
+    """One row: ``method`` (a UniCache row's name runs UniCache) on ``task`` at ``run_at`` reduction, scored, with its
+    fidelity to full KV's outputs and, when configured, its step fidelity on full KV's paths."""
+    t0 = time.perf_counter()
+    checkpoint = Path(cfg.checkpoint)
+    kw = {"policy": paper_table_for(checkpoint)} if method == PAPER_ROW else {}
+    seer = method == UNICACHE_TAYLORSEER_ROW
+    factory = make_cache_factory(
+        "unicache" if is_unicache_row(method) else method,
+        checkpoint_dir=str(checkpoint),
+        kv_target=round(1.0 - run_at, 6),
+        **kw,
+    )
+    pipe = BagelPipeline(loaded, factory)
+    metrics, outputs, reports, _ = run_task(pipe, task, cfg, full_out, seer)
+    if seer and seer_outputs is not None:  # what UniCache changes on top of TaylorSeer
+        to_seer = [psnr(outputs[s], seer_outputs[s]) for s in outputs]
+        metrics["psnr_to_full_taylorseer"] = round(statistics.fmean(to_seer), 3)
+    if cfg.step_fidelity:
+        metrics["per_sample_step_fidelity"] = step_fidelity(pipe, task, cfg, full_paths, seer)
+        metrics["step_fidelity_db"] = round(statistics.fmean(metrics["per_sample_step_fidelity"]), 3)
+    row = {
+        "task": task,
+        "method": method,
+        "target_reduction": reduction,
+        "run_at_reduction": run_at,
+        "achieved_reduction": _reduction(reports),
+        "score": _score(task, metrics),
+        "metrics": metrics,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    logger.info(
+        "%s %s @%.0f%%: score %.4f, achieved %.1f%% (%.0fs)",
+        task, method, 100 * reduction, row["score"], 100 * row["achieved_reduction"], row["seconds"],
+    )  # fmt: skip
+    return row
+
+
+def _pair(row: dict, unicache: dict) -> None:
+    """``row``'s paired differences with UniCache's ``metrics`` (scores, fidelity to full KV, step fidelity)."""
+    metrics = row["metrics"]
+    row["unicache_minus_this"] = paired_difference(unicache["per_sample"], metrics["per_sample"])
+    to_full = unicache["per_sample_to_full"]
+    row["unicache_to_full_minus_this"] = paired_difference(to_full, metrics["per_sample_to_full"])
+    if unicache.get("per_sample_step_fidelity") is not None and "per_sample_step_fidelity" in metrics:
+        row["unicache_steps_minus_this"] = paired_difference(
+            unicache["per_sample_step_fidelity"], metrics["per_sample_step_fidelity"]
+        )
+
+
 def run(cfg: QualityConfig) -> dict:
     saved = torch.get_num_threads()
     if cfg.threads:
@@ -288,66 +344,30 @@ def run(cfg: QualityConfig) -> dict:
                         runs.insert(1, UNICACHE_TAYLORSEER_ROW)
                 matched = reduction
                 # UniCache's per-sample scores and fidelity at this target: the other rows pair with them
-                unicache_samples = unicache_to_full = unicache_steps = None
+                unicache = None
                 if cfg.match_from is not None:
-                    matched, unicache_samples, unicache_to_full, unicache_steps = earlier_unicache(
-                        cfg.match_from, task, reduction
-                    )
+                    matched, unicache = earlier_unicache(cfg.match_from, task, reduction)
                 for method in runs:
-                    t0 = time.perf_counter()
-                    kw = {"policy": paper_table_for(checkpoint)} if method == PAPER_ROW else {}
                     run_at = reduction if method in UNICACHE_ROWS + (UNICACHE_TAYLORSEER_ROW,) else matched
-                    seer = method == UNICACHE_TAYLORSEER_ROW
-                    factory = make_cache_factory(
-                        "unicache" if method in (PAPER_ROW, UNICACHE_TAYLORSEER_ROW) else method,
-                        checkpoint_dir=str(checkpoint),
-                        kv_target=round(1.0 - run_at, 6),
-                        **kw,
-                    )
-                    pipe = BagelPipeline(loaded, factory)
-                    metrics, outputs, reports, _ = run_task(pipe, task, cfg, full_out, seer)
-                    if seer:  # what UniCache changes on top of TaylorSeer
-                        to_seer = [psnr(outputs[s], seer_outputs[s]) for s in outputs]
-                        metrics["psnr_to_full_taylorseer"] = round(statistics.fmean(to_seer), 3)
-                    if cfg.step_fidelity:
-                        metrics["per_sample_step_fidelity"] = step_fidelity(pipe, task, cfg, full_paths, seer)
-                        metrics["step_fidelity_db"] = round(statistics.fmean(metrics["per_sample_step_fidelity"]), 3)
-                    row = {
-                        "task": task,
-                        "method": method,
-                        "target_reduction": reduction,
-                        "run_at_reduction": run_at,
-                        "achieved_reduction": _reduction(reports),
-                        "score": _score(task, metrics),
-                        "metrics": metrics,
-                        "seconds": round(time.perf_counter() - t0, 1),
-                    }
+                    row = _method_row(loaded, task, cfg, method, reduction, run_at, full_out, full_paths, seer_outputs)
                     if method == "unicache" and cfg.match_unicache_bytes:
                         matched = row["achieved_reduction"]
                     if method == "unicache":
-                        unicache_samples = metrics["per_sample"]
-                        unicache_to_full = metrics["per_sample_to_full"]
-                        unicache_steps = metrics.get("per_sample_step_fidelity")
-                        row["unicache_minus_full"] = paired_difference(unicache_samples, full_metrics["per_sample"])
-                    elif unicache_samples is not None:
-                        row["unicache_minus_this"] = paired_difference(unicache_samples, metrics["per_sample"])
-                        row["unicache_to_full_minus_this"] = paired_difference(
-                            unicache_to_full, metrics["per_sample_to_full"]
-                        )
-                        if unicache_steps is not None:
-                            row["unicache_steps_minus_this"] = paired_difference(
-                                unicache_steps, metrics["per_sample_step_fidelity"]
-                            )
+                        unicache = row["metrics"]
+                        full_samples = full_metrics["per_sample"]
+                        row["unicache_minus_full"] = paired_difference(unicache["per_sample"], full_samples)
+                    elif unicache is not None:
+                        reference = unicache
+                        if not is_unicache_row(method) and cfg.match_unicache_bytes:
+                            if unequal_bytes(matched, row["achieved_reduction"]):  # UniCache again, at its bytes
+                                at = _method_row(
+                                    loaded, task, cfg, at_bytes_row(method), reduction, row["achieved_reduction"],
+                                    full_out, full_paths, None,
+                                )  # fmt: skip
+                                results.append(at)
+                                reference, row["paired_with"] = at["metrics"], at["method"]
+                        _pair(row, reference)
                     results.append(row)
-                    logger.info(
-                        "%s %s @%.0f%%: score %.4f, achieved %.1f%% (%.0fs)",
-                        task,
-                        method,
-                        100 * reduction,
-                        row["score"],
-                        100 * row["achieved_reduction"],
-                        row["seconds"],
-                    )
     finally:
         torch.set_num_threads(saved)
     config = asdict(cfg)
@@ -365,120 +385,6 @@ def run(cfg: QualityConfig) -> dict:
     if model_card.is_file():
         config["model"] = json.loads(model_card.read_text(encoding="utf-8")).get("variant")
     return {"config": config, "results": results}
-
-
-def format_table(report: dict) -> str:
-    """Paper-style table per target: one row per method, the headline score per task and edit details."""
-    rows = report["results"]
-    lines = []
-    full = {r["task"]: r for r in rows if r["method"] == "full"}
-    targets = report["config"]["targets"]
-    for name, reductions in targets.items():
-        head = (
-            f"[{name}: und {reductions['und']:.0%}, t2i {reductions['t2i']:.0%}, edit {reductions['edit']:.0%} "
-            "reduction; achieved in brackets; baselines at unicache's achieved bytes]"
-        )
-        lines.append(head)
-        lines.append(
-            f"{'method':21s} {'und acc':>15s} {'t2i acc':>15s} {'edit PSNR':>16s} {'unchanged':>9s} "
-            f"{'success':>7s} {'to full':>7s}"
-        )
-        methods = list(dict.fromkeys(r["method"] for r in rows))  # run order: full, unicache, its paper row, ...
-        for method in methods:
-            cells = []
-            detail = ("", "", "", "")
-            for task in ("und", "t2i", "edit"):
-                if method in ("full", FULL_TAYLORSEER_ROW):
-                    r = next((x for x in rows if x["task"] == task and x["method"] == method), None)
-                else:
-                    r = next(
-                        (
-                            x
-                            for x in rows
-                            if x["task"] == task
-                            and x["method"] == method
-                            and math.isclose(x["target_reduction"], reductions[task])
-                        ),
-                        None,
-                    )
-                if r is None:
-                    cells.append(f"{'-':>15s}" if task != "edit" else f"{'-':>16s}")
-                    continue
-                ach = f"[{r['achieved_reduction']:.0%}]"
-                if task == "edit":
-                    cells.append(f"{r['score']:8.2f} dB {ach:>6s}")
-                    m = r["metrics"]
-                    detail = (
-                        f"{m['psnr_unchanged']:9.2f}",
-                        f"{m['success']:7.2f}",
-                        f"{m.get('psnr_to_full', float('nan')):7.2f}" if method != "full" else f"{'':7s}",
-                        f" (to full+taylorseer {ts:.2f})" if (ts := m.get("psnr_to_full_taylorseer")) else "",
-                    )
-                else:
-                    cells.append(f"{r['score']:8.3f} {ach:>6s}")
-            lines.append(f"{method:21s} " + " ".join(cells) + " " + " ".join(detail[:3]) + detail[3])
-        lines.extend(_paired_lines(rows, methods, reductions))
-        lines.append("")
-    if "edit" in full:
-        lines.append(
-            f"edit reference: the unedited source scores {full['edit']['metrics']['psnr_source_as_output']:.2f} dB "
-            "against the target (success 0)"
-        )
-    cal = report["config"].get("calibration", {})
-    if cal.get("agrees_with_paper") is not None:
-        verdict = (
-            "agrees with the paper"
-            if cal["agrees_with_paper"]
-            else "differs from the paper: " + "; ".join(cal["mismatches"])
-        )
-        lines.append(f"calibrated policy table ({cal['table']}): {verdict}")
-    else:
-        lines.append(f"calibration: {cal.get('note', 'not checked')}")
-    return "\n".join(lines)
-
-
-def _paired_lines(rows: list[dict], methods: list[str], reductions: dict) -> list[str]:
-    """UniCache minus every other row of one target, paired over the same samples (:mod:`.paired`): on the task
-    scores, then on fidelity to full KV's outputs."""
-
-    def at_target(task: str, method: str) -> dict | None:
-        return next(
-            (
-                x
-                for x in rows
-                if x["task"] == task
-                and x["method"] == method
-                and math.isclose(x.get("target_reduction", 0.0), reductions[task])
-            ),
-            None,
-        )
-
-    def block(title: str, key_for) -> list[str]:
-        lines = []
-        for method in methods:
-            cells = []
-            for task in ("und", "t2i", "edit"):
-                r, key = at_target(task, method), key_for(method)
-                d = None if r is None or key is None else r.get(key)
-                cells.append(f"{'-':>23s}" if d is None else f"{d['mean']:+8.3f} +-{d['ci95']:6.3f} {d['verdict']:6s}")
-            if any(c.strip() != "-" for c in cells):
-                vs = "full" if method == "unicache" else method
-                lines.append(f"  unicache - {vs:20s}" + " ".join(cells))
-        return [title] + lines if lines else []
-
-    scores = block(
-        "  paired over the same samples: unicache minus each row, mean +- 95% interval (und, t2i, edit dB)",
-        lambda m: "unicache_minus_full" if m == "unicache" else "unicache_minus_this",
-    )
-    fidelity = block(
-        "  fidelity to full KV's outputs, paired: unicache minus each row (und agreement, t2i dB, edit dB)",
-        lambda m: None if m == "unicache" else "unicache_to_full_minus_this",
-    )
-    steps = block(
-        "  step fidelity on full KV's path (teacher-forced, dB), paired: unicache minus each row",
-        lambda m: None if m == "unicache" else "unicache_steps_minus_this",
-    )
-    return scores + fidelity + steps
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,18 +45,12 @@ def check_match_from(parser, path: Path | None, methods) -> str | None:
     return str(path)
 
 
-def earlier_unicache(path: str, task: str, reduction: float) -> tuple[float, list, list, list | None]:
-    """``(achieved reduction, per-sample scores, per-sample fidelity to full, per-sample step fidelity)`` of the
-    unicache row of the report at ``path`` for ``task`` at ``reduction``."""
+def earlier_unicache(path: str, task: str, reduction: float) -> tuple[float, dict]:
+    """``(achieved reduction, metrics)`` of the unicache row of the report at ``path`` for ``task`` at ``reduction``
+    (its metrics carry the per-sample scores, fidelity to full and step fidelity the other rows pair with)."""
     for row in json.loads(Path(path).read_text(encoding="utf-8"))["results"]:
         if row["task"] == task and row["method"] == "unicache" and row["target_reduction"] == reduction:
-            m = row["metrics"]
-            return (
-                row["achieved_reduction"],
-                m["per_sample"],
-                m["per_sample_to_full"],
-                m.get("per_sample_step_fidelity"),
-            )
+            return row["achieved_reduction"], row["metrics"]
     raise ValueError(f"the --match-from report has no unicache row for {task} at {reduction:.0%} reduction")
 
 
