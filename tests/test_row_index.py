@@ -210,3 +210,15 @@ def test_the_allocator_keeps_more_rows_within_the_same_budget() -> None:
 def test_a_full_store_spans_its_runs() -> None:
     store = FullStore(torch.zeros(5, H, D), torch.zeros(5, H, D), torch.tensor([3, 4, 5, 9, 10]), TT.SOURCE_VIT)
     assert store.span == ((3, 3), (9, 2))
+
+
+@pytest.mark.parametrize("elem", [2, 4])
+def test_rows_for_bytes_is_the_most_rows_within_the_budget(elem: int) -> None:
+    """For spans from 1 to 20K rows and budgets from nothing to the whole span: the rows it gives hold at most the
+    budget (the cheaper index counted), and one more row would not."""
+    gen = torch.Generator().manual_seed(elem)
+    for _ in range(300):
+        span = int(torch.randint(1, 20000, (1,), generator=gen))
+        budget = int(torch.randint(0, span * H * 2 * D * elem + 1, (1,), generator=gen))
+        rows = rows_for_bytes(budget, span, H, D, elem)
+        assert evicted_bytes(rows, span, H, D, elem) <= budget < evicted_bytes(rows + 1, span, H, D, elem)
