@@ -45,12 +45,14 @@ from unicache_core.compression.defaults import (
 from unicache_core.compression.family import FULL_BITS, Segment, grid_choices, plan_from_errors
 from unicache_core.compression.merging import merge_rows
 from unicache_core.compression.methods.lookm import TEXT_TYPES, text_prior_scores
-from unicache_core.compression.ops import compress_rows
+from unicache_core.compression.ops import compress_rows, rows_for_bytes
 from unicache_core.compression.scoring import key_scores
 from unicache_core.compression.selection import select_rows
 from unicache_core.kv.attention import attention_with_lse
 from unicache_core.kv.cache import AttentionCall, RequestInfo
+from unicache_core.kv.index_runs import index_runs
 from unicache_core.kv.quantized_store import QuantizedStore
+from unicache_core.kv.row_index import RowIndex
 from unicache_core.kv.segmented_cache import SegmentedLayer
 from unicache_core.kv.stores import EvictedStore, FullStore
 from unicache_core.kv.token_types import CANDIDATE_TYPES, TokenType
@@ -261,9 +263,10 @@ def recent_rows(keep: int) -> int:
     return min(keep, int(keep * RECENT_FRACTION + 0.5))
 
 
-def evict_budget_tokens(byte_budget: int, cfg: BenchConfig, elem: int) -> int:
-    """Tokens per KV head an :class:`EvictedStore` can keep within ``byte_budget`` (K+V + int32 index)."""
-    return byte_budget // (cfg.num_kv_heads * (2 * cfg.head_dim * elem + 4))
+def evict_budget_tokens(byte_budget: int, cfg: BenchConfig, elem: int, span: int) -> int:
+    """Tokens per KV head an :class:`EvictedStore` over ``span`` candidate rows can keep within ``byte_budget`` (K+V
+    and its row index)."""
+    return rows_for_bytes(byte_budget, span, cfg.num_kv_heads, cfg.head_dim, elem)
 
 
 def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tuple[dict, dict]:
@@ -275,7 +278,7 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
     full_bytes = ctx.keys.shape[0] * per_token_full
     cand_bytes = cand.numel() * per_token_full
     budget = int(min(cfg.keep * cand_bytes, cfg.keep * full_bytes - protected.nbytes()))
-    n_keep = evict_budget_tokens(budget, cfg, elem)
+    n_keep = evict_budget_tokens(budget, cfg, elem, cand.numel())
     info = {
         "candidate_tokens": int(cand.numel()),
         "protected_tokens": int(bnd.numel()),
@@ -306,7 +309,8 @@ def build_methods(cfg: BenchConfig, ctx: Context, sc: Scoring, elem: int) -> tup
     recent = min(n_keep, int(n_keep * LOOKM_RECENT_FRACTION + 0.5))
     lm_rows = select_rows(text_prior_scores(acc_c, text).t(), n_keep, recent=recent)
     lm_k, lm_v = merge_rows(ck.transpose(0, 1), cv.transpose(0, 1), lm_rows, LOOKM_MERGE)
-    methods["lookm"] = [layer(EvictedStore(lm_k.contiguous(), lm_v.contiguous(), cand[lm_rows], TT.UNKNOWN))]
+    lm_index = RowIndex.encode(cand[lm_rows], index_runs(torch.sort(cand).values))  # named within the candidates
+    methods["lookm"] = [layer(EvictedStore(lm_k.contiguous(), lm_v.contiguous(), lm_index, TT.UNKNOWN))]
 
     methods["unicache"] = [_unicache_layer(ctx, sc, budget, info)]
     joint = _joint_table(ctx, sc, elem, info)

@@ -28,6 +28,7 @@ from oracles.keepsets import MonotonicKeepSet
 from unicache_core.compression import make_cache_factory
 from unicache_core.compression.defaults import VLCACHE_THRESHOLD
 from unicache_core.compression.methods.vlcache import vlcache_layer_budgets
+from unicache_core.compression.ops import evicted_bytes, rows_for_bytes
 from unicache_core.compression.scoring import key_scores, mass_from_lse, row_max_logits
 from unicache_core.kv.attention import attention_with_lse
 from unicache_core.kv.cache import AttentionCall, RequestInfo, StepInfo
@@ -183,13 +184,23 @@ def test_pyramidkv_keeps_its_oracles_rows_within_the_matched_total():
     seen = run.denoise(0)
     counts = [run.pooled_store(layer).num_tokens for layer in range(layers)]
     total = run.candidates.numel()
-    matched = run.cache.state[0].budgets["candidate"] // (HKV * (2 * D * 4 + 4))  # rows the byte target buys
-    policy = PyramidKVPolicy(window_size=64, keep_ratio=matched / total, queries_in_keys=False)
+    budget = run.cache.state[0].budgets["candidate"]
+    matched = rows_for_bytes(budget, total, HKV, D, 4)  # rows one layer's byte target buys
+    carried = spent = 0
+    branch_rows = 0  # rows the branch's byte target buys, layer by layer on the running total
+    for _ in range(layers):
+        carried += budget
+        rows = rows_for_bytes(carried - spent, total, HKV, D, 4)
+        spent += evicted_bytes(rows, total, HKV, D, 4)
+        branch_rows += rows
+    assert branch_rows >= layers * matched  # the running total carries what each layer's rounding leaves
+    policy = PyramidKVPolicy(window_size=64, keep_ratio=branch_rows / layers / total, queries_in_keys=False)
     pyramid = [policy.layer_budget(total, layer, layers) for layer in range(layers)]
     assert pyramid[0] > pyramid[-1]  # a real pyramid, not the flat fallback
     # the documented difference: the library trims the rounding surplus from the deepest layers, so the
-    # branch never holds more rows than the matched mean; the other layers keep the oracle's budgets
-    assert sum(counts) <= layers * matched and sum(pyramid) - sum(counts) == max(0, sum(pyramid) - layers * matched)
+    # branch never holds more rows than its byte target buys; the other layers keep the oracle's budgets
+    assert sum(counts) <= branch_rows and sum(pyramid) - sum(counts) == max(0, sum(pyramid) - branch_rows)
+    assert sum(run.pooled_store(layer).nbytes() for layer in range(layers)) <= layers * budget
     assert counts[:-1] == pyramid[:-1] and counts[-1] <= pyramid[-1]
     for layer in range(layers):
         oracle = policy.select(run.oracle_inputs(layer, seen[layer]), counts[layer])

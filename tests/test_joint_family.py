@@ -146,7 +146,7 @@ def test_joint_rows_are_chosen_per_head_and_quantized_exactly_as_kept():
     scores = torch.rand(t, H, generator=gen)
     store = compress_rows(layer, [0], 30, 4, 32, 2, scores)
     assert isinstance(store, QuantizedStore) and store.per_head_rows and store.num_tokens == 30
-    assert store.nbytes() == store.nominal_bytes() == quantized_bytes(30, H, D, 4, 32, 2, 4) + 4 * 30 * (H - 1)
+    assert store.nbytes() == store.nominal_bytes() == quantized_bytes(30, H, D, 4, 32, 2, 4, span=t)
     for h in range(H):  # each head keeps its own 30 best-scored rows
         assert set(store.token_index[h].tolist()) == set(torch.topk(scores[:, h], 30).indices.tolist())
     assert not torch.equal(store.token_index[0], store.token_index[1])
@@ -220,7 +220,7 @@ def test_the_grid_matches_bytes_across_bit_widths():
         rows = [row[b].rows for b in JOINT_BITS if b in row]
         assert rows == sorted(rows)  # 16, 8, 4, 2 bits: more rows as the bits fall
         if FULL_BITS in row:
-            assert row[FULL_BITS].rows == rows_for_bytes(budget, H, D, 2)
+            assert row[FULL_BITS].rows == rows_for_bytes(budget, seg.full_rows, H, D, 2)
     # one bf16 row at 6% of its bytes: no bit width keeps it
     assert grid_choices(_segment(1, elem=2), QuantGeometry(), levels=(0.06,)) == {}
 

@@ -85,8 +85,10 @@ def test_evicted_store_drops_rows_for_real_and_bytes_scale() -> None:
         keep = torch.arange(n).repeat(HKV, 1)
         store = EvictedStore.from_selection(k, v, pos, keep, TokenType.SOURCE_VIT)
         assert store.keys.untyped_storage().nbytes() == HKV * n * D * 2  # not a view of the full tensor
-        assert store.nbytes() == store.nominal_bytes() == HKV * n * (2 * D * 2 + 4)
-        sizes.append(store.nbytes())
+        # K and V, and the kept rows as a bitmap over the 200-row span (50 B, under 4 B per row and head)
+        assert store.rows.encoding == "bitmap" and store.rows.bitmap is not None
+        assert store.nbytes() == store.nominal_bytes() == HKV * n * 2 * D * 2 + HKV * (T // 8)
+        sizes.append(store.nbytes() - HKV * (T // 8))
     assert sizes[1] == 2 * sizes[0] and sizes[2] == 4 * sizes[0]
 
 
@@ -263,8 +265,9 @@ def test_large_magnitudes_switch_scales_to_fp32_and_stay_exactly_accounted():
 
 
 def test_quantized_store_from_head_rows_per_head_and_shared() -> None:
-    """Rows chosen per KV head (``token_index [Hkv, T]``) are quantized head by head, charged one int32 index per
-    row and head, and attended as their dequantized rows; a shared ``[T]`` index gives the store from_kv makes."""
+    """Rows chosen per KV head (``token_index [Hkv, T]``) are quantized head by head, charged their row index (a
+    bitmap over the 40-row span and a residual flag per row: 2 x (5 + 3) B, not 4 B per row and head), and attended
+    as their dequantized rows; a shared ``[T]`` index gives the store from_kv makes."""
     q, k, v, _ = _kv(t=40)
     chosen = torch.stack([torch.arange(0, 40, 2), torch.arange(1, 40, 2)])  # head 0 even rows, head 1 odd
     hk = torch.stack([k[chosen[h], h] for h in range(HKV)])  # [Hkv, 20, d]
@@ -272,7 +275,7 @@ def test_quantized_store_from_head_rows_per_head_and_shared() -> None:
     store = QuantizedStore.from_head_rows(hk, hv, chosen, 4, 32, 3, TokenType.SOURCE_VIT)
     assert store.per_head_rows and store.num_tokens == 20 and store.num_quantized == 17
     assert torch.equal(store.token_index.long(), chosen)
-    assert store.nbytes() == store.nominal_bytes() == quantized_kv_nbytes(20, HKV, D, 4, 32, 3, 4) + 4 * 20 * HKV
+    assert store.nbytes() == store.nominal_bytes() == quantized_kv_nbytes(20, HKV, D, 4, 32, 3, 4) + HKV * (5 + 3)
     dk, dv = store.dequantize()  # [T, Hkv, d]: row i of head h is chosen[h, i]
     for h in range(HKV):
         assert torch.equal(dk[-3:, h], k[chosen[h, -3:], h])  # the residual rows are exact

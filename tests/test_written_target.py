@@ -22,9 +22,11 @@ H, D, ELEM, ROWS = 2, 16, 4, 400
 LOOKUP = [(4, 32), (4, 64), (4, 128), (2, 32), (2, 64), (2, 128)]
 
 
-def _packed(rows: int, bits: int, group: int, index_heads: int = 1) -> int:
-    """K and V of ``rows`` rows at ``bits``/``group`` with their int32 row index (one, or one per KV head)."""
-    return quantized_kv_nbytes(rows, H, D, bits, group, 0, ELEM) + 4 * rows * index_heads
+def _packed(rows: int, bits: int, group: int, per_head: bool = False) -> int:
+    """K and V of ``rows`` rows at ``bits``/``group`` with their row index: an int32 per row, or where the rows kept
+    differ per KV head a bitmap of each head's rows over the ROWS-row span (or an int32 per row and head if fewer)."""
+    index = min(H * -(-ROWS // 8), 4 * rows * H) if per_head else 4 * rows
+    return quantized_kv_nbytes(rows, H, D, bits, group, 0, ELEM) + index
 
 
 def _written(bits: int = 4, group: int = 32) -> Segment:
@@ -51,11 +53,11 @@ def test_every_row_at_the_most_precise_setting_that_fits(setting):
 
 @pytest.mark.parametrize("share", [0.9, 0.5, 0.1])
 def test_below_the_floor_the_most_rows_at_the_lowest_bits(share):
-    """Oracle: under every row's 2-bit floor, the largest ``k`` whose 2-bit rows (largest group, an index per KV head:
-    the rows kept differ per head) fit; which ``k`` rows is the scores' choice, not this one's."""
+    """Oracle: under every row's 2-bit floor, the largest ``k`` whose 2-bit rows (largest group, a row index per KV
+    head: the rows kept differ per head) fit; which ``k`` rows is the scores' choice, not this one's."""
     segment = _written()
     budget = int(share * _packed(ROWS, 2, 128))
-    k = max(n for n in range(ROWS) if _packed(n, 2, 128, H) <= budget)
+    k = max(n for n in range(ROWS) if _packed(n, 2, 128, per_head=True) <= budget)
     assert written_choice(segment, budget, QuantGeometry()) == JointChoice(k, 2, 128, 0)
 
 

@@ -10,7 +10,7 @@ Quantization geometry follows the segment and the budget (§11.2): the bits and 
 precise whose every row fits the budget; the full-precision residual then takes the bytes left, up to
 ``min(residual_max, floor(rows * residual_share))`` rows (the type's best-scored rows); key groups run
 over the quantized rows, so a segment shorter than its group is one group of its own length. Every choice is costed with
-the REAL bytes its store will hold (payload, fp16 scale/zero, residual, int32 indices), and a choice never holds more
+the REAL bytes its store will hold (payload, fp16 scale/zero, residual, its row index), and a choice never holds more
 than the rows' uncompressed K and V.
 """
 
@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ..kv.quant import PACKED_BITS, SUPPORTED_BITS, StoreLayout, quantized_kv_nbytes
+from ..kv.row_index import row_index_bytes
 from .defaults import JOINT_BITS, JOINT_LEVELS, KIVI_GROUPS, KIVI_RESIDUAL, KIVI_RESIDUAL_SHARE
 
 #: ``bits`` of rows kept at the cache's own precision (evicted or uncompressed rows).
@@ -137,6 +138,8 @@ class Segment:
             (``k = 0 .. held_rows``; ``None``: every row alike), what :func:`choice_error` weighs dropped rows by.
         shared_rows: every KV head holds the same rows (an uncompressed or wholly quantized segment).
         num_kv_heads, head_dim, elem: geometry of a row (``elem``: bytes per element of the cache dtype).
+        span_rows: rows of the span a store of rows chosen per KV head names its rows within (the rows its stores
+            were made from, :class:`~unicache_core.kv.row_index.RowIndex`; ``None``: ``full_rows``).
     """
 
     full_rows: int
@@ -149,6 +152,7 @@ class Segment:
     elem: int
     held_value_bits: int | None = None
     kept_mass: tuple[float, ...] | None = None
+    span_rows: int | None = None
 
     @property
     def full_bytes(self) -> int:
@@ -156,14 +160,18 @@ class Segment:
         return 2 * self.full_rows * self.num_kv_heads * self.head_dim * self.elem
 
     def choice_bytes(self, choice: JointChoice) -> int:
-        """Bytes the store of ``choice`` holds (indices included; an unchanged full segment holds its K+V)."""
+        """Bytes the store of ``choice`` holds (indices included; an unchanged full segment holds its K+V): a store
+        whose heads share their rows names them by an int32 per row, one whose heads hold different rows by its
+        :class:`~unicache_core.kv.row_index.RowIndex` (:func:`~unicache_core.kv.row_index.row_index_bytes`)."""
         h, d = self.num_kv_heads, self.head_dim
         per_head_index = not (self.shared_rows and choice.rows == self.held_rows)
+        span = self.full_rows if self.span_rows is None else self.span_rows
         if not choice.quantized:
             if self.shared_rows and choice.rows == self.held_rows and self.held_bits == FULL_BITS:
                 return 2 * choice.rows * h * d * self.elem  # kept as it is: no index tensor
-            return choice.rows * h * (2 * d * self.elem + 4)
-        index = 4 * choice.rows * (h if per_head_index else 1)
+            return 2 * choice.rows * h * d * self.elem + row_index_bytes(h, choice.rows, span)
+        residual = min(choice.residual, choice.rows)
+        index = row_index_bytes(h, choice.rows, span, residual) if per_head_index else 4 * choice.rows
         nbytes = quantized_kv_nbytes(
             choice.rows, h, d, choice.bits, choice.group, choice.residual, self.elem, layout=choice.layout
         )

@@ -3,7 +3,8 @@
 These are the only operations that shrink a cache; every method (docs/compression.md §2-§8) is a rule
 for WHICH stores, HOW MANY rows and WHICH scores. Rows are identified by their append index
 (``token_index``). Eviction is monotonic by construction: a selection is always a subset of what the
-stores hold. Budgets are bytes and round down; indices (int32) are charged.
+stores hold. Budgets are bytes and round down; indices are charged (the rows of a store whose heads hold different
+rows are named by a :class:`~unicache_core.kv.row_index.RowIndex` over the span they were chosen from).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..kv.quant import (
     quantized_kv_nbytes,
 )
 from ..kv.quantized_store import QuantizedStore
+from ..kv.row_index import RowIndex, bitmap_bytes, list_bytes, merge_spans, row_index_bytes
 from ..kv.segmented_cache import SegmentedLayer
 from ..kv.stores import EvictedStore, FullStore, KVStore
 from ..kv.token_types import TokenType
@@ -44,21 +46,32 @@ KIVI_LOOKUP: tuple[tuple[float, int, int], ...] = (
 )
 
 
-def evicted_row_bytes(num_kv_heads: int, head_dim: int, elem: int) -> int:
-    """Bytes of one kept row across the KV heads of a layer: K + V + an int32 index per head."""
-    return num_kv_heads * (2 * head_dim * elem + 4)
+def evicted_bytes(rows: int, span: int, num_kv_heads: int, head_dim: int, elem: int) -> int:
+    """Bytes of an :class:`EvictedStore` keeping ``rows`` rows per KV head out of a ``span``-row span: K + V and
+    its row index (:func:`~unicache_core.kv.row_index.row_index_bytes`)."""
+    return rows * num_kv_heads * 2 * head_dim * elem + row_index_bytes(num_kv_heads, rows, span)
 
 
-def rows_for_bytes(budget: int, num_kv_heads: int, head_dim: int, elem: int) -> int:
-    """Most rows per KV head an :class:`EvictedStore` can keep within ``budget`` bytes (rounds down)."""
-    return max(0, int(budget) // evicted_row_bytes(num_kv_heads, head_dim, elem))
+def rows_for_bytes(budget: int, span: int, num_kv_heads: int, head_dim: int, elem: int) -> int:
+    """Most rows per KV head an :class:`EvictedStore` over a ``span``-row span can keep within ``budget`` bytes
+    (rounds down): the more of what each encoding of its index allows."""
+    budget = int(budget)
+    kv = num_kv_heads * 2 * head_dim * elem
+    listed = budget // (kv + list_bytes(num_kv_heads, 1))
+    bitmap = (budget - bitmap_bytes(num_kv_heads, 0, span)) // kv
+    return max(0, listed, bitmap)
 
 
 def quantized_bytes(
-    num_tokens: int, num_kv_heads: int, head_dim: int, bits: int, group: int, residual: int, elem: int
-) -> int:
-    """Bytes a :class:`QuantizedStore` of ``num_tokens`` rows holds (fp16 scale/zero, int32 index)."""
-    return quantized_kv_nbytes(num_tokens, num_kv_heads, head_dim, bits, group, residual, elem) + 4 * num_tokens
+    num_tokens: int, num_kv_heads: int, head_dim: int, bits: int, group: int, residual: int, elem: int,
+    span: int | None = None,
+) -> int:  # fmt: skip
+    """Bytes a :class:`QuantizedStore` of ``num_tokens`` rows holds (fp16 scale/zero): its heads sharing their rows
+    (``span`` None: an int32 index per row) or holding different rows out of a ``span``-row span (their row index)."""
+    nbytes = quantized_kv_nbytes(num_tokens, num_kv_heads, head_dim, bits, group, residual, elem)
+    if span is None:
+        return nbytes + 4 * num_tokens
+    return nbytes + row_index_bytes(num_kv_heads, num_tokens, span, min(residual, num_tokens))
 
 
 def _per_head_rows(store: KVStore) -> tuple[Tensor, Tensor, Tensor]:
@@ -71,7 +84,7 @@ def _per_head_rows(store: KVStore) -> tuple[Tensor, Tensor, Tensor]:
             store.token_index.long().unsqueeze(0).expand(h, -1),
         )
     if isinstance(store, EvictedStore):
-        return store.keys, store.values, store.keep_idx.long()
+        return store.keys, store.values, store.token_index.long()
     if isinstance(store, QuantizedStore):
         k, v = store.dequantize()
         index = store.token_index.long()
@@ -135,7 +148,7 @@ def evict(
     ):
         # one evicted store (a later re-allocation): its rows are already per head in append order
         store = stores[0]
-        index = store.keep_idx.long()
+        index = store.token_index.long()
         pooled_scores = torch.gather(scores.float().t().to(index.device), 1, index)  # [Hkv, n]
         store = store.take(select_rows(pooled_scores, keep, recent=recent))  # [Hkv, keep], ascending
         layer.replace_many(list(indices), store)
@@ -150,7 +163,7 @@ def evict(
     store = EvictedStore(
         kept_keys.contiguous(),
         kept_values.contiguous(),
-        torch.gather(index, 1, rows).to(torch.int32),
+        RowIndex.encode(torch.gather(index, 1, rows), merge_spans(s.span for s in stores)),
         pooled_type(stores),
     )
     layer.replace_many(list(indices), store)
@@ -206,8 +219,9 @@ def compress_rows(
         gather = position.unsqueeze(-1).expand(-1, -1, keys.shape[2])
         keys, values = torch.gather(keys, 1, gather), torch.gather(values, 1, gather)
         index = torch.gather(index, 1, position)
+    rows = RowIndex.encode(index, merge_spans(s.span for s in stores), min(residual, index.shape[1]))
     store = QuantizedStore.from_head_rows(
-        keys.contiguous(), values.contiguous(), index, bits, group, residual, pooled_type(stores), fit_values, vbits,
+        keys.contiguous(), values.contiguous(), rows, bits, group, residual, pooled_type(stores), fit_values, vbits,
         key_per_token,
     )  # fmt: skip
     layer.replace_many(list(indices), store)
@@ -286,7 +300,7 @@ def _shrink_quantized(
         qvalues,
         keys[:, body:].clone(memory_format=torch.contiguous_format),
         _value_rows(store, position[:, body:]).contiguous(),
-        torch.gather(held, 1, position).to(torch.int32),
+        RowIndex.encode(torch.gather(held, 1, position), store.span, n - body),
         store.token_type,
         store.bits,
         group,
@@ -442,7 +456,7 @@ __all__ = [
     "KIVI_LOOKUP",
     "compress_rows",
     "evict",
-    "evicted_row_bytes",
+    "evicted_bytes",
     "floor_bytes",
     "keeps_value_codes",
     "pool_rows",

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..kv.cache import AttentionCall, RequestInfo, StepInfo
 from ..kv.quantized_store import QuantizedStore
+from ..kv.row_index import merge_spans, span_length
 from ..kv.stores import KVStore
 from ..kv.token_types import BRANCHES, CANDIDATE_TYPES, THINK, TokenType
 from .family import FULL_BITS, Segment
@@ -145,6 +146,12 @@ class LayerView:
         """Bytes the stores of ``keys`` hold now."""
         return sum(s.nbytes() for s in self._stores(keys))
 
+    def span_rows(self, keys: Iterable[SegmentKey]) -> int:
+        """Rows of the span a store pooling the stores of ``keys`` (empty ones included, as a plan's change pools
+        them) names per-head rows within (:class:`~unicache_core.kv.row_index.RowIndex`)."""
+        wanted = set(keys)
+        return span_length(merge_spans(s.span for s in self._layer.stores if key_of(s) in wanted))
+
     def segment(self, keys: Iterable[SegmentKey], full_rows: int | None = None) -> Segment:
         """The rows of the stores of ``keys`` as one choice sees them (:class:`~.family.Segment`).
 
@@ -169,6 +176,7 @@ class LayerView:
             head_dim=geo.head_dim,
             elem=geo.elem,
             held_value_bits=value_bits if value_bits < bits else None,
+            span_rows=self.span_rows(keys),
         )
 
     def type_mask(self, types: Iterable[TokenType]) -> Tensor:

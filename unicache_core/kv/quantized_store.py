@@ -12,7 +12,9 @@ from torch import Tensor
 
 from ..validation import check_int
 from .attention import attention_with_lse, merge_attention
+from .index_runs import index_runs
 from .quant import QuantizedTensor, StoreLayout, quantize_keys, quantize_values, quantized_kv_nbytes
+from .row_index import RowIndex, Runs
 from .stores import KVStore, StoreKind, check_kv
 from .token_types import TokenType
 
@@ -25,14 +27,17 @@ class QuantizedStore(KVStore):
     """KIVI store: keys per-channel at ``bits``, values per-token at :attr:`value_bits` (``bits`` unless the store was
     made with fewer value bits, §11.13), packed; the last ``residual`` rows in full precision.
 
-    The rows are the same for every KV head (``token_index [T]``: a whole segment quantized) or chosen per
-    KV head (``token_index [Hkv, T]``: the rows a joint eviction kept, then quantized; row ``i`` of head
-    ``h`` is ``token_index[h, i]``). The layout is head-major either way.
+    The rows are the same for every KV head (``index``: a ``[T]`` int32 tensor, a whole segment quantized) or
+    chosen per KV head (``index``: a :class:`~unicache_core.kv.row_index.RowIndex`, the rows a joint eviction
+    kept, then quantized; row ``i`` of head ``h`` is ``token_index[h, i]``). The layout is head-major either way.
+    ``token_index`` is ``[T]`` or ``[Hkv, T]`` int32 append indices in store order: the quantized rows first,
+    then the residual; each part ascending where the heads hold different rows (the order :func:`from_head_rows`'
+    callers build, which the row index's bitmap keeps with one residual flag per row).
 
     Attributes:
         qkeys, qvalues: quantized rows ``[0, T - R)`` (head-major, see :mod:`unicache_core.kv.quant`).
         res_keys, res_values: ``[Hkv, R, d]`` residual rows in the cache dtype.
-        token_index: ``[T]`` or ``[Hkv, T]`` int32 append indices (quantized rows first, then the residual).
+        index: ``[T]`` int32 append indices (heads share their rows) or the per-head :class:`RowIndex`.
         cache_dtype: the cache dtype (dequantization target and residual dtype).
     """
 
@@ -40,7 +45,7 @@ class QuantizedStore(KVStore):
     qvalues: QuantizedTensor
     res_keys: Tensor
     res_values: Tensor
-    token_index: Tensor
+    index: Tensor | RowIndex
     token_type: TokenType
     bits: int
     group_size: int
@@ -82,7 +87,7 @@ class QuantizedStore(KVStore):
         cls,
         keys: Tensor,
         values: Tensor,
-        token_index: Tensor,
+        token_index: Tensor | RowIndex,
         bits: int,
         group_size: int,
         residual: int,
@@ -91,8 +96,9 @@ class QuantizedStore(KVStore):
         value_bits: int | None = None,
         key_per_token: bool = False,
     ) -> QuantizedStore:
-        """Quantize head-major ``keys/values [Hkv, T, d]``, rows ``token_index`` (``[T]`` shared or ``[Hkv, T]`` per
-        head, ascending); each head's last ``min(residual, T)`` rows stay exact; ``fit_values``: :mod:`.ranges`;
+        """Quantize head-major ``keys/values [Hkv, T, d]``, rows ``token_index`` (``[T]`` shared; ``[Hkv, T]`` per head,
+        or their :class:`RowIndex`, whose residual must be the store's); each head's last ``min(residual, T)`` rows
+        stay exact; ``fit_values``: :mod:`.ranges`;
         ``value_bits``: the values' bits (``None``: ``bits``); ``key_per_token``: keys grouped per token (§11.13)."""
         if keys.dim() != 3 or keys.shape != values.shape:
             raise ValueError(
@@ -104,9 +110,19 @@ class QuantizedStore(KVStore):
                 "must share one floating dtype and device"
             )
         h, t, _ = keys.shape
-        if tuple(token_index.shape) not in ((t,), (h, t)):
-            raise ValueError(f"`token_index` must be [T]=({t},) or [Hkv, T]=({h}, {t}), got {tuple(token_index.shape)}")
+        shape = (token_index.num_heads, token_index.rows) if isinstance(token_index, RowIndex) else token_index.shape
+        if tuple(shape) not in ((t,), (h, t)):
+            raise ValueError(f"`token_index` must be [T]=({t},) or [Hkv, T]=({h}, {t}), got {tuple(shape)}")
         r = min(check_int("residual", residual, 0), t)
+        index: Tensor | RowIndex
+        if isinstance(token_index, RowIndex):
+            if token_index.encoding == "bitmap" and token_index.residual != (r if 0 < r < t else 0):
+                raise ValueError(f"the row index flags {token_index.residual} residual rows, the store keeps {r}")
+            index = token_index
+        elif token_index.dim() == 2:
+            index = RowIndex.encode(token_index.to(keys.device), residual=r)
+        else:
+            index = token_index.to(device=keys.device, dtype=torch.int32).clone()
         vbits = bits if value_bits is None else value_bits
         qvalues = quantize_values(values[:, : t - r], vbits, group_size, fit_values)
         return cls(
@@ -114,7 +130,7 @@ class QuantizedStore(KVStore):
             qvalues,
             keys[:, t - r :].clone(memory_format=torch.contiguous_format),
             values[:, t - r :].clone(memory_format=torch.contiguous_format),
-            token_index.to(device=keys.device, dtype=torch.int32).clone(),
+            index,
             TokenType(token_type),
             bits,
             group_size,
@@ -124,13 +140,24 @@ class QuantizedStore(KVStore):
 
     @property
     def per_head_rows(self) -> bool:
-        """The KV heads hold different rows (``token_index [Hkv, T]``)."""
-        return self.token_index.dim() == 2
+        """The KV heads hold different rows (``token_index [Hkv, T]``, named by a :class:`RowIndex`)."""
+        return isinstance(self.index, RowIndex)
+
+    @property
+    def token_index(self) -> Tensor:  # type: ignore[override]
+        """``[T]`` or ``[Hkv, T]`` int32 append indices in store order (the per-head ones decoded)."""
+        return self.index.decode() if isinstance(self.index, RowIndex) else self.index
+
+    @property
+    def span(self) -> Runs:
+        if isinstance(self.index, RowIndex):
+            return self.index.span
+        return index_runs(torch.sort(self.index).values)
 
     @property
     def num_tokens(self) -> int:
         """Rows held (per KV head)."""
-        return int(self.token_index.shape[-1])
+        return self.index.rows if isinstance(self.index, RowIndex) else int(self.index.shape[-1])
 
     @property
     def value_bits(self) -> int:
@@ -221,27 +248,24 @@ class QuantizedStore(KVStore):
             self.qvalues.zero,
             self.res_keys,
             self.res_values,
-            self.token_index,
+            *(self.index.tensors() if isinstance(self.index, RowIndex) else [self.index]),
         ]
 
     def nominal_bytes(self) -> int:
         h, _, d = self.res_keys.shape
         elem = torch.empty(0, dtype=self.cache_dtype).element_size()
-        return (
-            quantized_kv_nbytes(
-                self.num_tokens,
-                h,
-                d,
-                self.bits,
-                self.group_size,
-                self.residual,
-                elem,
-                key_group_bytes=2 * self.qkeys.scale.element_size(),
-                value_group_bytes=2 * self.qvalues.scale.element_size(),
-                layout=StoreLayout(self.value_bits, self.key_per_token),
-            )
-            + 4 * self.token_index.numel()
-        )
+        return quantized_kv_nbytes(
+            self.num_tokens,
+            h,
+            d,
+            self.bits,
+            self.group_size,
+            self.residual,
+            elem,
+            key_group_bytes=2 * self.qkeys.scale.element_size(),
+            value_group_bytes=2 * self.qvalues.scale.element_size(),
+            layout=StoreLayout(self.value_bits, self.key_per_token),
+        ) + (self.index.nominal_bytes() if isinstance(self.index, RowIndex) else 4 * self.index.numel())
 
     def share(self) -> QuantizedStore:
         return QuantizedStore(
@@ -249,7 +273,7 @@ class QuantizedStore(KVStore):
             self.qvalues,
             self.res_keys,
             self.res_values,
-            self.token_index,
+            self.index,
             self.token_type,
             self.bits,
             self.group_size,

@@ -9,19 +9,19 @@ are always fully visible, so no store takes a mask.
 ``token_index`` is the APPEND INDEX of a row in its context (0 for the first token ever cached, ...,
 int32), never a RoPE position (RoPE ids live in :class:`~unicache_core.kv.cache.AttentionCall`; keys are
 stored already rotated). ``nbytes()`` is the sum of ``.nbytes`` of every tensor a store holds (payload,
-scales/zeros, residual and the int32 index of compressed stores; an uncompressed store names its rows by
-a few runs of consecutive indices and holds exactly its K and V); ``nominal_bytes()`` is the same
-quantity from the closed-form formula of docs/compression.md §1.
+scales/zeros, residual and the row index of compressed stores; an uncompressed store names its rows by
+a few runs of consecutive indices and holds exactly its K and V; a store whose heads hold different rows names
+them by :class:`~unicache_core.kv.row_index.RowIndex`, a packed bitmap over its span or an int32 list);
+``nominal_bytes()`` is the same quantity from the closed-form formula of docs/compression.md §1.
 
 All stores share one interface (:class:`KVStore`): ``kind``, ``token_type``, ``num_tokens``,
-``num_kv_heads``, ``head_dim``, ``dtype``, ``device``, ``attend``, ``write_kv``, ``score_keys``,
+``num_kv_heads``, ``head_dim``, ``dtype``, ``device``, ``span``, ``attend``, ``write_kv``, ``score_keys``,
 ``nbytes``, ``nominal_bytes``, ``tensors``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .attention import attention_with_lse
 from .index_runs import index_runs, runs_index
+from .row_index import RowIndex, Runs
 from .token_types import TokenType
 
 StoreKind = Literal["full", "evicted", "quantized"]
@@ -103,6 +104,12 @@ class KVStore(ABC):
     def nominal_bytes(self) -> int:
         """``nbytes()`` from the closed-form formula of docs/compression.md §1."""
 
+    @property
+    @abstractmethod
+    def span(self) -> Runs:
+        """The append indices the store's rows were chosen from, as ``((start, length), ...)`` runs: every row it
+        holds when its heads share their rows, the rows its stores were made from when they hold different rows."""
+
     @abstractmethod
     def share(self) -> KVStore:
         """A new store object over the SAME tensors (a branch clone; tensors are never modified in place)."""
@@ -166,6 +173,10 @@ class FullStore(_RowStore):
         return runs_index(self.runs, self.keys.device)
 
     @property
+    def span(self) -> Runs:
+        return self.runs
+
+    @property
     def num_tokens(self) -> int:
         return int(self.keys.shape[0])
 
@@ -215,45 +226,43 @@ class FullStore(_RowStore):
         self.runs = tuple(runs)
 
 
-@dataclass(eq=False)
 class EvictedStore(_RowStore):
     """Rows kept by an eviction policy, compacted per KV head (heads may keep different tokens).
 
     Attributes:
         keys, values: ``[Hkv, n_keep, d]``; a new tensor (the dropped rows are really gone).
-        keep_idx: ``[Hkv, n_keep]`` int32 append indices of the kept rows, ascending per head.
+        rows: which rows each head keeps, within the span they were chosen from
+            (:class:`~unicache_core.kv.row_index.RowIndex`: a packed bitmap, or an int32 list where cheaper).
         token_type: type of the rows.
     """
 
-    keys: Tensor
-    values: Tensor
-    keep_idx: Tensor
-    token_type: TokenType
     kind: ClassVar[StoreKind] = "evicted"
 
-    def __post_init__(self) -> None:
-        if self.keys.dim() != 3 or self.keys.shape != self.values.shape:
+    def __init__(self, keys: Tensor, values: Tensor, rows: Tensor | RowIndex, token_type: TokenType):
+        """``keys/values [Hkv, n_keep, d]``; ``rows``: a :class:`RowIndex`, or ``[Hkv, n_keep]`` append indices
+        ascending per head (named within the runs of every row a head keeps)."""
+        if keys.dim() != 3 or keys.shape != values.shape:
             raise ValueError(
-                f"`keys`/`values` must both be [Hkv, n_keep, d]; got {tuple(self.keys.shape)}, "
-                f"{tuple(self.values.shape)}"
+                f"`keys`/`values` must both be [Hkv, n_keep, d]; got {tuple(keys.shape)}, {tuple(values.shape)}"
             )
-        if self.keys.dtype != self.values.dtype or self.keys.device != self.values.device:
+        if keys.dtype != values.dtype or keys.device != values.device:
             raise ValueError(
-                f"`keys` ({self.keys.dtype}, {self.keys.device}) and `values` ({self.values.dtype}, "
-                f"{self.values.device}) must share dtype and device"
+                f"`keys` ({keys.dtype}, {keys.device}) and `values` ({values.dtype}, "
+                f"{values.device}) must share dtype and device"
             )
-        if tuple(self.keep_idx.shape) != tuple(self.keys.shape[:2]):
-            raise ValueError(
-                f"`keep_idx` must be [Hkv, n_keep]={tuple(self.keys.shape[:2])}, got {tuple(self.keep_idx.shape)}"
-            )
-        self.keep_idx = self.keep_idx.to(torch.int32)
-        self.token_type = TokenType(self.token_type)
+        shape = (rows.num_heads, rows.rows) if isinstance(rows, RowIndex) else tuple(rows.shape)
+        if tuple(shape) != tuple(keys.shape[:2]):
+            raise ValueError(f"`keep_idx` must be [Hkv, n_keep]={tuple(keys.shape[:2])}, got {tuple(shape)}")
+        self.keys, self.values = keys, values
+        self.rows = rows if isinstance(rows, RowIndex) else RowIndex.encode(rows.to(keys.device))
+        self.token_type = TokenType(token_type)
 
     @classmethod
     def from_selection(
         cls, keys: Tensor, values: Tensor, token_index: Tensor, keep: Tensor, token_type: TokenType
     ) -> EvictedStore:
-        """Compact ``keys/values [T, Hkv, d]`` to the rows ``keep [Hkv, n_keep]`` (indices into T) per head."""
+        """Compact ``keys/values [T, Hkv, d]`` to the rows ``keep [Hkv, n_keep]`` (indices into T) per head; the span
+        is the runs of ``token_index``."""
         check_kv(keys, values, token_index)
         t, h, d = keys.shape
         if keep.dim() != 2 or keep.shape[0] != h:
@@ -266,7 +275,17 @@ class EvictedStore(_RowStore):
         idx = keep.unsqueeze(-1).expand(h, keep.shape[1], d)
         k = torch.gather(keys.transpose(0, 1), 1, idx)  # new [Hkv, n_keep, d] tensor
         v = torch.gather(values.transpose(0, 1), 1, idx)
-        return cls(k, v, token_index.to(keys.device).long()[keep].to(torch.int32), token_type)
+        index = token_index.to(keys.device).long()
+        return cls(k, v, RowIndex.encode(index[keep], index_runs(torch.sort(index).values)), token_type)
+
+    @property
+    def keep_idx(self) -> Tensor:
+        """``[Hkv, n_keep]`` int32 append indices of the kept rows, ascending per head (decoded from :attr:`rows`)."""
+        return self.rows.decode()
+
+    @property
+    def span(self) -> Runs:
+        return self.rows.span
 
     @property
     def num_tokens(self) -> int:
@@ -279,8 +298,8 @@ class EvictedStore(_RowStore):
 
     @property
     def token_index(self) -> Tensor:  # type: ignore[override]
-        """``[Hkv, n_keep]`` append indices (per head)."""
-        return self.keep_idx
+        """``[Hkv, n_keep]`` append indices (per head, decoded from :attr:`rows`)."""
+        return self.rows.decode()
 
     def attend(self, q: Tensor, scale: float | None = None) -> tuple[Tensor, Tensor]:
         """Query head ``h`` only sees the rows of KV head ``h // g``."""
@@ -299,14 +318,14 @@ class EvictedStore(_RowStore):
         return self.keys.transpose(0, 1)
 
     def tensors(self) -> list[Tensor]:
-        return [self.keys, self.values, self.keep_idx]
+        return [self.keys, self.values, *self.rows.tensors()]
 
     def nominal_bytes(self) -> int:
         h, n, d = self.keys.shape
-        return h * n * (2 * d * self.keys.element_size() + 4)
+        return h * n * 2 * d * self.keys.element_size() + self.rows.nominal_bytes()
 
     def share(self) -> EvictedStore:
-        return EvictedStore(self.keys, self.values, self.keep_idx, self.token_type)
+        return EvictedStore(self.keys, self.values, self.rows, self.token_type)
 
     def shrink(self, keep_sub: Tensor) -> EvictedStore:
         """A new store keeping rows ``keep_sub [Hkv, n_new]`` (indices into this store's rows, n_new <= n_keep).
@@ -332,12 +351,13 @@ class EvictedStore(_RowStore):
 
     def take(self, rows: Tensor) -> EvictedStore:
         """A new store of ``rows [Hkv, n_new]`` int64: positions into this store's rows, ascending and distinct per
-        head (not checked: :meth:`shrink` checks them; an eviction's own selection is built that way)."""
+        head (not checked: :meth:`shrink` checks them; an eviction's own selection is built that way), named within
+        this store's span."""
         idx = rows.unsqueeze(-1).expand(-1, -1, self.keys.shape[2])
         return EvictedStore(
             torch.gather(self.keys, 1, idx),
             torch.gather(self.values, 1, idx),
-            torch.gather(self.keep_idx, 1, rows.to(self.keep_idx.device)),
+            self.rows.take(rows),
             self.token_type,
         )
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from ..method import Method
-from ..ops import evicted_row_bytes, floor_bytes, rows_for_bytes
+from ..ops import evicted_bytes, floor_bytes, rows_for_bytes
 from ..plan import BranchPlan, Keep, LayerPlan
-from ..view import BranchView, LayerView
+from ..view import BranchView, LayerView, RowGeometry
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +55,7 @@ class GlobalEviction(Method):
         """Every layer's pooled candidate rows down to the rows its share of the byte target buys."""
         ratio = view.target
         layers = [view.layer(i) for i in range(view.num_layers)]
-        budget_rows, pool_rows, budgets = [], [], {}
+        budget_rows, pool_rows, spans, budgets = [], [], [], {}
         # Rows round down on the branch's running byte total, not per layer: the branch holds at most its
         # budget, and misses it by less than one row overall instead of one row per layer.
         spent = carried = 0
@@ -66,14 +66,19 @@ class GlobalEviction(Method):
             if geo is None or full == 0:
                 budget_rows.append(0)
                 pool_rows.append(0)
+                spans.append(0)
                 continue
             carried += budget
-            rows = rows_for_bytes(carried - spent, geo.num_kv_heads, geo.head_dim, geo.elem)
-            spent += rows * evicted_row_bytes(geo.num_kv_heads, geo.head_dim, geo.elem)
+            span = layer.span_rows(layer.candidate_keys)  # the pooled store names its rows within it
+            rows = rows_for_bytes(carried - spent, span, geo.num_kv_heads, geo.head_dim, geo.elem)
+            spent += evicted_bytes(rows, span, geo.num_kv_heads, geo.head_dim, geo.elem)
             budget_rows.append(rows)
+            spans.append(span)
             pool_rows.append(layer.held_rows(layer.candidate_keys))
             budgets[layer.index] = budget
         kept_rows = self.layer_rows(view, budget_rows, pool_rows)
+        if kept_rows != budget_rows:
+            kept_rows = _within(kept_rows, [(layer.geometry, span) for layer, span in zip(layers, spans)], spent)
         plans = {}
         for layer, keep in zip(layers, kept_rows):
             keys = layer.candidate_keys
@@ -82,13 +87,14 @@ class GlobalEviction(Method):
                 plans[layer.index] = LayerPlan(budgets=lp_budget)
                 continue  # the target keeps everything: the segment stays as it is
             geo = layer.geometry
-            if keep * evicted_row_bytes(geo.num_kv_heads, geo.head_dim, geo.elem) >= layer.held_bytes(keys):
+            kept = min(keep, pool_rows[layer.index])
+            kept_bytes = evicted_bytes(kept, spans[layer.index], geo.num_kv_heads, geo.head_dim, geo.elem)
+            if kept_bytes >= layer.held_bytes(keys):
                 plans[layer.index] = LayerPlan(budgets=lp_budget)
                 continue  # the kept rows and their indices would hold as much as the rows do now
             scores = self.layer_scores(view, layer)
             if scores is None:
                 raise RuntimeError(f"{self.name}: layer {layer.index} of branch {view.branch} was never scored")
-            kept = min(keep, pool_rows[layer.index])
             share = self.recent_share()
             recent = min(keep, int(keep * share + 0.5)) if share else 0
             action = Keep(
@@ -99,10 +105,32 @@ class GlobalEviction(Method):
                 forced=self.forced_rows(view, layer),
                 smooth_kernel=self.smooth_kernel(),
                 merge=self.merge_rule(),
-                expected_bytes=kept * evicted_row_bytes(geo.num_kv_heads, geo.head_dim, geo.elem),
+                expected_bytes=kept_bytes,
             )
             plans[layer.index] = LayerPlan(keeps=(action,), budgets=lp_budget)
         return BranchPlan(layers=plans)
+
+
+def _within(rows: list[int], layers: list[tuple[RowGeometry | None, int]], limit: int) -> list[int]:
+    """``rows`` per layer, cut from the deepest layers until their evicted stores hold at most ``limit`` bytes: rows
+    moved between layers (PyramidKV) can move an index from its bitmap to its list, which costs a few bytes more.
+    ``layers``: each layer's row geometry and span."""
+    rows = list(rows)
+
+    def held() -> int:
+        return sum(
+            evicted_bytes(r, span, geo.num_kv_heads, geo.head_dim, geo.elem)
+            for r, (geo, span) in zip(rows, layers)
+            if geo is not None
+        )
+
+    i = len(rows) - 1
+    while i >= 0 and held() > limit:
+        if rows[i]:
+            rows[i] -= 1
+        else:
+            i -= 1
+    return rows
 
 
 __all__ = ["GlobalEviction"]
