@@ -345,6 +345,7 @@ def run(cfg: QualityConfig) -> dict:
                 matched = reduction
                 # UniCache's per-sample scores and fidelity at this target: the other rows pair with them
                 unicache = None
+                at_rows: list[dict] = []  # UniCache run again at the bytes of a baseline that missed its own
                 if cfg.match_from is not None:
                     matched, unicache = earlier_unicache(cfg.match_from, task, reduction)
                 for method in runs:
@@ -360,11 +361,15 @@ def run(cfg: QualityConfig) -> dict:
                         reference = unicache
                         if not is_unicache_row(method) and cfg.match_unicache_bytes:
                             if unequal_bytes(matched, row["achieved_reduction"]):  # UniCache again, at its bytes
-                                at = _method_row(
-                                    loaded, task, cfg, at_bytes_row(method), reduction, row["achieved_reduction"],
-                                    full_out, full_paths, None,
-                                )  # fmt: skip
-                                results.append(at)
+                                held = row["achieved_reduction"]
+                                at = next((a for a in at_rows if not unequal_bytes(a["run_at_reduction"], held)), None)
+                                if at is None:  # no UniCache row at these bytes yet
+                                    at = _method_row(
+                                        loaded, task, cfg, at_bytes_row(method), reduction, held, full_out, full_paths,
+                                        None,
+                                    )  # fmt: skip
+                                    at_rows.append(at)
+                                    results.append(at)
                                 reference, row["paired_with"] = at["metrics"], at["method"]
                         _pair(row, reference)
                     results.append(row)

@@ -5,8 +5,8 @@ Every baseline runs at the bytes UniCache achieved at a target. A baseline whose
 holds more or fewer: KIVI stops at 2 bits, about 91% reduction on the bundled model's fp32 KV where the extreme target
 asks 95%, and between its 2- and 4-bit settings it may leave part of its budget. A comparison at unequal bytes says
 little about either method, so for such a baseline UniCache runs once more at the bytes the baseline achieved (the row
-``unicache@<baseline>``) and the baseline's paired differences are taken against that row: every paired difference in
-the report is at equal bytes.
+``unicache@<baseline>``, shared by the baselines that held the same bytes within the tolerance) and the baseline's
+paired differences are taken against that row: every paired difference in the report is at equal bytes.
 """
 
 from __future__ import annotations
