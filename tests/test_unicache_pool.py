@@ -133,15 +133,20 @@ def test_the_pool_is_decided_once_and_its_mass_stays_with_its_types(bundled, cac
     rhos = [s["branches"]["gen"]["rho"] for s in report["steps"] if "gen" in s["branches"]]
     assert rhos[-1] < rhos[0] and rhos[-1] > 0.05 - 1e-9
     cfg_text = next(c for c in caches if c.branch == "cfg_text")
+    pooled_layers = 0
     for layer in range(gen.num_layers):
         ls = gen.state[layer]
         # the image's types, which gen shares with cfg_text, pool apart from gen's own instruction (§13)
         assert set(ls.pooled) == {TT.SOURCE_VIT, TT.SOURCE_VAE}
         managed = [s for s in gen.layer(layer).stores if s.token_type not in PROTECTED_TYPES]
-        assert [s.token_type for s in managed] == [TT.UNKNOWN, TT.INSTRUCTION]
+        assert managed[-1].token_type == TT.INSTRUCTION and len(managed) in (2, 3)
+        images = managed[:-1]  # one pooled store, or where every budget held them as written (§13) their own stores
+        assert [s.token_type for s in images] == [TT.UNKNOWN] or {s.token_type for s in images} == set(ls.pooled)
+        pooled_layers += images[0].token_type == TT.UNKNOWN
         shared = [s for s in cfg_text.layer(layer).stores if s.token_type not in PROTECTED_TYPES]
-        assert len(shared) == 1 and shared[0].qkeys.packed.data_ptr() == managed[0].qkeys.packed.data_ptr()
+        assert [s.qkeys.packed.data_ptr() for s in shared] == [s.qkeys.packed.data_ptr() for s in images]
         assert TT.UNKNOWN not in ls.masses and all(ls.masses.get(t, 0.0) > 0 for t in ls.pooled), ls.masses
+    assert pooled_layers >= gen.num_layers // 2
     chunk_masses = gen.request_state.stats.cell_masses(1, 2, list(CANDIDATES), branch="gen")
     assert chunk_masses is not None and all(m > 0 for m in chunk_masses.values()), chunk_masses
     assert not report["summary"].get("flags")
@@ -160,7 +165,8 @@ def test_a_fork_keeps_its_parents_pool(bundled, caches):
 def test_a_branch_under_its_floor_is_paid_for_by_the_others(bundled, caches):
     """An edit at 10%: the image-free CFG branch holds only the instruction, whose 2-bit floor is above that
     branch's own budget; the other branches' bytes above their floors pay for it, so it keeps every row in
-    every layer and the request stays within its budget (docs/compression.md §11.8)."""
+    every layer and the request stays within its budget (docs/compression.md §11.8; what the others' plans leave
+    comes to it too, §11.15)."""
     edit = edit_sample(5)
     factory = make_cache_factory("unicache", checkpoint_dir=str(BUNDLED_CHECKPOINT_DIR), kv_target=0.1)
     report = (
@@ -174,7 +180,7 @@ def test_a_branch_under_its_floor_is_paid_for_by_the_others(bundled, caches):
         rows = cfg_img.type_rows(layer)[TT.INSTRUCTION]
         own_budget = int(0.1 * rows * cfg_img.row_bytes(layer))
         (store,) = [s for s in cfg_img.layer(layer).stores if s.token_type == TT.INSTRUCTION]
-        assert store.kind == "quantized" and store.bits == 2 and store.num_tokens == rows
+        assert store.kind == "quantized" and store.num_tokens == rows  # at 2 bits or more (§11.15's pass-on)
         assert (
             store.nbytes() > own_budget and cfg_img.request_state.grant("cfg_img", layer) >= store.nbytes() - own_budget
         )

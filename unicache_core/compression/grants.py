@@ -135,4 +135,18 @@ def branch_grants(needs: Needs, weights: Mapping[str, float] | None = None) -> d
     return {b: plan for b, plan in out.items() if any(plan.values())}
 
 
-__all__ = ["Level", "UnitNeed", "branch_grants"]
+def pass_on(
+    grants: Mapping[str, Mapping[int, int]], giver: tuple[str, int], taker: tuple[str, int], nbytes: int
+) -> dict[str, dict[int, int]]:
+    """The grants with ``nbytes`` more moved from the unit ``giver`` (a ``(branch, layer)`` whose plan left them) to
+    ``taker`` (one not planned yet): bytes one unit cannot use go to the others of the request's one budget, and the
+    grants still sum to at most 0 (docs/compression.md §11.15)."""
+    out = {b: dict(plan) for b, plan in grants.items()}
+    if nbytes <= 0 or giver == taker:
+        return out
+    for (branch, layer), delta in ((giver, -nbytes), (taker, nbytes)):
+        out.setdefault(branch, {})[layer] = out.get(branch, {}).get(layer, 0) + delta
+    return out
+
+
+__all__ = ["Level", "UnitNeed", "branch_grants", "pass_on"]

@@ -104,11 +104,14 @@ class BranchPlan:
         rho: the scheduled retention per layer chunk after this compression (empty: the method has no schedule).
         state: what the method keeps for this branch until its next compression (returned by the next view's
             :attr:`~unicache_core.compression.view.BranchView.state`); ``None``: nothing.
+        unused: bytes of the branch's budget the plan leaves; at the branch's first compression the session passes
+            them to a branch of the request not yet compressed (docs/compression.md §11.15).
     """
 
     layers: Mapping[int, LayerPlan] = field(default_factory=dict)
     rho: Mapping[int, float] = field(default_factory=dict)
     state: Any = None
+    unused: int = 0
 
 
 __all__ = ["BranchPlan", "CallPlan", "Keep", "LayerPlan"]

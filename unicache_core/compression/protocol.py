@@ -53,6 +53,9 @@ class LayerState:
     #: {TokenType: share} of the candidate types quantized as one store (UniCache, docs/compression.md §11.7): the
     #: store's attention mass is theirs in these shares (their masses when they were pooled); empty: no pool
     pooled: dict = field(default_factory=dict)
+    #: {SegmentKey: branch} the segments whose rows another branch planned and shares with this one (their stores
+    #: were replaced by that branch's, docs/compression.md §13): this branch does not plan or budget them
+    planned_by: dict = field(default_factory=dict)
 
     def copy(self) -> LayerState:
         """A copy whose dicts are new (the score tensors are shared: they are replaced, never edited)."""
@@ -66,6 +69,7 @@ class LayerState:
             dict(self.budgets),
             dict(self.flags),
             dict(self.pooled),
+            dict(self.planned_by),
         )
 
     def record(self, measurement: Measurement) -> None:

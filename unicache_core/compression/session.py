@@ -20,12 +20,12 @@ from ..kv.cache import AttentionCall, CacheSession, KVCache, RequestInfo, StepIn
 from ..kv.stores import KVStore
 from ..kv.token_types import THINK
 from .compressing_cache import CompressingKVCache
-from .grants import branch_grants
+from .grants import branch_grants, pass_on
 from .method import Method
 from .plan import CallPlan, LayerPlan
 from .report import ReportBuilder
 from .state import RequestState, clock
-from .view import BranchView, storages
+from .view import BranchView, key_of, storages
 
 logger = logging.getLogger(__name__)
 
@@ -191,9 +191,29 @@ class CompressionSession(CacheSession):
             self._resolve_target()
             plan = self.method.plan(self.view(cache, call))
             self._share(cache, cache.apply(plan))
+            if self.state.branch(branch).compressions == 0:
+                self._pass_on(cache, plan.unused)
             self.state.note_compressed(branch, plan.rho, plan.state)
         self.state.add_time("alloc", self.clock() - start)
         self.report.note_compression(cache)
+
+    def _pass_on(self, cache: CompressingKVCache, unused: int) -> None:
+        """What ``cache``'s first plan left of its budget goes to the branch of the request not yet compressed whose
+        errors weigh most in its output (the first of them on a tie; its first layer, whose carry passes it on through
+        its layers; :func:`.grants.pass_on`): one request budget, not one per branch (docs/compression.md §11.15)."""
+        takers = [
+            c
+            for c in self.live_caches()
+            if c is not cache
+            and c.branch != THINK
+            and c.num_layers == cache.num_layers
+            and self.state.branch(c.branch or "").compressions == 0
+        ]
+        if unused <= 0 or not takers or cache.num_layers == 0:
+            return
+        first = max(takers, key=lambda c: abs(self.request.branch_weight(c.branch or "")))  # the heaviest (§11.8)
+        giver, taker = (cache.branch or "", cache.num_layers - 1), (first.branch or "", 0)
+        self.state.set_grants(pass_on(self.state.grants or {}, giver, taker, unused))
 
     def _share(self, cache: CompressingKVCache, replaced: list[tuple[int, list[KVStore], KVStore]]) -> None:
         """Stores ``cache`` replaced that other branches held too (a fork's rows) are replaced there by the same new
@@ -207,6 +227,7 @@ class CompressionSession(CacheSession):
                 found = [i for i, store in enumerate(layer.stores) if storages(store) in wanted]
                 if found and len(found) == len(old):
                     layer.replace_many(found, new.share())
+                    other.state[index].planned_by.update({key_of(store): cache.branch or "" for store in old})
 
     def finish(self) -> dict:
         """The request's KV report (:mod:`.report`)."""

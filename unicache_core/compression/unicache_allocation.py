@@ -68,8 +68,10 @@ class ChunkBudget(NamedTuple):
 
     Attributes:
         layers: the chunk's layer indices.
-        caps: rows per candidate type the branch plans in the chunk's first layer.
-        masses: each type's attention mass (``None``: not measured; every type then takes ``rho``).
+        caps: rows per candidate type the branch plans in the chunk's first layer, counted once per branch that holds
+            them (:func:`counted_rows`).
+        masses: each type's attention mass, counted like its rows (``None``: not measured; every type then takes
+            ``rho``).
         rho: the chunk's scheduled retention.
         floor: the least retention its schedule can reach.
     """
@@ -90,10 +92,12 @@ class Part(NamedTuple):
 
 
 class LayerResult(NamedTuple):
-    """A layer's plan and the bytes it leaves unused (``unused``), carried to the next layer."""
+    """A layer's plan, the bytes it leaves unused (``unused``, carried to the next layer) and the bytes it holds
+    (``held``, each store counted once per branch that holds it)."""
 
     plan: LayerPlan
     unused: int
+    held: int
 
 
 class SegmentChange(NamedTuple):
@@ -113,6 +117,25 @@ def planned_rows(layer: LayerView) -> dict[TokenType, int]:
     return rows
 
 
+def planned_copies(layer: LayerView) -> dict[TokenType, int]:
+    """How many times the request's budget counts each type's planned rows: once per live branch that holds them (a
+    store ``gen`` plans for the image rows ``cfg_text`` shares counts in both, as the report's per-branch bytes count
+    it; docs/compression.md §11.15). The most over a type's segments, so a type's bytes are never under-counted."""
+    out: dict[TokenType, int] = {}
+    for key in layer.candidate_keys:
+        if key not in layer.planned_elsewhere:
+            types = layer.pooled if key.type == POOLED.type else (key.type,)  # a pooled store: its types' rows
+            for t in types:
+                out[t] = max(out.get(t, 1), 1 + len(layer.shared_with.get(key, frozenset())))
+    return out
+
+
+def counted_rows(layer: LayerView) -> dict[TokenType, int]:
+    """Rows per type this branch plans, each counted once per branch that holds it (:func:`planned_copies`)."""
+    copies = planned_copies(layer)
+    return {t: n * copies.get(t, 1) for t, n in planned_rows(layer).items()}
+
+
 def planned_types(table: PolicyTable, task: str, layer: LayerView) -> list[TokenType]:
     """The candidate types of ``layer`` with rows this branch plans and a policy other than protect."""
     rows = planned_rows(layer)
@@ -127,18 +150,39 @@ def mean_masses(view: BranchView, layers: list[int], types: list[TokenType]) -> 
     return {t: sum(m.get(t, 0.0) for m in seen) / len(seen) for t in types}
 
 
-def plan_layers(view: BranchView, chunks: list[ChunkBudget], settings: AllocationSettings) -> dict[int, LayerPlan]:
+class BranchLayers(NamedTuple):
+    """A branch's plan per layer (``plans``) and the bytes of its budget they leave (``unused``)."""
+
+    plans: dict[int, LayerPlan]
+    unused: int
+
+
+def plan_layers(view: BranchView, chunks: list[ChunkBudget], settings: AllocationSettings) -> BranchLayers:
     """Every layer's plan for its chunk's retention, the bytes a layer leaves (and the branch's grant) carried to the
-    next."""
+    next. What the last layer leaves is offered again to the layers in order (docs/compression.md §11.15): a layer
+    planned again with it added takes the plan that holds more, never more than it was offered; what no layer takes
+    (and the grants of layers with nothing to plan) is the branch's ``unused``."""
     plans: dict[int, LayerPlan] = {}
-    carry = 0  # bytes the previous layers left unused
+    inputs: dict[int, tuple[dict[TokenType, float], float, int, LayerResult]] = {}
+    planned = {index for chunk in chunks for index in chunk.layers}
+    carry = sum(view.grant(i) for i in range(view.num_layers) if i not in planned)  # bytes no layer of its own plans
     for chunk in chunks:
         ratios = type_ratios(view.task, view.layer(chunk.layers[0]), chunk, settings)
         at_floor = chunk.floor / chunk.rho if chunk.rho > 0 else 1.0
         for index in chunk.layers:
-            result = plan_layer(view, view.layer(index), ratios, settings, carry + view.grant(index), at_floor)
+            offered = carry + view.grant(index)
+            result = plan_layer(view, view.layer(index), ratios, settings, offered, at_floor)
             plans[index], carry = result.plan, result.unused
-    return plans
+            inputs[index] = (ratios, at_floor, offered, result)
+    for index, (ratios, at_floor, offered, before) in inputs.items():
+        if carry <= 0:
+            break
+        again = plan_layer(view, view.layer(index), ratios, settings, offered + carry, at_floor)
+        gained = again.held - before.held
+        if 0 < gained <= carry:
+            plans[index] = again.plan
+            carry -= gained
+    return BranchLayers(plans, max(0, carry))
 
 
 def type_ratios(
@@ -150,10 +194,11 @@ def type_ratios(
     if weights is None or sum(weights.values()) <= 0:
         ratio = min(chunk.rho, fallback_budget_ratio(task))
         return {t: ratio for t in caps}
+    rows = planned_rows(layer)
     floors = {
-        t: _type_floor(layer, t, settings.geometry) / (n * layer.row_bytes)
-        for t, n in caps.items()
-        if settings.table.kind(task, t) == Kind.QUANTIZE
+        t: _type_floor(layer, t, settings.geometry) / (rows[t] * layer.row_bytes)
+        for t in caps
+        if settings.table.kind(task, t) == Kind.QUANTIZE and rows.get(t)
     }
     return allocate_with_floors(caps, weights, chunk.rho * sum(caps.values()), floors)
 
@@ -273,20 +318,24 @@ def plan_layer(
     served coarsest first (quantize, joint, evict): what a type leaves of its budget goes to the joint and evicted
     types after it, in proportion to their budgets. Quantized types may share one store (:func:`choose_pool`;
     ``at_floor``: the schedule's floor over its current rho). A type over its budget (flagged) uses up what the others
-    left."""
+    left. Budgets and bytes count a type's rows once per branch that holds them (:func:`planned_copies`): each of its
+    stores is chosen for its budget over that count."""
     task = view.task
     rows = planned_rows(layer)
+    copies = planned_copies(layer)
     kinds = {t: settings.table.kind(task, t) for t in ratios}
     geometry = settings.geometry
-    budgets = {t: floor_bytes(r, rows[t] * layer.row_bytes) for t, r in ratios.items()}
+    budgets = {t: floor_bytes(r, rows[t] * copies.get(t, 1) * layer.row_bytes) for t, r in ratios.items()}
     base = sum(budgets.values())
     for t in budgets:
         budgets[t] += math.floor(carry * (budgets[t] / base if base else 1 / len(budgets)))
-    pool = choose_pool(view, layer, budgets, kinds, at_floor, geometry, settings.value_floor)
+    per_copy = {t: b // copies.get(t, 1) for t, b in budgets.items()}
+    pool = choose_pool(view, layer, per_copy, kinds, at_floor, geometry, settings.value_floor)
     pooled: dict[TokenType, float] = {}
     if pool:  # the pooled types are one unit: their budgets summed, quantized together
         if not layer.pooled:
             pooled = mass_shares({t: layer.masses.get(t, 0.0) for t in pool}, {t: rows[t] for t in pool})
+        copies[POOL] = max(copies.get(t, 1) for t in pool)  # the pooled types' segments have the same holders
         budgets[POOL] = sum(budgets.pop(t) for t in pool if t in budgets)
         kinds = {t: kind for t, kind in kinds.items() if t not in pool} | {POOL: Kind.QUANTIZE}
     order = sorted(budgets, key=lambda t: _SERVE_ORDER[kinds[t]])
@@ -305,11 +354,12 @@ def plan_layer(
         keys = _unit_keys(layer, t, pool)
         if not keys:
             continue
+        count = copies.get(t, 1)
         joint = settings.table.plan_for(task, t) if kind == Kind.JOINT else None
         plan_bits = joint.bits_for(ratios[t]) if joint else None
         held = held_rows = 0
         spare = 0  # what the unit's earlier segments left of their share
-        for part in _parts(layer, t, keys, budgets[t], kind, pool, geometry):
+        for part in _parts(layer, t, keys, budgets[t] // count, kind, pool, geometry):
             budget = part.budget + spare
             segment = layer.segment(part.keys, full_rows=part.full_rows)
             change = segment_change(view, layer, segment, part.keys, kind, budget, plan_bits, settings)
@@ -318,17 +368,17 @@ def plan_layer(
             spare = max(0, budget - change.held)
             held += change.held
             held_rows += segment.held_rows
-        if held > budgets[t]:
+        if held * count > budgets[t]:
             flags[t] = (
-                f"{held_rows} rows held ({held} B) exceed their budget of {budgets[t]} B: "
+                f"{held_rows} rows held ({held} B) exceed their budget of {budgets[t] // count} B: "
                 "rows and bits never grow back, and nothing smaller fits this policy"
             )
-        leftover += max(0, budgets[t] - held)
-        held_all += held
+        leftover += max(0, budgets[t] - held * count)
+        held_all += held * count
     plan = LayerPlan(
         keeps=tuple(keeps), budgets={type_name(t): b for t, b in budgets.items()}, flags=flags, pooled=pooled
     )
-    return LayerResult(plan, max(0, base + carry - held_all))
+    return LayerResult(plan, max(0, base + carry - held_all), held_all)
 
 
 def kept_mass(layer: LayerView, keys: tuple[SegmentKey, ...], held: int) -> tuple[float, ...] | None:
@@ -382,14 +432,17 @@ def segment_change(
 __all__ = [
     "POOL",
     "AllocationSettings",
+    "BranchLayers",
     "ChunkBudget",
     "LayerResult",
     "Part",
     "SegmentChange",
     "choose_pool",
+    "counted_rows",
     "mean_masses",
     "plan_layer",
     "plan_layers",
+    "planned_copies",
     "planned_rows",
     "planned_types",
     "segment_change",

@@ -232,13 +232,15 @@ class LayerView:
     def planned_elsewhere(self) -> frozenset[SegmentKey]:
         """The shared segments another branch plans: those held by a branch that comes before this one in
         :data:`~unicache_core.kv.token_types.BRANCHES` (``gen`` plans the image rows ``cfg_text`` shares with it;
-        docs/compression.md §13). The others' plans leave them alone and receive its stores."""
+        docs/compression.md §13), and those whose stores it replaced with its own while it is live (a pool or an
+        emptied store hides their keys). The others' plans leave them alone and receive its stores."""
         branch = self._cache.branch or ""
         order = {name: i for i, name in enumerate(BRANCHES)}
         mine = order.get(branch, len(order))
+        live = {c.branch or "" for c in self._peers if c is not self._cache}
         return frozenset(
             key for key, others in self.shared_with.items() if any(order.get(b, len(order)) < mine for b in others)
-        )
+        ) | frozenset(key for key, planner in self._state.planned_by.items() if planner in live)
 
     # ------------------------------------------------------------------ measurements
 

@@ -39,7 +39,15 @@ from ..policy_table import PolicyTable, resolve_policy_table
 from ..routing import Kind
 from ..schedule import RetentionSchedule
 from ..stats import layer_chunks, step_chunk
-from ..unicache_allocation import AllocationSettings, ChunkBudget, mean_masses, plan_layers, planned_rows, planned_types
+from ..unicache_allocation import (
+    AllocationSettings,
+    ChunkBudget,
+    counted_rows,
+    mean_masses,
+    plan_layers,
+    planned_copies,
+    planned_types,
+)
 from ..view import BranchView
 from ..written import written_plan
 
@@ -235,13 +243,15 @@ class UniCache(Method):
             schedules[c] = sched
             lowered = lowered or c not in rho_before or sched.rho < rho_before[c]
             rho_now[c] = sched.rho
-            rows = planned_rows(first)
-            chunks.append(ChunkBudget(layers, {t: rows[t] for t in types}, masses, sched.rho, sched.least))
+            rows, copies = counted_rows(first), planned_copies(first)
+            counted = None if masses is None else {t: m * copies.get(t, 1) for t, m in masses.items()}
+            chunks.append(ChunkBudget(layers, {t: rows[t] for t in types}, counted, sched.rho, sched.least))
         state = UniCacheState(schedules)
         if not lowered:
             # no budget went down: the branch already holds at most it, and a re-split could only lose rows
             return BranchPlan(rho=rho_now, state=state)
-        return BranchPlan(layers=plan_layers(view, chunks, self.allocation()), rho=rho_now, state=state)
+        planned = plan_layers(view, chunks, self.allocation())
+        return BranchPlan(layers=planned.plans, rho=rho_now, state=state, unused=planned.unused)
 
     def grant_needs(self, view: BranchView) -> dict[int, UnitNeed]:
         """Per layer, at the least retention the branch's schedule can reach: the candidate rows' budget and the
@@ -255,7 +265,7 @@ class UniCache(Method):
             for index in layers:
                 layer = view.layer(index)
                 geo = layer.geometry
-                planned = planned_rows(layer)
+                planned = counted_rows(layer)  # the request's budget counts shared rows once per holder
                 rows = {t: planned[t] for t in planned_types(self.table, view.task, layer)}
                 if geo is None or not rows:
                     continue
@@ -272,13 +282,18 @@ def quantized_ladder(
 ) -> tuple[Level, ...]:
     """The levels of ``rows`` quantized rows in one store (:class:`~unicache_core.compression.grants.Level`): every
     row at 2, 4 and 8 bits with the largest group and no residual (the least bytes that hold those bits; the first is
-    their floor, :func:`~unicache_core.compression.family.quantized_floor_bytes`), then full precision; the error of
+    their floor, :func:`~unicache_core.compression.family.quantized_floor_bytes`, or with keys grouped per token when
+    that costs less, fewer rows than channels), then full precision; the error of
     each is :func:`~unicache_core.compression.family.choice_error`. ``((0, 0.0),)`` without rows."""
     if rows == 0:
         return (Level(0, 0.0),)
     whole = Segment(rows, rows, FULL_BITS, 0, True, num_kv_heads, head_dim, elem)
     full = JointChoice(rows, FULL_BITS)
-    ladder = [Level(quantized_floor_bytes(rows, num_kv_heads, head_dim, elem, geometry), 4.0 ** -min(SUPPORTED_BITS))]
+    floor = quantized_floor_bytes(rows, num_kv_heads, head_dim, elem, geometry)
+    if rows < head_dim:  # fewer rows than channels: keys grouped per token hold every row at 2 bits for less (§11.13)
+        per_token = JointChoice(rows, min(SUPPORTED_BITS), max(geometry.groups), 0, key_per_token=True)
+        floor = min(floor, whole.choice_bytes(per_token))
+    ladder = [Level(floor, 4.0 ** -min(SUPPORTED_BITS))]
     for bits in sorted(SUPPORTED_BITS)[1:]:
         choice = JointChoice(rows, bits, max(geometry.groups), 0)
         cost = whole.choice_bytes(choice)
