@@ -124,5 +124,5 @@ def _paired_lines(rows: list[dict], methods: list[str], reductions: dict) -> lis
         lambda m: None if m == "unicache" else "unicache_steps_minus_this",
     )
     marked = any((r := at_target(task, m)) is not None and r.get("paired_with") for task in TASKS for m in methods)
-    note = ["  * at equal bytes: that baseline held more than UniCache's bytes, paired with unicache@<baseline>"]
+    note = ["  * at equal bytes: the baseline held over 5% more or fewer bytes than UniCache: vs unicache@<it>"]
     return scores + fidelity + steps + (note if marked else [])
