@@ -24,12 +24,11 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from . import quant
 from .index_runs import runs_index
 
 #: ``((first append index, length), ...)``: a span of append indices as runs.
 Runs = tuple[tuple[int, int], ...]
-
-_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def span_length(span: Runs) -> int:
@@ -73,21 +72,14 @@ def row_index_bytes(num_heads: int, rows: int, span: int, residual: int = 0) -> 
 
 
 def pack_bits(mask: Tensor) -> Tensor:
-    """``[H, S]`` bool → ``[H, ceil(S / 8)]`` uint8, bit ``p % 8`` of byte ``p // 8`` (little-endian)."""
-    h, s = mask.shape
-    padded = torch.zeros(h, -(-s // 8) * 8, dtype=torch.uint8, device=mask.device)
-    if padded.numel() == 0:
-        return padded
-    padded[:, :s] = mask.to(torch.uint8)
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=mask.device)
-    return (padded.view(h, -1, 8) * weights).sum(dim=-1, dtype=torch.uint8)
+    """``[H, S]`` bool → ``[H, ceil(S / 8)]`` uint8, bit ``p % 8`` of byte ``p // 8`` (the 1-bit codes of
+    :func:`.quant.pack_bits`)."""
+    return quant.pack_bits(mask.to(torch.uint8), 1)
 
 
 def unpack_bits(packed: Tensor, length: int) -> Tensor:
     """``[H, B]`` uint8 of :func:`pack_bits` → ``[H, length]`` bool."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = (packed.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(packed.shape[0], packed.shape[1] * 8)[:, :length].bool()
+    return quant.unpack_bits(packed, 1, length).bool()
 
 
 def span_positions(span: Runs, index: Tensor) -> Tensor:
