@@ -117,17 +117,18 @@ def _within(rows: list[int], layers: list[tuple[RowGeometry | None, int]], limit
     ``layers``: each layer's row geometry and span."""
     rows = list(rows)
 
-    def held() -> int:
-        return sum(
-            evicted_bytes(r, span, geo.num_kv_heads, geo.head_dim, geo.elem)
-            for r, (geo, span) in zip(rows, layers)
-            if geo is not None
-        )
+    def layer_bytes(i: int) -> int:
+        geo, span = layers[i]
+        return 0 if geo is None else evicted_bytes(rows[i], span, geo.num_kv_heads, geo.head_dim, geo.elem)
 
-    i = len(rows) - 1
-    while i >= 0 and held() > limit:
+    held = [layer_bytes(i) for i in range(len(rows))]
+    total, i = sum(held), len(rows) - 1
+    while i >= 0 and total > limit:  # only the layer cut changes: its bytes are recomputed, the others kept
         if rows[i]:
             rows[i] -= 1
+            total -= held[i]
+            held[i] = layer_bytes(i)
+            total += held[i]
         else:
             i -= 1
     return rows
