@@ -312,6 +312,7 @@ class CompressingKVCache(SegmentedKVCache):
                 recent=keep.recent,
                 fit_values=keep.fit_values,
                 layout=StoreLayout(keep.value_bits, keep.key_per_token),
+                merge=keep.merge,
             )
         if keep.expected_bytes is not None and store.nbytes() != keep.expected_bytes:
             reason = (

@@ -70,6 +70,9 @@ LOOKM_RECENT_FRACTION = 0.5
 #: LOOK-M's merge of the evicted rows into the kept ones: pivotal merging, its official scripts' variant
 #: (``text_prior_pivot_merge``; docs/compression.md §14).
 LOOKM_MERGE = "pivot"
+#: UniCache's merge of the rows it drops into the rows it keeps: each weighted by its attention mass
+#: (docs/compression.md §11.16).
+UNICACHE_MERGE = "mass"
 
 # ---------------------------------------------------------------- quantization (§6, §8.6)
 

@@ -159,7 +159,7 @@ def evict(
     rows = select_rows(
         pooled_scores, keep, recent=recent, forced=pooled_forced, smooth_kernel=smooth_kernel
     )  # [Hkv, keep], ascending = append order
-    kept_keys, kept_values = merge_rows(keys, values, rows, merge)  # [Hkv, keep, d] each
+    kept_keys, kept_values = merge_rows(keys, values, rows, merge, pooled_scores)  # [Hkv, keep, d] each
     store = EvictedStore(
         kept_keys.contiguous(),
         kept_values.contiguous(),
@@ -182,6 +182,7 @@ def compress_rows(
     recent: int = 0,
     fit_values: bool = False,
     layout: StoreLayout = KIVI_LAYOUT,
+    merge: str = "none",
 ) -> KVStore:
     """Keep ``keep`` rows per KV head of the pooled stores at ``indices`` (chosen by ``scores``, as :func:`evict`)
     at ``bits`` (:data:`~unicache_core.compression.family.FULL_BITS`: an :class:`EvictedStore`; else a
@@ -192,13 +193,16 @@ def compress_rows(
     Every row of a pool whose heads share their rows is quantized as one segment (one ``[T]`` index).
     ``scores``: ``[T_appended, Hkv]`` (needed only when rows are dropped). ``fit_values``: values quantized from here on
     get least-squares ranges (:func:`~unicache_core.kv.quant.quantize_values`); codes kept stay as they are.
+    ``merge``: how rows dropped here are merged into the kept ones before these are quantized
+    (:func:`~.merging.merge_rows`, weighted by ``scores``); rows dropped from a store quantized at these bits already
+    (its codes kept) are only dropped.
     """
     stores = [layer.stores[i] for i in indices]
     total = sum(s.num_tokens for s in stores)
     if bits == FULL_BITS:
         if scores is None:
             raise ValueError("evicting rows needs their scores")
-        return evict(layer, indices, keep, scores, recent=recent)
+        return evict(layer, indices, keep, scores, recent=recent, merge=merge)
     vbits, key_per_token = layout.values(bits), layout.key_per_token
     if keep >= total and len(stores) == 1 and shared_rows(stores) and keeps_value_codes(stores[0], bits, group, vbits):
         return _requantize_shared(layer, indices[0], group, residual, scores, fit_values, key_per_token)
@@ -216,8 +220,7 @@ def compress_rows(
     pooled_scores = None if scores is None else torch.gather(scores.float().t().to(index.device), 1, index)
     position = _kept_positions(pooled_scores, keep, total, residual, recent)
     if position is not None:
-        gather = position.unsqueeze(-1).expand(-1, -1, keys.shape[2])
-        keys, values = torch.gather(keys, 1, gather), torch.gather(values, 1, gather)
+        keys, values = merge_rows(keys, values, position, merge if keep < total else "none", pooled_scores)
         index = torch.gather(index, 1, position)
     rows = RowIndex.encode(index, merge_spans(s.span for s in stores), min(residual, index.shape[1]))
     store = QuantizedStore.from_head_rows(

@@ -56,8 +56,9 @@ class Keep:
         recent: the most recent rows always kept (H2O's window); forced: ``[T_appended]`` bool rows always kept
             (SnapKV's observation window); smooth_kernel: 1-D average pooling of the scores (SnapKV).
         fit_values: values quantized here get least-squares ranges instead of min-max.
-        merge: at full precision, how the dropped rows are merged into the kept ones (LOOK-M's ``average``,
-            ``pivot``, ``weighted``; :mod:`~unicache_core.compression.merging`); ``none``: they are dropped.
+        merge: how the dropped rows are merged into the kept ones (LOOK-M's ``average``, ``pivot``, ``weighted``,
+            UniCache's ``mass``; :mod:`~unicache_core.compression.merging`), at full precision or before the kept
+            rows are quantized; ``none``: they are dropped.
         expected_bytes: the bytes the method counted on the new store holding (checked when applied).
     """
 

@@ -50,12 +50,14 @@ class AllocationSettings:
         geometry: the quantization geometry (the table's, with the method's fixed residual when it sets one).
         recent_fraction: recent share of an eviction budget.
         fit_ranges: least-squares ranges for the quantized values instead of min-max.
+        merge: how dropped rows are merged into the kept ones (:mod:`~unicache_core.compression.merging`).
     """
 
     table: PolicyTable
     geometry: QuantGeometry
     recent_fraction: float
     fit_ranges: bool
+    merge: str = "none"
 
     @property
     def value_floor(self) -> int:
@@ -422,6 +424,7 @@ def segment_change(
         scores=layer.scores,
         recent=min(choice.rows, int(choice.rows * settings.recent_fraction + 0.5)),
         fit_values=settings.fit_ranges,
+        merge=settings.merge,
         expected_bytes=held,
         value_bits=choice.value_bits,
         key_per_token=choice.key_per_token,

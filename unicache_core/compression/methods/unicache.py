@@ -29,9 +29,10 @@ from ...kv.quant import SUPPORTED_BITS
 from ...kv.token_types import CANDIDATE_TYPES
 from ...validation import check_bool, check_ratio
 from .. import defaults
-from ..defaults import FIT_VALUE_RANGES, RECENT_FRACTION
+from ..defaults import FIT_VALUE_RANGES, RECENT_FRACTION, UNICACHE_MERGE
 from ..family import FULL_BITS, JointChoice, QuantGeometry, Segment, choice_error, quantized_floor_bytes
 from ..grants import Level, UnitNeed
+from ..merging import MERGES
 from ..method import Method
 from ..ops import floor_bytes
 from ..plan import BranchPlan, CallPlan, LayerPlan
@@ -73,6 +74,8 @@ class UniCache(Method):
         residual: a fixed number of full-precision residual rows for the quantized segments; ``None`` (default): the
             residual follows the segment's length (docs/compression.md §11.2).
         fit_ranges: least-squares ranges for the quantized values (docs/compression.md §11.10); False: KIVI's min-max.
+        merge: how the rows a budget drops are merged into the kept ones (docs/compression.md §11.16): ``mass``
+            (default: each row weighted by its attention mass), LOOK-M's rules, or ``none`` (only dropped).
     """
 
     name = "unicache"
@@ -87,6 +90,7 @@ class UniCache(Method):
     recent_fraction: float = RECENT_FRACTION
     residual: int | None = None
     fit_ranges: bool = FIT_VALUE_RANGES
+    merge: str = UNICACHE_MERGE
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -103,6 +107,8 @@ class UniCache(Method):
         check_ratio("recent_fraction", self.recent_fraction, allow_zero=True)
         QuantGeometry().with_residual(self.residual)
         check_bool("fit_ranges", self.fit_ranges)
+        if self.merge not in MERGES:
+            raise ValueError(f"`merge` must be one of {', '.join(MERGES)}, got {self.merge!r}")
 
     # ------------------------------------------------------------------ settings
 
@@ -212,7 +218,7 @@ class UniCache(Method):
 
     def allocation(self) -> AllocationSettings:
         """What the byte allocation (:mod:`~unicache_core.compression.unicache_allocation`) needs of the settings."""
-        return AllocationSettings(self.table, self.geometry(), self.recent_fraction, self.fit_ranges)
+        return AllocationSettings(self.table, self.geometry(), self.recent_fraction, self.fit_ranges, self.merge)
 
     def plan(self, view: BranchView) -> BranchPlan:
         """Per layer chunk: update rho from the chunk's mass, share it among the types, apply each type's policy
