@@ -111,3 +111,31 @@ def test_unicache_merges_by_mass_unless_told_otherwise():
     assert method_from_name("unicache", merge="none").merge == "none"
     with pytest.raises(ValueError, match="`merge` must be one of none, average, pivot, weighted, mass, got 'sum'"):
         method_from_name("unicache", merge="sum")
+
+
+def test_an_edit_merges_its_text_and_vit_rows_and_only_drops_its_vae_rows(monkeypatch):
+    """Every change UniCache plans for a real edit at 5% on the bundled model: the instruction's and the ViT's stores
+    merge what they drop, any store holding source-VAE rows (a place of the source's pixels) only drops."""
+    from unicache_core.bagel import BagelPipeline, load_bagel, preset
+    from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR
+    from unicache_core.compression import make_cache_factory
+    from unicache_core.compression.methods import unicache
+    from unicache_core.shapes import edit_sample
+
+    keeps = []
+    real = unicache.plan_layers
+
+    def record(view, chunks, settings):
+        planned = real(view, chunks, settings)
+        keeps.extend(keep for plan in planned.plans.values() for keep in plan.keeps)
+        return planned
+
+    monkeypatch.setattr(unicache, "plan_layers", record)
+    edit = edit_sample(3)
+    factory = make_cache_factory("unicache", checkpoint_dir=str(BUNDLED_CHECKPOINT_DIR), kv_target=0.05)
+    model = load_bagel(BUNDLED_CHECKPOINT_DIR, dtype=torch.float32)
+    BagelPipeline(model, factory).edit(edit.instruction, edit.source.render(), preset("edit", num_timesteps=3), seed=3)
+    semantic = [k for k in keeps if {s.type for s in k.segments} <= {TT.INSTRUCTION, TT.SOURCE_VIT}]
+    vae = [k for k in keeps if TT.SOURCE_VAE in {s.type for s in k.segments}]
+    assert semantic and vae
+    assert all(k.merge == "mass" for k in semantic) and all(k.merge == "none" for k in vae)

@@ -7,6 +7,8 @@ these values; the methods read them where a paper fixes them.
 
 from __future__ import annotations
 
+from ..kv.token_types import TokenType
+
 # ---------------------------------------------------------------- memory targets and retention (§8.7, §8.9)
 
 #: KV reduction the UniCache paper matches every method at, per task: 80% understanding and editing, 60%
@@ -73,6 +75,10 @@ LOOKM_MERGE = "pivot"
 #: UniCache's merge of the rows it drops into the rows it keeps: each weighted by its attention mass
 #: (docs/compression.md §11.16).
 UNICACHE_MERGE = "mass"
+#: The token types whose dropped rows UniCache merges (a store pooling other types only drops): the instruction and
+#: the source images' ViT rows, what understanding reads. A source-VAE row is the source's pixels at one place,
+#: which an edit copies; it is dropped, never blended with another place's (docs/compression.md §11.16).
+MERGED_TYPES: tuple[TokenType, ...] = (TokenType.INSTRUCTION, TokenType.SOURCE_VIT)
 
 # ---------------------------------------------------------------- quantization (§6, §8.6)
 

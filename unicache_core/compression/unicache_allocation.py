@@ -21,7 +21,7 @@ import torch
 
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
 from .allocator import allocate_with_floors, mass_shares
-from .defaults import KIVI_FLOOR, VALUE_FLOOR_BITS
+from .defaults import KIVI_FLOOR, MERGED_TYPES, VALUE_FLOOR_BITS
 from .family import FULL_BITS, QuantGeometry, Segment, choice_error, choose, quantized_floor_bytes
 from .ops import floor_bytes
 from .plan import Keep, LayerPlan
@@ -397,6 +397,13 @@ def kept_mass(layer: LayerView, keys: tuple[SegmentKey, ...], held: int) -> tupl
     return (0.0, *(float(v) for v in order), *([1.0] * max(0, held - order.numel())))
 
 
+def merges(layer: LayerView, keys: tuple[SegmentKey, ...]) -> bool:
+    """Whether the rows ``keys`` drop are merged into the ones they keep: every type they hold (a pooled store's
+    types included) is one of :data:`~unicache_core.compression.defaults.MERGED_TYPES`."""
+    types = {key.type for key in keys if key != POOLED} | (set(layer.pooled) if POOLED in keys else set())
+    return bool(types) and types <= set(MERGED_TYPES)
+
+
 def segment_change(
     view: BranchView, layer: LayerView, segment: Segment, keys: tuple[SegmentKey, ...], kind: Kind, budget: int,
     plan_bits: int | None, settings: AllocationSettings,
@@ -424,7 +431,7 @@ def segment_change(
         scores=layer.scores,
         recent=min(choice.rows, int(choice.rows * settings.recent_fraction + 0.5)),
         fit_values=settings.fit_ranges,
-        merge=settings.merge,
+        merge=settings.merge if merges(layer, keys) else "none",
         expected_bytes=held,
         value_bits=choice.value_bits,
         key_per_token=choice.key_per_token,
@@ -442,6 +449,7 @@ __all__ = [
     "SegmentChange",
     "choose_pool",
     "counted_rows",
+    "merges",
     "mean_masses",
     "plan_layer",
     "plan_layers",
