@@ -390,10 +390,7 @@ def _joint_table(ctx: Context, sc: Scoring, elem: int, info: dict) -> PolicyTabl
             compress_rows(
                 trial,
                 index,
-                choice.rows,
-                choice.bits,
-                choice.group,
-                choice.residual,
+                choice,
                 sc.accumulated.float(),
                 recent=recent_rows(choice.rows),
                 fit_values=FIT_VALUE_RANGES,

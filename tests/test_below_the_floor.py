@@ -149,7 +149,7 @@ def test_compress_rows_makes_the_store_the_choice_counted(value_bits: int, per_t
     scores = torch.rand(n, H, generator=gen)
     for keep in (n, 12):  # every row (one shared index), then a per-head subset of the held store
         choice = JointChoice(keep, 2, 16, 0, None if value_bits == 2 else value_bits, per_token)
-        store = compress_rows(layer, [0], keep, 2, 16, 0, scores, fit_values=True, layout=choice.layout)
+        store = compress_rows(layer, [0], choice, scores, fit_values=True)
         assert isinstance(store, QuantizedStore)
         assert (store.value_bits, store.key_per_token, store.num_tokens) == (value_bits, per_token, keep)
         if keep == n:

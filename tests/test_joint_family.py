@@ -144,7 +144,7 @@ def test_joint_rows_are_chosen_per_head_and_quantized_exactly_as_kept():
     layer = SegmentedLayer()
     layer.append(k, v, torch.full((t,), int(TT.SOURCE_VIT), dtype=torch.int8))
     scores = torch.rand(t, H, generator=gen)
-    store = compress_rows(layer, [0], 30, 4, 32, 2, scores)
+    store = compress_rows(layer, [0], JointChoice(30, 4, 32, 2), scores)
     assert isinstance(store, QuantizedStore) and store.per_head_rows and store.num_tokens == 30
     assert store.nbytes() == store.nominal_bytes() == quantized_bytes(30, H, D, 4, 32, 2, 4, span=t)
     for h in range(H):  # each head keeps its own 30 best-scored rows
@@ -160,7 +160,7 @@ def test_joint_rows_are_chosen_per_head_and_quantized_exactly_as_kept():
     for h in range(H):
         assert set(kept[h, -2:].tolist()) == set(torch.topk(scores[:, h], 2).indices.tolist())
         assert torch.equal(dk[-2:, h], k[kept[h, -2:], h]) and not torch.equal(dk[:-2, h], k[kept[h, :-2], h])
-    smaller = compress_rows(layer, [0], 12, 2, 128, 0, scores)  # shrinking again keeps a subset
+    smaller = compress_rows(layer, [0], JointChoice(12, 2, 128, 0), scores)  # shrinking again keeps a subset
     assert all(set(smaller.token_index[h].tolist()) <= set(kept[h].tolist()) for h in range(H))
 
 

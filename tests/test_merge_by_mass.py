@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from unicache_core.compression import merging, method_from_name
+from unicache_core.compression.family import JointChoice
 from unicache_core.compression.merging import merge_rows, pivots
 from unicache_core.compression.methods.unicache import UniCache
 from unicache_core.compression.ops import compress_rows
@@ -90,7 +91,7 @@ def test_rows_dropped_before_quantizing_are_merged_into_the_kept_ones_for_the_sa
     def store(merge: str) -> QuantizedStore:
         layer = SegmentedLayer()
         layer.append(k, v, torch.full((t,), int(TT.SOURCE_VIT), dtype=torch.int8))
-        out = compress_rows(layer, [0], 40, 4, 16, 0, scores, merge=merge)
+        out = compress_rows(layer, [0], JointChoice(40, 4, 16, 0), scores, merge=merge)
         assert isinstance(out, QuantizedStore)
         return out
 

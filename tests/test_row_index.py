@@ -169,7 +169,7 @@ def test_per_head_quantized_stores_keep_their_order_and_the_bytes_counted(residu
     scores = torch.rand(160, H, generator=torch.Generator().manual_seed(3))
     segment = Segment(160, 160, FULL_BITS, 160 * H * 2 * D * 4, True, H, D, 4)
     for keep in (100, 60):
-        store = compress_rows(layer, [0], keep, 2, 32, residual, scores)
+        store = compress_rows(layer, [0], JointChoice(keep, 2, 32, residual), scores)
         assert isinstance(store, QuantizedStore) and store.per_head_rows and store.span == ((0, 160),)
         index = store.token_index.long()
         for h in range(H):
@@ -203,7 +203,7 @@ def test_the_allocator_keeps_more_rows_within_the_same_budget() -> None:
     assert two.rows > old
     assert rows_for_bytes(40960, 400, H, D, 4) == (40960 - 100) // (H * 2 * D * 4) > 40960 // (H * (2 * D * 4 + 4))
     layer, _, _ = _layer([(400, TT.SOURCE_VIT)], seed=4)
-    store = compress_rows(layer, [0], two.rows, 2, two.group, two.residual, torch.rand(400, H))
+    store = compress_rows(layer, [0], JointChoice(two.rows, 2, two.group, two.residual), torch.rand(400, H))
     assert store.nbytes() == segment.choice_bytes(two) <= 10240
 
 

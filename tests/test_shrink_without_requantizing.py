@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from unicache_core.compression import ops
+from unicache_core.compression.family import JointChoice
 from unicache_core.compression.ops import compress_rows
 from unicache_core.kv import quant
 from unicache_core.kv.quantized_store import QuantizedStore
@@ -71,12 +72,12 @@ def test_shrinking_at_the_same_bits_equals_requantizing(first, then, monkeypatch
     stores = []
     for reuse in (True, False):
         layer, scores = _layer(128, seed=rows + bits)
-        compress_rows(layer, [0], rows, bits, group, residual, scores)
+        compress_rows(layer, [0], JointChoice(rows, bits, group, residual), scores)
         scores = scores + torch.rand(scores.shape, generator=torch.Generator().manual_seed(1))  # later steps add
         if not reuse:
             monkeypatch.setattr(ops, "keeps_value_codes", lambda *a: False)  # the dequantize + quantize route
         assert ops.keeps_value_codes(layer.stores[0], bits, then[1]) is reuse
-        stores.append(compress_rows(layer, [0], then[0], bits, then[1], then[2], scores))
+        stores.append(compress_rows(layer, [0], JointChoice(then[0], bits, then[1], then[2]), scores))
         monkeypatch.undo()
     fast, slow = stores
     assert (fast.bits, fast.group_size, fast.residual, fast.num_tokens) == (
@@ -93,15 +94,17 @@ def test_shrinking_at_the_same_bits_equals_requantizing(first, then, monkeypatch
 def test_values_are_not_requantized_as_rows_drop_at_the_same_bits(monkeypatch):
     calls = _count_value_quantizations(monkeypatch)
     layer, scores = _layer(128, seed=3)
-    compress_rows(layer, [0], 100, 2, 32, 0, scores)  # full rows -> quantized: one quantization
+    compress_rows(layer, [0], JointChoice(100, 2, 32, 0), scores)  # full rows -> quantized: one quantization
     assert calls == [100]
     for rows in (80, 61, 40, 22, 9):  # a decaying budget at the 2-bit floor: rows drop, bits stay
-        store = compress_rows(layer, [0], rows, 2, 128, 0, scores)
+        store = compress_rows(layer, [0], JointChoice(rows, 2, 128, 0), scores)
         assert store.num_tokens == rows
     assert calls == [100]
-    compress_rows(layer, [0], 9, 2, 128, 2, scores)  # two quantized rows move to the residual: still none
+    compress_rows(layer, [0], JointChoice(9, 2, 128, 2), scores)  # two quantized rows move to the residual: still none
     assert calls == [100]
-    compress_rows(layer, [0], 9, 2, 128, 0, scores)  # residual rows rejoin the quantized part: quantized again
+    compress_rows(
+        layer, [0], JointChoice(9, 2, 128, 0), scores
+    )  # residual rows rejoin the quantized part: quantized again
     assert calls == [100, 9]
 
 
@@ -122,12 +125,16 @@ def test_requantizing_a_shared_store_at_its_bits_equals_quantize(first, then, wi
     stores = []
     for reuse in (True, False):
         layer, scores = _layer(128, seed=bits + group)
-        compress_rows(layer, [0], 128, bits, group, residual, scores)  # every row kept: heads share their rows
+        compress_rows(
+            layer, [0], JointChoice(128, bits, group, residual), scores
+        )  # every row kept: heads share their rows
         assert not layer.stores[0].per_head_rows
         scores = scores + torch.rand(scores.shape, generator=torch.Generator().manual_seed(2))
         if not reuse:
             monkeypatch.setattr(ops, "keeps_value_codes", lambda *a: False)  # the dequantize + quantize route
-        stores.append(compress_rows(layer, [0], 128, bits, then[0], then[1], scores if with_scores else None))
+        stores.append(
+            compress_rows(layer, [0], JointChoice(128, bits, then[0], then[1]), scores if with_scores else None)
+        )
         monkeypatch.undo()
     fast, slow = stores
     assert not fast.per_head_rows and (fast.group_size, fast.residual) == (slow.group_size, slow.residual)
@@ -138,9 +145,9 @@ def test_requantizing_a_shared_store_at_its_bits_equals_quantize(first, then, wi
 def test_only_rows_leaving_the_residual_have_their_values_quantized(monkeypatch):
     calls = _count_value_quantizations(monkeypatch)
     layer, scores = _layer(96, seed=5)
-    compress_rows(layer, [0], 96, 4, 32, 6, scores)
+    compress_rows(layer, [0], JointChoice(96, 4, 32, 6), scores)
     assert calls == [90]
-    compress_rows(layer, [0], 96, 4, 64, 2, scores)  # four residual rows join the quantized part
+    compress_rows(layer, [0], JointChoice(96, 4, 64, 2), scores)  # four residual rows join the quantized part
     assert calls == [90, 4] and layer.stores[0].num_quantized == 94
-    compress_rows(layer, [0], 96, 4, 128, 5, scores)  # rows move into the residual: no value is quantized
+    compress_rows(layer, [0], JointChoice(96, 4, 128, 5), scores)  # rows move into the residual: no value is quantized
     assert calls == [90, 4]

@@ -28,7 +28,6 @@ import torch
 from torch import Tensor
 
 from ..kv.cache import AttentionCall, RequestInfo
-from ..kv.quant import StoreLayout
 from ..kv.segmented_cache import LayerAttention, SegmentedKVCache
 from ..kv.stores import KVStore
 from ..kv.token_types import CANDIDATE_TYPES, TokenType
@@ -302,17 +301,7 @@ class CompressingKVCache(SegmentedKVCache):
             )
         else:
             store = compress_rows(
-                st,
-                stores,
-                keep.rows,
-                keep.bits,
-                keep.group,
-                keep.residual,
-                keep.scores,
-                recent=keep.recent,
-                fit_values=keep.fit_values,
-                layout=StoreLayout(keep.value_bits, keep.key_per_token),
-                merge=keep.merge,
+                st, stores, keep.choice, keep.scores, recent=keep.recent, fit_values=keep.fit_values, merge=keep.merge
             )
         if keep.expected_bytes is not None and store.nbytes() != keep.expected_bytes:
             reason = (

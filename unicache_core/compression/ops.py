@@ -15,10 +15,8 @@ import torch
 from torch import Tensor
 
 from ..kv.quant import (
-    KIVI_LAYOUT,
     SCALE_DTYPE,
     QuantizedTensor,
-    StoreLayout,
     quantize_keys,
     quantize_values,
     quantized_kv_nbytes,
@@ -28,7 +26,7 @@ from ..kv.row_index import RowIndex, bitmap_bytes, list_bytes, merge_spans, row_
 from ..kv.segmented_cache import SegmentedLayer
 from ..kv.stores import EvictedStore, FullStore, KVStore
 from ..kv.token_types import TokenType
-from .family import FULL_BITS
+from .family import FULL_BITS, JointChoice
 from .merging import merge_rows
 from .selection import residual_last, select_rows
 
@@ -173,22 +171,18 @@ def evict(
 def compress_rows(
     layer: SegmentedLayer,
     indices: list[int],
-    keep: int,
-    bits: int,
-    group: int,
-    residual: int,
+    choice: JointChoice,
     scores: Tensor | None,
     *,
     recent: int = 0,
     fit_values: bool = False,
-    layout: StoreLayout = KIVI_LAYOUT,
     merge: str = "none",
 ) -> KVStore:
-    """Keep ``keep`` rows per KV head of the pooled stores at ``indices`` (chosen by ``scores``, as :func:`evict`)
-    at ``bits`` (:data:`~unicache_core.compression.family.FULL_BITS`: an :class:`EvictedStore`; else a
-    :class:`QuantizedStore` of those rows, its values' bits and key groups as ``layout`` says (docs/compression.md
-    §11.13), whose ``residual``
-    best-scored rows per head stay in full precision, or the newest ones without scores).
+    """Keep ``choice.rows`` rows per KV head of the pooled stores at ``indices`` (chosen by ``scores``, as
+    :func:`evict`) at ``choice.bits`` (:data:`~unicache_core.compression.family.FULL_BITS`: an :class:`EvictedStore`;
+    else a :class:`QuantizedStore` of those rows with ``choice.group``, its values' bits and key groups as
+    ``choice.layout`` says (docs/compression.md §11.13), whose ``choice.residual`` best-scored rows per head stay in
+    full precision, or the newest ones without scores).
 
     Every row of a pool whose heads share their rows is quantized as one segment (one ``[T]`` index).
     ``scores``: ``[T_appended, Hkv]`` (needed only when rows are dropped). ``fit_values``: values quantized from here on
@@ -197,6 +191,7 @@ def compress_rows(
     (:func:`~.merging.merge_rows`, weighted by ``scores``); rows dropped from a store quantized at these bits already
     (its codes kept) are only dropped.
     """
+    keep, bits, group, residual, layout = choice.rows, choice.bits, choice.group, choice.residual, choice.layout
     stores = [layer.stores[i] for i in indices]
     total = sum(s.num_tokens for s in stores)
     if bits == FULL_BITS:

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .family import FULL_BITS
+from .family import FULL_BITS, JointChoice
 from .view import SegmentKey
 
 
@@ -76,6 +76,11 @@ class Keep:
     expected_bytes: int | None = None
     value_bits: int | None = None
     key_per_token: bool = False
+
+    @property
+    def choice(self) -> JointChoice:
+        """The (rows, bits, group, residual, value bits, key groups) this change keeps."""
+        return JointChoice(self.rows, self.bits, self.group, self.residual, self.value_bits, self.key_per_token)
 
 
 @dataclass(frozen=True)
