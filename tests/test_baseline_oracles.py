@@ -9,6 +9,8 @@ oracle (PyramidKV trims the rounding surplus of its layer budgets), the differen
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from oracles import (
@@ -27,8 +29,10 @@ from oracles.keepsets import MonotonicKeepSet
 
 from unicache_core.compression import make_cache_factory
 from unicache_core.compression.defaults import VLCACHE_THRESHOLD
+from unicache_core.compression.family import FULL_BITS, JointPlan
 from unicache_core.compression.methods.vlcache import vlcache_layer_budgets
 from unicache_core.compression.ops import evicted_bytes, rows_for_bytes
+from unicache_core.compression.policy_table import paper_policy_table
 from unicache_core.compression.scoring import key_scores, mass_from_lse, row_max_logits
 from unicache_core.kv.attention import attention_with_lse
 from unicache_core.kv.cache import AttentionCall, RequestInfo, StepInfo
@@ -245,7 +249,16 @@ def test_kivi_quantizes_like_its_oracle():
 
 
 def test_unicache_keep_sets_only_shrink():
-    run = _Run("unicache", num_layers=1, num_candidates=300, kv_target=0.4, rho_floor=0.1)
+    # the paper's pure eviction of its evicted types (a joint entry at full precision): the paper table's own evict
+    # entries quantize these spread rows instead, which loses less (docs/compression.md §11.16)
+    paper = paper_policy_table()
+    evicted = {(task, t) for (task, t), kind in paper.entries.items() if kind == "evict"}
+    table = replace(
+        paper,
+        entries={key: "joint" if key in evicted else kind for key, kind in paper.entries.items()},
+        plans={key: JointPlan(((1.0, FULL_BITS),)) for key in evicted},
+    )
+    run = _Run("unicache", num_layers=1, num_candidates=300, kv_target=0.4, rho_floor=0.1, policy=table)
     keep_sets: dict = {}
     for step in range(12):  # compressions after steps 0, 5 and 10
         run.denoise(step)

@@ -48,7 +48,9 @@ def test_quick_benchmark_report(tmp_path):
     assert set(plans) == {"instruction", "source_vit", "source_vae"}
     assert all(entry["bits"] in (16, 8, 4, 2) for plan in plans.values() for entry in plan)
     attended = report["config"]["attended_tokens_per_kv_head"]
-    assert attended["unicache"] < attended["full"]
+    # UniCache's evicted types are held whole at low bits where that loses less (docs/compression.md §11.16); the
+    # official throughput preset evicts its fixed share
+    assert attended["unicache"] <= attended["full"] and attended["unicache_engine"] < attended["full"]
     assert attended["kivi"] == attended["full"]  # quantization keeps every token visible
 
 

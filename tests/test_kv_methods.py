@@ -165,7 +165,11 @@ def test_unicache_keep_sets_only_shrink_rho_never_rises_and_step0_is_full(loaded
     latent = (result.image.size[0] // 16) * (result.image.size[1] // 16) + 2
     context = sum(t["full_rows"] for t in first["types"].values())  # rows appended to gen (before compression)
     assert first["attended_rows"] == n_layers * (context + latent)
-    assert first["compressed_after"] and report["steps"][1]["branches"]["gen"]["attended_rows"] < first["attended_rows"]
+    # compressed after step 0: the paper table's instruction is held whole at low bits where that loses less than
+    # evicting it (docs/compression.md §11.16), so step 1 may attend as many rows, in fewer bytes
+    second = report["steps"][1]["branches"]["gen"]
+    assert first["compressed_after"] and second["attended_rows"] <= first["attended_rows"]
+    assert second["managed_bytes"] < first["full_managed_bytes"]
     # every compressed type holds at most its byte budget, and the branch at most its full bytes
     for step in report["steps"][1:]:
         for branch, record in step["branches"].items():

@@ -1,5 +1,5 @@
 """UniCache's merge of the rows it drops into the rows it keeps, each weighted by its attention mass
-(docs/compression.md §11.16): the rule itself, its bounded pivot search, the quantized store it feeds, and the method's
+(docs/compression.md §11.17): the rule itself, its bounded pivot search, the quantized store it feeds, and the method's
 default."""
 
 from __future__ import annotations

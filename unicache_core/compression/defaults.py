@@ -73,11 +73,11 @@ LOOKM_RECENT_FRACTION = 0.5
 #: (``text_prior_pivot_merge``; docs/compression.md §14).
 LOOKM_MERGE = "pivot"
 #: UniCache's merge of the rows it drops into the rows it keeps: each weighted by its attention mass
-#: (docs/compression.md §11.16).
+#: (docs/compression.md §11.17).
 UNICACHE_MERGE = "mass"
 #: The token types whose dropped rows UniCache merges (a store pooling other types only drops): the instruction and
 #: the source images' ViT rows, what understanding reads. A source-VAE row is the source's pixels at one place,
-#: which an edit copies; it is dropped, never blended with another place's (docs/compression.md §11.16).
+#: which an edit copies; it is dropped, never blended with another place's (docs/compression.md §11.17).
 MERGED_TYPES: tuple[TokenType, ...] = (TokenType.INSTRUCTION, TokenType.SOURCE_VIT)
 
 # ---------------------------------------------------------------- quantization (§6, §8.6)

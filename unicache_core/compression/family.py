@@ -239,8 +239,10 @@ def choose(
 ) -> JointChoice:
     """The (rows, bits) of one type for ``budget`` bytes, never more rows or bits than it holds now.
 
-    - ``evict``: the most full-precision rows that fit (the paper's H2O route); rows held quantized (stored so as
-      they were written) keep their bits;
+    - ``evict``: the most full-precision rows that fit (the paper's H2O route), or the ``quantize`` route below
+      where that loses less by :func:`choice_error`, the eviction weighed by the segment's ``kept_mass`` (its
+      attention's concentration; ties keep the eviction; docs/compression.md §11.16); rows held quantized (stored so
+      as they were written) keep their bits. A ``joint`` entry at full precision is the pure eviction;
     - ``quantize``: every row at the most precise lookup setting that fits (the paper's KIVI route); when
       even the least one does not fit, whichever keeps more rows of: a subset at the lowest bits, or
       full-precision rows; or, where it loses less by :func:`choice_error` (docs/compression.md §11.13), with
@@ -263,7 +265,9 @@ def choose(
 
     if kind == "evict":
         if FULL_BITS in allowed:
-            return segment.most_rows(FULL_BITS, budget, geometry, max_rows)
+            evicted = segment.most_rows(FULL_BITS, budget, geometry, max_rows)
+            quantized = _quantize_route(segment, budget, geometry, allowed, values, value_floor, per_token_keys)
+            return quantized if choice_error(segment, quantized) < choice_error(segment, evicted) else evicted
         # rows stored quantized as they were written: the most of them at those bits, with no residual (the
         # full-precision values a residual would hold are gone)
         least = min(allowed)
@@ -282,6 +286,17 @@ def choose(
         return segment.most_rows(bits, budget, geometry, max_rows, values(bits))
     if kind != "quantize":
         raise ValueError(f"`kind` must be 'evict', 'quantize' or 'joint', got {kind!r}")
+    return _quantize_route(segment, budget, geometry, allowed, values, value_floor, per_token_keys)
+
+
+def _quantize_route(
+    segment: Segment, budget: int, geometry: QuantGeometry, allowed: list[int], values: Callable[[int], int | None],
+    value_floor: int, per_token_keys: bool,
+) -> JointChoice:  # fmt: skip
+    """:func:`choose`'s ``quantize`` route for a segment over ``budget`` (``allowed``: the bits it may take, ``values``:
+    the values' bits at some key bits)."""
+    max_rows = segment.held_rows
+    held_values = segment.held_bits if segment.held_value_bits is None else segment.held_value_bits
     for bits, group in lookup_order(geometry):
         if bits in allowed:
             found = segment.quantized(max_rows, bits, group, geometry, budget, values(bits))

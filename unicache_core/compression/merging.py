@@ -16,7 +16,7 @@ the keys):
   dropped rows (of the same KV head) are merged, each scaled by it:
   ``c' = (c + Σ_{e in F_c} s_e e) / (1 + |F_c|)``.
 
-UniCache's rule (docs/compression.md §11.16), for rows it drops, at full precision or before quantizing the kept ones:
+UniCache's rule (docs/compression.md §11.17), for rows it drops, at full precision or before quantizing the kept ones:
 
 - ``mass``: each row weighs its attention mass ``w`` (its eviction score), so a kept row becomes the mass-weighted
   mean of itself and the dropped rows whose pivot it is: ``c' = (w_c c + Σ_{e in E_c} w_e e) / (w_c + Σ w_e)``.

@@ -408,11 +408,14 @@ def segment_change(
     view: BranchView, layer: LayerView, segment: Segment, keys: tuple[SegmentKey, ...], kind: Kind, budget: int,
     plan_bits: int | None, settings: AllocationSettings,
 ) -> SegmentChange:  # fmt: skip
-    """The (rows, bits) of one segment for ``budget`` bytes (:func:`~unicache_core.compression.family.choose`)."""
+    """The (rows, bits) of one segment for ``budget`` bytes (:func:`~unicache_core.compression.family.choose`): an
+    evicted or quantized segment over its budget is weighed by the attention mass its best-scored rows drew
+    (:func:`kept_mass`), so an evicted text held at full precision is quantized instead where every row at low bits
+    loses less than the rows eviction drops (docs/compression.md §11.16)."""
     if kind == Kind.EVICT and segment.held_bits != FULL_BITS:  # an evicted type's rows stored as written (§13)
         choice = written_choice(segment, budget, settings.geometry)
     else:
-        if kind == Kind.QUANTIZE and segment.held_bytes > budget:
+        if kind in (Kind.QUANTIZE, Kind.EVICT) and segment.held_bytes > budget:  # what choice_error weighs rows by
             segment = replace(segment, kept_mass=kept_mass(layer, keys, segment.held_rows))
         choice = choose(segment, kind, budget, settings.geometry, plan_bits, settings.value_floor, per_token_keys=True)
     held_values = segment.held_bits if segment.held_value_bits is None else segment.held_value_bits

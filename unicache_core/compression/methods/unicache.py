@@ -74,7 +74,7 @@ class UniCache(Method):
         residual: a fixed number of full-precision residual rows for the quantized segments; ``None`` (default): the
             residual follows the segment's length (docs/compression.md §11.2).
         fit_ranges: least-squares ranges for the quantized values (docs/compression.md §11.10); False: KIVI's min-max.
-        merge: how the rows a budget drops are merged into the kept ones (docs/compression.md §11.16): ``mass``
+        merge: how the rows a budget drops are merged into the kept ones (docs/compression.md §11.17): ``mass``
             (default: each row weighted by its attention mass), LOOK-M's rules, or ``none`` (only dropped).
     """
 
