@@ -5,6 +5,8 @@ a real UniCache session and cache."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -107,3 +109,19 @@ def test_the_evict_route_takes_the_choice_that_loses_less(elem):
     focused = Segment(**{**seg.__dict__, "kept_mass": tuple(min(1.0, 0.999 + k / 1e6) for k in range(n + 1))})
     assert choose(focused, "evict", budget, QuantGeometry()) == evicted
     assert seg.choice_bytes(alike) <= budget and seg.choice_bytes(evicted) <= budget
+
+
+def test_an_evicted_text_held_at_low_bits_keeps_its_best_rows_whole_with_what_its_bytes_leave():
+    """The quantize route of an evicted segment lets its full-precision residual (its best-scored rows) grow into the
+    bytes every row at low bits leaves, past KIVI's 32 rows (MiKV's mix of low-bit rows and whole heavy hitters,
+    docs/compression.md §11.16), where a quantized type stops at 32."""
+    n, d = 800, 128
+    seg = Segment(n, n, FULL_BITS, 2 * n * HKV * d * 2, True, HKV, d, 2)
+    budget = seg.full_bytes // 4  # every row at 2 bits in groups of 32 leaves bytes for more than 32 whole rows
+    kivi_like = choose(seg, "quantize", budget, QuantGeometry())
+    mixed = choose(seg, "evict", budget, QuantGeometry())
+    assert (mixed.rows, mixed.bits, mixed.group) == (kivi_like.rows, kivi_like.bits, kivi_like.group) == (n, 2, 32)
+    assert kivi_like.residual == 32 < mixed.residual <= n // 2
+    assert seg.choice_bytes(kivi_like) < seg.choice_bytes(mixed) <= budget
+    wider = replace(mixed, residual=mixed.residual + 1)
+    assert seg.choice_bytes(wider) > budget  # the residual takes every row the bytes leave

@@ -241,7 +241,8 @@ def choose(
 
     - ``evict``: the most full-precision rows that fit (the paper's H2O route), or the ``quantize`` route below
       where that loses less by :func:`choice_error`, the eviction weighed by the segment's ``kept_mass`` (its
-      attention's concentration; ties keep the eviction; docs/compression.md §11.16); rows held quantized (stored so
+      attention's concentration; ties keep the eviction; its residual of best-scored full-precision rows takes what
+      the low-bit rows leave, up to half the rows; docs/compression.md §11.16); rows held quantized (stored so
       as they were written) keep their bits. A ``joint`` entry at full precision is the pure eviction;
     - ``quantize``: every row at the most precise lookup setting that fits (the paper's KIVI route); when
       even the least one does not fit, whichever keeps more rows of: a subset at the lowest bits, or
@@ -266,7 +267,9 @@ def choose(
     if kind == "evict":
         if FULL_BITS in allowed:
             evicted = segment.most_rows(FULL_BITS, budget, geometry, max_rows)
-            quantized = _quantize_route(segment, budget, geometry, allowed, values, value_floor, per_token_keys)
+            # its best-scored rows whole with the bytes every row at low bits leaves, past KIVI's 32 (MiKV's mix)
+            wide = replace(geometry, residual_max=max(geometry.residual_max, max_rows))
+            quantized = _quantize_route(segment, budget, wide, allowed, values, value_floor, per_token_keys)
             return quantized if choice_error(segment, quantized) < choice_error(segment, evicted) else evicted
         # rows stored quantized as they were written: the most of them at those bits, with no residual (the
         # full-precision values a residual would hold are gone)
