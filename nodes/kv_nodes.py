@@ -43,9 +43,8 @@ class UniCacheKVConfig(UniCacheNode):
             node_id="UniCacheKVConfig",
             display_name="UniCache KV Config",
             category="UniCache/cache",
-            description="KV-cache compression for the UniCache task nodes: `unicache` (typed: the instruction's, ViT's "
-            "and source VAE's rows each kept at the rows and bits their calibrated policy gives, retention rho per "
-            "step, the rows it drops merged into the kept ones by attention), a baseline (h2o, snapkv, "
+            description="KV-cache compression for the UniCache task nodes: `unicache` (typed: each token type kept at "
+            "the rows and bits its calibrated policy gives, retention rho per step), a baseline (h2o, snapkv, "
             "pyramidkv, streamingllm, kivi, vlcache, lookm) or `full` (no compression, still reports bytes). Protected "
             "tokens (boundaries, the current latent, decoded text) are never compressed. Without this node a task "
             "runs with the full cache.",
