@@ -215,7 +215,7 @@ def compress_rows(
     pooled_scores = None if scores is None else torch.gather(scores.float().t().to(index.device), 1, index)
     position = _kept_positions(pooled_scores, keep, total, residual, recent)
     if position is not None:
-        keys, values = merge_rows(keys, values, position, merge if keep < total else "none", pooled_scores)
+        keys, values = merge_rows(keys, values, position, merge, pooled_scores)  # nothing dropped: only gathered
         index = torch.gather(index, 1, position)
     rows = RowIndex.encode(index, merge_spans(s.span for s in stores), min(residual, index.shape[1]))
     store = QuantizedStore.from_head_rows(
