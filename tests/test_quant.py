@@ -10,10 +10,9 @@ import torch
 from oracles import KIVIPolicy
 from oracles.kivi import LOOKUP
 
-import unicache_core.kv.quant as quant_module
+import unicache_core.kv.dequant as dequant_module
 from unicache_core.compression.ops import KIVI_LOOKUP
 from unicache_core.kv.quant import (
-    byte_lut,
     pack_bits,
     quantize_keys,
     quantize_values,
@@ -216,8 +215,8 @@ def test_for_ratio_bypass() -> None:
     assert KIVIPolicy.for_ratio(1.0) is None
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
-def test_lut_unpack_equals_shift_unpack(bits: int) -> None:
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_spread_unpack_equals_shift_unpack(bits: int) -> None:
     gen = torch.Generator().manual_seed(40 + bits)
     codes = torch.randint(0, 2**bits, (3, 7, 64), generator=gen).to(torch.uint8)
     packed = pack_bits(codes, bits)
@@ -225,14 +224,10 @@ def test_lut_unpack_equals_shift_unpack(bits: int) -> None:
         out = torch.full((3, 7, 64), -1.0, dtype=dtype)
         unpack_into(packed, bits, out)
         assert torch.equal(out, unpack_bits(packed, bits, 64).to(dtype))
-    lut = byte_lut(bits, torch.float32)
-    assert lut.shape == (256, 8 // bits)
-    assert torch.equal(
-        lut[0b11100100],
-        (torch.arange(8 // bits) * bits)
-        .to(torch.float32)
-        .new_tensor([(0b11100100 >> (i * bits)) & (2**bits - 1) for i in range(8 // bits)]),
-    )
+    byte = torch.tensor([[0b11100100]], dtype=torch.uint8)
+    one = torch.empty(1, 8 // bits)
+    unpack_into(byte, bits, one)
+    assert one[0].tolist() == [(0b11100100 >> (i * bits)) & (2**bits - 1) for i in range(8 // bits)]
     with pytest.raises(ValueError, match="out"):
         unpack_into(packed, bits, torch.empty(3, 7, 63))
 
@@ -271,9 +266,15 @@ def test_fast_dequantize_equals_reference(bits: int, group: int, dtype: torch.dt
             assert torch.equal(strided, ref)
 
 
-def test_fast_value_dequantize_blocks(monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_dequantize_blocks(monkeypatch, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(5)
-    q = quantize_values(torch.randn(2, 37, 32, generator=gen), 2, 32)
-    whole = q.dequantize(torch.bfloat16)
-    monkeypatch.setattr(quant_module, "VALUE_BLOCK_ROWS", 5)  # ragged last block
-    assert torch.equal(q.dequantize(torch.bfloat16), whole)
+    x = torch.randn(2, 37, 32, generator=gen)
+    for q in (quantize_values(x, 2, 32), quantize_keys(x, 4, 4)):
+        whole = q.dequantize(dtype)
+        # blocks of 5 rows (values; keys: one group of 4): a ragged last block, key groups never split
+        monkeypatch.setattr(dequant_module, "BLOCK_CODES", 5 * 2 * 32)
+        assert dequant_module.block_rows(2, 32, q.group_size if q.axis == "channel" else 1) < 37
+        assert torch.equal(q.dequantize(dtype), whole)
+        assert torch.equal(whole, _reference_dequant(q, dtype, 0, 37))
+        monkeypatch.undo()

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ..kv.cache import AttentionCall, CacheSession, KVCache, Phase
+from ..kv.scratch import release as release_scratch
 from ..kv.token_types import TokenType
 from .checkpoint.loader import LoadedBagel
 from .checkpoint.tensor_file import release_freed_host_memory
@@ -277,7 +278,9 @@ def release_between_phases(loaded: LoadedBagel) -> None:
 
     The phases of a request (VAE encode, prefill, denoising, VAE decode) free activations of different sizes;
     glibc keeps much of that freed memory resident, and the next phase's tensors seldom fit in the holes, so the
-    process's peak grows by what was kept (docs/engine.md, "Measurements behind the engine's choices").
+    process's peak grows by what was kept (docs/engine.md, "Measurements behind the engine's choices"). The attention's
+    scratch buffers (:mod:`unicache_core.kv.scratch`) of the phase are freed first.
     """
+    release_scratch()
     if loaded.device.type == "cpu":
         release_freed_host_memory()

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ..errors import NonFiniteKVError
 from ..validation import check_int
+from .dequant import dequantize_channel, dequantize_token, unpack_codes
 from .ranges import codes_for, fit_ranges, minmax_ranges
 
 #: The bit widths of KIVI's lookup (docs/compression.md §8.6).
@@ -131,45 +132,10 @@ def _unpack(packed: Tensor, bits: int, n: int) -> Tensor:
     return codes if codes.shape[-1] == n else codes[..., :n].contiguous()
 
 
-_LUT_CACHE: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
-
-
-def byte_lut(bits: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
-    """Lookup table ``[256, 8 // bits]`` in ``dtype``: row ``b`` holds the codes packed in byte ``b``.
-
-    One gather of whole bytes then unpacks ``8 // bits`` codes at once (codes < 16 are exact in every
-    float dtype). Tables are small (at most 256 x 8) and cached per ``(bits, dtype, device)``.
-    """
-    bits = _check_bits(bits)
-    device = torch.device(device)
-    key = (bits, dtype, device)
-    lut = _LUT_CACHE.get(key)
-    if lut is None:
-        per = 8 // bits
-        table = (torch.arange(256).unsqueeze(-1) >> (torch.arange(per) * bits)) & ((1 << bits) - 1)
-        lut = table.to(dtype=dtype, device=device)
-        _LUT_CACHE[key] = lut
-    return lut
-
-
 def unpack_into(packed: Tensor, bits: int, out: Tensor) -> Tensor:
-    """Unpack ``packed [..., n * bits / 8]`` uint8 straight into ``out [..., n]`` (a float dtype).
-
-    Requires ``n * bits`` to be a multiple of 8 (no padding codes) and ``out`` contiguous; equals
-    ``unpack_bits(packed, bits, n).to(out.dtype)`` with one table gather and no uint8/int64 temporaries.
-    """
-    bits = _check_bits(bits)
-    per = 8 // bits
-    if not out.is_contiguous() or out.shape[-1] != packed.shape[-1] * per or out.shape[:-1] != packed.shape[:-1]:
-        raise ValueError(
-            f"`out` must be contiguous with shape {(*packed.shape[:-1], packed.shape[-1] * per)}, got "
-            f"{tuple(out.shape)} (contiguous={out.is_contiguous()})"
-        )
-    if bits == 8:
-        return out.copy_(packed)
-    idx = packed.reshape(-1).to(torch.int32)
-    torch.index_select(byte_lut(bits, out.dtype, out.device), 0, idx, out=out.view(-1, per))
-    return out
+    """Unpack ``packed [..., n * bits / 8]`` uint8 straight into ``out [..., n]`` (a float dtype): equals
+    ``unpack_bits(packed, bits, n).to(out.dtype)`` (:func:`.dequant.unpack_codes`; ``n * bits`` a multiple of 8)."""
+    return unpack_codes(packed, _check_bits(bits), out)
 
 
 @dataclass(frozen=True)
@@ -188,10 +154,6 @@ class StoreLayout:
 
 #: KIVI's own layout: values at the keys' bits, keys per channel.
 KIVI_LAYOUT = StoreLayout()
-
-
-#: Rows (tokens x heads) per fp32 block in the per-token (value) dequantization.
-VALUE_BLOCK_ROWS = 8192
 
 
 @dataclass
@@ -277,9 +239,10 @@ class QuantizedTensor:
             return out
         if d * self.bits % 8 == 0 and out[0].is_contiguous() and out.dtype.is_floating_point:
             if self.axis == "channel":
-                self._keys_fast(out, packed, start)
+                dequantize_channel(out, packed, self.scale, self.zero, self.bits, g, start // g)
             else:
-                self._values_fast(out, packed, start, stop)
+                s, z = self.scale[:, start:stop], self.zero[:, start:stop]
+                dequantize_token(out, packed, s, z, self.bits, g)
             return out
         codes = _unpack(packed, self.bits, d)  # [H, n, d] uint8 (ragged bytes / strided out)
         work = out.dtype
@@ -307,67 +270,6 @@ class QuantizedTensor:
                 cmap = torch.arange(d, device=codes.device) // g
                 out.copy_(torch.addcmul(z[..., cmap], codes.to(work), s[..., cmap]))
         return out
-
-    def _keys_fast(self, out: Tensor, packed: Tensor, start: int) -> None:
-        """Per-channel groups: table-unpack each head into ``out`` then one in-place FMA per key group block.
-
-        Bitwise equal to the generic path (same scale rounding to ``out.dtype``, same ``addcmul``).
-        """
-        g, d = self.group_size, self.head_dim
-        h, n = packed.shape[0], packed.shape[1]
-        work = out.dtype
-        for i in range(h):
-            unpack_into(packed[i], self.bits, out[i])
-        g0 = start // g
-        full = n // g
-        if full:
-            s = self.scale[:, g0 : g0 + full].to(work).unsqueeze(2)  # [H, full, 1, d]
-            z = self.zero[:, g0 : g0 + full].to(work).unsqueeze(2)
-            body = out[:, : full * g].view(h, full, g, d)
-            torch.addcmul(z, body, s, out=body)
-        if n > full * g:
-            s = self.scale[:, g0 + full].to(work).unsqueeze(1)  # [H, 1, d]
-            z = self.zero[:, g0 + full].to(work).unsqueeze(1)
-            tail = out[:, full * g :]
-            torch.addcmul(z, tail, s, out=tail)
-
-    def _values_fast(self, out: Tensor, packed: Tensor, start: int, stop: int) -> None:
-        """Per-token groups: blocks of :data:`VALUE_BLOCK_ROWS` rows are unpacked to fp32, scaled and shifted
-        in place, then rounded once into ``out`` (an ``addcmul`` whose scale broadcasts over the last
-        axis is several times slower on CPU). Same values as the generic path: ``code * s`` is exact in
-        fp32 and the single rounding of ``code * s + z`` matches ``addcmul`` in ``out.dtype``.
-        """
-        g, d = self.group_size, self.head_dim
-        h, n = packed.shape[0], packed.shape[1]
-        work = out.dtype
-        ng = self.scale.shape[-1]
-        ragged = d % g != 0 and ng > 1
-        gc = d if ragged else d // ng
-        cmap = torch.arange(d, device=out.device) // g if ragged else None
-        block = max(1, VALUE_BLOCK_ROWS)
-        f32 = out.dtype == torch.float32
-        tmp = None
-        for i in range(h):
-            for r0 in range(0, n, block):
-                r1 = min(n, r0 + block)
-                rows = r1 - r0
-                s = self.scale[i, start + r0 : start + r1].to(work).float()  # [rows, ng]
-                z = self.zero[i, start + r0 : start + r1].to(work).float()
-                dst = out[i, r0:r1]
-                if f32:
-                    buf = dst
-                else:
-                    if tmp is None:
-                        tmp = torch.empty(min(block, n), d, dtype=torch.float32, device=out.device)
-                    buf = tmp[:rows]
-                unpack_into(packed[i, r0:r1], self.bits, buf)
-                if ragged:
-                    buf.mul_(s[:, cmap]).add_(z[:, cmap])
-                else:
-                    bv = buf.view(rows, ng, gc)
-                    bv.mul_(s.unsqueeze(-1)).add_(z.unsqueeze(-1))
-                if not f32:
-                    dst.copy_(buf)
 
 
 def _checked_scale_dtype(name: str, x: Tensor) -> torch.dtype:
@@ -487,8 +389,6 @@ __all__ = [
     "SCALE_DTYPE",
     "StoreLayout",
     "SUPPORTED_BITS",
-    "VALUE_BLOCK_ROWS",
-    "byte_lut",
     "pack_bits",
     "quantize_keys",
     "quantize_values",

@@ -15,11 +15,28 @@ from .attention import attention_with_lse, merge_attention
 from .index_runs import index_runs
 from .quant import QuantizedTensor, StoreLayout, quantize_keys, quantize_values, quantized_kv_nbytes
 from .row_index import RowIndex, Runs
+from .scratch import scratch
 from .stores import KVStore, StoreKind, check_kv
 from .token_types import TokenType
 
-#: Largest number of quantized tokens dequantized at once in :meth:`QuantizedStore.attend`.
+#: Most quantized rows :meth:`QuantizedStore.attend` dequantizes at once for a call of many queries (the
+#: dequantization is then a small share of the attention, and one large chunk attends fastest).
 DEQUANT_CHUNK = 8192
+#: Queries per KV head (query heads of a group times the call's queries) from which a call counts as one of many.
+MANY_QUERIES = 64
+#: Codes (rows x KV heads x channels) a chunk holds for a call of few queries: its K and V stay in the CPU's caches
+#: between the dequantization and the attention that reads them.
+FEW_QUERY_CHUNK_CODES = 1 << 20
+
+
+def chunk_rows(queries_per_head: int, heads: int, head_dim: int, multiple: int) -> int:
+    """Rows of packed K/V dequantized and attended at once by a call of ``queries_per_head`` queries per KV head, a
+    multiple of ``multiple`` (a key group: chunks never split one)."""
+    if queries_per_head >= MANY_QUERIES:
+        rows = DEQUANT_CHUNK
+    else:
+        rows = FEW_QUERY_CHUNK_CODES // max(1, heads * head_dim)
+    return max(multiple, rows // multiple * multiple)
 
 
 @dataclass(eq=False)
@@ -198,34 +215,26 @@ class QuantizedStore(KVStore):
         return k.transpose(0, 1), v.transpose(0, 1)
 
     def attend(self, q: Tensor, scale: float | None = None) -> tuple[Tensor, Tensor]:
-        """Dequantize in chunks of <= :data:`DEQUANT_CHUNK` tokens and attend; ``q [Tq, Hq, d]``.
-
-        Each chunk's workspace is a temporary: no dequantized copy outlives the call.
-        """
+        """Dequantize a chunk of rows at a time into a workspace in ``q.dtype`` and attend it (the residual rows are
+        attended where they are), merged by log-sum-exp; ``q [Tq, Hq, d]``. A call of few queries reads each chunk
+        while it is in the CPU's caches (:func:`chunk_rows`); no dequantized copy outlives the call."""
         n = self.num_quantized
         h, r, d = self.res_keys.shape
-        # Key groups must not straddle chunks.
-        chunk = max(self.group_size, DEQUANT_CHUNK // self.group_size * self.group_size)
         parts = []
-        start = 0
-        while start < n or (start == 0 and r):
-            stop = min(n, start + chunk)
-            last = stop >= n
-            extra = r if last else 0
-            k = torch.empty(h, stop - start + extra, d, dtype=q.dtype, device=q.device)
-            v = torch.empty_like(k)
-            if stop > start:
-                self.qkeys.dequantize_into(k[:, : stop - start], start, stop)
-                self.qvalues.dequantize_into(v[:, : stop - start], start, stop)
-            if extra:
-                k[:, stop - start :] = self.res_keys
-                v[:, stop - start :] = self.res_values
-            parts.append(attention_with_lse(q, k.transpose(0, 1), v.transpose(0, 1), scale=scale))
-            if last:
-                break
-            start = stop
-        if not parts:
-            return attention_with_lse(q, q.new_zeros(0, h, d), q.new_zeros(0, h, d), scale=scale)
+        if n:
+            group = 1 if self.key_per_token else self.qkeys.group_size
+            step = chunk_rows(q.shape[0] * q.shape[1] // h, h, d, group)
+            k = scratch("packed.keys", (h, min(step, n), d), q.dtype, q.device)
+            v = scratch("packed.values", (h, min(step, n), d), q.dtype, q.device)
+            for start in range(0, n, step):
+                stop = min(n, start + step)
+                kc, vc = k[:, : stop - start], v[:, : stop - start]
+                self.qkeys.dequantize_into(kc, start, stop)
+                self.qvalues.dequantize_into(vc, start, stop)
+                parts.append(attention_with_lse(q, kc.transpose(0, 1), vc.transpose(0, 1), scale=scale))
+        if r or not parts:
+            res_k, res_v = self.res_keys.to(q.dtype), self.res_values.to(q.dtype)
+            parts.append(attention_with_lse(q, res_k.transpose(0, 1), res_v.transpose(0, 1), scale=scale))
         return merge_attention(parts)
 
     def write_kv(self, k_out: Tensor, v_out: Tensor) -> None:
@@ -282,4 +291,4 @@ class QuantizedStore(KVStore):
         )
 
 
-__all__ = ["DEQUANT_CHUNK", "QuantizedStore"]
+__all__ = ["DEQUANT_CHUNK", "FEW_QUERY_CHUNK_CODES", "MANY_QUERIES", "QuantizedStore", "chunk_rows"]

@@ -16,7 +16,8 @@ from torch import Tensor
 from ..validation import check_int
 from .attention import attention_with_lse, merge_attention
 from .cache import AttentionCall, KVCache, Task
-from .quantized_store import QuantizedStore
+from .quantized_store import MANY_QUERIES, QuantizedStore
+from .scratch import scratch
 from .stores import EvictedStore, FullStore, KVStore, StoreKind
 from .token_types import CANDIDATE_TYPES, TokenType
 
@@ -74,14 +75,17 @@ class SegmentedLayer:
         ``new_mask`` ``[Tq, Tq]`` bool: explicit visibility inside the new block (block-causal packing);
         it replaces ``causal``.
         ``fused``: ``True`` gathers every resident row (and a non-causal new block) into one temporary
-        head-major workspace and makes one attention call; ``False`` (default) attends store by store
-        and merges by LSE. Both are exact (same keys, same softmax; outputs differ only by rounding).
+        head-major workspace and makes one attention call when the call has many queries per KV head
+        (:data:`~.quantized_store.MANY_QUERIES`); a call of few queries (a decoded token) reads each store where it is
+        instead (a quantized one in chunks that stay in the CPU's caches), as ``False`` (default) always does: store
+        by store, merged by LSE. Both are exact (same keys, same softmax; outputs differ only by rounding).
         Returns ``(out [Tq, Hq, d], lse [Tq, Hq])``.
         """
         stores = [store for store in self.stores if store.num_tokens > 0]
         if not stores and k_new is None:
             raise ValueError("nothing to attend to: the layer is empty and no new block was given")
-        if fused and stores and new_mask is None:
+        many = bool(stores) and q.shape[0] * q.shape[1] >= MANY_QUERIES * stores[0].num_kv_heads
+        if fused and many and new_mask is None:
             return self._attend_fused(q, stores, k_new, v_new, causal, scale)
         result = self.attend_parts(q, k_new, v_new, causal=causal, scale=scale, new_mask=new_mask)
         return result.out, result.lse
@@ -138,8 +142,8 @@ class SegmentedLayer:
         rows = [store.num_tokens for store in stores]
         append_new = k_new is not None and not causal
         total = sum(rows) + (k_new.shape[0] if k_new is not None and append_new else 0)
-        k_ws = torch.empty(h, total, d, dtype=q.dtype, device=q.device)
-        v_ws = torch.empty_like(k_ws)
+        k_ws = scratch("layer.keys", (h, total, d), q.dtype, q.device)
+        v_ws = scratch("layer.values", (h, total, d), q.dtype, q.device)
         off = 0
         for store, n in zip(stores, rows):
             store.write_kv(k_ws[:, off : off + n], v_ws[:, off : off + n])
