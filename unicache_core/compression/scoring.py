@@ -48,7 +48,7 @@ def masses_from_lse(part_lses: list[Tensor], total_lse: Tensor) -> list[float]:
     if not part_lses:
         return []
     share = torch.exp(torch.stack(part_lses).float() - total_lse.float())  # [k, Tq, Hq]
-    return torch.nan_to_num(share, nan=0.0).mean(dim=(1, 2)).tolist()
+    return share.nan_to_num_(nan=0.0).mean(dim=(1, 2)).tolist()
 
 
 def query_subsample(num_queries: int, limit: int, *, last: bool, device: torch.device) -> Tensor:
@@ -98,23 +98,22 @@ def key_scores(
         return torch.zeros(t, hkv, dtype=torch.float32, device=keys.device), counts
     kf = keys.float().permute(1, 2, 0)  # [Hkv, d, T]
     rows = max(1, SCORE_ELEMENTS // max(1, hq * t))
+    # a query that sees no key has lse -inf: clamped, its logits (all -inf) still give exp 0, never NaN
+    finite = lse.float().clamp_min(torch.finfo(torch.float32).min)
     scores = None
     for start in range(0, tq, rows):
         stop = min(tq, start + rows)
         n = stop - start
         qh = q[start:stop].float().permute(1, 0, 2).reshape(hkv, group * n, d)
-        logits = torch.bmm(qh, kf).mul_(scale).reshape(hkv, group, n, t)  # [Hkv, g, n, T]
-        lse_c = lse[start:stop].float().t().reshape(hkv, group, n, 1)
-        if counts is not None and count_above is not None:
-            thr = count_above[start:stop].float().t().reshape(hkv, group, n, 1)
-            above = logits >= thr
-            if visible is not None:
-                above &= visible[start:stop].to(keys.device)
-            counts += above.sum(dim=(2, 3)).reshape(hq)
-        probs = torch.exp(logits.sub_(lse_c))
+        shift = finite[start:stop].t().reshape(hkv, group * n, 1).neg()
+        # logits - lse in one pass: [Hkv, g*n, T], then [Hkv, g, n, T]
+        logits = torch.baddbmm(shift, qh, kf, alpha=scale).view(hkv, group, n, t)
         if visible is not None:
-            probs.masked_fill_(~visible[start:stop].to(keys.device), 0.0)
-        part = torch.nan_to_num(probs, nan=0.0).sum(dim=2).mean(dim=1)  # [Hkv, T]
+            logits.masked_fill_(~visible[start:stop].to(keys.device), float("-inf"))
+        if counts is not None and count_above is not None:
+            thr = (count_above[start:stop].float() - finite[start:stop]).t().reshape(hkv, group, n, 1)
+            counts += (logits >= thr).sum(dim=(2, 3)).reshape(hq)
+        part = logits.exp_().sum(dim=2).mean(dim=1)  # [Hkv, T]
         scores = part if scores is None else scores.add_(part)  # the first chunk's sums start the total
     assert scores is not None  # tq > 0: at least one chunk ran
     return scores.t().contiguous(), counts
