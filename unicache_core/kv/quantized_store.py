@@ -13,6 +13,7 @@ from torch import Tensor
 from ..validation import check_int
 from .attention import attention_with_lse, merge_attention
 from .index_runs import index_runs
+from .packed_attention_triton import packed_attention_kernel
 from .quant import QuantizedTensor, StoreLayout, quantize_keys, quantize_values, quantized_kv_nbytes
 from .row_index import RowIndex, Runs
 from .stores import KVStore, StoreKind, check_kv
@@ -202,6 +203,9 @@ class QuantizedStore(KVStore):
 
         Each chunk's workspace is a temporary: no dequantized copy outlives the call.
         """
+        # CUDA queries with Triton: the kernel that reads the packed rows (packed_attention_triton.py)
+        if (kernel := packed_attention_kernel(self, q)) is not None:
+            return kernel(self, q, scale)
         n = self.num_quantized
         h, r, d = self.res_keys.shape
         # Key groups must not straddle chunks.
