@@ -206,6 +206,45 @@ def dispatch_case():
     }
 
 
+def fused_case():
+    """``SegmentedLayer.attend(fused=True)`` (the calls that measure nothing) with queries taken for CUDA ones: the
+    quantized stores go to the kernel, the others through the fused workspace, merged; against the torch path."""
+    from unicache_core.kv import packed_attention_triton as pat
+    from unicache_core.kv.quantized_store import QuantizedStore
+    from unicache_core.kv.segmented_cache import SegmentedLayer
+    from unicache_core.kv.stores import EvictedStore, FullStore
+    from unicache_core.kv.token_types import TokenType
+
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(120, 2, 32, generator=gen), torch.randn(120, 2, 32, generator=gen)
+    k_new, v_new = torch.randn(6, 2, 32, generator=gen), torch.randn(6, 2, 32, generator=gen)
+    pos = torch.arange(120)
+    keep = torch.stack([torch.arange(0, 20, 2), torch.arange(1, 20, 2)])
+    full = FullStore(k[:20], v[:20], pos[:20], TokenType.BOUNDARY)
+    evicted = EvictedStore.from_selection(k[20:40], v[20:40], pos[20:40], keep, TokenType.SOURCE_VIT)
+    vae = QuantizedStore.from_kv(k[40:90], v[40:90], pos[40:90], 2, 16, 4, TokenType.SOURCE_VAE)
+    vit = QuantizedStore.from_kv(k[90:], v[90:], pos[90:], 4, 8, 0, TokenType.SOURCE_VIT, key_per_token=True)
+    layers = {"mixed": [full, evicted, vae, vit], "quantized only": [vae, vit]}
+    q = queries(6, 4)
+    calls = []
+    kernel = pat.packed_attention
+    report = {}
+    for name, stores in layers.items():
+        layer = SegmentedLayer()
+        layer.stores = stores
+        for new in ({"k_new": k_new, "v_new": v_new, "causal": True}, {"k_new": k_new, "v_new": v_new}, {}):
+            pat._on_cuda, pat.packed_attention = (lambda q: False), kernel
+            want_out, want_lse = layer.attend(q, fused=True, **new)
+            pat._on_cuda = lambda q: True
+            pat.packed_attention = lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
+            out, lse = layer.attend(q, fused=True, **new)
+            key = f"{name}, new block {'causal' if new.get('causal') else 'visible' if new else 'none'}"
+            report[key] = {"out": relative(out, want_out), "lse": relative(lse, want_lse), "calls": len(calls)}
+            calls.clear()
+    pat._on_cuda, pat.packed_attention = (lambda q: False), kernel
+    return report
+
+
 def main(argv: list[str]) -> int:
     import triton
 
@@ -222,6 +261,7 @@ def main(argv: list[str]) -> int:
     report["layouts"] = {name: layout_case(name) for name in LAYOUTS}
     report["rows"] = rows_case()
     report["half"] = {str(dtype): half_case(dtype) for dtype in (torch.bfloat16, torch.float16)}
+    report["fused"] = fused_case()
     report["dispatch"] = dispatch_case()
     report["seconds"] = time.perf_counter() - start
     with open(argv[0], "w", encoding="utf-8") as f:

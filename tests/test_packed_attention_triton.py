@@ -97,6 +97,15 @@ def test_store_attend_runs_the_kernel_for_cuda_queries(report):
     assert dispatch["out_vs_torch"] < TOLERANCE and dispatch["lse_vs_torch"] < TOLERANCE
 
 
+def test_the_fused_path_attends_quantized_stores_by_the_kernel(report):
+    # SegmentedLayer.attend(fused=True), the calls that measure nothing: the two quantized stores by the kernel, the
+    # full and evicted ones through the workspace, the new block visible, causal or absent
+    assert len(report["fused"]) == 6
+    for case, got in report["fused"].items():
+        assert got["calls"] == 2, case
+        assert got["out"] < TOLERANCE and got["lse"] < TOLERANCE, (case, got)
+
+
 @pytest.fixture
 def fresh_logs(monkeypatch):
     """Fresh once-only logs and failure records."""

@@ -37,7 +37,7 @@ import logging
 import math
 import types
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -192,6 +192,29 @@ def _merge_splits(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     return torch.einsum("stk,stkd->tkd", weights, out), total
 
 
+class LaunchGrid(NamedTuple):
+    """How :func:`quantized_part` launches: ``BLOCK_M`` folded query rows a program, ``m_blocks`` programs over them
+    per KV head, ``splits`` programs over the rows (``rows_per_split`` each), ``BLOCK_N`` rows a tile."""
+
+    block_m: int
+    m_blocks: int
+    splits: int
+    rows_per_split: int
+    block_n: int
+
+
+def launch_grid(store: PackedKV, q: Tensor, block_n: int | None = None, splits: int | None = None) -> LaunchGrid:
+    """The launch of ``q [Tq, Hq, d]`` over ``store`` (``block_n``, ``splits``: :func:`quantized_part`)."""
+    tq, hq, _ = q.shape
+    hkv = store.qkeys.packed.shape[0]
+    block_n = BLOCK_N if block_n is None else block_n
+    rows = (hq // hkv) * tq
+    block_m = 16 if rows <= 16 else 64
+    m_blocks = -(-rows // block_m)
+    n_splits, per_split = _split(store.qkeys.num_tokens, m_blocks * hkv, q.device, block_n, splits)
+    return LaunchGrid(block_m, m_blocks, n_splits, per_split, block_n)
+
+
 def quantized_part(
     store: PackedKV, q: Tensor, scale: float, *, block_n: int | None = None, splits: int | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -202,23 +225,20 @@ def quantized_part(
     tq, hq, d = q.shape
     hkv, n = k.packed.shape[0], k.num_tokens
     group = hq // hkv
-    block_n = BLOCK_N if block_n is None else block_n
-    block_m = 16 if group * tq <= 16 else 64
-    m_blocks = -(-group * tq // block_m)
-    n_splits, per_split = _split(n, m_blocks * hkv, q.device, block_n, splits)
-    out = torch.empty(n_splits, tq, hq, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(n_splits, tq, hq, dtype=torch.float32, device=q.device)
+    grid = launch_grid(store, q, block_n, splits)
+    out = torch.empty(grid.splits, tq, hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(grid.splits, tq, hq, dtype=torch.float32, device=q.device)
     km_h, km_r, key_rows_per, key_cols_per = _meta_strides(k)
     vm_h, vm_r, _, value_cols_per = _meta_strides(v)
     kc, vc = k.packed.contiguous(), v.packed.contiguous()
     built = kernels()
     upcast = built.interpret and q.dtype == torch.bfloat16
-    built._packed_attention_fwd[(m_blocks, hkv, n_splits)](
+    built._packed_attention_fwd[(grid.m_blocks, hkv, grid.splits)](
         q.contiguous(), kc, k.scale.contiguous(), k.zero.contiguous(), vc, v.scale.contiguous(), v.zero.contiguous(),
-        out, lse, scale * math.log2(math.e), n, per_split, group * tq, group, hq, d,
+        out, lse, scale * math.log2(math.e), n, grid.rows_per_split, group * tq, group, hq, d,
         kc.stride(0), kc.stride(1), km_h, km_r, vc.stride(0), vc.stride(1), vm_h, vm_r,
         KEY_BITS=k.bits, VALUE_BITS=v.bits, KEY_ROWS_PER=key_rows_per, KEY_COLS_PER=key_cols_per,
-        VALUE_COLS_PER=value_cols_per, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, _next_pow2(d)),
+        VALUE_COLS_PER=value_cols_per, BLOCK_M=grid.block_m, BLOCK_N=grid.block_n, BLOCK_D=max(16, _next_pow2(d)),
         PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST_DOT=upcast,
     )  # fmt: skip
     return _merge_splits(out, lse)
@@ -345,10 +365,12 @@ __all__ = [
     "BLOCK_N",
     "HEAD_DIMS",
     "KERNEL_FUNCTIONS",
+    "LaunchGrid",
     "PackedKV",
     "QUERY_DTYPES",
     "kernel_disabled",
     "kernels",
+    "launch_grid",
     "packed_attention",
     "packed_attention_kernel",
     "quantized_part",
