@@ -20,13 +20,20 @@ head are folded into one row axis of ``(Hq // Hkv) * Tq`` rows, so one query (de
 step's latent, non-causal) run the same kernel; the rows are split over programs (flash-decoding's split of the
 keys) when the queries alone would leave the device idle, and the splits merge by log-sum-exp.
 
-Triton is imported only when a kernel is first built (:func:`kernels`); this module imports without it. The kernel
-functions below are plain Python until then: :func:`kernels` copies them into a namespace holding ``triton.language``
-and decorates them there with ``triton.jit``, once per value of Triton's interpreter switch (``TRITON_INTERPRET``,
-which ``triton.jit`` reads when it decorates), so the CPU tests run the very code the GPU compiles.
+Triton is imported only when a kernel is first built (:func:`kernels`); this module imports without it and does
+nothing at import. The kernel functions below are plain Python until then: :func:`kernels` copies them into a
+namespace of their own holding ``triton.language`` and decorates them there with ``triton.jit`` (the interpreter
+writes its helpers into that namespace, not into this module). ``triton.jit`` reads Triton's interpreter switch
+(``TRITON_INTERPRET``) when it decorates, and Triton decorates its own standard library (``tl.zeros``, ``tl.max``)
+when it is first imported, so the interpreter runs the kernel only in a process that imported Triton with the switch
+on: the unit tests start one (tests/packed_kernel_cases.py), running the very code the GPU compiles, on CPU tensors.
+One difference there: the interpreter multiplies no bf16, so bf16 tiles, rounded to bf16 as on the GPU, are
+multiplied in fp32 (``UPCAST_DOT``).
 
 :func:`packed_attention_kernel` selects it: for CUDA queries when Triton is importable and the store's layout is one
-the kernel reads (:func:`unsupported`), else ``None`` (the torch path), each reason logged once.
+the kernel reads (:func:`unsupported`: fp32, fp16 or bf16 queries, head dims 16 to 256), else ``None`` (the torch
+path), each reason logged once; a layout Triton fails to compile or launch goes to the torch path from then on,
+logged once. ``QuantizedStore.attend`` and the fused path of ``SegmentedLayer.attend`` ask it.
 """
 
 from __future__ import annotations
