@@ -169,12 +169,17 @@ def kernels() -> types.SimpleNamespace:
 
 
 def _meta_strides(qt: QuantizedTensor) -> tuple[int, int, int, int]:
-    """``(head stride, row stride, rows per group, channels per group)`` of ``qt``'s scales and zeros."""
-    scale = qt.scale
+    """``(head stride, row stride, rows per group, channels per group)`` of ``qt``'s scales and zeros, contiguous."""
+    _, groups, width = qt.scale.shape
     if qt.axis == "channel":  # [Hkv, ceil(T / G), d]: row t reads group t // G, every channel its own
-        return scale.stride(0), scale.stride(1), qt.group_size, 1
+        return groups * width, width, qt.group_size, 1
     # [Hkv, T, ceil(d / G)]: channel c reads group c // G; one group per row when G >= d (c // G = 0)
-    return scale.stride(0), scale.stride(1), 1, qt.group_size
+    return groups * width, width, 1, qt.group_size
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _split(n_rows: int, programs: int, device: torch.device, block_n: int, splits: int | None) -> tuple[int, int]:
@@ -184,7 +189,7 @@ def _split(n_rows: int, programs: int, device: torch.device, block_n: int, split
     if splits is None:
         target = 8
         if device.type == "cuda":
-            target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+            target = PROGRAMS_PER_SM * _multiprocessors(device)
         splits = -(-target // max(1, programs))
     per_split = -(-tiles // max(1, min(splits, tiles))) * block_n
     return -(-n_rows // per_split), per_split
