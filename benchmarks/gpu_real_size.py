@@ -1,13 +1,18 @@
 """The memory plan against a real run at BAGEL-7B-MoT's geometry on a GPU, phase by phase.
 
 ``python -m benchmarks.gpu_real_size [--out DIR] [--size 1024] [--images N] [--weight-dtype fp8_e4m3fn]
-[--offload none,layers] [--methods full,unicache] [--json PATH] [--device cuda]``
+[--offload none,layers] [--methods full,unicache] [--timesteps 3] [--taylorseer off,on] [--memory-cap 16GB]
+[--json PATH] [--device cuda]``
 
 ``--images N`` edits with ``N`` sources of ``--size`` px in one request (the item list ``[image 1 .. image N, prompt]``:
 ``N - 1`` references and the edited image, issue #43), planned with the same ``N`` images. ``--layers L`` keeps
 ``L`` decoder and ViT layers at the real widths (hidden 3584, MLP 18944, 28/4 heads, vocab 152,064, SigLIP 1152):
 with ``--device cpu`` that checks every per-layer figure of the plan against tensor accounting at BAGEL-7B-MoT's
 geometry in a few GB (depth only scales the KV and the weights; docs/results/real_width_images.json).
+``--taylorseer off,on`` measures each method without and with TaylorSeer (its factors fill to the official order 6
+from about 21 timesteps: ``--timesteps``, 3 by default). ``--memory-cap`` caps what the process may allocate on the
+card (``torch.cuda.set_per_process_memory_fraction``: a smaller card, e.g. a lowvram run with ``--offload layers``);
+an edit that runs out of it is a row saying so (``out_of_memory``).
 
 The checkpoint is :mod:`benchmarks.real_size`'s (random weights at the official geometry, written in fp8, 14.6 GB;
 its transform rule keeps the ``--size`` source at its size). For each offload mode the model is loaded on the
@@ -57,6 +62,7 @@ from unicache_core.bagel.request import RunHooks
 from unicache_core.bagel.transform_config import TRANSFORM_CONFIG_FILE, parse_transform_config
 from unicache_core.bagel.weights import parameter_bytes
 from unicache_core.compression import make_cache_factory
+from unicache_core.sizes import parse_size
 
 logger = logging.getLogger("benchmarks.gpu_real_size")
 PROMPT = "make the background red"
@@ -141,6 +147,7 @@ def _plan(
     device: torch.device,
     prompt_tokens: int,
     images: int = 1,
+    taylorseer: bool = False,
 ):
     settings = PlanSettings(
         images=((size, size),) * images if images > 1 else (),
@@ -152,6 +159,7 @@ def _plan(
         dtype="bf16",
         offload=offload,
         device=device.type,
+        taylorseer=taylorseer,
     )
     return plan_memory(config, settings, 1 << 50, prompt_tokens=prompt_tokens)
 
@@ -175,13 +183,23 @@ def real_size_config(size: int) -> BagelConfig:
 
 
 def measure_edit(
-    loaded, checkpoint: Path, size: int, method: str, *, weight_dtype: str, offload: str, images: int = 1
+    loaded,
+    checkpoint: Path,
+    size: int,
+    method: str,
+    *,
+    weight_dtype: str,
+    offload: str,
+    images: int = 1,
+    timesteps: int = TIMESTEPS,
+    taylorseer: bool = False,
 ) -> dict:
-    """One edit of ``images`` sources of ``size`` px with ``method``: phase bytes, the run's peak and the plan's."""
+    """One edit of ``images`` sources of ``size`` px with ``method`` (``timesteps``, with or without TaylorSeer): phase
+    bytes, the run's peak and the plan's."""
     device = loaded.device
     pipe = BagelPipeline(loaded, make_cache_factory(method, checkpoint_dir=str(checkpoint)))
     sources = [Image.new("RGB", (size, size), (40 + (50 * i) % 200, 120, 200)) for i in range(images)]
-    settings = preset("edit", num_timesteps=TIMESTEPS)
+    settings = preset("edit", num_timesteps=timesteps, taylorseer=taylorseer)
 
     def edit(hooks: RunHooks):
         if images == 1:  # the single-image call, as the rows before --images were measured
@@ -212,6 +230,7 @@ def measure_edit(
         device,
         len(loaded.tokenizer.encode(PROMPT)),
         images,
+        taylorseer,
     )
     planned = tensor_peak_bytes(plan)  # on the CPU without the runtime's own memory, which the meter cannot see
     return {
@@ -220,6 +239,9 @@ def measure_edit(
         "offload": offload,
         "size": list(result.image.size),
         "images": images,
+        "timesteps": timesteps,
+        "taylorseer": taylorseer,
+        "denoise_seconds": round(result.info["denoise_s"], 3),
         "prompt_tokens": len(loaded.tokenizer.encode(PROMPT)),
         "peak_bytes": meter.overall_peak,
         "plan_bytes": planned,
@@ -247,22 +269,30 @@ def run(
     vit: dict | None = None,
     full_vae: bool = True,
     images: int = 1,
+    timesteps: int = TIMESTEPS,
+    taylorseers=(False,),
+    memory_cap: int | None = None,
 ) -> dict:
-    """Write (if needed) the checkpoint, then one row per (offload, method) of an edit with ``images`` sources; see
-    the module docstring."""
+    """Write (if needed) the checkpoint, then one row per (offload, method, TaylorSeer) of an edit with ``images``
+    sources; see the module docstring. ``memory_cap``: the bytes this process may allocate on the card
+    (``torch.cuda.set_per_process_memory_fraction``, a smaller card's); a row that runs out of them says so."""
     checkpoint = write_real_size_checkpoint(out, llm=llm, vit=vit, full_vae=full_vae, source_size=size)
+    if memory_cap is not None and torch.device(device).type == "cuda":
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap / total), torch.device(device))
     rows = []
     for offload in offloads:
         start = time.perf_counter()
         loaded = load_bagel(checkpoint, device=device, weight_dtype=weight_dtype, offload=offload)
         load_seconds = round(time.perf_counter() - start, 2)
         for method in methods:
-            row = measure_edit(
-                loaded, checkpoint, size, method, weight_dtype=weight_dtype, offload=offload, images=images
-            )
-            row["load_seconds"] = load_seconds
-            logger.info("%s", format_table([row]).splitlines()[-1])
-            rows.append(row)
+            for taylorseer in taylorseers:
+                row = _capped_row(
+                    loaded, checkpoint, size, method, weight_dtype, offload, images, timesteps, taylorseer
+                )
+                row.update(load_seconds=load_seconds, memory_cap_bytes=memory_cap)
+                logger.info("%s", format_table([row]).splitlines()[-1])
+                rows.append(row)
         del loaded
         gc.collect()
         if torch.device(device).type == "cuda":
@@ -273,6 +303,23 @@ def run(
         "gpu": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else None,
     }
     return {"config": info, "results": rows}
+
+
+def _capped_row(loaded, checkpoint, size, method, weight_dtype, offload, images, timesteps, taylorseer) -> dict:
+    """:func:`measure_edit`, or the row of an edit that ran out of CUDA memory (under a ``memory_cap``)."""
+    try:
+        return measure_edit(
+            loaded, checkpoint, size, method, weight_dtype=weight_dtype, offload=offload, images=images,
+            timesteps=timesteps, taylorseer=taylorseer,
+        )  # fmt: skip
+    except torch.cuda.OutOfMemoryError as exc:
+        gc.collect()
+        torch.cuda.empty_cache()
+        return {
+            "kv_method": method, "weight_dtype": weight_dtype, "offload": offload, "size": [size, size],
+            "images": images, "timesteps": timesteps, "taylorseer": taylorseer,
+            "out_of_memory": str(exc).splitlines()[0],
+        }  # fmt: skip
 
 
 def _prompt_tokens(row: dict) -> int:
@@ -300,6 +347,9 @@ def replan(report: dict) -> dict:
     :func:`~unicache_core.bagel.memory.plan.plan_memory`; the measured bytes are kept as they were."""
     rows = []
     for row in report["results"]:
+        if "out_of_memory" in row:  # nothing measured to plan against
+            rows.append(row)
+            continue
         tokens = _prompt_tokens(row)
         plan = _plan(
             real_size_config(row["size"][0]),
@@ -310,6 +360,7 @@ def replan(report: dict) -> dict:
             torch.device("cuda"),
             tokens,
             row.get("images", 1),
+            row.get("taylorseer", False),
         )
         rows.append(
             {
@@ -327,15 +378,20 @@ def format_table(rows: list[dict]) -> str:
     gb = 1e9
     lines = [
         f"{'weights':11s} {'offload':7s} {'method':9s} {'px':>5s} {'n':>3s} {'peak GB':>8s} {'plan GB':>8s} "
-        f"{'err':>7s} {'ctx GB':>7s} {'denoise':>8s} {'decode':>7s} {'dec in':>7s}"
+        f"{'err':>7s} {'ctx GB':>7s} {'denoise':>8s} {'decode':>7s} {'dec in':>7s} {'TS':>2s}"
     ]
     for r in rows:
+        head = (
+            f"{r['weight_dtype']:11s} {r['offload']:7s} {r['kv_method']:9s} {r['size'][0]:5d} {r.get('images', 1):3d} "
+        )
+        if "out_of_memory" in r:
+            lines.append(head + f"out of memory: {r['out_of_memory'][:60]}")
+            continue
         p, e = r["phase_peak_bytes"], r["phase_entry_bytes"]
         lines.append(
-            f"{r['weight_dtype']:11s} {r['offload']:7s} {r['kv_method']:9s} {r['size'][0]:5d} {r.get('images', 1):3d} "
-            f"{r['peak_bytes'] / gb:8.2f} {r['plan_bytes'] / gb:8.2f} {r['plan_error']:+7.1%} "
+            head + f"{r['peak_bytes'] / gb:8.2f} {r['plan_bytes'] / gb:8.2f} {r['plan_error']:+7.1%} "
             f"{p.get('contexts', 0) / gb:7.2f} {p.get('denoise', 0) / gb:8.2f} {p.get('decode', 0) / gb:7.2f} "
-            f"{e.get('decode', 0) / gb:7.2f}"
+            f"{e.get('decode', 0) / gb:7.2f} {'on' if r.get('taylorseer') else '':>2s}"
         )
     return "\n".join(lines)
 
@@ -351,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-dtype", default="fp8_e4m3fn", choices=("bf16", "fp8_e4m3fn", "fp8_e5m2", "int8"))
     parser.add_argument("--offload", default="none,layers", help="comma-separated offload modes")
     parser.add_argument("--methods", default="full,unicache", help="comma-separated KV methods")
+    parser.add_argument("--timesteps", type=int, default=TIMESTEPS, help="num_timesteps of each edit")
+    parser.add_argument("--taylorseer", default="off", help="comma-separated: off, on (TaylorSeer's official rule)")
+    parser.add_argument(
+        "--memory-cap", default=None, help="the most this process may allocate on the card, e.g. 16GB (a smaller card)"
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=path_arg, default=None)
     parser.add_argument(
@@ -364,6 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     check_report_paths(
         parser, [("--json", args.json, "JSON report")], inputs=[("--replan", args.replan)], checkpoints=[args.out]
     )
+    taylorseers = tuple(dict.fromkeys(args.taylorseer.split(",")))
+    if not set(taylorseers) <= {"off", "on"} or args.timesteps < 2:
+        parser.error(f"--taylorseer takes off and on, --timesteps 2 or more; got {args.taylorseer}, {args.timesteps}")
+    try:
+        cap = None if args.memory_cap is None else parse_size(args.memory_cap, "--memory-cap", example="16GB")
+    except ValueError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.replan is not None:
         report = replan(json.loads(args.replan.read_text(encoding="utf-8")))
@@ -382,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
         methods=tuple(args.methods.split(",")),
         device=args.device,
         images=args.images,
+        timesteps=args.timesteps,
+        taylorseers=tuple(name == "on" for name in taylorseers),
+        memory_cap=cap,
         llm=None if args.layers is None else {"num_hidden_layers": args.layers, "max_window_layers": args.layers},
         vit=None if args.layers is None else {"num_hidden_layers": args.layers + 1},  # the last one is dropped
     )

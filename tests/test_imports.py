@@ -88,6 +88,14 @@ def test_every_module_imports_without_comfyui(probe):
     assert _leaked(loaded) == [], f"importing the whole package pulled in {_leaked(loaded)}"
 
 
+def test_no_module_imports_triton_at_import(probe):
+    """Triton is imported only when the packed-KV kernel is first built (unicache_core/kv/packed_attention_triton.py),
+    so the library and the benchmarks import without it."""
+    names, loaded = probe["every"]
+    assert "unicache_core.kv.packed_attention_triton" in names and "benchmarks.gpu_kernels" in names
+    assert [m for m in loaded if m.split(".")[0] == "triton"] == []
+
+
 def test_import_prints_nothing(probe):
     """Importing unicache_core, every model-agnostic module and unicache_core.bagel writes nothing at all."""
     assert probe["printed"] == ("", "")

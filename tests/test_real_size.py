@@ -85,3 +85,37 @@ def test_the_committed_gpu_runs_agree_with_this_plan():
     first = report["results"][0]
     anonymous = {**report, "results": [{k: v for k, v in first.items() if k != "prompt_tokens"}]}
     assert replan(anonymous)["results"][0]["prompt_tokens"] == first["prompt_tokens"]
+
+
+def test_several_images_with_and_without_taylorseer_on_the_twin(tmp_path):
+    """The issue-64 rows' code path: a 2-image edit without and with TaylorSeer (its factors planned and metered, the
+    plan within 10% of the peak either way), and a row that runs out of CUDA memory reported as such."""
+    from benchmarks.gpu_real_size import format_table, replan
+    from benchmarks.gpu_real_size import run as run_phases
+
+    report = run_phases(
+        tmp_path / "twin",
+        size=256,
+        weight_dtype="int8",
+        offloads=("none",),
+        methods=("full",),
+        device="cpu",
+        llm=TWIN_LLM,
+        vit=TWIN_VIT,
+        full_vae=False,
+        images=2,
+        timesteps=9,
+        taylorseers=(False, True),
+    )
+    plain, seer = report["results"]
+    assert (plain["taylorseer"], seer["taylorseer"]) == (False, True)
+    assert plain["images"] == seer["images"] == 2 and plain["timesteps"] == seer["timesteps"] == 9
+    assert plain["plan_breakdown"].get("taylorseer", 0) == 0 < seer["plan_breakdown"]["taylorseer"]
+    for row in (plain, seer):
+        assert abs(row["plan_error"]) <= 0.10, (row["taylorseer"], row["plan_error"])
+        assert row["memory_cap_bytes"] is None and row["denoise_seconds"] > 0
+    oom = {"kv_method": "full", "weight_dtype": "int8", "offload": "layers", "size": [256, 256], "images": 2}
+    oom["out_of_memory"] = "CUDA out of memory. Tried to allocate 2.00 GiB"
+    lines = format_table([plain, seer, oom]).splitlines()
+    assert len(lines) == 4 and lines[2].rstrip().endswith("on") and "out of memory: CUDA out of memory" in lines[3]
+    assert replan({"results": [oom]})["results"] == [oom]

@@ -13,6 +13,7 @@ from torch import Tensor
 from ..validation import check_int
 from .attention import attention_with_lse, merge_attention
 from .index_runs import index_runs
+from .packed_attention_triton import packed_attention_kernel
 from .quant import QuantizedTensor, StoreLayout, quantize_keys, quantize_values, quantized_kv_nbytes
 from .row_index import RowIndex, Runs
 from .scratch import scratch
@@ -218,6 +219,9 @@ class QuantizedStore(KVStore):
         """Dequantize a chunk of rows at a time into a workspace in ``q.dtype`` and attend it (the residual rows are
         attended where they are), merged by log-sum-exp; ``q [Tq, Hq, d]``. A call of few queries reads each chunk
         while it is in the CPU's caches (:func:`chunk_rows`); no dequantized copy outlives the call."""
+        # CUDA queries with Triton: the kernel that reads the packed rows (packed_attention_triton.py)
+        if (kernel := packed_attention_kernel(self, q)) is not None:
+            return kernel(self, q, scale)
         n = self.num_quantized
         h, r, d = self.res_keys.shape
         parts = []

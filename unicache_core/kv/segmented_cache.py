@@ -16,6 +16,7 @@ from torch import Tensor
 from ..validation import check_int
 from .attention import attention_with_lse, merge_attention
 from .cache import AttentionCall, KVCache, Task
+from .packed_attention_triton import packed_attention_kernel
 from .quantized_store import MANY_QUERIES, QuantizedStore
 from .scratch import scratch
 from .stores import EvictedStore, FullStore, KVStore, StoreKind
@@ -84,6 +85,12 @@ class SegmentedLayer:
         stores = [store for store in self.stores if store.num_tokens > 0]
         if not stores and k_new is None:
             raise ValueError("nothing to attend to: the layer is empty and no new block was given")
+        if fused and stores and new_mask is None:
+            packed = [
+                store for store in stores if isinstance(store, QuantizedStore) and packed_attention_kernel(store, q)
+            ]
+            if packed:  # CUDA with Triton: the kernel reads these packed (packed_attention_triton.py), apart
+                return self._attend_packed_apart(q, stores, packed, k_new, v_new, causal, scale)
         many = bool(stores) and q.shape[0] * q.shape[1] >= MANY_QUERIES * stores[0].num_kv_heads
         if fused and many and new_mask is None:
             return self._attend_fused(q, stores, k_new, v_new, causal, scale)
@@ -123,6 +130,26 @@ class SegmentedLayer:
             new_lse = part[1]
         out, lse = merge_attention(parts)
         return LayerAttention(out, lse, store_lse, new_lse)
+
+    @staticmethod
+    def _attend_packed_apart(
+        q: Tensor,
+        stores: list[KVStore],
+        packed: list[QuantizedStore],
+        k_new: Tensor | None,
+        v_new: Tensor | None,
+        causal: bool,
+        scale: float | None,
+    ) -> tuple[Tensor, Tensor]:
+        """The fused path with the ``packed`` stores attended by their kernel (``store.attend``) and merged by LSE."""
+        parts = [store.attend(q, scale) for store in packed]
+        rest = [store for store in stores if all(store is not p for p in packed)]
+        if rest:
+            parts.append(SegmentedLayer._attend_fused(q, rest, k_new, v_new, causal, scale))
+        elif k_new is not None:
+            assert v_new is not None, "a new block needs its values"
+            parts.append(attention_with_lse(q, k_new, v_new, scale=scale, causal=causal))
+        return merge_attention(parts)
 
     @staticmethod
     def _attend_fused(
