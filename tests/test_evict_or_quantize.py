@@ -16,6 +16,7 @@ from unicache_core.compression.policy_table import paper_policy_table
 from unicache_core.compression.report import MANAGED_TYPES
 from unicache_core.kv.cache import AttentionCall, RequestInfo
 from unicache_core.kv.quantized_store import QuantizedStore
+from unicache_core.kv.stores import EvictedStore
 from unicache_core.kv.token_types import TokenType as TT
 
 LAYERS, HKV, D, N = 2, 2, 16, 80
@@ -25,12 +26,15 @@ def _types(parts) -> torch.Tensor:
     return torch.cat([torch.full((n,), int(t), dtype=torch.int8) for t, n in parts])
 
 
-def _compress(scores: torch.Tensor):
+def _compress(scores: torch.Tensor, objective: str = "memory"):
     """A t2i request's context (an ``N``-row instruction between two boundaries) at 20% of full KV under the paper's
     table (no checkpoint of its own: the shipped one); each layer's instruction rows scored ``scores`` (``[N]``, the
-    same for every KV head); one compression. Returns the cache."""
+    same for every KV head); one compression, under ``objective`` (the ``memory`` objective's choice between the two
+    routes is what this file checks). Returns the cache."""
     assert paper_policy_table().kind("t2i", "instruction") == "evict"
-    session = make_cache_factory("unicache", kv_target=0.2).start(RequestInfo("t2i", LAYERS, 4, "synthetic"))
+    session = make_cache_factory("unicache", kv_target=0.2, objective=objective).start(
+        RequestInfo("t2i", LAYERS, 4, "synthetic")
+    )
     cache = session.new_cache("gen")
     gen = torch.Generator().manual_seed(3)
     types = _types([(TT.BOUNDARY, 1), (TT.INSTRUCTION, N), (TT.BOUNDARY, 1)])
@@ -77,6 +81,15 @@ def test_a_spread_instruction_is_held_whole_at_low_bits():
         store = _instruction(cache, layer)
         assert isinstance(store, QuantizedStore) and store.bits in (2, 4), store
         assert store.num_tokens == N  # every row kept
+
+
+def test_under_speed_a_spread_instruction_is_evicted_all_the_same():
+    """The ``speed`` objective never takes the low-bit route: the rows attended are the paper's."""
+    cache = _compress(torch.rand(N, generator=torch.Generator().manual_seed(0)) + 0.5, objective="speed")
+    _within_the_target(cache)
+    for layer in range(LAYERS):
+        store = _instruction(cache, layer)
+        assert isinstance(store, EvictedStore) and 0 < store.num_tokens <= 0.2 * N, store
 
 
 def test_a_concentrated_instruction_is_still_evicted():

@@ -22,6 +22,7 @@ from unicache_core.bagel.settings import BUNDLED_CHECKPOINT_DIR, preset
 from unicache_core.compression import make_cache_factory
 from unicache_core.compression.compressing_cache import CompressingKVCache
 from unicache_core.compression.full_cache import ReportingFullKVCache
+from unicache_core.compression.view import key_of
 from unicache_core.kv.attention import attention_with_lse, merge_attention
 from unicache_core.kv.cache import AttentionCall, FullKVCache, KVCache, unique_nbytes
 from unicache_core.kv.stores import FullStore
@@ -191,9 +192,11 @@ def test_the_prefill_peak_falls_by_what_the_quantized_rows_save(shapes, monkeypa
     assert len(peaks["full"]) == len(peaks["unicache"]) == 6  # gen: 2 x (VAE, ViT) + text; cfg_img: text
     saved = held["full"][-2] - held["unicache"][-2]  # after the last image, before the instruction
     assert saved > 0.7 * held["full"][-2]
-    # the instruction's prefill of gen runs with both images held: its peak falls by about what they save
+    # the instruction's prefill of gen runs with both images held: its peak falls by at least about what they save, and
+    # by less than that plus full KV's own transient of the call (its chunks joined into one copy of the layer, which
+    # the compressed stores, each read where it is, never make)
     fall = peaks["full"][-2] - peaks["unicache"][-2]
-    assert 0.9 * saved < fall < 1.1 * saved, (peaks, held)
+    assert 0.9 * saved < fall < saved + held["full"][-2] / 4, (peaks, held)
     assert max(peaks["unicache"]) < max(peaks["full"]) - 0.9 * saved
 
 
@@ -215,13 +218,15 @@ def test_a_byte_target_is_not_applied_before_the_context_is_filled(shapes, monke
     assert any(s["branches"]["gen"]["managed_bytes"] < 200_000 for s in result.kv_report["steps"])
 
 
-@pytest.mark.parametrize("table", ["calibrated", "paper"])
-def test_understanding_stores_image_i_quantized_before_image_i_plus_one(shapes, monkeypatch, table):
-    """Each image's ViT rows are quantized as written: when image 1's block begins, image 0's rows already are. With
-    the calibrated table the ViT rows are a type it quantizes; with the paper's (BAGEL-7B-MoT's) a type it evicts,
-    stored at the target's setting too until the question's scores say what its budget keeps."""
+@pytest.mark.parametrize(("table", "objective"), [("calibrated", "speed"), ("paper", "memory"), ("paper", "speed")])
+def test_understanding_stores_image_i_compressed_before_image_i_plus_one(shapes, monkeypatch, table, objective):
+    """Each image's ViT rows are compressed as written: when image 1's block begins, image 0's rows already are. With
+    the calibrated table the ViT rows are a type it quantizes; with the paper's (BAGEL-7B-MoT's) a type it evicts:
+    under the ``memory`` objective stored at the target's setting too until the question's scores say what its budget
+    keeps, under ``speed`` evicted to the full-precision rows 0.2 of their bytes hold, by their own block's scores."""
     at_begin: list[tuple[int | None, list[str]]] = []
     bits: list[int] = []
+    rows: list[float] = []  # each image store's rows per head, a share of its segment's
     begin_call = CompressingKVCache.begin_call
 
     def record(self, call):
@@ -229,20 +234,25 @@ def test_understanding_stores_image_i_quantized_before_image_i_plus_one(shapes, 
             held = [s for s in self.layers[-1].stores if s.image is not None]
             at_begin.append((call.image, [type(s).__name__ for s in held]))
             bits.extend(getattr(s, "bits", 16) for s in held)
+            full = self.segment_rows(len(self.layers) - 1)
+            rows.extend(s.num_tokens / full[key_of(s)] for s in held)
         begin_call(self, call)
 
     monkeypatch.setattr(CompressingKVCache, "begin_call", record)
     policy = {"policy": paper_table_for(BUNDLED_CHECKPOINT_DIR)} if table == "paper" else {}
-    factory = make_cache_factory("unicache", checkpoint_dir=str(BUNDLED_CHECKPOINT_DIR), **policy)
+    factory = make_cache_factory("unicache", checkpoint_dir=str(BUNDLED_CHECKPOINT_DIR), objective=objective, **policy)
     items = [_image(20, (96, 96)), _image(21, (96, 96)), "where is the red circle?"]
     result = BagelPipeline(shapes, factory).understand_items(items, preset("understanding", max_new_tokens=2))
+    stored = "EvictedStore" if (table, objective) == ("paper", "speed") else "QuantizedStore"
     images = [stores for image, stores in at_begin if image == 1]
-    assert images and images[0] and all(kind == "QuantizedStore" for kind in images[0])  # image 0's, quantized
-    assert at_begin[-1][0] is None and len(at_begin[-1][1]) == 2  # the question: both images' rows held, quantized
-    assert all(kind == "QuantizedStore" for kind in at_begin[-1][1]) and not result.kv_report["summary"]["flags"]
-    # either table: written at the target's setting (0.2 of fp32: 4 bits); the evicted type's budget then takes its rows
-    # to fewer bits or fewer rows, the quantized type's to fewer bits
-    assert set(bits) == {4}
+    assert images and images[0] and all(kind == stored for kind in images[0])  # image 0's, compressed
+    assert at_begin[-1][0] is None and len(at_begin[-1][1]) == 2  # the question: both images' rows held, compressed
+    assert all(kind == stored for kind in at_begin[-1][1]) and not result.kv_report["summary"]["flags"]
+    vit = result.kv_report["summary"]["images"]["0"]["types"]["source_vit"]
+    if stored == "EvictedStore":  # full-precision rows, a fifth of them less their row index
+        assert set(bits) == {16} and 0.15 < min(rows) <= max(rows) < 0.2
+    else:  # written at the target's setting (0.2 of fp32: 4 bits); the evicted type's budget then takes its rows to
+        # fewer bits or fewer rows, the quantized type's to fewer bits
+        assert set(bits) == {4}
     if table == "paper":
-        vit = result.kv_report["summary"]["images"]["0"]["types"]["source_vit"]
         assert 0 < vit["held_bytes"] <= 0.2 * vit["full_bytes"]

@@ -185,7 +185,7 @@ def test_unicache_keep_sets_only_shrink_rho_never_rises_and_step0_is_full(loaded
 
 
 def test_compression_releases_bytes_and_accounts_them_exactly(loaded, source):
-    pipe = _pipe(loaded, "unicache")
+    pipe = _pipe(loaded, "unicache", objective="memory")
     session = pipe.start_session("edit", 3)
     ctxs = pipe.build_generation_contexts("edit", "make it blue", image=source, session=session)
     gen = ctxs.gen.cache
@@ -215,6 +215,35 @@ def test_compression_releases_bytes_and_accounts_them_exactly(loaded, source):
             assert store.nbytes() == store.nominal_bytes()
     managed, protected = gen.split_bytes()
     assert managed + protected == after
+
+
+def test_speed_evicts_what_the_table_evicts_and_attends_fewer_rows(loaded, source):
+    """The ``speed`` objective (UniCache's default): an edit's ViT rows (a type the paper table evicts) are not scored
+    as they are prefilled, so they wait in full precision and are evicted after the first step to the full-precision
+    rows their budget holds: the next step attends fewer rows than full KV, where ``memory`` attends every row."""
+    attended = {}
+    for objective in ("speed", "memory"):
+        pipe = _pipe(loaded, "unicache", objective=objective)
+        session = pipe.start_session("edit", 3)
+        ctxs = pipe.build_generation_contexts("edit", "make it blue", image=source, session=session)
+        gen = ctxs.gen.cache
+        (written,) = [s for s in gen.layer(0).stores if s.token_type == TT.SOURCE_VIT]
+        assert written.kind == ("full" if objective == "speed" else "quantized")
+        lp = loaded.config.latent_downsample
+        x = torch.randn((ctxs.height // lp) * (ctxs.width // lp), loaded.config.patch_latent_dim)
+        from unicache_core.kv.cache import StepInfo
+
+        for step in range(2):
+            info = StepInfo("denoise", step, 3, ("gen", "cfg_text", "cfg_img"), 1.0)
+            session.begin_step(info)
+            branch_velocities(pipe.loaded, ctxs, x, 1.0, step=step)
+            session.end_step(info)
+        vit = [s for s in gen.layer(0).stores if s.token_type == TT.SOURCE_VIT]
+        if objective == "speed":
+            assert vit[0].kind == "evicted" and vit[0].num_tokens < written.num_tokens
+        report = session.finish()
+        attended[objective] = [s["branches"]["gen"]["attended_rows"] for s in report["steps"]]
+    assert attended["speed"][1] < attended["memory"][1] == attended["memory"][0]
 
 
 def test_understanding_decodes_against_the_compressed_cache(loaded, source):

@@ -36,8 +36,11 @@ RHO_MIN_FALL = 0.05
 
 # ---------------------------------------------------------------- statistics (§8.5)
 
-#: Most queries one observed call scores keys with (strided latent queries, or the last text queries).
+#: Most queries one observed call scores keys with: the last ones of a text (its observation window), an evenly strided
+#: subset of an image block's or of a denoising step's latents.
 SCORE_QUERIES = 256
+#: UniCache's own: fewer suffice for its choices (docs/compression.md §8.5), and its statistics are part of its time.
+UNICACHE_SCORE_QUERIES = 64
 #: Layers per layer chunk (layer 0 alone) and steps per step chunk (step 0 alone).
 LAYER_CHUNK_SIZE = 4
 STEP_CHUNK_SIZE = 5
@@ -75,6 +78,11 @@ LOOKM_MERGE = "pivot"
 #: UniCache's merge of the rows it drops into the rows it keeps: each weighted by its attention mass
 #: (docs/compression.md §11.17).
 UNICACHE_MERGE = "mass"
+#: What UniCache's bytes of an evicted type buy (docs/compression.md §11.19): ``speed``, the rows its budget holds at
+#: full precision (the paper's eviction: fewer rows attended); ``memory``, every row at low bits where that loses less
+#: (§11.16: every row attended).
+UNICACHE_OBJECTIVES: tuple[str, ...] = ("speed", "memory")
+UNICACHE_OBJECTIVE = "speed"
 #: The token types whose dropped rows UniCache merges (a store pooling other types only drops): the instruction and
 #: the source images' ViT rows, what understanding reads. A source-VAE row is the source's pixels at one place,
 #: which an edit copies; it is dropped, never blended with another place's (docs/compression.md §11.17).

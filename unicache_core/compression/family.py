@@ -1,10 +1,9 @@
 """The (rows kept, bits) family of one token type: eviction and quantization are its two ends.
 
-A type of ``n`` rows may keep ``rows <= n`` rows per KV head (chosen by its scores) at ``bits`` in
-{2, 4, 8} (KIVI layout, docs/compression.md §6) or at full precision (:data:`FULL_BITS`). ``rows < n`` at
-full precision is eviction, ``rows = n`` at b bits is quantization, anything between is a joint choice
-(docs/compression.md §11). Below the 2-bit floor a segment of fewer rows than channels may group its keys per token,
-and values may take fewer bits than keys (§11.13).
+A type of ``n`` rows may keep ``rows <= n`` rows per KV head (chosen by its scores) at ``bits`` in {2, 4, 8} (KIVI
+layout, docs/compression.md §6) or at full precision (:data:`FULL_BITS`). ``rows < n`` at full precision is eviction,
+``rows = n`` at b bits is quantization, anything between is a joint choice (docs/compression.md §11). Below the 2-bit
+floor a segment of fewer rows than channels may group its keys per token, and values may take fewer bits (§11.13).
 
 Quantization geometry follows the segment and the budget (§11.2): the bits and group are the most
 precise whose every row fits the budget; the full-precision residual then takes the bytes left, up to
@@ -236,6 +235,7 @@ def choose(
     plan_bits: int | None = None,
     value_floor: int = min(SUPPORTED_BITS),
     per_token_keys: bool = False,
+    evict_at_low_bits: bool = True,
 ) -> JointChoice:
     """The (rows, bits) of one type for ``budget`` bytes, never more rows or bits than it holds now.
 
@@ -243,7 +243,8 @@ def choose(
       where that loses less by :func:`choice_error`, the eviction weighed by the segment's ``kept_mass`` (its
       attention's concentration; ties keep the eviction; its residual of best-scored full-precision rows takes what
       the low-bit rows leave, up to half the rows; docs/compression.md §11.16); rows held quantized (stored so
-      as they were written) keep their bits. A ``joint`` entry at full precision is the pure eviction;
+      as they were written) keep their bits. Without ``evict_at_low_bits`` (UniCache's ``speed``) only the eviction:
+      at most the rows the budget holds at full precision. A ``joint`` entry at full precision is the pure eviction;
     - ``quantize``: every row at the most precise lookup setting that fits (the paper's KIVI route); when
       even the least one does not fit, whichever keeps more rows of: a subset at the lowest bits, or
       full-precision rows; or, where it loses less by :func:`choice_error` (docs/compression.md §11.13), with
@@ -265,16 +266,18 @@ def choose(
         return None if bits <= held_values else held_values
 
     if kind == "evict":
-        if FULL_BITS in allowed:
-            evicted = segment.most_rows(FULL_BITS, budget, geometry, max_rows)
+        evicted = segment.most_rows(FULL_BITS, budget, geometry, max_rows)
+        if FULL_BITS in allowed and evict_at_low_bits:
             # its best-scored rows whole with the bytes every row at low bits leaves, past KIVI's 32 (MiKV's mix)
             wide = replace(geometry, residual_max=max(geometry.residual_max, max_rows))
             quantized = _quantize_route(segment, budget, wide, allowed, values, value_floor, per_token_keys)
             return quantized if choice_error(segment, quantized) < choice_error(segment, evicted) else evicted
+        if FULL_BITS in allowed:
+            return evicted
         # rows stored quantized as they were written: the most of them at those bits, with no residual (the
-        # full-precision values a residual would hold are gone)
-        least = min(allowed)
-        return segment.most_rows(least, budget, replace(geometry, residual_max=0), max_rows, values(least))
+        # full-precision values a residual would hold are gone); under ``speed`` no more than full precision holds
+        least, most = min(allowed), max_rows if evict_at_low_bits else evicted.rows
+        return segment.most_rows(least, budget, replace(geometry, residual_max=0), most, values(least))
     if kind == "joint":
         if plan_bits is None:
             raise ValueError("a joint entry needs the bits of its budget level (`plan_bits`)")

@@ -196,7 +196,7 @@ class Method:
         """The method's statistic of one layer of a call whose plan says ``measure`` (default: the attention each
         row receives from at most ``score_queries`` queries: the last ones of a text call, an evenly strided subset
         of a denoising call's latents)."""
-        found = probe.key_scores(self.score_queries, last=probe.call.phase != "denoise")
+        found = probe.key_scores(self.score_queries, last=probe.windowed)
         return Measurement(found.scores, found.queries)
 
     # ------------------------------------------------------------------ how

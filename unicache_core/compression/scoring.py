@@ -214,6 +214,13 @@ class CallProbe:
     stores: tuple[KVStore, ...]
     appended: int
 
+    @property
+    def windowed(self) -> bool:
+        """Whether a subsample of the call's queries is its last ones (a text's observation window) rather than an
+        evenly strided subset: a bidirectional block (an image's rows as they are prefilled, the latents of a denoising
+        step) has no order its queries are read in, and its last queries are its bottom rows."""
+        return self.call.phase != "denoise" and self.call.image is None
+
     def key_scores(self, num_queries: int, *, last: bool, relative_threshold: float | None = None) -> KeyScores:
         """Attention of a query subsample to every resident row (protected rows left out unless counted) and, with
         ``update``, to the new block's rows, in one pass. ``num_queries``: most queries scored (0: all); ``last``: the

@@ -51,6 +51,9 @@ class AllocationSettings:
         recent_fraction: recent share of an eviction budget.
         fit_ranges: least-squares ranges for the quantized values instead of min-max.
         merge: how dropped rows are merged into the kept ones (:mod:`~unicache_core.compression.merging`).
+        evict_at_low_bits: an evicted type may hold its rows at low bits where that loses less (the ``memory``
+            objective, docs/compression.md §11.16); ``False`` (``speed``): it keeps the rows its budget holds at full
+            precision, the rows the paper's UniCache attends.
     """
 
     table: PolicyTable
@@ -58,6 +61,7 @@ class AllocationSettings:
     recent_fraction: float
     fit_ranges: bool
     merge: str = "none"
+    evict_at_low_bits: bool = True
 
     @property
     def value_floor(self) -> int:
@@ -412,12 +416,13 @@ def segment_change(
     evicted or quantized segment over its budget is weighed by the attention mass its best-scored rows drew
     (:func:`kept_mass`), so an evicted text held at full precision is quantized instead where every row at low bits
     loses less than the rows eviction drops (docs/compression.md §11.16)."""
-    if kind == Kind.EVICT and segment.held_bits != FULL_BITS:  # an evicted type's rows stored as written (§13)
+    low_bits = settings.evict_at_low_bits
+    if kind == Kind.EVICT and segment.held_bits != FULL_BITS and low_bits:  # an evicted type's rows stored as written
         choice = written_choice(segment, budget, settings.geometry)
     else:
         if kind in (Kind.QUANTIZE, Kind.EVICT) and segment.held_bytes > budget:  # what choice_error weighs rows by
             segment = replace(segment, kept_mass=kept_mass(layer, keys, segment.held_rows))
-        choice = choose(segment, kind, budget, settings.geometry, plan_bits, settings.value_floor, per_token_keys=True)
+        choice = choose(segment, kind, budget, settings.geometry, plan_bits, settings.value_floor, True, low_bits)
     held_values = segment.held_bits if segment.held_value_bits is None else segment.held_value_bits
     fewer = choice.rows < segment.held_rows or choice.bits < segment.held_bits or choice.vbits < held_values
     if not (fewer or (segment.held_bytes > budget and segment.choice_bytes(choice) < segment.held_bytes)):

@@ -1,11 +1,14 @@
 """How UniCache stores an image's rows as each layer writes them (docs/compression.md §13), and what an evicted type's
-rows held so become for a later budget. Pure functions of a layer's view and a segment; no scores needed to write.
+rows held so become for a later budget. Pure functions of a layer's view and a segment.
 
 - Every type the policy table quantizes or evicts: an image's rows at the most precise lookup setting whose real bytes
   fit ``rho0`` of the rows' uncompressed bytes (the bits the rows keep at most). A quantized type's rows that would
   not all fit wait for the first compression; an evicted type's are then stored at the lookup's lowest setting
   (:func:`written_floor`: 2 bits, largest group, no residual) until the scores to evict exist. A full target
   (``rho0`` 1) leaves them whole.
+- Under UniCache's ``speed`` objective an evicted type's rows are evicted as written instead: the full-precision rows
+  ``rho0`` holds, the best by the scores of the call that wrote them (understanding measures its image blocks as they
+  are prefilled); where that call scored nothing they wait in full precision for the first compression.
 - A retained ratio is a share of a type's uncompressed bytes, whatever it stores. An evicted type's rows held
   quantized then take :func:`written_choice` for their bytes: every row at fewer bits while they all fit, else the
   most rows that fit at the lowest bits, the best by score (the eviction).
@@ -13,15 +16,16 @@ rows held so become for a later budget. Pure functions of a layer's view and a s
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ..kv.quant import SUPPORTED_BITS
 from ..kv.token_types import TokenType
+from .defaults import MERGED_TYPES
 from .family import FULL_BITS, JointChoice, QuantGeometry, Segment, choose
 from .ops import floor_bytes
 from .plan import Keep, LayerPlan
 from .routing import Kind
-from .view import LayerView
+from .view import LayerView, SegmentKey
 
 
 def written_floor(geometry: QuantGeometry, rows: int) -> JointChoice:
@@ -32,10 +36,12 @@ def written_floor(geometry: QuantGeometry, rows: int) -> JointChoice:
 
 
 def written_plan(
-    layer: LayerView, kinds: dict[TokenType, Kind], rho0: float, geometry: QuantGeometry, fit_values: bool
-) -> LayerPlan:
+    layer: LayerView, kinds: dict[TokenType, Kind], rho0: float, geometry: QuantGeometry, fit_values: bool,
+    eviction: WrittenEviction | None = None,
+) -> LayerPlan:  # fmt: skip
     """The stores of ``layer``'s image segments just written (module docstring); ``kinds``: the policy kind of each
-    type stored as written (the others wait)."""
+    type stored as written (the others wait); ``eviction``: an evicted type's rows are evicted as written, from the
+    scores of the call that wrote them (UniCache's ``speed`` objective; without scores they wait in full precision)."""
     if layer.geometry is None or rho0 >= 1.0:
         return LayerPlan()  # a full target keeps every row as it is
     keeps = []
@@ -46,6 +52,10 @@ def written_plan(
         segment = layer.segment((key,))
         if segment.held_bits != FULL_BITS or not segment.shared_rows or segment.held_rows < segment.full_rows:
             continue  # compressed already
+        if kind == Kind.EVICT and eviction is not None:
+            keep = _written_eviction(layer, key, segment, floor_bytes(rho0, segment.full_bytes), geometry, eviction)
+            keeps.extend([] if keep is None else [keep])
+            continue
         choice = choose(segment, Kind.QUANTIZE, floor_bytes(rho0, segment.full_bytes), geometry)
         if not choice.quantized or choice.rows < segment.held_rows:
             if kind != Kind.EVICT:
@@ -58,6 +68,33 @@ def written_plan(
     return LayerPlan(keeps=tuple(keeps))
 
 
+@dataclass(frozen=True)
+class WrittenEviction:
+    """How an evicted type's rows are evicted as they are written: H2O's recent share, and the merge of the rows it
+    drops (:mod:`~unicache_core.compression.merging`)."""
+
+    recent_fraction: float
+    merge: str = "none"
+
+
+def _written_eviction(
+    layer: LayerView, key: SegmentKey, segment: Segment, budget: int, geometry: QuantGeometry,
+    eviction: WrittenEviction,
+) -> Keep | None:  # fmt: skip
+    """The full-precision rows of a just-written segment that ``budget`` holds, the best by the scores of the call
+    that wrote them (``None``: the call measured no scores for them, or the budget keeps every row)."""
+    scores = layer.scores
+    if scores is None or scores.shape[0] < layer.appended:
+        return None  # this call's rows were not scored: they wait in full precision for the first compression
+    choice = choose(segment, Kind.EVICT, budget, geometry, evict_at_low_bits=False)
+    if choice.rows >= segment.held_rows:
+        return None
+    merge = eviction.merge if key.type in MERGED_TYPES else "none"
+    recent = min(choice.rows, int(choice.rows * eviction.recent_fraction + 0.5))
+    held = segment.choice_bytes(choice)
+    return Keep((key,), choice.rows, scores=scores, recent=recent, merge=merge, expected_bytes=held)
+
+
 def written_choice(segment: Segment, budget: int, geometry: QuantGeometry) -> JointChoice:
     """The (rows, bits) of an evicted type's segment held quantized (written so) for ``budget`` bytes, never more rows
     or bits than it holds: every row at the most precise setting that fits (the quantize route of
@@ -67,4 +104,4 @@ def written_choice(segment: Segment, budget: int, geometry: QuantGeometry) -> Jo
     return choose(segment, Kind.QUANTIZE, budget, replace(geometry, residual_max=0))
 
 
-__all__ = ["written_choice", "written_floor", "written_plan"]
+__all__ = ["WrittenEviction", "written_choice", "written_floor", "written_plan"]

@@ -30,6 +30,16 @@ MANY_QUERIES = 64
 FEW_QUERY_CHUNK_CODES = 1 << 20
 
 
+def _workspace(shape: tuple[int, int, int], q: Tensor, reuse: bool) -> tuple[Tensor, Tensor]:
+    """K and V workspaces of ``shape`` in ``q``'s dtype: scratch buffers (:mod:`.scratch`) for the cache-sized chunks
+    of a call of few queries, where mapping a fresh one costs a visible share of the call; else for this call alone
+    (a large workspace kept between calls would add to the peak of the next ones)."""
+    if reuse:
+        return scratch("packed.keys", shape, q.dtype, q.device), scratch("packed.values", shape, q.dtype, q.device)
+    keys = torch.empty(shape, dtype=q.dtype, device=q.device)
+    return keys, torch.empty_like(keys)
+
+
 def chunk_rows(queries_per_head: int, heads: int, head_dim: int, multiple: int) -> int:
     """Rows of packed K/V dequantized and attended at once by a call of ``queries_per_head`` queries per KV head, a
     multiple of ``multiple`` (a key group: chunks never split one)."""
@@ -228,8 +238,7 @@ class QuantizedStore(KVStore):
         if n:
             group = 1 if self.key_per_token else self.qkeys.group_size
             step = chunk_rows(q.shape[0] * q.shape[1] // h, h, d, group)
-            k = scratch("packed.keys", (h, min(step, n), d), q.dtype, q.device)
-            v = scratch("packed.values", (h, min(step, n), d), q.dtype, q.device)
+            k, v = _workspace((h, min(step, n), d), q, reuse=step < DEQUANT_CHUNK)
             for start in range(0, n, step):
                 stop = min(n, start + step)
                 kc, vc = k[:, : stop - start], v[:, : stop - start]

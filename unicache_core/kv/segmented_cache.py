@@ -18,7 +18,6 @@ from .attention import attention_with_lse, merge_attention
 from .cache import AttentionCall, KVCache, Task
 from .packed_attention_triton import packed_attention_kernel
 from .quantized_store import MANY_QUERIES, QuantizedStore
-from .scratch import scratch
 from .stores import EvictedStore, FullStore, KVStore, StoreKind
 from .token_types import CANDIDATE_TYPES, TokenType
 
@@ -169,8 +168,8 @@ class SegmentedLayer:
         rows = [store.num_tokens for store in stores]
         append_new = k_new is not None and not causal
         total = sum(rows) + (k_new.shape[0] if k_new is not None and append_new else 0)
-        k_ws = scratch("layer.keys", (h, total, d), q.dtype, q.device)
-        v_ws = scratch("layer.values", (h, total, d), q.dtype, q.device)
+        k_ws = torch.empty(h, total, d, dtype=q.dtype, device=q.device)
+        v_ws = torch.empty_like(k_ws)
         off = 0
         for store, n in zip(stores, rows):
             store.write_kv(k_ws[:, off : off + n], v_ws[:, off : off + n])

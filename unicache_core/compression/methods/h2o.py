@@ -33,7 +33,7 @@ class H2O(GlobalEviction):
     def measure(self, probe: CallProbe) -> Measurement:
         """The attention each row receives from at most ``score_queries`` queries (strided latents, or the last text
         queries); the cache accumulates it over every measured call."""
-        found = probe.key_scores(self.score_queries, last=probe.call.phase != "denoise")
+        found = probe.key_scores(self.score_queries, last=probe.windowed)
         return Measurement(found.scores, found.queries)
 
     def layer_scores(self, view: BranchView, layer: LayerView) -> Tensor | None:

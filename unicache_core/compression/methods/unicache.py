@@ -29,7 +29,14 @@ from ...kv.quant import SUPPORTED_BITS
 from ...kv.token_types import CANDIDATE_TYPES
 from ...validation import check_bool, check_ratio
 from .. import defaults
-from ..defaults import FIT_VALUE_RANGES, RECENT_FRACTION, UNICACHE_MERGE
+from ..defaults import (
+    FIT_VALUE_RANGES,
+    RECENT_FRACTION,
+    UNICACHE_MERGE,
+    UNICACHE_OBJECTIVE,
+    UNICACHE_OBJECTIVES,
+    UNICACHE_SCORE_QUERIES,
+)
 from ..family import FULL_BITS, JointChoice, QuantGeometry, Segment, choice_error, quantized_floor_bytes
 from ..grants import Level, UnitNeed
 from ..merging import MERGES
@@ -50,7 +57,7 @@ from ..unicache_allocation import (
     planned_types,
 )
 from ..view import BranchView
-from ..written import written_plan
+from ..written import WrittenEviction, written_plan
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,11 @@ class UniCache(Method):
         fit_ranges: least-squares ranges for the quantized values (docs/compression.md §11.10); False: KIVI's min-max.
         merge: how the rows a budget drops are merged into the kept ones (docs/compression.md §11.17): ``mass``
             (default: each row weighted by its attention mass), LOOK-M's rules, or ``none`` (only dropped).
+        score_queries: most queries a measured call scores rows with (64; the baselines' 256).
+        objective: what an evicted type's budget buys (docs/compression.md §11.19): ``speed`` (the paper's
+            UniCache: the rows its budget holds at full precision, so the rows attended fall with the bytes; an image's
+            rows evicted as they are written where their prefill was measured) or ``memory`` (every row held at low
+            bits where that loses less, §11.16: the least error for the bytes, every row attended).
     """
 
     name = "unicache"
@@ -84,6 +96,7 @@ class UniCache(Method):
     #: The policy kinds whose image rows are stored compressed as they are written (:meth:`plan_written`); the
     #: memory plan reads it (``unicache_core/bagel/memory/plan_kv.py``).
     written_kinds: ClassVar[tuple[Kind, ...]] = (Kind.QUANTIZE, Kind.EVICT)
+    score_queries: int = UNICACHE_SCORE_QUERIES
     policy: str | Path | PolicyTable | None = None
     rho: float | None = None
     rho_floor: float | None = None
@@ -91,6 +104,7 @@ class UniCache(Method):
     residual: int | None = None
     fit_ranges: bool = FIT_VALUE_RANGES
     merge: str = UNICACHE_MERGE
+    objective: str = UNICACHE_OBJECTIVE
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -109,6 +123,11 @@ class UniCache(Method):
         check_bool("fit_ranges", self.fit_ranges)
         if self.merge not in MERGES:
             raise ValueError(f"`merge` must be one of {', '.join(MERGES)}, got {self.merge!r}")
+        if self.objective not in UNICACHE_OBJECTIVES:
+            raise ValueError(
+                f"`objective` must be one of {', '.join(UNICACHE_OBJECTIVES)}, got {self.objective!r} (speed: the "
+                "types the policy table evicts are evicted; memory: they may be held at low bits instead)"
+            )
 
     # ------------------------------------------------------------------ settings
 
@@ -214,11 +233,16 @@ class UniCache(Method):
         if isinstance(self.kv_target, int):
             return LayerPlan()  # a byte target is a share of the whole context: known once it is filled
         kinds = {t: k for t in CANDIDATE_TYPES if (k := self.table.kind(view.task, t)) in self.written_kinds}
-        return written_plan(view.layer(layer), kinds, self.new_schedule(view).rho0, self.geometry(), self.fit_ranges)
+        eviction = WrittenEviction(self.recent_fraction, self.merge) if self.objective == "speed" else None
+        rho0 = self.new_schedule(view).rho0
+        return written_plan(view.layer(layer), kinds, rho0, self.geometry(), self.fit_ranges, eviction)
 
     def allocation(self) -> AllocationSettings:
         """What the byte allocation (:mod:`~unicache_core.compression.unicache_allocation`) needs of the settings."""
-        return AllocationSettings(self.table, self.geometry(), self.recent_fraction, self.fit_ranges, self.merge)
+        low_bits = self.objective == "memory"
+        return AllocationSettings(
+            self.table, self.geometry(), self.recent_fraction, self.fit_ranges, self.merge, low_bits
+        )
 
     def plan(self, view: BranchView) -> BranchPlan:
         """Per layer chunk: update rho from the chunk's mass, share it among the types, apply each type's policy

@@ -59,9 +59,7 @@ class VLCache(GlobalEviction):
     def measure(self, probe: CallProbe) -> Measurement:
         """The post-modality attention (the last text queries, or strided latents) and the layer's sparsity: the
         share of the (query, key) entries below ``threshold`` of their row's largest, over every head."""
-        found = probe.key_scores(
-            self.score_queries, last=probe.call.phase != "denoise", relative_threshold=self.threshold
-        )
+        found = probe.key_scores(self.score_queries, last=probe.windowed, relative_threshold=self.threshold)
         assert found.counts is not None  # counted: a relative threshold was given
         heads = probe.q.shape[1]
         sparsity = 1.0 - float(found.counts.sum()) / max(1, found.entries * heads)
