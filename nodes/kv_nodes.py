@@ -6,7 +6,16 @@ from __future__ import annotations
 import logging
 
 from unicache_core.compression import METHODS, method_from_name
-from unicache_core.compression.defaults import DEFAULT_REDUCTION, RHO0, RHO_FLOOR, SCORE_QUERIES
+from unicache_core.compression.defaults import (
+    DEFAULT_REDUCTION,
+    RHO0,
+    RHO_FLOOR,
+    SCORE_QUERIES,
+    SCORE_QUERIES_OF_METHOD,
+    UNICACHE_OBJECTIVE,
+    UNICACHE_OBJECTIVES,
+    UNICACHE_SCORE_QUERIES,
+)
 
 from . import host
 from .base import KV, UniCacheNode
@@ -88,12 +97,22 @@ class UniCacheKVConfig(UniCacheNode):
                 io.Int.Input(
                     "score_queries",
                     optional=True,
-                    default=SCORE_QUERIES,
-                    min=1,
+                    default=SCORE_QUERIES_OF_METHOD,
+                    min=SCORE_QUERIES_OF_METHOD,
                     max=65536,
                     step=1,
-                    tooltip="Most queries a forward scores keys with (strided latent queries, or the last text "
-                    "queries). More is more exact and slower.",
+                    tooltip="Most queries a forward scores keys with (strided image or latent queries, or the last "
+                    f"text queries). {SCORE_QUERIES_OF_METHOD} = the method's default ({UNICACHE_SCORE_QUERIES} "
+                    f"unicache, {SCORE_QUERIES} the baselines). More is more exact and slower.",
+                ),
+                io.Combo.Input(
+                    "objective",
+                    optional=True,
+                    options=list(UNICACHE_OBJECTIVES),
+                    default=UNICACHE_OBJECTIVE,
+                    tooltip="unicache only: speed = the types the policy table evicts are evicted, so fewer rows are "
+                    "read at every step (the paper's UniCache; never slower than full KV); memory = they may be kept "
+                    "at low bits instead, every row read (the least error for the bytes, slower on a CPU).",
                 ),
             ],
             outputs=[
@@ -106,18 +125,32 @@ class UniCacheKVConfig(UniCacheNode):
         )
 
     @classmethod
-    def execute(cls, method, kv_target, rho, rho_floor, policy, score_queries=SCORE_QUERIES) -> io.NodeOutput:
+    def execute(
+        cls,
+        method,
+        kv_target,
+        rho,
+        rho_floor,
+        policy,
+        score_queries=SCORE_QUERIES_OF_METHOD,
+        objective=UNICACHE_OBJECTIVE,
+    ) -> io.NodeOutput:
         valid = check_widgets(cls, kv_target=kv_target, rho=rho, rho_floor=rho_floor)
         if valid is not True:  # a nan would otherwise read as "not set" below
             raise ValueError(f"UniCache KV config: {valid}")
         unicache = method == "unicache"
-        if not unicache and (rho > 0 or rho_floor >= 0 or policy != DEFAULT_POLICY):
-            logger.warning("rho, rho_floor and policy apply to unicache only; ignored for method %r", method)
+        if not unicache and (rho > 0 or rho_floor >= 0 or policy != DEFAULT_POLICY or objective != UNICACHE_OBJECTIVE):
+            logger.warning("rho, rho_floor, policy and objective apply to unicache only; ignored for method %r", method)
         policy_path = str(host.policy_path(policy)) if unicache and policy != DEFAULT_POLICY else None
-        settings = {"kv_target": kv_target if kv_target > 0 else None, "score_queries": int(score_queries)}
+        settings: dict = {"kv_target": kv_target if kv_target > 0 else None}
+        if int(score_queries) != SCORE_QUERIES_OF_METHOD:
+            settings["score_queries"] = int(score_queries)
         if unicache:
             settings.update(
-                rho=rho if rho > 0 else None, rho_floor=rho_floor if rho_floor >= 0 else None, policy=policy_path
+                rho=rho if rho > 0 else None,
+                rho_floor=rho_floor if rho_floor >= 0 else None,
+                policy=policy_path,
+                objective=objective,
             )
         try:
             return io.NodeOutput(method_from_name(method, **settings))

@@ -25,7 +25,7 @@ install_v3_stub()
 
 from tools.workflow_format import NOTE, build  # noqa: E402
 from unicache_core.bagel.settings import BUNDLED_CHECKPOINT  # noqa: E402
-from unicache_core.compression.defaults import SCORE_QUERIES  # noqa: E402
+from unicache_core.compression.defaults import SCORE_QUERIES_OF_METHOD, UNICACHE_OBJECTIVE  # noqa: E402
 
 EXAMPLE_IMAGE = "unicache_example.png"
 #: The understanding workflow's input: one object, asked where it is (``position_scene()``).
@@ -73,7 +73,8 @@ def _kv(node_id, method="unicache", pos=(40, 260), title=None):
             "rho": 0.0,
             "rho_floor": -1.0,
             "policy": "default",
-            "score_queries": SCORE_QUERIES,
+            "score_queries": SCORE_QUERIES_OF_METHOD,
+            "objective": UNICACHE_OBJECTIVE,
         },
     }
 

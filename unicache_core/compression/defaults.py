@@ -41,6 +41,8 @@ RHO_MIN_FALL = 0.05
 SCORE_QUERIES = 256
 #: UniCache's own: fewer suffice for its choices (docs/compression.md §8.5), and its statistics are part of its time.
 UNICACHE_SCORE_QUERIES = 64
+#: The node's and the shipped workflows' ``score_queries`` meaning "the method's own default".
+SCORE_QUERIES_OF_METHOD = 0
 #: Layers per layer chunk (layer 0 alone) and steps per step chunk (step 0 alone).
 LAYER_CHUNK_SIZE = 4
 STEP_CHUNK_SIZE = 5

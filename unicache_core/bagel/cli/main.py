@@ -23,7 +23,7 @@ import torch
 
 from ...cli import OneLineParser as _Parser
 from ...cli import path_arg as _path
-from ...compression.defaults import DEFAULT_REDUCTION, RHO0, RHO_FLOOR
+from ...compression.defaults import DEFAULT_REDUCTION, RHO0, RHO_FLOOR, UNICACHE_OBJECTIVE, UNICACHE_OBJECTIVES
 from ...compression.method import METHODS
 from ...errors import UniCacheError
 from ..request import RunHooks
@@ -114,6 +114,12 @@ def _build_parser() -> argparse.ArgumentParser:
         kv.add_argument("--rho", type=float, default=None, help=f"unicache rho0 in (0, 1] ({_per_task(RHO0)})")
         kv.add_argument(
             "--rho-floor", type=float, default=None, help=f"unicache floor, <= rho ({_per_task(RHO_FLOOR)})"
+        )
+        kv.add_argument(
+            "--kv-objective",
+            default=None,
+            help=f"unicache: {' | '.join(UNICACHE_OBJECTIVES)} (default {UNICACHE_OBJECTIVE}): speed evicts the types "
+            "its table evicts (fewer rows read per step); memory may keep them at low bits (least error for the bytes)",
         )
         kv.add_argument("--report", type=_path, default=None, help="write the per-step KV report (JSON) here")
 
@@ -323,7 +329,7 @@ def _kv_config(args: argparse.Namespace):
 
     if args.policy is not None and not args.policy.is_file():
         raise ValueError(f"--policy: {args.policy} is not a file; pass a policy-table JSON file")
-    given = {"rho": args.rho, "rho_floor": args.rho_floor, "policy": args.policy}
+    given = {"rho": args.rho, "rho_floor": args.rho_floor, "policy": args.policy, "objective": args.kv_objective}
     settings = {name: value for name, value in given.items() if value is not None}
     try:
         return method_from_name(args.kv_method, kv_target=args.kv_target, **settings)
