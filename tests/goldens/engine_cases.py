@@ -58,7 +58,17 @@ PIXEL_ATOL = 1.0
 #: few bytes smaller).
 NUMBER_RTOL = 1e-4
 #: Report fields that are clocks (never part of a fingerprint).
-_TIMERS = ("attention_s", "stats_s", "alloc_s", "step_s", "stats_seconds", "alloc_seconds", "attention_seconds")
+_TIMERS = (
+    "attention_s",
+    "stats_s",
+    "alloc_s",
+    "pack_s",
+    "step_s",
+    "stats_seconds",
+    "alloc_seconds",
+    "attention_seconds",
+    "prefill_seconds",
+)
 
 
 @dataclass(frozen=True)

@@ -144,8 +144,10 @@ class CompressingKVCache(SegmentedKVCache):
         if call.update:
             st.append(k, v, call.token_types, call.image)
             if plan.store_written:  # the method stores this layer's new rows now, before the next layer runs
+                packed = clock(q, sync)
                 for keep in self.coordinator.plan_written(self, call, layer).keeps:
                     self._apply_keep(layer, keep)
+                self.request_state.add_time("pack", clock(q, sync) - packed)
         return out
 
     def end_call(self, call: AttentionCall) -> None:

@@ -262,6 +262,7 @@ class ReportBuilder:
                 "attention_s": timers["attention"],
                 "stats_s": timers["stats"],
                 "alloc_s": timers["alloc"],
+                "pack_s": timers["pack"],
                 "step_s": timers.get("step"),
             }
         )
@@ -301,6 +302,7 @@ class ReportBuilder:
             "stats_seconds": sum(s["stats_s"] for s in self.steps),
             "alloc_seconds": sum(s["alloc_s"] for s in self.steps),
             "attention_seconds": sum(s["attention_s"] for s in self.steps),
+            "prefill_seconds": {kind: round(t, 6) for kind, t in self.state.prefill_timers.items()},
             "first_compressed_step": None if first is None else self.steps[first]["step"],
             "flags": dict(self.flags),
             "images": image_totals(caches),

@@ -103,6 +103,7 @@ class CompressionSession(CacheSession):
         self._step_start = time.perf_counter()
 
     def end_step(self, step: StepInfo) -> None:
+        self.state.end_step()
         timers = dict(self.state.timers)
         timers["step"] = 0.0 if self._step_start is None else time.perf_counter() - self._step_start
         self.report.end_step(step, timers)

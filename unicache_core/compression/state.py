@@ -21,7 +21,7 @@ from ..kv.cache import StepInfo
 from ..kv.token_types import TokenType
 from .stats import ChunkedAttentionStats
 
-TIMERS = ("attention", "stats", "alloc")
+TIMERS = ("attention", "stats", "alloc", "pack")
 
 
 def clock(like: Tensor | None = None, sync: bool = False) -> float:
@@ -55,7 +55,10 @@ class RequestState:
         self.sync_timing = sync_timing  # clocks wait for the device (exact per-call times, slower)
         self.stats = ChunkedAttentionStats.for_task(task)
         self.timers: dict[str, float] = dict.fromkeys(TIMERS, 0.0)
+        #: the clocks of the calls outside every step (the prefill of the context, between rounds too)
+        self.prefill_timers: dict[str, float] = dict.fromkeys(TIMERS, 0.0)
         self.step: StepInfo | None = None
+        self._in_step = False
         self.target_ratio: float | None = None  # resolved memory target (ratio of full managed bytes)
         self.grants: dict[str, dict[int, int]] | None = None  # decided at the request's first compression
         self._branches: dict[str, BranchRecord] = {}
@@ -76,10 +79,16 @@ class RequestState:
         """``step`` runs now: its clocks start at zero."""
         self.step = step
         self.timers = dict.fromkeys(TIMERS, 0.0)
+        self._in_step = True
+
+    def end_step(self) -> None:
+        """The running step is over: calls until the next one are the prefill's (:attr:`prefill_timers`)."""
+        self._in_step = False
 
     def add_time(self, kind: str, seconds: float) -> None:
-        """Add ``seconds`` to the running step's ``kind`` clock (one of :data:`TIMERS`)."""
-        self.timers[kind] += seconds
+        """Add ``seconds`` to the running step's ``kind`` clock (one of :data:`TIMERS`), or outside a step to the
+        prefill's."""
+        (self.timers if self._in_step else self.prefill_timers)[kind] += seconds
 
     def note_masses(self, branch: str, layer: int, step: int, masses: Mapping[TokenType, float]) -> None:
         """The candidate types' attention masses ``layer`` of ``branch`` measured at ``step`` (the chunk EMAs)."""
