@@ -64,9 +64,14 @@ def policy_files() -> list[str]:
 
 
 def policy_path(name: str) -> Path:
-    """Full path of a policy-table file listed by :func:`policy_files`."""
+    """Full path of a policy-table file listed by :func:`policy_files`. ComfyUI's ``get_full_path`` finds regular
+    files only, so a listed FIFO, folder or dangling link is returned as it is, for the table reader to name what it
+    is (never "not found")."""
     register_folders()
     path = _folder_paths().get_full_path(POLICY_FOLDER, name)
+    if path is None and name in policy_files() and ".." not in Path(name).parts:
+        listed = (Path(folder) / name for folder in _folder_paths().get_folder_paths(POLICY_FOLDER))
+        path = next((str(candidate) for candidate in listed if os.path.lexists(candidate)), None)
     if path is None:
         folders = ", ".join(_folder_paths().get_folder_paths(POLICY_FOLDER))
         raise FileNotFoundError(

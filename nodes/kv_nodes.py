@@ -106,20 +106,63 @@ class UniCacheKVConfig(UniCacheNode):
         )
 
     @classmethod
+    def validate_inputs(cls, **values) -> bool | str:
+        """The widgets against their declarations, then (when none is linked) the settings against the method: a
+        setting the method does not take, or two that contradict each other, is refused at ``/prompt`` as the
+        command line refuses it, never run as if it were unset."""
+        valid = check_widgets(cls, **values)
+        if valid is not True or any(values.get(name) is None for name in ("method", *_SETTINGS)):
+            return valid
+        try:
+            _method(values["method"], **{name: values[name] for name in _SETTINGS}, policy_path="(checked at run)")
+        except ValueError as exc:
+            return str(exc)
+        return True
+
+    @classmethod
     def execute(cls, method, kv_target, rho, rho_floor, policy, score_queries=SCORE_QUERIES) -> io.NodeOutput:
         valid = check_widgets(cls, kv_target=kv_target, rho=rho, rho_floor=rho_floor)
         if valid is not True:  # a nan would otherwise read as "not set" below
             raise ValueError(f"UniCache KV config: {valid}")
-        unicache = method == "unicache"
-        if not unicache and (rho > 0 or rho_floor >= 0 or policy != DEFAULT_POLICY):
-            logger.warning("rho, rho_floor and policy apply to unicache only; ignored for method %r", method)
-        policy_path = str(host.policy_path(policy)) if unicache and policy != DEFAULT_POLICY else None
-        settings = {"kv_target": kv_target if kv_target > 0 else None, "score_queries": int(score_queries)}
-        if unicache:
-            settings.update(
-                rho=rho if rho > 0 else None, rho_floor=rho_floor if rho_floor >= 0 else None, policy=policy_path
-            )
+        widgets = {"kv_target": kv_target, "rho": rho, "rho_floor": rho_floor, "policy": policy}
+        policy_path = str(host.policy_path(policy)) if method == "unicache" and policy != DEFAULT_POLICY else None
         try:
-            return io.NodeOutput(method_from_name(method, **settings))
+            return io.NodeOutput(_method(method, **widgets, policy_path=policy_path, score_queries=score_queries))
         except ValueError as exc:
             raise ValueError(f"UniCache KV config: {exc}") from None
+
+
+#: The widgets that set a method's settings, and each one's value meaning "unset" (the task's preset).
+_SETTINGS = {"kv_target": 0.0, "rho": 0.0, "rho_floor": -1.0, "policy": DEFAULT_POLICY}
+
+
+def _given(widgets: dict) -> dict:
+    """The widgets set to a value (``kv_target``, ``rho`` > 0, ``rho_floor`` >= 0, a ``policy`` file)."""
+    limits = {"kv_target": 0.0, "rho": 0.0}
+    given = {name: widgets[name] for name, low in limits.items() if widgets[name] > low}
+    if widgets["rho_floor"] >= 0:
+        given["rho_floor"] = widgets["rho_floor"]
+    if widgets["policy"] != DEFAULT_POLICY:
+        given["policy"] = widgets["policy"]
+    return given
+
+
+def _method(method: str, *, policy_path: str | None, score_queries: int = SCORE_QUERIES, **widgets):
+    """The method of the widgets. A widget at its unset value (:data:`_SETTINGS`) is left out; any other is given,
+    so a setting of another method (``rho`` with ``h2o``, ``kv_target`` with ``full``) or one that contradicts
+    another (``rho`` beside ``kv_target``) is one ValueError naming the widget, never ignored."""
+    given = _given(widgets)
+    for name, value in given.items():
+        applies = method == "unicache" or name == "kv_target" and method != "full"
+        if not applies:
+            which = (
+                "the unicache method only" if name != "kv_target" else "the compressing methods (full keeps every row)"
+            )
+            unset = _SETTINGS[name]
+            raise ValueError(
+                f"{name} = {value!r} applies to {which}, not to {method!r}; set {name} to "
+                f"{unset if isinstance(unset, str) else f'{unset:g}'} (unset) or choose another method"
+            )
+    if "policy" in given:
+        given["policy"] = policy_path
+    return method_from_name(method, score_queries=int(score_queries), **given)

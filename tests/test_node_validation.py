@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 
 import pytest
 import torch
@@ -122,3 +123,30 @@ def test_image_with_nan_is_refused():
     image[0, 1, 2, 0] = math.nan
     with pytest.raises(ValueError, match=r"`image` holds 1 NaN or infinite values"):
         image_to_pils(image)
+
+
+KV_UNSET = dict(kv_target=0.0, rho=0.0, rho_floor=-1.0, policy="default")
+
+
+@pytest.mark.parametrize(
+    "method, change, message",
+    [
+        ("h2o", {"rho": 0.5}, "rho = 0.5 applies to the unicache method only, not to 'h2o'; set rho to 0 (unset)"),
+        ("h2o", {"rho_floor": 0.1}, "rho_floor = 0.1 applies to the unicache method only, not to 'h2o'; set rho_floor"),
+        ("snapkv", {"policy": "bagel-7b-mot.json"}, "policy = 'bagel-7b-mot.json' applies to the unicache method only"),
+        ("full", {"kv_target": 0.3}, "kv_target = 0.3 applies to the compressing methods (full keeps every row)"),
+        ("unicache", {"kv_target": 0.3, "rho": 0.5}, "`rho` (0.5) and `kv_target` (0.3) both set UniCache's retention"),
+        ("unicache", {"kv_target": 0.3, "rho_floor": 0.0}, "`rho_floor` (0.0) and `kv_target` (0.3) both set"),
+    ],
+)
+def test_kv_config_refuses_a_setting_the_method_would_not_use(method, change, message):
+    """The command line refuses `h2o --rho`, `full --kv-target` and `--rho` beside `--kv-target`; the node ran them
+    as plain H2O, as full KV, or with rho winning over the target, without a word. It refuses them the same way, at
+    /prompt (validate_inputs) and when run."""
+    values = {**KV_UNSET, **change}
+    assert message in UniCacheKVConfig.validate_inputs(method=method, **values)
+    with pytest.raises(ValueError, match=re.escape(f"UniCache KV config: {message}")):
+        UniCacheKVConfig.execute(method, **values)
+    assert UniCacheKVConfig.validate_inputs(method=method, **KV_UNSET) is True
+    # a linked widget is not known at /prompt: the pair is left to the run
+    assert UniCacheKVConfig.validate_inputs(method=method, **{**values, "kv_target": None}) is True

@@ -133,9 +133,11 @@ def test_kv_config_node_builds_configs():
     node = NodeCall(_mappings()["UniCacheKVConfig"])
     (cfg,) = node.build("unicache", 0.0, 0.0, -1.0, "default", 128)
     assert cfg == UniCache(score_queries=128)
-    (cfg,) = node.build("unicache", 0.3, 0.4, 0.0, "default")
-    assert (cfg.kv_target, cfg.rho, cfg.rho_floor) == (0.3, 0.4, 0.0)
-    (cfg,) = node.build("h2o", 0.2, 0.5, 0.1, "default")  # unicache-only widgets are ignored by baselines
+    (cfg,) = node.build("unicache", 0.0, 0.4, 0.0, "default")
+    assert (cfg.kv_target, cfg.rho, cfg.rho_floor) == (None, 0.4, 0.0)
+    (cfg,) = node.build("unicache", 0.3, 0.0, -1.0, "default")
+    assert (cfg.kv_target, cfg.rho, cfg.rho_floor) == (0.3, None, None)
+    (cfg,) = node.build("h2o", 0.2, 0.0, -1.0, "default")  # the unicache-only widgets unset
     assert (cfg.name, cfg.kv_target) == ("h2o", 0.2) and not hasattr(cfg, "rho")
     with pytest.raises(ValueError, match="rho_floor"):
         node.build("unicache", 0.0, 0.2, 0.5, "default")

@@ -210,6 +210,13 @@ def kv_bytes_per_token(config: BagelConfig, dtype: torch.dtype) -> int:
     return 2 * llm.num_hidden_layers * llm.num_key_value_heads * llm.head_dim * element
 
 
+def segment_rows(config: BagelConfig) -> int:
+    """The most rows one cached segment of this model can hold: its longest text (one RoPE position per token) or
+    one image's tokens (the latent position table's ``max_latent_size ** 2``, the ViT's
+    ``vit_max_num_patch_per_side ** 2``). A policy table's sizes are bounded by it (32768 for BAGEL-7B-MoT)."""
+    return max(config.llm.max_position_embeddings, config.max_latent_size**2, config.vit_max_num_patch_per_side**2)
+
+
 def image_tokens(
     config: BagelConfig, source_size: tuple[int, int], *, vae_size: tuple[int, int] | None = None
 ) -> tuple[int, int]:
@@ -341,5 +348,6 @@ __all__ = [
     "image_tokens",
     "item_positions",
     "kv_bytes_per_token",
+    "segment_rows",
     "understanding_positions",
 ]

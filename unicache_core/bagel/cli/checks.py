@@ -35,6 +35,7 @@ from ..settings import (
 )
 
 if TYPE_CHECKING:
+    from ..config import BagelConfig
     from ..request_check import CheckedRequest
 
 #: Output formats by file suffix (checked before the model loads, so a typo costs nothing).
@@ -245,18 +246,20 @@ def check_kv_target_size(kv_target: str | None, config, dtype: str) -> None:
             )
 
 
-def check_policy_table(args, root: Path) -> None:
+def check_policy_table(args, root: Path, config: BagelConfig) -> None:
     """``--kv-method unicache``: the policy table it will use (``--policy``, else the checkpoint's own
-    ``unicache_policy.json``) is read and must cover the task, so a broken table costs no weights load."""
+    ``unicache_policy.json``) is read, must cover the task and fit the model's segments, so a broken table costs no
+    weights load."""
     from ...compression.policy_table import CHECKPOINT_POLICY_FILE, resolve_policy_table
     from ..checkpoint.model_id import model_id_of
+    from ..tokens import segment_rows
 
     policy = getattr(args, "policy", None)
     if getattr(args, "kv_method", None) != "unicache" or (
         policy is None and not os.path.lexists(root / CHECKPOINT_POLICY_FILE)  # a FIFO there is refused, not skipped
     ):
         return  # the shipped paper table (its warning is logged once, by the run)
-    table, _ = resolve_policy_table(policy, str(root), model_id_of(root))
+    table, _ = resolve_policy_table(policy, str(root), model_id_of(root), segment_rows(config))
     table.require_task("understanding" if args.command == "understand" else args.command)
 
 
@@ -438,7 +441,7 @@ def preflight(args, *, items: bool = False) -> Checked:
     device = resolve_device(args.device)
     config = load_bagel_config(root)  # JSON only: gives the size limit and the position budget
     check_kv_target_size(getattr(args, "kv_target", None), config, args.dtype)
-    check_policy_table(args, root)
+    check_policy_table(args, root, config)
     if task == "t2i":
         t2i = narrow_settings(settings, GenerationSettings)
         try:
