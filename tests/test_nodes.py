@@ -415,3 +415,23 @@ def test_bundled_checkpoint_is_the_loaders_default():
     assert UniCacheBagelLoader.INPUT_TYPES()["required"]["checkpoint"][1]["default"] == BUNDLED_CHECKPOINT
     assert BUNDLED_CHECKPOINT_DIR == host.PACK_BAGEL_DIR / BUNDLED_CHECKPOINT
     assert (BUNDLED_CHECKPOINT_DIR / "llm_config.json").is_file(), "the bundled model must ship in git"
+
+
+def test_a_fifo_in_the_policy_folder_is_named_as_a_fifo(host_stubs):
+    """ComfyUI's get_full_path finds regular files only, so a FIFO the policy list shows was "not found"; the node
+    hands it to the table reader, which names it (and never opens it: a FIFO would block)."""
+    import os
+
+    from nodes import host
+    from unicache_core.compression.policy_table import PolicyTableError, resolve_policy_table
+
+    folder = Path(host_stubs["folder_paths"].models_dir) / "unicache_policies"
+    folder.mkdir(parents=True)
+    os.mkfifo(folder / "fifo.json")
+    assert "fifo.json" in host.policy_files()
+    path = host.policy_path("fifo.json")
+    assert path == folder / "fifo.json"
+    with pytest.raises(PolicyTableError, match=r"fifo.json' is a FIFO \(named pipe\), not a regular file"):
+        resolve_policy_table(str(path), "", "")
+    with pytest.raises(FileNotFoundError, match="not found in the unicache_policies folders"):
+        host.policy_path("absent.json")
