@@ -99,17 +99,24 @@ def check_image_positions(
     extra: int = 0,
     extra_name: str = "max_new_tokens",
     name: str = "items",
+    lowered: bool = True,
 ) -> None:
     """:func:`check_item_positions` of a request whose context takes ``used`` RoPE positions with ``images``
-    images in it (the run's item list, or the memory plan's ``--image-sizes``: one check for both)."""
+    images in it (the run's item list, or the memory plan's ``--image-sizes``: one check for both). The images that
+    fit are counted with the ``extra`` decoded positions, so the count it gives is one the run takes; ``lowered``:
+    the message may advise lowering ``extra_name`` (the plan has no such flag)."""
     limit = config.llm.max_position_embeddings
-    if used > limit and images > 1:
+    if used + extra > limit and images > 1:
         per_image = 2 if generation else 1
-        fit = max(0, (limit - (used - images * per_image)) // per_image)
+        fit = max(0, (limit - extra - (used - images * per_image)) // per_image)
+        decoded = f", + {extra} decoded ({extra_name})" if extra else ""
         raise ValueError(
-            f"`{name}` holds {images} images, more than the model's positions allow: the request needs {used} RoPE "
-            f"positions ({per_image} per image) but max_position_embeddings = {limit}; at most {fit} images fit "
-            f"with these texts: drop images or shorten the texts"
+            f"`{name}` holds {images} images, more than the model's positions allow: the request needs "
+            f"{used + extra} RoPE positions ({used} for the context, {per_image} per image{decoded}) but "
+            f"max_position_embeddings = {limit}; at most {fit} images fit with these texts"
+            + (" and that answer" if extra else "")
+            + ": drop images or shorten the texts"
+            + (f", or lower `{extra_name}`" if extra and lowered else "")
         )
     check_positions(config, used, 0, name)
     if extra:
