@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from unicache_commands.flags import printable
 from unicache_commands.input_files import read_text_file
 from unicache_commands.output_files import check_output_file, same_file, save_text, write_atomically
 
@@ -89,12 +90,14 @@ def not_found(flag: str, path: Path, what: str) -> OSError:
             os.stat(path)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                return OSError(f"{flag}: {path} is a symlink loop (it never reaches a real {what}); fix the link")
+                return OSError(
+                    f"{flag}: {printable(path)} is a symlink loop (it never reaches a real {what}); fix the link"
+                )
         return FileNotFoundError(
-            f"{flag}: {path} is a broken symlink to {os.readlink(path)}, which does not exist; "
+            f"{flag}: {printable(path)} is a broken symlink to {printable(os.readlink(path))}, which does not exist; "
             f"fix the link or pass the {what} itself"
         )
-    return FileNotFoundError(f"{flag}: {what} not found: {path}")
+    return FileNotFoundError(f"{flag}: {what} not found: {printable(path)}")
 
 
 def check_checkpoint_dir(path: Path) -> Path:
@@ -198,11 +201,11 @@ def open_image(path: Path, flag: str = "--image"):
     from ..transforms import pil_img2rgb
 
     if path.is_dir():
-        raise ValueError(f"{flag}: {path} is a directory; pass an image file")
+        raise ValueError(f"{flag}: {printable(path)} is a directory; pass an image file")
     if not path.exists():
         raise not_found(flag, path, "file")
     if not path.is_file():
-        raise ValueError(f"{flag}: {path} is not a regular file; pass an image file")
+        raise ValueError(f"{flag}: {printable(path)} is not a regular file; pass an image file")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -211,15 +214,15 @@ def open_image(path: Path, flag: str = "--image"):
                 image = img.copy()
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ValueError(
-            f"{flag}: {path} is too large to decode safely ({exc}); downscale it below "
+            f"{flag}: {printable(path)} is too large to decode safely ({exc}); downscale it below "
             f"{Image.MAX_IMAGE_PIXELS} pixels first (BAGEL resizes every input to at most 1024 px per side)"
         ) from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
-        raise ValueError(f"{flag}: cannot read {path} as an image ({exc})") from None
+        raise ValueError(f"{flag}: cannot read {printable(path)} as an image ({exc})") from None
     try:
         pil_img2rgb(image, "image")
     except ValueError as exc:
-        raise ValueError(f"{flag}: {path}: {exc}") from None
+        raise ValueError(f"{flag}: {printable(path)}: {exc}") from None
     return image
 
 
