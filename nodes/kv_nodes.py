@@ -61,29 +61,29 @@ class UniCacheKVConfig(UniCacheNode):
                     0.0,
                     "Retained share of the compressible KV memory (0.2 = keep 20%, 5x less). 0 = the task's default "
                     f"(the paper's retention: {_per_task({t: round(1 - r, 6) for t, r in DEFAULT_REDUCTION.items()})}; "
-                    "for unicache: its rho schedule). For unicache an explicit target fixes rho0.",
+                    "for unicache: its rho schedule). unicache: a target is rho0 (rho, rho_floor unset); not for full.",
                 ),
                 share(
                     "rho",
                     0.0,
                     0.0,
-                    f"unicache only: starting retention rho0 in (0, 1]. 0 = the preset ({_per_task(RHO0)}). Ignored by "
-                    "the other methods.",
+                    f"unicache only: starting retention rho0 in (0, 1]. 0 = the preset ({_per_task(RHO0)}). Refused "
+                    "with another method or beside kv_target.",
                 ),
                 share(
                     "rho_floor",
                     -1.0,
                     -1.0,
                     "unicache only: the lowest retention the schedule decays to (<= rho). -1 = the preset "
-                    f"({_per_task(RHO_FLOOR)}); 0 is a real floor. Ignored by the other methods.",
+                    f"({_per_task(RHO_FLOOR)}); 0 is a real floor. Refused with another method or beside kv_target.",
                 ),
                 io.Combo.Input(
                     "policy",
                     options=policy_choices(),
                     default=DEFAULT_POLICY,
-                    tooltip="unicache only: the policy table (which token type is evicted or quantized). default = "
-                    "the checkpoint's unicache_policy.json, else the shipped paper table. Other tables: JSON files "
-                    "in models/unicache_policies.",
+                    tooltip="unicache only (refused with another method): the policy table (which token type is "
+                    "evicted or quantized). default = the checkpoint's unicache_policy.json, else the shipped paper "
+                    "table. Other tables: JSON files in models/unicache_policies.",
                 ),
                 io.Int.Input(
                     "score_queries",
