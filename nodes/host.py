@@ -271,7 +271,7 @@ def filter_prompt_errors(classes: set[str]) -> bool:
             return response
         return web.json_response(one_error_per_input(body, classes), status=400)
 
-    one_error_each.unicache_errors = True  # type: ignore[attr-defined]
+    one_error_each.unicache_errors = True
     app.middlewares.append(one_error_each)
     return True
 

@@ -206,7 +206,7 @@ class PolicyTable:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping, origin: str = "policy table") -> PolicyTable:
+    def from_dict(cls, data: object, origin: str = "policy table") -> PolicyTable:
         """Parse and validate a table (:func:`~.policy_table_file.table_fields`: every key known, ``model_id``
         given); every problem is one :class:`PolicyTableError` naming ``origin``."""
         return cls(**table_fields(data, origin))
