@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import logging
 import sys
 import time
@@ -47,6 +46,7 @@ from PIL import Image
 from benchmarks.real_size import DEFAULT_OUT, edit_transform_rules, write_real_size_checkpoint
 from benchmarks.report_file import check_report_paths, write_json_report
 from unicache_commands.flags import OneLineParser, path_arg
+from unicache_commands.input_files import parse_json, read_text_file
 from unicache_core.bagel import BagelPipeline, load_bagel, preset
 from unicache_core.bagel.config import BagelConfig
 from unicache_core.bagel.memory.plan import (
@@ -342,6 +342,57 @@ def _prompt_tokens(row: dict) -> int:
     raise ValueError(f"no prompt length gives the stored plan's full KV ({row['plan_breakdown']['kv_full']} B)")
 
 
+#: Largest ``--replan`` report read (the committed one is about 30 kB).
+MAX_REPORT_BYTES = 16 << 20
+#: Most rows and source images per row a ``--replan`` report may ask for (the committed one: 12 rows, 1 to 4 images).
+MAX_REPLAN_ROWS = MAX_REPLAN_IMAGES = 1000
+#: Each row's fields ``replan`` reads: a test of the value and what it must be.
+_ROW_FIELDS = {
+    "kv_method": (lambda v: v in ("full", "unicache"), "'full' or 'unicache'"),
+    "weight_dtype": (lambda v: v in ("bf16", "fp8_e4m3fn", "fp8_e5m2", "int8"), "a --weight-dtype choice"),
+    "offload": (lambda v: v in ("none", "layers"), "'none' or 'layers'"),
+    "size": (lambda v: isinstance(v, list) and len(v) == 2 and all(_count(x, 1024) for x in v), "[px, px]"),
+    "peak_bytes": (lambda v: _count(v, 1 << 50), "a byte count"),
+}
+
+
+def _count(value, most: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most
+
+
+def read_report(path: Path) -> dict:
+    """The report ``--replan`` plans again: a regular JSON file of bounded size holding ``results``, the rows
+    :func:`run` writes (each field :func:`replan` reads checked); a ValueError or OSError naming ``--replan`` and
+    what is wrong, else."""
+    label = f"--replan {path}"
+    advice = "give a report python -m benchmarks.gpu_real_size --json wrote"
+    report = parse_json(read_text_file(path, label=label, max_bytes=MAX_REPORT_BYTES, advice=advice), label=label)
+    rows = report.get("results") if isinstance(report, dict) else None
+    if not isinstance(rows, list) or not rows or len(rows) > MAX_REPLAN_ROWS:
+        raise ValueError(
+            f"{label}: not a report of this program (no list of 1 to {MAX_REPLAN_ROWS} 'results'); {advice}"
+        )
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{label}: results[{i}] is {type(row).__name__}, not a row object; {advice}")
+        checks = dict(_ROW_FIELDS)
+        checks["images"] = (lambda v: _count(v, MAX_REPLAN_IMAGES), f"1 to {MAX_REPLAN_IMAGES}")
+        if "prompt_tokens" in row:
+            checks["prompt_tokens"] = (lambda v: _count(v, 1 << 20), "a token count")
+        else:
+            breakdown = row.get("plan_breakdown")
+            kv_full = breakdown.get("kv_full") if isinstance(breakdown, dict) else None
+            if not _count(kv_full, 1 << 50):
+                raise ValueError(
+                    f"{label}: results[{i}] has neither 'prompt_tokens' nor a plan_breakdown.kv_full; {advice}"
+                )
+        for name, (test, what) in checks.items():
+            value = row.get(name, 1) if name == "images" else row.get(name)
+            if not test(value):
+                raise ValueError(f"{label}: results[{i}].{name} must be {what}, got {str(value)[:80]!r}; {advice}")
+    return report
+
+
 def replan(report: dict) -> dict:
     """``report`` (a CUDA run at BAGEL-7B-MoT's geometry) with every row's plan made again by the current
     :func:`~unicache_core.bagel.memory.plan.plan_memory`; the measured bytes are kept as they were."""
@@ -434,7 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.replan is not None:
-        report = replan(json.loads(args.replan.read_text(encoding="utf-8")))
+        try:
+            report = replan(read_report(args.replan))
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
         sys.stdout.write(format_table(report["results"]) + "\n")
         if args.json is not None:
             write_json_report(args.json, report)

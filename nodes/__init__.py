@@ -4,7 +4,7 @@
 same classes by node id for the pack's tools and tests.
 """
 
-from .host import ComfyExtension
+from .host import ComfyExtension, filter_prompt_errors
 from .items_nodes import UniCacheImageItem, UniCacheTextItem
 from .kv_nodes import UniCacheKVConfig
 from .loader_node import UniCacheBagelLoader
@@ -35,9 +35,11 @@ NODE_DISPLAY_NAME_MAPPINGS = {
 
 
 class UniCacheExtension(ComfyExtension):
-    """The pack as a V3 extension: its node classes."""
+    """The pack as a V3 extension: its node classes (and, in a host, its refusals given once each at ``/prompt``:
+    :func:`~.host.filter_prompt_errors`; ComfyUI 0.3.75 calls no ``on_load``, so it is added here)."""
 
     async def get_node_list(self) -> list:
+        filter_prompt_errors(set(NODE_CLASS_MAPPINGS))
         return list(NODE_CLASS_MAPPINGS.values())
 
 

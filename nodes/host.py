@@ -9,6 +9,7 @@ without a host on a stand-in of ``comfy_api.latest`` (tests/comfy_stubs.py).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -64,9 +65,14 @@ def policy_files() -> list[str]:
 
 
 def policy_path(name: str) -> Path:
-    """Full path of a policy-table file listed by :func:`policy_files`."""
+    """Full path of a policy-table file listed by :func:`policy_files`. ComfyUI's ``get_full_path`` finds regular
+    files only, so a listed FIFO, folder or dangling link is returned as it is, for the table reader to name what it
+    is (never "not found")."""
     register_folders()
     path = _folder_paths().get_full_path(POLICY_FOLDER, name)
+    if path is None and name in policy_files() and ".." not in Path(name).parts:
+        listed = (Path(folder) / name for folder in _folder_paths().get_folder_paths(POLICY_FOLDER))
+        path = next((str(candidate) for candidate in listed if os.path.lexists(candidate)), None)
     if path is None:
         folders = ", ".join(_folder_paths().get_folder_paths(POLICY_FOLDER))
         raise FileNotFoundError(
@@ -236,6 +242,40 @@ def _previewer():
     return latent_preview.get_previewer("cpu", comfy.latent_formats.Flux())
 
 
+def filter_prompt_errors(classes: set[str]) -> bool:
+    """Have the host's ``/prompt`` answer give each refusal of the nodes ``classes`` once, tagged with its input
+    (:func:`~.validation.one_error_per_input`): an aiohttp middleware on ComfyUI's server app, added while the pack
+    loads (before the app starts). Returns whether it was added (False without a server, e.g. the unit tests' stand-in,
+    or when the app already runs: ComfyUI's own answer then stands)."""
+    try:
+        import server
+        from aiohttp import web
+    except ImportError:
+        return False
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    app = getattr(instance, "app", None)
+    if app is None or app.frozen:
+        return False
+    if any(getattr(added, "unicache_errors", False) for added in app.middlewares):
+        return True  # the pack loaded once already
+    from .validation import one_error_per_input
+
+    @web.middleware
+    async def one_error_each(request, handler):
+        response = await handler(request)
+        if request.method != "POST" or request.path not in ("/prompt", "/api/prompt") or response.status != 400:
+            return response
+        try:
+            body = json.loads(response.body)
+        except (TypeError, ValueError):  # not ComfyUI's JSON answer: left as it is
+            return response
+        return web.json_response(one_error_per_input(body, classes), status=400)
+
+    one_error_each.unicache_errors = True
+    app.middlewares.append(one_error_each)
+    return True
+
+
 def interrupted() -> bool:
     """True when the user pressed Cancel / ``POST /interrupt`` (non-raising: the engine then stops between steps)."""
     import comfy.model_management as mm
@@ -260,6 +300,7 @@ __all__ = [
     "SHIPPED_POLICY_DIR",
     "WEIGHT_DTYPES",
     "bagel_folders",
+    "filter_prompt_errors",
     "host_operations",
     "interrupted",
     "load_to_device",

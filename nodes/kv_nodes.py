@@ -70,29 +70,29 @@ class UniCacheKVConfig(UniCacheNode):
                     0.0,
                     "Retained share of the compressible KV memory (0.2 = keep 20%, 5x less). 0 = the task's default "
                     f"(the paper's retention: {_per_task({t: round(1 - r, 6) for t, r in DEFAULT_REDUCTION.items()})}; "
-                    "for unicache: its rho schedule). For unicache an explicit target fixes rho0.",
+                    "for unicache: its rho schedule). unicache: a target is rho0 (rho, rho_floor unset); not for full.",
                 ),
                 share(
                     "rho",
                     0.0,
                     0.0,
-                    f"unicache only: starting retention rho0 in (0, 1]. 0 = the preset ({_per_task(RHO0)}). Ignored by "
-                    "the other methods.",
+                    f"unicache only: starting retention rho0 in (0, 1]. 0 = the preset ({_per_task(RHO0)}). Refused "
+                    "with another method or beside kv_target.",
                 ),
                 share(
                     "rho_floor",
                     -1.0,
                     -1.0,
                     "unicache only: the lowest retention the schedule decays to (<= rho). -1 = the preset "
-                    f"({_per_task(RHO_FLOOR)}); 0 is a real floor. Ignored by the other methods.",
+                    f"({_per_task(RHO_FLOOR)}); 0 is a real floor. Refused with another method or beside kv_target.",
                 ),
                 io.Combo.Input(
                     "policy",
                     options=policy_choices(),
                     default=DEFAULT_POLICY,
-                    tooltip="unicache only: the policy table (which token type is evicted or quantized). default = "
-                    "the checkpoint's unicache_policy.json, else the shipped paper table. Other tables: JSON files "
-                    "in models/unicache_policies.",
+                    tooltip="unicache only (refused with another method): the policy table (which token type is "
+                    "evicted or quantized). default = the checkpoint's unicache_policy.json, else the shipped paper "
+                    "table. Other tables: JSON files in models/unicache_policies.",
                 ),
                 io.Int.Input(
                     "score_queries",
@@ -125,6 +125,21 @@ class UniCacheKVConfig(UniCacheNode):
         )
 
     @classmethod
+    def validate_inputs(cls, **values) -> bool | str:
+        """The widgets against their declarations, then (when none is linked) the settings against the method: a
+        setting the method does not take, or two that contradict each other, is refused at ``/prompt`` as the
+        command line refuses it, never run as if it were unset."""
+        valid = check_widgets(cls, **values)
+        if valid is not True or any(values.get(name) is None for name in ("method", *_SETTINGS) if name != "objective"):
+            return valid
+        settings = {name: values.get(name, unset) for name, unset in _SETTINGS.items()}
+        try:
+            _method(values["method"], **settings, policy_path="(checked at run)")
+        except ValueError as exc:
+            return str(exc)
+        return True
+
+    @classmethod
     def execute(
         cls,
         method,
@@ -138,21 +153,49 @@ class UniCacheKVConfig(UniCacheNode):
         valid = check_widgets(cls, kv_target=kv_target, rho=rho, rho_floor=rho_floor)
         if valid is not True:  # a nan would otherwise read as "not set" below
             raise ValueError(f"UniCache KV config: {valid}")
-        unicache = method == "unicache"
-        if not unicache and (rho > 0 or rho_floor >= 0 or policy != DEFAULT_POLICY or objective != UNICACHE_OBJECTIVE):
-            logger.warning("rho, rho_floor, policy and objective apply to unicache only; ignored for method %r", method)
-        policy_path = str(host.policy_path(policy)) if unicache and policy != DEFAULT_POLICY else None
-        settings: dict = {"kv_target": kv_target if kv_target > 0 else None}
-        if int(score_queries) != SCORE_QUERIES_OF_METHOD:
-            settings["score_queries"] = int(score_queries)
-        if unicache:
-            settings.update(
-                rho=rho if rho > 0 else None,
-                rho_floor=rho_floor if rho_floor >= 0 else None,
-                policy=policy_path,
-                objective=objective,
-            )
+        widgets = {"kv_target": kv_target, "rho": rho, "rho_floor": rho_floor, "policy": policy, "objective": objective}
+        policy_path = str(host.policy_path(policy)) if method == "unicache" and policy != DEFAULT_POLICY else None
         try:
-            return io.NodeOutput(method_from_name(method, **settings))
+            return io.NodeOutput(_method(method, **widgets, policy_path=policy_path, score_queries=score_queries))
         except ValueError as exc:
             raise ValueError(f"UniCache KV config: {exc}") from None
+
+
+#: The widgets that set a method's settings, and each one's value meaning "unset" (the task's preset).
+_SETTINGS = {"kv_target": 0.0, "rho": 0.0, "rho_floor": -1.0, "policy": DEFAULT_POLICY, "objective": UNICACHE_OBJECTIVE}
+
+
+def _given(widgets: dict) -> dict:
+    """The widgets set to a value (``kv_target``, ``rho`` > 0, ``rho_floor`` >= 0, a ``policy`` file)."""
+    limits = {"kv_target": 0.0, "rho": 0.0}
+    given = {name: widgets[name] for name, low in limits.items() if widgets[name] > low}
+    if widgets["rho_floor"] >= 0:
+        given["rho_floor"] = widgets["rho_floor"]
+    if widgets["policy"] != DEFAULT_POLICY:
+        given["policy"] = widgets["policy"]
+    if widgets.get("objective", UNICACHE_OBJECTIVE) != UNICACHE_OBJECTIVE:
+        given["objective"] = widgets["objective"]
+    return given
+
+
+def _method(method: str, *, policy_path: str | None, score_queries: int = SCORE_QUERIES_OF_METHOD, **widgets):
+    """The method of the widgets. A widget at its unset value (:data:`_SETTINGS`) is left out; any other is given,
+    so a setting of another method (``rho`` with ``h2o``, ``kv_target`` with ``full``) or one that contradicts
+    another (``rho`` beside ``kv_target``) is one ValueError naming the widget, never ignored."""
+    given = _given(widgets)
+    for name, value in given.items():
+        applies = method == "unicache" or name == "kv_target" and method != "full"
+        if not applies:
+            which = (
+                "the unicache method only" if name != "kv_target" else "the compressing methods (full keeps every row)"
+            )
+            unset = _SETTINGS[name]
+            raise ValueError(
+                f"{name} = {value!r} applies to {which}, not to {method!r}; set {name} to "
+                f"{unset if isinstance(unset, str) else f'{unset:g}'} (unset) or choose another method"
+            )
+    if "policy" in given:
+        given["policy"] = policy_path
+    if int(score_queries) != SCORE_QUERIES_OF_METHOD:
+        given["score_queries"] = int(score_queries)
+    return method_from_name(method, **given)

@@ -133,4 +133,71 @@ def fit_source_latent(samples, config, name: str = "latent"):
     return samples[..., :rows, :cols], size
 
 
-__all__ = ["MULTIPLE_OF_STEP", "TOO_LARGE_LATENT_FIX", "check_source_latent", "check_widgets", "fit_source_latent"]
+#: The error ComfyUI files for each input of a node whose ``validate_inputs`` refused (0.3.75, execution.py).
+CUSTOM_VALIDATION = "custom_validation_failed"
+
+
+def _named_input(message: str, names: list[str]) -> str | None:
+    """The input a refusal is about: the one its message starts with (``width = 40 ...``, ```rho` (0.5) ...``)."""
+    head = message.lstrip("`")
+    for name in sorted(names, key=len, reverse=True):  # rho_floor before rho
+        rest = head[len(name) : len(name) + 1]
+        if head.startswith(name) and not (rest.isalnum() or rest == "_"):
+            return name
+    return None
+
+
+def one_error_per_input(body: dict, classes: set[str]) -> dict:
+    """A ``/prompt`` HTTP 400 body with each refusal of the pack's nodes (``classes``: their node ids) given once,
+    tagged with the input it is about.
+
+    ComfyUI 0.3.75 files the one message ``validate_inputs`` returns once per input of the node (13 errors on a task
+    node, each tagged with another input: ``steps - width = 40 is not a multiple of 16``); the node's inputs are all
+    passed to it, so it cannot say which one a message is about. Of each run of identical messages the error of the
+    input the message names is kept (else the first), and the summary's ``error.details`` lines of the others go.
+    Anything else in the body is left as it is."""
+    node_errors = body.get("node_errors") if isinstance(body, dict) else None
+    if not isinstance(node_errors, dict):
+        return body
+    dropped: list[str] = []
+    for entry in node_errors.values():
+        if not isinstance(entry, dict) or entry.get("class_type") not in classes:
+            continue
+        errors = entry.get("errors")
+        if not isinstance(errors, list):
+            continue
+        groups: dict[str, list[dict]] = {}
+        for error in errors:
+            if (
+                isinstance(error, dict)
+                and error.get("type") == CUSTOM_VALIDATION
+                and " - " in str(error.get("details"))
+            ):
+                groups.setdefault(str(error["details"]).split(" - ", 1)[1], []).append(error)
+        keep = []
+        for message, group in groups.items():
+            name = _named_input(message, [str(e.get("extra_info", {}).get("input_name")) for e in group])
+            keep.append(next((e for e in group if e.get("extra_info", {}).get("input_name") == name), group[0]))
+        kept_ids = {id(e) for e in keep}
+        grouped = {id(e) for group in groups.values() for e in group}
+        dropped += [f"{e.get('message')}: {e.get('details')}" for e in errors if id(e) in grouped - kept_ids]
+        entry["errors"] = [e for e in errors if id(e) not in grouped or id(e) in kept_ids]
+    error = body.get("error")
+    if dropped and isinstance(error, dict) and isinstance(error.get("details"), str):
+        lines = error["details"].split("\n")
+        for line in dropped:
+            if line in lines:
+                lines.remove(line)
+        error["details"] = "\n".join(lines)
+    return body
+
+
+__all__ = [
+    "CUSTOM_VALIDATION",
+    "MULTIPLE_OF_STEP",
+    "TOO_LARGE_LATENT_FIX",
+    "check_source_latent",
+    "check_widgets",
+    "fit_source_latent",
+    "one_error_per_input",
+]

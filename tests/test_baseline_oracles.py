@@ -258,7 +258,7 @@ def test_unicache_keep_sets_only_shrink():
         entries={key: "joint" if key in evicted else kind for key, kind in paper.entries.items()},
         plans={key: JointPlan(((1.0, FULL_BITS),)) for key in evicted},
     )
-    run = _Run("unicache", num_layers=1, num_candidates=300, kv_target=0.4, rho_floor=0.1, policy=table)
+    run = _Run("unicache", num_layers=1, num_candidates=300, rho=0.4, rho_floor=0.1, policy=table)
     keep_sets: dict = {}
     for step in range(12):  # compressions after steps 0, 5 and 10
         run.denoise(step)

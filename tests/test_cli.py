@@ -239,3 +239,54 @@ def test_bundled_model_is_the_default_checkpoint_and_answers(tmp_path, capsys):
         )
         assert code == 0, err
         assert out.strip() == background
+
+
+def test_a_target_that_keeps_nothing_says_so_in_words(tiny_checkpoint, tmp_path, capsys, caplog):
+    """At a target of 1e-9 no byte of the compressible KV is held: the report read "798.0 KiB full -> 0 B held (100.0%
+    saved, 0.00x less)" and the command's log "(0.0x less)", a ratio over zero bytes."""
+    import json
+    import logging
+
+    from unicache_core.compression.report_view import summary_text
+
+    report = tmp_path / "r.json"
+    argv = ["t2i", "--checkpoint", str(tiny_checkpoint), "--prompt", "a red cube", "--width", "32", "--height", "32"]
+    argv += ["--steps", "3", "--kv-method", "h2o", "--kv-target", "1e-9", "--report", str(report)]
+    with caplog.at_level(logging.INFO, logger="unicache_core.bagel.cli"):
+        code, _, _ = run_bagel_cli(capsys, *argv, "--out", str(tmp_path / "o.png"), "-q")
+    assert code == 0
+    data = json.loads(report.read_text())
+    assert data["summary"]["steady_managed_bytes"] == 0 < data["summary"]["full_managed_bytes"]
+    text = summary_text(data)
+    assert "0 B held (100% saved: none of it held, every compressible row dropped)" in text, text
+    assert "x less" not in text
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV h2o:")]
+    assert len(logged) == 1 and "none of it held" in logged[0] and "x less" not in logged[0], logged
+
+
+@pytest.mark.parametrize("source", ["blank", "empty-file"])
+def test_an_empty_prompt_gets_the_nodes_notice_on_the_command_line(tiny_checkpoint, tmp_path, capsys, caplog, source):
+    """The nodes warn about an empty or whitespace-only prompt; the command line ran it without a word."""
+    import logging
+
+    from unicache_core.bagel.cli.items import CLI_PROMPT_HINT
+    from unicache_core.bagel.notices import NODE_PROMPT_HINT
+
+    (tmp_path / "p.txt").write_text("")
+    prompt = ["--prompt", "   "] if source == "blank" else ["--prompt-file", str(tmp_path / "p.txt")]
+    argv = ["t2i", "--checkpoint", str(tiny_checkpoint), *prompt, "--width", "32", "--height", "32", "--steps", "2"]
+    with caplog.at_level(logging.WARNING, logger="unicache_core.bagel.cli"):
+        code, _, _ = run_bagel_cli(capsys, *argv, "--out", str(tmp_path / "o.png"), "-q")
+    assert code == 0 and (tmp_path / "o.png").exists()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    notice = f"the prompt is empty: BAGEL draws from the other items alone; type an instruction ({CLI_PROMPT_HINT})"
+    assert warned == [notice], warned
+    assert notice.replace(CLI_PROMPT_HINT, NODE_PROMPT_HINT) in _node_notice(tiny_checkpoint)  # the same words
+
+
+def _node_notice(checkpoint) -> list[str]:
+    from unicache_core.bagel.config import load_bagel_config
+    from unicache_core.bagel.items import TextItem
+    from unicache_core.bagel.notices import request_warnings
+
+    return request_warnings("t2i", [TextItem("   ")], load_bagel_config(checkpoint))

@@ -95,6 +95,17 @@ def _t2i(checkpoint, *extra):
         (["--device", "bogus"], "--device: `device` 'bogus' is not a torch device"),
         (["--seed", "abc"], r"argument --seed: invalid int value: 'abc' \(see .* --help\)"),
         (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+        # a KV setting that another cancels, or that the method ignores, is refused (it was dropped without a word)
+        (
+            ["--kv-method", "unicache", "--rho", "0.5", "--kv-target", "0.3"],
+            r"KV flags: `rho` \(0.5\) and `kv_target` \(0.3\) both set UniCache's retention: an explicit kv_target "
+            r"is its rho0 .*; give `kv_target` alone, or `rho` and `rho_floor` without it",
+        ),
+        (["--kv-method", "unicache", "--rho-floor", "0.05", "--kv-target", "30%"], r"`rho_floor` \(0.05\) and `kv_t"),
+        (
+            ["--kv-method", "full", "--kv-target", "0.3"],
+            r"KV flags: `kv_target` \(0.3\) does not apply to the full method, which keeps every row; drop",
+        ),
     ],
 )
 def test_cli_bad_argument_fails_before_loading(tiny_checkpoint, no_weights, capsys, extra, match):

@@ -134,6 +134,12 @@ def _items(tmp_path: Path, content) -> Path:
         ({"items": [{"image": "missing.png"}, {"text": "x"}]}, r"items\[0\]: file not found: .*missing.png"),
         ({"items": [{"image": "a.png"}, {"generate": True}, {"text": "x"}]}, r"`items\[1\]` \(GENERATE\) would be"),
         ({"items": [{"text": "x"}, {"text": "y"}]}, r"an edit needs an image item before its first text"),
+        # a path's NUL byte or control characters are shown escaped, never raw (the NUL gave "embedded null byte")
+        (
+            {"items": [{"image": "a\u0000b.png"}, {"text": "x"}]},
+            r'items\[0\]: "image" "a\\u0000b.png" holds a NUL byte \(\\u0000\), which no file path can hold',
+        ),
+        ({"items": [{"image": "a\u001b[31m.png"}, {"text": "x"}]}, r"file not found: .*a\\u001b\[31m.png$"),
     ],
 )
 def test_bad_items_files_are_one_line_before_loading(
@@ -143,7 +149,8 @@ def test_bad_items_files_are_one_line_before_loading(
     (tmp_path / "a.png").write_bytes(shapes[0].read_bytes()) if not (tmp_path / "a.png").exists() else None
     path = _items(tmp_path, content)
     code, _, err = run_bagel_cli(capsys, "edit", "--checkpoint", str(tiny_checkpoint), "--items", str(path), "-q")
-    assert code == 2 and re.search(match, _one_line(err)), err
+    assert code == 2 and re.search(match, _one_line(err).rstrip("\n")), err
+    assert err.endswith("\n") and err[:-1].isprintable(), repr(err)  # no control character reaches the terminal
 
 
 def test_items_conflicts_and_understanding_markers_are_one_line(tiny_checkpoint, tmp_path, shapes, capsys, monkeypatch):
@@ -233,7 +240,7 @@ def test_plan_counts_three_images_and_unicache_lowers_the_peak(tmp_path, capsys)
             str(out),
         )
         assert code == 0, err
-        assert "edit 3 images (1024x1024, 1024x1024, 1024x1024)" in text and "image 2 1024x1024: KV gen" in text
+        assert "edit 3 images (3 x 1024x1024)" in text and re.search(r"image(s 0-| )2 1024x1024: KV gen", text), text
         plans[method] = json.loads(out.read_text())
     full, unicache = plans["full"], plans["unicache"]
     images = full["settings"]["kv_images"]

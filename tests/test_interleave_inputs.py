@@ -7,6 +7,7 @@ message of one line naming the item and what to do.
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,7 +17,7 @@ from PIL import Image
 
 from unicache_core.bagel.checkpoint.loader import load_bagel
 from unicache_core.bagel.items import GENERATE, ImageItem, TextItem, request_items, rounds
-from unicache_core.bagel.memory.accounting import check_item_positions
+from unicache_core.bagel.memory.accounting import check_image_positions, check_item_positions
 from unicache_core.bagel.pipeline import BagelPipeline
 from unicache_core.bagel.request import GivenLatents
 from unicache_core.bagel.settings import preset
@@ -144,3 +145,24 @@ def test_rounds_split_at_the_markers():
     parts = rounds(items)
     assert [len(p) for p in parts] == [2, 2, 1] and parts[2] == (TextItem("three"),)
     assert isinstance(parts[1][0], ImageItem) and parts[1][0].image is b
+
+
+@pytest.mark.parametrize("generation, extra", [(False, 512), (True, 0), (True, 300)])
+def test_the_images_that_fit_are_counted_with_the_decoded_positions(generation, extra):
+    """The count the refusal names is one the same check takes: the answer's decoded positions (max_new_tokens,
+    think_max_new_tokens) are counted too. It said "at most 4091" for 4200 images on 4,096 positions and then refused
+    4091 for max_new_tokens."""
+    config = SimpleNamespace(llm=SimpleNamespace(max_position_embeddings=4096))
+    per_image, text = (2 if generation else 1), 66
+
+    def check(images: int) -> None:
+        used = text + images * per_image + (1 if generation else 0)
+        check_image_positions(config, used, images, generation=generation, extra=extra)
+
+    with pytest.raises(ValueError) as info:
+        check(4200)
+    fit = int(re.search(r"at most (\d+) images fit", str(info.value)).group(1))
+    assert "\n" not in str(info.value) and ("`max_new_tokens`" in str(info.value)) == bool(extra)
+    check(fit)  # taken
+    with pytest.raises(ValueError, match=f"at most {fit} images fit"):
+        check(fit + 1)

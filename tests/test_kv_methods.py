@@ -283,7 +283,7 @@ def test_bad_settings_each_give_one_clear_error(loaded, tmp_path):
         make_cache_factory("kivi", window=8)
     bad = tmp_path / "bad.json"
     bad.write_text(
-        '{"format": "unicache-policy-table", "version": 1, "entries": [{"task": "edit", '
+        '{"format": "unicache-policy-table", "version": 1, "model_id": "", "entries": [{"task": "edit", '
         '"type": "current_latent", "kind": "evict"}]}'
     )
     with pytest.raises(PolicyTableError, match="protected or unknown"):

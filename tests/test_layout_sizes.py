@@ -31,7 +31,6 @@ LONG_FUNCTIONS: dict[str, int] = {
     "unicache_core/bagel/calibration/run.py::calibrate": 71,
     "unicache_core/bagel/checkpoint/single_file.py::inspect_single_file": 71,
     "unicache_core/bagel/tokenizer.py::BagelTokenizer.__init__": 67,
-    "unicache_core/compression/policy_table.py::PolicyTable.from_dict": 94,
     "unicache_core/compression/report_view.py::render_plot": 67,
 }
 #: Where function lengths are counted: the code a reader of the library and the nodes follows.

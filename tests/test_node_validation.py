@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 
 import pytest
 import torch
@@ -122,3 +123,81 @@ def test_image_with_nan_is_refused():
     image[0, 1, 2, 0] = math.nan
     with pytest.raises(ValueError, match=r"`image` holds 1 NaN or infinite values"):
         image_to_pils(image)
+
+
+KV_UNSET = dict(kv_target=0.0, rho=0.0, rho_floor=-1.0, policy="default")
+
+
+@pytest.mark.parametrize(
+    "method, change, message",
+    [
+        ("h2o", {"rho": 0.5}, "rho = 0.5 applies to the unicache method only, not to 'h2o'; set rho to 0 (unset)"),
+        ("h2o", {"rho_floor": 0.1}, "rho_floor = 0.1 applies to the unicache method only, not to 'h2o'; set rho_floor"),
+        ("snapkv", {"policy": "bagel-7b-mot.json"}, "policy = 'bagel-7b-mot.json' applies to the unicache method only"),
+        ("full", {"kv_target": 0.3}, "kv_target = 0.3 applies to the compressing methods (full keeps every row)"),
+        ("unicache", {"kv_target": 0.3, "rho": 0.5}, "`rho` (0.5) and `kv_target` (0.3) both set UniCache's retention"),
+        ("unicache", {"kv_target": 0.3, "rho_floor": 0.0}, "`rho_floor` (0.0) and `kv_target` (0.3) both set"),
+        ("kivi", {"objective": "memory"}, "objective = 'memory' applies to the unicache method only, not to 'kivi'"),
+        ("unicache", {"objective": "fastest"}, "objective = 'fastest' is not a choice of this input (speed, memory)"),
+    ],
+)
+def test_kv_config_refuses_a_setting_the_method_would_not_use(method, change, message):
+    """The command line refuses `h2o --rho`, `full --kv-target` and `--rho` beside `--kv-target`; the node ran them
+    as plain H2O, as full KV, or with rho winning over the target, without a word. It refuses them the same way, at
+    /prompt (validate_inputs) and when run."""
+    values = {**KV_UNSET, **change}
+    assert message in UniCacheKVConfig.validate_inputs(method=method, **values)
+    with pytest.raises(ValueError, match=re.escape(f"UniCache KV config: {message}")):
+        UniCacheKVConfig.execute(method, **values)
+    assert UniCacheKVConfig.validate_inputs(method=method, **KV_UNSET) is True
+    # a linked widget is not known at /prompt: the pair is left to the run
+    assert UniCacheKVConfig.validate_inputs(method=method, **{**values, "kv_target": None}) is True
+
+
+def _comfy_400(class_type: str, inputs: list[str], message: str) -> dict:
+    """A /prompt HTTP 400 body as ComfyUI 0.3.75 builds it for a node whose validate_inputs returned ``message``
+    (execution.py: one error per input of the node, each tagged with it), beside another node's own error."""
+    errors = [
+        {
+            "type": "custom_validation_failed",
+            "message": "Custom validation failed for node",
+            "details": f"{name} - {message}",
+            "extra_info": {"input_name": name},
+        }
+        for name in inputs
+    ]
+    other = {"type": "value_not_in_list", "message": "Value not in list", "details": "x: 'a' not in []",
+             "extra_info": {"input_name": "x"}}  # fmt: skip
+    lines = [f"{e['message']}: {e['details']}" for e in errors]
+    return {
+        "error": {"type": "prompt_outputs_failed_validation", "details": "\n".join([*lines, "Value not in list: x"])},
+        "node_errors": {
+            "3": {"errors": errors, "dependent_outputs": ["3"], "class_type": class_type},
+            "9": {"errors": [other, dict(other)], "dependent_outputs": ["9"], "class_type": "CoreNode"},
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    "inputs, message, kept",
+    [
+        (["model", "prompt", "steps", "width", "height"], "width = 40 is not a multiple of 16; use 32 or 48", "width"),
+        (
+            ["method", "rho", "rho_floor", "kv_target"],
+            "rho_floor = 0.1 applies to the unicache method only",
+            "rho_floor",
+        ),
+        (["method", "rho", "kv_target"], "`rho` (0.5) and `kv_target` (0.3) both set UniCache's retention", "rho"),
+        (["model", "steps"], "a message about no input", "model"),
+    ],
+)
+def test_a_refusal_is_kept_once_on_the_input_it_names(inputs, message, kept):
+    from nodes.validation import one_error_per_input
+
+    body = one_error_per_input(_comfy_400("UniCacheTextToImage", inputs, message), {"UniCacheTextToImage"})
+    errors = body["node_errors"]["3"]["errors"]
+    assert [e["extra_info"]["input_name"] for e in errors] == [kept]
+    assert errors[0]["details"] == f"{kept} - {message}"
+    assert body["error"]["details"].splitlines() == [f"Custom validation failed for node: {kept} - {message}",
+                                                       "Value not in list: x"]  # fmt: skip
+    assert len(body["node_errors"]["9"]["errors"]) == 2  # another pack's node is left as ComfyUI wrote it

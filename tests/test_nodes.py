@@ -133,9 +133,11 @@ def test_kv_config_node_builds_configs():
     node = NodeCall(_mappings()["UniCacheKVConfig"])
     (cfg,) = node.build("unicache", 0.0, 0.0, -1.0, "default", 128)
     assert cfg == UniCache(score_queries=128)
-    (cfg,) = node.build("unicache", 0.3, 0.4, 0.0, "default")
-    assert (cfg.kv_target, cfg.rho, cfg.rho_floor) == (0.3, 0.4, 0.0)
-    (cfg,) = node.build("h2o", 0.2, 0.5, 0.1, "default")  # unicache-only widgets are ignored by baselines
+    (cfg,) = node.build("unicache", 0.0, 0.4, 0.0, "default")
+    assert (cfg.kv_target, cfg.rho, cfg.rho_floor) == (None, 0.4, 0.0)
+    (cfg,) = node.build("unicache", 0.3, 0.0, -1.0, "default")
+    assert (cfg.kv_target, cfg.rho, cfg.rho_floor) == (0.3, None, None)
+    (cfg,) = node.build("h2o", 0.2, 0.0, -1.0, "default")  # the unicache-only widgets unset
     assert (cfg.name, cfg.kv_target) == ("h2o", 0.2) and not hasattr(cfg, "rho")
     with pytest.raises(ValueError, match="rho_floor"):
         node.build("unicache", 0.0, 0.2, 0.5, "default")
@@ -413,3 +415,23 @@ def test_bundled_checkpoint_is_the_loaders_default():
     assert UniCacheBagelLoader.INPUT_TYPES()["required"]["checkpoint"][1]["default"] == BUNDLED_CHECKPOINT
     assert BUNDLED_CHECKPOINT_DIR == host.PACK_BAGEL_DIR / BUNDLED_CHECKPOINT
     assert (BUNDLED_CHECKPOINT_DIR / "llm_config.json").is_file(), "the bundled model must ship in git"
+
+
+def test_a_fifo_in_the_policy_folder_is_named_as_a_fifo(host_stubs):
+    """ComfyUI's get_full_path finds regular files only, so a FIFO the policy list shows was "not found"; the node
+    hands it to the table reader, which names it (and never opens it: a FIFO would block)."""
+    import os
+
+    from nodes import host
+    from unicache_core.compression.policy_table import PolicyTableError, resolve_policy_table
+
+    folder = Path(host_stubs["folder_paths"].models_dir) / "unicache_policies"
+    folder.mkdir(parents=True)
+    os.mkfifo(folder / "fifo.json")
+    assert "fifo.json" in host.policy_files()
+    path = host.policy_path("fifo.json")
+    assert path == folder / "fifo.json"
+    with pytest.raises(PolicyTableError, match=r"fifo.json' is a FIFO \(named pipe\), not a regular file"):
+        resolve_policy_table(str(path), "", "")
+    with pytest.raises(FileNotFoundError, match="not found in the unicache_policies folders"):
+        host.policy_path("absent.json")

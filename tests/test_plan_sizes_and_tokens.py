@@ -26,6 +26,9 @@ from unicache_core.errors import CheckpointError
         ("edit", 0, 0, r"an input image of 0x0 px cannot be read by the run"),
         ("edit", 10, 0, r"an input image of 10x0 px"),
         ("und", 100_000, 100_000, r"an input image of 100000x100000 px cannot be read by the run"),
+        # the run refuses a one-pixel side (items.check_image_item); the plan planned it
+        ("und", 1, 1, r"an input image of 1x1 px cannot be read by the run \(a one-pixel side holds no picture\)"),
+        ("edit", 1, 64, r"an input image of 1x64 px .*at least 2x2"),
     ],
 )
 def test_plan_refuses_sizes_the_run_refuses(capsys, task, width, height, message):
@@ -36,7 +39,7 @@ def test_plan_refuses_sizes_the_run_refuses(capsys, task, width, height, message
     assert err.count("\n") == 1 and re.search(message, err), err
 
 
-@pytest.mark.parametrize("task, width, height", [("edit", 17, 17), ("und", 0, 0), ("und", 1, 1), ("t2i", 16, 1024)])
+@pytest.mark.parametrize("task, width, height", [("edit", 17, 17), ("und", 0, 0), ("und", 2, 2), ("t2i", 16, 1024)])
 def test_plan_accepts_sizes_the_run_accepts(capsys, tmp_path, task, width, height):
     code, _, err = run_bagel_cli(
         capsys,
@@ -90,3 +93,53 @@ def test_a_bom_in_the_prompt_file_is_no_prompt_token(tiny_checkpoint, tmp_path):
         ]
         checked.append(preflight(bagel_cli._build_parser().parse_args(argv)).prompt)
     assert checked == ["a red cube", "a red cube"]
+
+
+@pytest.mark.parametrize(
+    "task, sizes", [("edit", "64x64,1x1"), ("und", "1x1"), ("t2i", "1x1")], ids=["edit", "und", "t2i-reference"]
+)
+def test_plan_refuses_a_one_pixel_image_size_as_the_run_does(capsys, task, sizes):
+    code, out, err = run_bagel_cli(
+        capsys,
+        "plan",
+        "--checkpoint",
+        "bagel-7b-mot",
+        "--task",
+        task,
+        "--image-sizes",
+        sizes,
+        "--device-memory",
+        "80GB",
+    )
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert re.search(r"--image-sizes: entry \d: an input image of 1x1 px .*a one-pixel side holds no picture", err), err
+
+
+def test_plan_keeps_a_taylorseer_order_of_zero(capsys, tmp_path):
+    """``--taylorseer-order 0`` (a valid order, which the run honours) was planned as the default order."""
+    argv = ["plan", "--checkpoint", "bagel-7b-mot", "--task", "edit", "--taylorseer", "--taylorseer-order", "0"]
+    code, out, _ = run_bagel_cli(capsys, *argv, "--device-memory", "80GB", "--json", str(tmp_path / "p.json"))
+    assert code == 0 and "TaylorSeer order 0" in out and "TaylorSeer: 1 factors" in out, out
+    assert json.loads((tmp_path / "p.json").read_text())["settings"]["taylorseer_order"] == 0
+
+
+def test_plan_of_ten_thousand_images_prints_a_summary(capsys):
+    """10,000 images of one size: one header naming ``10000 x 1024x1024`` and the per-item phases as one range,
+    not a header of 10,000 sizes and a phase per item (hundreds of kB)."""
+    sizes = ",".join(["1024x1024"] * 10_000)
+    argv = [
+        "plan",
+        "--checkpoint",
+        "bagel-7b-mot",
+        "--task",
+        "und",
+        "--image-sizes",
+        sizes,
+        "--device-memory",
+        "1000TB",
+    ]
+    code, out, _ = run_bagel_cli(capsys, *argv)
+    assert code == 0 and len(out) < 4000, len(out)
+    assert out.startswith("und 10000 images (10000 x 1024x1024), "), out[:200]
+    assert re.search(r"phases \(GB\): prefill:item0-\d+ [\d.]+\.\.[\d.]+ \(most at item\d+\) \| decode", out), out
+    assert "images 0-9999 1024x1024: KV gen" in out

@@ -1,8 +1,11 @@
 """benchmarks.real_size's code path at tiny dimensions: an fp8 file written tensor by tensor, loaded as int8, run."""
 
 import json
+import os
+import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmarks.real_size import DISK_DTYPE_NAME, run
@@ -119,3 +122,49 @@ def test_several_images_with_and_without_taylorseer_on_the_twin(tmp_path):
     lines = format_table([plain, seer, oom]).splitlines()
     assert len(lines) == 4 and lines[2].rstrip().endswith("on") and "out of memory: CUDA out of memory" in lines[3]
     assert replan({"results": [oom]})["results"] == [oom]
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (lambda p: os.mkfifo(p), "is a FIFO (named pipe), not a regular file"),
+        (lambda p: p.symlink_to("/dev/zero"), "is a character device, not a regular file"),
+        (lambda p: p.mkdir(), "is a directory"),
+        (lambda p: p.write_text('"just a string"'), "not a report of this program"),
+        (lambda p: p.write_text('{"results": [{"kv_method": "full", "kv_method": "h2o"}]}'), "given twice"),
+        (lambda p: p.write_text('{"results": [{"kv_method": "full"}]}'), "results[0] has neither 'prompt_tokens'"),
+        (
+            lambda p: p.write_text(
+                '{"results": [{"kv_method": "full", "weight_dtype": "bf16", "offload": "none", "size": [1024, 1024],'
+                ' "peak_bytes": 1, "prompt_tokens": 6, "images": 1000000000}]}'
+            ),
+            "results[0].images must be 1 to 1000",
+        ),
+    ],
+    ids=["fifo", "dev-zero", "folder", "json-string", "duplicate-key", "no-tokens", "a-billion-images"],
+)
+def test_replan_reads_a_bounded_regular_report_only(tmp_path, capsys, make, said):
+    """``--replan F`` reads F as every input is read: a regular JSON file of bounded size, each row's fields
+    checked; a FIFO (which would hang), /dev/zero (read until MemoryError), a folder or a JSON string is one line,
+    exit 2, nothing written."""
+    from benchmarks.gpu_real_size import main
+
+    report = tmp_path / "r.json"
+    make(report)
+    out = tmp_path / "o.json"
+    box: dict = {}
+
+    def replan_it():  # in a thread: a read that blocks (the FIFO) fails the test instead of hanging the suite
+        try:
+            main(["--replan", str(report), "--json", str(out)])
+        except SystemExit as exc:
+            box["code"] = exc.code
+
+    thread = threading.Thread(target=replan_it, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "--replan blocked on its input"
+    err = capsys.readouterr().err
+    assert box.get("code") == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--replan {report}" in err and said in err and "Traceback" not in err, err
+    assert not out.exists()

@@ -209,6 +209,83 @@ def test_ray_init_is_bounded_by_ray_timeout(tmp_path):
     )
 
 
+#: A stand-in of Ray whose ``init`` holds the interpreter's lock (a C loop, as Ray's core worker waiting for a raylet
+#: that died of a memory limit does), so no watchdog thread of the process can run.
+FAKE_RAY = {
+    "ray/__init__.py": "__version__ = '0'\n\ndef init(*args, **kwargs):\n    sum(range(10**15))\n",
+    "ray/util/__init__.py": "",
+    "ray/util/queue.py": "class Queue:\n    pass\n",
+}
+
+
+def test_ray_init_holding_the_interpreter_is_still_bounded_by_ray_timeout(tmp_path):
+    """A ``ray.init`` blocked inside Ray's C++ code while holding the GIL: the watchdog thread never ran and the batch
+    hung past 150 s (also with --ray-timeout 10); the supervising parent of ``python -m tools.batch`` ends it with one
+    line, exit 2, and nothing of it left running."""
+    for name, text in FAKE_RAY.items():
+        (tmp_path / "fake" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fake" / name).write_text(text)
+    workflow = tmp_path / "wf.json"
+    workflow.write_text(json.dumps(GRAPH))
+    argv = [str(workflow), "--ray", "--ray-timeout", "1", "--count", "1", "--out", str(tmp_path / "o")]
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'fake'}{os.pathsep}{REPO}")
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.batch", *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert one_line(done.stderr).startswith(
+        "tools.batch: --ray (a local cluster): Ray did not start or connect within 1 s (--ray-timeout)"
+    )
+    assert not [line for line in Path("/proc").glob("[0-9]*/cmdline") if str(workflow).encode() in _cmdline(line)]
+
+
+def _cmdline(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+def test_more_gpus_than_this_machine_has_are_refused_before_ray_starts(tmp_path, capsys, monkeypatch):
+    """``--gpus-per-worker 1`` on a machine without a GPU: a local cluster is never started for a request it cannot
+    hold (a start under a memory limit hung past 150 s); one line naming the flag and what to do."""
+    ray = pytest.importorskip("ray")
+    from tools.batch import cli, ray_backend
+
+    def no_start(*args, **kwargs):
+        raise AssertionError("ray.init ran for a request this machine cannot hold")
+
+    monkeypatch.setattr(ray, "init", no_start)
+    monkeypatch.setattr(ray_backend, "_local_gpus", lambda: 0.0)
+    workflow = tmp_path / "wf.json"
+    workflow.write_text(json.dumps(GRAPH))
+    argv = [str(workflow), "--ray", "--gpus-per-worker", "1", "--count", "1", "--out", str(tmp_path / "o")]
+    assert finishes(lambda: cli.main(argv)) == 2
+    assert one_line(capsys.readouterr().err).startswith(
+        "tools.batch: --gpus-per-worker 1: this machine (a local cluster) has 0 GPUs, fewer than one worker needs; "
+        "give --gpus-per-worker 0 (hosts on the CPU)"
+    )
+    assert isinstance(ray_backend.LOCAL_OBJECT_STORE_BYTES, int) and ray_backend.LOCAL_OBJECT_STORE_BYTES <= 1 << 30
+
+
+def test_a_local_ray_start_reserves_a_bounded_object_store(tmp_path, monkeypatch):
+    """Ray's default object store (30% of the machine's memory, reserved at start) made a local start die under
+    ``ulimit -v 8000000``; the batch asks for a small one (it moves only run records and outputs)."""
+    ray = pytest.importorskip("ray")
+    from tools.batch import ray_backend
+
+    asked: dict = {}
+
+    def init(**kwargs):
+        asked.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(ValueError, match="cannot start or reach Ray: stop here"):
+        ray_backend._connect(ray_backend.RayOptions(gpus_per_worker=0.0))
+    assert asked["object_store_memory"] == ray_backend.LOCAL_OBJECT_STORE_BYTES == 512 << 20
+
+
 # ------------------------------------------------------------------------------------------------ outputs
 
 

@@ -119,4 +119,14 @@ def path_arg(value: str) -> Path:
     return Path(value)
 
 
-__all__ = ["OneLineParser", "SingleValueAction", "path_arg", "refuse_repeated_flags"]
+def printable(value: object) -> str:
+    """``value`` (a path, a name) as an error line may show it: unchanged when every character prints, else with its
+    control characters escaped as JSON escapes them (``a\\u0000b.png``, ``\\u001b[31m``): a NUL, a newline or a
+    terminal escape in a file name never reaches the terminal raw, nor splits the one line."""
+    import json
+
+    text = str(value)
+    return text if text.isprintable() else json.dumps(text)[1:-1]
+
+
+__all__ = ["OneLineParser", "SingleValueAction", "path_arg", "printable", "refuse_repeated_flags"]

@@ -90,6 +90,10 @@ class _DuplicateKey(ValueError):
     pass
 
 
+class _BadNumber(ValueError):
+    """A number no reader takes: more digits than Python converts, or (``finite``) NaN or an infinity."""
+
+
 def _refuse_duplicates(pairs: list[tuple[str, object]]) -> dict:
     seen: dict[str, object] = {}
     for key, value in pairs:
@@ -99,18 +103,61 @@ def _refuse_duplicates(pairs: list[tuple[str, object]]) -> dict:
     return seen
 
 
-def parse_json(text: str, *, label: str) -> object:
+def _where(text: str, pattern: str, token: str | None = None) -> str:
+    """``"line L column C"`` of the first match of ``pattern`` outside the document's strings (the first equal to
+    ``token`` when given), or ``"an unknown place"``."""
+    import re
+
+    for match in re.finditer(r'"(?:[^"\\]|\\.)*"|(' + pattern + ")", text):
+        found = match.group(1)
+        if found is not None and (token is None or found == token):
+            line = text.count("\n", 0, match.start()) + 1
+            column = match.start() - (text.rfind("\n", 0, match.start()) + 1) + 1
+            return f"line {line} column {column}"
+    return "an unknown place"
+
+
+def parse_json(text: str, *, label: str, finite: bool = False) -> object:
     """``text`` parsed as JSON, strictly: a key given twice in one object (``json`` would keep the last silently), a
-    document nested too deeply for the parser (a ``RecursionError``) and invalid JSON are each one ``ValueError``
-    starting with ``label`` (``"--items /x/i.json"``)."""
+    document nested too deeply for the parser (a ``RecursionError``), an integer of more digits than Python converts
+    (``sys.get_int_max_str_digits()``: its own error names neither file nor place) and invalid JSON are each one
+    ``ValueError`` starting with ``label`` (``"--items /x/i.json"``). ``finite``: ``NaN``, ``Infinity`` and numbers
+    that overflow to an infinity (``1e400``) are refused too (JSON has no such values; Python's reader takes them)."""
     import json
+    import math
+    import sys
+
+    most = sys.get_int_max_str_digits() or 1 << 62
+
+    def integer(digits: str) -> int:
+        if len(digits.lstrip("-")) > most:
+            raise _BadNumber(
+                f"an integer of {len(digits.lstrip('-'))} digits (at most {most} are read)", rf"-?\d{{{most + 1},}}"
+            )
+        return int(digits)
+
+    def number(digits: str) -> float:
+        value = float(digits)
+        if finite and not math.isfinite(value):
+            raise _BadNumber(f"the number {digits[:40]} (no finite float holds it)", r"-?\d[\d.eE+-]*", digits)
+        return value
+
+    def constant(name: str) -> float:
+        if finite:
+            raise _BadNumber(f"{name} (not a JSON number)", r"NaN|-?Infinity")
+        return float(name)
 
     try:
-        return json.loads(text, object_pairs_hook=_refuse_duplicates)
+        return json.loads(
+            text, object_pairs_hook=_refuse_duplicates, parse_int=integer, parse_float=number, parse_constant=constant
+        )
     except _DuplicateKey as exc:
         raise ValueError(
             f"{label}: the key {str(exc)!r} is given twice in one object (JSON keeps only the last); keep one"
         ) from None
+    except _BadNumber as exc:
+        what, *where = exc.args
+        raise ValueError(f"{label}: {what} at {_where(text, *where)}; write the value it should be") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{label}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     except RecursionError:

@@ -119,3 +119,63 @@ def test_too_deep_policy_table_is_one_line_naming_the_file(comfy, deep_tables, c
     assert name in message and "nests JSON too deeply" in message and message.strip().count("\n") == 0, message
     after = comfy.run(understand_graph(deep_tables, BUNDLED_NAME, prompt="Still working?"))
     assert after["status"]["status_str"] == "success", describe(after)
+
+
+def test_a_refusal_is_one_error_tagged_with_the_input_it_is_about(comfy, info):
+    """ComfyUI files the one message of ``validate_inputs`` once per input of the node: 13 errors on the task node,
+    each tagged with another input (``steps - width = 40 ...``). The pack's answer has it once, on ``width``."""
+    graph = t2i_graph(info, BUNDLED_NAME, width=32, height=32, steps=2)
+    graph["3"]["inputs"]["width"] = 40
+    status, body = comfy.queue(graph)
+    assert status == 400, json.dumps(body)[:2000]
+    errors = body["node_errors"]["3"]["errors"]
+    assert [e["extra_info"]["input_name"] for e in errors] == ["width"], json.dumps(errors)[:2000]
+    assert errors[0]["details"].startswith("width - width = 40 is not a multiple of 16"), errors
+    assert json.dumps(body).count("width = 40 is not a multiple of 16") == 1, json.dumps(body)[:2000]
+
+
+def test_a_kv_setting_of_another_method_is_http_400_naming_it_once(comfy, info):
+    """The KV Config's ``rho`` with method ``h2o`` ran as plain H2O without a word; the command line refuses it."""
+    graph = understand_graph(info, BUNDLED_NAME, kv={"method": "h2o", "rho": 0.5})
+    status, body = comfy.queue(graph)
+    assert status == 400, json.dumps(body)[:2000]
+    errors = body["node_errors"]["2"]["errors"]
+    assert [e["extra_info"]["input_name"] for e in errors] == ["rho"], json.dumps(errors)[:2000]
+    assert "rho = 0.5 applies to the unicache method only, not to 'h2o'" in errors[0]["details"], errors
+
+
+@pytest.fixture(scope="module")
+def odd_tables(comfy):
+    """A listed policy table with a quantization group of 10^12 rows, and a FIFO in the policy folder."""
+    import os
+    from importlib import resources
+
+    tables = comfy.base / "models" / "unicache_policies"
+    tables.mkdir(parents=True, exist_ok=True)
+    paper = json.loads(resources.files("unicache_core.compression").joinpath("tables", "bagel-7b-mot.json").read_text())
+    paper["quantization"]["groups"] = [1_000_000_000_000]
+    paper["model_id"] = ""  # any model: the tiny checkpoint's run reaches the size check
+    (tables / "huge-group.json").write_text(json.dumps(paper))
+    os.mkfifo(tables / "fifo-table.json")
+    return comfy.object_info()
+
+
+@pytest.mark.parametrize(
+    "table, said",
+    [
+        ("huge-group.json", "`quantization.groups` holds 1000000000000, more rows than one segment of this model"),
+        ("fifo-table.json", "fifo-table.json' is a FIFO (named pipe), not a regular file"),
+    ],
+)
+def test_a_listed_table_the_run_cannot_use_is_one_line_naming_it(comfy, odd_tables, table, said):
+    """A group of 10^12 rows was an execution_error of 34 traceback lines (a 256 TB allocation); a FIFO in the
+    folder's list was "not found". Each is one line naming the table."""
+    graph = understand_graph(odd_tables, BUNDLED_NAME, kv={"method": "unicache", "policy": table})
+    entry = comfy.run(graph)
+    assert entry["status"]["status_str"] == "error", describe(entry)
+    error = messages(entry, "execution_error")[0]
+    message = error["exception_message"]
+    assert said in message and message.strip().count("\n") == 0, message
+    assert error["exception_type"].endswith(("PolicyTableError", "ValueError")), error["exception_type"]
+    after = comfy.run(understand_graph(odd_tables, BUNDLED_NAME, prompt="Still working?"))
+    assert after["status"]["status_str"] == "success", describe(after)

@@ -18,7 +18,6 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ import ray
 from ray.util.queue import Queue
 
 from tools import comfyhost
+from tools.batch import supervisor
 from tools.batch.client import HostClient, HostGone, RunFailed, one_line
 from tools.batch.outputs import record_outcome
 from tools.batch.reachable import check_ray_address
@@ -148,60 +148,74 @@ class RayOptions:
     connect_timeout: float = 120.0
 
 
+#: The object store of a local cluster the batch starts: the batch moves only run records and their outputs
+#: through it, and Ray's default (30% of the machine's memory) is reserved up front, so a start under a virtual-memory
+#: limit (``ulimit -v 8000000``) killed its raylet and left ``ray.init`` waiting for it for good.
+LOCAL_OBJECT_STORE_BYTES = 512 << 20
+
+
 def _connect(options: RayOptions) -> None:
     """Join the cluster at ``options.address`` (its port checked first: one line at once when nothing answers), or
-    start a local one; ``ray.init`` has no timeout of its own, so a watchdog ends the process with one line after
-    ``options.connect_timeout`` seconds (a local start stuck for memory, a cluster that never answers)."""
+    start a local one (its GPUs checked against the workers' first, :func:`_local_gpus`); ``ray.init`` has no
+    timeout of its own, so a watchdog ends the process with one line after ``options.connect_timeout`` seconds (a
+    local start stuck for memory, a cluster that never answers): a thread here, and under ``python -m tools.batch``
+    the supervising parent (:mod:`tools.batch.supervisor`), which also ends an init that holds the interpreter."""
     check_ray_address(options.address)
+    if not options.address and (gpus := _local_gpus()) is not None:
+        _plan(options, {"GPU": gpus, "CPU": float("inf")}, where="this machine (a local cluster)")
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
     watchdog = threading.Timer(options.connect_timeout, _give_up, args=(options,))
     watchdog.daemon = True
     watchdog.start()
+    supervisor.note_connecting(options.connect_timeout, _where(options))
     try:
         if options.address:
             ray.init(address=options.address, **quiet)
         else:
-            ray.init(include_dashboard=False, **quiet)
+            ray.init(include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES, **quiet)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise ValueError(f"--address {options.address or '(local)'}: cannot start or reach Ray: {one_line(e)}") from e
     finally:
         watchdog.cancel()
+        supervisor.note_connected()
+
+
+def _local_gpus() -> float | None:
+    """The GPUs a local cluster started here would have, read as Ray reads them (each GPU accelerator's count, within
+    the visible devices), before starting it; ``None`` when Ray's private accelerator API cannot be read (then the
+    check after connecting, :func:`_plan`, still refuses a request the cluster cannot hold)."""
+    try:
+        from ray._private.accelerators import get_all_accelerator_managers
+
+        total = 0
+        for manager in get_all_accelerator_managers():
+            if manager.get_resource_name() != "GPU":
+                continue
+            count = manager.get_current_node_num_accelerators()
+            visible = manager.get_current_process_visible_accelerator_ids()
+            total += count if visible is None else min(count, len(visible))
+        return float(total)
+    except Exception:  # noqa: BLE001 - a private API that may change between Ray versions: no pre-check then
+        return None
+
+
+def _where(options: RayOptions) -> str:
+    return f"--address {options.address}" if options.address else "--ray (a local cluster)"
 
 
 def _give_up(options: RayOptions) -> None:
-    """The watchdog of :func:`_connect`: ``ray.init`` cannot be interrupted, so the process ends here (status 2)."""
-    where = f"--address {options.address}" if options.address else "--ray (a local cluster)"
-    sys.stderr.write(
-        f"tools.batch: {where}: Ray did not start or connect within {options.connect_timeout:g} s (--ray-timeout); "
-        f"check `ray status` and the machine's free memory (a local start needs about 2 GB), or raise --ray-timeout\n"
-    )
+    """The watchdog thread of :func:`_connect`: ``ray.init`` cannot be interrupted, so the process ends here (status
+    2) with the part of a local cluster already started (GCS, raylet, agents)."""
+    sys.stderr.write(supervisor.give_up_line(options.connect_timeout, _where(options)))
     sys.stderr.flush()
-    for pid in _descendants(os.getpid()):  # the part of a local cluster already started (GCS, raylet, agents)
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    supervisor.kill_tree(os.getpid(), include_root=False)
     os._exit(2)
 
 
-def _descendants(root: int) -> list[int]:
-    """Every process below ``root`` (read from ``/proc``; none where there is no ``/proc``)."""
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                if entry.isdigit():
-                    with open(f"/proc/{entry}/stat") as fh:  # "pid (comm) state ppid ..."
-                        children[int(fh.read().rsplit(")", 1)[1].split()[1])].append(int(entry))
-    found, queue = [], [root]
-    while queue:
-        for child in children.get(queue.pop(), []):
-            found.append(child)
-            queue.append(child)
-    return found
-
-
-def _plan(options: RayOptions) -> tuple[int, float]:
-    """(workers, GPUs per worker), checked against what the cluster has."""
-    have = ray.cluster_resources()
+def _plan(options: RayOptions, have: dict | None = None, where: str = "the cluster") -> tuple[int, float]:
+    """(workers, GPUs per worker), checked against what the cluster has (``have``: these resources instead, e.g. the
+    local machine's before a local cluster starts, named ``where``)."""
+    have = ray.cluster_resources() if have is None else have
     gpus, cpus = have.get("GPU", 0.0), have.get("CPU", 0.0)
     per = options.gpus_per_worker
     if per is None:
@@ -214,18 +228,18 @@ def _plan(options: RayOptions) -> tuple[int, float]:
         count = options.workers or (int(gpus // per) if per else 1)
     if count < 1 and per > gpus + 1e-9:  # not even one worker's GPUs: say so, not "--workers 0 ... needs 0 GPUs"
         raise ValueError(
-            f"--gpus-per-worker {per:g}: the cluster has {gpus:g} GPUs, fewer than one worker needs; give "
+            f"--gpus-per-worker {per:g}: {where} has {gpus:g} GPUs, fewer than one worker needs; give "
             f"--gpus-per-worker {gpus:g}" + (" (hosts on the CPU)" if not gpus else "")
         )
     if count < 1 or count * per > gpus + 1e-9:
         raise ValueError(
-            f"--workers {count} x --gpus-per-worker {per:g} needs {count * per:g} GPUs; the cluster "
+            f"--workers {count} x --gpus-per-worker {per:g} needs {count * per:g} GPUs; {where} "
             f"has {gpus:g} (lower --workers or --gpus-per-worker)"
         )
     if count * options.cpus_per_worker > cpus + 1e-9:
         raise ValueError(
             f"--workers {count} x --cpus-per-worker {options.cpus_per_worker:g} needs "
-            f"{count * options.cpus_per_worker:g} CPUs; the cluster has {cpus:g}"
+            f"{count * options.cpus_per_worker:g} CPUs; {where} has {cpus:g}"
         )
     return count, per
 

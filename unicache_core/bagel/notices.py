@@ -71,10 +71,17 @@ def _image_sizes(items: list, config) -> list[tuple[tuple[int, int], tuple[int, 
     return out
 
 
-def request_warnings(task: str, items: list, config, *, trained: int | None = None) -> list[str]:
+#: Where an empty prompt comes from, ending its warning: in ComfyUI (the command line names its own flags).
+NODE_PROMPT_HINT = "an empty Text Item connected to the prompt gives this too"
+
+
+def request_warnings(
+    task: str, items: list, config, *, trained: int | None = None, prompt_hint: str = NODE_PROMPT_HINT
+) -> list[str]:
     """One line per thing worth a warning in the checked request ``items`` of ``task`` (``t2i``, ``edit``,
     ``understanding``) for a model of ``config``; the last text item is the prompt. ``trained``: the images per
-    request the checkpoint was trained on (:func:`trained_images`; None: not known, no warning about it)."""
+    request the checkpoint was trained on (:func:`trained_images`; None: not known, no warning about it);
+    ``prompt_hint``: where an empty prompt may come from, for the front end that shows the warnings."""
     lines = []
     last = max((i for i, item in enumerate(items) if isinstance(item, TextItem)), default=None)
     for index, item in enumerate(items):
@@ -82,7 +89,7 @@ def request_warnings(task: str, items: list, config, *, trained: int | None = No
             if index == last:
                 lines.append(
                     f"the prompt is empty: BAGEL {_TASK_WORDS.get(task, 'runs')} from the other items alone; "
-                    f"type an instruction (an empty Text Item connected to the prompt gives this too)"
+                    f"type an instruction ({prompt_hint})"
                 )
             else:
                 lines.append(str(empty_text_warning(item.text, f"items[{index}] (a text item)")))
@@ -110,4 +117,4 @@ def request_warnings(task: str, items: list, config, *, trained: int | None = No
     return lines
 
 
-__all__ = ["TRAINED_IMAGES_KEY", "empty_text_warning", "request_warnings", "trained_images"]
+__all__ = ["NODE_PROMPT_HINT", "TRAINED_IMAGES_KEY", "empty_text_warning", "request_warnings", "trained_images"]

@@ -61,6 +61,7 @@ from .settings import (
     preset,
 )
 from .source_images import prepare_image
+from .tokens import segment_rows
 
 logger = logging.getLogger(__name__)
 
@@ -168,12 +169,14 @@ class BagelPipeline:
     ) -> CacheSession:
         """The cache session of one request (every context of the request gets its cache from it); ``branch_weights``:
         each branch's coefficient in the output (:func:`.sampling.guidance_weights`)."""
+        config = getattr(self.loaded, "config", None)
         request = RequestInfo(
             task=task,
             num_layers=self.loaded.model.num_layers,
             num_steps=num_steps,
             model_id=self.model_id,
             branch_weights=branch_weights,
+            segment_rows=None if config is None else segment_rows(config),
         )
         return self.cache_factory.start(request)
 

@@ -99,17 +99,24 @@ def check_image_positions(
     extra: int = 0,
     extra_name: str = "max_new_tokens",
     name: str = "items",
+    lowered: bool = True,
 ) -> None:
     """:func:`check_item_positions` of a request whose context takes ``used`` RoPE positions with ``images``
-    images in it (the run's item list, or the memory plan's ``--image-sizes``: one check for both)."""
+    images in it (the run's item list, or the memory plan's ``--image-sizes``: one check for both). The images that
+    fit are counted with the ``extra`` decoded positions, so the count it gives is one the run takes; ``lowered``:
+    the message may advise lowering ``extra_name`` (the plan has no such flag)."""
     limit = config.llm.max_position_embeddings
-    if used > limit and images > 1:
+    if used + extra > limit and images > 1:
         per_image = 2 if generation else 1
-        fit = max(0, (limit - (used - images * per_image)) // per_image)
+        fit = max(0, (limit - extra - (used - images * per_image)) // per_image)
+        decoded = f", + {extra} decoded ({extra_name})" if extra else ""
         raise ValueError(
-            f"`{name}` holds {images} images, more than the model's positions allow: the request needs {used} RoPE "
-            f"positions ({per_image} per image) but max_position_embeddings = {limit}; at most {fit} images fit "
-            f"with these texts: drop images or shorten the texts"
+            f"`{name}` holds {images} images, more than the model's positions allow: the request needs "
+            f"{used + extra} RoPE positions ({used} for the context, {per_image} per image{decoded}) but "
+            f"max_position_embeddings = {limit}; at most {fit} images fit with these texts"
+            + (" and that answer" if extra else "")
+            + ": drop images or shorten the texts"
+            + (f", or lower `{extra_name}`" if extra and lowered else "")
         )
     check_positions(config, used, 0, name)
     if extra:
@@ -208,6 +215,13 @@ def kv_bytes_per_token(config: BagelConfig, dtype: torch.dtype) -> int:
     llm = config.llm
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * llm.num_hidden_layers * llm.num_key_value_heads * llm.head_dim * element
+
+
+def segment_rows(config: BagelConfig) -> int:
+    """The most rows one cached segment of this model can hold: its longest text (one RoPE position per token) or
+    one image's tokens (the latent position table's ``max_latent_size ** 2``, the ViT's
+    ``vit_max_num_patch_per_side ** 2``). A policy table's sizes are bounded by it (32768 for BAGEL-7B-MoT)."""
+    return max(config.llm.max_position_embeddings, config.max_latent_size**2, config.vit_max_num_patch_per_side**2)
 
 
 def image_tokens(
@@ -341,5 +355,6 @@ __all__ = [
     "image_tokens",
     "item_positions",
     "kv_bytes_per_token",
+    "segment_rows",
     "understanding_positions",
 ]

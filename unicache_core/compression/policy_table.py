@@ -12,19 +12,25 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
-from unicache_commands.input_files import read_text_file
-
-from ..kv.token_types import CANDIDATE_TYPES, PROTECTED_TYPES, TASKS, TokenType
+from ..kv.token_types import PROTECTED_TYPES, TASKS, TokenType
 from .defaults import DEFAULT_K90_THRESHOLD, RHO0, UNICACHE_GROUPS
 from .family import JointPlan, QuantGeometry
+from .policy_table_file import (
+    MAX_MEASUREMENT_DEPTH,
+    READABLE_VERSIONS,
+    TABLE_VERSION,
+    PolicyTableError,
+    check_table_sizes,
+    read_table_json,
+    table_fields,
+)
 from .routing import POLICY_KINDS, Kind, PolicyKind, route
 
 logger = logging.getLogger(__name__)
@@ -33,42 +39,12 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_POLICY_FILE = "unicache_policy.json"
 #: The shipped paper table (instruction and source-ViT evicted, source-VAE quantized).
 PAPER_TABLE = "bagel-7b-mot.json"
-#: Deepest nesting of a table's free ``measurements`` JSON (calibration writes a few levels).
-MAX_MEASUREMENT_DEPTH = 64
-#: Largest policy-table file read (the calibrated tables with their measurements are well under 1 MB).
-MAX_TABLE_BYTES = 64 << 20
-#: The version :meth:`PolicyTable.save` writes, and every version :meth:`PolicyTable.from_dict` reads.
-TABLE_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-
-
-class PolicyTableError(ValueError):
-    """A policy-table file is malformed, of another version, or made for another model."""
 
 
 def _check_task(task: str) -> str:
     if task not in TASKS:
         raise ValueError(f"`task` must be one of {TASKS}, got {task!r}")
     return task
-
-
-def _nesting_depth(value: object) -> int:
-    """Depth of nested JSON containers in ``value`` (0 for a scalar), counted without recursion."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        children: Iterable
-        if isinstance(item, Mapping):
-            children = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth + 1)
-        if deepest > MAX_MEASUREMENT_DEPTH:
-            return deepest
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
 
 
 @dataclass(frozen=True)
@@ -230,103 +206,10 @@ class PolicyTable:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping, origin: str = "policy table") -> PolicyTable:
-        """Parse and validate a table; every problem is one :class:`PolicyTableError` naming ``origin``."""
-
-        def bad(msg: str) -> PolicyTableError:
-            return PolicyTableError(
-                f"{origin}: {msg}; write it with `python -m unicache_core.bagel.calibrate` or start "
-                "from unicache_core/compression/tables/bagel-7b-mot.json"
-            )
-
-        if not isinstance(data, Mapping):
-            raise bad(f"expected a JSON object, got {type(data).__name__}")
-        if data.get("format") != "unicache-policy-table":
-            raise bad(f"`format` must be 'unicache-policy-table', got {data.get('format')!r}")
-        if data.get("version") not in READABLE_VERSIONS:
-            raise bad(
-                f"unsupported `version` {data.get('version')!r} (this library reads versions "
-                f"{', '.join(map(str, READABLE_VERSIONS))})"
-            )
-        model_id = data.get("model_id", "")
-        if not isinstance(model_id, str):
-            raise bad(f"`model_id` must be a string, got {model_id!r}")
-        source = data.get("source", "paper")
-        if source not in ("paper", "calibrated"):
-            raise bad(f"`source` must be 'paper' or 'calibrated', got {source!r}")
-        threshold = data.get("threshold", DEFAULT_K90_THRESHOLD)
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
-            raise bad(f"`threshold` must be a number in [0, 1], got {threshold!r}")
-        rows = data.get("entries")
-        if not isinstance(rows, list) or not rows:
-            raise bad("`entries` must be a non-empty list")
-        entries: dict[tuple[str, TokenType], str] = {}
-        k90s: dict[tuple[str, TokenType], float] = {}
-        strengths: dict[tuple[str, TokenType], float] = {}
-        plans: dict[tuple[str, TokenType], JointPlan] = {}
-        try:
-            geometry = QuantGeometry.from_dict(data.get("quantization", {}))
-        except ValueError as exc:
-            raise bad(f"`quantization`: {exc}") from None
-        for i, row in enumerate(rows):
-            if not isinstance(row, Mapping):
-                raise bad(f"`entries[{i}]` must be an object, got {row!r}")
-            task = row.get("task")
-            if task not in TASKS:
-                raise bad(f"`entries[{i}].task` must be one of {TASKS}, got {task!r}")
-            try:
-                ttype = TokenType.parse(row["type"])
-            except (ValueError, TypeError, KeyError):
-                raise bad(
-                    f"`entries[{i}].type` {row.get('type')!r} is not a token type "
-                    f"({', '.join(t.name.lower() for t in CANDIDATE_TYPES)})"
-                ) from None
-            if ttype not in CANDIDATE_TYPES:
-                raise bad(
-                    f"`entries[{i}].type` {ttype.name.lower()} is protected or unknown; only "
-                    f"{', '.join(t.name.lower() for t in CANDIDATE_TYPES)} get a policy"
-                )
-            kind = row.get("kind")
-            if kind not in POLICY_KINDS:
-                raise bad(f"`entries[{i}].kind` must be one of {POLICY_KINDS}, got {kind!r}")
-            key = (task, ttype)
-            if key in entries:
-                raise bad(f"`entries[{i}]` repeats ({task}, {ttype.name.lower()})")
-            entries[key] = kind
-            for name, target in (("k90", k90s), ("strength", strengths)):
-                if name in row:
-                    value = row[name]
-                    if (
-                        isinstance(value, bool)
-                        or not isinstance(value, (int, float))
-                        or not math.isfinite(value)
-                        or not 0.0 <= value <= 1.0
-                    ):
-                        raise bad(f"`entries[{i}].{name}` must be a number in [0, 1], got {value!r}")
-                    target[key] = float(value)
-            if "plan" in row:
-                try:
-                    plans[key] = JointPlan.from_list(row["plan"])
-                except ValueError as exc:
-                    raise bad(f"`entries[{i}].plan`: {exc}") from None
-            elif kind == "joint":
-                raise bad(f"`entries[{i}]` is joint but has no `plan` (its bits per budget level)")
-        measurements = data.get("measurements", {})
-        if not isinstance(measurements, Mapping):
-            raise bad("`measurements` must be an object")
-        if _nesting_depth(measurements) > MAX_MEASUREMENT_DEPTH:
-            raise bad(f"`measurements` nests more than {MAX_MEASUREMENT_DEPTH} levels deep")
-        return cls(
-            entries=entries,
-            threshold=float(threshold),
-            k90=k90s,
-            model_id=model_id,
-            source=source,
-            strengths=strengths,
-            measurements=dict(measurements),
-            plans=plans,
-            geometry=geometry,
-        )
+    def from_dict(cls, data: object, origin: str = "policy table") -> PolicyTable:
+        """Parse and validate a table (:func:`~.policy_table_file.table_fields`: every key known, ``model_id``
+        given); every problem is one :class:`PolicyTableError` naming ``origin``."""
+        return cls(**table_fields(data, origin))
 
     def save(self, path: str | Path) -> None:
         """Write the table as JSON (``policy_table.json``)."""
@@ -336,26 +219,7 @@ class PolicyTable:
     def load(cls, path: str | Path, *, model_id: str | None = None) -> PolicyTable:
         """Read a table written by :meth:`save`; with ``model_id``, refuse a table made for another model."""
         path = Path(path)
-        try:  # a regular file of bounded size only: a FIFO would block, /dev/zero never end
-            text = read_text_file(
-                path, label=f"policy table {str(path)!r}", max_bytes=MAX_TABLE_BYTES, advice="pass a JSON file"
-            )
-        except FileNotFoundError:
-            raise PolicyTableError(f"policy table {str(path)!r} does not exist; pass an existing JSON file") from None
-        except IsADirectoryError:
-            raise PolicyTableError(f"policy table {str(path)!r} is a folder; pass the JSON file inside it") from None
-        except (OSError, ValueError) as exc:
-            raise PolicyTableError(str(exc)) from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PolicyTableError(f"policy table {str(path)!r} is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise PolicyTableError(
-                f"policy table {str(path)!r} nests JSON too deeply to be read; a policy table is "
-                "a flat list of entries: write it with `python -m unicache_core.bagel.calibrate` "
-                "or start from unicache_core/compression/tables/bagel-7b-mot.json"
-            ) from None
+        data = read_table_json(path)  # a regular file of bounded size, strict JSON
         table = cls.from_dict(data, origin=f"policy table {str(path)!r}")
         table = replace(table, origin=str(path))
         if model_id is not None and table.model_id and table.model_id != model_id:
@@ -372,44 +236,71 @@ def paper_policy_table() -> PolicyTable:
     return PolicyTable.load(Path(str(path)))
 
 
-def resolve_policy_table(policy, checkpoint_dir: str, model_id: str) -> tuple[PolicyTable, dict]:
+def _named_model(table: PolicyTable, info: dict, model_id: str) -> dict:
+    """``info`` with a warning when the table names no model (``model_id`` ""), so nothing checked that it was made
+    for this checkpoint: said in the report and the log, never silent."""
+    if table.model_id or not model_id:
+        return info
+    where = f"policy table {info['path']!r}" if info["path"] != "given" else "the given policy table"
+    warning = (
+        f'{where} names no model (`model_id` is ""): it was not checked against this checkpoint ({model_id}); '
+        "calibrate one on it (python -m unicache_core.bagel.calibrate), or write its model_id into the table"
+    )
+    logger.warning(warning)
+    return {**info, "warning": warning}
+
+
+def _explicit(policy, model_id: str) -> tuple[PolicyTable, dict]:
+    """An explicit ``policy`` (path or table), refused if made for another model."""
+    if isinstance(policy, PolicyTable):
+        if model_id and policy.model_id and policy.model_id != model_id:
+            raise PolicyTableError(
+                f"the given policy table was made for {policy.model_id!r}, not for this checkpoint ({model_id!r})"
+            )
+        table, origin = policy, "given"
+    else:
+        try:
+            table, origin = PolicyTable.load(policy, model_id=model_id or None), str(policy)
+        except PolicyTableError as exc:
+            if "was made for model" not in str(exc):
+                raise
+            raise PolicyTableError(
+                f"{exc}, or leave the policy unset to use the checkpoint's own {CHECKPOINT_POLICY_FILE} (else "
+                f"the paper's table)"
+            ) from None
+    return table, {"path": origin, "model_id": table.model_id, "source": table.source, "warning": None}
+
+
+def resolve_policy_table(
+    policy, checkpoint_dir: str, model_id: str, segment_rows: int | None = None
+) -> tuple[PolicyTable, dict]:
     """The table a unicache run uses and a record of where it came from.
 
     Explicit ``policy`` (path or table) → used, refused if made for another model; else
-    ``<checkpoint>/unicache_policy.json``; else the paper table, with a warning in the report.
+    ``<checkpoint>/unicache_policy.json``; else the paper table, with a warning in the report. A table that names no
+    model gets a warning too. ``segment_rows`` (the most rows one segment of the model holds): a table whose sizes
+    exceed it is refused (:func:`~.policy_table_file.check_table_sizes`).
     """
+    local = Path(checkpoint_dir) / CHECKPOINT_POLICY_FILE if checkpoint_dir else None
     if policy is not None:
-        if isinstance(policy, PolicyTable):
-            table, origin = policy, "given"
-        else:
-            try:
-                table, origin = PolicyTable.load(policy, model_id=model_id or None), str(policy)
-            except PolicyTableError as exc:
-                if "was made for model" not in str(exc):
-                    raise
-                raise PolicyTableError(
-                    f"{exc}, or leave the policy unset to use the checkpoint's own {CHECKPOINT_POLICY_FILE} (else "
-                    f"the paper's table)"
-                ) from None
-        if isinstance(policy, PolicyTable) and model_id and table.model_id and table.model_id != model_id:
-            raise PolicyTableError(
-                f"the given policy table was made for {table.model_id!r}, not for this checkpoint ({model_id!r})"
+        table, info = _explicit(policy, model_id)
+    elif local is not None and os.path.lexists(local):  # a FIFO, folder or broken link there is refused, not skipped
+        table = PolicyTable.load(local, model_id=model_id or None)
+        info = {"path": str(local), "model_id": table.model_id, "source": table.source, "warning": None}
+    else:
+        table = paper_policy_table()
+        warning = None
+        if model_id != table.model_id:
+            warning = (
+                f"no policy table calibrated on this checkpoint ({model_id or 'unknown model'}): using the paper's "
+                f"assignment for {table.model_id}; run `python -m unicache_core.bagel.calibrate` to make one"
             )
-        return table, {"path": origin, "model_id": table.model_id, "source": table.source, "warning": None}
-    if checkpoint_dir:
-        local = Path(checkpoint_dir) / CHECKPOINT_POLICY_FILE
-        if os.path.lexists(local):  # a FIFO, folder or broken link there is refused (PolicyTable.load), not skipped
-            table = PolicyTable.load(local, model_id=model_id or None)
-            return table, {"path": str(local), "model_id": table.model_id, "source": table.source, "warning": None}
-    table = paper_policy_table()
-    warning = None
-    if model_id != table.model_id:
-        warning = (
-            f"no policy table calibrated on this checkpoint ({model_id or 'unknown model'}): using the paper's "
-            f"assignment for {table.model_id}; run `python -m unicache_core.bagel.calibrate` to make one"
-        )
-        logger.warning(warning)
-    return table, {"path": PAPER_TABLE, "model_id": table.model_id, "source": table.source, "warning": warning}
+            logger.warning(warning)
+        return table, {"path": PAPER_TABLE, "model_id": table.model_id, "source": table.source, "warning": warning}
+    if segment_rows is not None:
+        where = f"policy table {table.origin!r}" if table.origin else "the given policy table"
+        check_table_sizes(table.geometry, segment_rows, where)
+    return table, _named_model(table, info, model_id)
 
 
 __all__ = [

@@ -105,6 +105,14 @@ def _budget_line(method, s: dict) -> str:
     return line + (f": {off}, fixed parts exceed it (see the flags)" if s.get("budget_unreachable") else f": {off}")
 
 
+def saving_words(summary: dict) -> str:
+    """What a compression saved, in words: ``80.0% saved, 5.00x less``; a target that kept no byte of the
+    compressible KV says so (``100% saved: none of it held``), never a ratio over zero bytes (``0.00x less``)."""
+    if not summary.get("steady_managed_bytes"):
+        return "100% saved: none of it held, every compressible row dropped"
+    return f"{(summary.get('reduction') or 0) * 100:.1f}% saved, {summary.get('compression') or 0:.2f}x less"
+
+
 def summary_text(report: dict) -> str:
     """A few lines for humans: method, task, full / held / peak bytes, reduction, rho and flags."""
     report = check_report(report)
@@ -119,7 +127,7 @@ def summary_text(report: dict) -> str:
         lines.append(
             f"compressible KV: {_fmt_bytes(s.get('full_managed_bytes'))} full -> "
             f"{_fmt_bytes(s.get('steady_managed_bytes'))} held "
-            f"({(s.get('reduction') or 0) * 100:.1f}% saved, {s.get('compression') or 0:.2f}x less)"
+            f"({saving_words(s)})"
         )
     else:
         lines.append(f"compressible KV: {_fmt_bytes(s.get('full_managed_bytes'))} (not compressed)")
@@ -217,4 +225,4 @@ def render_plot(report: dict, width: int = 768, height: int = 512) -> Image.Imag
     return img
 
 
-__all__ = ["chart_data", "check_report", "render_plot", "summary_text"]
+__all__ = ["chart_data", "check_report", "render_plot", "saving_words", "summary_text"]

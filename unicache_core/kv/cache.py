@@ -94,6 +94,8 @@ class RequestInfo:
         model_id: the model's id (a factory may pick settings made for that model with it), or ``""``.
         branch_weights: ``(branch, coefficient)`` pairs: each branch's coefficient in the output the request returns
             (classifier-free guidance combines the branches' outputs linearly; empty: every branch counts 1).
+        segment_rows: the most rows one cached segment of the model can hold (its longest text, or one image's
+            tokens), which bounds a method's sizes (a policy table's quantization groups); ``None`` when unknown.
     """
 
     task: Task
@@ -101,6 +103,7 @@ class RequestInfo:
     num_steps: int | None = None
     model_id: str = ""
     branch_weights: tuple[tuple[str, float], ...] = ()
+    segment_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -108,6 +111,8 @@ class RequestInfo:
         check_int("num_layers", self.num_layers, 1)
         if self.num_steps is not None:
             check_int("num_steps", self.num_steps, 0)
+        if self.segment_rows is not None:
+            check_int("segment_rows", self.segment_rows, 1)
         for name, coefficient in self.branch_weights:
             if name not in BRANCHES or not math.isfinite(coefficient):
                 pair = (name, coefficient)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from unicache_commands.flags import printable
 from unicache_commands.input_files import read_text_file
 from unicache_commands.output_files import check_output_file, same_file, save_text, write_atomically
 
@@ -35,6 +36,7 @@ from ..settings import (
 )
 
 if TYPE_CHECKING:
+    from ..config import BagelConfig
     from ..request_check import CheckedRequest
 
 #: Output formats by file suffix (checked before the model loads, so a typo costs nothing).
@@ -88,12 +90,14 @@ def not_found(flag: str, path: Path, what: str) -> OSError:
             os.stat(path)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                return OSError(f"{flag}: {path} is a symlink loop (it never reaches a real {what}); fix the link")
+                return OSError(
+                    f"{flag}: {printable(path)} is a symlink loop (it never reaches a real {what}); fix the link"
+                )
         return FileNotFoundError(
-            f"{flag}: {path} is a broken symlink to {os.readlink(path)}, which does not exist; "
+            f"{flag}: {printable(path)} is a broken symlink to {printable(os.readlink(path))}, which does not exist; "
             f"fix the link or pass the {what} itself"
         )
-    return FileNotFoundError(f"{flag}: {what} not found: {path}")
+    return FileNotFoundError(f"{flag}: {what} not found: {printable(path)}")
 
 
 def check_checkpoint_dir(path: Path) -> Path:
@@ -197,11 +201,11 @@ def open_image(path: Path, flag: str = "--image"):
     from ..transforms import pil_img2rgb
 
     if path.is_dir():
-        raise ValueError(f"{flag}: {path} is a directory; pass an image file")
+        raise ValueError(f"{flag}: {printable(path)} is a directory; pass an image file")
     if not path.exists():
         raise not_found(flag, path, "file")
     if not path.is_file():
-        raise ValueError(f"{flag}: {path} is not a regular file; pass an image file")
+        raise ValueError(f"{flag}: {printable(path)} is not a regular file; pass an image file")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -210,15 +214,15 @@ def open_image(path: Path, flag: str = "--image"):
                 image = img.copy()
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ValueError(
-            f"{flag}: {path} is too large to decode safely ({exc}); downscale it below "
+            f"{flag}: {printable(path)} is too large to decode safely ({exc}); downscale it below "
             f"{Image.MAX_IMAGE_PIXELS} pixels first (BAGEL resizes every input to at most 1024 px per side)"
         ) from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as exc:
-        raise ValueError(f"{flag}: cannot read {path} as an image ({exc})") from None
+        raise ValueError(f"{flag}: cannot read {printable(path)} as an image ({exc})") from None
     try:
         pil_img2rgb(image, "image")
     except ValueError as exc:
-        raise ValueError(f"{flag}: {path}: {exc}") from None
+        raise ValueError(f"{flag}: {printable(path)}: {exc}") from None
     return image
 
 
@@ -245,18 +249,20 @@ def check_kv_target_size(kv_target: str | None, config, dtype: str) -> None:
             )
 
 
-def check_policy_table(args, root: Path) -> None:
+def check_policy_table(args, root: Path, config: BagelConfig) -> None:
     """``--kv-method unicache``: the policy table it will use (``--policy``, else the checkpoint's own
-    ``unicache_policy.json``) is read and must cover the task, so a broken table costs no weights load."""
+    ``unicache_policy.json``) is read, must cover the task and fit the model's segments, so a broken table costs no
+    weights load."""
     from ...compression.policy_table import CHECKPOINT_POLICY_FILE, resolve_policy_table
     from ..checkpoint.model_id import model_id_of
+    from ..tokens import segment_rows
 
     policy = getattr(args, "policy", None)
     if getattr(args, "kv_method", None) != "unicache" or (
         policy is None and not os.path.lexists(root / CHECKPOINT_POLICY_FILE)  # a FIFO there is refused, not skipped
     ):
         return  # the shipped paper table (its warning is logged once, by the run)
-    table, _ = resolve_policy_table(policy, str(root), model_id_of(root))
+    table, _ = resolve_policy_table(policy, str(root), model_id_of(root), segment_rows(config))
     table.require_task("understanding" if args.command == "understand" else args.command)
 
 
@@ -438,7 +444,7 @@ def preflight(args, *, items: bool = False) -> Checked:
     device = resolve_device(args.device)
     config = load_bagel_config(root)  # JSON only: gives the size limit and the position budget
     check_kv_target_size(getattr(args, "kv_target", None), config, args.dtype)
-    check_policy_table(args, root)
+    check_policy_table(args, root, config)
     if task == "t2i":
         t2i = narrow_settings(settings, GenerationSettings)
         try:

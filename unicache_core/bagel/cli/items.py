@@ -10,6 +10,9 @@ and ``--image``. Everything here runs before the weights load; a mistake is one 
 from __future__ import annotations
 
 import dataclasses
+import logging
+
+from PIL import Image
 
 from ...kv.token_types import Task
 from ..items import ImageItem, Item, TextItem, request_items
@@ -17,6 +20,8 @@ from ..request_check import CheckedRequest, check_request
 from .checks import Checked, open_image, preflight, require_prompt
 from .files import check_command_outputs, round_paths
 from .items_file import open_items
+
+logger = logging.getLogger("unicache_core.bagel.cli")
 
 
 def is_item_request(args) -> bool:
@@ -28,10 +33,13 @@ def is_item_request(args) -> bool:
 def preflight_request(args) -> Checked:
     """:func:`~.checks.preflight` of any command line, an item list's images, texts, positions and round outputs
     included: every check before the weights load. Every output is first checked against every input, the
-    checkpoint and each other (:func:`~.files.check_command_outputs`)."""
+    checkpoint and each other (:func:`~.files.check_command_outputs`). What runs but may not do what was meant (an
+    empty prompt, images resized, ...) is logged as a warning, the notices the nodes show (:func:`warn_request`)."""
     check_command_outputs(args)
     if not is_item_request(args):
-        return preflight(args)
+        checked = preflight(args)
+        warn_request(args, [*([checked.image] if checked.image is not None else []), TextItem(checked.prompt or "")])
+        return checked
     from ..config import load_bagel_config
     from ..tokenizer import BagelTokenizer
 
@@ -42,7 +50,26 @@ def preflight_request(args) -> Checked:
     )
     out = getattr(args, "out", None)
     rounds_out = tuple(round_paths(out, items)) if out is not None else ()  # checked with every output by preflight
+    warn_request(args, list(request.items))
     return dataclasses.replace(checked, image=image, items=request.items, request=request, rounds_out=rounds_out)
+
+
+#: Where an empty prompt comes from on the command line (the end of its warning).
+CLI_PROMPT_HINT = "a blank --prompt, an empty --prompt-file or an items file's empty last text gives this too"
+
+
+def warn_request(args, items: list) -> None:
+    """Log :func:`~..notices.request_warnings` of the command's request (``items``: images as PIL images or image
+    items, and texts), one warning line each: the same notices the nodes show."""
+    from ..config import load_bagel_config
+    from ..notices import request_warnings, trained_images
+
+    task = "understanding" if args.command == "understand" else args.command
+    listed = [ImageItem(item) if isinstance(item, Image.Image) else item for item in items]
+    config = load_bagel_config(args.checkpoint)
+    lines = request_warnings(task, listed, config, trained=trained_images(args.checkpoint), prompt_hint=CLI_PROMPT_HINT)
+    for line in lines:
+        logger.warning("%s", line)
 
 
 def request_images(args, prompt: str | None):
@@ -83,4 +110,11 @@ def check_item_request(config, tokenizer, items: tuple[Item, ...], settings, arg
         raise ValueError(f"{flag}: {exc}") from None
 
 
-__all__ = ["check_item_request", "is_item_request", "preflight_request", "request_images"]
+__all__ = [
+    "CLI_PROMPT_HINT",
+    "check_item_request",
+    "is_item_request",
+    "preflight_request",
+    "request_images",
+    "warn_request",
+]

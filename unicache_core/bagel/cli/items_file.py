@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from unicache_commands.flags import printable
 from unicache_commands.input_files import parse_json
 
 from ..items import GENERATE, Item, TextItem
@@ -28,7 +29,7 @@ _SHAPE = '{"text": "..."}, {"image": "PATH"} or {"generate": true}'
 
 
 def _fail(path: Path, message: str) -> ValueError:
-    return ValueError(f"--items {path}: {message}")
+    return ValueError(f"--items {printable(path)}: {message}")
 
 
 def _load(path: Path) -> object:
@@ -49,7 +50,7 @@ def _load(path: Path) -> object:
     except UnicodeDecodeError as exc:
         message = f"not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}); save it as UTF-8"
         raise _fail(path, message) from None
-    return parse_json(text, label=f"--items {path}")  # no key twice, no nesting too deep: one line
+    return parse_json(text, label=f"--items {printable(path)}")  # no key twice, no nesting too deep: one line
 
 
 def read_items_file(path: Path, *, generation: bool) -> tuple[list[object], list[Path]]:
@@ -94,6 +95,12 @@ def read_items_file(path: Path, *, generation: bool) -> tuple[list[object], list
         else:
             if not isinstance(value, str) or not value:
                 raise _fail(path, f'{where}: "image" must be a non-empty path string, got {json.dumps(value)}')
+            if "\0" in value:  # no file name holds one (the OS refuses it); shown escaped, never raw
+                raise _fail(
+                    path,
+                    f'{where}: "image" {json.dumps(value)[:80]} holds a NUL byte (\\u0000), which no file path can '
+                    "hold; write the image's real path",
+                )
             image = Path(value) if Path(value).is_absolute() else path.parent / value
             items.append(image)
             images.append(image)

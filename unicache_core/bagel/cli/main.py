@@ -343,6 +343,7 @@ def _write_report(args: argparse.Namespace, report: dict | None) -> None:
     import json
 
     from ...compression.report import REPORT_FORMAT
+    from ...compression.report_view import saving_words
 
     payload: dict[str, Any] = (
         report
@@ -353,11 +354,11 @@ def _write_report(args: argparse.Namespace, report: dict | None) -> None:
     summary = payload.get("summary") or {}
     if summary.get("steady_managed_bytes") is not None and summary.get("full_managed_bytes"):
         logger.info(
-            "KV %s: %d of %d managed bytes held (%.1fx less), peak %d bytes; report %s",
+            "KV %s: %d of %d managed bytes held (%s), peak %d bytes; report %s",
             payload["method"],
             summary["steady_managed_bytes"],
             summary["full_managed_bytes"],
-            summary["compression"] or 0.0,
+            saving_words(summary),
             summary["peak_bytes"],
             args.report,
         )

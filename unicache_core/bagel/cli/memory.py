@@ -175,6 +175,7 @@ def _plan_of(
     else:
         planned = torch.device(device if device is not None else resolve_device(args.device))
         total = device_memory_bytes(planned)
+    order = getattr(args, "taylorseer_order", None)
     settings = PlanSettings(
         task=task,
         width=width,
@@ -186,7 +187,7 @@ def _plan_of(
         device=planned.type,
         images=tuple(images),
         taylorseer=bool(getattr(args, "taylorseer", False)),
-        taylorseer_order=getattr(args, "taylorseer_order", None) or PlanSettings.taylorseer_order,
+        taylorseer_order=PlanSettings.taylorseer_order if order is None else order,  # 0 is an order
     )
     return plan_memory(config, settings, total)
 
@@ -223,18 +224,21 @@ def check_plan_positions(config, task: str, images: int) -> None:
     generation = task != "und"
     used = PLAN_PROMPT_TOKENS + BOUNDARY_TOKENS + images * (2 if generation else 1) + (1 if generation else 0)
     extra = 0 if generation else UNDERSTANDING_DEFAULTS.max_new_tokens
+    answer = f" and the run's default {extra}-token answer" if extra else ""
     try:
-        check_image_positions(config, used, images, generation=generation, extra=extra, name="request")
+        check_image_positions(config, used, images, generation=generation, extra=extra, name="request", lowered=False)
     except ValueError as exc:
-        raise ValueError(f"--image-sizes: {exc} (a plan counts a {PLAN_PROMPT_TOKENS}-token prompt)") from None
+        raise ValueError(f"--image-sizes: {exc} (a plan counts a {PLAN_PROMPT_TOKENS}-token prompt{answer})") from None
 
 
 def check_plan_size(config, task: str, width: int, height: int) -> None:
     """``--width``/``--height`` of a plan, refused as the run would refuse them: a text-to-image output a positive
     multiple of the latent patch within the position table (:func:`~.settings.check_output_size`); an input image
-    (edit, and understanding unless both are 0 for none) at least 1 px a side and at most PIL's decoding limit."""
+    (edit, and understanding unless both are 0 for none) at least the run's least side (2 px: a one-pixel side holds no
+    picture) and at most PIL's decoding limit."""
     from PIL import Image
 
+    from ..items import MIN_IMAGE_SIDE
     from ..settings import check_output_size
 
     if task == "t2i":
@@ -247,10 +251,13 @@ def check_plan_size(config, task: str, width: int, height: int) -> None:
     if task in ("und", "understand") and width == height == 0:
         return  # an understanding request without an image
     most = Image.MAX_IMAGE_PIXELS  # PIL's decompression-bomb bound (None: PIL set to read any size)
-    if width < 1 or height < 1 or (most is not None and width * height > most):
+    side = MIN_IMAGE_SIDE  # the run's own least side (items.check_image_item): a one-pixel side holds no picture
+    if min(width, height) < side or (most is not None and width * height > most):
+        why = " (a one-pixel side holds no picture)" if 0 < min(width, height) < side else ""
         raise ValueError(
-            f"--width/--height: an input image of {width}x{height} px cannot be read by the run: give its size, at "
-            f"least 1x1 and at most {Image.MAX_IMAGE_PIXELS} pixels (0x0 plans an understanding without image)"
+            f"--width/--height: an input image of {width}x{height} px cannot be read by the run{why}: give its size, "
+            f"at least {side}x{side} and at most {Image.MAX_IMAGE_PIXELS} pixels (0x0 plans an understanding without "
+            "image)"
         )
 
 
@@ -263,7 +270,7 @@ def describe(plan) -> str:
     seer = f", TaylorSeer order {plan.settings.taylorseer_order}" if plan.settings.taylorseer else ""
     images = plan.settings.images
     shape = (
-        f"{len(images)} images ({', '.join(f'{w}x{h}' for w, h in images)})"
+        f"{len(images)} images ({', '.join(_counted(f'{w}x{h}' for w, h in images))})"
         if images
         else f"{plan.settings.width}x{plan.settings.height}"
     )
@@ -286,18 +293,69 @@ def describe(plan) -> str:
             f"code's every branch apart: {parts['kv_full'] / gb:.3f} GB); peak phase {plan.peak_phase}"
         )
     if plan.phases:
-        lines.append("  phases (GB): " + " | ".join(f"{name} {size / gb:.2f}" for name, size in plan.phases))
+        lines.append("  phases (GB): " + " | ".join(_phase_runs(plan.phases)))
     if "taylorseer" in plan.breakdown:
         ours, official = plan.breakdown["taylorseer"], plan.breakdown["taylorseer_official"]
         lines.append(describe_factors(ours, official, plan.settings, GENERATION_BRANCHES))
     if len(plan.kv_images) > 1:
-        lines += [
-            f"  image {i} {image['size'][0]}x{image['size'][1]}: KV "
-            + ", ".join(f"{branch} {size / gb:.3f} GB" for branch, size in image["bytes_per_branch"].items())
-            + f", held {image['held_bytes'] / gb:.3f} GB"
-            for i, image in enumerate(plan.kv_images)
-        ]
+        lines += _image_lines(plan.kv_images)
     return "\n".join(lines)
+
+
+def _counted(values) -> list[str]:
+    """Consecutive equal values once, with their count: ``["3 x 1024x1024", "768x512"]``."""
+    runs: list[list] = []
+    for value in values:
+        if runs and runs[-1][0] == value:
+            runs[-1][1] += 1
+        else:
+            runs.append([value, 1])
+    return [value if count == 1 else f"{count} x {value}" for value, count in runs]
+
+
+#: Runs of more per-item phases than this are printed as one range (a request of 10,000 images has 10,000).
+LISTED_ITEM_PHASES = 8
+
+
+def _phase_runs(phases) -> list[str]:
+    """The plan's phases as ``name GB``; a long run of ``prefill:item<j>`` as one range with its least and most."""
+    out: list[str] = []
+    run: list[tuple[int, float]] = []
+
+    def flush() -> None:
+        if len(run) > LISTED_ITEM_PHASES:
+            top = max(run, key=lambda item: item[1])
+            low = min(size for _, size in run)
+            out.append(f"prefill:item{run[0][0]}-{run[-1][0]} {low:.2f}..{top[1]:.2f} (most at item{top[0]})")
+        else:
+            out.extend(f"prefill:item{j} {size:.2f}" for j, size in run)
+        run.clear()
+
+    for name, size in phases:
+        if name.startswith("prefill:item") and name[len("prefill:item") :].isdigit():
+            run.append((int(name[len("prefill:item") :]), size / 1e9))
+            continue
+        flush()
+        out.append(f"{name} {size / 1e9:.2f}")
+    flush()
+    return out
+
+
+def _image_lines(kv_images) -> list[str]:
+    """One line per run of consecutive images of equal size and KV: ``images 0-9999 1024x1024: KV ... each``."""
+    gb, lines, start = 1e9, [], 0
+    texts = [
+        f"{image['size'][0]}x{image['size'][1]}: KV "
+        + ", ".join(f"{branch} {size / gb:.3f} GB" for branch, size in image["bytes_per_branch"].items())
+        + f", held {image['held_bytes'] / gb:.3f} GB"
+        for image in kv_images
+    ]
+    for i, text in enumerate(texts):
+        if i + 1 < len(texts) and texts[i + 1] == text:
+            continue
+        lines.append(f"  image {i} {text}" if start == i else f"  images {start}-{i} {text} each")
+        start = i + 1
+    return lines
 
 
 __all__ = [

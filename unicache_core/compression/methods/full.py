@@ -19,6 +19,14 @@ class Full(Method):
     compresses = False
     needs_scores = False
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kv_target is not None:  # accepted and ignored, it would let a run look compressed that is not
+            raise ValueError(
+                f"`kv_target` ({self.kv_target}) does not apply to the full method, which keeps every row; drop "
+                "`kv_target` or choose a compressing method (unicache, h2o, ...)"
+            )
+
     def target(self, task: str) -> float:
         return 1.0
 

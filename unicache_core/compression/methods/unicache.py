@@ -112,6 +112,13 @@ class UniCache(Method):
             check_ratio("rho", self.rho)
         if self.rho_floor is not None:
             check_ratio("rho_floor", self.rho_floor, allow_zero=True)
+        for name in ("rho", "rho_floor"):  # one rule, never a silent precedence: a target sets the schedule itself
+            if self.kv_target is not None and getattr(self, name) is not None:
+                raise ValueError(
+                    f"`{name}` ({getattr(self, name)}) and `kv_target` ({self.kv_target}) both set UniCache's "
+                    f"retention: an explicit kv_target is its rho0 (docs/engine.md); give `kv_target` alone, or "
+                    f"`rho` and `rho_floor` without it"
+                )
         if self.rho is not None and self.rho_floor is not None and self.rho_floor > self.rho:
             raise ValueError(
                 f"`rho_floor` ({self.rho_floor}) must not exceed `rho` ({self.rho}); lower the floor or raise rho"
@@ -139,7 +146,7 @@ class UniCache(Method):
 
     def bind(self, request: RequestInfo, checkpoint_dir: str) -> tuple[Method, dict]:
         """The method with its policy table resolved for the request's checkpoint (and checked for its task)."""
-        table, info = resolve_policy_table(self.policy, checkpoint_dir, request.model_id)
+        table, info = resolve_policy_table(self.policy, checkpoint_dir, request.model_id, request.segment_rows)
         table.require_task(request.task)
         return replace(self, policy=table), info
 
