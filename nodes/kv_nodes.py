@@ -150,7 +150,7 @@ class UniCacheKVConfig(UniCacheNode):
         score_queries=SCORE_QUERIES_OF_METHOD,
         objective=UNICACHE_OBJECTIVE,
     ) -> io.NodeOutput:
-        valid = check_widgets(cls, kv_target=kv_target, rho=rho, rho_floor=rho_floor)
+        valid = check_widgets(cls, kv_target=kv_target, rho=rho, rho_floor=rho_floor, objective=objective)
         if valid is not True:  # a nan would otherwise read as "not set" below
             raise ValueError(f"UniCache KV config: {valid}")
         widgets = {"kv_target": kv_target, "rho": rho, "rho_floor": rho_floor, "policy": policy, "objective": objective}
