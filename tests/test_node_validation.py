@@ -138,7 +138,6 @@ KV_UNSET = dict(kv_target=0.0, rho=0.0, rho_floor=-1.0, policy="default")
         ("unicache", {"kv_target": 0.3, "rho": 0.5}, "`rho` (0.5) and `kv_target` (0.3) both set UniCache's retention"),
         ("unicache", {"kv_target": 0.3, "rho_floor": 0.0}, "`rho_floor` (0.0) and `kv_target` (0.3) both set"),
         ("kivi", {"objective": "memory"}, "objective = 'memory' applies to the unicache method only, not to 'kivi'"),
-        ("unicache", {"objective": "fastest"}, "objective = 'fastest' is not a choice of this input (speed, memory)"),
     ],
 )
 def test_kv_config_refuses_a_setting_the_method_would_not_use(method, change, message):
@@ -152,6 +151,14 @@ def test_kv_config_refuses_a_setting_the_method_would_not_use(method, change, me
     assert UniCacheKVConfig.validate_inputs(method=method, **KV_UNSET) is True
     # a linked widget is not known at /prompt: the pair is left to the run
     assert UniCacheKVConfig.validate_inputs(method=method, **{**values, "kv_target": None}) is True
+
+
+def test_kv_config_refuses_an_objective_that_is_not_a_choice():
+    message = "objective = 'fastest' is not a choice of this input (speed, memory)"
+    values = {**KV_UNSET, "objective": "fastest"}
+    assert message in UniCacheKVConfig.validate_inputs(method="unicache", **values)
+    with pytest.raises(ValueError, match=re.escape(f"UniCache KV config: {message}")):
+        UniCacheKVConfig.execute("unicache", **values)
 
 
 def _comfy_400(class_type: str, inputs: list[str], message: str) -> dict:
