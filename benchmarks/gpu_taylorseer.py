@@ -14,7 +14,7 @@ steps, CFG on the whole schedule, three branches per step): ``full``, ``full+tay
   decoder (step 0 left out: the first compression runs in it) and over those that forecast every branch;
 - ``denoise_seconds`` (the pipeline's ``info["denoise_s"]``), ``decoder_forwards`` and ``forecasts`` (summed over the
   branches), and ``speedup_vs_full`` / ``speedup_vs_method`` (the same method without TaylorSeer) of the denoising;
-- ``denoise_peak_bytes``: the most allocated during the denoising phase (:class:`~benchmarks.gpu_real_size.PhaseMeter`),
+- ``denoise_peak_bytes``: the most allocated during the denoising phase (:class:`~benchmarks.phase_meter.PhaseMeter`),
   ``plan_bytes``: :func:`~unicache_core.bagel.memory.plan.plan_memory`'s peak for the same request (TaylorSeer's
   factors counted), ``taylorseer_peak_bytes``: the factors at their most;
 - ``psnr_to_full`` (dB) of the image against the ``full`` row's.
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from benchmarks.gpu_real_size import PhaseMeter
+from benchmarks.phase_meter import PhaseMeter
 from benchmarks.real_size import DEFAULT_OUT, write_real_size_checkpoint
 from benchmarks.report_file import check_report_paths, write_json_report
 from unicache_commands.flags import OneLineParser, path_arg

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
+from benchmarks.packed_rows import format_table as format_pairs
+from benchmarks.packed_rows import pair_rows
 from benchmarks.report_file import check_report_paths, write_json_report
 from unicache_commands.flags import OneLineParser, path_arg
 from unicache_core.compression import PolicyTable, make_cache_factory, paper_policy_table
@@ -614,10 +616,13 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--repeats must be >= 1, got {args.repeats}")
         cfg.repeats = args.repeats
     report = run(cfg)
+    # the packed-row pair (benchmarks/packed_rows.py) over as many rows as this branch caches, one thread
+    report["packed_row_pairs"] = pair_rows(rows=report["config"]["total_cached_tokens"], repeats=max(cfg.repeats, 5))
     if args.json:
         write_json_report(args.json, report)
         logger.info("wrote %s", args.json)
     print(format_table(report))
+    print(format_pairs(report["packed_row_pairs"]))
 
 
 if __name__ == "__main__":

@@ -90,12 +90,11 @@ def memory_of(loaded, request, kv=None) -> int:
     from unicache_core.bagel.taylorseer import taylorseer_order
 
     order = taylorseer_order(request.settings)
-    return memory_required(loaded.config, loaded.dtype, request.tokens, kv_name(kv), taylor_order=order)
-
-
-def kv_name(kv) -> str:
-    """The KV method's name of a ``kv`` input (None: ``full``)."""
-    return "full" if kv is None else kv.name
+    method = "full" if kv is None else kv  # the configured method: its target, policy table and settings
+    checkpoint = str(loaded.checkpoint_dir)
+    return memory_required(
+        loaded.config, loaded.dtype, request.tokens, method, taylor_order=order, checkpoint=checkpoint
+    )
 
 
 def _items_in(tip: str):
@@ -185,7 +184,6 @@ __all__ = [
     "UniCacheImageItem",
     "UniCacheTextItem",
     "check_items",
-    "kv_name",
     "memory_of",
     "request_items",
     "request_of",

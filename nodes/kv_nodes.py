@@ -42,12 +42,76 @@ def policy_choices() -> list[str]:
     return [DEFAULT_POLICY] + [f for f in files if f != DEFAULT_POLICY]
 
 
+def _share(name: str, default: float, low: float, tip: str):
+    """A share widget in [low, 1]."""
+    return io.Float.Input(name, default=default, min=low, max=1.0, step=0.01, tooltip=tip)
+
+
+def _config_inputs() -> list:
+    """The widgets of UniCacheKVConfig, in their order on the node."""
+    return [
+        io.Combo.Input(
+            "method",
+            options=list(METHODS),
+            default="unicache",
+            tooltip="Compression method. full = uncompressed (bit-identical to no KV node).",
+        ),
+        _share(
+            "kv_target",
+            0.0,
+            0.0,
+            "Retained share of the compressible KV memory (0.2 = keep 20%, 5x less). 0 = the task's default "
+            f"(the paper's retention: {_per_task({t: round(1 - r, 6) for t, r in DEFAULT_REDUCTION.items()})}; "
+            "for unicache: its rho schedule). unicache: a target is rho0 (rho, rho_floor unset); not for full.",
+        ),
+        _share(
+            "rho",
+            0.0,
+            0.0,
+            f"unicache only: starting retention rho0 in (0, 1]. 0 = the preset ({_per_task(RHO0)}). Refused "
+            "with another method or beside kv_target.",
+        ),
+        _share(
+            "rho_floor",
+            -1.0,
+            -1.0,
+            "unicache only: the lowest retention the schedule decays to (<= rho). -1 = the preset "
+            f"({_per_task(RHO_FLOOR)}); 0 is a real floor. Refused with another method or beside kv_target.",
+        ),
+        io.Combo.Input(
+            "policy",
+            options=policy_choices(),
+            default=DEFAULT_POLICY,
+            tooltip="unicache only (refused with another method): the policy table (which token type is "
+            "evicted or quantized). default = the checkpoint's unicache_policy.json, else the shipped paper "
+            "table. Other tables: JSON files in models/unicache_policies.",
+        ),
+        io.Int.Input(
+            "score_queries",
+            optional=True,
+            default=SCORE_QUERIES_OF_METHOD,
+            min=SCORE_QUERIES_OF_METHOD,
+            max=65536,
+            step=1,
+            tooltip="Most queries a forward scores keys with (strided image or latent queries, or the last "
+            f"text queries). {SCORE_QUERIES_OF_METHOD} = the method's default ({UNICACHE_SCORE_QUERIES} "
+            f"unicache, {SCORE_QUERIES} the baselines). More is more exact and slower.",
+        ),
+        io.Combo.Input(
+            "objective",
+            optional=True,
+            options=list(UNICACHE_OBJECTIVES),
+            default=UNICACHE_OBJECTIVE,
+            tooltip="unicache only: speed = the types the policy table evicts are evicted, so fewer rows are "
+            "read at every step (the paper's UniCache; never slower than full KV); memory = they may be kept "
+            "at low bits instead, every row read (the least error for the bytes, slower on a CPU).",
+        ),
+    ]
+
+
 class UniCacheKVConfig(UniCacheNode):
     @classmethod
     def define_schema(cls):
-        def share(name: str, default: float, low: float, tip: str):
-            return io.Float.Input(name, default=default, min=low, max=1.0, step=0.01, tooltip=tip)
-
         return io.Schema(
             node_id="UniCacheKVConfig",
             display_name="UniCache KV Config",
@@ -57,64 +121,7 @@ class UniCacheKVConfig(UniCacheNode):
             "pyramidkv, streamingllm, kivi, vlcache, lookm) or `full` (no compression, still reports bytes). Protected "
             "tokens (boundaries, the current latent, decoded text) are never compressed. Without this node a task "
             "runs with the full cache.",
-            inputs=[
-                io.Combo.Input(
-                    "method",
-                    options=list(METHODS),
-                    default="unicache",
-                    tooltip="Compression method. full = uncompressed (bit-identical to no KV node).",
-                ),
-                share(
-                    "kv_target",
-                    0.0,
-                    0.0,
-                    "Retained share of the compressible KV memory (0.2 = keep 20%, 5x less). 0 = the task's default "
-                    f"(the paper's retention: {_per_task({t: round(1 - r, 6) for t, r in DEFAULT_REDUCTION.items()})}; "
-                    "for unicache: its rho schedule). unicache: a target is rho0 (rho, rho_floor unset); not for full.",
-                ),
-                share(
-                    "rho",
-                    0.0,
-                    0.0,
-                    f"unicache only: starting retention rho0 in (0, 1]. 0 = the preset ({_per_task(RHO0)}). Refused "
-                    "with another method or beside kv_target.",
-                ),
-                share(
-                    "rho_floor",
-                    -1.0,
-                    -1.0,
-                    "unicache only: the lowest retention the schedule decays to (<= rho). -1 = the preset "
-                    f"({_per_task(RHO_FLOOR)}); 0 is a real floor. Refused with another method or beside kv_target.",
-                ),
-                io.Combo.Input(
-                    "policy",
-                    options=policy_choices(),
-                    default=DEFAULT_POLICY,
-                    tooltip="unicache only (refused with another method): the policy table (which token type is "
-                    "evicted or quantized). default = the checkpoint's unicache_policy.json, else the shipped paper "
-                    "table. Other tables: JSON files in models/unicache_policies.",
-                ),
-                io.Int.Input(
-                    "score_queries",
-                    optional=True,
-                    default=SCORE_QUERIES_OF_METHOD,
-                    min=SCORE_QUERIES_OF_METHOD,
-                    max=65536,
-                    step=1,
-                    tooltip="Most queries a forward scores keys with (strided image or latent queries, or the last "
-                    f"text queries). {SCORE_QUERIES_OF_METHOD} = the method's default ({UNICACHE_SCORE_QUERIES} "
-                    f"unicache, {SCORE_QUERIES} the baselines). More is more exact and slower.",
-                ),
-                io.Combo.Input(
-                    "objective",
-                    optional=True,
-                    options=list(UNICACHE_OBJECTIVES),
-                    default=UNICACHE_OBJECTIVE,
-                    tooltip="unicache only: speed = the types the policy table evicts are evicted, so fewer rows are "
-                    "read at every step (the paper's UniCache; never slower than full KV); memory = they may be kept "
-                    "at low bits instead, every row read (the least error for the bytes, slower on a CPU).",
-                ),
-            ],
+            inputs=_config_inputs(),
             outputs=[
                 KV.Output(
                     "kv",

@@ -325,12 +325,13 @@ def test_card_table_rows_grow_with_the_card():
     assert by[(24, "layers", "full", "und")] > by[(24, "layers", "full", "edit")]
 
 
-def test_card_table_with_evicted_rows_written(monkeypatch):
-    """Issue 54's targets, planned for UniCache storing the rows it evicts at the target's bytes as they are written."""
+def test_card_table_with_evicted_rows_written():
+    """Issue 54's targets, planned for UniCache storing the rows it evicts at the target's bytes as they are written
+    (its ``memory`` objective)."""
     from unicache_core.compression.methods.unicache import UniCache
 
-    monkeypatch.setattr(UniCache, "written_kinds", ("quantize", "evict"), raising=False)
-    by = {(r.card_gb, r.offload, r.kv_method, r.task): r.most_images for r in card_table()}
+    rows = card_table(kv_methods=("full", UniCache(objective="memory")))
+    by = {(r.card_gb, r.offload, r.kv_method, r.task): r.most_images for r in rows}
     for task in ("edit", "und"):
         assert by[(24, "none", "unicache", task)] >= 4 * by[(24, "none", "full", task)] >= 4 * 12
         for card in (8, 12, 16):

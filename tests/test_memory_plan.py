@@ -97,8 +97,12 @@ def test_plan_json_schema(tmp_path: Path, capsys):
     )
     assert parts["working"] >= parts["vae_working"] + parts["cuda_vae_workspace"]
     assert data["peak_bytes"] == max(data["phases"].values()) == data["phases"][data["peak_phase"]]
+    # the edit's calls: the source's VAE and ViT blocks into gen, the prompt into gen, then into cfg_img
     assert list(data["phases"]) == ["vae:encode", "prefill:item0", "prefill:item1", "prefill:item2"] + [
+        "prefill:item3",
         "denoise:first",
+        "denoise:compress",
+        "denoise",
         "vae:decode",
     ]
     assert data["settings"]["weight_dtype"] == "int8"
@@ -244,3 +248,26 @@ def test_cpu_terms_of_a_known_request():
     t2i = request_tokens(bundled, "t2i", 128, 128)
     # the bundled VAE decodes 128 px through 64-channel fp32 maps; the largest, 64 x 128 x 128 x 4 = 4 MiB, is heap
     assert cpu_runtime_parts(bundled, torch.bfloat16, t2i)["vae_heap"] == 2 * 64 * 128 * 128 * 4
+
+
+def test_plan_takes_the_runs_kv_flags_and_prices_the_configured_method(tmp_path: Path):
+    """``plan`` takes ``--kv-target``, ``--policy``, ``--rho`` and ``--rho-floor`` as a run does, and plans the method
+    they configure (issue #61): a 4 x 1024² question at kv_target 0.9 holds 2.9x the default UniCache's KV at its
+    peak (image rows written at 8 bits instead of 2), and the JSON names every setting."""
+    table = Path(__file__).resolve().parents[1] / "unicache_core" / "compression" / "tables" / "bagel-7b-mot.json"
+    held = {}
+    for name, flags in {
+        "default": [],
+        "0.9": ["--kv-target", "0.9"],
+        "rho": ["--rho", "0.5", "--rho-floor", "0.3", "--policy", str(table)],
+    }.items():
+        out = tmp_path / f"{name}.json"
+        sizes = ",".join(["1024x1024"] * 4)
+        argv = ["plan", "--checkpoint", "bagel-7b-mot", "--task", "und", "--image-sizes", sizes, "--kv-method"]
+        assert cli_main([*argv, "unicache", *flags, "--json", str(out), "-q"]) == 0
+        data = json.loads(out.read_text())
+        held[name] = data["breakdown"]["kv_held"]
+        settings = data["settings"]["kv_settings"]
+        assert data["settings"]["kv_method"] == settings["method"] == "unicache"
+    assert settings["rho"] == 0.5 and settings["rho_floor"] == 0.3 and settings["policy"] == str(table)
+    assert held["0.9"] >= 2.8 * held["default"] and held["rho"] > 1.5 * held["default"]  # rho0 0.5: 4-bit rows

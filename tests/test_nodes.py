@@ -220,6 +220,27 @@ def test_edit_batch_and_understand(host_stubs):
     assert isinstance(text, str) and out["ui"]["text"] == [text] and rep["task"] == "understanding"
 
 
+def test_the_node_asks_comfyui_for_the_configured_methods_memory(host_stubs):
+    """The task node gives ComfyUI's placement the memory of the KV method it is connected to, with every setting
+    (issue #61): UniCache at kv_target 0.9 asks for more than the default UniCache."""
+    import nodes
+
+    model = _load(host_stubs)
+    mm = host_stubs["comfy.model_management"]
+    kv = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheKVConfig"])
+    und = NodeCall(nodes.NODE_CLASS_MAPPINGS["UniCacheUnderstand"])
+    batch = torch.rand(1, 96, 96, 3, generator=torch.Generator().manual_seed(0))
+    asked = {}
+    for name, method in {
+        "full": None,
+        "default": kv("unicache", 0.0, 0.0, -1.0, "default")[0],
+        "0.9": kv("unicache", 0.9, 0.0, -1.0, "default")[0],
+    }.items():
+        und.understand(model, "What is it?", 2, False, 0.3, 0, False, image=batch, kv=method)
+        asked[name] = mm.loads[-1][1]
+    assert asked["default"] < asked["0.9"], asked  # the tiny model: a key scorer outweighs its KV beside full KV
+
+
 def test_interrupt_becomes_host_exception(host_stubs):
     import nodes
 

@@ -19,8 +19,10 @@ from unicache_core.bagel.memory.comfy_placement import (
     memory_required,
 )
 from unicache_core.bagel.memory.plan import PlanSettings, official_config, plan_without_suggestion
-from unicache_core.bagel.memory.plan_kv import floor_ratio, kv_phases, prefill_ratios
+from unicache_core.bagel.memory.plan_kv import bound_method, kv_per_image, kv_phases
+from unicache_core.compression.family import FULL_BITS, Segment
 from unicache_core.kv.quant import quantize_keys, quantize_values
+from unicache_core.kv.token_types import TokenType
 
 GB = 10**9
 CONFIG = official_config()
@@ -35,31 +37,45 @@ def _plan(method: str, images=FOUR, task: str = "edit", **kw):
 
 
 @pytest.fixture
-def evict_kinds_written(monkeypatch):
-    """UniCache as FILL_DESIGN D2 has it: the rows it evicts later also stored as written, at the target's bytes (at
-    least the floor bits)."""
+def evict_kinds_written():
+    """UniCache as FILL_DESIGN D2 has it (its ``memory`` objective): the rows it evicts later also stored as written,
+    at the target's bytes (at least the floor bits)."""
     from unicache_core.compression.methods.unicache import UniCache
 
-    monkeypatch.setattr(UniCache, "written_kinds", ("quantize", "evict"), raising=False)
+    return UniCache(objective="memory")
+
+
+def _written_ratio(method, task: str, kind: TokenType, rows: int) -> float:
+    """Stored bytes over uncompressed bytes of ``rows`` rows of ``kind`` as ``method`` writes them (its own
+    :meth:`~unicache_core.compression.method.Method.written_store`)."""
+    llm = CONFIG.llm
+    full = 2 * rows * llm.num_key_value_heads * llm.head_dim * 2
+    segment = Segment(rows, rows, FULL_BITS, full, True, llm.num_key_value_heads, llm.head_dim, 2)
+    choice = bound_method(method, task, CONFIG).written_store(task, kind, segment)
+    return 1.0 if choice is None else segment.choice_bytes(choice) / full
 
 
 def test_full_kv_holds_each_image_once_and_unicache_its_written_rows():
     """4 x 1024² edit, fp8, 24 GB: full KV holds each image's rows once; UniCache the image rows as it stores them
-    while the context fills (the kinds it writes compressed, :func:`written_kinds`), the rest whole."""
+    while the context fills (its own written store), the rest whole."""
     full, ours = _plan("full"), _plan("unicache")
     per_token = kv_bytes_per_token(CONFIG, torch.bfloat16)
     images = 4 * (4096 + 2 + 4900 + 2) * per_token
     prompt = (64 + 2) * per_token
     tokens = request_tokens(CONFIG, "edit", 1024, 1024, images=FOUR)
-    first_step = kv_phases(CONFIG, torch.bfloat16, tokens, "full")[-1]
-    assert first_step.kv == images + 2 * prompt  # gen's prompt and cfg_img's; cfg_text shares gen's images
+    filled = [p for p in kv_phases(CONFIG, torch.bfloat16, tokens, "full") if p.name == "denoise:first"][0]
+    assert filled.kv == images + 2 * prompt  # gen's prompt and cfg_img's; cfg_text shares gen's images
     assert full.breakdown["kv_full"] == 2 * images + 2 * prompt  # the official code copies the images per branch
-    assert images <= full.breakdown["kv_held"] <= first_step.kv  # the peak phase: the last ViT block or step 1
-    ratios = prefill_ratios(CONFIG, "unicache", "edit", 4900)
-    stored = 4 * (4096 * ratios["vae"] + 4900 * ratios["vit"] + 4) * per_token
-    assert ratios["vae"] == pytest.approx(0.2)  # an edit's VAE rows: quantized as written (the paper table)
-    ours_first = kv_phases(CONFIG, torch.bfloat16, tokens, "unicache")[-1]
-    assert ours_first.kv == pytest.approx(stored + 2 * prompt, rel=1e-6)
+    assert images <= full.breakdown["kv_held"] <= filled.kv  # the peak phase: the last ViT block or step 1
+    vae, vit = (
+        _written_ratio("unicache", "edit", t, n)
+        for t, n in ((TokenType.SOURCE_VAE, 4096), (TokenType.SOURCE_VIT, 4900))
+    )
+    assert vae == pytest.approx(0.2, abs=0.01)  # an edit's VAE rows: quantized as written (the paper table)
+    held = sum(
+        image["held_bytes"] for image in kv_per_image(CONFIG, torch.bfloat16, tokens, FOUR, kv_method="unicache")
+    )
+    assert held == pytest.approx(4 * ((4096 * vae + 4900 * vit) * per_token + 4 * per_token), rel=1e-3)
     assert ours.breakdown["kv_held"] < full.breakdown["kv_held"] and ours.peak_bytes <= full.peak_bytes
     assert full.peak_bytes == max(size for _, size in full.phases)
 
@@ -67,7 +83,7 @@ def test_full_kv_holds_each_image_once_and_unicache_its_written_rows():
 def test_the_done_when_plan_with_evicted_rows_written_at_the_floor(evict_kinds_written):
     """Issue 54's figure when the ViT rows UniCache evicts are also stored as written, at 2 bits: at most a third of
     full KV's bytes at the peak."""
-    full, ours = _plan("full"), _plan("unicache")
+    full, ours = _plan("full"), _plan(evict_kinds_written)
     assert ours.breakdown["kv_held"] <= full.breakdown["kv_held"] / 3
 
 
@@ -75,14 +91,17 @@ def test_phases_fill_item_by_item_and_unicache_holds_less_at_each():
     tokens = request_tokens(CONFIG, "edit", 1024, 1024, images=FOUR)
     full = kv_phases(CONFIG, torch.bfloat16, tokens, "full")
     ours = kv_phases(CONFIG, torch.bfloat16, tokens, "unicache")
-    assert [p.name for p in full] == [f"prefill:item{j}" for j in range(9)] + ["denoise:first"]
+    names = [f"prefill:item{j}" for j in range(10)] + ["denoise:first", "denoise:compress", "denoise"]
+    assert [p.name for p in full] == [p.name for p in ours] == names
     assert [p.kv for p in full] == sorted(p.kv for p in full)
     for a, b in zip(full, ours):
-        assert b.kv < a.kv or a.name == "prefill:item8" and b.kv < a.kv + 1
+        assert b.kv < a.kv
         assert b.transient >= a.transient  # it also holds the new block's rows of one layer before storing them
     per_layer = kv_bytes_per_token(CONFIG, torch.bfloat16) // CONFIG.llm.num_hidden_layers
-    assert full[-1].transient == (4 * (4096 + 2 + 4900 + 2) + 66) * per_layer  # gen's one layer, concatenated
-    assert ours[-1].scoring > 0 and full[-1].scoring == 0
+    first = full[len(names) - 3]
+    assert first.transient == (4 * (4096 + 2 + 4900 + 2) + 66) * per_layer  # gen's one layer, concatenated
+    assert ours[len(names) - 3].scoring > 0 and first.scoring == 0
+    assert ours[-1].bound and not full[-1].bound  # what UniCache's first compression keeps: at most what it held
 
 
 def test_the_evicted_types_wait_at_the_target_bytes_at_least_the_floor(evict_kinds_written):
@@ -92,11 +111,31 @@ def test_the_evicted_types_wait_at_the_target_bytes_at_least_the_floor(evict_kin
     rows = 4900
     keys = torch.randn(CONFIG.llm.num_key_value_heads, rows, CONFIG.llm.head_dim, dtype=torch.bfloat16)
     held = quantize_keys(keys, 2, 128).nbytes() + quantize_values(keys, 2, 128).nbytes()
-    assert floor_ratio(CONFIG, rows) == pytest.approx(held / (2 * keys.numel() * 2), rel=0.01)
-    assert floor_ratio(CONFIG, rows) < 0.2 == prefill_ratios(CONFIG, "unicache", "edit", rows)["vit"]
-    assert prefill_ratios(CONFIG, "unicache", "edit", rows)["vae"] == pytest.approx(0.2)
-    assert prefill_ratios(CONFIG, "full", "edit", rows) == prefill_ratios(CONFIG, "h2o", "edit", rows)
-    assert prefill_ratios(CONFIG, "h2o", "edit", rows) == {"vae": 1.0, "vit": 1.0}
+    floor = held / (2 * keys.numel() * 2)
+    vit = _written_ratio(evict_kinds_written, "edit", TokenType.SOURCE_VIT, rows)
+    assert floor < 0.2 and vit == pytest.approx(0.2, abs=0.01) and vit >= floor
+    assert _written_ratio(evict_kinds_written, "edit", TokenType.SOURCE_VAE, rows) == pytest.approx(0.2, abs=0.01)
+    for method in ("full", "h2o", "snapkv", "kivi"):
+        assert _written_ratio(method, "edit", TokenType.SOURCE_VIT, rows) == 1.0  # kept whole until compressed
+    rho1 = bound_method(method_from_name_("unicache", rho=1.0), "edit", CONFIG)
+    llm = CONFIG.llm
+    segment = Segment(
+        rows,
+        rows,
+        FULL_BITS,
+        2 * rows * llm.num_key_value_heads * llm.head_dim * 2,
+        True,
+        llm.num_key_value_heads,
+        llm.head_dim,
+        2,
+    )
+    assert rho1.written_store("edit", TokenType.SOURCE_VIT, segment) is None  # a full target keeps every row
+
+
+def method_from_name_(name, **settings):
+    from unicache_core.compression import method_from_name
+
+    return method_from_name(name, **settings)
 
 
 def test_comfy_modules_are_the_plans_weights():

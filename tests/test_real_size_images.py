@@ -35,9 +35,11 @@ def test_phase_meter_on_the_twin_with_three_sources(tmp_path):
     # keeps each row's type and RoPE position, 18 B per row beside 256 B of keys and values on the twin)
     held = full["phase_entry_bytes"]["denoise"] - full["phase_entry_bytes"]["decode"]
     assert full["plan_kv_held"] < kv and 0.9 * full["plan_kv_held"] <= held <= 1.25 * full["plan_kv_held"], held
-    # UniCache holds no more than full KV when the denoising starts; the plan says less at its peak
+    # UniCache holds no more than full KV when the denoising starts. Its plan is a bound: on the twin (head_dim 16)
+    # 256 rows of an image are too few for 2 bits to shrink, so every image waits whole for the first compression
+    # (as in the run) and the plan's peak is full KV's plus the boundary rows a compressing cache copies per layer
     assert unicache["phase_entry_bytes"]["denoise"] <= full["phase_entry_bytes"]["denoise"]
-    assert unicache["plan_kv_held"] < full["plan_kv_held"]
+    assert full["plan_kv_held"] <= unicache["plan_kv_held"] <= 1.02 * full["plan_kv_held"]
     assert format_table(report["results"]).splitlines()[1].split()[4] == "3"  # the images column
 
 

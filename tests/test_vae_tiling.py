@@ -3,6 +3,7 @@ runs out of device memory falls back to; the memory plan counts it where the who
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -103,5 +104,5 @@ def test_the_plan_counts_a_tiled_decode_where_the_whole_one_would_not_fit():
     assert roomy.vae_decode == "whole" and roomy.peak_bytes > 8 * GB
     assert tight.vae_decode == "tiled" and tight.fits and tight.peak_bytes < roomy.peak_bytes - GB
     assert tight.breakdown["vae_working"] < roomy.breakdown["vae_working"]
-    cpu = plan_memory(official_config(), PlanSettings(**{**settings.to_dict(), "device": "cpu"}), 8 * GB)
+    cpu = plan_memory(official_config(), dataclasses.replace(settings, device="cpu"), 8 * GB)
     assert cpu.vae_decode == "whole"  # planned on CUDA only, where the allocator refuses what the device lacks

@@ -40,14 +40,16 @@ Timeline shared by every method (docs/compression.md §8.1, §8.6, §8.10):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..kv.cache import AttentionCall, RequestInfo
-from ..kv.token_types import THINK
+from ..kv.token_types import THINK, Task, TokenType
 from ..validation import check_bool, check_int
 from .defaults import DEFAULT_REDUCTION, SCORE_QUERIES
+from .family import JointChoice, Segment
 from .grants import UnitNeed
 from .plan import BranchPlan, CallPlan, LayerPlan
 from .protocol import Measurement
@@ -59,6 +61,33 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: Every selectable method by name, in the order they were registered (``full`` first).
 METHODS: dict[str, type[Method]] = {}
+
+
+@dataclass(frozen=True)
+class KVTimeline:
+    """When a method measures and first compresses a request's branches on the shared timeline (module docstring):
+    what the memory plan needs of it to price each phase (``unicache_core/bagel/memory/plan_kv.py``).
+
+    Attributes:
+        compresses: False for a method that never shrinks a cache (``full``).
+        scored: the phases whose forward holds a key scorer's transient: ``"prefill"`` (every prefilled block),
+            ``"prompt"`` (the text block prefilled after a branch's input images), ``"first_step"`` (the first
+            denoising step of a branch compressed after it).
+        compressed_before: the generation branches compressed before their first denoising step reads them:
+            ``"none"``, ``"prompted"`` (a branch whose text follows its images, measured as it was prefilled) or
+            ``"every"`` (at the end of the prefill). Understanding is always compressed before its first decoded
+            token.
+        shares_forked_rows: rows a fork shares with its parent stay one store after their compression (planned by
+            the parent); else the branch that compresses them keeps its own copy and the other its old rows.
+        kept_exact: :meth:`Method.kept_bytes` gives the bytes the first compression keeps; False: at most them (a
+            method that moves bytes between types and branches by what the run measures).
+    """
+
+    compresses: bool = True
+    scored: tuple[str, ...] = ()
+    compressed_before: str = "none"
+    shares_forked_rows: bool = False
+    kept_exact: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,10 +109,13 @@ class Method:
     never shrinks a cache, ``full``), ``budget`` (what the method's bytes are aimed at: ``"kv_target"``, or
     ``"rho"`` for a method whose retention schedule sets them), ``compresses_written`` (prefill calls ask
     :meth:`plan_written` for each layer's new rows), ``needs_scores`` (its observed calls :meth:`measure` per-key
-    scores), ``text_prior`` (the memory plan: the instruction's prefill scores the image rows, and for
-    understanding evicts the ViT rows there), ``measures_prompt`` (generation: the text prefilled after the input
-    images is measured as it is prefilled, and the branch is compressed before its first denoising step reads it:
-    :meth:`plan_prefill`), ``measures_prefill`` (the memory plan: every prefill block is measured, LOOK-M).
+    scores), ``measures_prompt`` (generation: the text prefilled after the input images is measured as it is
+    prefilled, and the branch is compressed before its first denoising step reads it: :meth:`plan_prefill`).
+
+    What the memory plan knows of a method comes from the method itself, never from these flags
+    (``unicache_core/bagel/memory/plan_kv.py``): :meth:`kv_timeline` (when it measures and compresses),
+    :meth:`written_store` (how an image's rows are stored as they are written: the function the run's own
+    written-row storage applies) and :meth:`kept_bytes` (what its first compression keeps of a branch).
     """
 
     name: ClassVar[str] = ""
@@ -91,9 +123,7 @@ class Method:
     budget: ClassVar[str] = "kv_target"
     compresses_written: ClassVar[bool] = False
     needs_scores: ClassVar[bool] = True
-    text_prior: ClassVar[bool] = False
     measures_prompt: ClassVar[bool] = False
-    measures_prefill: ClassVar[bool] = False
 
     kv_target: float | int | None = None
     score_queries: int = SCORE_QUERIES
@@ -210,6 +240,41 @@ class Method:
         """What the branch keeps, layer by layer (called at the compression points)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement plan()")
 
+    # ------------------------------------------------------------------ what the memory plan reads
+
+    def kv_timeline(self, task: Task) -> KVTimeline:
+        """When this method measures and first compresses a request of ``task`` (what :meth:`plan_call` and
+        :meth:`plan_prefill` do, told to the memory plan): every observed call of a scoring method scores keys, an
+        understanding's prefill calls included; a ``measures_prompt`` method measures a generation's prompt and
+        compresses that branch before its first step."""
+        if not self.compresses:
+            return KVTimeline(compresses=False)
+        scores: tuple[str, ...] = ("prefill",) if self.needs_scores and task == "understanding" else ()
+        if task != "understanding":
+            scores = (("prompt",) if self.measures_prompt else ()) + (("first_step",) if self.needs_scores else ())
+        return KVTimeline(scored=scores, compressed_before="prompted" if self.measures_prompt else "none")
+
+    def written_store(self, task: Task, token_type: TokenType, segment: Segment) -> JointChoice | None:
+        """How ``segment``, one input image's rows of ``token_type`` just written to a layer, is stored at once
+        (the rows and bits it keeps); ``None``: kept whole until the branch's first compression (default). The run's
+        written-row storage applies this to every such segment (:meth:`plan_written`); the memory plan prices an
+        image's rows with it."""
+        return None
+
+    def retained_ratio(self, task: Task, managed_full: int) -> float:
+        """The share of a branch's compressible bytes the first compression aims at, for a request whose
+        compressible KV holds ``managed_full`` bytes uncompressed (a byte target is spread over them)."""
+        target = self.target(task)
+        if isinstance(target, float):
+            return target
+        return min(1.0, target / managed_full) if managed_full > 0 else 1.0
+
+    def kept_bytes(self, task: Task, segments: Sequence[tuple[TokenType, Segment]], layers: int, ratio: float) -> int:
+        """Bytes the branch's first compression keeps of ``layers`` layers that each hold ``segments`` (candidate
+        rows by type, as held before it) at the retained ``ratio`` (:meth:`retained_ratio`); default: every row as
+        held (a method that plans its own compression overrides it with the bytes its plan keeps)."""
+        return layers * sum(segment.held_bytes for _, segment in segments)
+
     def grant_needs(self, view: BranchView) -> dict[int, UnitNeed] | None:
         """Per layer, its budget and its ladder of levels (:class:`~.grants.UnitNeed`) at the least retention the
         branch can reach, when the method wants the session to move bytes between branches and layers: floors first,
@@ -243,4 +308,4 @@ def method_from_name(name: str | Method, **settings: Any) -> Method:
     return cls(**settings)
 
 
-__all__ = ["METHODS", "Method", "method_from_name"]
+__all__ = ["KVTimeline", "METHODS", "Method", "method_from_name"]

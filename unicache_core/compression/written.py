@@ -16,6 +16,7 @@ rows held so become for a later budget. Pure functions of a layer's view and a s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..kv.quant import SUPPORTED_BITS
@@ -35,35 +36,54 @@ def written_floor(geometry: QuantGeometry, rows: int) -> JointChoice:
     return JointChoice(rows, min(SUPPORTED_BITS), max(geometry.groups), 0)
 
 
+def written_segment_choice(
+    segment: Segment, kind: Kind, rho0: float, geometry: QuantGeometry, evict: bool = False
+) -> JointChoice | None:
+    """How one input image's rows of a type of policy ``kind`` (``segment``, as just written to a layer) are stored at
+    once (module docstring), or ``None``: kept whole until the first compression (a full target, rows compressed
+    already, a quantized type whose rows would not all fit, or too few rows for quantizing to shrink them). ``evict``:
+    an evicted type's rows are evicted now, to the full-precision rows ``rho0`` holds (the call that wrote them scored
+    them; UniCache's ``speed`` objective)."""
+    if rho0 >= 1.0 or segment.held_bits != FULL_BITS or not segment.shared_rows:
+        return None
+    if segment.held_rows < segment.full_rows:
+        return None  # compressed already
+    if kind == Kind.EVICT and evict:
+        evicted = choose(segment, Kind.EVICT, floor_bytes(rho0, segment.full_bytes), geometry, evict_at_low_bits=False)
+        return evicted if evicted.rows < segment.held_rows else None
+    choice = choose(segment, Kind.QUANTIZE, floor_bytes(rho0, segment.full_bytes), geometry)
+    if not choice.quantized or choice.rows < segment.held_rows:
+        if kind != Kind.EVICT:
+            return None
+        choice = written_floor(geometry, segment.held_rows)  # an eviction waits for scores: every row, at least
+    if segment.choice_bytes(choice) >= segment.held_bytes:
+        return None  # too few rows for quantizing to shrink them
+    return choice
+
+
 def written_plan(
-    layer: LayerView, kinds: dict[TokenType, Kind], rho0: float, geometry: QuantGeometry, fit_values: bool,
+    layer: LayerView, store: Callable[[TokenType, Segment], JointChoice | None], fit_values: bool,
     eviction: WrittenEviction | None = None,
 ) -> LayerPlan:  # fmt: skip
-    """The stores of ``layer``'s image segments just written (module docstring); ``kinds``: the policy kind of each
-    type stored as written (the others wait); ``eviction``: an evicted type's rows are evicted as written, from the
-    scores of the call that wrote them (UniCache's ``speed`` objective; without scores they wait in full precision)."""
-    if layer.geometry is None or rho0 >= 1.0:
-        return LayerPlan()  # a full target keeps every row as it is
+    """The stores of ``layer``'s image segments just written: ``store(type, segment)`` for each (the method's
+    :meth:`~unicache_core.compression.method.Method.written_store`; ``None`` keeps a segment as it is). A choice of
+    fewer full-precision rows is an eviction by the scores of the call that wrote them, as ``eviction`` says (without
+    those scores the segment waits as it is)."""
+    if layer.geometry is None:
+        return LayerPlan()
     keeps = []
     for key in layer.candidate_keys:
-        kind = kinds.get(key.type)
-        if key.image is None or kind is None:
+        if key.image is None:
             continue  # an image's rows only: a text's few rows wait for the first compression's carry and scores
         segment = layer.segment((key,))
-        if segment.held_bits != FULL_BITS or not segment.shared_rows or segment.held_rows < segment.full_rows:
-            continue  # compressed already
-        if kind == Kind.EVICT and eviction is not None:
-            keep = _written_eviction(layer, key, segment, floor_bytes(rho0, segment.full_bytes), geometry, eviction)
+        choice = store(key.type, segment)
+        if choice is None:
+            continue
+        held = segment.choice_bytes(choice)
+        if not choice.quantized:
+            keep = _written_eviction(layer, key, choice, held, eviction or WrittenEviction(0.0))
             keeps.extend([] if keep is None else [keep])
             continue
-        choice = choose(segment, Kind.QUANTIZE, floor_bytes(rho0, segment.full_bytes), geometry)
-        if not choice.quantized or choice.rows < segment.held_rows:
-            if kind != Kind.EVICT:
-                continue
-            choice = written_floor(geometry, segment.held_rows)  # an eviction waits for scores: every row, at least
-        if segment.choice_bytes(choice) >= segment.held_bytes:
-            continue  # too few rows for quantizing to shrink them
-        held = segment.choice_bytes(choice)
         keeps.append(Keep((key,), choice.rows, choice.bits, choice.group, choice.residual, fit_values=fit_values, expected_bytes=held))  # noqa: E501  # fmt: skip
     return LayerPlan(keeps=tuple(keeps))
 
@@ -78,20 +98,15 @@ class WrittenEviction:
 
 
 def _written_eviction(
-    layer: LayerView, key: SegmentKey, segment: Segment, budget: int, geometry: QuantGeometry,
-    eviction: WrittenEviction,
-) -> Keep | None:  # fmt: skip
-    """The full-precision rows of a just-written segment that ``budget`` holds, the best by the scores of the call
-    that wrote them (``None``: the call measured no scores for them, or the budget keeps every row)."""
+    layer: LayerView, key: SegmentKey, choice: JointChoice, held: int, eviction: WrittenEviction
+) -> Keep | None:
+    """The eviction of a just-written segment to ``choice``'s full-precision rows, the best by the scores of the call
+    that wrote them (``None``: that call measured no scores for them)."""
     scores = layer.scores
     if scores is None or scores.shape[0] < layer.appended:
         return None  # this call's rows were not scored: they wait in full precision for the first compression
-    choice = choose(segment, Kind.EVICT, budget, geometry, evict_at_low_bits=False)
-    if choice.rows >= segment.held_rows:
-        return None
     merge = eviction.merge if key.type in MERGED_TYPES else "none"
     recent = min(choice.rows, int(choice.rows * eviction.recent_fraction + 0.5))
-    held = segment.choice_bytes(choice)
     return Keep((key,), choice.rows, scores=scores, recent=recent, merge=merge, expected_bytes=held)
 
 
@@ -104,4 +119,4 @@ def written_choice(segment: Segment, budget: int, geometry: QuantGeometry) -> Jo
     return choose(segment, Kind.QUANTIZE, budget, replace(geometry, residual_max=0))
 
 
-__all__ = ["WrittenEviction", "written_choice", "written_floor", "written_plan"]
+__all__ = ["WrittenEviction", "written_choice", "written_floor", "written_plan", "written_segment_choice"]

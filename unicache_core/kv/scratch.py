@@ -37,7 +37,10 @@ def scratch(purpose: str, shape: tuple[int, ...], dtype: torch.dtype, device: to
     key = (purpose, dtype)
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < numel:
-        buffer = torch.empty(max(numel, 1), dtype=dtype)
+        # A normal tensor, even when asked for under torch.inference_mode: an inference tensor could not be written
+        # by a later call made outside inference mode; a normal one can be written in and out of it.
+        with torch.inference_mode(False):
+            buffer = torch.empty(max(numel, 1), dtype=dtype)
         buffers[key] = buffer
     return buffer[:numel].view(shape)
 

@@ -23,14 +23,19 @@ import torch
 
 from ...cli import OneLineParser as _Parser
 from ...cli import path_arg as _path
-from ...compression.defaults import DEFAULT_REDUCTION, RHO0, RHO_FLOOR, UNICACHE_OBJECTIVE, UNICACHE_OBJECTIVES
-from ...compression.method import METHODS
 from ...errors import UniCacheError
 from ..request import RunHooks
 from ..settings import BUNDLED_CHECKPOINT, BUNDLED_CHECKPOINT_DIR, EDIT_DEFAULTS, T2I_DEFAULTS, UNDERSTANDING_DEFAULTS
 from .checks import require_prompt, save_image, save_text
 from .items import preflight_request
-from .memory import add_memory_arguments, add_plan_parser, refuse_unfitting_run, run_plan
+from .memory import (
+    add_kv_arguments,
+    add_memory_arguments,
+    add_plan_parser,
+    kv_method_of,
+    refuse_unfitting_run,
+    run_plan,
+)
 
 if TYPE_CHECKING:  # the run imports the model code only after the checks, so a refusal never loads it
     from PIL import Image
@@ -45,121 +50,97 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: The error of a second --image (a repeated single-value flag is refused, never dropped: unicache_core.cli).
 
 
-def _per_task(values: dict[str, float], *, percent: bool = False) -> str:
-    """A per-task default of unicache_core/compression/defaults.py as argparse's help says it: ``0.2 und, 0.4 t2i,
-    0.2 edit`` (``percent``: ``80%% und, ...``, escaped for argparse)."""
-    names = {"understanding": "und", "t2i": "t2i", "edit": "edit"}
-    form = "{:.0%}" if percent else "{:g}"
-    return ", ".join(f"{form.format(values[task])} {name}" for task, name in names.items()).replace("%", "%%")
+def _request_arguments(p: argparse.ArgumentParser) -> None:
+    """What every subcommand takes: the checkpoint, the request, the device and memory, the seed."""
+    p.add_argument(
+        "--checkpoint",
+        type=_path,
+        default=None,
+        help=f"BAGEL checkpoint folder (default: the bundled {BUNDLED_CHECKPOINT})",
+    )
+    text = p.add_mutually_exclusive_group()  # one of them, or --items (checked by _check_request_text)
+    text.add_argument("--prompt", help="text prompt")
+    text.add_argument("--prompt-file", type=_path, help="read the prompt from a UTF-8 text file")
+    p.add_argument(
+        "--items",
+        type=_path,
+        help='the request as a JSON list of texts and images in order: {"items": [{"image": "a.png"}, '
+        '{"image": "b.png"}, {"text": "..."}]} (paths relative to the file; t2i/edit: {"generate": true} '
+        "generates an image there and goes on with it)",
+    )
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="LLM/ViT dtype (VAE is fp32)")
+    p.add_argument("--device", default="auto", help="torch device, or 'auto' (cuda when available)")
+    add_memory_arguments(p)
+    p.add_argument("--seed", type=int, default=0, help="noise / sampling seed")
+    p.add_argument("--think", action="store_true", help="think mode (system prompt + planning text)")
+    p.add_argument(
+        "--allow-special-tokens",
+        action="store_true",
+        help="parse control tokens typed in the prompt (<|im_end|> ...) as the official code does; "
+        "default: the prompt is plain text",
+    )
+
+
+def _decoding_arguments(p: argparse.ArgumentParser) -> None:
+    """Text decoding, progress and the KV method (every subcommand)."""
+    p.add_argument("--do-sample", action="store_true", help="sample text instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=UNDERSTANDING_DEFAULTS.temperature, help="sampling temperature")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"max generated tokens (answer: {UNDERSTANDING_DEFAULTS.max_new_tokens}, think text: "
+        f"{T2I_DEFAULTS.think_max_new_tokens})",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    kv = add_kv_arguments(p)
+    kv.add_argument("--report", type=_path, default=None, help="write the per-step KV report (JSON) here")
+
+
+def _flow_arguments(p: argparse.ArgumentParser, d) -> None:
+    """The image generation's output, sampling and TaylorSeer (t2i and edit; defaults from ``d``)."""
+    p.add_argument("--out", type=_path, default=Path("out.png"), help="output image (.png, .jpg, .webp)")
+    p.add_argument("--steps", type=int, default=d.num_timesteps, help="num_timesteps (steps-1 model evaluations)")
+    p.add_argument("--timestep-shift", type=float, default=d.timestep_shift)
+    p.add_argument("--cfg-text-scale", type=float, default=d.cfg_text_scale)
+    p.add_argument("--cfg-img-scale", type=float, default=d.cfg_img_scale)
+    p.add_argument("--cfg-interval", type=float, nargs=2, default=list(d.cfg_interval), metavar=("LO", "HI"))
+    p.add_argument("--cfg-renorm-min", type=float, default=d.cfg_renorm_min)
+    p.add_argument("--cfg-renorm-type", default=d.cfg_renorm_type, help="global | channel | text_channel")
+    ts = p.add_argument_group("TaylorSeer (the official enable_taylorseer feature cache)")
+    ts.add_argument(
+        "--taylorseer",
+        action="store_true",
+        help="forecast the decoder output on most steps: after the first steps, each CFG branch runs its "
+        "decoder on one step in --taylorseer-interval (a third of the forwards by default)",
+    )
+    ts.add_argument(  # None: not given (refused without --taylorseer: checks.taylorseer_changes)
+        "--taylorseer-interval",
+        type=int,
+        default=None,
+        help=f"with --taylorseer: one full step in this many after the first (default {d.taylorseer_interval})",
+    )
+    ts.add_argument(
+        "--taylorseer-first-steps",
+        type=int,
+        default=None,
+        help=f"with --taylorseer: the first steps of each branch, all full (default {d.taylorseer_first_steps})",
+    )
+    ts.add_argument(
+        "--taylorseer-order",
+        type=int,
+        default=None,
+        help=f"with --taylorseer: highest Taylor order of the forecast (default {d.taylorseer_order})",
+    )
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m unicache_core.bagel", description="BAGEL inference (UniCache core)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--checkpoint",
-            type=_path,
-            default=None,
-            help=f"BAGEL checkpoint folder (default: the bundled {BUNDLED_CHECKPOINT})",
-        )
-        text = p.add_mutually_exclusive_group()  # one of them, or --items (checked by _check_request_text)
-        text.add_argument("--prompt", help="text prompt")
-        text.add_argument("--prompt-file", type=_path, help="read the prompt from a UTF-8 text file")
-        p.add_argument(
-            "--items",
-            type=_path,
-            help='the request as a JSON list of texts and images in order: {"items": [{"image": "a.png"}, '
-            '{"image": "b.png"}, {"text": "..."}]} (paths relative to the file; t2i/edit: {"generate": true} '
-            "generates an image there and goes on with it)",
-        )
-        p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="LLM/ViT dtype (VAE is fp32)")
-        p.add_argument("--device", default="auto", help="torch device, or 'auto' (cuda when available)")
-        add_memory_arguments(p)
-        p.add_argument("--seed", type=int, default=0, help="noise / sampling seed")
-        p.add_argument("--think", action="store_true", help="think mode (system prompt + planning text)")
-        p.add_argument(
-            "--allow-special-tokens",
-            action="store_true",
-            help="parse control tokens typed in the prompt (<|im_end|> ...) as the official code does; "
-            "default: the prompt is plain text",
-        )
-        p.add_argument("--do-sample", action="store_true", help="sample text instead of greedy decoding")
-        p.add_argument(
-            "--temperature", type=float, default=UNDERSTANDING_DEFAULTS.temperature, help="sampling temperature"
-        )
-        p.add_argument(
-            "--max-new-tokens",
-            type=int,
-            default=None,
-            help=f"max generated tokens (answer: {UNDERSTANDING_DEFAULTS.max_new_tokens}, think text: "
-            f"{T2I_DEFAULTS.think_max_new_tokens})",
-        )
-        p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
-        kv = p.add_argument_group("KV-cache compression")
-        kv.add_argument("--kv-method", default="full", help=" | ".join(METHODS))
-        kv.add_argument(
-            "--kv-target",
-            default=None,
-            help="memory of the compressible KV: a retained ratio (0.2, 20%%) or a size (150MB); "
-            f"default: the paper's reduction ({_per_task(DEFAULT_REDUCTION, percent=True)})",
-        )
-        kv.add_argument(
-            "--policy",
-            type=_path,
-            default=None,
-            help="unicache policy table JSON (default: the checkpoint's unicache_policy.json, else the paper's table)",
-        )
-        kv.add_argument("--rho", type=float, default=None, help=f"unicache rho0 in (0, 1] ({_per_task(RHO0)})")
-        kv.add_argument(
-            "--rho-floor", type=float, default=None, help=f"unicache floor, <= rho ({_per_task(RHO_FLOOR)})"
-        )
-        kv.add_argument(
-            "--kv-objective",
-            default=None,
-            help=f"unicache: {' | '.join(UNICACHE_OBJECTIVES)} (default {UNICACHE_OBJECTIVE}): speed evicts the types "
-            "its table evicts (fewer rows read per step); memory may keep them at low bits (least error for the bytes)",
-        )
-        kv.add_argument("--report", type=_path, default=None, help="write the per-step KV report (JSON) here")
-
-    def flow(p: argparse.ArgumentParser, d) -> None:
-        p.add_argument("--out", type=_path, default=Path("out.png"), help="output image (.png, .jpg, .webp)")
-        p.add_argument("--steps", type=int, default=d.num_timesteps, help="num_timesteps (steps-1 model evaluations)")
-        p.add_argument("--timestep-shift", type=float, default=d.timestep_shift)
-        p.add_argument("--cfg-text-scale", type=float, default=d.cfg_text_scale)
-        p.add_argument("--cfg-img-scale", type=float, default=d.cfg_img_scale)
-        p.add_argument("--cfg-interval", type=float, nargs=2, default=list(d.cfg_interval), metavar=("LO", "HI"))
-        p.add_argument("--cfg-renorm-min", type=float, default=d.cfg_renorm_min)
-        p.add_argument("--cfg-renorm-type", default=d.cfg_renorm_type, help="global | channel | text_channel")
-        ts = p.add_argument_group("TaylorSeer (the official enable_taylorseer feature cache)")
-        ts.add_argument(
-            "--taylorseer",
-            action="store_true",
-            help="forecast the decoder output on most steps: after the first steps, each CFG branch runs its "
-            "decoder on one step in --taylorseer-interval (a third of the forwards by default)",
-        )
-        ts.add_argument(  # None: not given (refused without --taylorseer: checks.taylorseer_changes)
-            "--taylorseer-interval",
-            type=int,
-            default=None,
-            help=f"with --taylorseer: one full step in this many after the first (default {d.taylorseer_interval})",
-        )
-        ts.add_argument(
-            "--taylorseer-first-steps",
-            type=int,
-            default=None,
-            help=f"with --taylorseer: the first steps of each branch, all full (default {d.taylorseer_first_steps})",
-        )
-        ts.add_argument(
-            "--taylorseer-order",
-            type=int,
-            default=None,
-            help=f"with --taylorseer: highest Taylor order of the forecast (default {d.taylorseer_order})",
-        )
-
     p_und = sub.add_parser("understand", help="answer a question about images")
-    common(p_und)
+    _request_arguments(p_und)
+    _decoding_arguments(p_und)
     p_und.add_argument(
         "--image",
         type=_path,
@@ -169,8 +150,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
 
     p_t2i = sub.add_parser("t2i", help="text to image")
-    common(p_t2i)
-    flow(p_t2i, T2I_DEFAULTS)
+    _request_arguments(p_t2i)
+    _decoding_arguments(p_t2i)
+    _flow_arguments(p_t2i, T2I_DEFAULTS)
     p_t2i.add_argument("--width", type=int, default=T2I_DEFAULTS.width)
     p_t2i.add_argument("--height", type=int, default=T2I_DEFAULTS.height)
     p_t2i.add_argument(
@@ -182,8 +164,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
 
     p_edit = sub.add_parser("edit", help="edit an image")
-    common(p_edit)
-    flow(p_edit, EDIT_DEFAULTS)
+    _request_arguments(p_edit)
+    _decoding_arguments(p_edit)
+    _flow_arguments(p_edit, EDIT_DEFAULTS)
     p_edit.add_argument(
         "--image",
         type=_path,
@@ -324,17 +307,8 @@ def _fail(message: str) -> None:
 
 
 def _kv_config(args: argparse.Namespace):
-    """The KV method of the flags (a ValueError naming the flag for a bad value)."""
-    from ...compression import method_from_name
-
-    if args.policy is not None and not args.policy.is_file():
-        raise ValueError(f"--policy: {args.policy} is not a file; pass a policy-table JSON file")
-    given = {"rho": args.rho, "rho_floor": args.rho_floor, "policy": args.policy, "objective": args.kv_objective}
-    settings = {name: value for name, value in given.items() if value is not None}
-    try:
-        return method_from_name(args.kv_method, kv_target=args.kv_target, **settings)
-    except ValueError as exc:
-        raise ValueError(f"KV flags: {exc}") from None
+    """The KV method of the flags (:func:`.memory.kv_method_of`)."""
+    return kv_method_of(args)
 
 
 def _write_report(args: argparse.Namespace, report: dict | None) -> None:

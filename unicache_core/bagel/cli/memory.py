@@ -12,6 +12,60 @@ from ..weights import WEIGHT_DTYPES
 PLAN_SIDE = 1024
 
 
+def _per_task(values: dict[str, float], *, percent: bool = False) -> str:
+    """A per-task default of unicache_core/compression/defaults.py as argparse's help says it: ``0.2 und, 0.4 t2i,
+    0.2 edit`` (``percent``: ``80%% und, ...``, escaped for argparse)."""
+    names = {"understanding": "und", "t2i": "t2i", "edit": "edit"}
+    form = "{:.0%}" if percent else "{:g}"
+    return ", ".join(f"{form.format(values[task])} {name}" for task, name in names.items()).replace("%", "%%")
+
+
+def add_kv_arguments(parser: argparse.ArgumentParser):
+    """The KV-compression flags a run and its plan share (``--kv-method``, ``--kv-target``, ``--policy``, ``--rho``,
+    ``--rho-floor``, ``--kv-objective``); returns their argument group."""
+    from ...compression.defaults import DEFAULT_REDUCTION, RHO0, RHO_FLOOR, UNICACHE_OBJECTIVE, UNICACHE_OBJECTIVES
+    from ...compression.method import METHODS
+
+    kv = parser.add_argument_group("KV-cache compression")
+    kv.add_argument("--kv-method", default="full", help=" | ".join(METHODS))
+    kv.add_argument(
+        "--kv-target",
+        default=None,
+        help="memory of the compressible KV: a retained ratio (0.2, 20%%) or a size (150MB); "
+        f"default: the paper's reduction ({_per_task(DEFAULT_REDUCTION, percent=True)})",
+    )
+    kv.add_argument(
+        "--policy",
+        type=path_arg,
+        default=None,
+        help="unicache policy table JSON (default: the checkpoint's unicache_policy.json, else the paper's table)",
+    )
+    kv.add_argument("--rho", type=float, default=None, help=f"unicache rho0 in (0, 1] ({_per_task(RHO0)})")
+    kv.add_argument("--rho-floor", type=float, default=None, help=f"unicache floor, <= rho ({_per_task(RHO_FLOOR)})")
+    kv.add_argument(
+        "--kv-objective",
+        default=None,
+        help=f"unicache: {' | '.join(UNICACHE_OBJECTIVES)} (default {UNICACHE_OBJECTIVE}): speed evicts the types its "
+        "table evicts (fewer rows read per step); memory may keep them at low bits (least error for the bytes)",
+    )
+    return kv
+
+
+def kv_method_of(args: argparse.Namespace):
+    """The configured KV method of the flags (a one-line ValueError naming the flag for a bad value): what the run
+    uses and what its plan prices."""
+    from ...compression import method_from_name
+
+    if args.policy is not None and not args.policy.is_file():
+        raise ValueError(f"--policy: {args.policy} is not a file; pass a policy-table JSON file")
+    given = {"rho": args.rho, "rho_floor": args.rho_floor, "policy": args.policy, "objective": args.kv_objective}
+    settings = {name: value for name, value in given.items() if value is not None}
+    try:
+        return method_from_name(args.kv_method, kv_target=args.kv_target, **settings)
+    except ValueError as exc:
+        raise ValueError(f"KV flags: {exc}") from None
+
+
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--weight-dtype`` and ``--offload`` to ``parser``."""
     parser.add_argument(
@@ -55,7 +109,7 @@ def add_plan_parser(sub) -> None:
         help="the input images' sizes in request order, e.g. 1024x1024,1024x1024,768x512 (und/edit; t2i: reference "
         "images); instead of --width/--height for und and edit (an edit's output takes the last one's size)",
     )
-    p.add_argument("--kv-method", default="full")
+    add_kv_arguments(p)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument(
         "--device",
@@ -180,7 +234,8 @@ def _plan_of(
         task=task,
         width=width,
         height=height,
-        kv_method=args.kv_method,
+        kv_method=kv_method_of(args),
+        checkpoint="" if str(root).lower() == OFFICIAL_CHECKPOINT else str(root),
         weight_dtype=args.weight_dtype,
         dtype=args.dtype,
         offload=args.offload,
@@ -366,6 +421,8 @@ __all__ = [
     "check_plan_size",
     "describe",
     "parse_image_sizes",
+    "add_kv_arguments",
+    "kv_method_of",
     "refuse_unfitting_run",
     "run_plan",
 ]

@@ -83,7 +83,7 @@ def card_table(
     *,
     cards_gb: tuple[int, ...] = CARD_SIZES_GB,
     weight_dtype: str = "fp8_e4m3fn",
-    kv_methods: tuple[str, ...] = ("full", "unicache"),
+    kv_methods: tuple = ("full", "unicache"),
     offloads: tuple[str, ...] = ("none", "layers"),
 ) -> list[CardRow]:
     """The README's "what fits on your card" table for BAGEL-7B-MoT (``config``: another geometry): every card x
@@ -104,7 +104,8 @@ def card_table(
                         device="cuda",
                     )
                     count = most_images(config, settings, card * 10**9, (side, side))
-                    rows.append(CardRow(card, task, side, weight_dtype, offload, kv_method, count))
+                    name = getattr(kv_method, "name", kv_method)  # a method name, or a configured method object
+                    rows.append(CardRow(card, task, side, weight_dtype, offload, name, count))
     return rows
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -150,9 +151,10 @@ def memory_required(
     config: BagelConfig,
     dtype: torch.dtype,
     tokens,
-    kv_method: str = "full",
+    kv_method: Any = "full",
     *,
     taylor_order: int | None = None,
+    checkpoint: str = "",
 ) -> int:
     """The ``memory_required`` a task node passes to ComfyUI for a request of ``tokens``
     (:class:`~.accounting.RequestTokens`) under ``kv_method``: the memory plan's peak above the weights on CUDA, with
@@ -170,6 +172,7 @@ def memory_required(
         width=0,
         height=0,
         kv_method=kv_method,
+        checkpoint=checkpoint,
         dtype=names[dtype],
         device="cuda",
         taylorseer=taylor_order is not None,

@@ -69,6 +69,7 @@ from .accounting import (
     request_tokens,
 )
 from .image_fit import suggest_fewer_images
+from .phase_work import forward_bytes, llm_peak, phase_working, working_memory
 from .plan_kv import KVPhase, kv_parts, kv_per_image, kv_phases
 from .runtime import (
     CPU_CONV_KERNEL_BYTES,
@@ -151,7 +152,8 @@ class PlanSettings:
     task: str
     width: int
     height: int
-    kv_method: str = "full"
+    #: the KV method: a name (its defaults) or the configured method object (every setting of its own)
+    kv_method: Any = "full"
     weight_dtype: str = "auto"
     dtype: str = "bf16"
     offload: str = "none"
@@ -163,9 +165,20 @@ class PlanSettings:
     #: TaylorSeer on (t2i and edit), keeping Taylor factors up to ``taylorseer_order``
     taylorseer: bool = False
     taylorseer_order: int = T2I_DEFAULTS.taylorseer_order
+    #: the checkpoint folder the method's own files are found in (UniCache's policy table), as a run binds it; ``""``:
+    #: BAGEL-7B-MoT's geometry (the shipped paper table)
+    checkpoint: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "images": [list(size) for size in self.images]}
+        from ...compression import method_from_name
+
+        method = method_from_name(self.kv_method)
+        return {
+            **self.__dict__,
+            "kv_method": method.name,
+            "kv_settings": method.settings(),
+            "images": [list(size) for size in self.images],
+        }
 
 
 @dataclass(frozen=True)
@@ -299,7 +312,7 @@ def _predict(
     parts = dict(parts)
     parts["upcast"], parts["upcast_attention"] = _upcasts(config, settings.weight_dtype, parts["upcast"])
     kv_branches = tokens.kv_bytes(config, dtype)
-    kv = kv_parts(config, dtype, tokens, settings.kv_method)
+    kv = kv_parts(config, dtype, tokens, settings.kv_method, checkpoint=settings.checkpoint)
     compressed = kv.pop("kv_compressed", None)
     parts.update(kv)
     work = request_memory_parts(
@@ -309,24 +322,16 @@ def _predict(
     if work["taylorseer"]:
         parts["taylorseer"] = work["taylorseer"]
         parts["taylorseer_official"] = work["taylorseer"] * config.llm.num_hidden_layers
-    freed_heap = vae_heap = 0
-    if settings.device == "cpu":
-        cpu = cpu_runtime_parts(config, dtype, tokens)
-        parts["cpu_kernel_cache"] = cpu["kernel_cache"]
-        freed_heap = parts["cpu_freed_heap"] = cpu["freed_heap"]
-        vae_heap = parts["cpu_vae_heap"] = cpu["vae_heap"]
-    elif settings.device == "cuda":
-        parts.update(cuda_runtime_parts(config, tokens, work))
-        vae_heap = parts["cuda_vae_workspace"]
-    llm_phases = kv_phases(config, dtype, tokens, settings.kv_method)
-    _llm_peak(parts, llm_phases, config, dtype)
-    parts["working"] = _working(parts, llm_phases, config, dtype, freed_heap, vae_heap)
+    freed_heap, vae_heap = _runtime(parts, config, dtype, tokens, work, settings.device)
+    llm_phases = kv_phases(config, dtype, tokens, settings.kv_method, checkpoint=settings.checkpoint)
+    llm_peak(parts, llm_phases, config, dtype)
+    parts["working"] = working_memory(parts, llm_phases, config, dtype, freed_heap, vae_heap)
     peak = sum(v for k, v in parts.items() if k not in NOT_IN_PEAK)
     vae_decode = "whole"
     if settings.device == "cuda" and peak > device_bytes:
         # the pipeline decodes in tiles when the whole decode runs out of device memory (.denoise)
         tiled = dict(parts, **cuda_runtime_parts(config, tokens, work, tiled=True))
-        tiled["working"] = _working(tiled, llm_phases, config, dtype, 0, tiled["cuda_vae_workspace"])
+        tiled["working"] = working_memory(tiled, llm_phases, config, dtype, 0, tiled["cuda_vae_workspace"])
         tiled_peak = sum(v for k, v in tiled.items() if k not in NOT_IN_PEAK)
         if tiled_peak < peak:
             parts, peak, vae_decode = tiled, tiled_peak, "tiled"
@@ -344,57 +349,12 @@ def _predict(
         settings=settings,
         kv_branches=kv_branches,
         vae_decode=vae_decode,
-        kv_images=kv_per_image(config, dtype, tokens, sizes, kv_method=settings.kv_method),
+        kv_images=kv_per_image(
+            config, dtype, tokens, sizes, kv_method=settings.kv_method, checkpoint=settings.checkpoint
+        ),
         phases=tuple((name, size) for name, size, _ in rows),
         tensor_phases=tuple((name, tensors) for name, _, tensors in rows),
     )
-
-
-def forward_bytes(config: BagelConfig, dtype: torch.dtype, rows: int, branches: int) -> tuple[int, int]:
-    """``(attention, mlp)`` bytes of a forward of ``rows`` rows (:func:`~.accounting.request_memory_parts`'s
-    formulas): the fp32 partial outputs and their merge; gate, up, their product and ``4 + branches`` hidden-size
-    tensors (the branches of a denoising step run through each layer together)."""
-    llm = config.llm
-    attention = rows * 2 * llm.num_attention_heads * llm.head_dim * 4
-    mlp = rows * (3 * llm.intermediate_size + (4 + branches) * llm.hidden_size) * dtype.itemsize
-    return attention, mlp
-
-
-def _phase_working(phase: KVPhase, parts: dict[str, int], config: BagelConfig, dtype: torch.dtype) -> int:
-    """One LLM phase's working memory: its KV, TaylorSeer's factors while denoising, and the larger of a layer's two
-    halves: its attention call (the attention's upcast weights, the outputs, the gathered layer and the layer's new
-    rows, a key scorer's transient) or its MLP (the whole layer's upcast weights and the MLP's activations; measured
-    on the CPU at BAGEL-7B's widths: UniCache's scorer did not raise the peak the MLP sets, docs/memory.md)."""
-    attention, mlp = forward_bytes(config, dtype, phase.tokens, phase.branches)
-    seer = parts.get("taylorseer", 0) if phase.name.startswith("denoise") else 0
-    # the branches of a step run each layer in turn: from the second on, its attention call finds every weight upcast
-    upcast = parts["upcast"] if phase.branches > 1 else parts["upcast_attention"]
-    call = upcast + attention + phase.transient + phase.scoring
-    return phase.kv + max(call, parts["upcast"] + mlp) + seer
-
-
-def _llm_peak(parts: dict[str, int], phases: list[KVPhase], config: BagelConfig, dtype: torch.dtype) -> None:
-    """Record the largest LLM phase's terms in ``parts`` (``kv_held``, ``kv_transient``, ``kv_scoring``,
-    ``attention``, ``mlp``)."""
-    top = max(phases, key=lambda phase: _phase_working(phase, parts, config, dtype))
-    attention, mlp = forward_bytes(config, dtype, top.tokens, top.branches)
-    parts.update(kv_held=top.kv, kv_transient=top.transient, attention=attention, mlp=mlp)
-    if top.scoring:
-        parts["kv_scoring"] = top.scoring
-
-
-def _working(
-    parts: dict[str, int],
-    phases: list[KVPhase],
-    config: BagelConfig,
-    dtype: torch.dtype,
-    freed_heap: int = 0,
-    vae_heap: int = 0,
-) -> int:
-    """The working memory of the largest phase: an LLM phase's (:func:`_phase_working`, and on the CPU the heap its
-    forward keeps) or a VAE pass's (and its heap or workspace)."""
-    llm = max(_phase_working(phase, parts, config, dtype) for phase in phases)
-    return max(llm + freed_heap, parts["vae_working"] + vae_heap)
 
 
 def _phase_bytes(
@@ -424,11 +384,27 @@ def _phase_bytes(
     if any(vae for vae, _ in tokens.image_blocks()):
         rows.append(("vae:encode", fixed + work["vae_encode"] + encode_extra, fixed - runtime + work["vae_encode"]))
     for phase in phases:
-        working = _phase_working(phase, parts, config, dtype)
+        working = phase_working(phase, parts, config, dtype)
         rows.append((phase.name, fixed + working + freed_heap, fixed - runtime + working))
     if tokens.latent:
         rows.append(("vae:decode", fixed + decode + decode_extra, fixed - runtime + decode))
     return tuple(rows)
+
+
+def _runtime(
+    parts: dict[str, int], config: BagelConfig, dtype: torch.dtype, tokens: RequestTokens, work: dict, device: str
+) -> tuple[int, int]:
+    """Add the runtime's own memory on ``device`` to ``parts`` (module docstring); returns ``(freed_heap,
+    vae_heap)``: the CPU heap an LLM forward keeps, and a VAE pass's heap or CUDA workspace."""
+    if device == "cpu":
+        cpu = cpu_runtime_parts(config, dtype, tokens)
+        parts["cpu_kernel_cache"] = cpu["kernel_cache"]
+        parts["cpu_freed_heap"], parts["cpu_vae_heap"] = cpu["freed_heap"], cpu["vae_heap"]
+        return cpu["freed_heap"], cpu["vae_heap"]
+    if device == "cuda":
+        parts.update(cuda_runtime_parts(config, tokens, work))
+        return 0, parts["cuda_vae_workspace"]
+    return 0, 0
 
 
 def tensor_peak_bytes(plan: MemoryPlan) -> int:

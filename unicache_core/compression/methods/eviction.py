@@ -8,10 +8,13 @@ prefill for understanding, matched to the same byte target.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
+from ...kv.token_types import Task, TokenType
+from ..family import Segment
 from ..method import Method
 from ..ops import evicted_bytes, floor_bytes, rows_for_bytes
 from ..plan import BranchPlan, Keep, LayerPlan
@@ -50,6 +53,25 @@ class GlobalEviction(Method):
     def layer_rows(self, view: BranchView, budgets: list[int], rows: list[int]) -> list[int]:
         """Rows per KV head for each layer, given each layer's byte-budget rows (default: as is)."""
         return budgets
+
+    def kept_bytes(self, task: Task, segments: Sequence[tuple[TokenType, Segment]], layers: int, ratio: float) -> int:
+        """The bytes :meth:`plan` keeps of ``layers`` layers that each pool ``segments``: each layer's budget, its
+        rounding carried to the next, in the evicted store its rows buy (the memory plan's KV after it)."""
+        if not segments:
+            return 0
+        first = segments[0][1]
+        span = sum(segment.full_rows for _, segment in segments)
+        held = sum(segment.held_bytes for _, segment in segments)
+        full = sum(segment.full_bytes for _, segment in segments)
+        geometry = (first.num_kv_heads, first.head_dim, first.elem)
+        spent = carried = kept = 0
+        for _ in range(layers):
+            carried += floor_bytes(ratio, full)
+            rows = min(rows_for_bytes(carried - spent, span, *geometry), span)
+            layer = evicted_bytes(rows, span, *geometry)
+            spent += layer
+            kept += held if ratio >= 1.0 or layer >= held else layer
+        return kept
 
     def plan(self, view: BranchView) -> BranchPlan:
         """Every layer's pooled candidate rows down to the rows its share of the byte target buys."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...kv.quant import SUPPORTED_BITS
-from ..family import JointChoice, QuantGeometry, lookup_order
+from ...kv.token_types import Task, TokenType
+from ..family import JointChoice, QuantGeometry, Segment, lookup_order
 from ..method import Method
 from ..ops import floor_bytes
 from ..plan import BranchPlan, Keep, LayerPlan
@@ -31,6 +33,37 @@ class KIVI(Method):
         super().__post_init__()
         QuantGeometry().with_residual(self.residual)
 
+    def choice(self, segment: Segment, budget: int, geometry: QuantGeometry) -> tuple[JointChoice, bool]:
+        """The most precise (bits, group) whose real bytes fit ``budget`` for every row of ``segment``, and whether
+        one fits (else the smallest setting)."""
+        n = segment.held_rows
+        for bits, group in lookup_order(geometry):
+            found = segment.quantized(n, bits, group, geometry, budget)
+            if found is not None:
+                return found, True
+        return JointChoice(n, min(SUPPORTED_BITS), max(geometry.groups), 0), False
+
+    def kept_bytes(self, task: Task, segments: Sequence[tuple[TokenType, Segment]], layers: int, ratio: float) -> int:
+        """The bytes :meth:`plan` keeps of ``layers`` layers that each pool ``segments``: the setting its budget
+        buys, where it shrinks them."""
+        if not segments or ratio >= 1.0:
+            return layers * sum(segment.held_bytes for _, segment in segments)
+        first = segments[0][1]
+        rows = sum(segment.held_rows for _, segment in segments)
+        pooled = Segment(
+            full_rows=rows,
+            held_rows=rows,
+            held_bits=first.held_bits,
+            held_bytes=sum(segment.held_bytes for _, segment in segments),
+            shared_rows=True,
+            num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim,
+            elem=first.elem,
+        )
+        budget = floor_bytes(ratio, sum(segment.full_bytes for _, segment in segments))
+        choice, _ = self.choice(pooled, budget, QuantGeometry().with_residual(self.residual))
+        return layers * min(pooled.held_bytes, pooled.choice_bytes(choice))
+
     def plan(self, view: BranchView) -> BranchPlan:
         ratio = view.target
         geometry = QuantGeometry().with_residual(self.residual)
@@ -47,17 +80,9 @@ class KIVI(Method):
             if ratio >= 1.0:
                 plans[index] = LayerPlan(budgets=budgets)
                 continue  # the target keeps everything: nothing is quantized
-            choice = next(
-                (
-                    c
-                    for bits, group in lookup_order(geometry)
-                    if (c := segment.quantized(n, bits, group, geometry, budget)) is not None
-                ),
-                None,
-            )
+            choice, fits = self.choice(segment, budget, geometry)
             flags = {}
-            if choice is None:
-                choice = JointChoice(n, min(SUPPORTED_BITS), max(geometry.groups), 0)
+            if not fits:
                 need = segment.choice_bytes(choice)
                 kept = "it is used" if need < segment.held_bytes else "the rows stay as they are (it would hold more)"
                 flags["candidate"] = (

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from ...kv.cache import AttentionCall
-from ...kv.token_types import TokenType
+from ...kv.token_types import Task, TokenType
 from ...validation import check_ratio
 from ..defaults import LOOKM_MERGE, LOOKM_RECENT_FRACTION
 from ..merging import MERGES
+from ..method import KVTimeline
 from ..plan import CallPlan
 from ..protocol import Measurement
 from ..scoring import CallProbe
@@ -67,7 +68,6 @@ class LOOKM(GlobalEviction):
     """
 
     name = "lookm"
-    measures_prefill = True
     merge: str = LOOKM_MERGE
     recent_fraction: float = LOOKM_RECENT_FRACTION
     prefer_text: bool = True
@@ -91,6 +91,11 @@ class LOOKM(GlobalEviction):
         if view.compressions == 0:
             return CallPlan(compress_before=True)
         return CallPlan()
+
+    def kv_timeline(self, task: Task) -> KVTimeline:
+        """Every prefill block is scored as it is prefilled, and every branch is compressed at the end of its prefill
+        (:meth:`plan_call`)."""
+        return KVTimeline(scored=("prefill",), compressed_before="every")
 
     def measure(self, probe: CallProbe) -> Measurement:
         """The attention each row receives from the prefill call's queries (an evenly strided subset of at most

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from ...kv.cache import AttentionCall, RequestInfo
 from ...kv.quant import SUPPORTED_BITS
-from ...kv.token_types import CANDIDATE_TYPES
+from ...kv.token_types import Task, TokenType
 from ...validation import check_bool, check_ratio
 from .. import defaults
 from ..defaults import (
@@ -40,7 +41,7 @@ from ..defaults import (
 from ..family import FULL_BITS, JointChoice, QuantGeometry, Segment, choice_error, quantized_floor_bytes
 from ..grants import Level, UnitNeed
 from ..merging import MERGES
-from ..method import Method
+from ..method import KVTimeline, Method
 from ..ops import floor_bytes
 from ..plan import BranchPlan, CallPlan, LayerPlan
 from ..policy_table import PolicyTable, resolve_policy_table
@@ -57,7 +58,7 @@ from ..unicache_allocation import (
     planned_types,
 )
 from ..view import BranchView
-from ..written import WrittenEviction, written_plan
+from ..written import WrittenEviction, written_plan, written_segment_choice
 
 
 @dataclass(frozen=True)
@@ -92,9 +93,8 @@ class UniCache(Method):
 
     name = "unicache"
     budget = "rho"
-    compresses_written = text_prior = True
-    #: The policy kinds whose image rows are stored compressed as they are written (:meth:`plan_written`); the
-    #: memory plan reads it (``unicache_core/bagel/memory/plan_kv.py``).
+    compresses_written = True
+    #: The policy kinds whose image rows are stored compressed as they are written (:meth:`written_store`).
     written_kinds: ClassVar[tuple[Kind, ...]] = (Kind.QUANTIZE, Kind.EVICT)
     score_queries: int = UNICACHE_SCORE_QUERIES
     policy: str | Path | PolicyTable | None = None
@@ -164,6 +164,45 @@ class UniCache(Method):
     def geometry(self) -> QuantGeometry:
         """The quantization geometry: the table's, with the fixed residual when one is set."""
         return self.table.geometry.with_residual(self.residual)
+
+    def starting_rho(self, task: str) -> float:
+        """``rho0`` of a request of ``task`` (:meth:`new_schedule`'s, before any observation): the explicit ``rho``,
+        else a ratio ``kv_target``, else the task's preset."""
+        if self.rho is not None:
+            return self.rho
+        if isinstance(self.kv_target, float):
+            return self.kv_target
+        return RetentionSchedule.for_task(task).rho0
+
+    # ------------------------------------------------------------------ what the memory plan reads
+
+    def kv_timeline(self, task: Task) -> KVTimeline:
+        """The shared timeline (:meth:`Method.kv_timeline`): the rows a fork shares are planned by its parent and kept
+        one store (module docstring); what the first compression keeps is known only as a bound (:meth:`kept_bytes`)."""
+        return replace(super().kv_timeline(task), shares_forked_rows=True, kept_exact=False)
+
+    def written_store(self, task: Task, token_type: TokenType, segment: Segment) -> JointChoice | None:
+        """An image's rows of a type in :attr:`written_kinds` at ``rho0``'s bytes (docs/compression.md §13;
+        :func:`~unicache_core.compression.written.written_segment_choice`); none under a byte target, a share of the
+        whole context known once it is filled. Under ``speed`` an evicted type's rows are evicted to the full-precision
+        rows ``rho0`` holds in understanding, whose image blocks are scored as they are prefilled, and wait in full
+        precision in a generation."""
+        if isinstance(self.kv_target, int):
+            return None
+        kind = self.table.kind(task, token_type)
+        if kind not in self.written_kinds:
+            return None
+        # under speed an evicted type is evicted as written where its prefill is scored (understanding's calls are)
+        evict = self.objective == "speed" and task == "understanding"
+        if self.objective == "speed" and kind == Kind.EVICT and not evict:
+            return None  # a generation's image rows are not scored as prefilled: they wait in full precision
+        return written_segment_choice(segment, kind, self.starting_rho(task), self.geometry(), evict)
+
+    def kept_bytes(self, task: Task, segments, layers: int, ratio: float) -> int:
+        """At most what the branch holds: the first compression shares the request's budget among the types by the
+        attention mass the run measures and moves it between branches and layers by their weights (§11.8, §11.15);
+        rows and bits only go down, and an image's rows are held at ``rho0``'s bytes already (:meth:`written_store`)."""
+        return layers * sum(segment.held_bytes for _, segment in segments)
 
     # ------------------------------------------------------------------ schedule
 
@@ -235,14 +274,12 @@ class UniCache(Method):
     # ------------------------------------------------------------------ how
 
     def plan_written(self, view: BranchView, layer: int) -> LayerPlan:
-        """An image's rows of a type in :attr:`written_kinds`, stored as each layer writes them (§13;
-        :func:`~unicache_core.compression.written.written_plan`)."""
-        if isinstance(self.kv_target, int):
-            return LayerPlan()  # a byte target is a share of the whole context: known once it is filled
-        kinds = {t: k for t in CANDIDATE_TYPES if (k := self.table.kind(view.task, t)) in self.written_kinds}
+        """An image's rows, stored as each layer writes them (§13): :meth:`written_store` of each segment
+        (:func:`~unicache_core.compression.written.written_plan`); under ``speed`` an evicted type's are evicted by
+        the scores of the call that wrote them."""
         eviction = WrittenEviction(self.recent_fraction, self.merge) if self.objective == "speed" else None
-        rho0 = self.new_schedule(view).rho0
-        return written_plan(view.layer(layer), kinds, rho0, self.geometry(), self.fit_ranges, eviction)
+        store = partial(self.written_store, cast(Task, view.task))
+        return written_plan(view.layer(layer), store, self.fit_ranges, eviction)
 
     def allocation(self) -> AllocationSettings:
         """What the byte allocation (:mod:`~unicache_core.compression.unicache_allocation`) needs of the settings."""
