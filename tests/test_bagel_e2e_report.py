@@ -45,7 +45,7 @@ def test_e2e_report_on_the_tiny_checkpoint(tmp_path, task):
     report = bagel_e2e.run(cfg)
     json.dumps(report)
     rows = {(r["task"], r["method"]): r for r in report["results"]}
-    assert set(rows) == {(task, m) for m in (*METHODS, bagel_e2e.MEMORY_ROW, bagel_e2e.JOINT_ROW)}  # ride with unicache
+    assert set(rows) == {(task, m) for m in (*METHODS, bagel_e2e.MEMORY_ROW, bagel_e2e.EVICT_ROW, bagel_e2e.JOINT_ROW)}
     for (_, method), row in rows.items():
         assert KEYS <= set(row), (task, method)
         assert row["full_kv_bytes"] == rows[(task, "full")]["full_kv_bytes"] > 0

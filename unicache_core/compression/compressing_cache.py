@@ -255,10 +255,12 @@ class CompressingKVCache(SegmentedKVCache):
 
     # ------------------------------------------------------------------ plans
 
-    def apply(self, plan: BranchPlan) -> list[tuple[int, list[KVStore], KVStore]]:
+    def apply(self, plan: BranchPlan, frozen: frozenset[int] = frozenset()) -> list[tuple[int, list[KVStore], KVStore]]:
         """Carry out a method's plan: each layer's changes in order, then its records (budgets, flags, pooled types;
-        the schedule's rho and the method's state are the request state's, recorded by the session). Returns each
-        replacement made: ``(layer, the stores replaced, the store that replaced them)``."""
+        the schedule's rho and the method's state are the request state's, recorded by the session), then the
+        changed layers' evicted stores moved into one buffer each (storages in ``frozen`` left alone: rows a cache
+        that follows no replacement holds). Returns each replacement made, in order: ``(layer, the stores replaced,
+        the store that replaced them)``."""
         replaced = []
         for index in sorted(plan.layers):
             layer_plan = plan.layers[index]
@@ -274,6 +276,8 @@ class CompressingKVCache(SegmentedKVCache):
                     ls.flags.pop(key, None)
                 else:
                     ls.flags[key] = reason
+            if layer_plan.keeps:  # the layer's evicted rows in one buffer: one attention call reads them all
+                replaced.extend((index, [old], new) for old, new in self.layer(index).pool_evicted(frozen))
         return replaced
 
     def _apply_keep(self, index: int, keep: Keep) -> tuple[list[KVStore], KVStore]:

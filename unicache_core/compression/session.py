@@ -191,7 +191,7 @@ class CompressionSession(CacheSession):
         else:
             self._resolve_target()
             plan = self.method.plan(self.view(cache, call))
-            self._share(cache, cache.apply(plan))
+            self._share(cache, cache.apply(plan, self._unshared_storages(cache)))
             if self.state.branch(branch).compressions == 0:
                 self._pass_on(cache, plan.unused)
             self.state.note_compressed(branch, plan.rho, plan.state)
@@ -215,6 +215,16 @@ class CompressionSession(CacheSession):
         first = max(takers, key=lambda c: abs(self.request.branch_weight(c.branch or "")))  # the heaviest (§11.8)
         giver, taker = (cache.branch or "", cache.num_layers - 1), (first.branch or "", 0)
         self.state.set_grants(pass_on(self.state.grants or {}, giver, taker, unused))
+
+    def _unshared_storages(self, cache: CompressingKVCache) -> frozenset[int]:
+        """Storages held by a live cache :meth:`_share` does not update (``think``): ``cache`` must not move them."""
+        return frozenset(
+            t.untyped_storage().data_ptr()
+            for c in self.live_caches()
+            if c is not cache and c.branch == THINK
+            for t in c.tensors()
+            if t.numel()
+        )
 
     def _share(self, cache: CompressingKVCache, replaced: list[tuple[int, list[KVStore], KVStore]]) -> None:
         """Stores ``cache`` replaced that other branches held too (a fork's rows) are replaced there by the same new

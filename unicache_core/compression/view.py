@@ -46,8 +46,9 @@ def key_of(store: KVStore) -> SegmentKey:
 
 
 def storages(store: KVStore) -> set[int]:
-    """The addresses of the storages behind ``store``'s non-empty tensors (two stores over the same are shared)."""
-    return {t.untyped_storage().data_ptr() for t in store.tensors() if t.numel()}
+    """The addresses of ``store``'s non-empty tensors (two stores over the same tensors are shared; stores over
+    different views of one buffer, as :func:`~unicache_core.kv.evicted_pool.pool_evicted` makes, are not)."""
+    return {t.data_ptr() for t in store.tensors() if t.numel()}
 
 
 def is_candidate(store: KVStore) -> bool:

@@ -16,6 +16,7 @@ from torch import Tensor
 from ..validation import check_int
 from .attention import attention_with_lse, merge_attention
 from .cache import AttentionCall, KVCache, Task
+from .evicted_pool import attention_runs, pool_evicted
 from .packed_attention_triton import packed_attention_kernel
 from .quantized_store import MANY_QUERIES, QuantizedStore
 from .stores import EvictedStore, FullStore, KVStore, StoreKind
@@ -78,10 +79,11 @@ class SegmentedLayer:
         head-major workspace and makes one attention call when the call has many queries per KV head
         (:data:`~.quantized_store.MANY_QUERIES`); a call of few queries (a decoded token) reads each store where it is
         instead (a quantized one in chunks that stay in the CPU's caches), as ``False`` (default) always does: store
-        by store, merged by LSE. Both are exact (same keys, same softmax; outputs differ only by rounding).
+        by store, evicted stores side by side in one buffer as one run (:mod:`.evicted_pool`), merged by LSE. Both are
+        exact (same keys, same softmax; outputs differ only by rounding).
         Returns ``(out [Tq, Hq, d], lse [Tq, Hq])``.
         """
-        stores = [store for store in self.stores if store.num_tokens > 0]
+        stores = attention_runs([store for store in self.stores if store.num_tokens > 0])
         if not stores and k_new is None:
             raise ValueError("nothing to attend to: the layer is empty and no new block was given")
         if fused and stores and new_mask is None:
@@ -93,8 +95,14 @@ class SegmentedLayer:
         many = bool(stores) and q.shape[0] * q.shape[1] >= MANY_QUERIES * stores[0].num_kv_heads
         if fused and many and new_mask is None:
             return self._attend_fused(q, stores, k_new, v_new, causal, scale)
-        result = self.attend_parts(q, k_new, v_new, causal=causal, scale=scale, new_mask=new_mask)
-        return result.out, result.lse
+        parts = [store.attend(q, scale) for store in stores]  # adjacent evicted stores as one run (evicted_pool.py)
+        if k_new is not None:
+            assert v_new is not None, "a new block needs its values"
+            if new_mask is not None:
+                parts.append(attention_with_lse(q, k_new, v_new, scale=scale, mask=new_mask))
+            else:
+                parts.append(attention_with_lse(q, k_new, v_new, scale=scale, causal=causal))
+        return merge_attention(parts)
 
     def attend_parts(
         self,
@@ -297,6 +305,16 @@ class SegmentedLayer:
         kept[kept.index(self.stores[first])] = store
         self.stores = kept
         return removed
+
+    def pool_evicted(self, frozen: frozenset[int] = frozenset()) -> list[tuple[KVStore, KVStore]]:
+        """Re-home the layer's evicted stores into one buffer pair (:func:`~.evicted_pool.pool_evicted`), so
+        :meth:`attend` reads them in one call; ``frozen`` storages are left alone. Returns ``(old, new)`` per store
+        replaced (same rows, bytes and type)."""
+        swaps = pool_evicted(self.stores, frozen)
+        done: list[tuple[KVStore, KVStore]] = []
+        for index, store in swaps.items():
+            done.append((self.replace(index, store), store))
+        return done
 
     def share(self) -> SegmentedLayer:
         """A copy whose stores are new objects over the same tensors (a branch clone)."""
