@@ -15,39 +15,23 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-from .attention import attention_with_lse
 from .stores import EvictedStore, KVStore
 
 
 class EvictedRun:
-    """Adjacent evicted stores of one buffer, attended as one: ``keys/values [Hkv, n, d]`` views (attention only)."""
+    """Adjacent evicted stores of one buffer, attended as one: ``keys/values [Hkv, n, d]`` views (attention only).
+
+    It reads its rows as :class:`~.stores.EvictedStore` does, with that class's own code (it has no row index)."""
 
     kind = "evicted"
+    num_tokens = EvictedStore.num_tokens
+    num_kv_heads = EvictedStore.num_kv_heads
+    head_dim = EvictedStore.head_dim
+    attend = EvictedStore.attend
+    write_kv = EvictedStore.write_kv
 
     def __init__(self, keys: Tensor, values: Tensor):
         self.keys, self.values = keys, values
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.keys.shape[1])
-
-    @property
-    def num_kv_heads(self) -> int:
-        return int(self.keys.shape[0])
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.keys.shape[2])
-
-    def attend(self, q: Tensor, scale: float | None = None) -> tuple[Tensor, Tensor]:
-        """``q [Tq, Hq, d]`` → ``(out [Tq, Hq, d], lse [Tq, Hq])`` over every row of the run."""
-        return attention_with_lse(
-            q, self.keys.transpose(0, 1).to(q.dtype), self.values.transpose(0, 1).to(q.dtype), scale=scale
-        )
-
-    def write_kv(self, k_out: Tensor, v_out: Tensor) -> None:
-        k_out.copy_(self.keys)
-        v_out.copy_(self.values)
 
 
 def _storage_ptrs(store: KVStore) -> set[int]:
